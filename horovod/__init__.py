@@ -1,0 +1,21 @@
+"""Horovod: distributed deep learning training, re-built in Python.
+
+Importing this package is cheap: it loads no framework and no MPI. Pick a binding
+(``horovod.torch``, ``horovod.tensorflow``, ``horovod.tensorflow.keras``, ``horovod.keras`` or
+``horovod.numpy``) and call ``hvd.init()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.30.0"
+
+__all__ = ["__version__", "run"]
+
+
+def run(*args: Any, **kwargs: Any) -> Any:
+    """Run a Python function on every rank of a new job; see ``horovod.runner.run``."""
+    from horovod.runner import run as _run
+
+    return _run(*args, **kwargs)

@@ -1,0 +1,52 @@
+"""Framework-neutral core of Horovod: process API, engine, transports, process sets.
+
+This package imports only the standard library and NumPy (plus mpi4py when the MPI transport
+starts). It never imports a deep-learning framework or ``horovod.runner``.
+"""
+
+from __future__ import annotations
+
+from horovod.common.basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.common.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+# The process-level names every binding re-exports (declared once, here).
+BASICS = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+    "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
+    "HorovodInternalError", "HostsUpdatedInterrupt",
+]
+
+__all__ = list(BASICS)

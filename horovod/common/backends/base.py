@@ -1,0 +1,110 @@
+"""The two roles a transport plays for the engine, each a small protocol.
+
+``Controller`` moves negotiation messages (a bit-vector AND for the cached fast path, and pickled
+request lists gathered to rank 0 / response lists broadcast from it). ``CollectiveBackend`` runs
+collectives on flat, C-contiguous NumPy buffers (or, for device backends, framework tensors).
+One transport module (``mpi.py``, ``gloo.py``, ``local.py``) usually implements both in one class.
+
+Only the engine's background thread calls these methods, so implementations need no locking.
+Every method is collective over the ranks of ``group`` (or the whole world for the controller),
+and every rank calls them in the same order.
+
+Transport failures must be raised as ``HorovodInternalError`` (``raise ... from exc``), from one
+place in each backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from horovod.common.types import ReduceOp
+
+__all__ = ["CollectiveBackend", "Controller", "Group"]
+
+
+class Group:
+    """A process set as a backend sees it: sorted global ranks and a backend communicator."""
+
+    __slots__ = ("ranks", "rank", "size", "handle")
+
+    def __init__(self, ranks: list[int], my_global_rank: int, handle: Any) -> None:
+        self.ranks = list(ranks)
+        self.size = len(self.ranks)
+        # This process's index inside the group, or -1 when it is not a member.
+        self.rank = self.ranks.index(my_global_rank) if my_global_rank in self.ranks else -1
+        self.handle = handle
+
+
+@runtime_checkable
+class Controller(Protocol):
+    """Negotiation transport over the whole world of the job."""
+
+    rank: int
+    size: int
+
+    def and_bits(self, bits: np.ndarray) -> np.ndarray:
+        """Return the bitwise AND over all ranks of a 1-D uint64 array (same length everywhere)."""
+
+    def gather_to_root(self, obj: Any) -> list[Any] | None:
+        """Gather one picklable object per rank to rank 0; rank 0 gets the list, others None."""
+
+    def bcast_from_root(self, obj: Any) -> Any:
+        """Broadcast a picklable object from rank 0; every rank returns it."""
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Return every rank's object, in rank order (used at init for host names)."""
+
+
+@runtime_checkable
+class CollectiveBackend(Protocol):
+    """Data transport: collectives on flat buffers of one process set."""
+
+    name: str
+
+    def world_group(self) -> Group:
+        """The group of all ranks."""
+
+    def new_group(self, ranks: list[int]) -> Group:
+        """Make a group of these global ranks. Collective over *all* ranks of the world."""
+
+    def free_group(self, group: Group) -> None:
+        """Release a group made by ``new_group``."""
+
+    def reduce_dtypes(self) -> frozenset[str]:
+        """The dtypes this backend can reduce natively; others are widened by the engine."""
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:
+        """Reduce across the group into ``buf`` (``op`` is SUM, MIN, MAX or PRODUCT).
+
+        With ``src`` the local contribution is read from ``src`` (same size and dtype, never
+        overlapping ``buf``) and ``buf`` only receives the result; without it, ``buf`` is reduced in
+        place. A backend without an out-of-place primitive copies ``src`` into ``buf`` first.
+        """
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:
+        """Concatenate each member's ``send`` (``counts[i]`` elements from member i) into ``recv``."""
+
+    def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
+        """Copy the buffer of group member ``root`` (an index in the group) into every member's."""
+
+    def alltoallv(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
+                  recv_counts: list[int], group: Group) -> None:
+        """Send ``send_counts[i]`` consecutive elements to member i; receive likewise."""
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], op: ReduceOp,
+                      group: Group) -> None:
+        """Reduce ``send`` across members and give member i its ``counts[i]`` elements in ``recv``."""
+
+    def allgather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        """Gather a 1-D int64 array from each member; returns shape (group.size, len(values))."""
+
+    def alltoall_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        """Member i sends ``values[j]`` to member j; returns what each member sent here (int64)."""
+
+    def barrier(self, group: Group) -> None:
+        """Block until every member arrives."""
+
+    def close(self) -> None:
+        """Release the transport's resources at shutdown (must not prevent a later init)."""

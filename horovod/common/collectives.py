@@ -1,0 +1,230 @@
+"""Framework-neutral submission of collectives on NumPy arrays: naming, argument checks, requests.
+
+Every binding (``horovod.numpy``, ``horovod.torch``, ``horovod.tensorflow``) converts its tensors to
+C-contiguous NumPy arrays (without copying where the framework allows it) and calls these
+functions. Policy lives here once: operation names, the Average/``average=`` rules, process-set
+membership, root and split checks. Each function returns a ``Handle`` at once; its ``wait()``
+gives a list of output arrays, one per input.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from horovod.common.context import get_context
+from horovod.common.engine.handles import Handle
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.types import ReduceOp, Request, RequestType
+
+__all__ = [
+    "REDUCE_DTYPES", "MOVE_DTYPES", "resolve_op", "op_name", "check_dtype",
+    "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
+    "reducescatter_async", "barrier", "join", "group_of",
+]
+
+REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+                           "float16", "float32", "float64"})
+MOVE_DTYPES = REDUCE_DTYPES | {"bool"}
+
+
+def resolve_op(average: bool | None, op: int | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
+    """Apply upstream's rules for the deprecated ``average=`` argument.
+
+    Raises:
+        ValueError: both ``op`` and ``average`` were given.
+    """
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return default if op is None else ReduceOp(int(op))
+
+
+def op_name(kind: RequestType, name: str | None, handle_id: int, grouped: bool = False) -> str:
+    """The engine key of an operation: ``allreduce.<name>`` or ``allreduce.noname.<handle>``."""
+    prefix = ("grouped_" if grouped else "") + kind.value
+    return f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle_id}"
+
+
+def check_dtype(a: np.ndarray, allowed: frozenset[str], what: str) -> str:
+    name = a.dtype.name
+    if name not in allowed:
+        raise ValueError(f"Tensor type {name} is not supported by {what}. Supported: "
+                         f"{', '.join(sorted(allowed))}.")
+    return name
+
+
+def group_of(process_set: ProcessSet | None, what: str) -> tuple[int, list[int]]:
+    """Return (process set id, ranks) after checking the set is registered and includes this rank.
+
+    Raises:
+        ValueError: the set is not registered, or this rank is not a member.
+    """
+    ctx = get_context()
+    ps = global_process_set if process_set is None else process_set
+    ps_id = ps.process_set_id
+    if ps_id is None or ps_id not in ctx.groups:
+        raise ValueError(f"{what}: Process set provided does not exist, or has not been registered.")
+    ranks = ctx.groups[ps_id].ranks
+    if ctx.topology.rank not in ranks:
+        raise ValueError(f"{what}: Rank {ctx.topology.rank} is not a member of the provided process set.")
+    return ps_id, ranks
+
+
+def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str) -> str:
+    if not arrays:
+        raise ValueError(f"{what}: no tensors given")
+    names = {check_dtype(a, allowed, what) for a in arrays}
+    if len(names) > 1:
+        raise ValueError(f"{what}: all tensors of a grouped operation must have the same dtype, got "
+                         f"{sorted(names)}")
+    return names.pop()
+
+
+def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.ndarray] | None,
+            name: str | None, grouped: bool, ps_id: int, dtype: str, device: str, splits: Any = None,
+            **fields: Any) -> Handle:
+    ctx = get_context()
+    hid = ctx.counter.next()
+    req = Request(name=op_name(kind, name, hid, grouped), kind=kind, dtype=dtype,
+                  shapes=tuple(tuple(a.shape) for a in arrays), process_set_id=ps_id, device=device,
+                  rank=ctx.topology.rank, **fields)
+    return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid)
+
+
+def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
+                    op: ReduceOp = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
+                    inplace: bool = False, grouped: bool = False, device: str = "cpu") -> Handle:
+    """Reduce each array across the ranks of ``process_set``; all its ranks must call this.
+
+    Raises:
+        ValueError: unsupported dtype, unregistered process set, or non-member rank.
+        NotImplementedError: ``op`` is Adasum.
+    """
+    what = "grouped_allreduce" if grouped else "allreduce"
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(
+            "op=hvd.Adasum is not supported yet by this Horovod; use op=hvd.Average or hvd.Sum.")
+    ps_id, _ = group_of(process_set, what)
+    dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+    return _submit(RequestType.ALLREDUCE, arrays, list(arrays) if inplace else None, name, grouped,
+                   ps_id, dtype, device, reduce_op=op, prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
+
+
+def allgather_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
+                    process_set: ProcessSet | None = None, grouped: bool = False,
+                    device: str = "cpu") -> Handle:
+    """Concatenate each array along dimension 0 over the ranks of the set, in rank order."""
+    what = "grouped_allgather" if grouped else "allgather"
+    ps_id, _ = group_of(process_set, what)
+    dtype = _one_dtype(arrays, MOVE_DTYPES, what)
+    for a in arrays:
+        if a.ndim == 0:
+            raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be gathered along its first "
+                             "dimension; reshape it to shape (1,) first.")
+    return _submit(RequestType.ALLGATHER, arrays, None, name, grouped, ps_id, dtype, device)
+
+
+def broadcast_async(arrays: Sequence[np.ndarray], root_rank: int, *, name: str | None = None,
+                    process_set: ProcessSet | None = None, inplace: bool = False,
+                    grouped: bool = False, device: str = "cpu") -> Handle:
+    """Copy the root rank's arrays to every rank of the set (``root_rank`` is a global rank).
+
+    Raises:
+        ValueError: ``root_rank`` is not a member of the process set.
+    """
+    what = "broadcast"
+    ps_id, ranks = group_of(process_set, what)
+    dtype = _one_dtype(arrays, MOVE_DTYPES, what)
+    root = int(root_rank)
+    if root not in ranks:
+        raise ValueError(f"broadcast: root_rank {root} is not a rank of the process set (ranks "
+                         f"{ranks if len(ranks) <= 16 else f'0..{len(ranks) - 1}'}). Pass a global "
+                         "rank of a member.")
+    return _submit(RequestType.BROADCAST, arrays, list(arrays) if inplace else None, name, grouped,
+                   ps_id, dtype, device, root_rank=root)
+
+
+def alltoall_async(array: np.ndarray, splits: Any = None, *, name: str | None = None,
+                   process_set: ProcessSet | None = None, device: str = "cpu") -> Handle:
+    """Send ``splits[i]`` rows of ``array`` to member i; receive rows from every member.
+
+    The handle's result is ``[(output, received_splits)]``.
+
+    Raises:
+        ValueError: splits of the wrong length, negative, or adding up to more than dimension 0;
+            without splits, dimension 0 not divisible by the set size; a scalar input.
+    """
+    what = "alltoall"
+    ps_id, ranks = group_of(process_set, what)
+    dtype = _one_dtype([array], MOVE_DTYPES, what)
+    if array.ndim == 0:
+        raise ValueError("alltoall: a rank-zero tensor (scalar) cannot be split along its first dimension.")
+    n = len(ranks)
+    if splits is None:
+        if array.shape[0] % n:
+            raise ValueError("splits not provided, but first dimension of tensor is not an even "
+                             f"multiple of the number of workers ({array.shape[0]} rows, {n} workers).")
+        split_arr = np.full(n, array.shape[0] // n, np.int64)
+    else:
+        split_arr = np.asarray(splits, dtype=np.int64).reshape(-1)
+        if split_arr.size != n:
+            raise ValueError(f"alltoall: splits has {split_arr.size} entries but the process set has "
+                             f"{n} ranks; give one entry per rank.")
+        if (split_arr < 0).any():
+            raise ValueError(f"alltoall: splits must not be negative, got {split_arr.tolist()}.")
+        if split_arr.sum() > array.shape[0]:
+            raise ValueError(f"alltoall: splits add up to {int(split_arr.sum())} rows but the tensor has "
+                             f"only {array.shape[0]}.")
+        if split_arr.sum() < array.shape[0]:
+            array = array[: int(split_arr.sum())]
+    return _submit(RequestType.ALLTOALL, [array], None, name, False, ps_id, dtype, device,
+                   splits=split_arr)
+
+
+def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
+                        op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        grouped: bool = False, device: str = "cpu") -> Handle:
+    """Reduce each array across the set, then give member i its slice of dimension 0.
+
+    With N rows and P members, members 0 .. N%P-1 receive N//P+1 rows and the others N//P.
+
+    Raises:
+        ValueError: an op other than Average or Sum, or a scalar input.
+    """
+    what = "grouped_reducescatter" if grouped else "reducescatter"
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
+    ps_id, _ = group_of(process_set, what)
+    dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+    for a in arrays:
+        if a.ndim == 0:
+            raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be scattered along its first "
+                             "dimension; reshape it to shape (1,) or more rows first.")
+    return _submit(RequestType.REDUCESCATTER, arrays, None, name, grouped, ps_id, dtype, device,
+                   reduce_op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
+
+
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Block until every rank of the set reaches the barrier."""
+    ps_id, _ = group_of(process_set, "barrier")
+    name = "barrier.noname" if ps_id == 0 else f"barrier.noname.{ps_id}"
+    get_context().control(RequestType.BARRIER, name, process_set_id=ps_id)
+
+
+def join() -> int:
+    """Declare that this rank has no more data; block until every rank joined.
+
+    While waiting, this rank contributes zeros to other ranks' allreduces. Returns the rank that
+    joined last (the same value on every rank).
+    """
+    return int(get_context().control(RequestType.JOIN, "join.noname"))

@@ -1,0 +1,182 @@
+"""Every ``HOROVOD_*`` setting the worker library reads, declared once.
+
+Each setting is a dataclass field whose metadata carries its environment variable and help text.
+``EngineConfig.from_env()`` reads them all once, at ``hvd.init()``; a bad value raises
+``ConfigError`` naming the variable, the value and what is allowed. The launcher writes these
+variables for its workers; no library code sets ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from horovod.common.exceptions import ConfigError
+
+__all__ = ["EngineConfig", "LOG_LEVELS", "env_fields", "parse_bool"]
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
+def parse_bool(text: str) -> bool:
+    """Parse a flag the way upstream Horovod does (an integer > 0 is on), also accepting words."""
+    t = text.strip().lower()
+    if t in ("", "0", "false", "no", "off"):
+        return False
+    if t in ("true", "yes", "on"):
+        return True
+    try:
+        return float(t) > 0
+    except ValueError:
+        raise ValueError("expected 0/1, true/false, yes/no or on/off") from None
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip())
+
+
+def _parse_float(text: str) -> float:
+    return float(text.strip())
+
+
+def _parse_str(text: str) -> str:
+    return text
+
+
+def _parse_upper(text: str) -> str:
+    return text.strip().upper()
+
+
+def _parse_level(text: str) -> str:
+    t = text.strip().lower()
+    return t if t in LOG_LEVELS else "warning"
+
+
+_UNITS = {
+    int: "an integer",
+    float: "a number",
+}
+
+
+def _setting(env: str, default: Any, help: str, parse: Callable[[str], Any] | None = None,
+             minimum: float | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={
+        "env": env, "help": help, "parse": parse, "minimum": minimum, "choices": choices,
+    })
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the collective engine of one worker process."""
+
+    fusion_threshold: int = _setting(
+        "HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024,
+        "Fusion buffer size in bytes; small tensors are packed into one collective up to this size. "
+        "0 disables fusion.", _parse_int, minimum=0)
+    fusion_max_tensor_bytes: int = _setting(
+        "HOROVOD_FUSION_MAX_TENSOR_BYTES", 256 * 1024,
+        "Tensors larger than this many bytes are sent in place, without a copy into the fusion "
+        "buffer (copying large tensors costs more than the extra transport call).", _parse_int, minimum=0)
+    cycle_time_ms: float = _setting(
+        "HOROVOD_CYCLE_TIME", 1.0,
+        "Milliseconds between negotiation rounds while a rank has nothing to submit. A submitted "
+        "operation wakes the engine at once; it never waits for this tick.", _parse_float, minimum=0)
+    cache_capacity: int = _setting(
+        "HOROVOD_CACHE_CAPACITY", 1024,
+        "Number of negotiated operations remembered by the response cache; 0 disables the cache.",
+        _parse_int, minimum=0)
+    timeline: str = _setting(
+        "HOROVOD_TIMELINE", "",
+        "Path of a Chrome-trace timeline written by rank 0, or DYNAMIC to allow start_timeline().",
+        _parse_str)
+    timeline_mark_cycles: bool = _setting(
+        "HOROVOD_TIMELINE_MARK_CYCLES", False, "Write a CYCLE_START marker for every round.", parse_bool)
+    stall_check_disable: bool = _setting(
+        "HOROVOD_STALL_CHECK_DISABLE", False, "Disable the stall inspector.", parse_bool)
+    stall_check_time_seconds: float = _setting(
+        "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0,
+        "Warn when a tensor submitted by some ranks waits this long for the others.",
+        _parse_float, minimum=0)
+    stall_shutdown_time_seconds: float = _setting(
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0,
+        "Shut Horovod down when a tensor waits this long (0: never). Must exceed the warning time.",
+        _parse_float, minimum=0)
+    log_level: str = _setting(
+        "HOROVOD_LOG_LEVEL", "warning", "trace, debug, info, warning, error or fatal.", _parse_level)
+    log_hide_time: bool = _setting(
+        "HOROVOD_LOG_HIDE_TIME", False, "Leave the timestamp out of log lines.", parse_bool)
+    controller: str = _setting(
+        "HOROVOD_CONTROLLER", "",
+        "MPI or GLOO: the transport for negotiation (default: GLOO under the Gloo launcher, else MPI).",
+        _parse_upper, choices=("", "MPI", "GLOO"))
+    cpu_operations: str = _setting(
+        "HOROVOD_CPU_OPERATIONS", "",
+        "MPI or GLOO: the transport for CPU tensors (default: the controller's).",
+        _parse_upper, choices=("", "MPI", "GLOO"))
+    mpi_threads_disable: bool = _setting(
+        "HOROVOD_MPI_THREADS_DISABLE", False,
+        "Ask MPI for MPI_THREAD_SINGLE instead of MPI_THREAD_MULTIPLE.", parse_bool)
+    dynamic_process_sets: bool = _setting(
+        "HOROVOD_DYNAMIC_PROCESS_SETS", False,
+        "Allow add_process_set()/remove_process_set() after init.", parse_bool)
+    hierarchical_allreduce: bool = _setting(
+        "HOROVOD_HIERARCHICAL_ALLREDUCE", False,
+        "Accepted for compatibility; the transport (Open MPI's tuned collectives, NCCL) already picks "
+        "hierarchical algorithms across hosts.", parse_bool)
+    hierarchical_allgather: bool = _setting(
+        "HOROVOD_HIERARCHICAL_ALLGATHER", False, "Accepted for compatibility (see above).", parse_bool)
+    disable_group_fusion: bool = _setting(
+        "HOROVOD_DISABLE_GROUP_FUSION", False,
+        "Do not fuse grouped operations with other tensors.", parse_bool)
+    elastic: bool = _setting("HOROVOD_ELASTIC", False, "This worker belongs to an elastic job.", parse_bool)
+    gloo_timeout_seconds: float = _setting(
+        "HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0, "Timeout of Gloo rendezvous and operations.",
+        _parse_float, minimum=0)
+    autotune: bool = _setting(
+        "HOROVOD_AUTOTUNE", False,
+        "Accepted for compatibility; this engine has no autotuner (see docs/engine.md).", parse_bool)
+
+    def __post_init__(self) -> None:
+        if 0 < self.stall_shutdown_time_seconds < self.stall_check_time_seconds:
+            # Upstream logs a warning and disables the shutdown in this case; so do we.
+            object.__setattr__(self, "stall_shutdown_time_seconds", 0.0)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineConfig:
+        """Read every setting from ``environ`` (default ``os.environ``).
+
+        Raises:
+            ConfigError: a variable has a value of the wrong type or out of range.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            raw = environ.get(meta["env"])
+            if raw is None:
+                continue
+            try:
+                value = meta["parse"](raw)
+            except ValueError as exc:
+                kind = _UNITS.get(type(f.default), "a valid value")
+                raise ConfigError(
+                    f"{meta['env']}={raw!r} is not {kind}: {exc}. {meta['help']}",
+                    variable=meta["env"], value=raw) from exc
+            if meta["minimum"] is not None and value < meta["minimum"]:
+                raise ConfigError(
+                    f"{meta['env']}={raw!r} must be >= {meta['minimum']:g}. {meta['help']}",
+                    variable=meta["env"], value=raw)
+            if meta["choices"] is not None and value not in meta["choices"]:
+                allowed = ", ".join(c for c in meta["choices"] if c)
+                raise ConfigError(f"{meta['env']}={raw!r} is not supported; use one of: {allowed}.",
+                                  variable=meta["env"], value=raw)
+            values[f.name] = value
+        return cls(**values)
+
+
+def env_fields() -> dict[str, str]:
+    """Map each setting's environment variable to its help text (for docs and the CLI)."""
+    return {f.metadata["env"]: f.metadata["help"] for f in dataclasses.fields(EngineConfig)}

@@ -1,0 +1,158 @@
+"""The one runtime object made by ``init()`` and cleared by ``shutdown()``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from horovod.common.backends.registry import create_backend, select_backend_name
+from horovod.common.config import EngineConfig
+from horovod.common.engine.executor import Entry
+from horovod.common.engine.handles import Handle, HandleCounter
+from horovod.common.engine.loop import Engine
+from horovod.common.exceptions import NotInitializedError
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.topology import Topology, topology_from_hostnames
+from horovod.common.types import Request, RequestType
+
+__all__ = ["Context", "get_context", "set_context", "peek_context"]
+
+log = logging.getLogger("horovod")
+
+_context: Context | None = None
+_lock = threading.Lock()
+
+
+def get_context() -> Context:
+    """Return the live context.
+
+    Raises:
+        NotInitializedError: ``hvd.init()`` has not been called (or ``shutdown()`` was).
+    """
+    ctx = _context
+    if ctx is None:
+        raise NotInitializedError()
+    return ctx
+
+
+def peek_context() -> Context | None:
+    return _context
+
+
+def set_context(ctx: Context | None) -> None:
+    global _context
+    _context = ctx
+
+
+def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
+    if backend.name != "mpi":
+        raise NotImplementedError("Process sets given as MPI communicators need the MPI backend "
+                                  "(hvd.init(comm=<mpi4py communicator>)).")
+    from mpi4py import MPI
+
+    group = comm.Get_group()
+    return sorted(MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                            backend.comm.Get_group()))
+
+
+class Context:
+    """Everything ``init()`` creates: config, transport, topology, process sets, engine, handles."""
+
+    def __init__(self, comm: Any = None, process_sets: Any = None,
+                 environ: Mapping[str, str] | None = None) -> None:
+        environ = os.environ if environ is None else environ
+        config = EngineConfig.from_env(environ)
+        if isinstance(process_sets, str):
+            if process_sets.lower() != "dynamic":
+                raise ValueError(f"process_sets={process_sets!r}: pass a list of ProcessSet or 'dynamic'.")
+            import dataclasses
+
+            config = dataclasses.replace(config, dynamic_process_sets=True)
+            process_sets = None
+        self.config = config
+        self.backend_name = select_backend_name(config, environ, comm)
+        self.backend = create_backend(self.backend_name, config, environ, comm)
+        host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        hostnames = self.backend.allgather_object(host)
+        self.topology: Topology = topology_from_hostnames(hostnames, self.backend.rank)
+        self.counter = HandleCounter()
+        self.handles: dict[int, tuple[Handle, Any]] = {}
+        self.groups = {0: self.backend.world_group()}
+        global_process_set.ranks = list(range(self.topology.size))
+        global_process_set.process_set_id = 0
+        self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
+        for ps in process_sets or []:
+            ranks = ps.ranks if ps.mpi_comm is None else _ranks_of_comm(self.backend, ps.mpi_comm)
+            if ranks == global_process_set.ranks or any(
+                    p.ranks == ranks for p in self.process_sets.values()):
+                raise ValueError(f"{ps} is a duplicate of an already registered process set.")
+            ps.ranks = ranks
+            new_id = len(self.process_sets)
+            self.groups[new_id] = self.backend.new_group(ranks)
+            ps.process_set_id = new_id
+            self.process_sets[new_id] = ps
+        self.engine = Engine(self.backend, config, self.groups)
+        self.engine.start()
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, request: Request, inputs: list[Any], outputs: list[Any] | None = None,
+               splits: Any = None, handle_id: int | None = None) -> Handle:
+        """Queue an operation on the engine and return its handle (see ``collectives.py``)."""
+        hid = self.counter.next() if handle_id is None else handle_id
+        handle = Handle(hid, request.name)
+        self.engine.submit(Entry(request, inputs, outputs, handle, splits))
+        return handle
+
+    def control(self, kind: RequestType, name: str, payload: Any = None, process_set_id: int = 0) -> Any:
+        """Run a control operation (barrier, join, process-set change) and wait for its result."""
+        req = Request(name=name, kind=kind, dtype="uint8", process_set_id=process_set_id,
+                      payload=payload, rank=self.topology.rank)
+        return self.submit(req, []).wait()
+
+    # ------------------------------------------------------------------ process sets
+    def add_process_set(self, process_set: ProcessSet | Iterable[int]) -> ProcessSet:
+        if not self.config.dynamic_process_sets:
+            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after "
+                             "Horovod initialization.")
+        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+        if ps.mpi_comm is not None:
+            raise NotImplementedError("Adding process sets from MPI communicators after init is not "
+                                      "supported; pass a list of ranks.")
+        assert ps.ranks is not None
+        bad = [r for r in ps.ranks if not 0 <= r < self.topology.size]
+        if bad or not ps.ranks or len(set(ps.ranks)) != len(ps.ranks):
+            raise ValueError(f"Invalid process set ranks {ps.ranks}: ranks must be unique and in "
+                             f"[0, {self.topology.size}).")
+        if any(p.ranks == ps.ranks for p in self.process_sets.values()):
+            raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+        new_id = self.control(RequestType.ADD_PROCESS_SET,
+                              f"process_set.add.{','.join(map(str, ps.ranks))}", tuple(ps.ranks))
+        ps.process_set_id = int(new_id)
+        self.process_sets[ps.process_set_id] = ps
+        return ps
+
+    def remove_process_set(self, process_set: ProcessSet) -> bool:
+        if not self.config.dynamic_process_sets:
+            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing process sets after "
+                             "Horovod initialization.")
+        ps_id = process_set.process_set_id
+        if ps_id is None or ps_id == 0 or ps_id not in self.process_sets:
+            return False
+        self.control(RequestType.REMOVE_PROCESS_SET, f"process_set.remove.{ps_id}", ps_id)
+        del self.process_sets[ps_id]
+        process_set._invalidate()
+        return True
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.engine.stopped:
+            self.backend.close()
+        for ps_id, ps in list(self.process_sets.items()):
+            if ps_id != 0:
+                ps._invalidate()
+        self.handles.clear()

@@ -1,0 +1,81 @@
+"""Response cache: negotiated operations remembered by name, so repeats cost one bit each.
+
+Every rank holds an identical cache: entries are added only from the coordinator's responses and
+touched only when executed, both in the same order everywhere, so slot numbers agree across
+ranks without communication. A rank marks bit ``slot`` when it has a pending request that
+matches the cached entry; the AND of all ranks' bits says which cached operations are ready.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from horovod.common.types import Request, RequestType, Response
+
+__all__ = ["ResponseCache", "CACHEABLE_KINDS"]
+
+CACHEABLE_KINDS = frozenset({RequestType.ALLREDUCE, RequestType.ALLGATHER, RequestType.BROADCAST,
+                             RequestType.ALLTOALL, RequestType.REDUCESCATTER, RequestType.BARRIER})
+
+
+class ResponseCache:
+    """Fixed-capacity LRU map from tensor name to (slot, response, signature)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.words = (capacity + 63) // 64
+        self._by_name: dict[str, int] = {}
+        self._slots: list[Response | None] = [None] * capacity
+        self._signatures: list[Any] = [None] * capacity
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def lookup(self, request: Request) -> tuple[int, bool]:
+        """Return (slot, matches) for a request's name; slot -1 when the name is not cached."""
+        slot = self._by_name.get(request.name, -1)
+        if slot < 0:
+            return -1, False
+        return slot, self._signatures[slot] == request.signature()
+
+    def response(self, slot: int) -> Response:
+        resp = self._slots[slot]
+        assert resp is not None
+        return resp
+
+    def put(self, response: Response) -> None:
+        """Remember a successful response (all ranks call this in the same order)."""
+        if self.capacity == 0 or response.error is not None or response.kind not in CACHEABLE_KINDS:
+            return
+        name = response.name
+        if name in self._by_name:
+            self.evict(self._by_name[name])
+        if not self._free:
+            oldest = next(iter(self._lru))
+            self.evict(oldest)
+        slot = self._free.pop()
+        self._by_name[name] = slot
+        self._slots[slot] = response
+        self._signatures[slot] = response.request.signature()
+        self._lru[slot] = None
+
+    def touch(self, slot: int) -> None:
+        self._lru.move_to_end(slot)
+
+    def evict(self, slot: int) -> None:
+        resp = self._slots[slot]
+        if resp is None:
+            return
+        del self._by_name[resp.name]
+        self._slots[slot] = None
+        self._signatures[slot] = None
+        del self._lru[slot]
+        self._free.append(slot)
+        # Keep the free list ordered so every rank reuses the same slot next.
+        self._free.sort(reverse=True)
+
+    def occupied(self) -> list[int]:
+        return sorted(self._lru)

@@ -1,0 +1,279 @@
+"""Run planned batches of responses on the data transport and fill in each entry's outputs.
+
+Called only from the engine thread. Tensors of at most ``max_tensor_bytes`` in a batch are packed
+into one reusable fusion buffer per dtype; larger ones are reduced in place in the caller's memory.
+Dtypes the transport cannot reduce (float16) are widened to float32 for the reduction. For data
+movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned integers of
+the same width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from horovod.common.backends.base import Group
+from horovod.common.engine.timeline import Timeline
+from horovod.common.types import ReduceOp, RequestType, Response
+
+__all__ = ["Entry", "Executor", "reducescatter_rows"]
+
+_MOVE_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class Entry:
+    """A submitted operation on the submitting rank: its request, buffers and handle."""
+
+    __slots__ = ("request", "inputs", "outputs", "handle", "state", "slot", "t_submit", "splits")
+
+    def __init__(self, request: Any, inputs: list[np.ndarray], outputs: list[np.ndarray] | None,
+                 handle: Any, splits: np.ndarray | None = None) -> None:
+        self.request = request
+        self.inputs = inputs
+        self.outputs = outputs
+        self.handle = handle
+        self.state = 0
+        self.slot = -1
+        self.t_submit = 0.0
+        self.splits = splits
+
+
+def reducescatter_rows(n: int, parts: int) -> list[int]:
+    """Rows per member when ``n`` rows are split over ``parts`` members (first ones get one more)."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _move_view(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(_MOVE_DTYPES[a.dtype.itemsize])
+
+
+def _scale(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
+    if factor == 1.0:
+        if dst is not src:
+            np.copyto(dst, src, casting="unsafe")
+    else:
+        np.multiply(src, factor, out=dst, casting="unsafe")
+
+
+class Executor:
+    """Executes batches for one engine."""
+
+    def __init__(self, backend: Any, groups: dict[int, Group], rank: int, max_tensor_bytes: int,
+                 fusion_enabled: bool, timeline: Callable[[], Timeline | None]) -> None:
+        self.backend = backend
+        self.groups = groups
+        self.rank = rank
+        self.max_tensor_bytes = max_tensor_bytes
+        self.fusion_enabled = fusion_enabled
+        self._timeline = timeline
+        self._native = backend.reduce_dtypes()
+        self._buffers: dict[str, np.ndarray] = {}
+        self._act = backend.name.upper() + "_"
+
+    # ------------------------------------------------------------------ helpers
+    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
+        buf = self._buffers.get(dtype.str)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, 1024), dtype)
+            self._buffers[dtype.str] = buf
+        return buf[:n]
+
+    def _work_dtype(self, dtype: np.dtype) -> np.dtype:
+        if dtype.name in self._native:
+            return dtype
+        if dtype.kind == "f":
+            return np.dtype(np.float32)
+        raise TypeError(f"the {self.backend.name} backend cannot reduce {dtype.name} tensors")
+
+    # ------------------------------------------------------------------ entry point
+    def run(self, batch: Sequence[Response], entries: Sequence[Any], joined: bool) -> None:
+        """Execute one batch; entries[i] is this rank's Entry for batch[i] (None if it has none)."""
+        req = batch[0].request
+        kind = req.kind
+        group = self.groups[req.process_set_id]
+        tl = self._timeline()
+        if tl is not None:
+            for r in batch:
+                tl.begin(r.name, kind.upper)
+        if kind == RequestType.ALLREDUCE:
+            self._allreduce(batch, entries, group, tl)
+        elif kind == RequestType.BROADCAST:
+            self._broadcast(batch, entries, group, tl)
+        elif kind == RequestType.ALLGATHER:
+            self._allgather(entries[0], group, tl)
+        elif kind == RequestType.ALLTOALL:
+            self._alltoall(entries[0], group, tl)
+        elif kind == RequestType.REDUCESCATTER:
+            self._reducescatter(entries[0], group, tl)
+        if tl is not None:
+            for r in batch:
+                tl.end(r.name, {"dtype": r.request.dtype,
+                                "shape": str([list(s) for s in r.request.shapes])})
+
+    def _activity(self, tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
+        if tl is None:
+            return
+        for n in names:
+            if begin:
+                tl.begin(n, activity)
+            else:
+                tl.end(n)
+
+    # ------------------------------------------------------------------ allreduce
+    def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
+                   tl: Timeline | None) -> None:
+        req = batch[0].request
+        op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
+        post = req.postscale / group.size if req.reduce_op == ReduceOp.AVERAGE else req.postscale
+        pre = req.prescale
+        dtype = np.dtype(req.dtype)
+        work = self._work_dtype(dtype)
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        for resp, entry in zip(batch, entries):
+            if entry is None:  # this rank joined: contribute zeros of the agreed shapes
+                for shape in resp.request.shapes:
+                    z = np.zeros(int(np.prod(shape)), dtype)
+                    pairs.append((z, z))
+                continue
+            if entry.outputs is None:
+                entry.outputs = [np.empty_like(x) for x in entry.inputs]
+            for x, o in zip(entry.inputs, entry.outputs):
+                pairs.append((x.reshape(-1), o.reshape(-1)))
+        small: list[tuple[np.ndarray, np.ndarray]] = []
+        large = pairs
+        if self.fusion_enabled and len(pairs) > 1:
+            small = [p for p in pairs if p[0].nbytes <= self.max_tensor_bytes]
+            if len(small) > 1:
+                large = [p for p in pairs if p[0].nbytes > self.max_tensor_bytes]
+            else:
+                small = []
+        names = [r.name for r in batch] if tl is not None else []
+        if small:
+            total = sum(p[0].size for p in small)
+            fbuf = self._fusion_buffer(work, total)
+            self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", True)
+            off = 0
+            for x, _ in small:
+                _scale(fbuf[off:off + x.size], x, pre)
+                off += x.size
+            self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", False)
+            self._activity(tl, names, self._act + "ALLREDUCE", True)
+            self.backend.allreduce(fbuf, op, group)
+            self._activity(tl, names, self._act + "ALLREDUCE", False)
+            self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", True)
+            off = 0
+            for x, o in small:
+                _scale(o, fbuf[off:off + x.size], post)
+                off += x.size
+            self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
+        if large:
+            self._activity(tl, names, self._act + "ALLREDUCE", True)
+            for x, o in large:
+                if work != dtype:
+                    w = x.astype(work)
+                    if pre != 1.0:
+                        w *= pre
+                    self.backend.allreduce(w, op, group)
+                    _scale(o, w, post)
+                    continue
+                if pre != 1.0:
+                    _scale(o, x, pre)
+                    self.backend.allreduce(o, op, group)
+                elif o is x or np.shares_memory(o, x):
+                    self.backend.allreduce(o, op, group)
+                else:
+                    self.backend.allreduce(o, op, group, src=x)
+                if post != 1.0:
+                    _scale(o, o, post)
+            self._activity(tl, names, self._act + "ALLREDUCE", False)
+
+    # ------------------------------------------------------------------ broadcast
+    def _broadcast(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
+                   tl: Timeline | None) -> None:
+        req = batch[0].request
+        root = group.ranks.index(req.root_rank)
+        is_root = group.rank == root
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        for entry in entries:
+            if entry.outputs is None:
+                entry.outputs = [x if is_root else np.empty_like(x) for x in entry.inputs]
+            for x, o in zip(entry.inputs, entry.outputs):
+                pairs.append((_move_view(x), _move_view(o)))
+        names = [r.name for r in batch] if tl is not None else []
+        small = [p for p in pairs if p[0].nbytes <= self.max_tensor_bytes] if (
+            self.fusion_enabled and len(pairs) > 1) else []
+        if len(small) > 1:
+            large = [p for p in pairs if p[0].nbytes > self.max_tensor_bytes]
+            total = sum(x.nbytes for x, _ in small)
+            fbuf = self._fusion_buffer(np.dtype(np.uint8), total)
+            if is_root:
+                off = 0
+                for x, _ in small:
+                    fbuf[off:off + x.nbytes] = x.view(np.uint8)
+                    off += x.nbytes
+            self._activity(tl, names, self._act + "BCAST", True)
+            self.backend.broadcast(fbuf, root, group)
+            self._activity(tl, names, self._act + "BCAST", False)
+            off = 0
+            for x, o in small:
+                if not (is_root and o is x):
+                    o.view(np.uint8)[:] = fbuf[off:off + x.nbytes]
+                off += x.nbytes
+        else:
+            large = pairs
+        for x, o in large:
+            if is_root and not np.shares_memory(o, x):
+                np.copyto(o, x)
+            self.backend.broadcast(o, root, group)
+
+    # ------------------------------------------------------------------ allgather
+    def _allgather(self, entry: Any, group: Group, tl: Timeline | None) -> None:
+        dims = np.array([x.shape[0] for x in entry.inputs], np.int64)
+        all_dims = self.backend.allgather_ints(dims, group)
+        outputs = []
+        for i, x in enumerate(entry.inputs):
+            row = int(np.prod(x.shape[1:]))
+            counts = [int(c) * row for c in all_dims[:, i]]
+            out = np.empty((int(all_dims[:, i].sum()),) + x.shape[1:], x.dtype)
+            self.backend.allgatherv(_move_view(x), _move_view(out), counts, group)
+            outputs.append(out)
+        entry.outputs = outputs
+
+    # ------------------------------------------------------------------ alltoall
+    def _alltoall(self, entry: Any, group: Group, tl: Timeline | None) -> None:
+        x = entry.inputs[0]
+        splits = entry.splits
+        recv_splits = self.backend.alltoall_ints(splits, group)
+        row = int(np.prod(x.shape[1:]))
+        out = np.empty((int(recv_splits.sum()),) + x.shape[1:], x.dtype)
+        self.backend.alltoallv(_move_view(x), [int(s) * row for s in splits], _move_view(out),
+                               [int(s) * row for s in recv_splits], group)
+        entry.outputs = [(out, recv_splits.astype(np.int32))]
+
+    # ------------------------------------------------------------------ reducescatter
+    def _reducescatter(self, entry: Any, group: Group, tl: Timeline | None) -> None:
+        req = entry.request
+        op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
+        post = req.postscale / group.size if req.reduce_op == ReduceOp.AVERAGE else req.postscale
+        outputs = []
+        for x in entry.inputs:
+            work = self._work_dtype(x.dtype)
+            send = x.reshape(-1)
+            if work != x.dtype or req.prescale != 1.0:
+                send = send.astype(work)
+                if req.prescale != 1.0:
+                    send *= req.prescale
+            rows = reducescatter_rows(x.shape[0], group.size)
+            row = int(np.prod(x.shape[1:]))
+            recv = np.empty((rows[group.rank],) + x.shape[1:], work)
+            self.backend.reducescatter(np.ascontiguousarray(send), recv.reshape(-1),
+                                       [r * row for r in rows], op, group)
+            if work != x.dtype or post != 1.0:
+                out = np.empty(recv.shape, x.dtype)
+                _scale(out, recv, post)
+                recv = out
+            outputs.append(recv)
+        entry.outputs = outputs

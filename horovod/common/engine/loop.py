@@ -1,0 +1,418 @@
+"""The engine: one background thread per process that owns all communication.
+
+Callers ``submit`` entries and get handles at once. The thread runs negotiation rounds; in each
+round every rank of the world takes part, in the same order:
+
+1. one bit-vector AND (``Controller.and_bits``): which cached operations every rank has ready, which
+   cache slots some rank wants evicted, and flags (someone has uncached requests / wants to shut
+   down / has joined);
+2. only if some rank has uncached requests: gather them to the coordinator (rank 0), which answers
+   with the newly ready responses or errors (``negotiation.py``), broadcast to all;
+3. every rank plans the same batches (``fusion.py``) and executes them (``executor.py``).
+
+A rank with nothing to do waits on a condition variable with a timeout of ``HOROVOD_CYCLE_TIME``;
+a submission wakes it at once, so a lone operation never waits for a tick. A rank with pending
+operations starts the next round at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from horovod.common.backends.base import Group
+from horovod.common.config import EngineConfig
+from horovod.common.engine.cache import ResponseCache
+from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.fusion import plan_batches
+from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
+from horovod.common.engine.stall import StallInspector
+from horovod.common.engine.timeline import Timeline
+from horovod.common.exceptions import (
+    SHUT_DOWN_MESSAGE,
+    CollectiveMismatchError,
+    HorovodInternalError,
+    HorovodShutdownError,
+)
+from horovod.common.types import Request, RequestType, Response
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("horovod")
+
+_CACHED, _NEW, _SENT = 1, 2, 3
+_FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED = 1, 2, 4
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+DUPLICATE_NAME_MESSAGE = (
+    "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
+    "that is currently being processed: {name!r}. If you want to request another tensor, use a "
+    "different tensor name.")
+
+
+def _bits_to_slots(words: np.ndarray) -> list[int]:
+    if not words.any():
+        return []
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
+
+
+class Engine:
+    """Background communication engine of one process."""
+
+    def __init__(self, backend: Any, config: EngineConfig, groups: dict[int, Group],
+                 on_process_set_added: Callable[[int, list[int]], None] | None = None,
+                 on_process_set_removed: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.config = config
+        self.rank: int = backend.rank
+        self.size: int = backend.size
+        self.groups = groups
+        self._clock = clock
+        self._on_ps_added = on_process_set_added
+        self._on_ps_removed = on_process_set_removed
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: list[Entry] = []
+        self._in_flight: set[str] = set()
+        self._shutdown_requested = False
+        self._stopped = False
+        self._stop_reason = SHUT_DOWN_MESSAGE
+        # Engine-thread state below.
+        self._pending: dict[str, Entry] = {}
+        self._new: list[Entry] = []
+        self._joined = False
+        self._cycle = config.cycle_time_ms / 1000.0
+        self.cache = ResponseCache(config.cache_capacity)
+        w = self.cache.words
+        self._ready_mask = np.zeros(w, np.uint64)
+        self._excluded_mask = np.zeros(w, np.uint64)  # slots of process sets without this rank
+        self._occupied_mask = np.zeros(w, np.uint64)
+        self._coordinator = Coordinator(self.size, self._members, clock) if self.rank == 0 else None
+        self._stall = None
+        if self.rank == 0 and not config.stall_check_disable:
+            self._stall = StallInspector(config.stall_check_time_seconds,
+                                         config.stall_shutdown_time_seconds, clock)
+        self._stall_shutdown: str | None = None
+        self._local_stall_due = clock() + config.stall_check_time_seconds
+        self.timeline: Timeline | None = None
+        if self.rank == 0 and config.timeline and config.timeline.upper() != "DYNAMIC":
+            self.timeline = Timeline(config.timeline, config.timeline_mark_cycles)
+        self._executor = Executor(backend, groups, self.rank, config.fusion_max_tensor_bytes,
+                                  config.fusion_threshold > 0, lambda: self.timeline)
+        self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
+
+    # ================================================================ caller side
+    def start(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.reserve_process_set_ids(max(self.groups) + 1)
+        self._thread.start()
+
+    def submit(self, entry: Entry) -> None:
+        """Queue an entry for the engine thread (any thread may call this).
+
+        Raises:
+            ValueError: an operation with the same name is still in flight on this rank.
+            HorovodShutdownError: the engine has shut down.
+        """
+        name = entry.request.name
+        with self._cv:
+            if self._stopped:
+                raise HorovodShutdownError(self._stop_reason)
+            if name in self._in_flight:
+                raise ValueError(DUPLICATE_NAME_MESSAGE.format(name=name))
+            self._in_flight.add(name)
+            entry.t_submit = self._clock()
+            self._queue.append(entry)
+            self._cv.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Ask every rank's engine to stop at the next round, and wait for this one to stop."""
+        with self._cv:
+            self._shutdown_requested = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        if self.rank != 0:
+            return
+        old, self.timeline = self.timeline, Timeline(path, mark_cycles)
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        old, self.timeline = self.timeline, None
+        if old is not None:
+            old.close()
+
+    # ================================================================ engine thread
+    def _members(self, process_set_id: int) -> list[int] | None:
+        g = self.groups.get(process_set_id)
+        return None if g is None else g.ranks
+
+    def _run(self) -> None:
+        failure: BaseException | None = None
+        try:
+            while True:
+                with self._cv:
+                    if not self._queue and not self._pending and not self._shutdown_requested:
+                        self._cv.wait(self._cycle)
+                    new, self._queue = self._queue, []
+                    shutdown = self._shutdown_requested
+                if self._round(new, shutdown):
+                    break
+        except BaseException as exc:  # the transport failed: fail everything, loudly
+            failure = exc
+            log.error("Horovod engine on rank %d stopped: %s", self.rank, exc)
+        self._finish(failure)
+
+    def _finish(self, failure: BaseException | None) -> None:
+        with self._cv:
+            self._stopped = True
+            if failure is not None:
+                self._stop_reason = f"{SHUT_DOWN_MESSAGE} Cause on rank {self.rank}: {failure}"
+            elif self._stall_shutdown:
+                self._stop_reason = f"{SHUT_DOWN_MESSAGE}\n{self._stall_shutdown}"
+            leftover = list(self._pending.values()) + self._queue
+            self._pending.clear()
+            self._queue = []
+            self._in_flight.clear()
+        for e in leftover:
+            err = HorovodShutdownError(self._stop_reason, rank=self.rank, tensor_name=e.request.name)
+            if failure is not None:
+                err.__cause__ = failure
+            e.handle.set_error(err)
+        if self.timeline is not None:
+            self.timeline.flush()
+
+    def _set_slot(self, mask: np.ndarray, slot: int, on: bool) -> None:
+        w, b = divmod(slot, 64)
+        bit = np.uint64(1 << b)
+        if on:
+            mask[w] |= bit
+        else:
+            mask[w] &= ~bit
+
+    def _round(self, new: list[Entry], shutdown: bool) -> bool:
+        cache = self.cache
+        words = cache.words
+        tl = self.timeline
+        if tl is not None:
+            tl.cycle()
+        invalid = np.zeros(words, np.uint64)
+        for e in new:
+            req = e.request
+            self._pending[req.name] = e
+            if req.kind == RequestType.JOIN:
+                self._joined = True
+            slot, match = cache.lookup(req) if words else (-1, False)
+            if match:
+                e.state, e.slot = _CACHED, slot
+                self._set_slot(self._ready_mask, slot, True)
+            else:
+                e.state = _NEW
+                self._new.append(e)
+                if slot >= 0:
+                    self._set_slot(invalid, slot, True)
+        now = self._clock()
+        if words and now >= self._local_stall_due:
+            # Cached operations that wait too long go back through the coordinator, which can
+            # then say which ranks are missing.
+            self._local_stall_due = now + min(self.config.stall_check_time_seconds, 1.0)
+            limit = self.config.stall_check_time_seconds
+            for e in self._pending.values():
+                if e.state == _CACHED and now - e.t_submit > limit:
+                    self._set_slot(invalid, e.slot, True)
+
+        flags = 0
+        if self._new:
+            flags |= _FLAG_NEW
+        if shutdown or self._stall_shutdown:
+            flags |= _FLAG_SHUTDOWN
+        if self._joined:
+            flags |= _FLAG_JOINED
+        bits = np.empty(2 * words + 1, np.uint64)
+        ready_local = self._ready_mask | self._excluded_mask
+        if self._joined:
+            ready_local |= self._occupied_mask
+        bits[:words] = ready_local
+        bits[words:2 * words] = ~invalid
+        bits[2 * words] = ~np.uint64(flags)
+        result = self.backend.and_bits(bits)
+        any_flags = int(~result[2 * words])
+        ready_slots = _bits_to_slots(result[:words])
+        evict = _bits_to_slots(~result[words:2 * words] & self._occupied_mask)
+        responses: list[Response] = []
+        cached_slots: list[int] = []
+        for slot in ready_slots:
+            responses.append(cache.response(slot))
+            cached_slots.append(slot)
+        for slot in evict:
+            self._evict(slot)
+        if any_flags & _FLAG_NEW:
+            responses.extend(self._negotiate())
+        elif self._coordinator is not None and self._stall is not None and self._stall.due():
+            self._check_stalls()
+        if responses:
+            self._execute(responses, cached_slots, bool(any_flags & _FLAG_JOINED))
+        if tl is not None:
+            tl.maybe_flush()
+        return bool(any_flags & _FLAG_SHUTDOWN)
+
+    def _evict(self, slot: int) -> None:
+        name = self.cache.response(slot).name
+        self.cache.evict(slot)
+        for mask in (self._ready_mask, self._excluded_mask, self._occupied_mask):
+            self._set_slot(mask, slot, False)
+        e = self._pending.get(name)
+        if e is not None and e.state == _CACHED:
+            e.state = _NEW
+            self._new.append(e)
+
+    def _negotiate(self) -> list[Response]:
+        mine = [e.request for e in self._new]
+        for e in self._new:
+            e.state = _SENT
+        self._new = []
+        gathered = self.backend.gather_to_root(mine)
+        responses: list[Response] | None = None
+        coord = self._coordinator
+        if coord is not None:
+            assert gathered is not None
+            tl = self.timeline
+            requests = [r for per_rank in gathered for r in per_rank]
+            first_time = coord.submit(requests)
+            if tl is not None:
+                for name in first_time:
+                    kind = coord.table[name].requests
+                    tl.begin(name, "NEGOTIATE_" + next(iter(kind.values())).kind.upper)
+                for r in requests:
+                    tl.tick(r.name, str(r.rank))
+            responses = coord.ready()
+            if tl is not None:
+                for resp in responses:
+                    tl.end(resp.name)
+            if self._stall is not None and self._stall.due():
+                self._check_stalls()
+        return self.backend.bcast_from_root(responses)
+
+    def _check_stalls(self) -> None:
+        assert self._coordinator is not None and self._stall is not None
+        report = self._stall.check(self._coordinator.stalled(self._stall.warn_after))
+        if report is None:
+            return
+        if report.shutdown:
+            log.error("%s", report.message)
+            self._stall_shutdown = report.message
+        else:
+            log.warning("%s", report.message)
+
+    def _execute(self, responses: list[Response], cached_slots: list[int], joined_any: bool) -> None:
+        cache = self.cache
+        for slot in cached_slots:
+            cache.touch(slot)
+        for resp in responses[len(cached_slots):]:
+            if resp.error is None and resp.kind not in (RequestType.JOIN,):
+                before = cache.lookup(resp.request)[0]
+                cache.put(resp)
+                slot = cache.lookup(resp.request)[0]
+                if slot >= 0 and slot != before:
+                    self._set_slot(self._occupied_mask, slot, True)
+                    if self.rank not in self.groups[resp.request.process_set_id].ranks:
+                        self._set_slot(self._excluded_mask, slot, True)
+        if joined_any:
+            responses = [Response(r.request, error=_JOIN_UNSUPPORTED[r.kind])
+                         if r.kind in _JOIN_UNSUPPORTED and r.error is None else r for r in responses]
+        batches = plan_batches(responses, self.config.fusion_threshold,
+                               self.config.fusion_max_tensor_bytes,
+                               not self.config.disable_group_fusion)
+        for batch in batches:
+            self._run_batch(batch)
+
+    def _take(self, name: str) -> Entry | None:
+        e = self._pending.pop(name, None)
+        if e is not None and e.state == _CACHED:
+            self._set_slot(self._ready_mask, e.slot, False)
+        return e
+
+    def _complete(self, entries: list[Entry | None]) -> None:
+        done = [e for e in entries if e is not None]
+        with self._cv:
+            for e in done:
+                self._in_flight.discard(e.request.name)
+        for e in done:
+            e.handle.set_result(e.outputs)
+
+    def _run_batch(self, batch: list[Response]) -> None:
+        first = batch[0]
+        kind = first.kind
+        group = self.groups.get(first.request.process_set_id)
+        member = group is not None and group.rank >= 0
+        if first.error is not None:
+            e = self._take(first.name)
+            if e is not None:
+                with self._cv:
+                    self._in_flight.discard(first.name)
+                e.handle.set_error(CollectiveMismatchError(first.error, **first.error_fields))
+            return
+        if kind == RequestType.ADD_PROCESS_SET:
+            ranks = list(first.request.payload)
+            self.groups[first.result] = self.backend.new_group(ranks)
+            if self._on_ps_added is not None:
+                self._on_ps_added(first.result, ranks)
+            e = self._take(first.name)
+            if e is not None:
+                e.outputs = first.result
+            self._complete([e])
+            return
+        if kind == RequestType.REMOVE_PROCESS_SET:
+            ps_id = int(first.request.payload)
+            g = self.groups.pop(ps_id, None)
+            if g is not None:
+                self.backend.free_group(g)
+            if self._on_ps_removed is not None:
+                self._on_ps_removed(ps_id)
+            for slot in self.cache.occupied():
+                if self.cache.response(slot).request.process_set_id == ps_id:
+                    self._evict(slot)
+            e = self._take(first.name)
+            self._complete([e])
+            return
+        if not member:
+            return
+        entries = [self._take(r.name) for r in batch]
+        if kind == RequestType.JOIN:
+            self._joined = False
+            e = entries[0]
+            if e is not None:
+                e.outputs = first.result
+            self._complete(entries)
+            return
+        if kind == RequestType.BARRIER:
+            self._complete(entries)
+            return
+        if any(e is None for e in entries) and not (self._joined and kind == RequestType.ALLREDUCE):
+            missing = [r.name for r, e in zip(batch, entries) if e is None]
+            raise HorovodInternalError(f"rank {self.rank} was asked to run {missing} it never submitted")
+        try:
+            self._executor.run(batch, entries, self._joined)
+        except TypeError as exc:
+            for e in entries:
+                if e is not None:
+                    with self._cv:
+                        self._in_flight.discard(e.request.name)
+                    e.handle.set_error(HorovodInternalError(f"{kind.value} {e.request.name!r}: {exc}"))
+            return
+        self._complete(entries)
