@@ -1,0 +1,48 @@
+"""Entry point of one rank for ``horovod.testing.run_ranks``: ``python -m horovod.testing.worker DIR``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+
+
+def _rank() -> int:
+    for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def main() -> None:
+    tmp = sys.argv[1]
+    rank = _rank()
+    with open(os.path.join(tmp, "fn.pkl"), "rb") as f:
+        fn, args = pickle.load(f)
+    try:
+        result = (True, fn(*args))
+        code = 0
+    except BaseException:  # report everything, including assertion failures and SystemExit
+        result = (False, f"{traceback.format_exc()}")
+        code = 1
+    with open(os.path.join(tmp, f"result.{rank}.tmp"), "wb") as f:
+        try:
+            pickle.dump(result, f)
+        except Exception:  # noqa: BLE001 - an unpicklable result is reported as text
+            pickle.dump((code == 0, repr(result[1])), f)
+    os.replace(os.path.join(tmp, f"result.{rank}.tmp"), os.path.join(tmp, f"result.{rank}"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)  # let mpirun stop the other ranks now instead of letting them wait for this one
+    try:
+        import horovod.common.basics as basics
+
+        basics.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+if __name__ == "__main__":
+    main()
