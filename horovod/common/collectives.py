@@ -52,8 +52,13 @@ def op_name(kind: RequestType, name: str | None, handle_id: int, grouped: bool =
     return f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle_id}"
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
 def check_dtype(a: np.ndarray, allowed: frozenset[str], what: str) -> str:
-    name = a.dtype.name
+    name = _DTYPE_NAMES.get(a.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[a.dtype] = a.dtype.name
     if name not in allowed:
         raise ValueError(f"Tensor type {name} is not supported by {what}. Supported: "
                          f"{', '.join(sorted(allowed))}.")
@@ -80,6 +85,8 @@ def group_of(process_set: ProcessSet | None, what: str) -> tuple[int, list[int]]
 def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str) -> str:
     if not arrays:
         raise ValueError(f"{what}: no tensors given")
+    if len(arrays) == 1:
+        return check_dtype(arrays[0], allowed, what)
     names = {check_dtype(a, allowed, what) for a in arrays}
     if len(names) > 1:
         raise ValueError(f"{what}: all tensors of a grouped operation must have the same dtype, got "

@@ -70,7 +70,7 @@ def shape_text(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Request:
     """One named operation as a rank submits it: a single tensor, or a group of tensors.
 
@@ -91,15 +91,19 @@ class Request:
     device: str = "cpu"
     payload: Any = None
     rank: int = -1
+    _sig: Any = None
 
     def signature(self) -> tuple[Any, ...]:
         """What must stay the same for a cached negotiation of this name to be reused."""
+        if self._sig is not None:
+            return self._sig
         if self.kind in RAGGED_KINDS:
             shapes: tuple[Any, ...] = tuple(s[1:] for s in self.shapes)
         else:
             shapes = self.shapes
-        return (self.kind, self.dtype, shapes, self.reduce_op, self.prescale, self.postscale,
-                self.root_rank, self.process_set_id, self.device, self.payload)
+        self._sig = (self.kind, self.dtype, shapes, self.reduce_op, self.prescale, self.postscale,
+                     self.root_rank, self.process_set_id, self.device, self.payload)
+        return self._sig
 
     @property
     def nbytes(self) -> int:

@@ -106,7 +106,7 @@ def synchronize(handle: int) -> Any:
 
 
 def _contig(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    return [np.ascontiguousarray(a) for a in arrays]
+    return [np.asarray(a, order="C") for a in arrays]
 
 
 def _inplace(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], Callable[[Any], None]]:
@@ -116,7 +116,7 @@ def _inplace(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], Callable[[
             raise ValueError(f"in-place operations need numpy arrays, got {type(a).__name__}")
         if not a.flags.writeable:
             raise ValueError("in-place operation on a read-only array")
-    work = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+    work = [a if a.flags.c_contiguous else np.asarray(a, order="C") for a in arrays]
 
     def write_back(_: Any) -> None:
         for a, w in zip(arrays, work):
@@ -271,7 +271,7 @@ def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
 def alltoall_async(tensor: np.ndarray, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    h = _C.alltoall_async(np.ascontiguousarray(tensor), splits, name=name, process_set=process_set)
+    h = _C.alltoall_async(np.asarray(tensor, order="C"), splits, name=name, process_set=process_set)
     return _register(h, lambda r: r[0])
 
 

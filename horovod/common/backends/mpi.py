@@ -22,20 +22,27 @@ from horovod.common.types import ReduceOp
 
 __all__ = ["MPIBackend", "create"]
 
-_SPIN_SECONDS = 100e-6
+_SPIN_SECONDS = 200e-6
 _MAX_SLEEP = 1e-3
+
+
+def _fail(rank: int, what: str, exc: Exception) -> HorovodInternalError:
+    """The one place where MPI errors become Horovod errors."""
+    text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
+    err = HorovodInternalError(f"MPI {what} failed on rank {rank}: {text}", rank=rank, op=what)
+    err.__cause__ = exc
+    return err
 
 
 @contextlib.contextmanager
 def _translate(rank: int, what: str) -> Iterator[None]:
-    """The one place where MPI errors become Horovod errors."""
+    """Context-manager form of ``_fail`` for the calls that are not on a hot path."""
     from mpi4py import MPI
 
     try:
         yield
     except MPI.Exception as exc:
-        raise HorovodInternalError(f"MPI {what} failed on rank {rank}: {exc.Get_error_string()}",
-                                   rank=rank, op=what) from exc
+        raise _fail(rank, what, exc) from exc
 
 
 class MPIBackend:
@@ -53,11 +60,14 @@ class MPIBackend:
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
                      ReduceOp.PRODUCT: MPI.PROD}
         self.thread_level = MPI.Query_thread()
+        self._bits_out: np.ndarray | None = None
 
     # ---------------------------------------------------------------- controller
     def and_bits(self, bits: np.ndarray) -> np.ndarray:
-        out = np.empty_like(bits)
-        with _translate(self.rank, "negotiation"):
+        out = self._bits_out
+        if out is None or out.size != bits.size:
+            out = self._bits_out = np.empty_like(bits)
+        try:
             req = self.comm.Iallreduce(bits, out, op=self._MPI.BAND)
             if req.Test():
                 return out
@@ -69,6 +79,8 @@ class MPIBackend:
             while not req.Test():
                 time.sleep(pause)
                 pause = min(pause * 2, _MAX_SLEEP)
+        except self._MPI.Exception as exc:
+            raise _fail(self.rank, "negotiation", exc) from exc
         return out
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
@@ -105,8 +117,10 @@ class MPIBackend:
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:
-        with _translate(self.rank, "allreduce"):
+        try:
             group.handle.Allreduce(self._MPI.IN_PLACE if src is None else src, buf, op=self._ops[op])
+        except self._MPI.Exception as exc:
+            raise _fail(self.rank, "allreduce", exc) from exc
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:
         with _translate(self.rank, "allgather"):

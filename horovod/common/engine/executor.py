@@ -71,6 +71,8 @@ class Executor:
         self._timeline = timeline
         self._native = backend.reduce_dtypes()
         self._buffers: dict[str, np.ndarray] = {}
+        self._work: dict[str, np.dtype] = {}
+        self._dtype_info: dict[str, tuple[np.dtype, np.dtype, bool]] = {}
         self._act = backend.name.upper() + "_"
 
     # ------------------------------------------------------------------ helpers
@@ -81,12 +83,28 @@ class Executor:
             self._buffers[dtype.str] = buf
         return buf[:n]
 
-    def _work_dtype(self, dtype: np.dtype) -> np.dtype:
-        if dtype.name in self._native:
-            return dtype
-        if dtype.kind == "f":
-            return np.dtype(np.float32)
-        raise TypeError(f"the {self.backend.name} backend cannot reduce {dtype.name} tensors")
+    def _work_dtype(self, name: str) -> np.dtype:
+        """The dtype a reduction of ``name`` runs in (float16 widens to float32 where needed)."""
+        work = self._work.get(name)
+        if work is None:
+            dtype = np.dtype(name)
+            if name in self._native:
+                work = dtype
+            elif dtype.kind == "f":
+                work = np.dtype(np.float32)
+            else:
+                raise TypeError(f"the {self.backend.name} backend cannot reduce {name} tensors")
+            self._work[name] = work
+        return work
+
+    def _dtypes(self, name: str) -> tuple[np.dtype, np.dtype, bool]:
+        """(work dtype, dtype, whether the reduction widens) for a dtype name, cached."""
+        info = self._dtype_info.get(name)
+        if info is None:
+            work = self._work_dtype(name)
+            dtype = np.dtype(name)
+            info = self._dtype_info[name] = (work, dtype, work != dtype)
+        return info
 
     # ------------------------------------------------------------------ entry point
     def run(self, batch: Sequence[Response], entries: Sequence[Any], joined: bool) -> None:
@@ -129,25 +147,27 @@ class Executor:
         op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
         post = req.postscale / group.size if req.reduce_op == ReduceOp.AVERAGE else req.postscale
         pre = req.prescale
-        dtype = np.dtype(req.dtype)
-        work = self._work_dtype(dtype)
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        work, dtype, widen = self._dtypes(req.dtype)
+        # (input, output, in_place) triples of flat views.
+        items: list[tuple[np.ndarray, np.ndarray, bool]] = []
         for resp, entry in zip(batch, entries):
             if entry is None:  # this rank joined: contribute zeros of the agreed shapes
                 for shape in resp.request.shapes:
                     z = np.zeros(int(np.prod(shape)), dtype)
-                    pairs.append((z, z))
+                    items.append((z, z, True))
                 continue
-            if entry.outputs is None:
+            inplace = entry.outputs is not None
+            if not inplace:
                 entry.outputs = [np.empty_like(x) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
-                pairs.append((x.reshape(-1), o.reshape(-1)))
-        small: list[tuple[np.ndarray, np.ndarray]] = []
-        large = pairs
-        if self.fusion_enabled and len(pairs) > 1:
-            small = [p for p in pairs if p[0].nbytes <= self.max_tensor_bytes]
+                items.append((x.reshape(-1), o.reshape(-1), inplace))
+        small: list[tuple[np.ndarray, np.ndarray, bool]] = []
+        large = items
+        if self.fusion_enabled and len(items) > 1:
+            cut = self.max_tensor_bytes
+            small = [p for p in items if p[0].nbytes <= cut]
             if len(small) > 1:
-                large = [p for p in pairs if p[0].nbytes > self.max_tensor_bytes]
+                large = [p for p in items if p[0].nbytes > cut]
             else:
                 small = []
         names = [r.name for r in batch] if tl is not None else []
@@ -156,7 +176,7 @@ class Executor:
             fbuf = self._fusion_buffer(work, total)
             self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", True)
             off = 0
-            for x, _ in small:
+            for x, _, _ in small:
                 _scale(fbuf[off:off + x.size], x, pre)
                 off += x.size
             self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", False)
@@ -165,14 +185,14 @@ class Executor:
             self._activity(tl, names, self._act + "ALLREDUCE", False)
             self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", True)
             off = 0
-            for x, o in small:
+            for x, o, _ in small:
                 _scale(o, fbuf[off:off + x.size], post)
                 off += x.size
             self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
         if large:
             self._activity(tl, names, self._act + "ALLREDUCE", True)
-            for x, o in large:
-                if work != dtype:
+            for x, o, inplace in large:
+                if widen:
                     w = x.astype(work)
                     if pre != 1.0:
                         w *= pre
@@ -182,7 +202,7 @@ class Executor:
                 if pre != 1.0:
                     _scale(o, x, pre)
                     self.backend.allreduce(o, op, group)
-                elif o is x or np.shares_memory(o, x):
+                elif inplace:
                     self.backend.allreduce(o, op, group)
                 else:
                     self.backend.allreduce(o, op, group, src=x)
@@ -260,7 +280,7 @@ class Executor:
         post = req.postscale / group.size if req.reduce_op == ReduceOp.AVERAGE else req.postscale
         outputs = []
         for x in entry.inputs:
-            work = self._work_dtype(x.dtype)
+            work = self._work_dtype(x.dtype.name)
             send = x.reshape(-1)
             if work != x.dtype or req.prescale != 1.0:
                 send = send.astype(work)

@@ -50,6 +50,8 @@ def plan_batches(responses: Sequence[Response], threshold: int, max_tensor_bytes
         Batches in execution order; each is a list of responses with the same ``fusion_key``.
         Error responses and non-fusable kinds are batches of one.
     """
+    if len(responses) == 1:
+        return [list(responses)]
     batches: list[list[Response]] = []
     open_batch: dict[tuple[Any, ...], tuple[int, int]] = {}  # key -> (batch index, fused bytes)
     for resp in responses:

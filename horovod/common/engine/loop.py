@@ -47,7 +47,7 @@ log = logging.getLogger("horovod")
 
 _CACHED, _NEW, _SENT = 1, 2, 3
 _FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED = 1, 2, 4
-_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_WORD = (1 << 64) - 1
 
 DUPLICATE_NAME_MESSAGE = (
     "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor "
@@ -55,10 +55,14 @@ DUPLICATE_NAME_MESSAGE = (
     "different tensor name.")
 
 
-def _bits_to_slots(words: np.ndarray) -> list[int]:
-    if not words.any():
-        return []
-    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
+def _bits_to_slots(bits: int) -> list[int]:
+    """Indices of the set bits of a Python int, lowest first."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out
 
 
 class Engine:
@@ -88,10 +92,12 @@ class Engine:
         self._joined = False
         self._cycle = config.cycle_time_ms / 1000.0
         self.cache = ResponseCache(config.cache_capacity)
-        w = self.cache.words
-        self._ready_mask = np.zeros(w, np.uint64)
-        self._excluded_mask = np.zeros(w, np.uint64)  # slots of process sets without this rank
-        self._occupied_mask = np.zeros(w, np.uint64)
+        # Bit masks over cache slots, as Python ints (bit i = slot i).
+        self._ready_mask = 0
+        self._excluded_mask = 0  # slots of process sets without this rank
+        self._occupied_mask = 0
+        self._full = (1 << (64 * self.cache.words)) - 1
+        self._bits = np.zeros(2 * self.cache.words + 1, np.uint64)
         self._coordinator = Coordinator(self.size, self._members, clock) if self.rank == 0 else None
         self._stall = None
         if self.rank == 0 and not config.stall_check_disable:
@@ -197,21 +203,13 @@ class Engine:
         if self.timeline is not None:
             self.timeline.flush()
 
-    def _set_slot(self, mask: np.ndarray, slot: int, on: bool) -> None:
-        w, b = divmod(slot, 64)
-        bit = np.uint64(1 << b)
-        if on:
-            mask[w] |= bit
-        else:
-            mask[w] &= ~bit
-
     def _round(self, new: list[Entry], shutdown: bool) -> bool:
         cache = self.cache
         words = cache.words
         tl = self.timeline
         if tl is not None:
             tl.cycle()
-        invalid = np.zeros(words, np.uint64)
+        invalid = 0
         for e in new:
             req = e.request
             self._pending[req.name] = e
@@ -220,12 +218,12 @@ class Engine:
             slot, match = cache.lookup(req) if words else (-1, False)
             if match:
                 e.state, e.slot = _CACHED, slot
-                self._set_slot(self._ready_mask, slot, True)
+                self._ready_mask |= 1 << slot
             else:
                 e.state = _NEW
                 self._new.append(e)
                 if slot >= 0:
-                    self._set_slot(invalid, slot, True)
+                    invalid |= 1 << slot
         now = self._clock()
         if words and now >= self._local_stall_due:
             # Cached operations that wait too long go back through the coordinator, which can
@@ -234,7 +232,7 @@ class Engine:
             limit = self.config.stall_check_time_seconds
             for e in self._pending.values():
                 if e.state == _CACHED and now - e.t_submit > limit:
-                    self._set_slot(invalid, e.slot, True)
+                    invalid |= 1 << e.slot
 
         flags = 0
         if self._new:
@@ -243,17 +241,21 @@ class Engine:
             flags |= _FLAG_SHUTDOWN
         if self._joined:
             flags |= _FLAG_JOINED
-        bits = np.empty(2 * words + 1, np.uint64)
         ready_local = self._ready_mask | self._excluded_mask
         if self._joined:
             ready_local |= self._occupied_mask
-        bits[:words] = ready_local
-        bits[words:2 * words] = ~invalid
-        bits[2 * words] = ~np.uint64(flags)
-        result = self.backend.and_bits(bits)
-        any_flags = int(~result[2 * words])
-        ready_slots = _bits_to_slots(result[:words])
-        evict = _bits_to_slots(~result[words:2 * words] & self._occupied_mask)
+        nbytes = 8 * words
+        # One AND over [ready bits | NOT invalid bits | NOT flags]: AND of negations is the
+        # negation of an OR, so one collective yields "ready everywhere" and "wanted anywhere".
+        packed = (ready_local | ((self._full ^ invalid) << (64 * words))
+                  | ((_WORD ^ flags) << (128 * words)))
+        bits = self._bits
+        bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
+        raw = self.backend.and_bits(bits).tobytes()
+        any_flags = _WORD ^ int.from_bytes(raw[2 * nbytes:], "little")
+        ready_slots = _bits_to_slots(int.from_bytes(raw[:nbytes], "little"))
+        evict = _bits_to_slots((self._full ^ int.from_bytes(raw[nbytes:2 * nbytes], "little"))
+                               & self._occupied_mask)
         responses: list[Response] = []
         cached_slots: list[int] = []
         for slot in ready_slots:
@@ -274,8 +276,10 @@ class Engine:
     def _evict(self, slot: int) -> None:
         name = self.cache.response(slot).name
         self.cache.evict(slot)
-        for mask in (self._ready_mask, self._excluded_mask, self._occupied_mask):
-            self._set_slot(mask, slot, False)
+        keep = ~(1 << slot)
+        self._ready_mask &= keep
+        self._excluded_mask &= keep
+        self._occupied_mask &= keep
         e = self._pending.get(name)
         if e is not None and e.state == _CACHED:
             e.state = _NEW
@@ -329,9 +333,9 @@ class Engine:
                 cache.put(resp)
                 slot = cache.lookup(resp.request)[0]
                 if slot >= 0 and slot != before:
-                    self._set_slot(self._occupied_mask, slot, True)
+                    self._occupied_mask |= 1 << slot
                     if self.rank not in self.groups[resp.request.process_set_id].ranks:
-                        self._set_slot(self._excluded_mask, slot, True)
+                        self._excluded_mask |= 1 << slot
         if joined_any:
             responses = [Response(r.request, error=_JOIN_UNSUPPORTED[r.kind])
                          if r.kind in _JOIN_UNSUPPORTED and r.error is None else r for r in responses]
@@ -344,7 +348,7 @@ class Engine:
     def _take(self, name: str) -> Entry | None:
         e = self._pending.pop(name, None)
         if e is not None and e.state == _CACHED:
-            self._set_slot(self._ready_mask, e.slot, False)
+            self._ready_mask &= ~(1 << e.slot)
         return e
 
     def _complete(self, entries: list[Entry | None]) -> None:

@@ -1,0 +1,442 @@
+"""Gloo through ``torch.distributed``: negotiation and CPU collectives on NumPy buffers.
+
+Workers started by ``horovodrun --gloo`` (or ``horovod.run(..., use_gloo=True)``) find each other
+like this: rank 0 opens a ``torch.distributed.TCPStore`` on a free port and publishes its address
+through the launcher's rendezvous service; the other ranks read it there. Requests to that service
+are HMAC-signed with the job secret (``HOROVOD_SECRET_KEY``) and its answers are checked the same
+way (protocol: ``horovod/runner/rendezvous/__init__.py``), so a worker never connects to an
+address it did not get from its own launcher. Process groups are ``ProcessGroupGloo`` objects made
+directly on that store, without torch's global default group, so ``hvd.init(); hvd.shutdown();
+hvd.init()`` works and nothing leaks into a user's own ``torch.distributed`` use.
+
+Buffers are handed to Gloo through ``torch.from_numpy`` (no copy). Data-movement collectives
+(allgather, broadcast, alltoall) run on a byte view of the buffer, so every dtype works; reductions
+use the buffer's own dtype (see ``reduce_dtypes``). PyTorch is imported only when this backend is
+created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import hmac
+import http.client
+import itertools
+import os
+import pickle
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from horovod.common.backends.base import Group
+from horovod.common.config import EngineConfig
+from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
+from horovod.common.types import ReduceOp
+
+__all__ = ["GlooBackend", "create", "sign_request", "sign_response"]
+
+# One rendezvous scope per backend created in this process: every rank creates its backends in
+# the same order (init, shutdown, init ...), so the n-th init of every rank meets the others'.
+_INIT_SEQUENCE = itertools.count()
+
+
+# --------------------------------------------------------------------- rendezvous client
+def _mac(secret: str, *parts: str) -> str:
+    return hmac.new(bytes.fromhex(secret), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def sign_request(secret: str, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
+    """Signature of a rendezvous request (must match ``horovod.runner.rendezvous.auth``)."""
+    return _mac(secret, method.upper(), path, timestamp, nonce, hashlib.sha256(body).hexdigest())
+
+
+def sign_response(secret: str, request_mac: str, status: int, body: bytes) -> str:
+    """Signature of a rendezvous answer (must match ``horovod.runner.rendezvous.auth``)."""
+    return _mac(secret, "resp", request_mac, str(status), hashlib.sha256(body).hexdigest())
+
+
+class _Rendezvous:
+    """The two calls the backend needs from the launcher's service: put and wait-for a key."""
+
+    def __init__(self, addr: str, port: int, secret: str, rank: int) -> None:
+        self.addr, self.port, self.secret, self.rank = addr, port, secret, rank
+
+    def _request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        ts, nonce = f"{time.time():.6f}", secrets.token_hex(16)
+        mac = sign_request(self.secret, method, path, ts, nonce, body)
+        conn = http.client.HTTPConnection(self.addr, self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers={"X-Horovod-Auth": f"{ts}:{nonce}:{mac}"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise HorovodInternalError(
+                f"Gloo rendezvous: rank {self.rank} cannot reach the launcher at "
+                f"{self.addr}:{self.port}: {exc}. Check that this host can reach that address "
+                "(horovodrun --network-interfaces selects it).", rank=self.rank) from exc
+        finally:
+            conn.close()
+        if resp.status == 403:
+            raise HorovodInternalError(
+                f"Gloo rendezvous: the launcher at {self.addr}:{self.port} refused rank {self.rank} "
+                "(wrong HOROVOD_SECRET_KEY: this process belongs to another job).", rank=self.rank)
+        if not hmac.compare_digest(resp.getheader("X-Horovod-Signature", ""),
+                                   sign_response(self.secret, mac, resp.status, data)):
+            raise HorovodInternalError(
+                f"Gloo rendezvous: the answer from {self.addr}:{self.port} is not signed by this "
+                "job's launcher.", rank=self.rank)
+        return resp.status, data
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        status, _ = self._request("PUT", f"/kv/{quote(scope, safe='')}/{quote(key, safe='')}", value)
+        if status != 200:
+            raise HorovodInternalError(f"Gloo rendezvous: storing {scope}/{key} failed (HTTP {status}).",
+                                       rank=self.rank)
+
+    def wait(self, scope: str, key: str, timeout: float) -> bytes:
+        path = f"/kv/{quote(scope, safe='')}/{quote(key, safe='')}"
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            status, data = self._request("GET", path)
+            if status == 200:
+                return data
+            if time.monotonic() > deadline:
+                raise HorovodInternalError(
+                    f"Gloo rendezvous: rank {self.rank} waited {timeout:g} s for rank 0 to publish "
+                    f"its store address ({scope}/{key}). Did rank 0 start? Raise "
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+def _local_address(environ: Mapping[str, str], rendezvous_addr: str) -> str:
+    """The address the other ranks can reach this one at."""
+    iface = environ.get("HOROVOD_GLOO_IFACE")
+    if iface:
+        import psutil
+
+        for entry in psutil.net_if_addrs().get(iface, []):
+            if entry.family == socket.AF_INET:
+                return str(entry.address)
+        raise BackendUnavailableError(f"HOROVOD_GLOO_IFACE={iface!r}: no such interface with an IPv4 "
+                                      "address on this host.", backend="gloo")
+    # The interface that routes to the launcher is the one the job's hosts share.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((rendezvous_addr, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+# --------------------------------------------------------------------------- backend
+class GlooBackend:
+    """Controller and collective backend on ``torch.distributed`` Gloo process groups."""
+
+    name = "gloo"
+
+    def __init__(self, config: EngineConfig, environ: Mapping[str, str]) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"The Gloo transport needs PyTorch, which cannot be imported here ({exc}). Install it "
+                "(pip install 'horovod-py[torch]') or start the job with MPI (horovodrun --mpi).",
+                backend="gloo") from exc
+        if not dist.is_available() or not dist.is_gloo_available():
+            raise BackendUnavailableError("This PyTorch build has no torch.distributed Gloo support; "
+                                          "use a standard PyTorch wheel or MPI.", backend="gloo")
+        self._torch, self._dist = torch, dist
+        try:
+            self.rank = int(environ.get("HOROVOD_RANK", "0"))
+            self.size = int(environ.get("HOROVOD_SIZE", "1"))
+        except ValueError as exc:
+            raise BackendUnavailableError(f"HOROVOD_RANK/HOROVOD_SIZE are not integers: {exc}",
+                                          backend="gloo") from exc
+        self._timeout = datetime.timedelta(seconds=config.gloo_timeout_seconds or 30.0)
+        self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
+                     ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
+        self._group_seq = 0
+        scope = f"gloo.{next(_INIT_SEQUENCE)}"
+        if self.size == 1:
+            self._store: Any = dist.HashStore()
+            my_addr = "127.0.0.1"
+        else:
+            self._store, my_addr = self._connect_store(environ, scope)
+        iface = environ.get("HOROVOD_GLOO_IFACE")
+        with self._translate("creating the Gloo device"):
+            self._device = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
+                            else dist.ProcessGroupGloo.create_device(hostname=my_addr))
+            self._world = self._make_pg("world", self.rank, self.size)
+
+    def _connect_store(self, environ: Mapping[str, str], scope: str) -> tuple[Any, str]:
+        dist = self._dist
+        try:
+            addr = environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
+            port = int(environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+            secret = environ["HOROVOD_SECRET_KEY"]
+        except (KeyError, ValueError) as exc:
+            raise BackendUnavailableError(
+                f"Gloo needs HOROVOD_GLOO_RENDEZVOUS_ADDR, HOROVOD_GLOO_RENDEZVOUS_PORT and "
+                f"HOROVOD_SECRET_KEY ({exc} is missing or invalid): start the job with "
+                "horovodrun --gloo or horovod.run(..., use_gloo=True).", backend="gloo") from exc
+        rdv = _Rendezvous(addr, port, secret, self.rank)
+        my_addr = _local_address(environ, addr)
+        wait = self._timeout.total_seconds()
+        with self._translate("connecting to the TCP store"):
+            if self.rank == 0:
+                store = dist.TCPStore(my_addr, 0, self.size, True, timeout=self._timeout,
+                                      wait_for_workers=False)
+                rdv.put(scope, "store", f"{my_addr}:{store.port}".encode())
+            else:
+                host, _, p = rdv.wait(scope, "store", wait).decode().rpartition(":")
+                store = dist.TCPStore(host, int(p), self.size, False, timeout=self._timeout)
+        return store, my_addr
+
+    def _make_pg(self, prefix: str, rank: int, size: int) -> Any:
+        dist = self._dist
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self._timeout
+        opts._devices = [self._device]
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), rank, size, opts)
+
+    @contextlib.contextmanager
+    def _translate(self, what: str) -> Iterator[None]:
+        """The one place where torch/Gloo errors become Horovod errors."""
+        try:
+            yield
+        except HorovodInternalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses and others
+            raise HorovodInternalError(
+                f"Gloo {what} failed on rank {self.rank}: {exc}. A peer process may have died; "
+                "check the other ranks' output.", rank=self.rank, op=what) from exc
+
+    def _t(self, arr: np.ndarray) -> Any:
+        return self._torch.from_numpy(arr)
+
+    @staticmethod
+    def _bytes(arr: np.ndarray) -> np.ndarray:
+        return arr.reshape(-1).view(np.uint8)
+
+    def _run(self, what: str, fn: Callable[[], Any]) -> None:
+        with self._translate(what):
+            fn().wait()
+
+    # ---------------------------------------------------------------- controller
+    def and_bits(self, bits: np.ndarray) -> np.ndarray:
+        out = np.ascontiguousarray(bits, dtype=np.uint64).copy()
+        if self.size > 1 and out.size:
+            o = self._dist.AllreduceOptions()
+            o.reduceOp = self._dist.ReduceOp.BAND
+            self._run("negotiation", lambda: self._world.allreduce([self._t(out.view(np.int64))], o))
+        return out
+
+    def _lengths(self, n: int, group: Group) -> np.ndarray:
+        return self.allgather_ints(np.array([n], np.int64), group)[:, 0]
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        world = self.world_group()
+        counts = [int(c) for c in self._lengths(data.size, world)]
+        recv = np.empty(sum(counts), np.uint8)
+        self.allgatherv(data, recv, counts, world)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        return [pickle.loads(recv[offsets[i]:offsets[i + 1]].tobytes()) for i in range(self.size)]
+
+    def gather_to_root(self, obj: Any) -> list[Any] | None:
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        if self.size == 1:
+            return [obj]
+        counts = self._lengths(data.size, self.world_group())
+        width = int(counts.max())
+        padded = np.zeros(width, np.uint8)
+        padded[:data.size] = data
+        o = self._dist.GatherOptions()
+        o.rootRank = 0
+        if self.rank == 0:
+            outs = [np.empty(width, np.uint8) for _ in range(self.size)]
+            self._run("negotiation gather",
+                      lambda: self._world.gather([[self._t(x) for x in outs]], [self._t(padded)], o))
+            return [pickle.loads(outs[i][:counts[i]].tobytes()) for i in range(self.size)]
+        self._run("negotiation gather", lambda: self._world.gather([], [self._t(padded)], o))
+        return None
+
+    def bcast_from_root(self, obj: Any) -> Any:
+        if self.size == 1:
+            return obj
+        world = self.world_group()
+        data = (np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+                if self.rank == 0 else np.empty(0, np.uint8))
+        n = np.array([data.size], np.int64)
+        self.broadcast(n, 0, world)
+        if self.rank != 0:
+            data = np.empty(int(n[0]), np.uint8)
+        else:
+            data = data.copy()
+        self.broadcast(data, 0, world)
+        return obj if self.rank == 0 else pickle.loads(data.tobytes())
+
+    # ---------------------------------------------------------------- groups
+    def world_group(self) -> Group:
+        return Group(list(range(self.size)), self.rank, self._world)
+
+    def new_group(self, ranks: list[int]) -> Group:
+        ranks = sorted(int(r) for r in ranks)
+        self._group_seq += 1
+        handle = None
+        if self.rank in ranks:
+            with self._translate("creating a process group"):
+                handle = self._make_pg(f"group{self._group_seq}", ranks.index(self.rank), len(ranks))
+        return Group(ranks, self.rank, handle)
+
+    def free_group(self, group: Group) -> None:
+        group.handle = None
+
+    def reduce_dtypes(self) -> frozenset[str]:
+        return frozenset({"uint8", "int8", "int32", "int64", "float16", "float32", "float64"})
+
+    # ---------------------------------------------------------------- collectives
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group,
+                  src: np.ndarray | None = None) -> None:
+        if src is not None:
+            np.copyto(buf.reshape(-1), src.reshape(-1))
+        if group.size == 1 or buf.size == 0:
+            return
+        o = self._dist.AllreduceOptions()
+        o.reduceOp = self._ops[op]
+        self._run("allreduce", lambda: group.handle.allreduce([self._t(buf.reshape(-1))], o))
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:
+        item = recv.dtype.itemsize
+        out = self._bytes(recv)
+        if group.size == 1:
+            out[:counts[0] * item] = self._bytes(send)[:counts[0] * item]
+            return
+        width = max(counts) * item
+        if width == 0:
+            return
+        nbytes = [c * item for c in counts]
+        if len(set(nbytes)) == 1:
+            # Equal parts land directly in their place in ``recv``.
+            outs = [out[i * width:(i + 1) * width] for i in range(group.size)]
+            inp = self._bytes(send)[:width]
+        else:
+            outs = [np.empty(width, np.uint8) for _ in range(group.size)]
+            inp = np.zeros(width, np.uint8)
+            mine = nbytes[group.rank]
+            inp[:mine] = self._bytes(send)[:mine]
+        self._run("allgather", lambda: group.handle.allgather([[self._t(x) for x in outs]],
+                                                              [self._t(inp)]))
+        if len(set(nbytes)) != 1:
+            pos = 0
+            for i, n in enumerate(nbytes):
+                out[pos:pos + n] = outs[i][:n]
+                pos += n
+
+    def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
+        if group.size == 1 or buf.size == 0:
+            return
+        o = self._dist.BroadcastOptions()
+        o.rootRank, o.rootTensor = root, 0
+        self._run("broadcast", lambda: group.handle.broadcast([self._t(self._bytes(buf))], o))
+
+    def alltoallv(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
+                  recv_counts: list[int], group: Group) -> None:
+        item = recv.dtype.itemsize
+        if group.size == 1:
+            n = send_counts[0] * item
+            self._bytes(recv)[:n] = self._bytes(send)[:n]
+            return
+        s = [c * item for c in send_counts]
+        r = [c * item for c in recv_counts]
+        if min(s) > 0 and min(r) > 0:
+            o = self._dist.AllToAllOptions()
+            self._run("alltoall", lambda: group.handle.alltoall_base(
+                self._t(self._bytes(recv)[:sum(r)]), self._t(self._bytes(send)[:sum(s)]), r, s, o))
+            return
+        self._alltoall_padded(send, send_counts, recv, recv_counts, group)
+
+    def _alltoall_padded(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
+                         recv_counts: list[int], group: Group) -> None:
+        # Gloo's alltoall_base rejects zero-sized tensors, which ragged alltoalls produce; send one
+        # pad byte per peer so that every rank's tensors are non-empty, and drop it on receipt.
+        item = recv.dtype.itemsize
+        s = [c * item for c in send_counts]
+        r = [c * item for c in recv_counts]
+        src = self._bytes(send)
+        inp = np.zeros(sum(s) + group.size, np.uint8)
+        pos_in = pos_src = 0
+        for n in s:
+            inp[pos_in:pos_in + n] = src[pos_src:pos_src + n]
+            pos_in += n + 1
+            pos_src += n
+        out = np.empty(sum(r) + group.size, np.uint8)
+        o = self._dist.AllToAllOptions()
+        self._run("alltoall", lambda: group.handle.alltoall_base(
+            self._t(out), self._t(inp), [n + 1 for n in r], [n + 1 for n in s], o))
+        dst = self._bytes(recv)
+        pos_out = pos_dst = 0
+        for n in r:
+            dst[pos_dst:pos_dst + n] = out[pos_out:pos_out + n]
+            pos_out += n + 1
+            pos_dst += n
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], op: ReduceOp,
+                      group: Group) -> None:
+        # Gloo has no reduce-scatter for CPU tensors here: reduce everything, keep our part.
+        tmp = np.array(send.reshape(-1), copy=True)
+        self.allreduce(tmp, op, group)
+        start = sum(counts[:group.rank])
+        np.copyto(recv.reshape(-1)[:counts[group.rank]], tmp[start:start + counts[group.rank]])
+
+    def allgather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        values = np.ascontiguousarray(values, np.int64).reshape(-1)
+        out = np.empty((group.size, values.size), np.int64)
+        self.allgatherv(values, out.reshape(-1), [values.size] * group.size, group)
+        return out
+
+    def alltoall_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        values = np.ascontiguousarray(values, np.int64).reshape(-1)
+        out = np.empty(group.size, np.int64)
+        self.alltoallv(values, [1] * group.size, out, [1] * group.size, group)
+        return out
+
+    def barrier(self, group: Group) -> None:
+        if group.size == 1:
+            return
+        # An allreduce of one value, not pg.barrier(): Gloo's barrier keeps no ordering with
+        # other collectives issued on the same group, an allreduce does.
+        self.allreduce(np.zeros(1, np.int32), ReduceOp.SUM, group)
+
+    def close(self) -> None:
+        # Dropping the references closes Gloo's pairs and the store connection; rank 0's store
+        # server goes last so that peers that are still closing are not cut off mid-call.
+        self._world = None
+        with contextlib.suppress(Exception):
+            del self._device
+        self._store = None
+
+
+def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> GlooBackend:
+    """Make the Gloo backend for this worker (see the module docstring for how ranks meet).
+
+    Raises:
+        BackendUnavailableError: PyTorch is missing, or the process was not started by a Gloo
+            launcher (no rendezvous variables).
+        HorovodInternalError: the rendezvous or the store connection failed.
+        ValueError: ``comm`` was given (sub-communicators need MPI).
+    """
+    if comm is not None:
+        raise ValueError("hvd.init(comm=...) needs MPI; under Gloo every started process joins the "
+                         "job (use process sets for subsets).")
+    environ = os.environ if environ is None else environ
+    return GlooBackend(config, environ)

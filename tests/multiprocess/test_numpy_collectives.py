@@ -1,0 +1,183 @@
+"""Every collective of horovod.numpy on real ranks (mpirun), np=2 and np=3, every dtype.
+
+Each rank body runs all cases of one collective and returns the list of failures (it does not
+stop at the first), so one launch reports every broken (dtype, shape, op) combination.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from horovod.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+NPS = [2, 3]
+DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"]
+
+
+def _allreduce_cases():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    for dt in DTYPES:
+        for shape in [(), (5,), (3, 4), (2, 3, 2)]:
+            x = (np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) % 7 + r).astype(dt)
+            allx = [(np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) % 7 + k) for k in range(n)]
+            for op, want in [(hvd.Sum, sum(allx)), (hvd.Min, np.min(allx, 0)), (hvd.Max, np.max(allx, 0)),
+                             (hvd.Product, np.prod(allx, 0))]:
+                if dt in ("uint8", "int8") and op == hvd.Product:
+                    continue  # overflows
+                got = hvd.allreduce(x, op=op, name=f"{dt}.{shape}.{op}")
+                if got.dtype != np.dtype(dt) or got.shape != shape or not np.allclose(got, want.astype(dt), rtol=1e-3):
+                    bad.append(f"rank {r}: allreduce({dt}, {shape}, {op}) -> {got!r}, expected {want.astype(dt)!r}")
+            got = hvd.allreduce(x, name=f"avg.{dt}.{shape}")
+            want = (sum(allx) / n)
+            want = want.astype(dt) if np.dtype(dt).kind == "f" else np.trunc(want).astype(dt)
+            if not np.allclose(got, want, rtol=1e-3, atol=1e-3):
+                bad.append(f"rank {r}: allreduce({dt}, {shape}, Average) -> {got!r}, expected {want!r}")
+    # prescale / postscale, in place, async, grouped
+    x = np.full(6, r + 1.0, np.float32)
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5, name="scaled")
+    if not np.allclose(got, sum(k + 1 for k in range(n))):
+        bad.append(f"rank {r}: scaled allreduce -> {got}")
+    y = np.full(4, float(r), np.float64)
+    out = hvd.allreduce_(y, op=hvd.Sum, name="inplace")
+    if out is not y or not np.allclose(y, sum(range(n))):
+        bad.append(f"rank {r}: allreduce_ did not write in place: {y}")
+    nc = np.zeros((4, 4), np.float32)[:, ::2]  # non-contiguous
+    nc[...] = r
+    hvd.allreduce_(nc, op=hvd.Sum, name="noncontig")
+    if not np.allclose(nc, sum(range(n))):
+        bad.append(f"rank {r}: non-contiguous allreduce_ -> {nc}")
+    hs = [hvd.allreduce_async(np.full(k + 1, float(r)), name=f"async.{k}", op=hvd.Sum) for k in range(50)]
+    for k, h in enumerate(hs):
+        got = hvd.synchronize(h)
+        if got.shape != (k + 1,) or not np.allclose(got, sum(range(n))):
+            bad.append(f"rank {r}: async allreduce {k} -> {got}")
+    ts = [np.full((k + 1, 2), float(r + k), np.float32) for k in range(5)]
+    outs = hvd.grouped_allreduce(ts, op=hvd.Sum, name="grp")
+    for k, o in enumerate(outs):
+        if not np.allclose(o, sum(q + k for q in range(n))):
+            bad.append(f"rank {r}: grouped_allreduce[{k}] -> {o}")
+    hvd.grouped_allreduce_(ts, op=hvd.Average, name="grp_")
+    for k, t in enumerate(ts):
+        if not np.allclose(t, sum(q + k for q in range(n)) / n):
+            bad.append(f"rank {r}: grouped_allreduce_[{k}] -> {t}")
+    # unnamed ops in the same order on every rank
+    for _ in range(3):
+        got = hvd.allreduce(np.ones(3), op=hvd.Sum)
+        if not np.allclose(got, n):
+            bad.append(f"rank {r}: unnamed allreduce -> {got}")
+    return bad
+
+
+def _allgather_broadcast_cases():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    for dt in DTYPES + ["bool"]:
+        x = (np.ones((r + 1, 3)) * r).astype(dt)
+        got = hvd.allgather(x, name=f"ag.{dt}")
+        want = np.concatenate([(np.ones((k + 1, 3)) * k).astype(dt) for k in range(n)])
+        if got.dtype != np.dtype(dt) or not np.array_equal(got, want):
+            bad.append(f"rank {r}: allgather({dt}) -> {got!r}, expected {want!r}")
+        for root in range(n):
+            b = (np.arange(6).reshape(2, 3) + 10 * r).astype(dt)
+            got = hvd.broadcast(b, root, name=f"bc.{dt}.{root}")
+            want = (np.arange(6).reshape(2, 3) + 10 * root).astype(dt)
+            if not np.array_equal(got, want) or not np.array_equal(b, (np.arange(6).reshape(2, 3) + 10 * r).astype(dt)):
+                bad.append(f"rank {r}: broadcast({dt}, root={root}) -> {got!r}, expected {want!r}")
+    b = np.full(5, float(r))
+    hvd.broadcast_(b, n - 1, name="bc_")
+    if not np.allclose(b, n - 1):
+        bad.append(f"rank {r}: broadcast_ -> {b}")
+    # many small broadcasts (fused), like broadcast_parameters
+    hs = [hvd.broadcast_async_(np.full(k + 1, float(r)), 0, name=f"p{k}") for k in range(40)]
+    for k, h in enumerate(hs):
+        got = hvd.synchronize(h)
+        if not np.allclose(got, 0.0):
+            bad.append(f"rank {r}: fused broadcast {k} -> {got}")
+    outs = hvd.grouped_allgather([np.full((r + 1,), r), np.full((1, 2), r)], name="gag")
+    if outs[0].tolist() != sum(([k] * (k + 1) for k in range(n)), []) or outs[1].shape != (n, 2):
+        bad.append(f"rank {r}: grouped_allgather -> {outs}")
+    obj = hvd.broadcast_object({"from": r, "list": [1, 2]} if r == 1 else None, root_rank=1)
+    if obj != {"from": 1, "list": [1, 2]}:
+        bad.append(f"rank {r}: broadcast_object -> {obj}")
+    objs = hvd.allgather_object(("rank", r))
+    if objs != [("rank", k) for k in range(n)]:
+        bad.append(f"rank {r}: allgather_object -> {objs}")
+    return bad
+
+
+def _alltoall_reducescatter_cases():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    for dt in DTYPES + ["bool"]:
+        x = (np.arange(2 * n) + 100 * r).astype(dt)
+        got = hvd.alltoall(x, name=f"a2a.{dt}")
+        want = np.concatenate([(np.arange(2 * n) + 100 * k)[2 * r:2 * r + 2] for k in range(n)]).astype(dt)
+        if not np.array_equal(got, want):
+            bad.append(f"rank {r}: alltoall({dt}) -> {got}, expected {want}")
+    # uneven splits: rank k sends (j + 1) rows to rank j
+    splits = [j + 1 for j in range(n)]
+    x = np.repeat(np.arange(n)[:, None] * 0 + r, 1, 1).repeat(1, 0)
+    x = np.concatenate([np.full((j + 1, 2), 10 * r + j) for j in range(n)]).astype(np.float32)
+    out, recv = hvd.alltoall(x, splits=splits, name="a2a.splits")
+    want = np.concatenate([np.full((r + 1, 2), 10 * k + r) for k in range(n)])
+    if not np.array_equal(out, want) or recv.tolist() != [r + 1] * n:
+        bad.append(f"rank {r}: alltoall splits -> {out.tolist()}, {recv}, expected {want.tolist()}")
+    for dt in ["int32", "int64", "float16", "float32", "float64"]:
+        for rows in [n, 2 * n + 1, 7]:
+            x = (np.arange(rows * 2).reshape(rows, 2) + r).astype(dt)
+            total = sum((np.arange(rows * 2).reshape(rows, 2) + k) for k in range(n))
+            base, extra = divmod(rows, n)
+            counts = [base + (1 if i < extra else 0) for i in range(n)]
+            start = sum(counts[:r])
+            got = hvd.reducescatter(x, op=hvd.Sum, name=f"rs.{dt}.{rows}")
+            want = total[start:start + counts[r]].astype(dt)
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-3):
+                bad.append(f"rank {r}: reducescatter({dt}, rows={rows}) -> {got}, expected {want}")
+            got = hvd.reducescatter(x, name=f"rsavg.{dt}.{rows}")
+            wavg = total[start:start + counts[r]] / n
+            wavg = wavg if np.dtype(dt).kind == "f" else np.trunc(wavg)
+            if not np.allclose(got, wavg.astype(dt), rtol=1e-3, atol=1e-3):
+                bad.append(f"rank {r}: reducescatter Average({dt}, rows={rows}) -> {got}, expected {wavg}")
+    outs = hvd.grouped_reducescatter([np.ones((n, 2)), np.ones((2 * n,))], op=hvd.Sum, name="grs")
+    if [o.shape for o in outs] != [(1, 2), (2,)] or not all(np.allclose(o, n) for o in outs):
+        bad.append(f"rank {r}: grouped_reducescatter -> {outs}")
+    return bad
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_allreduce_every_dtype_op_and_variant(np_):
+    results = run_ranks(_allreduce_cases, np=np_, timeout=180)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_allgather_broadcast_and_objects(np_):
+    results = run_ranks(_allgather_broadcast_cases, np=np_, timeout=180)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_alltoall_and_reducescatter(np_):
+    results = run_ranks(_alltoall_reducescatter_cases, np=np_, timeout=180)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])

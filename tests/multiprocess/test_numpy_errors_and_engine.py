@@ -1,0 +1,408 @@
+"""Bad input, faults and engine features on real ranks: every error is raised on every rank
+with the tensor, the ranks and the values; the engine keeps serving later operations."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from horovod.testing import RanksFailed, run_mpi_script, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _mismatches():
+    import numpy as np
+
+    import horovod.numpy as hvd
+    from horovod.common.exceptions import CollectiveMismatchError
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    seen = {}
+    cases = {
+        "shape": lambda: hvd.allreduce(np.ones(3 + (r == n - 1)), name="shape"),
+        "dtype": lambda: hvd.allreduce(np.ones(3, np.float32 if r else np.float64), name="dtype"),
+        "op": lambda: hvd.allreduce(np.ones(3), name="op", op=hvd.Max if r else hvd.Sum),
+        "root": lambda: hvd.broadcast(np.ones(3), root_rank=r % 2, name="root"),
+        "kind": lambda: (hvd.allgather if r else hvd.broadcast_object)(np.ones((1, 3)), name="kind"),
+        "scale": lambda: hvd.allreduce(np.ones(3), name="scale", prescale_factor=1.0 + r),
+        "gather_dims": lambda: hvd.allgather(np.ones((2, 2 + r)), name="gather_dims"),
+    }
+    for case, fn in cases.items():
+        if case == "kind":
+            continue
+        t0 = time.monotonic()
+        try:
+            fn()
+            seen[case] = "no error"
+        except CollectiveMismatchError as e:
+            seen[case] = {"type": type(e).__name__, "is_runtime": isinstance(e, RuntimeError),
+                          "name": e.tensor_name, "field": e.field, "ranks": e.ranks,
+                          "values": {k: v for k, v in e.values.items()}, "msg": str(e),
+                          "seconds": time.monotonic() - t0}
+        # The engine keeps working after each error.
+        ok = hvd.allreduce(np.ones(2), op=hvd.Sum, name=f"after.{case}")
+        assert np.allclose(ok, n), (r, case, ok)
+    return seen
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_mismatches_raise_on_every_rank_with_fields_and_engine_survives(np_):
+    results = run_ranks(_mismatches, np=np_, timeout=120)
+    for r, seen in enumerate(results):
+        for case, info in seen.items():
+            assert info != "no error", f"rank {r}: {case} mismatch raised nothing"
+            assert info["is_runtime"] and info["seconds"] < 1.0, (r, case, info)
+            assert info["ranks"] == list(range(np_)), (r, case, info)
+            assert f"allreduce.{case}" in info["msg"] or case in info["msg"], (r, case, info["msg"])
+        assert seen["shape"]["field"] == "shape" and "Mismatched ALLREDUCE tensor shapes" in seen["shape"]["msg"]
+        assert seen["dtype"]["field"] == "dtype" and "float32" in seen["dtype"]["msg"]
+        assert seen["op"]["field"] == "reduce_op" and "Max" in seen["op"]["msg"]
+        assert seen["root"]["field"] == "root_rank"
+        assert seen["scale"]["field"] == "scale"
+        assert seen["gather_dims"]["field"] == "shape"
+        assert seen["shape"]["values"] == ({"(3,) float64": list(range(np_ - 1)), "(4,) float64": [np_ - 1]})
+
+
+def _bad_arguments():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    errors = {}
+
+    def expect(case, exc_type, fn):
+        try:
+            fn()
+            errors[case] = "no error"
+        except exc_type as e:
+            errors[case] = str(e)
+
+    expect("root_out_of_range", ValueError, lambda: hvd.broadcast(np.ones(2), root_rank=n + 5))
+    expect("splits_length", ValueError, lambda: hvd.alltoall(np.ones(4), splits=[4]))
+    expect("splits_too_many_rows", ValueError, lambda: hvd.alltoall(np.ones(4), splits=[3] * n))
+    expect("no_splits_uneven", ValueError, lambda: hvd.alltoall(np.ones(n + 1)))
+    expect("reducescatter_scalar", ValueError, lambda: hvd.reducescatter(np.float64(3.0)))
+    expect("reducescatter_max", ValueError, lambda: hvd.reducescatter(np.ones(4), op=hvd.Max))
+    expect("allgather_scalar", ValueError, lambda: hvd.allgather(np.float32(1)))
+    expect("adasum", NotImplementedError, lambda: hvd.allreduce(np.ones(2), op=hvd.Adasum))
+    expect("unsupported_dtype", ValueError, lambda: hvd.allreduce(np.ones(2, np.complex64)))
+    expect("bool_allreduce", ValueError, lambda: hvd.allreduce(np.ones(2, bool)))
+    expect("op_and_average", ValueError, lambda: hvd.allreduce(np.ones(2), average=True, op=hvd.Sum))
+    # A name still in flight on this rank is refused; the first op still completes.
+    h = hvd.allreduce_async(np.ones(2), name="dup")
+    expect("duplicate_name", ValueError, lambda: hvd.allreduce_async(np.ones(2), name="dup"))
+    first = hvd.synchronize(h)
+    assert np.allclose(first, 1.0)
+    # Every rank still works after all of this.
+    assert np.allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="after"), n)
+    return errors
+
+
+def test_bad_arguments_are_clear_errors_on_every_rank_and_nothing_hangs():
+    results = run_ranks(_bad_arguments, np=3, timeout=90)
+    for r, errors in enumerate(results):
+        for case, msg in errors.items():
+            assert msg != "no error", f"rank {r}: {case} raised nothing"
+        assert "root_rank 8" in errors["root_out_of_range"]
+        assert "3 ranks" in errors["splits_length"]
+        assert "even multiple" in errors["no_splits_uneven"]
+        assert "AVERAGE and SUM" in errors["reducescatter_max"]
+        assert "not supported yet" in errors["adasum"]
+        assert "same name" in errors["duplicate_name"] and "allreduce.dup" in errors["duplicate_name"]
+        assert "complex64" in errors["unsupported_dtype"]
+
+
+def _join_body():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    if r == 0:
+        time.sleep(0.2)
+        out["last"] = hvd.join()
+    else:
+        # Rank 0 has joined: it contributes zeros, Average still divides by the full size.
+        out["avg"] = hvd.allreduce(np.full(4, 6.0), name="during_join").tolist()
+        out["sum"] = hvd.allreduce(np.full(2, 1.0), op=hvd.Sum, name="during_join_sum").tolist()
+        try:
+            hvd.allgather(np.ones((1, 2)), name="gather_during_join")
+            out["allgather"] = "no error"
+        except RuntimeError as e:
+            out["allgather"] = str(e)
+        out["last"] = hvd.join()
+    # The job goes on normally after everyone joined.
+    out["after"] = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after_join").tolist()
+    hvd.barrier()
+    return out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_join_zero_contributions_and_last_rank(np_):
+    results = run_ranks(_join_body, np=np_, timeout=90)
+    lasts = {res["last"] for res in results}
+    assert len(lasts) == 1 and lasts != {0}, results  # rank 0 joined first, so it is not the last
+    for r, res in enumerate(results):
+        assert res["after"] == [np_] * 2, (r, res)
+        if r:
+            assert res["avg"] == [6.0 * (np_ - 1) / np_] * 4, (r, res)
+            assert res["sum"] == [float(np_ - 1)] * 2, (r, res)
+            assert "not supported with Join" in res["allgather"], (r, res)
+
+
+def _process_sets():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    evens = hvd.ProcessSet([0, 2])
+    odd = hvd.ProcessSet([1])
+    hvd.init(process_sets=[evens, odd])
+    r = hvd.rank()
+    out = {"ids": (evens.process_set_id, odd.process_set_id), "included": evens.included()}
+    if evens.included():
+        out["sum"] = hvd.allreduce(np.full(2, float(r)), op=hvd.Sum, name="ps", process_set=evens).tolist()
+        out["gather"] = hvd.allgather(np.array([r]), process_set=evens).tolist()
+        out["bcast"] = hvd.broadcast(np.array([r]), root_rank=2, process_set=evens).tolist()
+        out["set_rank"] = evens.rank()
+        try:
+            hvd.broadcast(np.ones(1), root_rank=1, process_set=evens)
+        except ValueError as e:
+            out["root_not_member"] = str(e)
+        hvd.barrier(process_set=evens)
+    else:
+        try:
+            hvd.allreduce(np.ones(1), process_set=evens)
+        except ValueError as e:
+            out["not_member"] = str(e)
+    # Same name in two sets at once, then a global op: all ranks keep going.
+    out["world"] = hvd.allreduce(np.ones(1), op=hvd.Sum, name="world").tolist()
+    return out
+
+
+def test_static_process_sets():
+    res = run_ranks(_process_sets, np=3, timeout=90)
+    for r, out in enumerate(res):
+        assert out["ids"] == (1, 2) and out["world"] == [3.0], out
+    for r in (0, 2):
+        assert res[r]["sum"] == [2.0, 2.0] and res[r]["gather"] == [0, 2] and res[r]["bcast"] == [2]
+        assert res[r]["set_rank"] == r // 2
+        assert "not a rank of the process set" in res[r]["root_not_member"]
+    assert "Rank 1 is not a member of the provided process set" in res[1]["not_member"]
+
+
+def _dynamic_sets():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init(process_sets="dynamic")
+    r = hvd.rank()
+    ps = hvd.add_process_set([0, 1])
+    out = {"id": ps.process_set_id}
+    if ps.included():
+        out["sum"] = hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=ps, name="d").tolist()
+    try:
+        hvd.add_process_set([1, 0])
+    except ValueError as e:
+        out["dup"] = str(e)
+    out["removed"] = hvd.remove_process_set(ps)
+    out["id_after"] = ps.process_set_id
+    out["removed_global"] = hvd.remove_process_set(hvd.global_process_set)
+    ps2 = hvd.add_process_set(hvd.ProcessSet([1, 2]))
+    out["id2"] = ps2.process_set_id
+    if ps2.included():
+        out["sum2"] = hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=ps2, name="d").tolist()
+    return out
+
+
+def test_dynamic_process_sets():
+    res = run_ranks(_dynamic_sets, np=3, timeout=90)
+    for r, out in enumerate(res):
+        assert out["id"] == 1 and out["removed"] is True and out["id_after"] is None, out
+        assert out["removed_global"] is False and "duplicate" in out["dup"] and out["id2"] == 2
+    assert res[0]["sum"] == [2.0, 2.0] and res[1]["sum"] == [2.0, 2.0] and "sum" not in res[2]
+    assert res[1]["sum2"] == [2.0] and res[2]["sum2"] == [2.0]
+
+
+def _dynamic_sets_off():
+    import horovod.numpy as hvd
+
+    hvd.init()
+    try:
+        hvd.add_process_set([0])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_add_process_set_needs_dynamic_mode():
+    (msg,) = run_ranks(_dynamic_sets_off, np=1, timeout=60)
+    assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in msg
+
+
+def _timeline_body(path):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    for step in range(3):
+        hs = [hvd.allreduce_async(np.ones(10), name=f"test_allreduce.{k}") for k in range(4)]
+        for h in hs:
+            hvd.synchronize(h)
+    hvd.allreduce(np.ones(1 << 18), name="big")
+    hvd.shutdown()
+    return True
+
+
+def test_timeline_is_written_by_rank_0_as_valid_chrome_trace(tmp_path):
+    path = str(tmp_path / "timeline.json")
+    run_ranks(_timeline_body, np=2, timeout=60, args=(path,),
+              env={"HOROVOD_TIMELINE": path, "HOROVOD_TIMELINE_MARK_CYCLES": "1"})
+    events = json.loads(open(path).read())
+    names = {e.get("name") for e in events}
+    procs = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert "allreduce.test_allreduce.0" in procs
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START", "MPI_ALLREDUCE",
+            "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"} <= names, names
+    assert any("start_time_since_epoch_in_micros" in e.get("args", {}) for e in events)
+
+
+def _stall_body():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        time.sleep(4)  # rank 1 never submits 'stalled' until much later
+    try:
+        hvd.allreduce(np.ones(2), name="stalled")
+        return "completed"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_stall_inspector_warns_and_shuts_down_naming_missing_ranks(tmp_path):
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    res = run_mpi_script([sys.executable, "-c", (
+        "import time, numpy as np, horovod.numpy as hvd\n"
+        "hvd.init()\n"
+        "if hvd.rank() == 1: time.sleep(4)\n"
+        "try:\n"
+        "    hvd.allreduce(np.ones(2), name='stalled'); print('rank', hvd.rank(), 'completed')\n"
+        "except RuntimeError as e:\n"
+        "    print('rank', hvd.rank(), 'ERROR', type(e).__name__)\n")], np=2, timeout=60, env=env)
+    out = res.stdout
+    assert "allreduce.stalled" in out and "missing on ranks [1]" in out, out
+    assert "Missing ranks:" in out and "1!: [allreduce.stalled]" in out, out
+    assert "rank 0 ERROR HorovodShutdownError" in out and "rank 1 ERROR HorovodShutdownError" in out, out
+
+
+def test_a_rank_that_dies_ends_the_job_quickly():
+    t0 = time.monotonic()
+    res = run_mpi_script([sys.executable, "-c", (
+        "import os, numpy as np, horovod.numpy as hvd\n"
+        "hvd.init()\n"
+        "hvd.allreduce(np.ones(1), name='warmup')\n"
+        "if hvd.rank() == 1: os._exit(17)\n"
+        "hvd.allreduce(np.ones(1), name='never')\n")], np=3, timeout=60, check=False)
+    assert res.returncode != 0
+    assert time.monotonic() - t0 < 30
+
+
+def _config_variants():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    n = hvd.size()
+    outs = []
+    for step in range(3):
+        hs = [hvd.allreduce_async(np.full(k + 1, float(hvd.rank())), name=f"v{k}", op=hvd.Sum)
+              for k in range(20)]
+        outs.append(all(np.allclose(hvd.synchronize(h), sum(range(n))) for h in hs))
+    return outs
+
+
+@pytest.mark.parametrize("env", [
+    {"HOROVOD_CACHE_CAPACITY": "0"},
+    {"HOROVOD_CACHE_CAPACITY": "3"},
+    {"HOROVOD_FUSION_THRESHOLD": "0"},
+    {"HOROVOD_FUSION_THRESHOLD": "64", "HOROVOD_CYCLE_TIME": "5"},
+], ids=["no-cache", "tiny-cache", "no-fusion", "tiny-fusion"])
+def test_engine_settings_keep_results_correct(env):
+    res = run_ranks(_config_variants, np=3, timeout=90, env=env)
+    assert all(all(r) for r in res), res
+
+
+def test_bad_setting_fails_init_naming_the_variable():
+    with pytest.raises(RanksFailed, match="HOROVOD_FUSION_THRESHOLD='abc'"):
+        run_ranks(_config_variants, np=2, timeout=60, env={"HOROVOD_FUSION_THRESHOLD": "abc"})
+
+
+def test_plain_python_is_a_job_of_size_one_and_reinit_works():
+    code = ("import numpy as np, horovod.numpy as hvd\n"
+            "try:\n    hvd.rank()\nexcept ValueError as e:\n    print('before:', e)\n"
+            "hvd.init(); print('size', hvd.size(), 'rank', hvd.rank(), 'local', hvd.local_rank())\n"
+            "print('sum', hvd.allreduce(np.ones(3), op=hvd.Sum).tolist())\n"
+            "hvd.shutdown(); hvd.init(); print('again', hvd.allreduce(np.ones(1), name='x').tolist())\n"
+            "hvd.shutdown(); print('initialized', hvd.is_initialized())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "before: Horovod has not been initialized; use hvd.init()." in out.stdout
+    assert "size 1 rank 0 local 0" in out.stdout and "sum [1.0, 1.0, 1.0]" in out.stdout
+    assert "again [1.0]" in out.stdout and "initialized False" in out.stdout
+
+
+def _reinit():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    vals = []
+    for i in range(3):
+        hvd.init()
+        vals.append(float(hvd.allreduce(np.ones(1), op=hvd.Sum, name="r")[0]))
+        hvd.shutdown()
+    return vals
+
+
+def test_init_after_shutdown_under_mpi():
+    assert run_ranks(_reinit, np=2, timeout=60) == [[2.0] * 3] * 2
+
+
+def _shutdown_propagates():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        hvd.shutdown()
+        return "shut down"
+    time.sleep(1.0)
+    try:
+        hvd.allreduce(np.ones(1), name="late")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_shutdown_on_one_rank_fails_later_ops_on_the_others():
+    res = run_ranks(_shutdown_propagates, np=2, timeout=60)
+    assert res[1].startswith("Horovod has been shut down"), res
