@@ -1,0 +1,162 @@
+"""Worker shim: run one rank's command, stop its process tree on demand, and report how it ended.
+
+Run by file path (standard library only, nothing from ``horovod`` is imported) as::
+
+    python -u _shim.py [--watch-stdin] [--stdin-env] -- command args...
+
+* ``--stdin-env``: the first stdin line is JSON ``{"env": {...}}``, merged into the environment
+  (how ssh-started workers get their variables and the job secret without a command line).
+* ``--watch-stdin``: stdin is the launcher's life line; when it closes, the worker's process group
+  is sent SIGTERM, then SIGKILL after a grace period. Without it (under mpirun) the shim stops the
+  worker when its own parent dies.
+
+The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
+on to that group. When the command ends, the rest of its group is stopped and one line
+``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr: rank, host, pid, exit code or signal, time, and
+why the shim stopped it, if it did. The launcher removes that line from the output and uses it
+for the failure report. The shim exits with the command's code, or 128 + the signal number.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+MARKER = "__HOROVOD_RUNNER_EXIT__ "
+GRACE_SECONDS = 3.0
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def _set_parent_death_signal():
+    """Have the kernel SIGKILL the command if this shim dies first (Linux only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort, not available everywhere
+        pass
+
+
+class _Stopper:
+    def __init__(self, pgid):
+        self.pgid = pgid
+        self.reason = None
+        self.lock = threading.Lock()
+
+    def signal_group(self, signum):
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, reason, signum=signal.SIGTERM):
+        with self.lock:
+            first = self.reason is None
+            if first:
+                self.reason = reason
+        self.signal_group(signum)
+        if first:
+            t = threading.Timer(GRACE_SECONDS, self.signal_group, args=(signal.SIGKILL,))
+            t.daemon = True
+            t.start()
+
+
+def _watch_stdin(stopper):
+    try:
+        while sys.stdin.buffer.read1(65536):
+            pass
+    except (OSError, ValueError):
+        pass
+    stopper.stop("the launcher closed the connection (job stopping)")
+
+
+def _watch_parent(stopper, parent):
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            stopper.stop("the process that started this worker died")
+            return
+
+
+def main(argv):
+    watch_stdin = stdin_env = False
+    while argv and argv[0] != "--":
+        flag = argv.pop(0)
+        if flag == "--watch-stdin":
+            watch_stdin = True
+        elif flag == "--stdin-env":
+            stdin_env = True
+        else:
+            sys.stderr.write(f"horovod shim: unknown option {flag}\n")
+            return 2
+    command = argv[1:]
+    if not command:
+        sys.stderr.write("horovod shim: no command given\n")
+        return 2
+    env = dict(os.environ)
+    if stdin_env:
+        line = sys.stdin.buffer.readline()
+        try:
+            env.update(json.loads(line.decode("utf-8"))["env"])
+        except (ValueError, KeyError) as exc:
+            sys.stderr.write(f"horovod shim: bad environment line from the launcher: {exc}\n")
+            return 2
+    rank = next((env[v] for v in _RANK_VARS if v in env), "?")
+    host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+    def report(code, signum, reason):
+        info = {"rank": int(rank) if rank.isdigit() else rank, "host": host,
+                "real_host": socket.gethostname(), "pid": child_pid, "code": code,
+                "signal": signum,
+                "signame": signal.Signals(signum).name if signum else None,
+                "time": time.time(), "stopped_by": reason}
+        sys.stdout.flush()
+        sys.stderr.write(MARKER + json.dumps(info) + "\n")
+        sys.stderr.flush()
+
+    child_pid = None
+    try:
+        child = subprocess.Popen(command, env=env, close_fds=False, process_group=0,
+                                 stdin=subprocess.DEVNULL if (watch_stdin or stdin_env) else None,
+                                 preexec_fn=_set_parent_death_signal)
+    except OSError as exc:
+        sys.stderr.write(f"horovodrun: rank {rank} on {host}: cannot start {command[0]!r}: "
+                         f"{exc.strerror or exc}\n")
+        report(127, None, None)
+        return 127
+    child_pid = child.pid
+    stopper = _Stopper(child.pid)
+
+    def on_signal(signum, _frame):
+        if signum in (signal.SIGUSR1, signal.SIGUSR2):
+            stopper.signal_group(signum)
+        else:
+            stopper.stop(f"received {signal.Signals(signum).name}", signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, on_signal)
+    if watch_stdin:
+        threading.Thread(target=_watch_stdin, args=(stopper,), daemon=True).start()
+    else:
+        threading.Thread(target=_watch_parent, args=(stopper, os.getppid()), daemon=True).start()
+
+    status = child.wait()
+    # Whatever the command left running in its group (data loader workers, ...) goes with it.
+    stopper.signal_group(signal.SIGTERM)
+    code, signum = (None, -status) if status < 0 else (status, None)
+    report(code, signum, stopper.reason)
+    return code if code is not None else 128 + signum
+
+
+if __name__ == "__main__":
+    status = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: a watcher thread may be blocked reading stdin, which would make a normal
+    # interpreter shutdown abort on the stdin buffer's lock.
+    os._exit(status)

@@ -1,0 +1,365 @@
+"""Run the commands of a launch: stream rank-prefixed output live, stop everything on the first
+failure or on Ctrl-C/SIGTERM, and collect how every rank ended.
+
+Every launcher's commands run through here alike: local shims, ssh clients, or one mpirun.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from horovod.runner.failures import RankExit, format_report, root_cause
+from horovod.runner.launchers.base import Command
+from horovod.runner.output import MARKER, LineSplitter, TagParser, prefix_line
+
+__all__ = ["Executor", "JobResult"]
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 20
+
+
+@dataclass
+class JobResult:
+    """The outcome of a job: every rank's exit, the root cause, and the exit status to use."""
+
+    exits: list[RankExit]
+    returncode: int
+    interrupted: str | None = None
+    launcher_tail: list[str] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> RankExit | None:
+        return root_cause(self.exits)
+
+    def report(self) -> str:
+        return format_report(self.exits, self.interrupted)
+
+
+class _Proc:
+    def __init__(self, index: int, cmd: Command, popen: subprocess.Popen[bytes]) -> None:
+        self.index = index
+        self.cmd = cmd
+        self.popen = popen
+        self.returncode: int | None = None
+        self.exit_time = 0.0
+        self.readers: list[threading.Thread] = []
+
+
+class Executor:
+    """Start ``commands`` and supervise them until every one has ended.
+
+    Args:
+        commands: the processes to start.
+        np: the number of ranks (for file names and checks).
+        hosts_by_rank / local_rank_by_rank: from the plan, for the report.
+        timestamp: put ``time.asctime()`` in front of every line.
+        output_dir: also write each rank's stdout/stderr to ``DIR/rank.<r>/stdout|stderr``.
+        grace_seconds: after asking the workers to stop, how long before SIGKILL.
+        stdout/stderr: where prefixed lines go (default: the launcher's own).
+        line_hook: called with (rank, stream, text) for every worker line (tests, horovod.run).
+    """
+
+    def __init__(self, commands: list[Command], np: int, *,
+                 hosts_by_rank: dict[int, str] | None = None,
+                 local_rank_by_rank: dict[int, int] | None = None,
+                 timestamp: bool = False, output_dir: str | None = None,
+                 grace_seconds: float = 5.0, stdout: IO[str] | None = None,
+                 stderr: IO[str] | None = None,
+                 line_hook: Callable[[int | None, str, str], None] | None = None) -> None:
+        self.commands = commands
+        self.np = np
+        self.hosts_by_rank = hosts_by_rank or {}
+        self.local_rank_by_rank = local_rank_by_rank or {}
+        self.timestamp = timestamp
+        self.output_dir = output_dir
+        self.grace = grace_seconds
+        self.out = stdout or sys.stdout
+        self.err = stderr or sys.stderr
+        self.line_hook = line_hook
+        self._write_lock = threading.Lock()
+        self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._markers: dict[int, dict[str, Any]] = {}
+        self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TAIL_LINES))
+        self._files: dict[tuple[int, str], IO[str]] = {}
+        self._procs: list[_Proc] = []
+        self._stopping: str | None = None
+        self._kill_at: float | None = None
+        self._interrupted: str | None = None
+
+    # ----------------------------------------------------------------- output
+    def _emit(self, rank: int | None, stream: str, text: str, term: str) -> None:
+        idx = text.find(MARKER)
+        if idx >= 0:
+            try:
+                info = json.loads(text[idx + len(MARKER):])
+                r = info.get("rank")
+                if isinstance(r, int):
+                    self._markers[r] = info
+                    self._events.put(("marker", r, info))
+            except ValueError:
+                idx = -1
+            if idx >= 0:
+                text, term = text[:idx], "\n"
+                if not text:
+                    return
+        if stream == "stderr":
+            self._tails[rank].append(text)
+        if self.line_hook is not None:
+            self.line_hook(rank, stream, text)
+        line = prefix_line(rank, stream, text, self.timestamp) + (term or "\n")
+        with self._write_lock:
+            target = self.err if stream == "stderr" else self.out
+            try:
+                target.write(line)
+                target.flush()
+            except (OSError, ValueError):
+                pass
+            if self.output_dir is not None and rank is not None:
+                self._file(rank, stream).write(text + (term or "\n"))
+
+    def _file(self, rank: int, stream: str) -> IO[str]:
+        key = (rank, stream)
+        if key not in self._files:
+            width = len(str(max(self.np - 1, 0)))
+            assert self.output_dir is not None
+            d = os.path.join(self.output_dir, f"rank.{rank:0{width}d}")
+            os.makedirs(d, exist_ok=True)
+            self._files[key] = open(os.path.join(d, stream), "w", encoding="utf-8",  # noqa: SIM115
+                                    buffering=1)
+        return self._files[key]
+
+    def _read(self, proc: _Proc, fd: int, stream: str) -> None:
+        splitter = LineSplitter()
+        tagger = TagParser(proc.cmd.tagged) if proc.cmd.tagged else None
+        own_rank = proc.cmd.ranks[0] if len(proc.cmd.ranks) == 1 else None
+
+        def handle(lines: list[tuple[str, str]]) -> None:
+            for text, term in lines:
+                if tagger is not None:
+                    rank, out_stream, text = tagger.parse(text, term, stream)
+                    self._emit(rank, out_stream, text, term)
+                else:
+                    self._emit(own_rank, stream, text, term)
+
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                handle(splitter.feed(data))
+        except OSError:
+            pass
+        finally:
+            handle(splitter.flush())
+            os.close(fd)
+
+    # -------------------------------------------------------------- processes
+    def _start(self) -> None:
+        for i, cmd in enumerate(self.commands):
+            tagged = cmd.tagged is not None
+            needs_stdin = cmd.lifeline or cmd.stdin_data is not None
+            log.debug("starting %s", cmd.text())
+            try:
+                popen = subprocess.Popen(
+                    cmd.argv, env=cmd.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    stdin=subprocess.PIPE if needs_stdin else None,
+                    # mpirun stays in our process group so that a terminal's Ctrl-C reaches it as
+                    # it would without horovodrun; every other process gets its own group, which
+                    # is how its whole tree is signalled.
+                    start_new_session=not tagged)
+            except OSError as exc:
+                self._stop(f"could not start {cmd.argv[0]!r}: {exc}")
+                raise
+            proc = _Proc(i, cmd, popen)
+            self._procs.append(proc)
+            if needs_stdin:
+                assert popen.stdin is not None
+                try:
+                    if cmd.stdin_data:
+                        popen.stdin.write(cmd.stdin_data)
+                    popen.stdin.flush()
+                except OSError:
+                    pass
+                if not cmd.lifeline:
+                    popen.stdin.close()
+            for stream, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
+                assert pipe is not None
+                fd = os.dup(pipe.fileno())
+                pipe.close()
+                t = threading.Thread(target=self._read, args=(proc, fd, stream), daemon=True,
+                                     name=f"hvd-read-{i}-{stream}")
+                t.start()
+                proc.readers.append(t)
+            threading.Thread(target=self._wait, args=(proc,), daemon=True,
+                             name=f"hvd-wait-{i}").start()
+
+    def _wait(self, proc: _Proc) -> None:
+        rc = proc.popen.wait()
+        self._events.put(("exit", proc.index, rc, time.time()))
+
+    def _signal_proc(self, proc: _Proc, signum: int) -> None:
+        if proc.returncode is not None:
+            return
+        try:
+            if proc.cmd.tagged:
+                proc.popen.send_signal(signum)
+            else:
+                os.killpg(proc.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop(self, reason: str, signum: int = signal.SIGTERM) -> None:
+        """Ask every running process to stop; SIGKILL follows after the grace period."""
+        if self._stopping is None:
+            self._stopping = reason
+            self._kill_at = time.monotonic() + self.grace
+            log.info("stopping all workers: %s", reason)
+        for proc in self._procs:
+            if proc.returncode is not None:
+                continue
+            if proc.cmd.lifeline and proc.popen.stdin is not None:
+                try:
+                    proc.popen.stdin.close()
+                except OSError:
+                    pass
+            self._signal_proc(proc, signum)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._events.put(("signal", signum))
+
+    # -------------------------------------------------------------------- run
+    def run(self, handle_signals: bool = True) -> JobResult:
+        """Start everything, supervise until all processes end, and return the result.
+
+        SIGINT/SIGTERM received meanwhile are passed on to every worker (when called from the
+        main thread and ``handle_signals``); a second one kills them at once.
+        """
+        old: dict[int, Any] = {}
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                old[s] = signal.signal(s, self._on_signal)
+        try:
+            self._start()
+            self._supervise()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            for proc in self._procs:
+                if proc.returncode is None:
+                    self._signal_proc(proc, signal.SIGKILL)
+                    proc.returncode = proc.popen.wait()
+                    proc.exit_time = time.time()
+            for proc in self._procs:
+                for t in proc.readers:
+                    # An orphan that inherited the pipe must not keep the launcher waiting.
+                    t.join(timeout=2.0)
+            for fh in self._files.values():
+                fh.close()
+        return self._result()
+
+    def _supervise(self) -> None:
+        running = len(self._procs)
+        failure_seen_at: float | None = None
+        while running:
+            try:
+                event = self._events.get(timeout=0.2)
+            except queue.Empty:
+                event = None
+            now = time.monotonic()
+            if event is not None:
+                kind = event[0]
+                if kind == "exit":
+                    proc = self._procs[event[1]]
+                    proc.returncode, proc.exit_time = event[2], event[3]
+                    running -= 1
+                    if proc.returncode != 0 and self._stopping is None:
+                        who = (f"rank {proc.cmd.ranks[0]} on {proc.cmd.host}"
+                               if len(proc.cmd.ranks) == 1 else "mpirun")
+                        self._stop(f"{who} failed")
+                elif kind == "marker":
+                    info = event[2]
+                    if (info.get("code") or info.get("signal")) and failure_seen_at is None:
+                        failure_seen_at = now
+                elif kind == "signal":
+                    name = signal.Signals(event[1]).name
+                    if self._interrupted is None:
+                        self._interrupted = name
+                        self._stop(f"horovodrun received {name}", event[1])
+                    else:
+                        self._kill_at = now
+            # mpirun normally aborts the job by itself when a rank fails; make sure it does.
+            if (failure_seen_at is not None and self._stopping is None
+                    and now - failure_seen_at > 2 * self.grace):
+                self._stop("a rank failed and mpirun did not stop the job")
+            if self._kill_at is not None and now >= self._kill_at:
+                for proc in self._procs:
+                    self._signal_proc(proc, signal.SIGKILL)
+                self._kill_at = None
+
+    # ----------------------------------------------------------------- result
+    def _result(self) -> JobResult:
+        exits: list[RankExit] = []
+        seen: set[int] = set()
+        for proc in self._procs:
+            for rank in proc.cmd.ranks:
+                info = self._markers.get(rank)
+                host = self.hosts_by_rank.get(rank, proc.cmd.host)
+                lr = self.local_rank_by_rank.get(rank)
+                tail = list(self._tails.get(rank, []))
+                if info is not None:
+                    stopped = info.get("stopped_by")
+                    exits.append(RankExit(rank, host, info.get("code"), info.get("signal"),
+                                          float(info.get("time") or proc.exit_time), stopped,
+                                          tail, lr))
+                    seen.add(rank)
+                elif len(proc.cmd.ranks) == 1 and proc.returncode is not None:
+                    rc = proc.returncode
+                    code, sig = (None, -rc) if rc < 0 else (rc, None)
+                    note = ""
+                    if proc.cmd.argv[0] == "ssh" and rc == 255:
+                        note = "the ssh connection failed or the remote worker vanished"
+                    elif rc != 0:
+                        note = "no exit report from the worker"
+                    stopped = self._stopping if (self._stopping and rc != 0 and
+                                                 proc.exit_time > 0 and
+                                                 not self._was_first(proc)) else None
+                    exits.append(RankExit(rank, host, code, sig, proc.exit_time, stopped, tail,
+                                          lr, note))
+                    seen.add(rank)
+        returncode = 0
+        launcher_tail = list(self._tails.get(None, []))
+        mpirun = [p for p in self._procs if len(p.cmd.ranks) != 1 or p.cmd.tagged]
+        first = root_cause(exits)
+        if first is not None:
+            returncode = first.exit_status or 1
+        for proc in mpirun:
+            if proc.returncode and first is None:
+                rc = proc.returncode
+                code, sig = (None, -rc) if rc < 0 else (rc, None)
+                exits.append(RankExit(None, proc.cmd.host, code, sig, proc.exit_time,
+                                      self._stopping if self._interrupted else None,
+                                      launcher_tail, None, "mpirun failed before any rank reported"))
+                returncode = rc if rc > 0 else 128 - rc
+        if self._interrupted and returncode == 0:
+            returncode = 128 + signal.Signals[self._interrupted].value
+        elif self._interrupted and (first is None or first.stopped_by):
+            returncode = 128 + signal.Signals[self._interrupted].value
+        return JobResult(exits, returncode, self._interrupted, launcher_tail)
+
+    def _was_first(self, proc: _Proc) -> bool:
+        failed = [p for p in self._procs if p.returncode not in (None, 0)]
+        return bool(failed) and min(failed, key=lambda p: p.exit_time) is proc

@@ -1,0 +1,297 @@
+"""``horovodrun``: check, plan, then start a job with mpirun or the built-in Gloo launcher.
+
+``launch(settings)`` is shared by the command line (``run_commandline``) and ``horovod.run()``:
+
+1. hosts from ``-H``/``--hostfile`` (default ``localhost:<np>``), and the slot check;
+2. the mode: ``--mpi``/``--gloo``, else MPI when an ``mpirun`` is found, else Gloo;
+3. checks before anything starts: each remote host answers ssh (its error is shown), and the
+   program exists (locally and on every remote host);
+4. the plan (``plan.py``) and the commands (``launchers/``); ``--dry-run`` prints them and stops;
+5. execution (``execute.py``): live ``[rank]<stdout>:`` output, everything stopped on the first
+   failure, and a per-rank report (``failures.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
+
+from horovod.common.exceptions import BackendUnavailableError, ConfigError, HorovodError
+from horovod.runner.execute import Executor, JobResult
+from horovod.runner.hosts import HostSpec, parse_hostfile, parse_hosts
+from horovod.runner.launchers.base import Command
+from horovod.runner.plan import LaunchPlan, build_plan, format_plan
+from horovod.runner.settings import LaunchSettings
+
+__all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text",
+           "LaunchError"]
+
+log = logging.getLogger("horovod.runner")
+
+
+class LaunchError(HorovodError, RuntimeError):
+    """A check before launch failed (unreachable host, missing program, missing PyTorch)."""
+
+
+def resolve_hosts(settings: LaunchSettings) -> list[HostSpec]:
+    """Hosts from ``-H``, ``--hostfile`` or ``localhost:<np>``.
+
+    Raises:
+        ConfigError: a malformed entry or line, an unreadable hostfile.
+    """
+    if settings.hosts:
+        return parse_hosts(settings.hosts)
+    if settings.hostfile:
+        try:
+            with open(settings.hostfile, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"--hostfile {settings.hostfile}: cannot read it: {exc}",
+                              path=settings.hostfile) from exc
+        return parse_hostfile(text, settings.hostfile)
+    if settings.np is None:
+        raise ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
+    return [HostSpec("localhost", max(settings.np, 1))]
+
+
+def choose_mode(settings: LaunchSettings, environ: Mapping[str, str]) -> str:
+    """``"mpi"`` or ``"gloo"``: the explicit choice, else MPI when mpirun exists, else Gloo."""
+    from horovod.runner.launchers.mpirun import find_mpirun
+
+    if settings.controller:
+        return settings.controller
+    return "mpi" if find_mpirun(environ) is not None else "gloo"
+
+
+def _check_torch() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise LaunchError("Gloo mode (--gloo) runs collectives on torch.distributed, but PyTorch is "
+                          "not installed for this Python. Install it (pip install 'horovod-py[torch]')"
+                          " or use MPI (horovodrun --mpi).")
+
+
+def _check_program(plan: LaunchPlan, settings: LaunchSettings, env_path: str | None) -> None:
+    program = plan.command[0]
+    if os.sep in program:
+        if plan.all_local or plan.mode == "mpi":
+            if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+                raise LaunchError(f"Cannot run {program!r}: no such executable file. Check the path of "
+                                  "the command after the horovodrun options.", program=program)
+        return
+    if any(r.local for r in plan.ranks) or plan.mode == "mpi":
+        if shutil.which(program, path=env_path) is None:
+            raise LaunchError(f"Cannot run {program!r}: not found on PATH. Install it or give its "
+                              "full path.", program=program)
+
+
+def _check_remote(plan: LaunchPlan, settings: LaunchSettings, env_path: str | None) -> None:
+    from horovod.runner.launchers.ssh import check_hosts
+
+    remote = plan.remote_hosts
+    if not remote:
+        return
+    log.info("checking ssh to remote hosts: %s", ", ".join(remote))
+    results = check_hosts(remote, settings, program=plan.command[0], path=env_path,
+                          timeout=settings.start_timeout)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        details = "\n".join(f"  {r.host}: {r.message}" for r in bad)
+        raise LaunchError(
+            f"Could not connect to {len(bad)} host(s) via ssh:\n{details}\nEvery host must accept "
+            "passwordless ssh from this one (check the host name, -p/--ssh-port and "
+            "-i/--ssh-identity-file), or raise --start-timeout.", hosts=[r.host for r in bad])
+    missing = [r.host for r in results if not r.program_found]
+    if missing:
+        raise LaunchError(f"Cannot run {plan.command[0]!r} on host(s) {', '.join(missing)}: not found "
+                          "on PATH there.", hosts=missing, program=plan.command[0])
+
+
+def _rendezvous_address(settings: LaunchSettings, plan_hosts: list[str], all_local: bool,
+                        ) -> tuple[str, str]:
+    """(bind address, address the workers use) for the rendezvous service."""
+    from horovod.runner.network import interface_address, route_address
+
+    if all_local:
+        return "127.0.0.1", "127.0.0.1"
+    if settings.nics and "/" not in settings.nics[0]:
+        addr = interface_address(settings.nics[0])
+        return addr, addr
+    return "0.0.0.0", route_address(plan_hosts[0])
+
+
+def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None,
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+           line_hook: Callable[[int | None, str, str], None] | None = None,
+           secret: str | None = None,
+           on_rendezvous: Callable[[object], None] | None = None) -> JobResult | str:
+    """Check, plan and run one job; returns its result, or the plan text for ``--dry-run``.
+
+    Raises:
+        ConfigError: bad hosts, ``-np``, options.
+        LaunchError: a pre-launch check failed.
+        BackendUnavailableError: ``--mpi`` without an MPI.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    hosts = resolve_hosts(settings)
+    mode = choose_mode(settings, environ)
+    from horovod.runner.network import is_local_host
+
+    local = {h.name for h in hosts if is_local_host(h.name)}
+    # A throwaway plan without rendezvous first: it does the slot check and tells which hosts
+    # are remote, before anything is started.
+    plan = build_plan(settings, hosts, environ, local, "mpi")
+    env_path = {**environ, **plan.job_env}.get("PATH")
+    if mode == "gloo":
+        _check_torch()
+    impl = None
+    if mode == "mpi":
+        from horovod.runner.launchers.mpirun import detect_mpi
+
+        impl = detect_mpi(environ)
+    if settings.dry_run:
+        rdv = ("<launcher address>", "<port chosen at start>") if mode == "gloo" else None
+        plan = build_plan(settings, hosts, environ, local, mode, rdv)
+        cmds = _commands(plan, settings, environ, impl, "<secret>" if mode == "gloo" else secret)
+        return format_plan(plan, [c.text() for c in cmds])
+
+    _check_program(plan, settings, env_path)
+    _check_remote(plan, settings, env_path)
+
+    server = None
+    if mode == "gloo" or secret is not None:
+        from horovod.runner.rendezvous import RendezvousServer, make_secret
+
+        secret = secret or make_secret()
+        bind, advertised = _rendezvous_address(settings, plan.remote_hosts, plan.all_local)
+        server = RendezvousServer(secret, host=bind)
+        rdv_addr = (advertised, str(server.port))
+    try:
+        if mode == "gloo":
+            plan = build_plan(settings, hosts, environ, local, mode, rdv_addr)
+            server.set_slots({r.rank: {**r.slot.__dict__} for r in plan.ranks})  # type: ignore[union-attr]
+        elif server is not None:
+            plan.job_env.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": rdv_addr[0],
+                                 "HOROVOD_GLOO_RENDEZVOUS_PORT": rdv_addr[1]})
+        if on_rendezvous is not None and server is not None:
+            on_rendezvous(server)
+        cmds = _commands(plan, settings, environ, impl, secret)
+        for c in cmds:
+            log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
+        executor = Executor(
+            cmds, plan.np, hosts_by_rank={r.rank: r.host for r in plan.ranks},
+            local_rank_by_rank={r.rank: r.slot.local_rank for r in plan.ranks},
+            timestamp=settings.prefix_timestamp,
+            output_dir=settings.output_filename if mode == "gloo" else None,
+            stdout=stdout, stderr=stderr, line_hook=line_hook)
+        return executor.run()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _commands(plan: LaunchPlan, settings: LaunchSettings, environ: Mapping[str, str], impl: object,
+              secret: str | None) -> list[Command]:
+    if plan.mode == "mpi":
+        from horovod.runner.launchers.mpirun import MpiImplementation, mpirun_command
+
+        assert isinstance(impl, MpiImplementation)
+        return [mpirun_command(plan, settings, impl, environ, secret=secret)]
+    from horovod.runner.launchers.local import local_command
+    from horovod.runner.launchers.ssh import ssh_command
+
+    return [local_command(plan, r, environ, secret) if r.local else ssh_command(plan, r, settings, secret)
+            for r in plan.ranks]
+
+
+def check_build_text() -> str:
+    """What ``horovodrun --check-build`` prints (upstream's checkbox layout)."""
+    import importlib.util
+
+    from horovod import __version__
+
+    def has(mod: str) -> bool:
+        try:
+            return importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            return False
+
+    from horovod.runner.launchers.mpirun import find_mpirun
+
+    mpi = has("mpi4py") and find_mpirun() is not None
+    gloo = has("torch")
+    nccl = False
+    if gloo:
+        # Only importing torch can tell whether it has CUDA and NCCL (a second or two).
+        try:
+            import torch
+
+            nccl = bool(torch.cuda.is_available() and torch.distributed.is_nccl_available())
+        except Exception:  # noqa: BLE001 - a broken torch shows as no NCCL
+            nccl = False
+
+    def box(flag: bool) -> str:
+        return "[X]" if flag else "[ ]"
+
+    lines = [f"Horovod v{__version__}:", "", "Available Frameworks:",
+             f"    {box(has('tensorflow'))} TensorFlow", f"    {box(gloo)} PyTorch",
+             f"    {box(has('mxnet'))} MXNet", "", "Available Controllers:",
+             f"    {box(mpi)} MPI", f"    {box(gloo)} Gloo", "", "Available Tensor Operations:",
+             f"    {box(nccl)} NCCL", f"    {box(False)} DDL", f"    {box(False)} CCL",
+             f"    {box(mpi)} MPI", f"    {box(gloo)} Gloo"]
+    return "\n".join(lines)
+
+
+def _configure_logging(settings: LaunchSettings) -> None:
+    level = logging.INFO if settings.verbose else logging.WARNING
+    if settings.log_level:
+        level = min(level, getattr(logging, {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(
+            settings.log_level, settings.log_level), logging.WARNING))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("horovodrun: %(message)s"))
+    root = logging.getLogger("horovod.runner")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``horovodrun`` with ``argv``; return the exit status."""
+    from horovod.runner.cli import parse_args, settings_from_args
+
+    args = parse_args(argv)
+    if getattr(args, "version", False):
+        from horovod import __version__
+
+        print(__version__)
+        return 0
+    if getattr(args, "check_build", False):
+        print(check_build_text())
+        return 0
+    try:
+        settings = settings_from_args(args)
+        _configure_logging(settings)
+        result = launch(settings)
+    except (ConfigError, LaunchError, BackendUnavailableError) as exc:
+        print(f"horovodrun: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    if isinstance(result, str):
+        print(result)
+        return 0
+    if result.returncode != 0:
+        print(result.report(), file=sys.stderr)
+    return result.returncode
+
+
+def run_commandline() -> None:
+    """Entry point of the ``horovodrun`` console script."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run_commandline()

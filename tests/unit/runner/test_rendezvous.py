@@ -1,0 +1,88 @@
+"""The authenticated rendezvous service (a server thread in this process, no subprocess)."""
+
+from __future__ import annotations
+
+import http.client
+import time
+
+import pytest
+
+from horovod.common.backends import gloo as gloo_backend
+from horovod.runner.rendezvous import RendezvousClient, RendezvousError, RendezvousServer, auth, make_secret
+
+
+@pytest.fixture
+def server():
+    srv = RendezvousServer(make_secret())
+    yield srv
+    srv.stop()
+
+
+def test_put_get_wait_and_slot(server: RendezvousServer) -> None:
+    c = RendezvousClient("127.0.0.1", server.port, server._server.secret, timeout=5)
+    assert c.get("s", "k") is None
+    c.put("s", "k", b"\x00value")
+    assert c.get("s", "k") == b"\x00value"
+    assert c.wait("s", "k", timeout=1) == b"\x00value"
+    with pytest.raises(RendezvousError, match="Timed out"):
+        c.wait("s", "missing", timeout=0.1)
+    server.set_slots({1: {"hostname": "b", "rank": 1}})
+    assert c.slot(1) == {"hostname": "b", "rank": 1}
+
+
+def test_wrong_secret_can_neither_write_nor_read(server: RendezvousServer) -> None:
+    server.put("s", "fn", b"secret payload")
+    intruder = RendezvousClient("127.0.0.1", server.port, make_secret(), timeout=5)
+    with pytest.raises(RendezvousError, match="refused"):
+        intruder.get("s", "fn")
+    with pytest.raises(RendezvousError, match="refused"):
+        intruder.put("s", "fn", b"evil")
+    assert server.get("s", "fn") == b"secret payload"
+    assert server.rejected == 2
+
+
+def test_unsigned_and_replayed_requests_get_nothing(server: RendezvousServer) -> None:
+    server.put("s", "fn", b"secret payload")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/kv/s/fn")
+    resp = conn.getresponse()
+    assert resp.status == 403 and resp.read() == b""
+    conn.close()
+    # A captured, correctly signed request cannot be sent again.
+    secret = server._server.secret
+    ts, nonce = f"{time.time():.6f}", "abcd"
+    mac = auth.sign_request(secret, "GET", "/kv/s/fn", ts, nonce, b"")
+    statuses = []
+    for _ in range(2):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        conn.request("GET", "/kv/s/fn", headers={auth.AUTH_HEADER: f"{ts}:{nonce}:{mac}"})
+        r = conn.getresponse()
+        statuses.append((r.status, r.read()))
+        conn.close()
+    assert statuses == [(200, b"secret payload"), (403, b"")]
+
+
+def test_stale_timestamp_is_refused(server: RendezvousServer) -> None:
+    secret = server._server.secret
+    ts = f"{time.time() - 3600:.6f}"
+    mac = auth.sign_request(secret, "GET", "/kv/s/k", ts, "n1", b"")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/kv/s/k", headers={auth.AUTH_HEADER: f"{ts}:n1:{mac}"})
+    assert conn.getresponse().status == 403
+    conn.close()
+
+
+def test_gloo_backend_client_signs_like_the_runner() -> None:
+    secret = make_secret()
+    args = ("PUT", "/kv/gloo.0/store", "123.5", "nonce", b"10.0.0.1:555")
+    assert gloo_backend.sign_request(secret, *args) == auth.sign_request(secret, *args)
+    assert gloo_backend.sign_response(secret, "m", 200, b"x") == auth.sign_response(secret, "m", 200, b"x")
+
+
+def test_gloo_backend_client_round_trip(server: RendezvousServer) -> None:
+    rdv = gloo_backend._Rendezvous("127.0.0.1", server.port, server._server.secret, rank=0)
+    rdv.put("gloo.7", "store", b"1.2.3.4:5")
+    assert rdv.wait("gloo.7", "store", timeout=1) == b"1.2.3.4:5"
+    bad = gloo_backend._Rendezvous("127.0.0.1", server.port, make_secret(), rank=1)
+    with pytest.raises(Exception, match="refused rank 1"):
+        bad.wait("gloo.7", "store", timeout=1)
