@@ -1,0 +1,585 @@
+"""Horovod's collectives on PyTorch tensors: async handles, in-place variants, autograd-aware ops.
+
+Every collective must be called by all ranks of its ``process_set`` with the same name (or, when
+unnamed, in the same order: unnamed operations are called ``<op>.noname.<handle>``). A mismatch
+(dtype, shape, op, root) raises ``HorovodInternalError`` from ``synchronize`` on every rank and the
+engine keeps serving later operations. Functions ending in ``_async`` return an integer handle for
+``poll``/``synchronize``; functions ending in ``_`` write the result into their input. The
+synchronous out-of-place functions are differentiable (``torch.autograd.Function``).
+
+Only CPU tensors are supported in this version; a CUDA tensor raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from horovod.common import collectives as _C
+from horovod.common.context import get_context
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.types import Average, ReduceOp, Sum
+from horovod.torch import _convert as _cv
+from horovod.torch.compression import Compression
+
+__all__ = [
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
+    "sparse_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async",
+    "poll", "synchronize", "join", "barrier",
+]
+
+_RED = _cv.REDUCE_TORCH_DTYPES
+_MOVE = _cv.MOVE_TORCH_DTYPES
+
+
+# ---------------------------------------------------------------------------- handles
+def _register(handle: Any, post: Callable[[list[Any]], Any]) -> int:
+    # The table keeps the input tensors alive (through ``post``) until synchronize().
+    get_context().handles[handle.id] = (handle, post)
+    return int(handle.id)
+
+
+def poll(handle: int) -> bool:
+    """Return True if the operation of ``handle`` finished, so ``synchronize`` will not block.
+
+    Raises:
+        ValueError: the handle is unknown (already synchronized or never issued).
+    """
+    entry = get_context().handles.get(handle)
+    if entry is None:
+        raise ValueError(f"poll(): unknown handle {handle}; it was already synchronized or never issued.")
+    return entry[0].done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle`` and return its output (None for an unknown handle).
+
+    Returns a tensor, a tuple of tensors for grouped operations, or ``(output, received_splits)``
+    for alltoall.
+
+    Raises:
+        HorovodInternalError: the operation failed (mismatch across ranks, transport failure,
+            shutdown); the message names the tensor and the ranks.
+    """
+    entry = get_context().handles.pop(handle, None)
+    if entry is None:
+        return None
+    h, post = entry
+    return post(h.wait())
+
+
+def _tensors(tensors: Any, what: str, allowed: frozenset[torch.dtype]) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"horovod.torch.{what}() expects a list of tensors, got {type(tensors).__name__}")
+    out = [_cv.check_tensor(t, what, allowed) for t in tensors]
+    _cv.same_device(out)
+    return out
+
+
+# ---------------------------------------------------------------------------- allreduce
+def _allreduce_submit(tensors: list[torch.Tensor], op: ReduceOp, name: str | None,
+                      prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
+                      inplace: bool, grouped: bool, what: str) -> tuple[Any, list[Callable[[Any], Any]]]:
+    arrays, backs = [], []
+    for t in tensors:
+        a, b = _cv.reduce_input(t, op, inplace, what)
+        arrays.append(a)
+        backs.append(b)
+    # In place on the working arrays: either the tensors' own memory or private copies.
+    h = _C.allreduce_async(arrays, name=name, op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, process_set=process_set,
+                           inplace=inplace, grouped=grouped)
+    return h, backs
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` over the ranks of ``process_set`` into a new tensor.
+
+    The input is not modified. All ranks of the set must call it (same name, dtype, shape, op and
+    factors). Returns a handle for ``poll``/``synchronize``.
+
+    Raises:
+        ValueError: unsupported dtype, a name still in flight, unregistered process set or
+            non-member rank, both ``op`` and ``average`` given.
+        NotImplementedError: a CUDA tensor, or ``op=Adasum``.
+    """
+    t = _cv.check_tensor(tensor, "allreduce_async", _RED)
+    rop = _C.resolve_op(average, op)
+    h, backs = _allreduce_submit([t], rop, name, prescale_factor, postscale_factor, process_set,
+                                 False, False, "allreduce_async")
+    return _register(h, lambda r: backs[0](r[0]))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` in place; ``synchronize`` returns the same tensor.
+
+    Raises:
+        ValueError, NotImplementedError: as ``allreduce_async``.
+    """
+    t = _cv.check_tensor(tensor, "allreduce_async_", _RED)
+    rop = _C.resolve_op(average, op)
+    h, backs = _allreduce_submit([t], rop, name, prescale_factor, postscale_factor, process_set,
+                                 True, False, "allreduce_async_")
+    return _register(h, lambda r: backs[0](r[0]))
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place over the set (default Average) and return it. Blocks."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """Differentiable allreduce: the gradient is the allreduce of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
+                postscale: float, process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, ps = ctx.args
+        grad = synchronize(allreduce_async(grad_output.contiguous(), None, None, op, pre, post, ps))
+        return grad, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks of the set (default Average) and return a new tensor.
+
+    Blocks until every rank of ``process_set`` submitted the same name. Differentiable.
+
+    Raises:
+        ValueError, NotImplementedError: as ``allreduce_async``.
+        HorovodInternalError: ranks disagree on dtype/shape/op, or the transport failed.
+    """
+    _cv.check_tensor(tensor, "allreduce", _RED)
+    rop = _C.resolve_op(average, op)
+    compressed, cctx = compression.compress(tensor)
+    out = HorovodAllreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, cctx)
+
+
+# ---------------------------------------------------------------------------- grouped allreduce
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: int | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start an allreduce of a list of tensors, negotiated and fused as one unit (new outputs)."""
+    ts = _tensors(tensors, "grouped_allreduce_async", _RED)
+    rop = _C.resolve_op(average, op)
+    h, backs = _allreduce_submit(ts, rop, name, prescale_factor, postscale_factor, process_set,
+                                 False, True, "grouped_allreduce_async")
+    return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: int | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """Start an in-place grouped allreduce; ``synchronize`` returns the same tensors."""
+    ts = _tensors(tensors, "grouped_allreduce_async_", _RED)
+    rop = _C.resolve_op(average, op)
+    h, backs = _allreduce_submit(ts, rop, name, prescale_factor, postscale_factor, process_set,
+                                 True, True, "grouped_allreduce_async_")
+    return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: int | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce every tensor of the list in place (per list position) and return them. Blocks."""
+    return list(synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                     postscale_factor, process_set)))
+
+
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """Differentiable grouped allreduce."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale,
+                                                   process_set))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, ps = ctx.args
+        out = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre,
+                                                  post, ps))
+        return (None, None, None, None, None) + tuple(out)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce every tensor of the list (per list position) as one fused unit; returns new tensors.
+
+    Differentiable. All ranks of the set must pass lists of the same length, dtypes and shapes.
+    """
+    ts = _tensors(tensors, "grouped_allreduce", _RED)
+    rop = _C.resolve_op(average, op)
+    pairs = [compression.compress(t) for t in ts]
+    outs = HorovodGroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set,
+                                         *[c for c, _ in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor by allgathering its indices and values.
+
+    Returns a callable that waits and yields the aggregated sparse tensor (values divided by the
+    set size for Average).
+    """
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    idx_h = allgather_async(t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    val_h = allgather_async(t.values().contiguous(), name=f"{name}.values", process_set=process_set)
+    n = process_set.size() or 1
+
+    def wait() -> torch.Tensor:
+        values = synchronize(val_h)
+        indices = synchronize(idx_h)
+        if int(op) == int(Average):
+            values = values / n
+        return torch.sparse_coo_tensor(indices.t(), values, t.size())
+    return wait
+
+
+# ---------------------------------------------------------------------------- allgather
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every rank's ``tensor`` along dimension 0, in rank order of the set.
+
+    First dimensions may differ between ranks; the other dimensions must match.
+
+    Raises:
+        ValueError: unsupported dtype, a 0-d tensor, a name still in flight, a process set problem.
+    """
+    t = _cv.check_tensor(tensor, "allgather_async", _MOVE)
+    arr, _ = _cv.move_input(t, False)
+    h = _C.allgather_async([arr], name=name, process_set=process_set)
+    return _register(h, lambda r: _cv.move_output(r[0], t))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start allgathering each tensor of the list as one unit."""
+    ts = _tensors(tensors, "grouped_allgather_async", _MOVE)
+    arrays = [_cv.move_input(t, False)[0] for t in ts]
+    h = _C.allgather_async(arrays, name=name, process_set=process_set, grouped=True)
+    return _register(h, lambda r: tuple(_cv.move_output(x, t) for x, t in zip(r, ts)))
+
+
+def _rank_offset(dim0: int, process_set: ProcessSet) -> int:
+    dims = synchronize(allgather_async(torch.tensor([dim0], dtype=torch.int64), process_set=process_set))
+    r = process_set.rank() or 0
+    return int(dims[:r].sum())
+
+
+class HorovodAllgather(torch.autograd.Function):
+    """Differentiable allgather: averaged allreduce of the gradient, then this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+        ctx.dim = tensor.shape[0]
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        ps = ctx.process_set
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ps))
+        return grad.narrow(0, _rank_offset(ctx.dim, ps), ctx.dim), None, None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0 (rank order); blocks. Differentiable."""
+    _cv.check_tensor(tensor, "allgather", _MOVE)
+    return HorovodAllgather.apply(tensor, name, process_set)
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """Differentiable grouped allgather."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.dims = [t.shape[0] for t in tensors]
+        ctx.process_set = process_set
+        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ps = ctx.process_set
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Average,
+                                                      process_set=ps))
+        dims = synchronize(allgather_async(torch.tensor([ctx.dims], dtype=torch.int64), process_set=ps))
+        r = ps.rank() or 0
+        offsets = dims[:r].sum(dim=0).tolist() if r else [0] * len(ctx.dims)
+        return (None, None) + tuple(g.narrow(0, int(o), d) for g, o, d in zip(reduced, offsets, ctx.dims))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather each tensor of the list as one unit; returns a list. Differentiable."""
+    ts = _tensors(tensors, "grouped_allgather", _MOVE)
+    return list(HorovodGroupedAllgather.apply(name, process_set, *ts))
+
+
+# ---------------------------------------------------------------------------- broadcast
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start copying the root rank's ``tensor`` into a new tensor on every rank of the set.
+
+    ``root_rank`` is a global rank. The input is not modified.
+
+    Raises:
+        ValueError: unsupported dtype, root not in the set, a name still in flight.
+    """
+    t = _cv.check_tensor(tensor, "broadcast_async", _MOVE)
+    arr, back = _cv.move_input(t, False)
+    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set)
+
+    def post(r: list[np.ndarray]) -> torch.Tensor:
+        # On the root the engine hands back the input buffer itself: copy it out.
+        return back(r[0].copy() if np.shares_memory(r[0], arr) else r[0])
+    return _register(h, post)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start overwriting ``tensor`` with the root rank's values; ``synchronize`` returns it."""
+    t = _cv.check_tensor(tensor, "broadcast_async_", _MOVE)
+    arr, back = _cv.move_input(t, True)
+    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True)
+    return _register(h, lambda r: back(r[0]))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with the root rank's values and return it. Blocks."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    """Differentiable broadcast: averaged allreduce of the gradient, kept on the root only."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.root_rank = root_rank
+        ctx.process_set = process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average,
+                                           process_set=ctx.process_set))
+        if get_context().topology.rank != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return the root rank's ``tensor`` on every rank of the set; blocks. Differentiable."""
+    _cv.check_tensor(tensor, "broadcast", _MOVE)
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+# ---------------------------------------------------------------------------- alltoall
+def _splits_array(splits: Any) -> Any:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.device.type != "cpu":
+            raise NotImplementedError("alltoall: splits must be a CPU tensor or a list in this version.")
+        return splits.detach().to(torch.int64).numpy()
+    return splits
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``.
+
+    ``splits[i]`` rows of dimension 0 go to rank i of the set (int32 tensor or list, one entry per
+    rank); without ``splits`` dimension 0 is divided evenly.
+
+    Raises:
+        ValueError: bad splits, dimension 0 not divisible without splits, unsupported dtype.
+    """
+    t = _cv.check_tensor(tensor, "alltoall_async", _MOVE)
+    arr, _ = _cv.move_input(t, False)
+    h = _C.alltoall_async(arr, _splits_array(splits), name=name, process_set=process_set)
+
+    def post(r: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        out, received = r[0]
+        return _cv.move_output(out, t), torch.from_numpy(np.asarray(received, np.int32))
+    return _register(h, post)
+
+
+class HorovodAlltoall(torch.autograd.Function):
+    """Differentiable alltoall: the gradient travels back with the received splits."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
+                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+        out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received = received
+        ctx.rows = tensor.shape[0]
+        ctx.process_set = process_set
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor, _grad_splits: Any) -> tuple[Any, ...]:
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received,
+                                             process_set=ctx.process_set))
+        if grad.shape[0] < ctx.rows:  # rows beyond sum(splits) were not sent: zero gradient
+            pad = grad.new_zeros((ctx.rows - grad.shape[0],) + tuple(grad.shape[1:]))
+            grad = torch.cat([grad, pad])
+        return grad, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send slices of dimension 0 to every rank of the set and receive theirs; blocks.
+
+    Returns the output, or ``(output, received_splits)`` when ``splits`` is given. Differentiable.
+    """
+    _cv.check_tensor(tensor, "alltoall", _MOVE)
+    out, received = HorovodAlltoall.apply(tensor, splits, name, process_set)
+    return out if splits is None else (out, received)
+
+
+# ---------------------------------------------------------------------------- reducescatter
+def _reducescatter_submit(ts: list[torch.Tensor], name: str | None, op: int, process_set: ProcessSet,
+                          prescale: float, postscale: float, grouped: bool, what: str) -> Any:
+    rop = ReduceOp(int(op))
+    arrays = [_cv.reduce_input(t, rop, False, what)[0] for t in ts]
+    return _C.reducescatter_async(arrays, name=name, op=rop, process_set=process_set,
+                                  prescale_factor=prescale, postscale_factor=postscale, grouped=grouped)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start reducing ``tensor`` over the set; this rank receives its rows of dimension 0.
+
+    With N rows and P ranks, ranks 0 .. N%P-1 receive N//P+1 rows and the others N//P.
+
+    Raises:
+        ValueError: an op other than Average/Sum, a 0-d tensor, unsupported dtype.
+    """
+    t = _cv.check_tensor(tensor, "reducescatter_async", _RED)
+    h = _reducescatter_submit([t], name, op, process_set, prescale_factor, postscale_factor, False,
+                              "reducescatter_async")
+    return _register(h, lambda r: _cv.reduce_output(r[0], t))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: int = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a reducescatter of each tensor of the list as one unit."""
+    ts = _tensors(tensors, "grouped_reducescatter_async", _RED)
+    h = _reducescatter_submit(ts, name, op, process_set, prescale_factor, postscale_factor, True,
+                              "grouped_reducescatter_async")
+    return _register(h, lambda r: tuple(_cv.reduce_output(x, t) for x, t in zip(r, ts)))
+
+
+def _reducescatter_grad(grads: Sequence[torch.Tensor], op: ReduceOp, pre: float, post: float,
+                        ps: ProcessSet) -> list[torch.Tensor]:
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], process_set=ps))
+    scale = (float(ps.size() or 1) if op == Sum else 1.0) * pre * post
+    return [g * scale if scale != 1.0 else g for g in gathered]
+
+
+class HorovodReducescatter(torch.autograd.Function):
+    """Differentiable reducescatter: the gradient is the allgather of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet,
+                prescale: float, postscale: float) -> torch.Tensor:
+        ctx.args = (ReduceOp(int(op)), prescale, postscale, process_set)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, ps = ctx.args
+        return (_reducescatter_grad([grad_output], op, pre, post, ps)[0],) + (None,) * 5
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
+                  op: int = Average, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over the set and return this rank's rows; blocks. Differentiable."""
+    _cv.check_tensor(tensor, "reducescatter", _RED)
+    compressed, cctx = compression.compress(tensor)
+    out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    """Differentiable grouped reducescatter."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale: float,
+                postscale: float, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (ReduceOp(int(op)), prescale, postscale, process_set)
+        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale,
+                                                       postscale))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, ps = ctx.args
+        return (None,) * 5 + tuple(_reducescatter_grad(grads, op, pre, post, ps))
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Any = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reducescatter each tensor of the list as one unit; returns a list. Differentiable."""
+    ts = _tensors(tensors, "grouped_reducescatter", _RED)
+    pairs = [compression.compress(t) for t in ts]
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                             *[c for c, _ in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+
+
+# ---------------------------------------------------------------------------- control
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data and block until every rank has joined.
+
+    While waiting, this rank contributes zeros to the other ranks' allreduces (Average still
+    divides by the full set size). Returns the global rank that joined last, the same on every
+    rank. ``device`` is accepted for compatibility; zeros are always made on the CPU here.
+    """
+    return _C.join()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of ``process_set`` calls ``barrier``."""
+    _C.barrier(process_set)

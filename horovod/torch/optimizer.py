@@ -1,0 +1,365 @@
+"""``DistributedOptimizer``: averages gradients across ranks while backward is still running.
+
+A hook on every parameter (``register_post_accumulate_grad_hook``) starts an in-place allreduce of
+``p.grad`` as soon as autograd has finished accumulating it, so communication of the last layers'
+gradients overlaps the backward pass of the first layers. ``step()`` waits for all of them (and
+for parameters whose gradient never came, which are reduced as zeros so every rank submits the same
+set of names) and then runs the wrapped optimizer's update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from horovod.common.basics import size
+from horovod.common.objects import broadcast_object
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.types import Adasum, Average
+from horovod.torch.compression import Compression
+from horovod.torch.mpi_ops import (
+    allreduce_async_,
+    grouped_allreduce_async_,
+    sparse_allreduce_async,
+    synchronize,
+)
+
+__all__ = ["DistributedOptimizer"]
+
+_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to "
+                "step(). Increase backward_passes_per_step to accumulate gradients locally.")
+_ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+              "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+
+
+def _unhooked(fn: Any) -> Any:
+    # torch wraps every Optimizer subclass's step() once to run step hooks; our subclass's step()
+    # is wrapped too, so call the base step without its wrapper or the hooks would run twice.
+    return fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin placed before the wrapped optimizer's class in a new class of the same name."""
+
+    def __init__(self, params: Any, named_parameters: Any, compression: Any,
+                 backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
+                 groups: Any, sparse_as_dense: bool, process_set: ProcessSet) -> None:
+        self._hvd_base = type(self).__mro__[2]  # [new class, this mixin, wrapped optimizer class]
+        self._hvd_base.__init__(self, params)
+        self._compression = compression
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._parameter_names = self._names(named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in self._all_params()}
+        self._handles: dict[Any, tuple[Any, Any]] = {}
+        self._hook_handles: list[Any] = []
+        self._requires_update: set[torch.Tensor] = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._groups = self._make_groups(groups)
+        self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
+        self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
+        for g in self._groups or []:
+            for p in g:
+                self._p_to_group[p] = g
+            self._group_counts[g] = 0
+        if process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+            self._register_hooks()
+
+    # ------------------------------------------------------------------ construction
+    def _all_params(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                yield gi, p
+
+    def _names(self, named_parameters: Any) -> dict[torch.Tensor, str]:
+        if named_parameters is not None:
+            named = list(named_parameters)
+        else:
+            named = [(f"allreduce.noname.{gi}.{pi}", p) for gi, group in enumerate(self.param_groups)
+                     for pi, p in enumerate(group["params"])]
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                             + ", ".join(dups))
+        known = {id(p) for _, p in named}
+        missing = [id(p) for _, p in self._all_params() if id(p) not in known]
+        if missing:
+            raise ValueError("named_parameters was specified, but one or more model parameters were "
+                             "not named. Python object ids: " + ", ".join(str(i) for i in missing))
+        return {p: n for n, p in named}
+
+    def _make_groups(self, groups: Any) -> list[tuple[torch.Tensor, ...]] | None:
+        if groups is None:
+            return None
+        if isinstance(groups, int):
+            if groups <= 0:
+                raise ValueError("groups should be a positive integer or a list of lists of parameters.")
+            plist = [p for _, p in self._all_params() if p.requires_grad]
+            # Every rank must form the same groups: take rank 0's order of names.
+            order = [self._parameter_names[p] for p in plist]
+            if size() > 1 and self.process_set.included():
+                order = broadcast_object(order, 0, name="DistributedOptimizer.groups",
+                                         process_set=self.process_set)
+            by_name = {self._parameter_names[p]: p for p in plist}
+            plist = [by_name[n] for n in order]
+            k = min(groups, len(plist)) or 1
+            per, extra = divmod(len(plist), k)
+            out, start = [], 0
+            for i in range(k):
+                n = per + (1 if i < extra else 0)
+                if n:
+                    out.append(tuple(plist[start:start + n]))
+                start += n
+            return out
+        if not isinstance(groups, list):
+            raise ValueError("groups should be a positive integer or a list of lists of parameters.")
+        seen: set[int] = set()
+        out = []
+        for g in groups:
+            for p in g:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must contain only torch.Tensor parameters, got "
+                                     f"{type(p).__name__}")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+            out.append(tuple(g))
+        out += [(p,) for _, p in self._all_params() if id(p) not in seen and p.requires_grad]
+        return [g for g in out if g]
+
+    def _register_hooks(self) -> None:
+        for _, p in self._all_params():
+            if p.requires_grad:
+                self._requires_update.add(p)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    # ------------------------------------------------------------------ gradient reduction
+    def _make_hook(self, p: torch.Tensor) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(_MANY_PASSES)
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] > 0:
+                self._handles[p] = (None, None)  # accumulating locally; step() may force it
+                return
+            if self._groups is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+                return
+            group = self._p_to_group[p]
+            self._group_counts[group] += 1
+            if self._group_counts[group] < len(group):
+                self._handles[p] = (None, None)
+                return
+            for gp in group:
+                self._handles.pop(gp, None)
+            self._handles[group] = self._grouped_allreduce_async(group)
+        return hook
+
+    def _scale_factors(self) -> tuple[float, float]:
+        if self.op == Average:
+            # The engine adds the 1/size of Average to the postscale factor.
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _grad_for(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            # No gradient on this rank (unused in this forward); other ranks may have one, and
+            # every rank must submit the same names, so reduce zeros.
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+        name = self._parameter_names.get(p)
+        tensor = self._grad_for(p)
+        if tensor.is_sparse:
+            if self.sparse_as_dense:
+                tensor = tensor.to_dense()
+            else:
+                return sparse_allreduce_async(tensor, name=name, op=self.op,
+                                              process_set=self.process_set), None
+        compressed, ctx = self._compression.compress(tensor)
+        pre, post = self._scale_factors()
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=self.process_set)
+        return handle, (ctx, compressed)
+
+    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        tensors, ctxs = [], []
+        for p in group:
+            g = self._grad_for(p)
+            if g.is_sparse:
+                g = g.to_dense()  # grouped reduction is dense
+            c, ctx = self._compression.compress(g)
+            tensors.append(c)
+            ctxs.append((ctx, c))
+        pre, post = self._scale_factors()
+        handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
+                                          prescale_factor=pre, postscale_factor=post,
+                                          process_set=self.process_set)
+        return handle, ctxs
+
+    def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        result = output if ctx is None else self._compression.decompress(output, ctx[0])
+        grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
+            if not result.is_sparse:  # sparse_as_dense: back to the gradient's layout
+                result = result.to_sparse()
+            grad.zero_().add_(result)
+        elif result is not grad:
+            grad.copy_(result)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce and write the averaged gradients into ``p.grad``.
+
+        Parameters whose allreduce has not started (no gradient in this backward, or fewer than
+        ``backward_passes_per_step`` passes so far) are reduced now, in parameter order, so that
+        every rank submits the same names.
+        """
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        launched: set[torch.Tensor] = set()
+        for key, (handle, _) in list(self._handles.items()):
+            if handle is None:
+                del self._handles[key]
+            else:
+                launched.update(key if isinstance(key, tuple) else (key,))
+        todo = [p for _, p in self._all_params() if p in self._requires_update and p not in launched]
+        if self._groups is not None:
+            started: set[tuple[torch.Tensor, ...]] = set()
+            for p in todo:
+                g = self._p_to_group.get(p, (p,))
+                if g not in started:
+                    started.add(g)
+                    self._handles[g] = self._grouped_allreduce_async(g)
+        else:
+            for p in todo:
+                self._handles[p] = self._allreduce_grad_async(p)
+        for key, (handle, ctx) in self._handles.items():
+            if isinstance(key, tuple):
+                outputs = synchronize(handle)
+                for gp, out, gctx in zip(key, outputs, ctx):
+                    self._write_grad(gp, out, gctx)
+            else:
+                out = handle() if callable(handle) else synchronize(handle)
+                self._write_grad(key, out, ctx)
+        self._handles.clear()
+        for p in self._requires_update:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        for g in self._group_counts:
+            self._group_counts[g] = 0
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make ``step()`` skip synchronization (after an explicit ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize gradients (unless inside ``skip_synchronize()``), then update parameters."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._local_step(closure)
+
+    def _local_step(self, closure: Any = None) -> Any:
+        base_step = _unhooked(self._hvd_base.step)
+        return base_step(self) if closure is None else base_step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients; forbidden while gradient allreduces are in flight.
+
+        Raises:
+            AssertionError: called after ``backward()`` but before ``step()``/``synchronize()``.
+        """
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD)
+        return self._hvd_base.zero_grad(self, set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load optimizer state; pending allreduces are dropped and pass counters reset."""
+        self._handles.clear()
+        self._synchronized = False
+        for g in self._group_counts:
+            self._group_counts[g] = 0
+        for _, p in self._all_params():
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        return self._hvd_base.load_state_dict(self, state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before each allreduce."""
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that gradients are averaged across ranks before each update.
+
+    Returns an instance of a new class with the same name as ``optimizer``'s class, built on
+    ``optimizer.param_groups`` (the state of ``optimizer`` itself is not copied). Allreduces start
+    from gradient hooks during ``backward()``; ``step()`` waits for them. Every rank of
+    ``process_set`` must run the same number of backward/step calls.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: ``model.named_parameters()``; names become the allreduce names.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally before one allreduce.
+        op: ``Average`` or ``Sum`` (``Adasum`` is not available in this version).
+        gradient_predivide_factor: divide by this before the sum and multiply after (Average only).
+        num_groups: deprecated; use ``groups``.
+        groups: an int k (params split into k fused groups) or a list of lists of parameters.
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of by allgather.
+        process_set: the ranks whose gradients are averaged; other ranks train locally.
+
+    Raises:
+        ValueError: bad ``named_parameters``, ``groups``, ``backward_passes_per_step`` or
+            ``gradient_predivide_factor``.
+        NotImplementedError: ``op=Adasum``.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    if op == Adasum:
+        raise NotImplementedError("op=hvd.Adasum is not supported by this version of Horovod's "
+                                  "DistributedOptimizer; use op=hvd.Average.")
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set)
