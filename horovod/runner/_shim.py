@@ -7,8 +7,8 @@ Run by file path (standard library only, nothing from ``horovod`` is imported) a
 * ``--stdin-env``: the first stdin line is JSON ``{"env": {...}}``, merged into the environment
   (how ssh-started workers get their variables and the job secret without a command line).
 * ``--watch-stdin``: stdin is the launcher's life line; when it closes, the worker's process group
-  is sent SIGTERM, then SIGKILL after a grace period. Without it (under mpirun) the shim stops the
-  worker when its own parent dies.
+  is sent SIGTERM, then SIGKILL after a grace period. A line ``signal <N>`` sends signal N first.
+  Without it (under mpirun) the shim stops the worker when its own parent dies.
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
 on to that group. When the command ends, the rest of its group is stopped and one line
@@ -67,12 +67,16 @@ class _Stopper:
 
 
 def _watch_stdin(stopper):
+    # The launcher may send "signal <N>" lines (Ctrl-C reaching remote workers) before closing.
     try:
-        while sys.stdin.buffer.read1(65536):
-            pass
+        for line in sys.stdin.buffer:
+            words = line.split()
+            if len(words) == 2 and words[0] == b"signal" and words[1].isdigit():
+                signum = int(words[1])
+                stopper.stop(f"horovodrun sent {signal.Signals(signum).name}", signum)
     except (OSError, ValueError):
         pass
-    stopper.stop("the launcher closed the connection (job stopping)")
+    stopper.stop("horovodrun closed the connection (job stopping)")
 
 
 def _watch_parent(stopper, parent):

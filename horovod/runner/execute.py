@@ -231,12 +231,15 @@ class Executor:
         for proc in self._procs:
             if proc.returncode is not None:
                 continue
-            if proc.cmd.lifeline and proc.popen.stdin is not None:
+            if proc.cmd.lifeline and proc.popen.stdin is not None and not proc.popen.stdin.closed:
                 try:
+                    if proc.cmd.remote:
+                        proc.popen.stdin.write(f"signal {int(signum)}\n".encode())
                     proc.popen.stdin.close()
                 except OSError:
                     pass
-            self._signal_proc(proc, signum)
+            if not proc.cmd.remote:
+                self._signal_proc(proc, signum)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._events.put(("signal", signum))

@@ -70,11 +70,24 @@ class RankExit:
         return f"{who} (host {self.host}{lr})"
 
 
+# Failures this close to the first one count as simultaneous (each worker host's shim notices
+# its worker's end after a scheduling delay of its own).
+SIMULTANEOUS_SECONDS = 0.5
+
+
 def root_cause(exits: list[RankExit]) -> RankExit | None:
-    """The failure that came first among those the launcher did not cause itself."""
+    """The failure that came first among those the launcher did not cause itself.
+
+    When several ranks fail within ``SIMULTANEOUS_SECONDS`` of the first, one killed by a signal
+    is preferred: a rank that loses a peer exits with an error code (a transport error, an MPI
+    abort), while the peer that vanished was killed (out of memory, a crash, ``kill -9``).
+    """
     own = [e for e in exits if e.failed and not e.stopped_by]
     if own:
-        return min(own, key=lambda e: (e.time, e.rank if e.rank is not None else -1))
+        t0 = min(e.time for e in own)
+        near = [e for e in own if e.time <= t0 + SIMULTANEOUS_SECONDS]
+        return min(near, key=lambda e: (not e.signal, e.time,
+                                        e.rank if e.rank is not None else -1))
     failed = [e for e in exits if e.failed]
     return min(failed, key=lambda e: e.time) if failed else None
 

@@ -175,9 +175,11 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
         if mode == "gloo":
             plan = build_plan(settings, hosts, environ, local, mode, rdv_addr)
             server.set_slots({r.rank: {**r.slot.__dict__} for r in plan.ranks})  # type: ignore[union-attr]
-        elif server is not None:
-            plan.job_env.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": rdv_addr[0],
-                                 "HOROVOD_GLOO_RENDEZVOUS_PORT": rdv_addr[1]})
+        if server is not None:
+            # Where run_task workers of horovod.run() find the launcher, in both modes (the
+            # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).
+            plan.job_env.update({"HOROVOD_RUNNER_ADDR": rdv_addr[0],
+                                 "HOROVOD_RUNNER_PORT": rdv_addr[1]})
         if on_rendezvous is not None and server is not None:
             on_rendezvous(server)
         cmds = _commands(plan, settings, environ, impl, secret)

@@ -28,6 +28,7 @@ import pickle
 import secrets
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
@@ -155,6 +156,10 @@ class GlooBackend:
             raise BackendUnavailableError("This PyTorch build has no torch.distributed Gloo support; "
                                           "use a standard PyTorch wheel or MPI.", backend="gloo")
         self._torch, self._dist = torch, dist
+        # Send buffers may be read-only (pickled objects, a user's read-only array); Gloo never
+        # writes to them, so torch's warning about non-writable arrays is noise here.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                                category=UserWarning)
         try:
             self.rank = int(environ.get("HOROVOD_RANK", "0"))
             self.size = int(environ.get("HOROVOD_SIZE", "1"))

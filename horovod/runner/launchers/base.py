@@ -38,6 +38,9 @@ class Command:
         stdin_data: written to the process's stdin at start.
         lifeline: keep stdin open while the job runs; closing it stops the worker's process tree
             (how remote workers are stopped when ssh cannot deliver a signal).
+        remote: the process is an ssh client: to stop it, the launcher writes the signal on the
+            life line and closes it (the remote shim reports the worker's end, which killing the
+            ssh client would lose); SIGKILL follows only after the grace period.
         tagged: ``"openmpi"`` or ``"mpich"`` when output lines carry mpirun's per-rank tags.
         shown_env: the variables worth showing with ``--verbose`` (the rest is forwarded env).
     """
@@ -48,6 +51,7 @@ class Command:
     host: str
     stdin_data: bytes | None = None
     lifeline: bool = False
+    remote: bool = False
     tagged: str | None = None
     shown_env: dict[str, str] = field(default_factory=dict)
 

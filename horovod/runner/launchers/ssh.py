@@ -52,7 +52,7 @@ def ssh_command(plan: LaunchPlan, rank: RankPlan, settings: LaunchSettings,
     argv = ssh_base_argv(rank.host, settings.ssh_port, settings.ssh_identity_file) + [remote]
     blob = (json.dumps({"env": env}) + "\n").encode()
     return Command(argv=argv, env=None, ranks=(rank.rank,), host=rank.host, stdin_data=blob,
-                   lifeline=True, shown_env={**plan.job_env, **rank.env})
+                   lifeline=True, remote=True, shown_env={**plan.job_env, **rank.env})
 
 
 class SshLauncher:

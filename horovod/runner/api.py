@@ -1,0 +1,130 @@
+"""``horovod.run()``: run a Python function on every rank of a new job and return the results."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.runner.settings import LaunchSettings, default_start_timeout
+
+__all__ = ["run"]
+
+
+def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = None, min_num_proc: int | None = None,
+        max_num_proc: int | None = None, slots: int | None = None, reset_limit: int | None = None,
+        cooldown_range: tuple[int, int] | None = None, hosts: str | None = None,
+        hostfile: str | None = None, host_discovery_script: str | None = None,
+        start_timeout: float | None = None, ssh_port: int | None = None,
+        ssh_identity_file: str | None = None, disable_cache: bool | None = None,
+        output_filename: str | None = None, verbose: int | None = None,
+        use_gloo: bool | None = None, use_mpi: bool | None = None, mpi_args: str | None = None,
+        network_interface: str | None = None, network_interfaces: list[str] | None = None,
+        executable: str | None = None, np: int | None = None, min_np: int | None = None,
+        max_np: int | None = None, prefix_output_with_timestamp: bool = False,
+        env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``func(*args, **kwargs)`` on every rank and return the results in rank order.
+
+    The function is shipped with cloudpickle; workers run ``python -m horovod.runner.run_task``
+    with ``executable`` (default: this Python). Worker output is printed with ``[rank]<stdout>:``
+    prefixes as it happens.
+
+    Args:
+        func: the function every rank runs.
+        args, kwargs: its arguments.
+        num_proc: number of processes (``np`` is the deprecated name).
+        hosts / hostfile: as ``horovodrun -H`` / ``--hostfile`` (only one of them).
+        use_gloo / use_mpi: the launch mode (only one of them; default as ``horovodrun``).
+        env: extra variables for every worker (as ``horovodrun -x NAME=VALUE``).
+        Other arguments mirror the ``horovodrun`` options of the same name.
+
+    Returns:
+        One return value per rank, indexed by rank.
+
+    Raises:
+        ValueError (ConfigError): conflicting or invalid arguments.
+        WorkerFailedError: a rank raised (the error names the rank, carries ``rank``, ``host`` and
+            ``exception``, and chains the original exception) or a worker died.
+        NotImplementedError: elastic arguments (not supported by this launcher yet).
+    """
+    import cloudpickle
+
+    from horovod.runner.launch import launch
+    from horovod.runner.run_task import FUNC_SCOPE, RESULT_SCOPE
+
+    if np is not None:
+        warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)
+        num_proc = num_proc if num_proc is not None else np
+    if min_np is not None or max_np is not None:
+        warnings.warn("min_np/max_np are deprecated, use min_num_proc/max_num_proc",
+                      DeprecationWarning, stacklevel=2)
+        min_num_proc = min_num_proc if min_num_proc is not None else min_np
+        max_num_proc = max_num_proc if max_num_proc is not None else max_np
+    if any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script, slots,
+                                   reset_limit, cooldown_range)):
+        raise NotImplementedError("Elastic horovod.run() (min_num_proc, max_num_proc, "
+                                  "host_discovery_script, ...) is not available in this launcher.")
+    if hosts and hostfile:
+        raise ConfigError("Give either hosts or hostfile to horovod.run(), not both.")
+    if use_gloo and use_mpi:
+        raise ConfigError("Give either use_gloo=True or use_mpi=True to horovod.run(), not both.")
+    if num_proc is None:
+        raise ConfigError("horovod.run() needs num_proc (the number of processes).")
+    nics: list[str] = list(network_interfaces or [])
+    if network_interface:
+        if "," in network_interface:
+            warnings.warn("network_interface with a comma list is deprecated, use "
+                          "network_interfaces", DeprecationWarning, stacklevel=2)
+        nics += [n.strip() for n in network_interface.split(",") if n.strip()]
+
+    python = executable or sys.executable
+    settings = LaunchSettings(
+        command=[python, "-m", "horovod.runner.run_task"], np=num_proc, hosts=hosts,
+        hostfile=hostfile, ssh_port=ssh_port, ssh_identity_file=ssh_identity_file, nics=nics,
+        start_timeout=start_timeout or default_start_timeout(), verbose=int(verbose or 0),
+        output_filename=output_filename, disable_cache=bool(disable_cache),
+        controller="gloo" if use_gloo else "mpi" if use_mpi else None, mpi_args=mpi_args,
+        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}), run_func=True)
+
+    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    servers: list[Any] = []
+
+    def publish(server: Any) -> None:
+        server.put(FUNC_SCOPE, "func", payload)
+        servers.append(server)
+
+    from horovod.runner.rendezvous import make_secret
+
+    result = launch(settings, secret=make_secret(), on_rendezvous=publish)
+    assert not isinstance(result, str)
+    server = servers[0]
+    values: list[Any] = []
+    errors: list[tuple[int, BaseException, str]] = []
+    for rank in range(num_proc):
+        raw = server.get(RESULT_SCOPE, str(rank))
+        if raw is None:
+            continue
+        item = cloudpickle.loads(raw)
+        if item[0] == "ok":
+            values.append(item[1])
+        else:
+            errors.append((rank, item[1], item[2]))
+    hosts_by_rank = {e.rank: e.host for e in result.exits}
+    if errors:
+        rank, exc, tb = errors[0]
+        others = f" (ranks {[r for r, _, _ in errors]} raised)" if len(errors) > 1 else ""
+        raise WorkerFailedError(
+            f"horovod.run: rank {rank} on host {hosts_by_rank.get(rank, '?')} raised "
+            f"{type(exc).__name__}: {exc}{others}\n{tb}", rank=rank,
+            host=hosts_by_rank.get(rank), exception=exc,
+            ranks=[r for r, _, _ in errors]) from exc
+    if result.returncode != 0 or len(values) != num_proc:
+        first = result.first_failure
+        raise WorkerFailedError(
+            "horovod.run: the job failed before every rank returned a result.\n" + result.report(),
+            rank=first.rank if first else None, host=first.host if first else None,
+            exits=result.exits)
+    return values

@@ -1,0 +1,51 @@
+"""Worker of ``horovod.run()``: fetch the function from the launcher, run it, send back the result.
+
+Started as ``python -m horovod.runner.run_task`` on every rank. The function, its arguments and
+the results travel through the launcher's authenticated rendezvous service
+(``HOROVOD_RUNNER_ADDR``/``HOROVOD_RUNNER_PORT`` and ``HOROVOD_SECRET_KEY``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+FUNC_SCOPE = "runfunc"
+RESULT_SCOPE = "runfunc_result"
+
+
+def _rank() -> int:
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def main() -> int:
+    import cloudpickle
+
+    from horovod.runner.rendezvous import RendezvousClient
+
+    client = RendezvousClient(os.environ["HOROVOD_RUNNER_ADDR"], int(os.environ["HOROVOD_RUNNER_PORT"]),
+                              os.environ["HOROVOD_SECRET_KEY"])
+    rank = _rank()
+    func, args, kwargs = cloudpickle.loads(client.wait(FUNC_SCOPE, "func", timeout=60))
+    try:
+        value = func(*args, **kwargs)
+        payload = cloudpickle.dumps(("ok", value))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+        tb = traceback.format_exc()
+        print(f"User function raise error: {exc!r}\n{tb}", file=sys.stderr, flush=True)
+        try:
+            payload = cloudpickle.dumps(("error", exc, tb))
+        except Exception:  # noqa: BLE001 - an exception that cannot be pickled goes as text
+            payload = cloudpickle.dumps(("error", RuntimeError(repr(exc)), tb))
+        client.put(RESULT_SCOPE, str(rank), payload)
+        return 1
+    client.put(RESULT_SCOPE, str(rank), payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
