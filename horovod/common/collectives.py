@@ -96,19 +96,19 @@ def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str)
 
 def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.ndarray] | None,
             name: str | None, grouped: bool, ps_id: int, dtype: str, device: str, splits: Any = None,
-            **fields: Any) -> Handle:
+            wake: bool = True, **fields: Any) -> Handle:
     ctx = get_context()
     hid = ctx.counter.next()
     req = Request(name=op_name(kind, name, hid, grouped), kind=kind, dtype=dtype,
                   shapes=tuple(tuple(a.shape) for a in arrays), process_set_id=ps_id, device=device,
                   rank=ctx.topology.rank, **fields)
-    return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid)
+    return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid, wake=wake)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
                     op: ReduceOp = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
-                    inplace: bool = False, grouped: bool = False, device: str = "cpu") -> Handle:
+                    inplace: bool = False, grouped: bool = False, device: str = "cpu", wake: bool = True) -> Handle:
     """Reduce each array across the ranks of ``process_set``; all its ranks must call this.
 
     Raises:
@@ -122,13 +122,13 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     ps_id, _ = group_of(process_set, what)
     dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
     return _submit(RequestType.ALLREDUCE, arrays, list(arrays) if inplace else None, name, grouped,
-                   ps_id, dtype, device, reduce_op=op, prescale=float(prescale_factor),
+                   ps_id, dtype, device, wake=wake, reduce_op=op, prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
 
 
 def allgather_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
                     process_set: ProcessSet | None = None, grouped: bool = False,
-                    device: str = "cpu") -> Handle:
+                    device: str = "cpu", wake: bool = True) -> Handle:
     """Concatenate each array along dimension 0 over the ranks of the set, in rank order."""
     what = "grouped_allgather" if grouped else "allgather"
     ps_id, _ = group_of(process_set, what)
@@ -137,12 +137,12 @@ def allgather_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
         if a.ndim == 0:
             raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be gathered along its first "
                              "dimension; reshape it to shape (1,) first.")
-    return _submit(RequestType.ALLGATHER, arrays, None, name, grouped, ps_id, dtype, device)
+    return _submit(RequestType.ALLGATHER, arrays, None, name, grouped, ps_id, dtype, device, wake=wake)
 
 
 def broadcast_async(arrays: Sequence[np.ndarray], root_rank: int, *, name: str | None = None,
                     process_set: ProcessSet | None = None, inplace: bool = False,
-                    grouped: bool = False, device: str = "cpu") -> Handle:
+                    grouped: bool = False, device: str = "cpu", wake: bool = True) -> Handle:
     """Copy the root rank's arrays to every rank of the set (``root_rank`` is a global rank).
 
     Raises:
@@ -157,11 +157,11 @@ def broadcast_async(arrays: Sequence[np.ndarray], root_rank: int, *, name: str |
                          f"{ranks if len(ranks) <= 16 else f'0..{len(ranks) - 1}'}). Pass a global "
                          "rank of a member.")
     return _submit(RequestType.BROADCAST, arrays, list(arrays) if inplace else None, name, grouped,
-                   ps_id, dtype, device, root_rank=root)
+                   ps_id, dtype, device, wake=wake, root_rank=root)
 
 
 def alltoall_async(array: np.ndarray, splits: Any = None, *, name: str | None = None,
-                   process_set: ProcessSet | None = None, device: str = "cpu") -> Handle:
+                   process_set: ProcessSet | None = None, device: str = "cpu", wake: bool = True) -> Handle:
     """Send ``splits[i]`` rows of ``array`` to member i; receive rows from every member.
 
     The handle's result is ``[(output, received_splits)]``.
@@ -194,13 +194,13 @@ def alltoall_async(array: np.ndarray, splits: Any = None, *, name: str | None = 
         if split_arr.sum() < array.shape[0]:
             array = array[: int(split_arr.sum())]
     return _submit(RequestType.ALLTOALL, [array], None, name, False, ps_id, dtype, device,
-                   splits=split_arr)
+                   splits=split_arr, wake=wake)
 
 
 def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
                         op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        grouped: bool = False, device: str = "cpu") -> Handle:
+                        grouped: bool = False, device: str = "cpu", wake: bool = True) -> Handle:
     """Reduce each array across the set, then give member i its slice of dimension 0.
 
     With N rows and P members, members 0 .. N%P-1 receive N//P+1 rows and the others N//P.
@@ -218,7 +218,7 @@ def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None
             raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be scattered along its first "
                              "dimension; reshape it to shape (1,) or more rows first.")
     return _submit(RequestType.REDUCESCATTER, arrays, None, name, grouped, ps_id, dtype, device,
-                   reduce_op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
+                   wake=wake, reduce_op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:

@@ -100,18 +100,18 @@ class Context:
 
     # ------------------------------------------------------------------ submission
     def submit(self, request: Request, inputs: list[Any], outputs: list[Any] | None = None,
-               splits: Any = None, handle_id: int | None = None) -> Handle:
+               splits: Any = None, handle_id: int | None = None, wake: bool = True) -> Handle:
         """Queue an operation on the engine and return its handle (see ``collectives.py``)."""
         hid = self.counter.next() if handle_id is None else handle_id
         handle = Handle(hid, request.name)
-        self.engine.submit(Entry(request, inputs, outputs, handle, splits))
+        self.engine.submit(Entry(request, inputs, outputs, handle, splits), wake)
         return handle
 
     def control(self, kind: RequestType, name: str, payload: Any = None, process_set_id: int = 0) -> Any:
         """Run a control operation (barrier, join, process-set change) and wait for its result."""
         req = Request(name=name, kind=kind, dtype="uint8", process_set_id=process_set_id,
                       payload=payload, rank=self.topology.rank)
-        return self.submit(req, []).wait()
+        return self.submit(req, [], wake=False).wait()
 
     # ------------------------------------------------------------------ process sets
     def add_process_set(self, process_set: ProcessSet | Iterable[int]) -> ProcessSet:

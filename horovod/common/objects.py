@@ -32,9 +32,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     payload = _dumps(obj) if is_root else None
     size = np.array([payload.size if payload is not None else 0], np.int64)
     C.broadcast_async([size], root_rank, name=f"{name}.sz", process_set=process_set,
-                      inplace=True).wait()
+                      inplace=True, wake=False).wait()
     data = payload.copy() if payload is not None else np.empty(int(size[0]), np.uint8)
-    C.broadcast_async([data], root_rank, name=f"{name}.t", process_set=process_set, inplace=True).wait()
+    C.broadcast_async([data], root_rank, name=f"{name}.t", process_set=process_set, inplace=True, wake=False).wait()
     if is_root:
         return obj
     return cloudpickle.loads(data.tobytes())
@@ -45,8 +45,8 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     name = name or "allgather_object"
     payload = _dumps(obj)
     sizes = C.allgather_async([np.array([payload.size], np.int64)], name=f"{name}.sz",
-                              process_set=process_set).wait()[0]
-    data = C.allgather_async([payload], name=f"{name}.t", process_set=process_set).wait()[0]
+                              process_set=process_set, wake=False).wait()[0]
+    data = C.allgather_async([payload], name=f"{name}.t", process_set=process_set, wake=False).wait()[0]
     out, off = [], 0
     for n in sizes.tolist():
         out.append(cloudpickle.loads(data[off:off + n].tobytes()))

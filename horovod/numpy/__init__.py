@@ -133,11 +133,11 @@ def _as_arrays(tensors: Any) -> list[np.ndarray]:
 # ---------------------------------------------------------------------------- allreduce
 def allreduce_async(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allreduce of ``tensor``; the result is a new array. Returns a handle."""
     h = _C.allreduce_async(_contig([np.asarray(tensor)]), name=name, op=_C.resolve_op(average, op),
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                           process_set=process_set)
+                           process_set=process_set, wake=_wake)
     return _register(h, lambda r: r[0])
 
 
@@ -150,17 +150,17 @@ def allreduce(tensor: np.ndarray, average: bool | None = None, name: str | None 
     mismatch raises on every rank and the engine keeps working.
     """
     return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                       process_set))
+                                       process_set, _wake=False))
 
 
 def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:
+                     process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place allreduce of ``tensor``. Returns a handle."""
     work, back = _inplace([tensor])
     h = _C.allreduce_async(work, name=name, op=_C.resolve_op(average, op), inplace=True,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                           process_set=process_set)
+                           process_set=process_set, wake=_wake)
     return _register(h, lambda r: (back(r), tensor)[1])
 
 
@@ -169,17 +169,17 @@ def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None
                process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Allreduce ``tensor`` in place and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+                                        process_set, _wake=False))
 
 
 def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: bool | None = None,
                             name: str | None = None, op: int | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
+                            process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allreduce of a list of arrays, negotiated and fused as one unit. Returns a handle."""
     h = _C.allreduce_async(_contig(_as_arrays(tensors)), name=name, op=_C.resolve_op(average, op),
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                           process_set=process_set, grouped=True)
+                           process_set=process_set, grouped=True, wake=_wake)
     return _register(h, list)
 
 
@@ -188,19 +188,19 @@ def grouped_allreduce(tensors: Sequence[np.ndarray], average: bool | None = None
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allreduce every array of the list (reduction per list position); returns new arrays."""
     return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                               postscale_factor, process_set))
+                                               postscale_factor, process_set, _wake=False))
 
 
 def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None = None,
                              name: str | None = None, op: int | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:
+                             process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place grouped allreduce. Returns a handle."""
     tensors = list(tensors)
     work, back = _inplace(tensors)
     h = _C.allreduce_async(work, name=name, op=_C.resolve_op(average, op), inplace=True,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                           process_set=process_set, grouped=True)
+                           process_set=process_set, grouped=True, wake=_wake)
     return _register(h, lambda r: (back(r), tensors)[1])
 
 
@@ -209,69 +209,69 @@ def grouped_allreduce_(tensors: Sequence[np.ndarray], average: bool | None = Non
                        process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Grouped allreduce in place; returns the same arrays."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+                                                postscale_factor, process_set, _wake=False))
 
 
 # ---------------------------------------------------------------------------- allgather
 def allgather_async(tensor: np.ndarray, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allgather (concatenation along dimension 0, in rank order). Returns a handle."""
-    h = _C.allgather_async(_contig([np.asarray(tensor)]), name=name, process_set=process_set)
+    h = _C.allgather_async(_contig([np.asarray(tensor)]), name=name, process_set=process_set, wake=_wake)
     return _register(h, lambda r: r[0])
 
 
 def allgather(tensor: np.ndarray, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along dimension 0 (first dimensions may differ)."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    return synchronize(allgather_async(tensor, name, process_set, _wake=False))
 
 
 def grouped_allgather_async(tensors: Sequence[np.ndarray], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
+                            process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allgather of each array of a list, as one unit. Returns a handle."""
-    h = _C.allgather_async(_contig(_as_arrays(tensors)), name=name, process_set=process_set, grouped=True)
+    h = _C.allgather_async(_contig(_as_arrays(tensors)), name=name, process_set=process_set, grouped=True, wake=_wake)
     return _register(h, list)
 
 
 def grouped_allgather(tensors: Sequence[np.ndarray], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allgather each array of the list; returns a list of gathered arrays."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return synchronize(grouped_allgather_async(tensors, name, process_set, _wake=False))
 
 
 # ---------------------------------------------------------------------------- broadcast
 def broadcast_async(tensor: np.ndarray, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start a broadcast from ``root_rank`` (a global rank) into a new array. Returns a handle."""
-    h = _C.broadcast_async(_contig([np.asarray(tensor)]), root_rank, name=name, process_set=process_set)
+    h = _C.broadcast_async(_contig([np.asarray(tensor)]), root_rank, name=name, process_set=process_set, wake=_wake)
     return _register(h, lambda r: r[0].copy() if r[0] is tensor else r[0])
 
 
 def broadcast(tensor: np.ndarray, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Return the root rank's ``tensor`` on every rank (the input is not modified)."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set, _wake=False))
 
 
 def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
+                     process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place broadcast. Returns a handle."""
     work, back = _inplace([tensor])
-    h = _C.broadcast_async(work, root_rank, name=name, process_set=process_set, inplace=True)
+    h = _C.broadcast_async(work, root_rank, name=name, process_set=process_set, inplace=True, wake=_wake)
     return _register(h, lambda r: (back(r), tensor)[1])
 
 
 def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Overwrite ``tensor`` with the root rank's values and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, _wake=False))
 
 
 # ---------------------------------------------------------------------------- alltoall
 def alltoall_async(tensor: np.ndarray, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
+                   process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    h = _C.alltoall_async(np.asarray(tensor, order="C"), splits, name=name, process_set=process_set)
+    h = _C.alltoall_async(np.asarray(tensor, order="C"), splits, name=name, process_set=process_set, wake=_wake)
     return _register(h, lambda r: r[0])
 
 
@@ -282,18 +282,18 @@ def alltoall(tensor: np.ndarray, splits: Any = None, name: str | None = None,
     ``splits[i]`` rows go to rank i of the set (without ``splits``, equal parts). Returns the
     output, or ``(output, received_splits)`` when ``splits`` is given.
     """
-    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    out, received = synchronize(alltoall_async(tensor, splits, name, process_set, _wake=False))
     return out if splits is None else (out, received)
 
 
 # ---------------------------------------------------------------------------- reducescatter
 def reducescatter_async(tensor: np.ndarray, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> int:
+                        postscale_factor: float = 1.0, _wake: bool = True) -> int:
     """Start a reducescatter. Returns a handle."""
     h = _C.reducescatter_async(_contig([np.asarray(tensor)]), name=name, op=ReduceOp(int(op)),
                                process_set=process_set, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor)
+                               postscale_factor=postscale_factor, wake=_wake)
     return _register(h, lambda r: r[0])
 
 
@@ -301,16 +301,16 @@ def reducescatter(tensor: np.ndarray, name: str | None = None, op: int = Average
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> np.ndarray:
     """Reduce ``tensor`` over the set and return this rank's rows of the result."""
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor, _wake=False))
 
 
 def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0, _wake: bool = True) -> int:
     """Start a reducescatter of each array of a list, as one unit. Returns a handle."""
     h = _C.reducescatter_async(_contig(_as_arrays(tensors)), name=name, op=ReduceOp(int(op)),
                                process_set=process_set, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor, grouped=True)
+                               postscale_factor=postscale_factor, grouped=True, wake=_wake)
     return _register(h, list)
 
 
@@ -319,7 +319,7 @@ def grouped_reducescatter(tensors: Sequence[np.ndarray], name: str | None = None
                           postscale_factor: float = 1.0) -> list[np.ndarray]:
     """Reducescatter each array of the list."""
     return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
-                                                   postscale_factor))
+                                                   postscale_factor, _wake=False))
 
 
 # ---------------------------------------------------------------------------- control

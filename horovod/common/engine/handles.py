@@ -26,7 +26,7 @@ class Handle:
     ``(output, received_splits)``; for join it is the last rank to join.
     """
 
-    __slots__ = ("id", "name", "_event", "result", "error")
+    __slots__ = ("id", "name", "_event", "result", "error", "helper")
 
     def __init__(self, handle_id: int, name: str) -> None:
         self.id = handle_id
@@ -34,6 +34,8 @@ class Handle:
         self._event = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        # Set by the engine: called by wait() to make progress from the waiting thread.
+        self.helper: Any = None
 
     def set_result(self, result: Any) -> None:
         self.result = result
@@ -47,6 +49,9 @@ class Handle:
         """True once the operation finished (successfully or not); ``wait`` will not block."""
         return self._event.is_set()
 
+    def wait_event(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the operation finishes and return its result.
 
@@ -54,6 +59,8 @@ class Handle:
             HorovodInternalError: the operation failed on the transport or by a mismatch.
             TimeoutError: ``timeout`` seconds passed first.
         """
+        if self.helper is not None and timeout is None and not self._event.is_set():
+            self.helper(self)
         if not self._event.wait(timeout):
             raise TimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
         if self.error is not None:

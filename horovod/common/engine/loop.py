@@ -81,6 +81,10 @@ class Engine:
         self._on_ps_added = on_process_set_added
         self._on_ps_removed = on_process_set_removed
         self._cv = threading.Condition(threading.Lock())
+        # Whoever holds the driver lock runs negotiation rounds: the engine thread, or a caller
+        # waiting on a handle while the engine thread is idle (saves two thread hand-offs per
+        # blocking operation). Rounds are serialized, so MPI sees one caller at a time.
+        self._driver = threading.Lock()
         self._queue: list[Entry] = []
         self._in_flight: set[str] = set()
         self._shutdown_requested = False
@@ -118,8 +122,11 @@ class Engine:
             self._coordinator.reserve_process_set_ids(max(self.groups) + 1)
         self._thread.start()
 
-    def submit(self, entry: Entry) -> None:
+    def submit(self, entry: Entry, wake: bool = True) -> None:
         """Queue an entry for the engine thread (any thread may call this).
+
+        With ``wake=False`` the engine thread is not woken: the caller is about to wait on the
+        handle and will drive the round itself (the engine thread's tick is the fallback).
 
         Raises:
             ValueError: an operation with the same name is still in flight on this rank.
@@ -132,9 +139,11 @@ class Engine:
             if name in self._in_flight:
                 raise ValueError(DUPLICATE_NAME_MESSAGE.format(name=name))
             self._in_flight.add(name)
+            entry.handle.helper = self.help_until
             entry.t_submit = self._clock()
             self._queue.append(entry)
-            self._cv.notify()
+            if wake:
+                self._cv.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Ask every rank's engine to stop at the next round, and wait for this one to stop."""
@@ -169,20 +178,41 @@ class Engine:
         return None if g is None else g.ranks
 
     def _run(self) -> None:
-        failure: BaseException | None = None
+        while not self._stopped:
+            with self._cv:
+                if not self._queue and not self._pending and not self._shutdown_requested:
+                    self._cv.wait(self._cycle)
+            with self._driver:
+                self._drive_once()
+
+    def _drive_once(self) -> None:
+        """Run one round (the caller holds the driver lock)."""
+        if self._stopped:
+            return
         try:
-            while True:
-                with self._cv:
-                    if not self._queue and not self._pending and not self._shutdown_requested:
-                        self._cv.wait(self._cycle)
-                    new, self._queue = self._queue, []
-                    shutdown = self._shutdown_requested
-                if self._round(new, shutdown):
-                    break
+            with self._cv:
+                new, self._queue = self._queue, []
+                shutdown = self._shutdown_requested
+            stop = self._round(new, shutdown)
         except BaseException as exc:  # the transport failed: fail everything, loudly
-            failure = exc
             log.error("Horovod engine on rank %d stopped: %s", self.rank, exc)
-        self._finish(failure)
+            self._finish(exc)
+            return
+        if stop:
+            self._finish(None)
+
+    def help_until(self, handle: Any) -> None:
+        """Drive rounds from a waiting caller's thread until ``handle`` completes."""
+        while not handle.done():
+            if self._stopped:
+                return
+            if self._driver.acquire(blocking=False):
+                try:
+                    self._drive_once()
+                finally:
+                    self._driver.release()
+            else:
+                handle.wait_event(0.002)
 
     def _finish(self, failure: BaseException | None) -> None:
         with self._cv:
