@@ -1,0 +1,266 @@
+"""Keras implementation shared by ``horovod.tensorflow.keras`` (tf.keras) and ``horovod.keras``.
+
+Works with Keras 3 (TensorFlow backend) and with Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``),
+both the current and the ``legacy`` optimizers. The distributed optimizer is an instance of a
+subclass of the user's optimizer class with the same class name (saved models load without
+Horovod), made by ``from_config`` (hyper-parameters copied, no slot state).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
+from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
+
+__all__ = ["create_distributed_optimizer", "distributed_class", "is_distributed", "disable_jit_for",
+           "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter",
+           "load_model", "get_lr", "set_lr"]
+
+log = logging.getLogger("horovod")
+
+
+class _HvdConfig:
+    """Plain (untracked) holder of a distributed optimizer's Horovod settings."""
+
+    def __init__(self, device_dense: str, device_sparse: str, compression: Any, sparse_as_dense: bool,
+                 gradient_predivide_factor: float, op: int, backward_passes_per_step: int,
+                 average_aggregated_gradients: bool, groups: Any, process_set: ProcessSet,
+                 scale_local_gradients: bool, name: str) -> None:
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self.local_vars: set[Any] = set()
+        self.allreduce_grads = make_allreduce_grads_fn(
+            name, device_dense, device_sparse, compression, sparse_as_dense, op, gradient_predivide_factor,
+            groups, process_set, default_name=name + "_Allreduce")
+        self.agg = None
+        if backward_passes_per_step > 1:
+            self.agg = LocalGradientAggregationHelper(backward_passes_per_step, self.reduce, sparse_as_dense,
+                                                      average_aggregated_gradients)
+
+    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        glob = [i for i, v in enumerate(variables) if _var_key(v) not in self.local_vars]
+        out = list(grads)
+        for i, g in zip(glob, self.allreduce_grads([grads[i] for i in glob], [variables[i] for i in glob])):
+            out[i] = g
+        if self.local_vars and self.scale_local_gradients and self.process_set.included():
+            n = self.process_set.size()
+            for i in set(range(len(grads))) - set(glob):
+                if out[i] is not None:
+                    out[i] = out[i] / tf.cast(n, out[i].dtype)
+        return out
+
+
+def _hvd(opt: Any) -> _HvdConfig:
+    cfg = opt.__dict__.get("_hvd_config")
+    return cfg if cfg is not None else type(opt)._hvd_class_config
+
+
+def disable_jit_for(model: Any) -> bool:
+    """Turn XLA off for a Keras model whose optimizer is distributed; True if it was on."""
+    try:
+        on = bool(model.jit_compile)
+    except AttributeError:
+        return False
+    if on:
+        model.jit_compile = False
+        log.info("Horovod: compiled the model with jit_compile=False (XLA cannot run Horovod's ops).")
+    return on
+
+
+def _disable_jit_on_calling_model(opt: Any) -> None:
+    # Keras 3 builds the optimizer from Trainer._symbolic_build(), before make_train_function()
+    # reads model.jit_compile. Find that model on the stack and turn XLA off while it still matters.
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if owner is not None and getattr(owner, "optimizer", None) is opt and hasattr(owner, "jit_compile"):
+            disable_jit_for(owner)
+            return
+        frame = frame.f_back
+
+
+def _keras3_methods(base: type) -> dict[str, Any]:
+    def build(self: Any, variables: Any) -> Any:
+        _disable_jit_on_calling_model(self)
+        return base.build(self, variables)
+
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        cfg = _hvd(self)
+        grads = list(grads)
+        variables = list(trainable_variables) if trainable_variables is not None else list(
+            self._trainable_variables)
+        if cfg.agg is None:
+            return base.apply(self, cfg.reduce(grads, variables), trainable_variables)
+        if not self.built:
+            self.build(variables)
+            self.built = True
+        summed = cfg.agg.compute_gradients(grads, variables)
+        return cfg.agg.apply_gradients(lambda: base.apply(self, summed, trainable_variables),
+                                       self._iterations)
+
+    return {"build": build, "apply": apply}
+
+
+def _keras2_methods(base: type) -> dict[str, Any]:
+    def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        cfg = _hvd(self)
+        pairs = list(grads_and_vars)
+        if not pairs:
+            return base.apply_gradients(self, pairs, *args, **kwargs)
+        grads, variables = [list(x) for x in zip(*pairs)]
+        if cfg.agg is None:
+            return base.apply_gradients(self, list(zip(cfg.reduce(grads, variables), variables)), *args,
+                                        **kwargs)
+        summed = cfg.agg.compute_gradients(grads, variables)
+        return cfg.agg.apply_gradients(
+            lambda: base.apply_gradients(self, list(zip(summed, variables)), *args, **kwargs),
+            self.iterations)
+
+    return {"apply_gradients": apply_gradients}
+
+
+def _register_local_var(self: Any, var: Any) -> None:
+    """Keep ``var``'s gradient local (not averaged across ranks)."""
+    _hvd(self).local_vars.add(_var_key(var))
+
+
+def is_distributed(optimizer: Any) -> bool:
+    return getattr(type(optimizer), "_hvd_distributed", False)
+
+
+def distributed_class(base: type, cfg: _HvdConfig) -> type:
+    """A subclass of ``base`` with the same name whose gradient application averages across ranks."""
+    if getattr(base, "_hvd_distributed", False):
+        base = base.__mro__[1]
+    keras3 = hasattr(base, "stateless_apply")
+    methods = _keras3_methods(base) if keras3 else _keras2_methods(base)
+    methods.update(register_local_var=_register_local_var, _hvd_distributed=True,
+                   _hvd_class_config=cfg, __module__=base.__module__)
+    return type(base.__name__, (base,), methods)
+
+
+def _check_backend(keras: Any) -> None:
+    backend = getattr(getattr(keras, "backend", None), "backend", None)
+    if callable(backend) and backend() != "tensorflow":
+        raise ValueError(f"horovod.keras needs the TensorFlow backend of Keras, but KERAS_BACKEND is "
+                         f"{backend()!r}. Set KERAS_BACKEND=tensorflow, or use horovod.torch for PyTorch.")
+
+
+def create_distributed_optimizer(keras: Any, optimizer: Any, name: str | None, device_dense: str,
+                                 device_sparse: str, compression: Any, sparse_as_dense: bool,
+                                 gradient_predivide_factor: float, op: int, backward_passes_per_step: int = 1,
+                                 average_aggregated_gradients: bool = False, groups: Any = None,
+                                 process_set: ProcessSet = global_process_set,
+                                 scale_local_gradients: bool = True, num_groups: int = 0) -> Any:
+    """Return a distributed copy of a Keras optimizer (see module docstring).
+
+    Raises:
+        ValueError: ``op`` other than Average/Sum; predivide with Sum; bad ``groups``; a Keras
+            backend other than TensorFlow.
+    """
+    _check_backend(keras)
+    op = check_op_args(op, gradient_predivide_factor, average_aggregated_gradients, keras=True)
+    groups = normalize_groups(num_groups, groups)
+    base = type(optimizer)
+    if getattr(base, "_hvd_distributed", False):
+        base = base.__mro__[1]
+    dist_name = name or f"Distributed{base.__name__}"
+    cfg = _HvdConfig(device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor, op,
+                     backward_passes_per_step, average_aggregated_gradients, groups, process_set,
+                     scale_local_gradients, dist_name)
+    cls = distributed_class(base, cfg)
+    config = optimizer.get_config()
+    if name is not None or "name" in config:
+        config["name"] = dist_name
+    new = cls.from_config(config)
+    new.__dict__["_hvd_config"] = cfg
+    return new
+
+
+# ---------------------------------------------------------------------------- value helpers
+def _eval(value: Any) -> Any:
+    if tf.executing_eagerly():
+        return value
+    return tf.compat.v1.keras.backend.get_session().run(value)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    import horovod.tensorflow as hvd
+
+    return _eval(hvd.broadcast_global_variables(root_rank))
+
+
+def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, op: int | None = None,
+              compression: Any = Compression.none) -> Any:
+    import horovod.tensorflow as hvd
+
+    return _eval(hvd.allreduce(tf.constant(value), name=name, average=average, op=op,
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                               compression=compression))
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    import horovod.tensorflow as hvd
+
+    return _eval(hvd.allgather(tf.constant(value), name=name))
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    import horovod.tensorflow as hvd
+
+    return _eval(hvd.broadcast(tf.constant(value), root_rank, name=name))
+
+
+def reducescatter(value: Any, name: str | None = None, op: int | None = None) -> Any:
+    import horovod.tensorflow as hvd
+
+    return _eval(hvd.reducescatter(tf.constant(value), name=name, op=hvd.Average if op is None else op))
+
+
+# ---------------------------------------------------------------------------- load_model
+def load_model(keras: Any, wrap_optimizer: Any, optimizer_modules: Any, filepath: str,
+               custom_optimizers: Any = None, custom_objects: Any = None, legacy_opts: bool = False) -> Any:
+    """Load a saved Keras model, wrapping its optimizer in a distributed optimizer."""
+    opts_mod = keras.optimizers
+    root = getattr(getattr(opts_mod, "legacy", None), "Optimizer", None) if legacy_opts else opts_mod.Optimizer
+    found: dict[str, type] = {}
+    stack = list(root.__subclasses__()) if root is not None else []
+    while stack:
+        c = stack.pop()
+        if c.__module__.startswith(optimizer_modules) and not getattr(c, "_hvd_distributed", False):
+            found.setdefault(c.__name__, c)
+        stack.extend(c.__subclasses__())
+    objects: dict[str, Any] = {}
+    for cls_name, c in found.items():
+        objects[cls_name] = objects[cls_name.lower()] = wrap_optimizer(c)
+    for c in custom_optimizers or []:
+        objects[c.__name__] = wrap_optimizer(c)
+    objects.update(custom_objects or {})
+    return keras.models.load_model(filepath, custom_objects=objects)
+
+
+# ---------------------------------------------------------------------------- learning rate access
+def get_lr(optimizer: Any) -> float:
+    lr = optimizer.learning_rate if hasattr(optimizer, "learning_rate") else optimizer.lr
+    if callable(lr) and not hasattr(lr, "numpy"):
+        lr = lr(optimizer.iterations)
+    return float(np.asarray(lr.numpy() if hasattr(lr, "numpy") else lr))
+
+
+def set_lr(optimizer: Any, value: float) -> None:
+    lr = optimizer.learning_rate if hasattr(optimizer, "learning_rate") else optimizer.lr
+    if hasattr(lr, "assign"):
+        lr.assign(value)
+    else:
+        optimizer.learning_rate = value

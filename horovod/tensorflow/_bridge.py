@@ -1,0 +1,263 @@
+"""Bridge from TensorFlow tensors to Horovod's engine.
+
+Eager tensors are handed to the engine as NumPy arrays (``.numpy()`` shares the CPU buffer). Inside
+``tf.function`` and TF1 graphs one ``tf.numpy_function`` op runs the engine call when the graph
+executes; its outputs get the static shapes we know. Every op that takes a list (a whole step's
+gradients, a model's variables) submits all its tensors before waiting, so they are negotiated and
+fused together.
+
+Engine keys: an explicit ``name`` in eager mode, else the engine's call-order counter (as in
+``horovod.torch``); in graphs the TF node name of the op (``HorovodAllreduce_<input name>`` by
+default, scope included unless ``ignore_name_scope``), so keys do not depend on the order in which
+TF's executor happens to run independent ops.
+
+Errors: in eager mode, ranks disagreeing raise ``tf.errors.FailedPreconditionError``, bad arguments
+``tf.errors.InvalidArgumentError``, a failed or shut-down engine ``tf.errors.UnknownError``; each
+message starts with the op type (``HorovodAllreduce``...) and carries the engine's text, and the
+Horovod exception is chained as ``__cause__``. Inside graphs TF turns exceptions of a
+``numpy_function`` into ``InvalidArgumentError`` (mismatches, bad arguments) or ``UnknownError``
+(engine failures) with the same text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod.common import collectives as C
+from horovod.common.exceptions import (
+    CollectiveMismatchError,
+    HorovodInternalError,
+    NotInitializedError,
+)
+from horovod.common.process_sets import ProcessSet
+from horovod.common.types import ReduceOp
+
+__all__ = ["engine_call", "normalize_name", "np_allreduce", "np_allgather", "np_broadcast",
+           "np_alltoall", "np_reducescatter", "check_not_xla"]
+
+NpFn = Callable[[Any, list[np.ndarray]], list[np.ndarray]]
+
+_XLA_HINT = (
+    "{op}: Horovod's TensorFlow ops run on the host (tf.numpy_function), which XLA cannot compile. "
+    "Turn XLA off for this function: tf.function(..., jit_compile=False), or for Keras "
+    "model.compile(..., jit_compile=False). hvd.DistributedOptimizer does this itself when it is "
+    "passed to model.compile() before the first fit()."
+)
+
+
+def normalize_name(name: str) -> str:
+    """Replace every character outside ``[A-Za-z0-9_]`` by ``_`` (upstream's node-name rule)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def check_not_xla(op_type: str) -> None:
+    """Raise a clear error if the op is being traced into an XLA-compiled function."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - private module moved
+        return
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise NotImplementedError(_XLA_HINT.format(op=op_type))
+
+
+def _eager_error(op_type: str, key: Any, exc: BaseException) -> BaseException:
+    where = f"{op_type} ({key!r})" if key is not None else op_type
+    msg = f"{where}: {exc}"
+    if isinstance(exc, CollectiveMismatchError):
+        return tf.errors.FailedPreconditionError(None, None, msg)
+    if isinstance(exc, HorovodInternalError):
+        return tf.errors.UnknownError(None, None, msg)
+    if isinstance(exc, NotInitializedError):
+        return exc
+    if isinstance(exc, ValueError):
+        return tf.errors.InvalidArgumentError(None, None, msg)
+    return exc
+
+
+def _graph_error(op_type: str, key: Any, exc: BaseException) -> BaseException:
+    msg = f"{op_type} ({key!r}): {exc}"
+    if isinstance(exc, CollectiveMismatchError | NotInitializedError) or isinstance(exc, ValueError):
+        return ValueError(msg)  # InvalidArgumentError once it crosses the numpy_function boundary
+    if isinstance(exc, HorovodInternalError):
+        return RuntimeError(msg)  # UnknownError
+    return exc
+
+
+def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf.DType],
+                shapes: Sequence[Any] | None = None, name: str | None = None,
+                ignore_name_scope: bool = False) -> list[Any]:
+    """Run ``fn(key, arrays) -> arrays`` on the engine now (eager) or when the graph runs.
+
+    Args:
+        op_type: ``HorovodAllreduce`` etc.; used for default node names and error messages.
+        fn: the engine call on NumPy arrays; ``key`` is the engine name (None = call order).
+        inputs: tensors to pass (converted with ``tf.convert_to_tensor``).
+        tout: output dtypes.
+        shapes: static output shapes to set in graphs (None entries are left unknown).
+        name: explicit op name.
+        ignore_name_scope: key graph ops by the last part of their node name only.
+    """
+    if tf.executing_eagerly():
+        arrays = [np.asarray(t) if isinstance(t, np.ndarray) else t.numpy() for t in inputs]
+        try:
+            outs = fn(name, arrays)
+        except Exception as exc:  # noqa: BLE001 - translated, re-raised
+            err = _eager_error(op_type, name, exc)
+            if err is exc:
+                raise
+            raise err from exc
+        return [tf.convert_to_tensor(o) for o in outs]
+
+    check_not_xla(op_type)
+    inputs = [tf.convert_to_tensor(t) for t in inputs]
+    if name is None:
+        base = f"{op_type}_{normalize_name(inputs[0].name)}" if inputs else op_type
+    else:
+        base = normalize_name(name)
+    cell: list[Any] = [None]
+
+    def _run(*arrays: np.ndarray) -> list[np.ndarray]:
+        try:
+            return fn(cell[0], list(arrays))
+        except Exception as exc:  # noqa: BLE001 - translated, re-raised
+            err = _graph_error(op_type, cell[0], exc)
+            if err is exc:
+                raise
+            raise err from exc
+
+    outs = tf.numpy_function(_run, inputs, list(tout), stateful=True, name=base)
+    if not isinstance(outs, list | tuple):
+        outs = [outs]
+    outs = list(outs)
+    node = outs[0].op.name if outs else base
+    cell[0] = node.rsplit("/", 1)[-1] if ignore_name_scope else node
+    if shapes is not None:
+        for o, s in zip(outs, shapes):
+            if s is not None:
+                o.set_shape(s)
+    return outs
+
+
+# ---------------------------------------------------------------------------- NumPy side
+def _sub(key: Any, suffix: str) -> Any:
+    return None if key is None else f"{key}{suffix}"
+
+
+def _is_bf16(a: np.ndarray) -> bool:
+    return a.dtype.name == "bfloat16"
+
+
+def _reduce_ready(a: np.ndarray) -> np.ndarray:
+    # The engine has no bfloat16 arithmetic: reduce in float32, cast back afterwards.
+    return np.ascontiguousarray(a.astype(np.float32) if _is_bf16(a) else a)
+
+
+def _move_ready(a: np.ndarray) -> np.ndarray:
+    # Moves only copy bytes: send bfloat16 as uint16.
+    return np.ascontiguousarray(a.view(np.uint16) if _is_bf16(a) else a)
+
+
+def _by_dtype(arrays: Sequence[np.ndarray]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(a.dtype.name, []).append(i)
+    return groups
+
+
+def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale: float, postscale: float,
+                 process_set: ProcessSet | None, grouped: bool,
+                 groups: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
+    """Allreduce arrays; grouped requests are split per dtype (and per ``groups``), all submitted
+    before any is waited on."""
+    if not arrays:
+        return []
+    if not grouped:
+        h = C.allreduce_async([_reduce_ready(arrays[0])], name=key, op=op, prescale_factor=prescale,
+                              postscale_factor=postscale, process_set=process_set)
+        out = h.wait()[0]
+        return [out.astype(arrays[0].dtype) if _is_bf16(arrays[0]) else out]
+    parts = [list(g) for g in groups] if groups else [list(range(len(arrays)))]
+    pending = []
+    for gi, part in enumerate(parts):
+        by_dt = _by_dtype([arrays[i] for i in part])
+        for dt, local in by_dt.items():
+            idx = [part[j] for j in local]
+            suffix = ("" if len(parts) == 1 else f".g{gi}") + ("" if len(by_dt) == 1 else f".{dt}")
+            h = C.allreduce_async([_reduce_ready(arrays[i]) for i in idx], name=_sub(key, suffix), op=op,
+                                  prescale_factor=prescale, postscale_factor=postscale,
+                                  process_set=process_set, grouped=True)
+            pending.append((idx, h))
+    out: list[Any] = [None] * len(arrays)
+    for idx, h in pending:
+        for i, r in zip(idx, h.wait()):
+            out[i] = r.astype(arrays[i].dtype) if _is_bf16(arrays[i]) else r
+    return out
+
+
+def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet | None,
+                 grouped: bool) -> list[np.ndarray]:
+    """Allgather arrays (concatenate along dimension 0 in set-rank order)."""
+    if not arrays:
+        return []
+    if not grouped:
+        out = C.allgather_async([_move_ready(arrays[0])], name=key, process_set=process_set).wait()
+        return [out[0].view(arrays[0].dtype) if _is_bf16(arrays[0]) else out[0]]
+    pending = []
+    by_dt = _by_dtype(arrays)
+    for dt, idx in by_dt.items():
+        suffix = "" if len(by_dt) == 1 else f".{dt}"
+        h = C.allgather_async([_move_ready(arrays[i]) for i in idx], name=_sub(key, suffix),
+                              process_set=process_set, grouped=True)
+        pending.append((idx, h))
+    res: list[Any] = [None] * len(arrays)
+    for idx, h in pending:
+        for i, r in zip(idx, h.wait()):
+            res[i] = r.view(arrays[i].dtype) if _is_bf16(arrays[i]) else r
+    return res
+
+
+def np_broadcast(key: Any, arrays: Sequence[np.ndarray], root_rank: int,
+                 process_set: ProcessSet | None) -> list[np.ndarray]:
+    """Broadcast arrays from ``root_rank``; several arrays go as one request per dtype."""
+    if not arrays:
+        return []
+    by_dt = _by_dtype(arrays)
+    pending = []
+    for dt, idx in by_dt.items():
+        suffix = "" if len(by_dt) == 1 else f".{dt}"
+        work = [_move_ready(arrays[i]).copy() for i in idx]
+        h = C.broadcast_async(work, root_rank, name=_sub(key, suffix), process_set=process_set,
+                              inplace=True, grouped=len(arrays) > 1)
+        pending.append((idx, work, h))
+    res: list[Any] = [None] * len(arrays)
+    for idx, work, h in pending:
+        h.wait()
+        for i, r in zip(idx, work):
+            res[i] = r.view(arrays[i].dtype) if _is_bf16(arrays[i]) else r
+    return res
+
+
+def np_alltoall(key: Any, array: np.ndarray, splits: np.ndarray | None,
+                process_set: ProcessSet | None) -> list[np.ndarray]:
+    """Alltoall; returns ``[output, received_splits (int32)]``."""
+    out, received = C.alltoall_async(_move_ready(array), splits, name=key,
+                                     process_set=process_set).wait()[0]
+    if _is_bf16(array):
+        out = out.view(array.dtype)
+    return [out, np.asarray(received, dtype=np.int32)]
+
+
+def np_reducescatter(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale: float,
+                     postscale: float, process_set: ProcessSet | None, grouped: bool) -> list[np.ndarray]:
+    """Reducescatter arrays (grouped requests need one dtype)."""
+    if not arrays:
+        return []
+    h = C.reducescatter_async([_reduce_ready(a) for a in arrays], name=key, op=op,
+                              prescale_factor=prescale, postscale_factor=postscale,
+                              process_set=process_set, grouped=grouped)
+    return [r.astype(a.dtype) if _is_bf16(a) else r for a, r in zip(arrays, h.wait())]

@@ -1,0 +1,182 @@
+"""Averaging a whole step's gradients: shared by DistributedGradientTape and both optimizers.
+
+All dense gradients of a step go to the engine as one op (one grouped request per dtype, or per
+``groups`` entry), so they are negotiated once and fused; sparse gradients (``tf.IndexedSlices``)
+go through one grouped allgather of values and indices, unless ``sparse_as_dense``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.types import ReduceOp
+from horovod.tensorflow import _bridge as B
+from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.mpi_ops import allreduce_grads_nograd
+
+__all__ = ["make_allreduce_grads_fn", "check_op_args", "normalize_groups", "sparse_allreduce"]
+
+
+def check_op_args(op: int, gradient_predivide_factor: float, average_aggregated_gradients: bool = False,
+                  keras: bool = False) -> ReduceOp:
+    """Validate the reduction arguments of the distributed optimizers and tapes.
+
+    Raises:
+        ValueError: predivide with an op other than Average; Adasum with Keras or with
+            ``average_aggregated_gradients``; an op other than Average/Sum for Keras.
+        NotImplementedError: Adasum (not implemented by this Horovod's engine).
+    """
+    op = ReduceOp(int(op))
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if op == ReduceOp.ADASUM:
+        if keras:
+            raise ValueError("op == Adasum is not supported yet with Keras")
+        if average_aggregated_gradients:
+            raise ValueError("Adasum does not support average_aggregated_gradients == True")
+        raise NotImplementedError("op=hvd.Adasum is not supported yet by this Horovod; use "
+                                  "op=hvd.Average or hvd.Sum.")
+    if keras and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("op currently only supports Average and Sum")
+    return op
+
+
+def normalize_groups(num_groups: int, groups: Any) -> Any:
+    """Apply upstream's rules: ``num_groups`` is deprecated in favour of ``groups``.
+
+    Raises:
+        ValueError: ``groups`` is neither a positive int nor a list of lists of variables.
+    """
+    if num_groups != 0:
+        import warnings
+
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v1.0.",
+                      DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, int):
+        if groups <= 0:
+            raise ValueError("groups must be a positive integer or a list of lists of tf.Variable.")
+        return groups
+    if isinstance(groups, list | tuple) and all(isinstance(g, list | tuple) for g in groups):
+        return [list(g) for g in groups]
+    raise ValueError("groups should be a non-negative integer or a list of lists of tf.Variable.")
+
+
+def _var_key(v: Any) -> Any:
+    inner = getattr(v, "value", None)
+    if isinstance(inner, tf.Variable):
+        v = inner
+    try:
+        return v.ref()
+    except (AttributeError, TypeError):
+        return id(v)
+
+
+def _index_groups(groups: Any, positions: list[int], variables: Sequence[Any] | None) -> list[list[int]] | None:
+    """Turn ``groups`` into lists of indices into the dense list (``positions`` = their var index)."""
+    if groups is None:
+        return None
+    n = len(positions)
+    if isinstance(groups, int):
+        k = max(1, min(groups, n))
+        bounds = np.linspace(0, n, k + 1).astype(int)
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(k) if bounds[i + 1] > bounds[i]]
+    if variables is None:
+        return None
+    where = {_var_key(variables[p]): j for j, p in enumerate(positions)}
+    out, used = [], set()
+    for g in groups:
+        idx = [where[k] for k in (_var_key(v) for v in g) if k in where and where[k] not in used]
+        used.update(idx)
+        if idx:
+            out.append(sorted(idx))
+    out += [[j] for j in range(n) if j not in used]
+    return out
+
+
+def sparse_allreduce(slices: Sequence[tf.IndexedSlices], op: ReduceOp, process_set: ProcessSet | None,
+                     name: str | None = None, ignore_name_scope: bool = False) -> list[tf.IndexedSlices]:
+    """Allreduce IndexedSlices by gathering values and indices (duplicates are not merged)."""
+    if not slices:
+        return []
+    values = [tf.convert_to_tensor(s.values) for s in slices]
+    indices = [tf.convert_to_tensor(s.indices) for s in slices]
+    tensors = values + indices
+
+    def fn(key: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return B.np_allgather(key, arrays, process_set, grouped=True)
+
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else None for t in tensors]
+    if name is None and not tf.executing_eagerly():
+        name = "HorovodAllgather_" + B.normalize_name(values[0].name)
+    outs = B.engine_call("HorovodAllgather", fn, tensors, [t.dtype for t in tensors], shapes, name=name,
+                         ignore_name_scope=ignore_name_scope)
+    n = len(slices)
+    size = (global_process_set if process_set is None else process_set).size()
+    res = []
+    for s, v, i in zip(slices, outs[:n], outs[n:]):
+        if op == ReduceOp.AVERAGE:
+            v = v / tf.cast(size, v.dtype)
+        res.append(tf.IndexedSlices(v, i, dense_shape=s.dense_shape))
+    return res
+
+
+def make_allreduce_grads_fn(name: str | None, device_dense: str, device_sparse: str, compression: Any,
+                            sparse_as_dense: bool, op: int, gradient_predivide_factor: float = 1.0,
+                            groups: Any = None, process_set: ProcessSet = global_process_set,
+                            default_name: str = "DistributedGradients"
+                            ) -> Callable[..., list[Any]]:
+    """Return ``allreduce_grads(grads, variables=None, use_generic_names=False) -> grads``.
+
+    ``None`` gradients stay ``None``. Ranks outside ``process_set`` (or a set of one) get their
+    gradients back unchanged (densified when ``sparse_as_dense``).
+    """
+    op = ReduceOp(int(op))
+    compression = compression or Compression.none
+    prescale, postscale = 1.0, 1.0
+    if op == ReduceOp.AVERAGE and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+
+    def allreduce_grads(grads: Sequence[Any], variables: Sequence[Any] | None = None,
+                        use_generic_names: bool = False) -> list[Any]:
+        grads = list(grads)
+        if sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        ps = process_set if process_set is not None else global_process_set
+        if not ps.included() or ps.size() == 1:
+            return grads
+        dense_pos = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+        sparse_pos = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        out = list(grads)
+        graph = not tf.executing_eagerly()
+        base = (name or default_name) if graph else name
+        if dense_pos:
+            with tf.device(device_dense):
+                compressed, ctxs = zip(*[compression.compress(tf.convert_to_tensor(grads[i]))
+                                         for i in dense_pos])
+                idx_groups = _index_groups(groups, dense_pos, variables)
+                reduced = allreduce_grads_nograd(list(compressed), base, op, prescale, postscale, ps,
+                                                 idx_groups, ignore_name_scope=True)
+                for i, r, c in zip(dense_pos, reduced, ctxs):
+                    out[i] = compression.decompress(r, c)
+        if sparse_pos:
+            if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+                raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices; "
+                                          "pass sparse_as_dense=True to reduce them as dense tensors.")
+            with tf.device(device_sparse):
+                sparse = sparse_allreduce([grads[i] for i in sparse_pos], op, ps,
+                                          name=(base + "_sparse") if base else None, ignore_name_scope=True)
+            for i, s in zip(sparse_pos, sparse):
+                out[i] = s
+        return out
+
+    return allreduce_grads
+

@@ -1,0 +1,169 @@
+"""Horovod for ``tf.keras``: Keras 3, or Keras 2 (``tf_keras``) when ``TF_USE_LEGACY_KERAS=1``.
+
+::
+
+    import tensorflow as tf
+    import horovod.tensorflow.keras as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(optimizer=opt, loss=..., metrics=[...])          # Keras 3 defaults are fine
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+``model.compile``'s ``jit_compile="auto"`` may choose XLA on GPU machines; XLA cannot run
+Horovod's host ops, so the distributed optimizer compiles its model's train step without XLA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from horovod import _keras as _impl
+from horovod.common.basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from horovod.common.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from horovod.common.types import Average, Sum
+from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.keras import callbacks
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
+    "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
+    "Compression", "callbacks", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter", "load_model",
+]
+
+keras = tf.keras
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
+                         device_sparse: str = "", compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: int = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                         process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Return a copy of ``optimizer`` that averages gradients across ranks before applying them.
+
+    The result is an instance of a subclass of the optimizer's class with the same name, built by
+    ``from_config`` (hyper-parameters copied; slot state is not). All gradients of a step go to
+    the engine as one op. With ``backward_passes_per_step=k`` gradients are summed locally over k
+    steps, then allreduced (and divided by k if ``average_aggregated_gradients``) and applied.
+
+    Raises:
+        ValueError: ``op`` other than Average/Sum, predivide with Sum, bad ``groups``.
+    """
+    return _impl.create_distributed_optimizer(
+        keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
+        process_set, scale_local_gradients, num_groups)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
+                                device_sparse: str = "", compression: Any = Compression.none,
+                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                                op: int = Average, backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False, groups: Any = None,
+                                process_set: ProcessSet = global_process_set, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """A ``DistributedOptimizer`` that keeps the gradients of ``local_layers`` local.
+
+    Raises:
+        ValueError: an entry of ``local_layers`` is not a Keras layer.
+    """
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    layers = [] if local_layers is None else (
+        local_layers if isinstance(local_layers, list | tuple) else [local_layers])
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+        for w in layer.trainable_weights:
+            opt.register_local_var(w)
+    return opt
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Broadcast all global variables from ``root_rank`` (TF1 graph mode through the Keras session).
+
+    Raises:
+        RuntimeError: in eager mode; use ``callbacks.BroadcastGlobalVariablesCallback`` or
+            ``horovod.tensorflow.broadcast_variables``.
+    """
+    return _impl.broadcast_global_variables(root_rank)
+
+
+def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, op: int | None = None,
+              compression: Any = Compression.none) -> Any:
+    """Return the reduction (default: average) of ``value`` over all ranks, evaluated now."""
+    return _impl.allreduce(value, name, average, prescale_factor, postscale_factor, op, compression)
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    """Return every rank's ``value`` concatenated along dimension 0, evaluated now."""
+    return _impl.allgather(value, name)
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``value`` on every rank, evaluated now."""
+    return _impl.broadcast(value, root_rank, name)
+
+
+def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any:
+    """Return this rank's part of the reduction of ``value``, evaluated now."""
+    return _impl.reducescatter(value, name, op)
+
+
+def _wrapper(compression: Any) -> Any:
+    def wrap(cls: type) -> type:
+        cfg = _impl._HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
+                               True, f"Distributed{cls.__name__}")
+        return _impl.distributed_class(cls, cfg)
+
+    return wrap
+
+
+def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any = None,
+               compression: Any = Compression.none, legacy_opts: bool = False) -> Any:
+    """Load a saved model whose optimizer is re-created as a Horovod distributed optimizer.
+
+    Every Keras optimizer class (``keras.optimizers.legacy`` ones with ``legacy_opts=True``) and
+    each of ``custom_optimizers`` is wrapped with ``compression``; ``custom_objects`` are merged last.
+    """
+    prefixes = ("keras.src.optimizers", "tf_keras.src.optimizers", "keras.optimizers",
+                "tf_keras.optimizers")
+    return _impl.load_model(keras, _wrapper(compression), prefixes, filepath, custom_optimizers,
+                            custom_objects, legacy_opts)
+
