@@ -46,10 +46,17 @@ def resolve_op(average: bool | None, op: int | None, default: ReduceOp = ReduceO
     return default if op is None else ReduceOp(int(op))
 
 
-def op_name(kind: RequestType, name: str | None, handle_id: int, grouped: bool = False) -> str:
-    """The engine key of an operation: ``allreduce.<name>`` or ``allreduce.noname.<handle>``."""
+def op_name(kind: RequestType, name: str | None, handle_id: int, grouped: bool = False,
+            process_set_id: int = 0) -> str:
+    """The engine key of an operation: ``allreduce.<name>`` or ``allreduce.noname.<handle>``.
+
+    Operations of a process set other than the global one get the suffix ``@ps<id>``: each set
+    negotiates its own names (as each has its own queue upstream), so the same name, or the same
+    auto-generated one, can be in flight in two sets at once.
+    """
     prefix = ("grouped_" if grouped else "") + kind.value
-    return f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle_id}"
+    key = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle_id}"
+    return key if process_set_id == 0 else f"{key}@ps{process_set_id}"
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
@@ -99,7 +106,7 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
             wake: bool = True, **fields: Any) -> Handle:
     ctx = get_context()
     hid = ctx.counter.next()
-    req = Request(name=op_name(kind, name, hid, grouped), kind=kind, dtype=dtype,
+    req = Request(name=op_name(kind, name, hid, grouped, ps_id), kind=kind, dtype=dtype,
                   shapes=tuple(tuple(a.shape) for a in arrays), process_set_id=ps_id, device=device,
                   rank=ctx.topology.rank, **fields)
     return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid, wake=wake)

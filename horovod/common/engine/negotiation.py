@@ -73,6 +73,11 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
                          "Every rank must run the same collective under a given name.")
     kind = first.kind
     up = kind.upper
+    if differs(lambda r: r.process_set_id):
+        return _mismatch(first, "Mismatched process sets", "process_set",
+                         _group_by_value(reqs, lambda r: r.process_set_id,
+                                         lambda r: f"process set {r.process_set_id}"),
+                         "Every rank must run this operation on the same process set.")
     if differs(lambda r: r.dtype):
         return _mismatch(first, "Mismatched data types", "dtype",
                          _group_by_value(reqs, lambda r: r.dtype, lambda r: r.dtype),
