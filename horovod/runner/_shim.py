@@ -55,15 +55,19 @@ class _Stopper:
             pass
 
     def stop(self, reason, signum=signal.SIGTERM):
+        """Send ``signum`` to the worker's group once; SIGKILL follows after the grace period.
+
+        Only the first request counts: a life line closing right after a forwarded SIGINT must
+        not turn into a SIGTERM that overtakes it.
+        """
         with self.lock:
-            first = self.reason is None
-            if first:
-                self.reason = reason
+            if self.reason is not None:
+                return
+            self.reason = reason
         self.signal_group(signum)
-        if first:
-            t = threading.Timer(GRACE_SECONDS, self.signal_group, args=(signal.SIGKILL,))
-            t.daemon = True
-            t.start()
+        t = threading.Timer(GRACE_SECONDS, self.signal_group, args=(signal.SIGKILL,))
+        t.daemon = True
+        t.start()
 
 
 def _watch_stdin(stopper):

@@ -150,8 +150,8 @@ class Executor:
         def handle(lines: list[tuple[str, str]]) -> None:
             for text, term in lines:
                 if tagger is not None:
-                    rank, out_stream, text = tagger.parse(text, term, stream)
-                    self._emit(rank, out_stream, text, term)
+                    for rank, out_stream, seg, seg_term in tagger.parse(text, term, stream):
+                        self._emit(rank, out_stream, seg, seg_term)
                 else:
                     self._emit(own_rank, stream, text, term)
 
@@ -231,15 +231,25 @@ class Executor:
         for proc in self._procs:
             if proc.returncode is not None:
                 continue
-            if proc.cmd.lifeline and proc.popen.stdin is not None and not proc.popen.stdin.closed:
-                try:
-                    if proc.cmd.remote:
-                        proc.popen.stdin.write(f"signal {int(signum)}\n".encode())
-                    proc.popen.stdin.close()
-                except OSError:
-                    pass
-            if not proc.cmd.remote:
+            if proc.cmd.remote:
+                # The remote shim passes the signal on, then sees the life line close.
+                self._close_lifeline(proc, f"signal {int(signum)}\n".encode())
+            else:
+                # Local shims get the signal itself; their life line stays open until the end
+                # (closing it now would race the signal with a SIGTERM for the stdin EOF).
                 self._signal_proc(proc, signum)
+
+    @staticmethod
+    def _close_lifeline(proc: _Proc, last: bytes = b"") -> None:
+        stdin = proc.popen.stdin
+        if not proc.cmd.lifeline or stdin is None or stdin.closed:
+            return
+        try:
+            if last:
+                stdin.write(last)
+            stdin.close()
+        except OSError:
+            pass
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._events.put(("signal", signum))
@@ -262,6 +272,7 @@ class Executor:
             for s, h in old.items():
                 signal.signal(s, h)
             for proc in self._procs:
+                self._close_lifeline(proc)
                 if proc.returncode is None:
                     self._signal_proc(proc, signal.SIGKILL)
                     proc.returncode = proc.popen.wait()
@@ -310,6 +321,7 @@ class Executor:
                 self._stop("a rank failed and mpirun did not stop the job")
             if self._kill_at is not None and now >= self._kill_at:
                 for proc in self._procs:
+                    self._close_lifeline(proc)
                     self._signal_proc(proc, signal.SIGKILL)
                 self._kill_at = None
 

@@ -96,6 +96,9 @@ def _check_remote(plan: LaunchPlan, settings: LaunchSettings, env_path: str | No
     remote = plan.remote_hosts
     if not remote:
         return
+    if shutil.which("ssh") is None:
+        raise LaunchError(f"Host(s) {', '.join(remote)} are remote, but the ssh client is not installed "
+                          "here (apt-get install openssh-client).", hosts=remote)
     log.info("checking ssh to remote hosts: %s", ", ".join(remote))
     results = check_hosts(remote, settings, program=plan.command[0], path=env_path,
                           timeout=settings.start_timeout)

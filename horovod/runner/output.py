@@ -51,43 +51,53 @@ class LineSplitter:
         return [(text, "")]
 
 
-_OMPI_TAG = re.compile(r"^\[(\d+),(\d+)\]<(stdout|stderr|stddiag)>: ?")
+_OMPI_TAG = re.compile(r"\[(\d+),(\d+)\]<(stdout|stderr|stddiag)>: ?")
 _HYDRA_TAG = re.compile(r"^\[(\d+)\] ?")
+
+Segment = tuple[int | None, str, str, str]
 
 
 class TagParser:
     """Find the rank (and stream) of lines written by ``mpirun --tag-output`` or ``mpiexec -l``.
 
-    Open MPI tags a line once, at its start; text after a ``\\r`` inside that line arrives as a
-    separate untagged line here, so it inherits the tag of the line it continues.
+    Open MPI tags each chunk of a rank's output once, at its start. Text after a ``\r`` inside a
+    tagged line arrives here as a separate untagged line, so it inherits the tag of the line it
+    continues. Unterminated last lines of several ranks arrive glued together
+    (``[1,0]<stdout>: a[1,1]<stdout>: b``), so a tag inside a line starts a new segment.
     """
 
     def __init__(self, style: str) -> None:
         self.style = style
-        self._last: tuple[int, str | None] | None = None
+        self._last: tuple[int, str] | None = None
         self._continues = False
 
-    def parse(self, text: str, terminator: str, stream: str) -> tuple[int | None, str, str]:
-        """Return (rank or None for mpirun's own lines, stream, text without the tag)."""
-        rank: int | None = None
-        out_stream = stream
+    def parse(self, text: str, terminator: str, stream: str) -> list[Segment]:
+        """Split one line into (rank or None for mpirun's own text, stream, text, terminator)."""
+        segments: list[Segment] = []
         if self.style == "openmpi":
-            m = _OMPI_TAG.match(text)
-            if m:
-                rank = int(m.group(2))
-                out_stream = "stderr" if m.group(3) != "stdout" else "stdout"
-                text = text[m.end():]
+            tags = list(_OMPI_TAG.finditer(text))
+            head = text[:tags[0].start()] if tags else text
+            if head or not tags:
+                rank, out = (self._last if self._continues and self._last else (None, stream))
+                segments.append((rank, out, head, "\n" if tags else terminator))
+            for i, m in enumerate(tags):
+                end = tags[i + 1].start() if i + 1 < len(tags) else len(text)
+                out = "stderr" if m.group(3) != "stdout" else "stdout"
+                last = i + 1 == len(tags)
+                segments.append((int(m.group(2)), out, text[m.end():end],
+                                 terminator if last else "\n"))
         else:
             m = _HYDRA_TAG.match(text)
             if m:
-                rank = int(m.group(1))
-                text = text[m.end():]
-        if rank is None and self._continues and self._last is not None:
-            rank, out_stream = self._last[0], self._last[1] or stream
+                segments.append((int(m.group(1)), stream, text[m.end():], terminator))
+            else:
+                rank, out = (self._last if self._continues and self._last else (None, stream))
+                segments.append((rank, out, text, terminator))
+        rank, out, _, _ = segments[-1]
         if rank is not None:
-            self._last = (rank, out_stream)
+            self._last = (rank, out)
         self._continues = terminator == "\r" and rank is not None
-        return rank, out_stream, text
+        return segments
 
 
 def prefix_line(rank: int | None, stream: str, text: str, timestamp: bool = False) -> str:

@@ -53,21 +53,27 @@ def test_prefix_format_matches_upstream() -> None:
 
 def test_openmpi_tags_give_rank_and_stream() -> None:
     p = TagParser("openmpi")
-    assert p.parse("[1,0]<stdout>: hello", "\n", "stdout") == (0, "stdout", "hello")
-    assert p.parse("[1,12]<stderr>: oops", "\n", "stdout") == (12, "stderr", "oops")
-    assert p.parse("[1,2]<stdout>:", "\n", "stdout") == (2, "stdout", "")
-    assert p.parse("prterun noticed that ...", "\n", "stderr") == (None, "stderr",
-                                                                    "prterun noticed that ...")
+    assert p.parse("[1,0]<stdout>: hello", "\n", "stdout") == [(0, "stdout", "hello", "\n")]
+    assert p.parse("[1,12]<stderr>: oops", "\n", "stdout") == [(12, "stderr", "oops", "\n")]
+    assert p.parse("[1,2]<stdout>:", "\n", "stdout") == [(2, "stdout", "", "\n")]
+    assert p.parse("prterun noticed that ...", "\n", "stderr") == [
+        (None, "stderr", "prterun noticed that ...", "\n")]
 
 
 def test_openmpi_text_after_carriage_return_keeps_the_tag() -> None:
     p = TagParser("openmpi")
-    assert p.parse("[1,3]<stdout>: 10%", "\r", "stdout") == (3, "stdout", "10%")
-    assert p.parse("20%", "\n", "stdout") == (3, "stdout", "20%")
+    assert p.parse("[1,3]<stdout>: 10%", "\r", "stdout") == [(3, "stdout", "10%", "\r")]
+    assert p.parse("20%", "\n", "stdout") == [(3, "stdout", "20%", "\n")]
     # After a newline an untagged line is mpirun's own again.
-    assert p.parse("mpirun line", "\n", "stdout") == (None, "stdout", "mpirun line")
+    assert p.parse("mpirun line", "\n", "stdout") == [(None, "stdout", "mpirun line", "\n")]
+
+
+def test_openmpi_unterminated_lines_of_several_ranks_are_split() -> None:
+    p = TagParser("openmpi")
+    got = p.parse("[1,0]<stdout>: tail a[1,1]<stdout>: tail b", "", "stdout")
+    assert got == [(0, "stdout", "tail a", "\n"), (1, "stdout", "tail b", "")]
 
 
 def test_hydra_tags() -> None:
     p = TagParser("mpich")
-    assert p.parse("[4] hello", "\n", "stderr") == (4, "stderr", "hello")
+    assert p.parse("[4] hello", "\n", "stderr") == [(4, "stderr", "hello", "\n")]

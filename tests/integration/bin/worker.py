@@ -1,0 +1,113 @@
+"""A small worker for launcher tests; what it does is chosen by arguments.
+
+    worker.py ident                 print this rank's identity (from the launcher's variables)
+    worker.py allreduce             hvd.init(), allreduce, print RESULT {json} with topology
+    worker.py wait-file PATH        print "waiting", wait (30 s max) for PATH, print "done"
+    worker.py output                write partial lines, unicode, progress-bar carriage returns
+    worker.py fail RANK CODE        rank RANK exits with CODE after writing to stderr; the others
+                                    start a grandchild (printing its pid) and sleep
+    worker.py kill RANK             like fail, but rank RANK is killed by SIGKILL
+    worker.py sigint DIR            print "ready", then wait; on SIGINT/SIGTERM write its name to
+                                    DIR/rank<r>, print "got <SIGNAL>" and exit 7
+    worker.py env NAME...           print NAME=value for each NAME
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def env_rank() -> int:
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    what = argv[0]
+    rank = env_rank()
+    if what == "ident":
+        print("IDENT " + json.dumps({"rank": rank, "host": socket.gethostname(),
+                                     "env": {k: v for k, v in os.environ.items()
+                                             if k.startswith("HOROVOD_") and k != "HOROVOD_SECRET_KEY"}}))
+        return 0
+    if what == "allreduce":
+        import numpy as np
+
+        import horovod.numpy as hvd
+
+        hvd.init()
+        total = hvd.allreduce(np.arange(4, dtype=np.float64) + hvd.rank(), op=hvd.Sum)
+        print("RESULT " + json.dumps({
+            "rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
+            "cross_size": hvd.cross_size(), "sum": total.tolist(), "host": socket.gethostname()}),
+            flush=True)
+        hvd.shutdown()
+        return 0
+    if what == "wait-file":
+        path = argv[1]
+        print("waiting", flush=True)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                print("timed out waiting: output was not forwarded live", file=sys.stderr)
+                return 5
+            time.sleep(0.05)
+        print("done", flush=True)
+        return 0
+    if what == "output":
+        out = sys.stdout
+        out.write("part-")
+        out.flush()
+        time.sleep(0.1)
+        out.write("one\n")
+        out.write("héllo ✓ 日本\n")
+        out.write("10%\r20%\r100%\n")
+        out.write("no newline at end")
+        out.flush()
+        sys.stderr.write(f"err from {rank}\n")
+        return 0
+    if what in ("fail", "kill"):
+        bad = int(argv[1])
+        if rank == bad:
+            time.sleep(1.0)
+            print(f"rank {rank} is failing on purpose", file=sys.stderr, flush=True)
+            if what == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return int(argv[2])
+        child = subprocess.Popen(["sleep", "300"])
+        print(f"GRANDCHILD {child.pid}", flush=True)
+        time.sleep(120)
+        return 0
+    if what == "sigint":
+        report_dir = argv[1]
+
+        def on_int(signum: int, frame: object) -> None:
+            # Also to a file: mpirun stops forwarding output once it is terminating the job.
+            with open(os.path.join(report_dir, f"rank{rank}"), "w") as fh:
+                fh.write(signal.Signals(signum).name)
+            print(f"got {signal.Signals(signum).name}", flush=True)
+            os._exit(7)
+
+        signal.signal(signal.SIGINT, on_int)
+        signal.signal(signal.SIGTERM, on_int)
+        print("ready", flush=True)
+        time.sleep(120)
+        return 0
+    if what == "env":
+        for name in argv[1:]:
+            print(f"{name}={os.environ.get(name, '<unset>')}")
+        return 0
+    raise SystemExit(f"unknown action {what}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
