@@ -233,7 +233,8 @@ def load_model(keras: Any, wrap_optimizer: Any, optimizer_modules: Any, filepath
                custom_optimizers: Any = None, custom_objects: Any = None, legacy_opts: bool = False) -> Any:
     """Load a saved Keras model, wrapping its optimizer in a distributed optimizer."""
     opts_mod = keras.optimizers
-    root = getattr(getattr(opts_mod, "legacy", None), "Optimizer", None) if legacy_opts else opts_mod.Optimizer
+    legacy = getattr(getattr(opts_mod, "legacy", None), "Optimizer", None)
+    root = legacy if legacy_opts else opts_mod.Optimizer
     found: dict[str, type] = {}
     stack = list(root.__subclasses__()) if root is not None else []
     while stack:

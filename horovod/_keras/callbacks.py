@@ -189,7 +189,8 @@ class LearningRateScheduleCallbackImpl:
 class LearningRateWarmupCallbackImpl(LearningRateScheduleCallbackImpl):
     """Ramp the LR linearly from ``initial_lr / size()`` to ``initial_lr`` over ``warmup_epochs``."""
 
-    def __init__(self, backend: Any, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+    def __init__(self, backend: Any, initial_lr: float, warmup_epochs: int = 5,
+                 momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0, *args: Any) -> None:
         def multiplier(epoch: float) -> float:
             # Shift by one step so the value at each epoch end is round (nicer LR plots).

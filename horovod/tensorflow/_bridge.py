@@ -152,14 +152,19 @@ def _is_bf16(a: np.ndarray) -> bool:
     return a.dtype.name == "bfloat16"
 
 
+def _contig(a: np.ndarray) -> np.ndarray:
+    # Unlike np.ascontiguousarray, keeps 0-d arrays 0-d.
+    return a if a.flags.c_contiguous else np.array(a, order="C")
+
+
 def _reduce_ready(a: np.ndarray) -> np.ndarray:
     # The engine has no bfloat16 arithmetic: reduce in float32, cast back afterwards.
-    return np.ascontiguousarray(a.astype(np.float32) if _is_bf16(a) else a)
+    return _contig(a.astype(np.float32) if _is_bf16(a) else a)
 
 
 def _move_ready(a: np.ndarray) -> np.ndarray:
     # Moves only copy bytes: send bfloat16 as uint16.
-    return np.ascontiguousarray(a.view(np.uint16) if _is_bf16(a) else a)
+    return _contig(a.view(np.uint16) if _is_bf16(a) else a)
 
 
 def _by_dtype(arrays: Sequence[np.ndarray]) -> dict[str, list[int]]:

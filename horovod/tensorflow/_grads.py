@@ -80,7 +80,8 @@ def _var_key(v: Any) -> Any:
         return id(v)
 
 
-def _index_groups(groups: Any, positions: list[int], variables: Sequence[Any] | None) -> list[list[int]] | None:
+def _index_groups(groups: Any, positions: list[int],
+                  variables: Sequence[Any] | None) -> list[list[int]] | None:
     """Turn ``groups`` into lists of indices into the dense list (``positions`` = their var index)."""
     if groups is None:
         return None

@@ -97,7 +97,8 @@ def _is_keras_optimizer(optimizer: Any) -> bool:
         if m is None:
             continue
         opts = getattr(m, "optimizers", None)
-        classes = [getattr(opts, "Optimizer", None), getattr(getattr(opts, "legacy", None), "Optimizer", None)]
+        legacy = getattr(getattr(opts, "legacy", None), "Optimizer", None)
+        classes = [getattr(opts, "Optimizer", None), legacy]
         if any(c is not None and isinstance(optimizer, c) for c in classes):
             return True
     return False
