@@ -302,9 +302,10 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+        out = synchronize(allgather_async(tensor, name, process_set))  # rejects 0-d tensors
         ctx.dim = tensor.shape[0]
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -326,9 +327,10 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, process_set: ProcessSet,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = synchronize(grouped_allgather_async(list(tensors), name, process_set))
         ctx.dims = [t.shape[0] for t in tensors]
         ctx.process_set = process_set
-        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
+        return out
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
