@@ -43,7 +43,12 @@ def resolve_op(average: bool | None, op: int | None, default: ReduceOp = ReduceO
         warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
                       DeprecationWarning, stacklevel=3)
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return default if op is None else ReduceOp(int(op))
+    if op is None:
+        return default
+    return op if type(op) is ReduceOp else _OPS[int(op)]
+
+
+_OPS = {int(o): o for o in ReduceOp}
 
 
 def op_name(kind: RequestType, name: str | None, handle_id: int, grouped: bool = False,
@@ -107,7 +112,7 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
     ctx = get_context()
     hid = ctx.counter.next()
     req = Request(name=op_name(kind, name, hid, grouped, ps_id), kind=kind, dtype=dtype,
-                  shapes=tuple(tuple(a.shape) for a in arrays), process_set_id=ps_id, device=device,
+                  shapes=tuple([a.shape for a in arrays]), process_set_id=ps_id, device=device,
                   rank=ctx.topology.rank, **fields)
     return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid, wake=wake)
 

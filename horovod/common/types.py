@@ -25,6 +25,9 @@ class ReduceOp(enum.IntEnum):
     MAX = 4
     PRODUCT = 5
 
+    # Enum's default __hash__ is Python-level and shows up in profiles of the engine's hot path.
+    __hash__ = int.__hash__
+
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -48,6 +51,9 @@ class RequestType(enum.Enum):
     JOIN = "join"
     ADD_PROCESS_SET = "add_process_set"
     REMOVE_PROCESS_SET = "remove_process_set"
+
+    # Members are singletons and compare by identity: the identity hash is correct and fast.
+    __hash__ = object.__hash__
 
     @property
     def upper(self) -> str:
@@ -117,7 +123,7 @@ class Request:
         return total * item
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Response:
     """The coordinator's decision for one name: execute it (``error is None``) or fail it everywhere.
 

@@ -8,6 +8,7 @@ matches the cached entry; the AND of all ranks' bits says which cached operation
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Any
 
@@ -29,7 +30,7 @@ class ResponseCache:
         self._slots: list[Response | None] = [None] * capacity
         self._signatures: list[Any] = [None] * capacity
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self._free = list(range(capacity - 1, -1, -1))
+        self._free = list(range(capacity))  # min-heap: every rank reuses the lowest free slot
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -56,7 +57,7 @@ class ResponseCache:
         if not self._free:
             oldest = next(iter(self._lru))
             self.evict(oldest)
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._by_name[name] = slot
         self._slots[slot] = response
         self._signatures[slot] = response.request.signature()
@@ -73,9 +74,7 @@ class ResponseCache:
         self._slots[slot] = None
         self._signatures[slot] = None
         del self._lru[slot]
-        self._free.append(slot)
-        # Keep the free list ordered so every rank reuses the same slot next.
-        self._free.sort(reverse=True)
+        heapq.heappush(self._free, slot)
 
     def occupied(self) -> list[int]:
         return sorted(self._lru)

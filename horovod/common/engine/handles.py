@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import _thread
 import itertools
-import threading
 from typing import Any
 
 __all__ = ["Handle", "HandleCounter"]
@@ -20,18 +20,22 @@ class HandleCounter:
 
 
 class Handle:
-    """Completion of one submitted operation: an event plus its result or error.
+    """Completion of one submitted operation: a latch plus its result or error.
 
     ``result`` is a list of output arrays (one per tensor of the request); for alltoall each item is
-    ``(output, received_splits)``; for join it is the last rank to join.
+    ``(output, received_splits)``; for join it is the last rank to join. The latch is a bare lock
+    held from creation until completion (``threading.Event`` costs several times more per
+    operation, and the engine makes one handle per tensor).
     """
 
-    __slots__ = ("id", "name", "_event", "result", "error", "helper")
+    __slots__ = ("id", "name", "_latch", "_done", "result", "error", "helper")
 
     def __init__(self, handle_id: int, name: str) -> None:
         self.id = handle_id
         self.name = name
-        self._event = threading.Event()
+        self._latch = _thread.allocate_lock()
+        self._latch.acquire()
+        self._done = False
         self.result: Any = None
         self.error: BaseException | None = None
         # Set by the engine: called by wait() to make progress from the waiting thread.
@@ -39,18 +43,26 @@ class Handle:
 
     def set_result(self, result: Any) -> None:
         self.result = result
-        self._event.set()
+        self._done = True
+        self._latch.release()
 
     def set_error(self, error: BaseException) -> None:
         self.error = error
-        self._event.set()
+        self._done = True
+        self._latch.release()
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not); ``wait`` will not block."""
-        return self._event.is_set()
+        return self._done
 
     def wait_event(self, timeout: float) -> bool:
-        return self._event.wait(timeout)
+        """Block up to ``timeout`` seconds for completion; True if completed."""
+        if self._done:
+            return True
+        if self._latch.acquire(timeout=timeout):
+            self._latch.release()  # let any other waiter through too
+            return True
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the operation finishes and return its result.
@@ -59,10 +71,11 @@ class Handle:
             HorovodInternalError: the operation failed on the transport or by a mismatch.
             TimeoutError: ``timeout`` seconds passed first.
         """
-        if self.helper is not None and timeout is None and not self._event.is_set():
-            self.helper(self)
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
+        if not self._done:
+            if self.helper is not None and timeout is None:
+                self.helper(self)
+            if not self.wait_event(-1 if timeout is None else timeout):
+                raise TimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
         if self.error is not None:
             raise self.error
         return self.result

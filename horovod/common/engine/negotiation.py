@@ -62,6 +62,10 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
     """Check that the requests of one name agree across ranks; return (message, fields) or None."""
     first = requests[min(requests)]
     reqs = requests
+    sig = first.signature()
+    if all(r.signature() == sig for r in reqs.values()) and (
+            first.kind in RAGGED_KINDS or all(r.shapes == first.shapes for r in reqs.values())):
+        return None  # the common case: everything that must agree does
 
     def differs(key: Callable[[Request], Any]) -> bool:
         k0 = key(first)
@@ -153,6 +157,8 @@ class Coordinator:
         self._members = members
         self._clock = clock
         self.table: dict[str, PendingName] = {}
+        # Names that may be complete; ready() only looks at these (not the whole table).
+        self._candidates: set[str] = set()
         self.joined: list[int] = []
         self._seq = itertools.count()
         self._next_process_set_id = 1
@@ -172,6 +178,11 @@ class Coordinator:
             entry.requests[req.rank] = req
             if req.kind == RequestType.JOIN and req.rank not in self.joined:
                 self.joined.append(req.rank)
+                # A new joiner may complete any waiting allreduce.
+                self._candidates.update(self.table)
+            members = self._expected(req)
+            if members is None or len(entry.requests) + len(self.joined) >= len(members):
+                self._candidates.add(req.name)
         return new_names
 
     def _expected(self, req: Request) -> Sequence[int] | None:
@@ -183,7 +194,11 @@ class Coordinator:
         """Return responses for every name now submitted by all ranks that must submit it."""
         out: list[tuple[int, Response]] = []
         joined = set(self.joined)
-        for name, entry in list(self.table.items()):
+        candidates, self._candidates = self._candidates, set()
+        for name in candidates:
+            entry = self.table.get(name)
+            if entry is None:
+                continue
             any_req = next(iter(entry.requests.values()))
             members = self._expected(any_req)
             if members is None:
