@@ -1,0 +1,172 @@
+"""horovod.torch in one process (no launcher): surface, dtype translation, argument errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import horovod.torch as hvd
+from horovod.common import BASICS
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def hv():
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+def test_surface_reexports_every_basic_name_and_collective():
+    missing = [n for n in BASICS if n not in hvd.__all__ or not hasattr(hvd, n)]
+    assert not missing, f"horovod.torch lacks process-level names {missing}"
+    for name in ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+                 "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+                 "allgather_async", "grouped_allgather", "broadcast", "broadcast_", "broadcast_async",
+                 "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+                 "grouped_reducescatter", "synchronize", "poll", "join", "barrier", "DistributedOptimizer",
+                 "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+                 "Compression", "SyncBatchNorm"]:
+        assert name in hvd.__all__ and callable(getattr(hvd, name)), name
+
+
+def test_not_initialized_raises_value_error():
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.allreduce(torch.ones(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                   torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool])
+def test_single_rank_round_trip_every_dtype(hv, dtype):
+    x = (torch.arange(6).reshape(2, 3) % 2 == 1) if dtype == torch.bool else torch.arange(6).reshape(2, 3).to(dtype)
+    op = hvd.Max if dtype == torch.bool else hvd.Average
+    for out in [hvd.allreduce(x, op=op), hvd.allgather(x), hvd.broadcast(x, 0), hvd.alltoall(x)]:
+        assert out.dtype == dtype and torch.equal(out, x), f"{dtype}: {out}"
+    y = x.clone()
+    assert hvd.allreduce_(y, op=op) is y and torch.equal(y, x)
+    if dtype != torch.bool:
+        assert torch.equal(hvd.reducescatter(x), x)
+
+
+def test_bfloat16_moves_bits_exactly(hv):
+    x = torch.randn(100).to(torch.bfloat16)
+    assert torch.equal(hvd.broadcast(x, 0).view(torch.int16), x.view(torch.int16))
+    assert torch.equal(hvd.allgather(x).view(torch.int16), x.view(torch.int16))
+
+
+def test_in_place_ops_write_into_the_tensor_memory(hv):
+    x = torch.ones(5)
+    ptr = x.data_ptr()
+    h = hvd.allreduce_async_(x, op=hvd.Sum)
+    assert hvd.synchronize(h) is x and x.data_ptr() == ptr
+    nc = torch.ones(4, 4).t()
+    assert hvd.broadcast_(nc, 0) is nc
+
+
+def test_argument_errors(hv):
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        hvd.allreduce(3.0)
+    with pytest.raises(ValueError, match="Tensor type torch.ComplexFloatTensor is not supported"):
+        hvd.allgather(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(NotImplementedError, match="GPU support is not available"):
+        hvd.broadcast_(torch.ones(2, device="meta"), 0)
+    with pytest.raises(ValueError, match="not defined for bool"):
+        hvd.allreduce(torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="supersedes"):
+        hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match="unknown handle"):
+        hvd.poll(987654)
+    assert hvd.synchronize(987654) is None
+    with pytest.raises(TypeError, match="list of tensors"):
+        hvd.grouped_allreduce(torch.ones(2))
+    with pytest.raises(ValueError, match="invalid params"):
+        hvd.broadcast_parameters(torch.ones(2), 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd.allreduce(torch.ones(2), average=True)
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+
+
+def test_compression_fp16_round_trip():
+    x = torch.tensor([1.5, -2.25], dtype=torch.float64)
+    c, ctx = hvd.Compression.fp16.compress(x)
+    assert c.dtype == torch.float16
+    assert hvd.Compression.fp16.decompress(c, ctx).dtype == torch.float64
+    i = torch.tensor([1, 2])
+    assert hvd.Compression.fp16.compress(i)[0] is i
+    assert hvd.Compression.none.compress(x)[0] is x
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+
+def test_distributed_optimizer_validation(hv):
+    m = _model()
+    with pytest.raises(ValueError, match="tuples"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=list(m.parameters()))
+    params = list(m.named_parameters())
+    dup = [("w", params[0][1]), ("w", params[1][1]), ("x", params[2][1]), ("y", params[3][1])]
+    with pytest.raises(ValueError, match="Found duplicates: w"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=dup)
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=params[:2])
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor not supported with op != Average"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="groups"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), groups="two")
+    with pytest.raises(ValueError, match="once"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), groups=[[params[0][1]], [params[0][1]]])
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Adasum)
+    with pytest.warns(DeprecationWarning):
+        hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), num_groups=1)
+
+
+def test_distributed_optimizer_single_process_is_local_and_keeps_class(hv):
+    m = _model()
+    base = torch.optim.Adam(m.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters())
+    assert type(opt).__name__ == "Adam" and isinstance(opt, torch.optim.Adam)
+    ref = _model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    for mod, o in ((m, opt), (ref, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            mod(torch.ones(2, 3)).sum().backward()
+            o.step()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt.set_backward_passes_per_step(2)
+    with pytest.raises(ValueError):
+        opt.set_backward_passes_per_step(0)
+
+
+def test_broadcast_optimizer_state_single_process(hv):
+    m = _model()
+    with pytest.raises(ValueError, match="cannot broadcast torch.optim.LBFGS state"):
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(m.parameters()), 0)
+    frozen = torch.nn.Linear(2, 2)
+    frozen.bias.requires_grad_(False)
+    opt = torch.optim.Adam(frozen.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(opt, 0)
+    assert frozen.bias.grad is None and frozen.weight in opt.state
+    hvd.broadcast_optimizer_state(torch.optim.SGD(m.parameters(), lr=0.1), 0)  # stateless: no-op
+
+
+def test_sync_batch_norm_single_process_equals_batch_norm(hv):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5)
+    sbn, bn = hvd.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    assert torch.allclose(sbn(x), bn(x))
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        sbn(torch.ones(3))
