@@ -72,8 +72,8 @@ def main() -> None:
             out = np.empty_like(x)
             inner = max(3, min(400, (64 << 20) // max(nbytes, 1) // 64))
             modes = {
-                "raw_mpi": lambda: [comm.Allreduce(x, out) for _ in range(inner)],
-                "horovod": lambda: [hvd.allreduce(x, op=hvd.Sum, name="lat") for _ in range(inner)],
+                "raw_mpi": lambda x=x, out=out, inner=inner: [comm.Allreduce(x, out) for _ in range(inner)],
+                "horovod": lambda x=x, inner=inner: [hvd.allreduce(x, op=hvd.Sum, name="lat") for _ in range(inner)],
             }
             med = interleave(modes, reps=max(5, a.reps // 2), warmup=1, barrier=barrier)
             emit({"suite": "latency", "np": size, "bytes": nbytes,
@@ -88,21 +88,21 @@ def main() -> None:
             grads = [np.ones(s, np.float32) for s in shapes]
             names = [f"g{i}" for i in range(len(shapes))]
 
-            def raw_flat():
+            def raw_flat(flat=flat):
                 comm.Allreduce(MPI.IN_PLACE, flat)
                 np.divide(flat, size, out=flat)
 
-            def raw_each():
+            def raw_each(each=each):
                 for t in each:
                     comm.Allreduce(MPI.IN_PLACE, t)
                     np.divide(t, size, out=t)
 
-            def hvd_async():
+            def hvd_async(grads=grads, names=names):
                 hs = [hvd.allreduce_async_(g, name=nm, op=hvd.Average) for g, nm in zip(grads, names)]
                 for h in hs:
                     hvd.synchronize(h)
 
-            def hvd_grouped():
+            def hvd_grouped(grads=grads):
                 hvd.grouped_allreduce_(grads, name="grads", op=hvd.Average)
 
             med = interleave({"raw_mpi_flat": raw_flat, "raw_mpi_each": raw_each,
@@ -117,11 +117,11 @@ def main() -> None:
             raws = [np.ones(256, np.float32) for _ in range(count)]
             names = [f"s{i}" for i in range(count)]
 
-            def raw_each():
+            def raw_each(raws=raws):
                 for t in raws:
                     comm.Allreduce(MPI.IN_PLACE, t)
 
-            def hvd_async():
+            def hvd_async(arrs=arrs, names=names):
                 hs = [hvd.allreduce_async_(t, name=nm, op=hvd.Sum) for t, nm in zip(arrs, names)]
                 for h in hs:
                     hvd.synchronize(h)

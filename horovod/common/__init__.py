@@ -40,7 +40,7 @@ from horovod.common.process_sets import (
 from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 # The process-level names every binding re-exports (declared once, here).
-BASICS = [
+__all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
     "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
     "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
@@ -48,5 +48,4 @@ BASICS = [
     "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "HostsUpdatedInterrupt",
 ]
-
-__all__ = list(BASICS)
+BASICS = tuple(__all__)

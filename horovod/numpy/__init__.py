@@ -301,7 +301,8 @@ def reducescatter(tensor: np.ndarray, name: str | None = None, op: int = Average
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> np.ndarray:
     """Reduce ``tensor`` over the set and return this rank's rows of the result."""
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor, _wake=False))
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                           _wake=False))
 
 
 def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None = None, op: int = Average,

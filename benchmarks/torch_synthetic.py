@@ -1,0 +1,127 @@
+"""Synthetic training throughput: horovod.torch DistributedOptimizer vs torch DDP (Gloo), same run.
+
+Run under mpirun or horovodrun; rank 0 prints one JSON line per mode:
+
+    mpirun -np 1 python benchmarks/torch_synthetic.py     # single-process baseline
+    mpirun -np 2 python benchmarks/torch_synthetic.py
+
+Modes, each with its own copy of the same model and batch (every iteration runs each mode for
+``--batches`` steps, in turn, so machine noise hits them alike):
+  hvd    hvd.DistributedOptimizer (allreduce from gradient hooks during backward)
+  ddp    torch.nn.parallel.DistributedDataParallel on a Gloo process group
+  local  the same step without any communication (each rank's compute-only speed)
+
+The model is the small ResNet of ``examples/pytorch/pytorch_synthetic_benchmark.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples", "pytorch"))
+from pytorch_synthetic_benchmark import make_model  # noqa: E402
+
+import horovod.torch as hvd  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--model", default="resnet_small")
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--image-size", type=int, default=32)
+parser.add_argument("--batches", type=int, default=3, help="steps per mode per iteration")
+parser.add_argument("--iters", type=int, default=6)
+parser.add_argument("--warmup", type=int, default=2)
+parser.add_argument("--modes", default="hvd,ddp,local")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    args = parser.parse_args()
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    torch.set_num_threads(1)
+    modes = args.modes.split(",")
+    torch.manual_seed(0)
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    target = torch.randint(0, 1000, (args.batch_size,))
+
+    steps = {}
+    if "hvd" in modes:
+        torch.manual_seed(0)
+        m_hvd = make_model(args.model)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m_hvd.parameters(), lr=0.01),
+                                       named_parameters=m_hvd.named_parameters())
+        hvd.broadcast_parameters(m_hvd.state_dict(), 0)
+
+        def hvd_step() -> None:
+            opt.zero_grad()
+            F.cross_entropy(m_hvd(data), target).backward()
+            opt.step()
+        steps["hvd"] = hvd_step
+    if "ddp" in modes:
+        import torch.distributed as dist
+
+        port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="gloo.port")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        torch.manual_seed(0)
+        m_ddp = torch.nn.parallel.DistributedDataParallel(make_model(args.model))
+        opt_ddp = torch.optim.SGD(m_ddp.parameters(), lr=0.01)
+
+        def ddp_step() -> None:
+            opt_ddp.zero_grad()
+            F.cross_entropy(m_ddp(data), target).backward()
+            opt_ddp.step()
+        steps["ddp"] = ddp_step
+    if "local" in modes:
+        torch.manual_seed(0)
+        m_loc = make_model(args.model)
+        opt_loc = torch.optim.SGD(m_loc.parameters(), lr=0.01)
+
+        def local_step() -> None:
+            opt_loc.zero_grad()
+            F.cross_entropy(m_loc(data), target).backward()
+            opt_loc.step()
+        steps["local"] = local_step
+
+    for fn in steps.values():
+        for _ in range(args.warmup):
+            fn()
+    rates: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.iters):
+        for k, fn in steps.items():
+            hvd.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.batches):
+                fn()
+            rates[k].append(args.batch_size * args.batches / (time.perf_counter() - t0))
+    model = make_model(args.model)
+    if rank == 0:
+        for k, r in rates.items():
+            med = statistics.median(r)
+            print(json.dumps({"bench": "torch_synthetic", "model": args.model,
+                              "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+                              "batch": args.batch_size, "image": args.image_size, "np": size, "mode": k,
+                              "img_per_sec_per_rank": round(med, 2), "img_per_sec_total": round(med * size, 2)}),
+                  flush=True)
+    if "ddp" in steps:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
