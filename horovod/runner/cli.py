@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from horovod.common.exceptions import ConfigError
+from horovod.runner import errors
 from horovod.runner.settings import (
     LOG_LEVEL_CHOICES,
     TUNABLES,
@@ -64,11 +64,29 @@ class _EnvAction(argparse.Action):
         setattr(namespace, self.dest, current)
 
 
+_ENGINE_HELP = "@engine:"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Fill tunables' help from ``EngineConfig`` only when help is shown.
+
+    Reading it at parser construction would import ``horovod.common`` (the engine and NumPy) on
+    every ``horovodrun`` start.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if text and text.startswith(_ENGINE_HELP):
+            env = text[len(_ENGINE_HELP):]
+            text = f"{engine_help(env, env)} [{env}]"
+        return text
+
+
 def make_parser() -> argparse.ArgumentParser:
     """Build the ``horovodrun`` argument parser."""
     p = argparse.ArgumentParser(
         prog="horovodrun", description="Horovod runner: start a distributed job.",
-        allow_abbrev=False)
+        allow_abbrev=False, formatter_class=_HelpFormatter)
     S = argparse.SUPPRESS
     p.add_argument("-v", "--version", action="store_true", default=S, help="Print the version.")
     p.add_argument("-np", "--num-proc", dest="np", type=int, default=S,
@@ -76,7 +94,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-cb", "--check-build", action="store_true", default=S,
                    help="Show which frameworks, controllers and tensor operations are available.")
     p.add_argument("--disable-cache", action="store_true", default=S,
-                   help="Run the ssh checks on every start (nothing is cached by this launcher).")
+                   help="Detect the MPI implementation on every start instead of using the "
+                        "answer cached in ~/.horovod.")
     p.add_argument("--start-timeout", type=float, default=S,
                    help="Seconds allowed for checks and process start (default "
                         "HOROVOD_START_TIMEOUT or 30).")
@@ -100,8 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for t in TUNABLES:
         g = groups.setdefault(t.group, p.add_argument_group(t.group))
-        help_text = t.help or engine_help(t.env, t.env)
-        help_text = f"{help_text} [{t.env}]"
+        help_text = f"{t.help} [{t.env}]" if t.help else _ENGINE_HELP + t.env
         if t.kind == "bool":
             g.add_argument(*t.flags, dest=t.dest, action="store_true", default=S, help=help_text)
             g.add_argument(*["--no-" + f[2:] for f in t.flags], dest=t.dest, action="store_false",
@@ -155,31 +173,31 @@ def load_config_file(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
     except OSError as exc:
-        raise ConfigError(f"--config-file {path}: cannot read it: {exc}", path=path) from exc
+        raise errors.ConfigError(f"--config-file {path}: cannot read it: {exc}", path=path) from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config-file {path}: not valid YAML: {exc}", path=path) from exc
+        raise errors.ConfigError(f"--config-file {path}: not valid YAML: {exc}", path=path) from exc
     if not isinstance(data, Mapping):
-        raise ConfigError(f"--config-file {path}: expected a mapping of sections, got "
+        raise errors.ConfigError(f"--config-file {path}: expected a mapping of sections, got "
                           f"{type(data).__name__}.", path=path)
     out: dict[str, Any] = {}
     for section, body in data.items():
         if section == "controller":
             out["controller"] = str(body).lower()
             if out["controller"] not in ("mpi", "gloo"):
-                raise ConfigError(f"No such controller supported: {body!r} (in {path}); use mpi or "
+                raise errors.ConfigError(f"No such controller supported: {body!r} (in {path}); use mpi or "
                                   "gloo.", path=path, key="controller")
             continue
         keys = CONFIG_KEYS.get(section)
         if keys is None:
-            raise ConfigError(f"--config-file {path}: unknown section {section!r}; known: controller, "
+            raise errors.ConfigError(f"--config-file {path}: unknown section {section!r}; known: controller, "
                               f"{', '.join(CONFIG_KEYS)}.", path=path, key=section)
         if not isinstance(body, Mapping):
-            raise ConfigError(f"--config-file {path}: section {section!r} must be a mapping.",
+            raise errors.ConfigError(f"--config-file {path}: section {section!r} must be a mapping.",
                               path=path, key=section)
         for key, value in body.items():
             dest = keys.get(key)
             if dest is None:
-                raise ConfigError(f"--config-file {path}: unknown key {section}.{key}; known: "
+                raise errors.ConfigError(f"--config-file {path}: unknown key {section}.{key}; known: "
                                   f"{', '.join(keys)}.", path=path, key=f"{section}.{key}")
             if dest.startswith("!"):
                 dest, value = dest[1:], not value

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from horovod.common.exceptions import ConfigError
+from horovod.runner import errors
 
 __all__ = ["HostSpec", "SlotInfo", "parse_hosts", "parse_hostfile", "assign_slots", "hosts_text"]
 
@@ -65,7 +65,7 @@ def parse_hosts(text: str) -> list[HostSpec]:
     hosts: list[HostSpec] = []
     for entry in entries:
         if not _HOST_ENTRY.match(entry):
-            raise ConfigError(
+            raise errors.ConfigError(
                 f"Invalid host entry {entry!r} in -H/--hosts {text!r}: each entry must be "
                 "<hostname>:<slots>, for example 'worker-0:2,worker-1:2'.", entry=entry, value=text)
         name, slots = entry.rsplit(":", 1)
@@ -88,13 +88,13 @@ def parse_hostfile(text: str, path: str = "<hostfile>") -> list[HostSpec]:
             continue
         match = _HOSTFILE_LINE.match(line)
         if match is None:
-            raise ConfigError(
+            raise errors.ConfigError(
                 f"{path}:{lineno}: invalid hostfile line {raw.strip()!r}; expected "
                 "'<hostname> slots=<n>', for example 'worker-0 slots=4'.", path=path, line=lineno)
         slots = int(match.group("slots")) if match.group("slots") is not None else 1
         hosts.append(HostSpec(match.group("host"), slots))
     if not hosts:
-        raise ConfigError(f"Hostfile {path} lists no hosts; add lines like 'worker-0 slots=4'.",
+        raise errors.ConfigError(f"Hostfile {path} lists no hosts; add lines like 'worker-0 slots=4'.",
                           path=path)
     return _validated(hosts, source=path)
 
@@ -103,10 +103,10 @@ def _validated(hosts: list[HostSpec], source: str) -> list[HostSpec]:
     seen: set[str] = set()
     for h in hosts:
         if h.slots < 1:
-            raise ConfigError(f"Host {h.name!r} in {source} has {h.slots} slots; give at least 1.",
+            raise errors.ConfigError(f"Host {h.name!r} in {source} has {h.slots} slots; give at least 1.",
                               entry=str(h))
         if h.name in seen:
-            raise ConfigError(f"Host {h.name!r} appears twice in {source}; list each host once "
+            raise errors.ConfigError(f"Host {h.name!r} appears twice in {source}; list each host once "
                               "with its total number of slots.", entry=h.name)
         seen.add(h.name)
     return hosts
@@ -138,9 +138,9 @@ def assign_slots(hosts: list[HostSpec], np: int) -> list[SlotInfo]:
     """
     total = sum(h.slots for h in hosts)
     if np < 1:
-        raise ConfigError(f"-np {np}: the number of processes must be at least 1.", value=np)
+        raise errors.ConfigError(f"-np {np}: the number of processes must be at least 1.", value=np)
     if np > total:
-        raise ConfigError(
+        raise errors.ConfigError(
             f"Requested more processes ({np}) than there are available slots ({total}) on hosts "
             f"{hosts_text(hosts)}. Lower -np or add slots/hosts to -H or --hostfile.",
             np=np, slots=total)

@@ -20,21 +20,16 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from horovod.common.exceptions import BackendUnavailableError, ConfigError, HorovodError
+from horovod.runner import errors
 from horovod.runner.execute import Executor, JobResult
 from horovod.runner.hosts import HostSpec, parse_hostfile, parse_hosts
 from horovod.runner.launchers.base import Command
 from horovod.runner.plan import LaunchPlan, build_plan, format_plan
 from horovod.runner.settings import LaunchSettings
 
-__all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text",
-           "LaunchError"]
+__all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text"]
 
 log = logging.getLogger("horovod.runner")
-
-
-class LaunchError(HorovodError, RuntimeError):
-    """A check before launch failed (unreachable host, missing program, missing PyTorch)."""
 
 
 def resolve_hosts(settings: LaunchSettings) -> list[HostSpec]:
@@ -50,11 +45,11 @@ def resolve_hosts(settings: LaunchSettings) -> list[HostSpec]:
             with open(settings.hostfile, encoding="utf-8") as fh:
                 text = fh.read()
         except OSError as exc:
-            raise ConfigError(f"--hostfile {settings.hostfile}: cannot read it: {exc}",
+            raise errors.ConfigError(f"--hostfile {settings.hostfile}: cannot read it: {exc}",
                               path=settings.hostfile) from exc
         return parse_hostfile(text, settings.hostfile)
     if settings.np is None:
-        raise ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
+        raise errors.ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
     return [HostSpec("localhost", max(settings.np, 1))]
 
 
@@ -71,7 +66,7 @@ def _check_torch() -> None:
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        raise LaunchError("Gloo mode (--gloo) runs collectives on torch.distributed, but PyTorch is "
+        raise errors.LaunchError("Gloo mode (--gloo) runs collectives on torch.distributed, but PyTorch is "
                           "not installed for this Python. Install it (pip install 'horovod-py[torch]')"
                           " or use MPI (horovodrun --mpi).")
 
@@ -81,37 +76,39 @@ def _check_program(plan: LaunchPlan, settings: LaunchSettings, env_path: str | N
     if os.sep in program:
         if plan.all_local or plan.mode == "mpi":
             if not (os.path.isfile(program) and os.access(program, os.X_OK)):
-                raise LaunchError(f"Cannot run {program!r}: no such executable file. Check the path of "
-                                  "the command after the horovodrun options.", program=program)
+                raise errors.LaunchError(
+                    f"Cannot run {program!r}: no such executable file. Check the path of the command "
+                    "after the horovodrun options.", program=program)
         return
     if any(r.local for r in plan.ranks) or plan.mode == "mpi":
         if shutil.which(program, path=env_path) is None:
-            raise LaunchError(f"Cannot run {program!r}: not found on PATH. Install it or give its "
+            raise errors.LaunchError(f"Cannot run {program!r}: not found on PATH. Install it or give its "
                               "full path.", program=program)
 
 
 def _check_remote(plan: LaunchPlan, settings: LaunchSettings, env_path: str | None) -> None:
-    from horovod.runner.launchers.ssh import check_hosts
-
     remote = plan.remote_hosts
     if not remote:
         return
+    from horovod.runner.launchers.ssh import check_hosts
+
     if shutil.which("ssh") is None:
-        raise LaunchError(f"Host(s) {', '.join(remote)} are remote, but the ssh client is not installed "
-                          "here (apt-get install openssh-client).", hosts=remote)
+        raise errors.LaunchError(
+            f"Host(s) {', '.join(remote)} are remote, but the ssh client is not installed here "
+            "(apt-get install openssh-client).", hosts=remote)
     log.info("checking ssh to remote hosts: %s", ", ".join(remote))
     results = check_hosts(remote, settings, program=plan.command[0], path=env_path,
                           timeout=settings.start_timeout)
     bad = [r for r in results if not r.ok]
     if bad:
         details = "\n".join(f"  {r.host}: {r.message}" for r in bad)
-        raise LaunchError(
+        raise errors.LaunchError(
             f"Could not connect to {len(bad)} host(s) via ssh:\n{details}\nEvery host must accept "
             "passwordless ssh from this one (check the host name, -p/--ssh-port and "
             "-i/--ssh-identity-file), or raise --start-timeout.", hosts=[r.host for r in bad])
     missing = [r.host for r in results if not r.program_found]
     if missing:
-        raise LaunchError(f"Cannot run {plan.command[0]!r} on host(s) {', '.join(missing)}: not found "
+        raise errors.LaunchError(f"Cannot run {plan.command[0]!r} on host(s) {', '.join(missing)}: not found "
                           "on PATH there.", hosts=missing, program=plan.command[0])
 
 
@@ -154,9 +151,9 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
         _check_torch()
     impl = None
     if mode == "mpi":
-        from horovod.runner.launchers.mpirun import detect_mpi
+        from horovod.runner.launchers.mpirun import default_cache_dir, detect_mpi
 
-        impl = detect_mpi(environ)
+        impl = detect_mpi(environ, None if settings.disable_cache else default_cache_dir())
     if settings.dry_run:
         rdv = ("<launcher address>", "<port chosen at start>") if mode == "gloo" else None
         plan = build_plan(settings, hosts, environ, local, mode, rdv)
@@ -282,9 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
         _configure_logging(settings)
         result = launch(settings)
-    except (ConfigError, LaunchError, BackendUnavailableError) as exc:
+    except Exception as exc:  # noqa: BLE001 - our errors become a message, the rest propagates
+        if not isinstance(exc, (errors.ConfigError, errors.LaunchError, errors.BackendUnavailableError)):
+            raise
         print(f"horovodrun: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 2 if isinstance(exc, errors.ConfigError) else 1
     if isinstance(result, str):
         print(result)
         return 0

@@ -6,7 +6,7 @@ import functools
 import ipaddress
 import socket
 
-from horovod.common.exceptions import ConfigError
+from horovod.runner import errors
 
 __all__ = ["is_local_host", "local_addresses", "route_address", "interface_address",
            "resolve", "free_port"]
@@ -78,12 +78,12 @@ def interface_address(nic: str) -> str:
 
     table = psutil.net_if_addrs()
     if nic not in table:
-        raise ConfigError(f"Network interface {nic!r} does not exist here; available: "
+        raise errors.ConfigError(f"Network interface {nic!r} does not exist here; available: "
                           f"{', '.join(sorted(table))}.", nic=nic)
     for e in table[nic]:
         if e.family == socket.AF_INET:
             return str(e.address)
-    raise ConfigError(f"Network interface {nic!r} has no IPv4 address.", nic=nic)
+    raise errors.ConfigError(f"Network interface {nic!r} has no IPv4 address.", nic=nic)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

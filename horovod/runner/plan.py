@@ -11,7 +11,7 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from horovod.common.exceptions import ConfigError
+from horovod.runner import errors
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots, used_hosts
 from horovod.runner.settings import LaunchSettings
 
@@ -93,16 +93,16 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
             not set in the launcher's environment.
     """
     if not settings.command:
-        raise ConfigError("No command to run. Usage: horovodrun -np 2 python train.py")
+        raise errors.ConfigError("No command to run. Usage: horovodrun -np 2 python train.py")
     if settings.np is None:
-        raise ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
+        raise errors.ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
     slots = assign_slots(hosts, settings.np)
 
     job_env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     for name, value in settings.extra_env.items():
         if value is None:
             if name not in environ:
-                raise ConfigError(f"-x {name}: {name} is not set in horovodrun's environment; "
+                raise errors.ConfigError(f"-x {name}: {name} is not set in horovodrun's environment; "
                                   f"use -x {name}=VALUE to set it.", variable=name)
             value = environ[name]
         job_env[name] = value
@@ -112,7 +112,7 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
 
     if mode == "gloo":
         if rendezvous is None:
-            raise ConfigError("Gloo mode needs the rendezvous address of the launcher.")
+            raise errors.ConfigError("Gloo mode needs the rendezvous address of the launcher.")
         job_env.update({
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
@@ -122,7 +122,7 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
         if settings.nics:
             job_env["HOROVOD_GLOO_IFACE"] = settings.nics[0]
     elif mode != "mpi":
-        raise ConfigError(f"Unknown launch mode {mode!r}; expected 'mpi' or 'gloo'.")
+        raise errors.ConfigError(f"Unknown launch mode {mode!r}; expected 'mpi' or 'gloo'.")
 
     ranks = []
     for slot in slots:

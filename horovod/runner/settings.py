@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from horovod.common.exceptions import ConfigError
+from horovod.runner import errors
 
 __all__ = ["LaunchSettings", "Tunable", "TUNABLES", "tunables_to_env", "engine_help",
            "default_start_timeout"]
@@ -137,12 +137,12 @@ def validate_tunable(t: Tunable, value: Any) -> Any:
         else:
             value = str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}={value!r} is invalid: {exc}", option=name, value=value) from exc
+        raise errors.ConfigError(f"{name}={value!r} is invalid: {exc}", option=name, value=value) from exc
     if t.minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
         if value < t.minimum:
-            raise ConfigError(f"{name}={value} must be >= {t.minimum:g}", option=name, value=value)
+            raise errors.ConfigError(f"{name}={value} must be >= {t.minimum:g}", option=name, value=value)
         if t.maximum is not None and value > t.maximum:
-            raise ConfigError(f"{name}={value} must be in [{t.minimum:g}, {t.maximum:g}]",
+            raise errors.ConfigError(f"{name}={value} must be in [{t.minimum:g}, {t.maximum:g}]",
                               option=name, value=value)
     return value
 
@@ -174,7 +174,7 @@ def default_start_timeout(environ: Mapping[str, str] | None = None) -> float:
     try:
         return float(raw)
     except ValueError as exc:
-        raise ConfigError(f"HOROVOD_START_TIMEOUT={raw!r} is not a number of seconds.",
+        raise errors.ConfigError(f"HOROVOD_START_TIMEOUT={raw!r} is not a number of seconds.",
                           variable="HOROVOD_START_TIMEOUT", value=raw) from exc
 
 
@@ -210,9 +210,9 @@ class LaunchSettings:
         if self.controller is not None:
             self.controller = self.controller.lower()
             if self.controller not in ("mpi", "gloo"):
-                raise ConfigError(f"No such controller supported: {self.controller!r}; use 'mpi' or "
+                raise errors.ConfigError(f"No such controller supported: {self.controller!r}; use 'mpi' or "
                                   "'gloo'.", controller=self.controller)
         if self.hosts and self.hostfile:
-            raise ConfigError("Give either -H/--hosts or --hostfile, not both.")
+            raise errors.ConfigError("Give either -H/--hosts or --hostfile, not both.")
         if self.start_timeout <= 0:
-            raise ConfigError(f"--start-timeout {self.start_timeout} must be > 0 seconds.")
+            raise errors.ConfigError(f"--start-timeout {self.start_timeout} must be > 0 seconds.")

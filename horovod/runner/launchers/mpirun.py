@@ -8,6 +8,7 @@ tells the launcher which rank wrote each output line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -17,12 +18,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from horovod.common.exceptions import BackendUnavailableError, ConfigError
+from horovod.runner import errors
 from horovod.runner.launchers.base import Command, shim_argv
 from horovod.runner.plan import SECRET_ENV, LaunchPlan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["MpiImplementation", "MpiFlavour", "FLAVOURS", "detect_mpi", "parse_mpi_version",
+           "default_cache_dir",
            "find_mpirun", "mpirun_command", "MPI_NOT_FOUND_MESSAGE"]
 
 MPI_NOT_FOUND_MESSAGE = (
@@ -94,28 +96,84 @@ def find_mpirun(environ: Mapping[str, str] | None = None) -> str | None:
     return shutil.which("mpirun", path=environ.get("PATH"))
 
 
-def detect_mpi(environ: Mapping[str, str] | None = None) -> MpiImplementation:
-    """Run ``mpirun --version`` and identify the implementation.
+def default_cache_dir() -> str:
+    """Where launcher checks are cached (``~/.horovod``, as upstream Horovod)."""
+    return os.path.join(os.path.expanduser("~"), ".horovod")
+
+
+def _cache_key(mpirun: str) -> str:
+    real = os.path.realpath(mpirun)
+    st = os.stat(real)
+    return f"{real}:{st.st_mtime_ns}:{st.st_size}"
+
+
+def _cached(cache_dir: str | None, mpirun: str) -> MpiImplementation | None:
+    if cache_dir is None:
+        return None
+    try:
+        with open(os.path.join(cache_dir, _CACHE_FILE), encoding="utf-8") as fh:
+            entry = json.load(fh).get(_cache_key(mpirun))
+        if entry and entry["flavour"] in FLAVOURS:
+            return MpiImplementation(FLAVOURS[entry["flavour"]], int(entry["major"]), mpirun)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _store(cache_dir: str | None, impl: MpiImplementation) -> None:
+    if cache_dir is None:
+        return
+    path = os.path.join(cache_dir, _CACHE_FILE)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            data = {}
+        data[_cache_key(impl.mpirun)] = {"flavour": impl.flavour.key, "major": impl.major}
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the next start one `mpirun --version`
+
+
+_CACHE_FILE = "mpi_implementation.json"
+
+
+def detect_mpi(environ: Mapping[str, str] | None = None,
+               cache_dir: str | None = None) -> MpiImplementation:
+    """Identify the MPI implementation with ``mpirun --version``.
+
+    The answer is cached in ``cache_dir`` (keyed by the mpirun binary's path, size and mtime), so
+    later starts skip the extra process; ``None`` (``--disable-cache``) always asks mpirun.
 
     Raises:
         BackendUnavailableError: no mpirun, it fails, or its implementation is unknown.
     """
     mpirun = find_mpirun(environ)
     if mpirun is None:
-        raise BackendUnavailableError(MPI_NOT_FOUND_MESSAGE, backend="mpi")
+        raise errors.BackendUnavailableError(MPI_NOT_FOUND_MESSAGE, backend="mpi")
+    hit = _cached(cache_dir, mpirun)
+    if hit is not None:
+        return hit
     try:
         res = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30,
                              env=dict(environ) if environ is not None else None)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BackendUnavailableError(f"Could not run '{mpirun} --version': {exc}\n\n"
+        raise errors.BackendUnavailableError(f"Could not run '{mpirun} --version': {exc}\n\n"
                                       + MPI_NOT_FOUND_MESSAGE, backend="mpi") from exc
     out = res.stdout + res.stderr
     key, major = parse_mpi_version(out)
     if res.returncode != 0 or key is None:
-        raise BackendUnavailableError(
+        raise errors.BackendUnavailableError(
             f"Unknown MPI implementation: '{mpirun} --version' exited {res.returncode} with:\n"
             f"{out.strip()}\n\n" + MPI_NOT_FOUND_MESSAGE, backend="mpi")
-    return MpiImplementation(FLAVOURS[key], major, mpirun)
+    impl = MpiImplementation(FLAVOURS[key], major, mpirun)
+    _store(cache_dir, impl)
+    return impl
 
 
 def mpirun_command(plan: LaunchPlan, settings: LaunchSettings, impl: MpiImplementation,
@@ -142,7 +200,7 @@ def mpirun_command(plan: LaunchPlan, settings: LaunchSettings, impl: MpiImplemen
     else:
         slots = {h.slots for h in plan.hosts}
         if len(slots) != 1:
-            raise ConfigError(f"{fl.title} needs the same number of slots on every host (-ppn); got "
+            raise errors.ConfigError(f"{fl.title} needs the same number of slots on every host (-ppn); got "
                               f"{','.join(str(h) for h in plan.hosts)}. Use equal slots or Open MPI.")
         args += ["-hosts", ",".join(h.name for h in plan.hosts), "-ppn", str(slots.pop())]
     if settings.binding_args and fl.open_mpi_like:
