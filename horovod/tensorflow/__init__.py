@@ -18,10 +18,20 @@ tensors reach it as NumPy arrays (through ``tf.numpy_function`` inside graphs).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+# TF1 sessions run graph ops on a shared inter-op pool (one thread per core by default). Horovod's
+# ops block their thread until every rank submitted the same op, and TF may start independent ops
+# in a different order on each rank: with fewer threads than independent Horovod ops in one
+# session.run, ranks could each hold all their threads on ops the other rank has not reached.
+# A larger pool (idle threads cost nothing) makes that need dozens of independent ops in one run.
+# Only the default is changed; an explicit TF_NUM_INTEROP_THREADS or
+# ConfigProto(inter_op_parallelism_threads=...) wins. Must happen before TF creates its pools.
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "64")
+
+import tensorflow as tf  # noqa: E402
 
 from horovod.common import BASICS as _BASICS
 from horovod.common.basics import (
