@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["LocalGradientAggregationHelper"]
@@ -21,12 +22,14 @@ def _is_tf1_graph() -> bool:
     return not tf.executing_eagerly() and not getattr(g, "building_function", False)
 
 
-def _local_variable(initial: Any, name: str) -> tf.Variable:
+def _local_variable(shape: Any, dtype: Any, name: str) -> tf.Variable:
+    zeros = np.zeros(shape, dtype=tf.as_dtype(dtype).as_numpy_dtype)
     if _is_tf1_graph():
-        return tf.compat.v1.Variable(initial, trainable=False, name=name,
+        return tf.compat.v1.Variable(zeros, trainable=False, name=name,
                                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+    # Created once, outside any tf.function being traced (like optimizer slots).
     with tf.init_scope():
-        return tf.Variable(initial, trainable=False, name=name)
+        return tf.Variable(zeros, trainable=False, name=name)
 
 
 class LocalGradientAggregationHelper:
@@ -44,14 +47,14 @@ class LocalGradientAggregationHelper:
         self.accumulators: list[Any] | None = None
 
     def _build(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
-        self.counter = _local_variable(tf.constant(0, tf.int32), "hvd_aggregation_counter")
+        self.counter = _local_variable((), tf.int32, "hvd_aggregation_counter")
         accs = []
         for i, (g, v) in enumerate(zip(grads, variables)):
             if g is None:
                 accs.append(None)
                 continue
-            shape = v.shape if v is not None else g.shape
-            accs.append(_local_variable(tf.zeros(shape, dtype=g.dtype), f"hvd_aggregated_grad_{i}"))
+            shape = tuple(v.shape if v is not None else g.shape)
+            accs.append(_local_variable(shape, g.dtype, f"hvd_aggregated_grad_{i}"))
         self.accumulators = accs
 
     def compute_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
