@@ -48,6 +48,13 @@ class JobResult:
         return format_report(self.exits, self.interrupted)
 
 
+def _stdin_is_tty() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
 class _Proc:
     def __init__(self, index: int, cmd: Command, popen: subprocess.Popen[bytes]) -> None:
         self.index = index
@@ -173,14 +180,20 @@ class Executor:
             tagged = cmd.tagged is not None
             needs_stdin = cmd.lifeline or cmd.stdin_data is not None
             log.debug("starting %s", cmd.text())
+            stdin: int | None = subprocess.PIPE if needs_stdin else None
+            if tagged and _stdin_is_tty():
+                # mpirun runs in a background process group (below); reading the terminal there
+                # would stop it with SIGTTIN. Piped input is still passed to rank 0.
+                stdin = subprocess.DEVNULL
             try:
+                # Every process gets its own process group, so that a terminal's Ctrl-C reaches
+                # only horovodrun, which passes it on exactly once (mpirun aborts at once on a
+                # second SIGINT), and so that a worker's whole tree can be signalled. Workers
+                # also get their own session, away from the terminal.
                 popen = subprocess.Popen(
                     cmd.argv, env=cmd.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    stdin=subprocess.PIPE if needs_stdin else None,
-                    # mpirun stays in our process group so that a terminal's Ctrl-C reaches it as
-                    # it would without horovodrun; every other process gets its own group, which
-                    # is how its whole tree is signalled.
-                    start_new_session=not tagged)
+                    stdin=stdin, start_new_session=not tagged,
+                    process_group=0 if tagged else None)
             except OSError as exc:
                 self._stop(f"could not start {cmd.argv[0]!r}: {exc}")
                 raise
@@ -215,8 +228,8 @@ class Executor:
         if proc.returncode is not None:
             return
         try:
-            if proc.cmd.tagged:
-                proc.popen.send_signal(signum)
+            if proc.cmd.tagged and signum != signal.SIGKILL:
+                proc.popen.send_signal(signum)  # mpirun stops its own ranks, on every host
             else:
                 os.killpg(proc.popen.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -355,6 +368,18 @@ class Executor:
                     exits.append(RankExit(rank, host, code, sig, proc.exit_time, stopped, tail,
                                           lr, note))
                     seen.add(rank)
+        # mpirun stops forwarding output once it terminates a job, so ranks it stopped may never
+        # deliver their exit report; they are listed as stopped by mpirun.
+        if any(e.failed for e in exits):
+            for proc in self._procs:
+                if proc.cmd.tagged and proc.returncode:
+                    for rank in proc.cmd.ranks:
+                        if rank not in seen:
+                            exits.append(RankExit(
+                                rank, self.hosts_by_rank.get(rank, proc.cmd.host), None, None,
+                                proc.exit_time, "by mpirun; its exit report was not forwarded",
+                                list(self._tails.get(rank, [])),
+                                self.local_rank_by_rank.get(rank)))
         returncode = 0
         launcher_tail = list(self._tails.get(None, []))
         mpirun = [p for p in self._procs if len(p.cmd.ranks) != 1 or p.cmd.tagged]

@@ -14,6 +14,8 @@ __all__ = ["RankExit", "root_cause", "format_report", "describe_status"]
 
 
 def describe_status(code: int | None, signum: int | None) -> str:
+    if code is None and not signum:
+        return "ended without an exit report"
     if signum:
         try:
             name = _signal.Signals(signum).name

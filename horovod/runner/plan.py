@@ -119,7 +119,8 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
         })
-        if settings.nics:
+        if settings.nics and "/" not in settings.nics[0]:
+            # An interface name; a CIDR range (which mpirun accepts) is no interface for Gloo.
             job_env["HOROVOD_GLOO_IFACE"] = settings.nics[0]
     elif mode != "mpi":
         raise errors.ConfigError(f"Unknown launch mode {mode!r}; expected 'mpi' or 'gloo'.")

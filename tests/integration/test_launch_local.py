@@ -159,7 +159,7 @@ def test_sigint_reaches_every_worker(mode: str, tmp_path: Path) -> None:
         if mode == "gloo":
             assert f"[{r}]<stdout>:got SIGINT\n" in text, text
     assert proc.returncode == 130 and "interrupted (SIGINT)" in err, err
-    assert elapsed < 10, f"stopping took {elapsed:.1f} s"
+    assert elapsed < 20, f"stopping took {elapsed:.1f} s"
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -73,3 +73,9 @@ def test_format_plan_lists_every_rank_and_hides_nothing_secret() -> None:
         assert f"rank {r}: host {'a' if r < 2 else 'b'}" in text
     assert "HOROVOD_RANK=3" in text and "remote (ssh)" in text and "cmd1" in text
     assert "HOROVOD_SECRET_KEY" not in text
+
+
+def test_cidr_network_interface_is_not_a_gloo_interface() -> None:
+    plan = plan_for(nics=["10.200.0.0/24"])
+    assert "HOROVOD_GLOO_IFACE" not in plan.job_env
+    assert plan.job_env["NCCL_SOCKET_IFNAME"] == "10.200.0.0/24"
