@@ -156,9 +156,11 @@ def main(argv):
     status = child.wait()
     # Whatever the command left running in its group (data loader workers, ...) goes with it.
     stopper.signal_group(signal.SIGTERM)
-    code, signum = (None, -status) if status < 0 else (status, None)
-    report(code, signum, stopper.reason)
-    return code if code is not None else 128 + signum
+    if status < 0:
+        report(None, -status, stopper.reason)
+        return 128 - status
+    report(status, None, stopper.reason)
+    return status
 
 
 if __name__ == "__main__":

@@ -274,7 +274,7 @@ class Executor:
         SIGINT/SIGTERM received meanwhile are passed on to every worker (when called from the
         main thread and ``handle_signals``); a second one kills them at once.
         """
-        old: dict[int, Any] = {}
+        old: dict[signal.Signals, Any] = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 old[s] = signal.signal(s, self._on_signal)

@@ -87,9 +87,9 @@ class TagParser:
                 segments.append((int(m.group(2)), out, text[m.end():end],
                                  terminator if last else "\n"))
         else:
-            m = _HYDRA_TAG.match(text)
-            if m:
-                segments.append((int(m.group(1)), stream, text[m.end():], terminator))
+            hydra = _HYDRA_TAG.match(text)
+            if hydra:
+                segments.append((int(hydra.group(1)), stream, text[hydra.end():], terminator))
             else:
                 rank, out = (self._last if self._continues and self._last else (None, stream))
                 segments.append((rank, out, text, terminator))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -58,6 +59,14 @@ def test_gloo_backend_protocol_methods_on_every_rank() -> None:
     checks = tagged_json(res.stdout, "GLOO_CHECK")
     assert sorted(checks) == [0, 1, 2]
     assert checks[1]["alltoall_ints"] == [1, 11, 21] and checks[2]["reducescatter"] == [15.0, 18.0]
+
+
+def test_gloo_init_shutdown_init() -> None:
+    res = horovodrun("--gloo", "-np", "2", "python", WORKER, "reinit", timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rounds = re.findall(r"^\[(\d)\]<stdout>:ROUND (.*)$", res.stdout, re.MULTILINE)
+    got = sorted((int(r), json.loads(d)["round"], json.loads(d)["sum"]) for r, d in rounds)
+    assert got == [(r, i, [1.0 + 2 * i] * 2) for r in range(2) for i in range(3)], res.stdout
 
 
 def test_gloo_identity_variables_per_rank() -> None:

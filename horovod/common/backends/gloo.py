@@ -241,7 +241,7 @@ class GlooBackend:
         out = np.ascontiguousarray(bits, dtype=np.uint64).copy()
         if self.size > 1 and out.size:
             o = self._dist.AllreduceOptions()
-            o.reduceOp = self._dist.ReduceOp.BAND
+            o.reduceOp = self._dist.ReduceOp.BAND  # type: ignore[assignment]
             self._run("negotiation", lambda: self._world.allreduce([self._t(out.view(np.int64))], o))
         return out
 
@@ -317,7 +317,7 @@ class GlooBackend:
         if group.size == 1 or buf.size == 0:
             return
         o = self._dist.AllreduceOptions()
-        o.reduceOp = self._ops[op]
+        o.reduceOp = self._ops[op]  # type: ignore[assignment]
         self._run("allreduce", lambda: group.handle.allreduce([self._t(buf.reshape(-1))], o))
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:

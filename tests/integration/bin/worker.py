@@ -2,6 +2,7 @@
 
     worker.py ident                 print this rank's identity (from the launcher's variables)
     worker.py allreduce             hvd.init(), allreduce, print RESULT {json} with topology
+    worker.py reinit                hvd.init/allreduce/shutdown three times, print ROUND {json}
     worker.py wait-file PATH        print "waiting", wait (30 s max) for PATH, print "done"
     worker.py output                write partial lines, unicode, progress-bar carriage returns
     worker.py fail RANK CODE        rank RANK exits with CODE after writing to stderr; the others
@@ -51,6 +52,18 @@ def main(argv: list[str]) -> int:
             "cross_size": hvd.cross_size(), "sum": total.tolist(), "host": socket.gethostname()}),
             flush=True)
         hvd.shutdown()
+        return 0
+    if what == "reinit":
+        import numpy as np
+
+        import horovod.numpy as hvd
+
+        for i in range(3):
+            hvd.init()
+            total = hvd.allreduce(np.full(2, float(hvd.rank() + i)), op=hvd.Sum)
+            print("ROUND " + json.dumps({"rank": hvd.rank(), "round": i, "sum": total.tolist()}),
+                  flush=True)
+            hvd.shutdown()
         return 0
     if what == "wait-file":
         path = argv[1]
