@@ -102,7 +102,9 @@ def main():
     ]
 
     # Horovod: save checkpoints only on worker 0 to prevent other workers from corrupting them.
+    # (``--checkpoint-dir`` may contain ``{rank}``, e.g. to show which rank wrote what.)
     if hvd.rank() == 0:
+        args.checkpoint_dir = args.checkpoint_dir.format(rank=hvd.rank())
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         name = "checkpoint-{epoch}.weights.h5" if not keras2 else "checkpoint-{epoch}.h5"
         callbacks.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, name),

@@ -96,7 +96,8 @@ def main():
     train_op = opt.minimize(loss, global_step=global_step)
 
     # Save checkpoints only on worker 0 to prevent other workers from corrupting them.
-    checkpoint_dir = args.checkpoint_dir if hvd.rank() == 0 else None
+    # (``--checkpoint-dir`` may contain ``{rank}``, e.g. to show which rank wrote what.)
+    checkpoint_dir = args.checkpoint_dir.format(rank=hvd.rank()) if hvd.rank() == 0 else None
 
     # The MonitoredTrainingSession takes care of session initialization,
     # restoring from a checkpoint, saving to a checkpoint, and closing when done

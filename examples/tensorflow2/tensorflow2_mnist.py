@@ -115,7 +115,8 @@ def main():
     # Horovod: save checkpoints only on worker 0 to prevent other workers from
     # corrupting it.
     if hvd.rank() == 0:
-        checkpoint.save(os.path.join(args.checkpoint_dir, "ckpt"))
+        # (``--checkpoint-dir`` may contain ``{rank}``, e.g. to show which rank wrote what.)
+        checkpoint.save(os.path.join(args.checkpoint_dir.format(rank=hvd.rank()), "ckpt"))
 
     probs = mnist_model(x_test, training=False)
     acc = float(np.mean(np.argmax(probs, axis=1) == y_test))
