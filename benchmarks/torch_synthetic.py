@@ -38,7 +38,7 @@ parser.add_argument("--model", default="resnet_small")
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--image-size", type=int, default=32)
 parser.add_argument("--batches", type=int, default=3, help="steps per mode per iteration")
-parser.add_argument("--iters", type=int, default=6)
+parser.add_argument("--iters", type=int, default=9)
 parser.add_argument("--warmup", type=int, default=2)
 parser.add_argument("--modes", default="hvd,ddp,local")
 
@@ -101,8 +101,11 @@ def main() -> None:
         for _ in range(args.warmup):
             fn()
     rates: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.iters):
-        for k, fn in steps.items():
+    names = list(steps)
+    for it in range(args.iters):
+        # Rotate the order every iteration so that no mode always runs first after the others.
+        for k in names[it % len(names):] + names[:it % len(names)]:
+            fn = steps[k]
             hvd.barrier()
             t0 = time.perf_counter()
             for _ in range(args.batches):

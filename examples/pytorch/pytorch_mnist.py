@@ -188,9 +188,9 @@ def main() -> None:
             count += len(data)
             if batch_idx % args.log_interval == 0 and hvd.rank() == 0:
                 # Horovod: use train_sampler to determine the number of examples in this worker's partition.
-                print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
-                    epoch, batch_idx * len(data), len(train_sampler),
-                    100.0 * batch_idx / len(train_loader), loss.item()), flush=True)
+                pct = 100.0 * batch_idx / len(train_loader)
+                print(f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_sampler)} ({pct:.0f}%)]\t"
+                      f"Loss: {loss.item():.6f}", flush=True)
         # Horovod: average the epoch's loss over all workers.
         epoch_loss = metric_average(total / max(count, 1), "avg_train_loss")
         if hvd.rank() == 0:

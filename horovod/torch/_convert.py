@@ -59,8 +59,10 @@ def check_tensor(tensor: Any, what: str, allowed: frozenset[torch.dtype]) -> tor
     return tensor
 
 
-def _direct_view(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().numpy()
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    # detach() releases the GIL inside torch, and getting it back behind the busy engine thread
+    # can cost milliseconds per tensor: only detach tensors that need it.
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -76,7 +78,7 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
     """
     dt = tensor.dtype
     if dt in _DIRECT:
-        t = tensor.detach()
+        t = _plain(tensor)
         if inplace:
             if t.is_contiguous():
                 arr = t.numpy()
@@ -90,7 +92,7 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
             return work, back
         return t.contiguous().numpy(), torch.from_numpy
     if dt == torch.bfloat16:
-        work = tensor.detach().to(torch.float32).contiguous().numpy()
+        work = _plain(tensor).to(torch.float32).contiguous().numpy()
 
         def from_f32(r: np.ndarray) -> torch.Tensor:
             out = torch.from_numpy(r).to(torch.bfloat16)
@@ -104,7 +106,7 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
         if op == ReduceOp.AVERAGE:
             raise ValueError(f"horovod.torch.{what}(): op=Average is not defined for bool tensors; use "
                              "op=hvd.Sum or hvd.Max (logical or) or hvd.Min (logical and).")
-        work = tensor.detach().to(torch.uint8).contiguous().numpy()
+        work = _plain(tensor).to(torch.uint8).contiguous().numpy()
 
         def from_u8(r: np.ndarray) -> torch.Tensor:
             out = torch.from_numpy(r) != 0
@@ -131,7 +133,7 @@ def reduce_output(result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 def move_input(tensor: torch.Tensor, inplace: bool
                ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
     """Return the array to move and a function turning the engine's result into the torch result."""
-    t = tensor.detach()
+    t = _plain(tensor)
     bf16 = t.dtype == torch.bfloat16
     contiguous = t.is_contiguous()
     src = t if contiguous else t.contiguous()

@@ -116,7 +116,8 @@ def _sync_batch_norm_cases():
     if not torch.allclose(mine.grad, ref_in.grad[start:start + sizes[r]], atol=1e-8):
         bad.append(f"rank {r}: SyncBatchNorm input grad differs")
     if not torch.allclose(sbn.running_mean, bn.running_mean) or not torch.allclose(sbn.running_var, bn.running_var):
-        bad.append(f"rank {r}: running stats {sbn.running_mean} {sbn.running_var} vs {bn.running_mean} {bn.running_var}")
+        bad.append(f"rank {r}: running stats {sbn.running_mean} {sbn.running_var} vs "
+                   f"{bn.running_mean} {bn.running_var}")
     wgrad = hvd.allreduce(sbn.weight.grad, op=hvd.Sum, name="sbn.wgrad")
     if not torch.allclose(wgrad, bn.weight.grad, atol=1e-8):
         bad.append(f"rank {r}: summed weight grad {wgrad} vs {bn.weight.grad}")

@@ -138,7 +138,7 @@ def _every_optimizer_cases():
         for _ in range(3):
             x, y = torch.randn(6, 5), torch.randint(0, 2, (6,))
 
-            def closure():
+            def closure(opt=opt, model=model, x=x, y=y):
                 opt.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
@@ -146,7 +146,7 @@ def _every_optimizer_cases():
 
             if label == "LBFGS":
                 # LBFGS evaluates the closure several times per step: synchronize inside it.
-                def sync_closure():
+                def sync_closure(opt=opt, closure=closure):
                     loss = closure()
                     opt.synchronize()
                     return loss

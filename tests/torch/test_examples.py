@@ -1,0 +1,109 @@
+"""The user's PyTorch recipe end to end: the MNIST example under mpirun, and the recipe's promises
+(identical parameters after training, checkpoints from rank 0 only, broadcasts fix different seeds)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+
+from horovod.testing import run_mpi_script, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples", "pytorch")
+
+
+def test_pytorch_mnist_example_trains_on_two_ranks(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    res = run_mpi_script([sys.executable, os.path.join(EXAMPLES, "pytorch_mnist.py"), "--epochs", "4",
+                          "--data-dir", str(tmp_path / "no-mnist-here"), "--checkpoint", str(ckpt)],
+                         np=2, timeout=240)
+    out = res.stdout
+    losses = [float(x) for x in re.findall(r"Epoch \d+: average training loss ([0-9.]+)", out)]
+    assert len(losses) == 4, f"expected one loss line per epoch (rank 0 only):\n{out[-3000:]}"
+    assert losses[-1] < losses[0], f"loss did not go down: {losses}"
+    acc = re.search(r"Final test accuracy: ([0-9.]+)%", out)
+    assert acc and float(acc.group(1)) > 90.0, f"accuracy too low:\n{out[-3000:]}"
+    assert out.count("Final test accuracy") == 1, "only rank 0 should report"
+    assert os.listdir(tmp_path) == ["ckpt.pt"], os.listdir(tmp_path)
+    import torch
+
+    state = torch.load(ckpt, weights_only=False)
+    assert state["epoch"] == 4 and "conv1.weight" in state["model"]
+
+
+def test_synthetic_benchmark_example_runs():
+    res = run_mpi_script([sys.executable, os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"),
+                          "--model", "resnet_tiny", "--batch-size", "4", "--image-size", "16",
+                          "--num-iters", "2", "--num-batches-per-iter", "2", "--num-warmup-batches", "1"],
+                         np=2, timeout=180)
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", res.stdout), res.stdout[-2000:]
+
+
+def _seed_recipe(tmp):
+    """The seed recipe as written, on a small model and scikit-learn's digits."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torch.optim as optim
+    import torch.utils.data
+    from sklearn.datasets import load_digits
+
+    import horovod.torch as hvd
+
+    # Initialize Horovod
+    hvd.init()
+    torch.manual_seed(100 + hvd.rank())  # every rank starts from different random weights
+
+    digits = load_digits()
+    train_dataset = torch.utils.data.TensorDataset(torch.tensor(digits.data / 16.0, dtype=torch.float32),
+                                                   torch.tensor(digits.target))
+    # Partition dataset among workers using DistributedSampler
+    train_sampler = torch.utils.data.distributed.DistributedSampler(
+        train_dataset, num_replicas=hvd.size(), rank=hvd.rank())
+    train_loader = torch.utils.data.DataLoader(train_dataset, batch_size=64, sampler=train_sampler)
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10), nn.LogSoftmax(dim=1))
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    optimizer = optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9)
+    # Add Horovod Distributed Optimizer
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    # Broadcast parameters from rank 0 to all other processes.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    after_broadcast = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+    for epoch in range(3):
+        train_sampler.set_epoch(epoch)
+        losses = []
+        for data, target in train_loader:
+            optimizer.zero_grad()
+            loss = F.nll_loss(model(data), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        # Save checkpoints only on worker 0
+        if hvd.rank() == 0:
+            torch.save({"rank": hvd.rank(), "model": model.state_dict()}, os.path.join(tmp, f"ckpt-{epoch}.pt"))
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return before, after_broadcast, final, sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_seed_recipe_parameters_identical_and_rank0_checkpoints(tmp_path, np_):
+    import torch
+
+    results = run_ranks(_seed_recipe, np=np_, timeout=240, args=(str(tmp_path),))
+    before = [r[0] for r in results]
+    assert not torch.equal(before[0], before[1]), "ranks should start from different weights"
+    for k, (_before, after, final, loss) in enumerate(results):
+        assert torch.equal(after, before[0]), f"rank {k}: weights after broadcast differ from rank 0's"
+        assert torch.equal(final, results[0][2]), f"rank {k}: parameters differ after training"
+        assert loss < 1.0, f"rank {k}: mean loss of the last epoch {loss}"
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["ckpt-0.pt", "ckpt-1.pt", "ckpt-2.pt"], files
+    assert all(torch.load(tmp_path / f, weights_only=False)["rank"] == 0 for f in files)
