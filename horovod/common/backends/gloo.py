@@ -170,6 +170,11 @@ class GlooBackend:
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
         self._group_seq = 0
+        # Every process group and Group made here, so that close() can tear them down in order
+        # while the store still exists (left to interpreter exit, a Gloo group may be destroyed
+        # with its threads still running, which aborts the process).
+        self._pgs: list[Any] = []
+        self._groups: list[Group] = []
         scope = f"gloo.{next(_INIT_SEQUENCE)}"
         if self.size == 1:
             self._store: Any = dist.HashStore()
@@ -178,9 +183,11 @@ class GlooBackend:
             self._store, my_addr = self._connect_store(environ, scope)
         iface = environ.get("HOROVOD_GLOO_IFACE")
         with self._translate("creating the Gloo device"):
-            self._device = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
+            self._device: Any = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
                             else dist.ProcessGroupGloo.create_device(hostname=my_addr))
             self._world = self._make_pg("world", self.rank, self.size)
+        self._world_group = Group(list(range(self.size)), self.rank, self._world)
+        self._groups.append(self._world_group)
 
     def _connect_store(self, environ: Mapping[str, str], scope: str) -> tuple[Any, str]:
         dist = self._dist
@@ -211,7 +218,9 @@ class GlooBackend:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self._timeout
         opts._devices = [self._device]
-        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), rank, size, opts)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), rank, size, opts)
+        self._pgs.append(pg)
+        return pg
 
     @contextlib.contextmanager
     def _translate(self, what: str) -> Iterator[None]:
@@ -292,7 +301,7 @@ class GlooBackend:
 
     # ---------------------------------------------------------------- groups
     def world_group(self) -> Group:
-        return Group(list(range(self.size)), self.rank, self._world)
+        return self._world_group
 
     def new_group(self, ranks: list[int]) -> Group:
         ranks = sorted(int(r) for r in ranks)
@@ -301,10 +310,19 @@ class GlooBackend:
         if self.rank in ranks:
             with self._translate("creating a process group"):
                 handle = self._make_pg(f"group{self._group_seq}", ranks.index(self.rank), len(ranks))
-        return Group(ranks, self.rank, handle)
+        group = Group(ranks, self.rank, handle)
+        self._groups.append(group)
+        return group
 
     def free_group(self, group: Group) -> None:
+        if group.handle is not None and group.handle is not self._world:
+            with contextlib.suppress(Exception):
+                group.handle.shutdown()
+            with contextlib.suppress(ValueError):
+                self._pgs.remove(group.handle)
         group.handle = None
+        with contextlib.suppress(ValueError):
+            self._groups.remove(group)
 
     def reduce_dtypes(self) -> frozenset[str]:
         return frozenset({"uint8", "int8", "int32", "int64", "float16", "float32", "float64"})
@@ -423,11 +441,18 @@ class GlooBackend:
         self.allreduce(np.zeros(1, np.int32), ReduceOp.SUM, group)
 
     def close(self) -> None:
-        # Dropping the references closes Gloo's pairs and the store connection; rank 0's store
-        # server goes last so that peers that are still closing are not cut off mid-call.
+        # Groups first (their handles are the only other references to the process groups),
+        # then the process groups, then the store: each is destroyed here, in this order, not
+        # at interpreter exit.
+        for group in self._groups:
+            group.handle = None
+        self._groups.clear()
+        for pg in reversed(self._pgs):
+            with contextlib.suppress(Exception):
+                pg.shutdown()
+        self._pgs.clear()
         self._world = None
-        with contextlib.suppress(Exception):
-            del self._device
+        self._device = None
         self._store = None
 
 
