@@ -40,6 +40,24 @@ class Entry:
         self.splits = splits
 
 
+_ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    Frameworks wrap aligned NumPy memory without copying (TensorFlow copies unaligned arrays
+    returned from ``numpy_function``); ``np.empty`` only guarantees 16 bytes.
+    """
+    dtype = np.dtype(dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    raw = np.empty(n * dtype.itemsize + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def reducescatter_rows(n: int, parts: int) -> list[int]:
     """Rows per member when ``n`` rows are split over ``parts`` members (first ones get one more)."""
     base, extra = divmod(n, parts)
@@ -158,7 +176,7 @@ class Executor:
                 continue
             inplace = entry.outputs is not None
             if not inplace:
-                entry.outputs = [np.empty_like(x) for x in entry.inputs]
+                entry.outputs = [aligned_empty(x.shape, x.dtype) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
                 items.append((x.reshape(-1), o.reshape(-1), inplace))
         small: list[tuple[np.ndarray, np.ndarray, bool]] = []
@@ -219,7 +237,7 @@ class Executor:
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         for entry in entries:
             if entry.outputs is None:
-                entry.outputs = [x if is_root else np.empty_like(x) for x in entry.inputs]
+                entry.outputs = [x if is_root else aligned_empty(x.shape, x.dtype) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
                 pairs.append((_move_view(x), _move_view(o)))
         names = [r.name for r in batch] if tl is not None else []
@@ -257,7 +275,7 @@ class Executor:
         for i, x in enumerate(entry.inputs):
             row = int(np.prod(x.shape[1:]))
             counts = [int(c) * row for c in all_dims[:, i]]
-            out = np.empty((int(all_dims[:, i].sum()),) + x.shape[1:], x.dtype)
+            out = aligned_empty((int(all_dims[:, i].sum()),) + x.shape[1:], x.dtype)
             self.backend.allgatherv(_move_view(x), _move_view(out), counts, group)
             outputs.append(out)
         entry.outputs = outputs
@@ -268,7 +286,7 @@ class Executor:
         splits = entry.splits
         recv_splits = self.backend.alltoall_ints(splits, group)
         row = int(np.prod(x.shape[1:]))
-        out = np.empty((int(recv_splits.sum()),) + x.shape[1:], x.dtype)
+        out = aligned_empty((int(recv_splits.sum()),) + x.shape[1:], x.dtype)
         self.backend.alltoallv(_move_view(x), [int(s) * row for s in splits], _move_view(out),
                                [int(s) * row for s in recv_splits], group)
         entry.outputs = [(out, recv_splits.astype(np.int32))]
@@ -288,11 +306,11 @@ class Executor:
                     send *= req.prescale
             rows = reducescatter_rows(x.shape[0], group.size)
             row = int(np.prod(x.shape[1:]))
-            recv = np.empty((rows[group.rank],) + x.shape[1:], work)
+            recv = aligned_empty((rows[group.rank],) + x.shape[1:], work)
             self.backend.reducescatter(np.ascontiguousarray(send), recv.reshape(-1),
                                        [r * row for r in rows], op, group)
             if work != x.dtype or post != 1.0:
-                out = np.empty(recv.shape, x.dtype)
+                out = aligned_empty(recv.shape, x.dtype)
                 _scale(out, recv, post)
                 recv = out
             outputs.append(recv)
