@@ -53,8 +53,10 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     n = 1
     for d in shape:
         n *= d
+    if n * dtype.itemsize < 4096:
+        return np.empty(shape, dtype)  # copying a small output costs less than aligning it
     raw = np.empty(n * dtype.itemsize + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
+    off = (-raw.__array_interface__["data"][0]) % _ALIGN
     return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
 
 

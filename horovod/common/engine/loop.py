@@ -94,6 +94,7 @@ class Engine:
         self._pending: dict[str, Entry] = {}
         self._new: list[Entry] = []
         self._joined = False
+        self._progress = True  # did the last round complete anything or take new work?
         self._cycle = config.cycle_time_ms / 1000.0
         self.cache = ResponseCache(config.cache_capacity)
         # Bit masks over cache slots, as Python ints (bit i = slot i).
@@ -180,10 +181,20 @@ class Engine:
     def _run(self) -> None:
         while not self._stopped:
             with self._cv:
-                if not self._queue and not self._pending and not self._shutdown_requested:
+                # Idle, or waiting for other ranks after a round that completed nothing: sleep
+                # until new local work arrives or one cycle passes. Rounds that cannot finish
+                # anything would only take CPU from the training thread.
+                if self._driver.locked() or (not self._queue and not self._shutdown_requested and (
+                        not self._pending or not self._progress)):
                     self._cv.wait(self._cycle)
-            with self._driver:
-                self._drive_once()
+            # A caller waiting on a handle may be driving; then it does this round's work and
+            # the engine thread goes back to waiting (blocking here would make it run an empty
+            # round between two of the caller's, which a peer would pair with a real one).
+            if self._driver.acquire(blocking=False):
+                try:
+                    self._drive_once()
+                finally:
+                    self._driver.release()
 
     def _drive_once(self) -> None:
         """Run one round (the caller holds the driver lock)."""
@@ -211,8 +222,13 @@ class Engine:
                     self._drive_once()
                 finally:
                     self._driver.release()
+                if not self._progress:
+                    handle.wait_event(self._cycle)
             else:
                 handle.wait_event(0.002)
+        with self._cv:
+            if self._queue or self._pending:
+                self._cv.notify()  # hand what is left (async work of other threads) to the engine
 
     def _finish(self, failure: BaseException | None) -> None:
         with self._cv:
@@ -297,6 +313,7 @@ class Engine:
             responses.extend(self._negotiate())
         elif self._coordinator is not None and self._stall is not None and self._stall.due():
             self._check_stalls()
+        self._progress = bool(responses or new or evict)
         if responses:
             self._execute(responses, cached_slots, bool(any_flags & _FLAG_JOINED))
         if tl is not None:
