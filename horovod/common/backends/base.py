@@ -44,8 +44,13 @@ class Controller(Protocol):
     rank: int
     size: int
 
-    def and_bits(self, bits: np.ndarray) -> np.ndarray:
-        """Return the bitwise AND over all ranks of a 1-D uint64 array (same length everywhere)."""
+    def and_bits(self, bits: np.ndarray, spin: bool = True) -> np.ndarray:
+        """Return the bitwise AND over all ranks of a 1-D uint64 array (same length everywhere).
+
+        ``spin`` says whether waiting for slower ranks may busy-poll briefly (a caller blocks on
+        the result) or should sleep between polls (background rounds during a backward pass,
+        where a spinning engine takes CPU from the computation).
+        """
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
         """Gather one picklable object per rank to rank 0; rank 0 gets the list, others None."""

@@ -246,7 +246,7 @@ class GlooBackend:
             fn().wait()
 
     # ---------------------------------------------------------------- controller
-    def and_bits(self, bits: np.ndarray) -> np.ndarray:
+    def and_bits(self, bits: np.ndarray, spin: bool = True) -> np.ndarray:
         out = np.ascontiguousarray(bits, dtype=np.uint64).copy()
         if self.size > 1 and out.size:
             o = self._dist.AllreduceOptions()

@@ -21,7 +21,7 @@ class LocalBackend:
     rank = 0
     size = 1
 
-    def and_bits(self, bits: np.ndarray) -> np.ndarray:
+    def and_bits(self, bits: np.ndarray, spin: bool = True) -> np.ndarray:
         return bits.copy()
 
     def gather_to_root(self, obj: Any) -> list[Any]:

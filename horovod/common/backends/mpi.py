@@ -66,7 +66,7 @@ class MPIBackend:
         self._bits_out: np.ndarray | None = None
 
     # ---------------------------------------------------------------- controller
-    def and_bits(self, bits: np.ndarray) -> np.ndarray:
+    def and_bits(self, bits: np.ndarray, spin: bool = True) -> np.ndarray:
         out = self._bits_out
         if out is None or out.size != bits.size:
             out = self._bits_out = np.empty_like(bits)
@@ -74,10 +74,11 @@ class MPIBackend:
             req = self.comm.Iallreduce(bits, out, op=self._MPI.BAND)
             if req.Test():
                 return out
-            start = time.perf_counter()
-            while time.perf_counter() - start < _SPIN_SECONDS:
-                if req.Test():
-                    return out
+            if spin:  # a caller waits on a blocking op: answer in microseconds
+                start = time.perf_counter()
+                while time.perf_counter() - start < _SPIN_SECONDS:
+                    if req.Test():
+                        return out
             pause = 20e-6
             while not req.Test():
                 time.sleep(pause)

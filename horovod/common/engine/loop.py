@@ -65,6 +65,16 @@ def _bits_to_slots(bits: int) -> list[int]:
     return out
 
 
+def _low_timer_slack() -> None:
+    """Let this thread's short sleeps be short (Linux rounds them up to 50 us by default)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK = 29, 1 us
+    except Exception:  # noqa: BLE001 - not Linux, or no prctl: sleeps are just coarser
+        pass
+
+
 class Engine:
     """Background communication engine of one process."""
 
@@ -96,6 +106,11 @@ class Engine:
         self._joined = False
         self._progress = True  # did the last round complete anything or take new work?
         self._cycle = config.cycle_time_ms / 1000.0
+        # With only the global process set, a rank with nothing pending cannot help any
+        # operation finish (each needs this rank's own submission, which wakes it at once), so it
+        # joins rounds rarely: often enough for stall reports and shutdowns, not so often that
+        # its empty rounds interrupt the busy ranks. Other process sets need it every cycle.
+        self._idle_tick = max(self._cycle, 0.05)
         self.cache = ResponseCache(config.cache_capacity)
         # Bit masks over cache slots, as Python ints (bit i = slot i).
         self._ready_mask = 0
@@ -179,14 +194,16 @@ class Engine:
         return None if g is None else g.ranks
 
     def _run(self) -> None:
+        _low_timer_slack()
         while not self._stopped:
             with self._cv:
                 # Idle, or waiting for other ranks after a round that completed nothing: sleep
                 # until new local work arrives or one cycle passes. Rounds that cannot finish
                 # anything would only take CPU from the training thread.
+                idle = not self._pending and len(self.groups) == 1
                 if self._driver.locked() or (not self._queue and not self._shutdown_requested and (
                         not self._pending or not self._progress)):
-                    self._cv.wait(self._cycle)
+                    self._cv.wait(self._idle_tick if idle else self._cycle)
             # A caller waiting on a handle may be driving; then it does this round's work and
             # the engine thread goes back to waiting (blocking here would make it run an empty
             # round between two of the caller's, which a peer would pair with a real one).
@@ -297,7 +314,7 @@ class Engine:
                   | ((_WORD ^ flags) << (128 * words)))
         bits = self._bits
         bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
-        raw = self.backend.and_bits(bits).tobytes()
+        raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._thread).tobytes()
         any_flags = _WORD ^ int.from_bytes(raw[2 * nbytes:], "little")
         ready_slots = _bits_to_slots(int.from_bytes(raw[:nbytes], "little"))
         evict = _bits_to_slots((self._full ^ int.from_bytes(raw[nbytes:2 * nbytes], "little"))
