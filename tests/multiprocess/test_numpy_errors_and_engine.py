@@ -406,3 +406,30 @@ def _shutdown_propagates():
 def test_shutdown_on_one_rank_fails_later_ops_on_the_others():
     res = run_ranks(_shutdown_propagates, np=2, timeout=60)
     assert res[1].startswith("Horovod has been shut down"), res
+
+
+def _cache_churn():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    n = hvd.size()
+    arrs = [np.full(8, float(hvd.rank())) for _ in range(400)]
+    ok = []
+    for _step in range(4):
+        for a in arrs:
+            a[:] = hvd.rank()
+        hs = [hvd.allreduce_async_(a, name=f"churn.{i}", op=hvd.Sum) for i, a in enumerate(arrs)]
+        for h in hs:
+            hvd.synchronize(h)
+        ok.append(all(np.allclose(a, sum(range(n))) for a in arrs))
+    return ok
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_more_tensors_than_cache_slots_never_diverges(np_):
+    # Once a step's tensors overflow the response cache, evictions happen while requests wait on
+    # the evicted slots; every rank must still run every tensor exactly once, step after step.
+    res = run_ranks(_cache_churn, np=np_, timeout=120, env={"HOROVOD_CACHE_CAPACITY": "64"})
+    assert res == [[True] * 4] * np_, res

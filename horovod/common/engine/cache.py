@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from horovod.common.types import Request, RequestType, Response
@@ -23,8 +24,11 @@ CACHEABLE_KINDS = frozenset({RequestType.ALLREDUCE, RequestType.ALLGATHER, Reque
 class ResponseCache:
     """Fixed-capacity LRU map from tensor name to (slot, response, signature)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_evict: Callable[[int, str], None] | None = None) -> None:
         self.capacity = capacity
+        # Called with (slot, name) for every eviction, whatever its cause (LRU, replacement,
+        # explicit), so the owner can fix state that refers to the slot.
+        self.on_evict = on_evict
         self.words = (capacity + 63) // 64
         self._by_name: dict[str, int] = {}
         self._slots: list[Response | None] = [None] * capacity
@@ -75,6 +79,8 @@ class ResponseCache:
         self._signatures[slot] = None
         del self._lru[slot]
         heapq.heappush(self._free, slot)
+        if self.on_evict is not None:
+            self.on_evict(slot, resp.name)
 
     def occupied(self) -> list[int]:
         return sorted(self._lru)

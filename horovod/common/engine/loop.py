@@ -45,7 +45,7 @@ __all__ = ["Engine"]
 
 log = logging.getLogger("horovod")
 
-_CACHED, _NEW, _SENT = 1, 2, 3
+_DONE, _CACHED, _NEW, _SENT = 0, 1, 2, 3
 _FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED = 1, 2, 4
 _WORD = (1 << 64) - 1
 
@@ -111,7 +111,7 @@ class Engine:
         # joins rounds rarely: often enough for stall reports and shutdowns, not so often that
         # its empty rounds interrupt the busy ranks. Other process sets need it every cycle.
         self._idle_tick = max(self._cycle, 0.05)
-        self.cache = ResponseCache(config.cache_capacity)
+        self.cache = ResponseCache(config.cache_capacity, on_evict=self._forget_slot)
         # Bit masks over cache slots, as Python ints (bit i = slot i).
         self._ready_mask = 0
         self._excluded_mask = 0  # slots of process sets without this rank
@@ -298,7 +298,7 @@ class Engine:
                     invalid |= 1 << e.slot
 
         flags = 0
-        if self._new:
+        if any(e.state == _NEW for e in self._new):
             flags |= _FLAG_NEW
         if shutdown or self._stall_shutdown:
             flags |= _FLAG_SHUTDOWN
@@ -338,20 +338,25 @@ class Engine:
         return bool(any_flags & _FLAG_SHUTDOWN)
 
     def _evict(self, slot: int) -> None:
-        name = self.cache.response(slot).name
-        self.cache.evict(slot)
+        self.cache.evict(slot)  # calls _forget_slot
+
+    def _forget_slot(self, slot: int, name: str) -> None:
+        """A cache slot was emptied (on every rank alike): clear its bits, and send a request that
+        was waiting on it through the coordinator instead."""
         keep = ~(1 << slot)
         self._ready_mask &= keep
         self._excluded_mask &= keep
         self._occupied_mask &= keep
         e = self._pending.get(name)
-        if e is not None and e.state == _CACHED:
+        if e is not None and e.state == _CACHED and e.slot == slot:
             e.state = _NEW
             self._new.append(e)
 
     def _negotiate(self) -> list[Response]:
-        mine = [e.request for e in self._new]
-        for e in self._new:
+        # An entry may have been queued here and then run from the cache in the same round.
+        fresh = [e for e in self._new if e.state == _NEW]
+        mine = [e.request for e in fresh]
+        for e in fresh:
             e.state = _SENT
         self._new = []
         gathered = self.backend.gather_to_root(mine)
@@ -411,8 +416,10 @@ class Engine:
 
     def _take(self, name: str) -> Entry | None:
         e = self._pending.pop(name, None)
-        if e is not None and e.state == _CACHED:
-            self._ready_mask &= ~(1 << e.slot)
+        if e is not None:
+            if e.state == _CACHED:
+                self._ready_mask &= ~(1 << e.slot)
+            e.state = _DONE
         return e
 
     def _complete(self, entries: list[Entry | None]) -> None:
@@ -473,7 +480,9 @@ class Engine:
             return
         if any(e is None for e in entries) and not (self._joined and kind == RequestType.ALLREDUCE):
             missing = [r.name for r, e in zip(batch, entries) if e is None]
-            raise HorovodInternalError(f"rank {self.rank} was asked to run {missing} it never submitted")
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise HorovodInternalError(f"engine state diverged: rank {self.rank} was asked to run {shown}, "
+                                       "which it never submitted")
         try:
             self._executor.run(batch, entries, self._joined)
         except TypeError as exc:

@@ -106,3 +106,14 @@ def test_stall_inspector_warns_after_the_warning_time_only():
 def test_stall_shutdown_only_when_longer_than_warning(shutdown_after, expect):
     s = StallInspector(60, shutdown_after, clock=lambda: 0.0)
     assert s.shutdown_after == expect
+
+
+def test_cache_reports_every_eviction_including_lru_ones():
+    seen = []
+    c = ResponseCache(2, on_evict=lambda slot, name: seen.append((slot, name)))
+    c.put(resp("a"))
+    c.put(resp("b"))
+    c.put(resp("c"))  # LRU eviction of "a", inside put()
+    c.put(resp("b"))  # replacing a cached name evicts its old slot first
+    c.evict(c.lookup(resp("c").request)[0])
+    assert [n for _, n in seen] == ["a", "b", "c"]
