@@ -71,9 +71,17 @@ def main() -> None:
             x = np.ones(n, np.float32)
             out = np.empty_like(x)
             inner = max(3, min(400, (64 << 20) // max(nbytes, 1) // 64))
+            y = np.ones(n, np.float32)
             modes = {
+                # raw, reusing one output buffer (warm pages)
                 "raw_mpi": lambda x=x, out=out, inner=inner: [comm.Allreduce(x, out) for _ in range(inner)],
+                # raw, into a new output each call: what an out-of-place allreduce must do
+                "raw_mpi_fresh": lambda x=x, inner=inner: [comm.Allreduce(x, np.empty_like(x))
+                                                           for _ in range(inner)],
                 "horovod": lambda x=x, inner=inner: [hvd.allreduce(x, op=hvd.Sum, name="lat") for _ in range(inner)],
+                # in place, as DistributedOptimizer does
+                "horovod_inplace": lambda y=y, inner=inner: [hvd.allreduce_(y, op=hvd.Sum, name="lat_")
+                                                             for _ in range(inner)],
             }
             med = interleave(modes, reps=max(5, a.reps // 2), warmup=1, barrier=barrier)
             emit({"suite": "latency", "np": size, "bytes": nbytes,
