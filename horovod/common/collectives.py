@@ -10,7 +10,7 @@ gives a list of output arrays, one per input.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ __all__ = [
     "REDUCE_DTYPES", "MOVE_DTYPES", "resolve_op", "op_name", "check_dtype",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
+    "register_handle", "poll", "synchronize",
 ]
 
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
@@ -231,6 +232,45 @@ def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None
                              "dimension; reshape it to shape (1,) or more rows first.")
     return _submit(RequestType.REDUCESCATTER, arrays, None, name, grouped, ps_id, dtype, device,
                    wake=wake, reduce_op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
+
+
+def register_handle(handle: Handle, post: Callable[[Any], Any]) -> int:
+    """Enter ``handle`` in the integer-handle table of the bindings and return its number.
+
+    ``post`` turns the engine's result (a list of arrays) into what ``synchronize`` returns; it
+    also keeps the caller's buffers alive until then.
+    """
+    get_context().handles[handle.id] = (handle, post)
+    return int(handle.id)
+
+
+def poll(handle: int) -> bool:
+    """Return True if the operation of ``handle`` finished, so ``synchronize`` will not block.
+
+    Raises:
+        ValueError: the handle is unknown (already synchronized or never issued).
+    """
+    entry = get_context().handles.get(handle)
+    if entry is None:
+        raise ValueError(f"poll(): unknown handle {handle}; it was already synchronized or never issued.")
+    return entry[0].done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle`` and return its output (None for an unknown handle).
+
+    The output is an array or tensor, a list/tuple of them for grouped operations, or
+    ``(output, received_splits)`` for alltoall.
+
+    Raises:
+        HorovodInternalError: the operation failed (mismatch across ranks, transport failure,
+            shutdown); the message names the tensor and the ranks.
+    """
+    entry = get_context().handles.pop(handle, None)
+    if entry is None:
+        return None
+    h, post = entry
+    return post(h.wait())
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from horovod.common.exceptions import ConfigError
 
-__all__ = ["EngineConfig", "LOG_LEVELS", "env_fields", "parse_bool"]
+__all__ = ["EngineConfig", "LOG_LEVELS", "parse_bool"]
 
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 
@@ -175,8 +175,3 @@ class EngineConfig:
                                   variable=meta["env"], value=raw)
             values[f.name] = value
         return cls(**values)
-
-
-def env_fields() -> dict[str, str]:
-    """Map each setting's environment variable to its help text (for docs and the CLI)."""
-    return {f.metadata["env"]: f.metadata["help"] for f in dataclasses.fields(EngineConfig)}

@@ -60,9 +60,6 @@ class RequestType(enum.Enum):
         return self.value.upper()
 
 
-# Kinds whose data moves; the others are pure control operations.
-DATA_KINDS = frozenset({RequestType.ALLREDUCE, RequestType.ALLGATHER, RequestType.BROADCAST,
-                        RequestType.ALLTOALL, RequestType.REDUCESCATTER})
 # Kinds whose first dimension may differ across ranks.
 RAGGED_KINDS = frozenset({RequestType.ALLGATHER, RequestType.ALLTOALL})
 

@@ -45,7 +45,6 @@ from horovod.common.basics import (
     start_timeline,
     stop_timeline,
 )
-from horovod.common.context import get_context
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import (
@@ -74,35 +73,9 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- handles
-def _register(handle: Any, post: Callable[[Any], Any]) -> int:
-    get_context().handles[handle.id] = (handle, post)
-    return int(handle.id)
-
-
-def poll(handle: int) -> bool:
-    """Return True if the operation of ``handle`` finished (``synchronize`` will not block).
-
-    Raises:
-        ValueError: the handle is unknown (already synchronized or never issued).
-    """
-    entry = get_context().handles.get(handle)
-    if entry is None:
-        raise ValueError(f"poll(): unknown handle {handle}")
-    return entry[0].done()
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation of ``handle`` and return its output (None for an unknown handle).
-
-    Raises:
-        HorovodInternalError: the operation failed (mismatch across ranks, transport failure,
-            shutdown); the message names the tensor and the ranks.
-    """
-    entry = get_context().handles.pop(handle, None)
-    if entry is None:
-        return None
-    h, post = entry
-    return post(h.wait())
+_register = _C.register_handle
+poll = _C.poll
+synchronize = _C.synchronize
 
 
 def _contig(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -41,39 +41,9 @@ _MOVE = _cv.MOVE_TORCH_DTYPES
 
 
 # ---------------------------------------------------------------------------- handles
-def _register(handle: Any, post: Callable[[list[Any]], Any]) -> int:
-    # The table keeps the input tensors alive (through ``post``) until synchronize().
-    get_context().handles[handle.id] = (handle, post)
-    return int(handle.id)
-
-
-def poll(handle: int) -> bool:
-    """Return True if the operation of ``handle`` finished, so ``synchronize`` will not block.
-
-    Raises:
-        ValueError: the handle is unknown (already synchronized or never issued).
-    """
-    entry = get_context().handles.get(handle)
-    if entry is None:
-        raise ValueError(f"poll(): unknown handle {handle}; it was already synchronized or never issued.")
-    return entry[0].done()
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation of ``handle`` and return its output (None for an unknown handle).
-
-    Returns a tensor, a tuple of tensors for grouped operations, or ``(output, received_splits)``
-    for alltoall.
-
-    Raises:
-        HorovodInternalError: the operation failed (mismatch across ranks, transport failure,
-            shutdown); the message names the tensor and the ranks.
-    """
-    entry = get_context().handles.pop(handle, None)
-    if entry is None:
-        return None
-    h, post = entry
-    return post(h.wait())
+_register = _C.register_handle
+poll = _C.poll
+synchronize = _C.synchronize
 
 
 def _tensors(tensors: Any, what: str, allowed: frozenset[torch.dtype]) -> list[torch.Tensor]:
