@@ -107,6 +107,20 @@ def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str)
     return names.pop()
 
 
+def _check_out(arrays: Sequence[np.ndarray], out: Sequence[np.ndarray], what: str,
+               inplace: bool) -> list[np.ndarray]:
+    if inplace:
+        raise ValueError(f"{what}: give either inplace=True or out=, not both")
+    outs = list(out)
+    if len(outs) != len(arrays):
+        raise ValueError(f"{what}: {len(arrays)} inputs but {len(outs)} output arrays")
+    for i, (a, o) in enumerate(zip(arrays, outs)):
+        if o.shape != a.shape or o.dtype != a.dtype or not o.flags.c_contiguous or not o.flags.writeable:
+            raise ValueError(f"{what}: output {i} must be a writeable C-contiguous {a.dtype} array of "
+                             f"shape {a.shape}, got {o.dtype} {o.shape}")
+    return outs
+
+
 def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.ndarray] | None,
             name: str | None, grouped: bool, ps_id: int, dtype: str, device: str, splits: Any = None,
             wake: bool = True, **fields: Any) -> Handle:
@@ -121,11 +135,17 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
                     op: ReduceOp = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
-                    inplace: bool = False, grouped: bool = False, device: str = "cpu", wake: bool = True) -> Handle:
+                    inplace: bool = False, grouped: bool = False, device: str = "cpu", wake: bool = True,
+                    out: Sequence[np.ndarray] | None = None) -> Handle:
     """Reduce each array across the ranks of ``process_set``; all its ranks must call this.
 
+    ``out`` gives the output arrays (C-contiguous, same shapes and dtypes as the inputs), for a
+    caller that keeps warm buffers across steps; by default outputs are new arrays (or the inputs,
+    with ``inplace``).
+
     Raises:
-        ValueError: unsupported dtype, unregistered process set, or non-member rank.
+        ValueError: unsupported dtype, unregistered process set, non-member rank, or ``out`` that
+            does not match the inputs.
         NotImplementedError: ``op`` is Adasum.
     """
     what = "grouped_allreduce" if grouped else "allreduce"
@@ -134,7 +154,10 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
             "op=hvd.Adasum is not supported yet by this Horovod; use op=hvd.Average or hvd.Sum.")
     ps_id, _ = group_of(process_set, what)
     dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
-    return _submit(RequestType.ALLREDUCE, arrays, list(arrays) if inplace else None, name, grouped,
+    outputs = list(arrays) if inplace else None
+    if out is not None:
+        outputs = _check_out(arrays, out, what, inplace)
+    return _submit(RequestType.ALLREDUCE, arrays, outputs, name, grouped,
                    ps_id, dtype, device, wake=wake, reduce_op=op, prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
 

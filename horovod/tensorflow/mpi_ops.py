@@ -61,11 +61,11 @@ def _raw_allreduce(tensors: list[Any], name: str | None, op: ReduceOp, prescale:
         first, last = B.normalize_name(tensors[0].name), B.normalize_name(tensors[-1].name)
         name = f"{op_type}_{first}_{last}" if len(tensors) > 1 else f"{op_type}_{first}"
 
-    def fn(key: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return B.np_allreduce(key, arrays, op, prescale, postscale, process_set, grouped, groups)
+    def fn(key: Any, arrays: list[np.ndarray], out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        return B.np_allreduce(key, arrays, op, prescale, postscale, process_set, grouped, groups, out)
 
     return B.engine_call(op_type, fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
-                         name=name, ignore_name_scope=ignore_name_scope)
+                         name=name, ignore_name_scope=ignore_name_scope, packed=grouped)
 
 
 def _allreduce_backward(op: ReduceOp, prescale: float, postscale: float, ignore_name_scope: bool,

@@ -68,6 +68,18 @@ def _allreduce_cases():
     for k, t in enumerate(ts):
         if not np.allclose(t, sum(q + k for q in range(n)) / n):
             bad.append(f"rank {r}: grouped_allreduce_[{k}] -> {t}")
+    # caller-given outputs (the TF bridge's pooled buffers): small fused, large out of place,
+    # Average (its power-of-two scaling is folded into the copy), float16 widened
+    from horovod.common import collectives as C
+    for dt, size in [(np.float32, 7), (np.float32, 300_000), (np.float64, 70_000), (np.float16, 5_000)]:
+        xs = [np.full(size, r + 1.0, dt), np.full(3, r + 2.0, dt)]
+        outs = [np.full_like(x, -1) for x in xs]
+        got = C.allreduce_async(xs, name=f"out.{dt.__name__}.{size}", grouped=True, out=outs).wait()
+        for k, (g, o) in enumerate(zip(got, outs)):
+            want = sum(q + 1.0 + k for q in range(n)) / n
+            if g is not o or not np.allclose(o, want, rtol=1e-3) or not np.all(xs[k] == r + 1.0 + k):
+                bad.append(f"rank {r}: allreduce out= {dt.__name__} {size}[{k}] -> {o[:3]}, want {want}; "
+                           f"input now {xs[k][:3]}")
     # unnamed ops in the same order on every rank
     for _ in range(3):
         got = hvd.allreduce(np.ones(3), op=hvd.Sum)

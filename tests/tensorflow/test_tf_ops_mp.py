@@ -188,3 +188,47 @@ def test_tf_process_sets_np3():
     results = run_ranks(_process_set_body, np=3, timeout=180)
     failures = [msg for per_rank in results for msg in per_rank]
     assert not failures, "\n".join(failures)
+
+
+def _reused_outputs_body():
+    # Outputs of graph-mode allreduces come from pooled buffers (one packed buffer for a grouped
+    # op). Results a caller still holds must never be overwritten by later steps.
+    import numpy as np
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    shapes = [(300, 7), (1000,), (3,), (64, 64), (5, 5, 3)]  # byte sizes aligned to 64 and not
+    bad = []
+
+    @tf.function
+    def step(k):
+        xs = [tf.fill(s, k * 10.0 + r) for s in shapes]
+        xs.append(tf.cast(tf.fill([4096], k + r), tf.float16))
+        grouped = hvd.grouped_allreduce(xs[:-1], op=hvd.Average)
+        single = hvd.allreduce(xs[-1], op=hvd.Sum)
+        return grouped + [single]
+
+    held = []
+    for k in range(5):
+        held.append((k, step(tf.constant(float(k)))))
+        if k % 2:
+            del held[0]  # some results freed, some kept: the pool must tell them apart
+    for k, outs in held:
+        want_avg = k * 10.0 + (n - 1) / 2
+        for s, o in zip(shapes, outs[:-1]):
+            if o.shape != s or not np.allclose(o.numpy(), want_avg):
+                bad.append(f"rank {r}: step {k} grouped {s} -> {np.unique(o.numpy())[:4]}, want {want_avg}")
+        want_sum = sum(k + q for q in range(n))
+        if outs[-1].dtype != tf.float16 or not np.allclose(outs[-1].numpy(), want_sum):
+            bad.append(f"rank {r}: step {k} float16 sum -> {np.unique(outs[-1].numpy())[:4]}, want {want_sum}")
+    return bad
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tf_pooled_outputs_held_across_steps_are_not_overwritten(np_):
+    results = run_ranks(_reused_outputs_body, np=np_, timeout=180)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)

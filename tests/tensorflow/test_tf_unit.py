@@ -220,3 +220,62 @@ def test_tf1_graph_ops_and_broadcast_hook():
         assert hvd.broadcast_object({"a": 1}) == {"a": 1}
         assert hvd.allgather_object(3) == [3]
         assert hvd.broadcast_object_fn()(5) == 5
+
+
+# ------------------------------------------------------------------ output pool and packed outputs
+def test_output_pool_reuses_only_arrays_nobody_holds():
+    from horovod.tensorflow._bridge import OutputPool
+
+    pool = OutputPool(per_slot=2)
+    a = pool.take("op", 0, (1024,), np.dtype(np.float32))
+    assert a.ctypes.data % 64 == 0
+    b = pool.take("op", 0, (1024,), np.dtype(np.float32))
+    assert b is not a  # `a` is still held here
+    del a, b
+    c = pool.take("op", 0, (1024,), np.dtype(np.float32))
+    d = pool.take("op", 0, (1024,), np.dtype(np.float32))
+    assert c is not d
+    held = [pool.take("op", 0, (1024,), np.dtype(np.float32)) for _ in range(3)]
+    assert len({id(x) for x in held + [c, d]}) == 5  # past per_slot: new arrays, not kept
+    assert len(pool._slots[("op", 0)]) == 2
+    small = pool.take("op", 1, (4,), np.dtype(np.float32))
+    assert small.shape == (4,) and ("op", 1) not in pool._slots
+    del c, d, held
+    other = pool.take("op", 0, (2048,), np.dtype(np.float32))  # shape changed: the slot restarts
+    assert other.shape == (2048,) and len(pool._slots[("op", 0)]) == 1
+
+
+def test_output_pool_sees_references_tensorflow_holds():
+    from horovod.tensorflow._bridge import OutputPool
+
+    pool = OutputPool()
+    box = [pool.take("k", 0, (4096,), np.dtype(np.float32))]
+    box[0][:] = 1.0
+
+    @tf.function
+    def f():
+        return tf.numpy_function(lambda: box[0], [], tf.float32, stateful=True)
+
+    held = f()
+    ident = id(box[0])
+    box.clear()
+    again = pool.take("k", 0, (4096,), np.dtype(np.float32))
+    assert id(again) != ident  # TF's tensor still wraps the first array
+    again[:] = 2.0
+    assert float(tf.reduce_min(held)) == 1.0
+
+
+def test_packed_layout_aligns_every_piece():
+    from horovod.tensorflow._bridge import _packed_layout
+
+    layout = _packed_layout([tf.float32] * 3, [tf.TensorShape([3, 5]), [7], [2, 2]])
+    assert layout is not None
+    assert layout.offsets == [0, 16, 32] and layout.total == 48
+    flat = np.arange(layout.total, dtype=np.float32)
+    views = layout.views(flat)
+    assert [v.shape for v in views] == [(3, 5), (7,), (2, 2)]
+    assert views[1][0] == 16 and np.shares_memory(views[2], flat)
+    assert _packed_layout([tf.float32, tf.float64], [[2], [2]]) is None
+    assert _packed_layout([tf.float32] * 2, [[2], tf.TensorShape([None])]) is None
+    assert _packed_layout([tf.bfloat16] * 2, [[2], [2]]) is None
+    assert _packed_layout([tf.float32], [[2]]) is None

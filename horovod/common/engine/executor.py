@@ -1,7 +1,8 @@
 """Run planned batches of responses on the data transport and fill in each entry's outputs.
 
 Called only from the engine thread. Tensors of at most ``max_tensor_bytes`` in a batch are packed
-into one reusable fusion buffer per dtype; larger ones are reduced in place in the caller's memory.
+into one reusable fusion buffer per dtype; larger ones are reduced straight into their outputs (in
+place when the output is the input; else MPI reads the input and writes the output).
 Dtypes the transport cannot reduce (float16) are widened to float32 for the reduction. For data
 movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned integers of
 the same width.
@@ -9,6 +10,7 @@ the same width.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +78,11 @@ def _scale(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
             np.copyto(dst, src, casting="unsafe")
     else:
         np.multiply(src, factor, out=dst, casting="unsafe")
+
+
+def _power_of_two(x: float) -> bool:
+    m, _ = math.frexp(x)
+    return m == 0.5
 
 
 class Executor:
@@ -176,11 +183,10 @@ class Executor:
                     z = np.zeros(int(np.prod(shape)), dtype)
                     items.append((z, z, True))
                 continue
-            inplace = entry.outputs is not None
-            if not inplace:
+            if entry.outputs is None:
                 entry.outputs = [aligned_empty(x.shape, x.dtype) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
-                items.append((x.reshape(-1), o.reshape(-1), inplace))
+                items.append((x.reshape(-1), o.reshape(-1), o is x))
         small: list[tuple[np.ndarray, np.ndarray, bool]] = []
         large = items
         if self.fusion_enabled and len(items) > 1:
@@ -210,6 +216,7 @@ class Executor:
                 off += x.size
             self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
         if large:
+            exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post)
             self._activity(tl, names, self._act + "ALLREDUCE", True)
             for x, o, inplace in large:
                 if widen:
@@ -222,6 +229,12 @@ class Executor:
                 if pre != 1.0:
                     _scale(o, x, pre)
                     self.backend.allreduce(o, op, group)
+                elif not inplace and post != 1.0 and exact_post:
+                    # One pass (x * post -> o) then reduce o in place, instead of MPI copying x
+                    # to o and a second pass scaling o; bit-identical when post is a power of two.
+                    _scale(o, x, post)
+                    self.backend.allreduce(o, op, group)
+                    continue
                 elif inplace:
                     self.backend.allreduce(o, op, group)
                 else:
