@@ -24,7 +24,7 @@ __all__ = [
     "REDUCE_DTYPES", "MOVE_DTYPES", "resolve_op", "op_name", "check_dtype",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
-    "register_handle", "poll", "synchronize",
+    "register_handle", "poll", "synchronize", "submit_again",
 ]
 
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
@@ -130,6 +130,19 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
                   shapes=tuple([a.shape for a in arrays]), process_set_id=ps_id, device=device,
                   rank=ctx.topology.rank, **fields)
     return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid, wake=wake)
+
+
+def submit_again(request: Request, arrays: list[np.ndarray], inplace: bool = True) -> Handle:
+    """Submit ``request`` once more, on new buffers: the fast path for an operation repeated every
+    step (a gradient's allreduce), skipping the argument checks and the request's construction.
+
+    The caller guarantees what the checks established the first time: ``request`` came from a
+    ``*_async`` call of this context (``handle.request``) and ``arrays`` have its dtype and shapes
+    and are C-contiguous.
+    """
+    ctx = get_context()
+    hid = ctx.counter.next()
+    return ctx.submit(request, arrays, arrays if inplace else None, handle_id=hid)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

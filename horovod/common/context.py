@@ -104,6 +104,7 @@ class Context:
         """Queue an operation on the engine and return its handle (see ``collectives.py``)."""
         hid = self.counter.next() if handle_id is None else handle_id
         handle = Handle(hid, request.name)
+        handle.request = request
         self.engine.submit(Entry(request, inputs, outputs, handle, splits), wake)
         return handle
 

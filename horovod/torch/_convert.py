@@ -21,11 +21,12 @@ import torch
 from horovod.common.types import ReduceOp
 
 __all__ = ["reduce_input", "move_input", "reduce_output", "move_output", "check_tensor",
-           "REDUCE_TORCH_DTYPES", "MOVE_TORCH_DTYPES"]
+           "REDUCE_TORCH_DTYPES", "MOVE_TORCH_DTYPES", "DIRECT_DTYPES"]
 
 # dtypes whose memory NumPy can view directly
 _DIRECT = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
                      torch.int16, torch.int32, torch.int64})
+DIRECT_DTYPES = _DIRECT
 REDUCE_TORCH_DTYPES = _DIRECT | {torch.bfloat16, torch.bool}
 MOVE_TORCH_DTYPES = _DIRECT | {torch.bfloat16, torch.bool}
 

@@ -180,6 +180,15 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
         BackendUnavailableError: mpi4py or an MPI library is missing.
         ValueError: ``comm`` is of the wrong type, or this rank is not in the given list.
     """
+    import os
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        # Open MPI's blocking collectives poll while they wait for a peer. With training threads
+        # on every core, the poll takes a core from the computation the peer is waiting for
+        # (measured here: 8% of a training step's throughput). Yielding in the poll costs no
+        # latency when the core is otherwise idle. Read at MPI_Init; the user's setting wins.
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     try:
         import mpi4py
 

@@ -28,7 +28,7 @@ class Handle:
     operation, and the engine makes one handle per tensor).
     """
 
-    __slots__ = ("id", "name", "_latch", "_done", "result", "error", "helper")
+    __slots__ = ("id", "name", "_latch", "_done", "result", "error", "helper", "request")
 
     def __init__(self, handle_id: int, name: str) -> None:
         self.id = handle_id
@@ -40,6 +40,7 @@ class Handle:
         self.error: BaseException | None = None
         # Set by the engine: called by wait() to make progress from the waiting thread.
         self.helper: Any = None
+        self.request: Any = None  # the submitted request (for collectives.submit_again)
 
     def set_result(self, result: Any) -> None:
         self.result = result

@@ -1,0 +1,73 @@
+"""Engine pacing at size 1 (plain python): background rounds and the MPI wait policy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+_CODE = r"""
+import sys, time
+import numpy as np
+import horovod.numpy as hvd
+from horovod.common.context import get_context
+hvd.init()
+eng = get_context().engine
+rounds = []
+orig = eng._round
+def counted(new, shutdown):
+    rounds.append(time.perf_counter())
+    return orig(new, shutdown)
+eng._round = counted
+time.sleep(0.1)
+rounds.clear()
+handles = []
+for i in range(10):   # an async op every 5 ms, nobody waiting: only the engine thread runs rounds
+    handles.append(hvd.allreduce_async(np.ones(4), name=f"t{i}"))
+    time.sleep(0.005)
+window = len(rounds)
+for h in handles:
+    hvd.synchronize(h)
+print(window)
+"""
+
+
+def _background_rounds(cycle_ms: str) -> int:
+    env = {**os.environ, "HOROVOD_CYCLE_TIME": cycle_ms, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_background_rounds_start_at_most_one_cycle_apart():
+    # 10 submissions over ~50 ms: with a 1 ms cycle each gets its own round; with 200 ms, the
+    # first submission starts a round and the rest wait for the next cycle (fused together).
+    assert _background_rounds("1") >= 8
+    assert _background_rounds("200") <= 2
+
+
+def test_mpi_backend_makes_open_mpi_yield_while_waiting_unless_the_user_chose():
+    code = ("import os, horovod.numpy as hvd; hvd.init(); "
+            "print(os.environ.get('OMPI_MCA_mpi_yield_when_idle'))")
+    for preset, want in [(None, "1"), ("0", "0")]:
+        env = {k: v for k, v in os.environ.items() if k != "OMPI_MCA_mpi_yield_when_idle"}
+        if preset is not None:
+            env["OMPI_MCA_mpi_yield_when_idle"] = preset
+        env["PYTHONPATH"] = os.getcwd()
+        env["HOROVOD_CONTROLLER"] = "mpi"  # a singleton MPI job
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == want
+
+
+def test_a_caller_waiting_drives_at_once_whatever_the_cycle():
+    # A blocking op must not wait for the background cycle.
+    code = ("import time, numpy as np, horovod.numpy as hvd; hvd.init(); hvd.allreduce(np.ones(2), name='w'); "
+            "t = time.perf_counter(); [hvd.allreduce(np.ones(2), name=f'b{i}') for i in range(20)]; "
+            "print((time.perf_counter() - t) / 20)")
+    env = {**os.environ, "HOROVOD_CYCLE_TIME": "200", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 0.05
+
