@@ -112,17 +112,23 @@ def main() -> None:
     for name, run in runs.items():  # warm-up: tracing, first negotiation, gRPC setup
         run(1)
         timers[name].times.clear()
+    import horovod.tensorflow as hvd_tf
+    from horovod.common.collectives import barrier
+
     for _ in range(args.rounds):
         for run in runs.values():
+            barrier()  # every rank starts the epoch together (else one times its wait for the other)
             run(1)
+    # An epoch of the job lasts as long as its slowest rank's.
+    per_rank = hvd_tf.allgather_object({n: t.times for n, t in timers.items()})
+    epochs = {n: [max(r[n][i] for r in per_rank) for i in range(len(per_rank[0][n]))] for n in timers}
     if rank == 0:
-        ips = {n: args.steps * args.batch_size * size / statistics.median(t.times)
-               for n, t in timers.items()}
+        ips = {n: args.steps * args.batch_size * size / statistics.median(t) for n, t in epochs.items()}
         print(f"keras={tf.keras.__name__} np={size} batch/worker={args.batch_size} image={s}x{s} "
               f"steps/epoch={args.steps} "
               f"rounds={args.rounds}")
         for n, v in ips.items():
-            print(f"  {n:8s} {v:9.1f} images/s (median epoch {statistics.median(timers[n].times):.2f} s)")
+            print(f"  {n:8s} {v:9.1f} images/s (median epoch {statistics.median(epochs[n]):.2f} s)")
         if "mwms" in ips:
             print(f"  ratio horovod / mwms = {ips['horovod'] / ips['mwms']:.2f}")
         else:
