@@ -82,8 +82,9 @@ class EngineConfig:
         "buffer (copying large tensors costs more than the extra transport call).", _parse_int, minimum=0)
     cycle_time_ms: float = _setting(
         "HOROVOD_CYCLE_TIME", 1.0,
-        "Milliseconds between negotiation rounds while a rank has nothing to submit. A submitted "
-        "operation wakes the engine at once; it never waits for this tick.", _parse_float, minimum=0)
+        "Milliseconds between the engine thread's negotiation rounds (the least gap between two "
+        "background rounds, and the tick while a rank has nothing to submit). A caller waiting on "
+        "a handle drives its rounds at once; it never waits for this tick.", _parse_float, minimum=0)
     cache_capacity: int = _setting(
         "HOROVOD_CACHE_CAPACITY", 1024,
         "Number of negotiated operations remembered by the response cache; 0 disables the cache.",
