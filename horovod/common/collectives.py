@@ -132,9 +132,10 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
     return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid, wake=wake)
 
 
-def submit_again(request: Request, arrays: list[np.ndarray], inplace: bool = True) -> Handle:
-    """Submit ``request`` once more, on new buffers: the fast path for an operation repeated every
-    step (a gradient's allreduce), skipping the argument checks and the request's construction.
+def submit_again(request: Request, arrays: list[np.ndarray]) -> Handle:
+    """Submit ``request`` once more, in place on new buffers: the fast path for an operation
+    repeated every step (a gradient's allreduce_), skipping the argument checks and the request's
+    construction.
 
     The caller guarantees what the checks established the first time: ``request`` came from a
     ``*_async`` call of this context (``handle.request``) and ``arrays`` have its dtype and shapes
@@ -142,7 +143,7 @@ def submit_again(request: Request, arrays: list[np.ndarray], inplace: bool = Tru
     """
     ctx = get_context()
     hid = ctx.counter.next()
-    return ctx.submit(request, arrays, arrays if inplace else None, handle_id=hid)
+    return ctx.submit(request, arrays, arrays, handle_id=hid)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

@@ -107,7 +107,6 @@ class Engine:
         self._progress = True  # did the last round complete anything or take new work?
         self._cycle = config.cycle_time_ms / 1000.0
         self._last_round = 0.0  # when the engine thread last started a round (perf_counter)
-        self._bg_gap = self._cycle
         # With only the global process set, a rank with nothing pending cannot help any
         # operation finish (each needs this rank's own submission, which wakes it at once), so it
         # joins rounds rarely: often enough for stall reports and shutdowns, not so often that
@@ -206,16 +205,17 @@ class Engine:
                 if self._driver.locked() or (not self._queue and not self._shutdown_requested and (
                         not self._pending or not self._progress)):
                     self._cv.wait(self._idle_tick if idle else self._cycle)
-            # A caller waiting on a handle may be driving; then it does this round's work and
-            # the engine thread goes back to waiting (blocking here would make it run an empty
-            # round between two of the caller's, which a peer would pair with a real one).
             # Background rounds start at most one cycle apart (HOROVOD_CYCLE_TIME), so that
             # gradients arriving from hooks meanwhile are negotiated and fused together. A caller
             # waiting on a handle drives its rounds at once.
-            due = self._last_round + self._bg_gap
-            with self._cv:
-                while not self._shutdown_requested and (left := due - time.perf_counter()) > 0:
-                    self._cv.wait(left)
+            due = self._last_round + self._cycle
+            if due > time.perf_counter():
+                with self._cv:
+                    while not self._shutdown_requested and (left := due - time.perf_counter()) > 0:
+                        self._cv.wait(left)
+            # A caller waiting on a handle may be driving; then it does this round's work and
+            # the engine thread goes back to waiting (blocking here would make it run an empty
+            # round between two of the caller's, which a peer would pair with a real one).
             if self._driver.acquire(blocking=False):
                 try:
                     self._last_round = time.perf_counter()
