@@ -13,6 +13,13 @@ from horovod.testing import run_ranks
 pytestmark = pytest.mark.multiprocess
 
 
+def _assert_every_rank_passes(body, np_, timeout):
+    """Run ``body`` on ``np_`` ranks; each returns its list of failure messages."""
+    results = run_ranks(body, np=np_, timeout=timeout)
+    failures = [msg for per_rank in results for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 def _ops_body():
     import numpy as np
     import tensorflow as tf
@@ -140,9 +147,7 @@ def _ops_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_ops_every_mode(np_):
-    results = run_ranks(_ops_body, np=np_, timeout=240)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    _assert_every_rank_passes(_ops_body, np_, 240)
 
 
 def _process_set_body():
@@ -185,9 +190,7 @@ def _process_set_body():
 
 
 def test_tf_process_sets_np3():
-    results = run_ranks(_process_set_body, np=3, timeout=180)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    _assert_every_rank_passes(_process_set_body, 3, 180)
 
 
 def _reused_outputs_body():
@@ -229,6 +232,4 @@ def _reused_outputs_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_pooled_outputs_held_across_steps_are_not_overwritten(np_):
-    results = run_ranks(_reused_outputs_body, np=np_, timeout=180)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
+    _assert_every_rank_passes(_reused_outputs_body, np_, 180)
