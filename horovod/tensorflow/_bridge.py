@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from horovod.common import collectives as C
-from horovod.common.engine.executor import aligned_empty
+from horovod.common.engine.executor import SMALL_OUTPUT_BYTES, aligned_empty
 from horovod.common.exceptions import (
     CollectiveMismatchError,
     HorovodInternalError,
@@ -244,7 +244,7 @@ class OutputPool:
     # References to a free array: the pool's list, getrefcount's argument and the loop variable.
     _FREE_REFS = 3
 
-    def __init__(self, per_slot: int = 3, min_bytes: int = 4096) -> None:
+    def __init__(self, per_slot: int = 3, min_bytes: int = SMALL_OUTPUT_BYTES) -> None:
         self.per_slot = per_slot
         self.min_bytes = min_bytes
         self._slots: dict[tuple[str, int], list[np.ndarray]] = {}
@@ -253,7 +253,7 @@ class OutputPool:
     def take(self, key: str, index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A free array of this shape and dtype (a new one, not kept, when it is small)."""
         if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes:
-            return np.empty(shape, dtype)  # TF copies small outputs anyway
+            return np.empty(shape, dtype)  # unaligned, so TF copies it anyway: nothing to keep
         slot_key = (key, index)
         with self._lock:
             slot = self._slots.get(slot_key)
@@ -268,10 +268,6 @@ class OutputPool:
             if len(slot) < self.per_slot:
                 slot.append(arr)
             return arr
-
-    def clear(self) -> None:
-        with self._lock:
-            self._slots.clear()
 
 
 output_pool = OutputPool()

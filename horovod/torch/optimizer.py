@@ -23,7 +23,7 @@ from horovod.common.context import get_context
 from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
-from horovod.torch._convert import DIRECT_DTYPES as FAST_DTYPES
+from horovod.torch._convert import DIRECT_DTYPES
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
     allreduce_async_,
@@ -225,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pre, post = self._scale_factors()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
-        if compressed is tensor and tensor.dtype in FAST_DTYPES and tensor.is_contiguous():
+        if compressed is tensor and tensor.dtype in DIRECT_DTYPES and tensor.is_contiguous():
             context = get_context()
             self._fast[p] = (context, context.handles[handle][0].request, tensor.dtype, tensor.shape)
         return handle, (ctx, compressed)

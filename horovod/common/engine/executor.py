@@ -20,7 +20,7 @@ from horovod.common.backends.base import Group
 from horovod.common.engine.timeline import Timeline
 from horovod.common.types import ReduceOp, RequestType, Response
 
-__all__ = ["Entry", "Executor", "reducescatter_rows"]
+__all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "SMALL_OUTPUT_BYTES"]
 
 _MOVE_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -43,6 +43,8 @@ class Entry:
 
 
 _ALIGN = 64
+# Outputs below this size are not aligned (copying them costs less than aligning them).
+SMALL_OUTPUT_BYTES = 4096
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -55,8 +57,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     n = 1
     for d in shape:
         n *= d
-    if n * dtype.itemsize < 4096:
-        return np.empty(shape, dtype)  # copying a small output costs less than aligning it
+    if n * dtype.itemsize < SMALL_OUTPUT_BYTES:
+        return np.empty(shape, dtype)
     raw = np.empty(n * dtype.itemsize + _ALIGN, np.uint8)
     off = (-raw.__array_interface__["data"][0]) % _ALIGN
     return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
