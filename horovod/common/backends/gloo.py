@@ -4,8 +4,10 @@ Workers started by ``horovodrun --gloo`` (or ``horovod.run(..., use_gloo=True)``
 like this: rank 0 opens a ``torch.distributed.TCPStore`` on a free port and publishes its address
 through the launcher's rendezvous service; the other ranks read it there. Requests to that service
 are HMAC-signed with the job secret (``HOROVOD_SECRET_KEY``) and its answers are checked the same
-way (protocol: ``horovod/runner/rendezvous/__init__.py``), so a worker never connects to an
-address it did not get from its own launcher. Process groups are ``ProcessGroupGloo`` objects made
+way (protocol: ``horovod.common.rendezvous``), so a worker never connects to an address it did not
+get from its own launcher. In an elastic job (``HOROVOD_ELASTIC=1``) every ``init()`` first asks
+the elastic driver for this worker's place in the next round (``horovod.common.elastic.worker``)
+and meets the round's other members under that round's scope. Process groups are ``ProcessGroupGloo`` objects made
 directly on that store, without torch's global default group, so ``hvd.init(); hvd.shutdown();
 hvd.init()`` works and nothing leaks into a user's own ``torch.distributed`` use.
 
@@ -19,28 +21,27 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import hmac
-import http.client
 import itertools
+import logging
 import os
 import pickle
-import secrets
 import socket
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-from urllib.parse import quote
 
 import numpy as np
 
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
+from horovod.common.elastic import worker as elastic_worker
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
+from horovod.common.rendezvous import RendezvousClient, RendezvousError, sign_request, sign_response
 from horovod.common.types import ReduceOp
 
 __all__ = ["GlooBackend", "create", "sign_request", "sign_response"]
+
+log = logging.getLogger("horovod")
 
 # One rendezvous scope per backend created in this process: every rank creates its backends in
 # the same order (init, shutdown, init ...), so the n-th init of every rank meets the others'.
@@ -48,73 +49,47 @@ _INIT_SEQUENCE = itertools.count()
 
 
 # --------------------------------------------------------------------- rendezvous client
-def _mac(secret: str, *parts: str) -> str:
-    return hmac.new(bytes.fromhex(secret), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
-
-
-def sign_request(secret: str, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
-    """Signature of a rendezvous request (must match ``horovod.runner.rendezvous.auth``)."""
-    return _mac(secret, method.upper(), path, timestamp, nonce, hashlib.sha256(body).hexdigest())
-
-
-def sign_response(secret: str, request_mac: str, status: int, body: bytes) -> str:
-    """Signature of a rendezvous answer (must match ``horovod.runner.rendezvous.auth``)."""
-    return _mac(secret, "resp", request_mac, str(status), hashlib.sha256(body).hexdigest())
-
-
 class _Rendezvous:
     """The two calls the backend needs from the launcher's service: put and wait-for a key."""
 
     def __init__(self, addr: str, port: int, secret: str, rank: int) -> None:
-        self.addr, self.port, self.secret, self.rank = addr, port, secret, rank
-
-    def _request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        ts, nonce = f"{time.time():.6f}", secrets.token_hex(16)
-        mac = sign_request(self.secret, method, path, ts, nonce, body)
-        conn = http.client.HTTPConnection(self.addr, self.port, timeout=30)
-        try:
-            conn.request(method, path, body=body, headers={"X-Horovod-Auth": f"{ts}:{nonce}:{mac}"})
-            resp = conn.getresponse()
-            data = resp.read()
-        except OSError as exc:
-            raise HorovodInternalError(
-                f"Gloo rendezvous: rank {self.rank} cannot reach the launcher at "
-                f"{self.addr}:{self.port}: {exc}. Check that this host can reach that address "
-                "(horovodrun --network-interfaces selects it).", rank=self.rank) from exc
-        finally:
-            conn.close()
-        if resp.status == 403:
-            raise HorovodInternalError(
-                f"Gloo rendezvous: the launcher at {self.addr}:{self.port} refused rank {self.rank} "
-                "(wrong HOROVOD_SECRET_KEY: this process belongs to another job).", rank=self.rank)
-        if not hmac.compare_digest(resp.getheader("X-Horovod-Signature", ""),
-                                   sign_response(self.secret, mac, resp.status, data)):
-            raise HorovodInternalError(
-                f"Gloo rendezvous: the answer from {self.addr}:{self.port} is not signed by this "
-                "job's launcher.", rank=self.rank)
-        return resp.status, data
+        self.client = RendezvousClient(addr, port, secret)
+        self.addr, self.port, self.rank = addr, port, rank
 
     def put(self, scope: str, key: str, value: bytes) -> None:
-        status, _ = self._request("PUT", f"/kv/{quote(scope, safe='')}/{quote(key, safe='')}", value)
-        if status != 200:
-            raise HorovodInternalError(f"Gloo rendezvous: storing {scope}/{key} failed (HTTP {status}).",
-                                       rank=self.rank)
+        try:
+            self.client.put(scope, key, value)
+        except RendezvousError as exc:
+            raise HorovodInternalError(f"Gloo rendezvous: rank {self.rank}: {exc}",
+                                       rank=self.rank) from exc
 
     def wait(self, scope: str, key: str, timeout: float) -> bytes:
-        path = f"/kv/{quote(scope, safe='')}/{quote(key, safe='')}"
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            status, data = self._request("GET", path)
-            if status == 200:
-                return data
-            if time.monotonic() > deadline:
+        try:
+            value = self.client.wait(scope, key, timeout)
+        except RendezvousError as exc:
+            if getattr(exc, "key", None) == key:
                 raise HorovodInternalError(
                     f"Gloo rendezvous: rank {self.rank} waited {timeout:g} s for rank 0 to publish "
                     f"its store address ({scope}/{key}). Did rank 0 start? Raise "
-                    "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank) from exc
+            if getattr(exc, "refused", False):
+                raise HorovodInternalError(
+                    f"Gloo rendezvous: the launcher at {self.addr}:{self.port} refused rank "
+                    f"{self.rank} (wrong HOROVOD_SECRET_KEY: this process belongs to another job).",
+                    rank=self.rank) from exc
+            raise HorovodInternalError(
+                f"Gloo rendezvous: rank {self.rank} cannot use the launcher's service at "
+                f"{self.addr}:{self.port}: {exc}. Check that this host can reach that address "
+                "(horovodrun --network-interfaces selects it).", rank=self.rank) from exc
+        if value == ABANDONED:
+            raise HorovodInternalError(
+                f"Gloo rendezvous: round {scope} was abandoned by the elastic driver (a member "
+                "left before it formed).", rank=self.rank)
+        return value
+
+
+# What the elastic driver writes under a round's store key when a member left before it formed.
+ABANDONED = b"abandoned"
 
 
 def _local_address(environ: Mapping[str, str], rendezvous_addr: str) -> str:
@@ -143,7 +118,8 @@ class GlooBackend:
 
     name = "gloo"
 
-    def __init__(self, config: EngineConfig, environ: Mapping[str, str]) -> None:
+    def __init__(self, config: EngineConfig, environ: Mapping[str, str],
+                 round_info: elastic_worker.RoundInfo | None = None) -> None:
         try:
             import torch
             import torch.distributed as dist
@@ -163,6 +139,8 @@ class GlooBackend:
         try:
             self.rank = int(environ.get("HOROVOD_RANK", "0"))
             self.size = int(environ.get("HOROVOD_SIZE", "1"))
+            if round_info is not None:
+                self.rank, self.size = round_info.rank, round_info.size
         except ValueError as exc:
             raise BackendUnavailableError(f"HOROVOD_RANK/HOROVOD_SIZE are not integers: {exc}",
                                           backend="gloo") from exc
@@ -176,6 +154,8 @@ class GlooBackend:
         self._pgs: list[Any] = []
         self._groups: list[Group] = []
         scope = f"gloo.{next(_INIT_SEQUENCE)}"
+        if round_info is not None:
+            scope = f"elastic.{round_info.round}"
         if self.size == 1:
             self._store: Any = dist.HashStore()
             my_addr = "127.0.0.1"
@@ -469,4 +449,16 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
         raise ValueError("hvd.init(comm=...) needs MPI; under Gloo every started process joins the "
                          "job (use process sets for subsets).")
     environ = os.environ if environ is None else environ
-    return GlooBackend(config, environ)
+    if not elastic_worker.is_elastic(environ):
+        return GlooBackend(config, environ)
+    # Elastic: join the driver's next round; a round that fails to form (a member died while it
+    # formed) is left for the next one, so a failure elsewhere never crashes this worker.
+    client = RendezvousClient.from_env(environ)
+    while True:
+        info = elastic_worker.join_round(client, environ)  # type: ignore[arg-type]
+        try:
+            return GlooBackend(config, environ, info)
+        except HorovodInternalError as exc:
+            log.warning("elastic: round %d did not form (%s); asking the driver for the next one",
+                        info.round, exc)
+            elastic_worker.set_ready_reason("retry")

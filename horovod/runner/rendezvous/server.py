@@ -1,4 +1,5 @@
-"""The rendezvous HTTP server that runs inside the launcher for Gloo jobs and ``horovod.run``."""
+"""The rendezvous HTTP server that runs inside the launcher for Gloo jobs, ``horovod.run`` and
+elastic jobs (protocol: ``horovod.common.rendezvous``)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
-from horovod.runner.rendezvous.auth import (
+from horovod.common.rendezvous import (
     AUTH_HEADER,
     MAX_SKEW_SECONDS,
     SIG_HEADER,
@@ -89,6 +91,17 @@ class _Handler(BaseHTTPRequestHandler):
                 self._answer(200, b"", mac)
             else:
                 self._answer(405, b"", mac)
+        elif len(parts) == 2 and parts[0] == "elastic" and self.command == "POST":
+            handler = self.server.elastic_handler
+            if handler is None:
+                self._answer(404, b"", mac)
+                return
+            try:
+                status, answer = handler(parts[1], body)
+            except Exception as exc:  # noqa: BLE001 - a bad request must not kill the service
+                log.exception("rendezvous: elastic call %s failed", parts[1])
+                status, answer = 500, str(exc).encode()
+            self._answer(status, answer, mac)
         elif len(parts) == 2 and parts[0] == "slot" and self.command == "GET":
             info = self.server.slots.get(parts[1])
             self._answer(404 if info is None else 200, json.dumps(info).encode() if info else b"",
@@ -96,7 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._answer(404, b"", mac)
 
-    do_GET = do_PUT = do_DELETE = _handle
+    do_GET = do_PUT = do_DELETE = do_POST = _handle
 
 
 class _Server(ThreadingHTTPServer):
@@ -111,6 +124,8 @@ class _Server(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.rejected = 0
+        # POST /elastic/<call>: (call, body) -> (status, answer), set by the elastic driver.
+        self.elastic_handler: Callable[[str, bytes], tuple[int, bytes]] | None = None
         self._nonces: dict[str, float] = {}
 
     def fresh_nonce(self, nonce: str) -> bool:
@@ -157,6 +172,10 @@ class RendezvousServer:
 
     def set_slots(self, slots: dict[int, dict[str, Any]]) -> None:
         self._server.slots = {str(r): info for r, info in slots.items()}
+
+    def set_elastic_handler(self, handler: Callable[[str, bytes], tuple[int, bytes]] | None) -> None:
+        """Answer ``POST /elastic/<call>`` with ``handler(call, body) -> (status, body)``."""
+        self._server.elastic_handler = handler
 
     def stop(self) -> None:
         self._server.shutdown()

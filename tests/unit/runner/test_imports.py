@@ -6,7 +6,8 @@ import ast
 from pathlib import Path
 
 RUNNER = Path(__file__).resolve().parents[3] / "horovod" / "runner"
-ALLOWED_COMMON = {"horovod.common.config", "horovod.common.exceptions", "horovod.common.types"}
+ALLOWED_COMMON = {"horovod.common.config", "horovod.common.exceptions", "horovod.common.types",
+                  "horovod.common.rendezvous"}
 
 
 def imported_modules(path: Path) -> list[tuple[str, bool]]:

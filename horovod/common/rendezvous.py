@@ -1,0 +1,177 @@
+"""The rendezvous protocol between a launcher and its workers, in one place.
+
+The launcher (``horovodrun``, ``horovod.run()``, the elastic driver) runs a small HTTP service;
+workers use it to find each other (Gloo), to fetch a function and return results
+(``horovod.run``), and in elastic mode to join each new round of the job and to hear about host
+changes. Both sides import this module: ``horovod.runner.rendezvous.server`` answers, the
+``RendezvousClient`` below asks.
+
+* Every request carries ``X-Horovod-Auth: <unix time>:<nonce>:<mac>`` where ``mac`` is the
+  HMAC-SHA256, keyed with the job secret, of ``METHOD\\nPATH\\nTIME\\nNONCE\\nsha256(body)``. The
+  server answers 403 with an empty body to a missing, stale (more than 5 minutes off), replayed or
+  wrong signature, so a stray connection can neither join nor read.
+* Every answer carries ``X-Horovod-Signature``: the HMAC of ``resp\\nMAC\\nSTATUS\\nsha256(body)``
+  (``MAC`` is the request's), so a worker knows the answer came from its own launcher.
+* ``PUT /kv/<scope>/<key>`` stores the body; ``GET`` returns it (404 while absent); ``DELETE``
+  removes it. ``GET /slot/<rank>`` returns the JSON of the rank's slot (host, local and cross
+  ranks and sizes).
+* ``POST /elastic/<call>`` (elastic jobs only): a JSON request, a JSON answer; the calls are
+  described in ``horovod.common.elastic.worker``.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+from horovod.common.exceptions import HorovodError
+
+__all__ = ["AUTH_HEADER", "SIG_HEADER", "MAX_SKEW_SECONDS", "RendezvousError", "RendezvousClient",
+           "make_secret", "sign_request", "sign_response", "kv_path"]
+
+AUTH_HEADER = "X-Horovod-Auth"
+SIG_HEADER = "X-Horovod-Signature"
+MAX_SKEW_SECONDS = 300.0
+
+
+class RendezvousError(HorovodError, RuntimeError):
+    """The rendezvous service cannot be reached, refused us, or answered with a bad signature."""
+
+
+def make_secret() -> str:
+    """A fresh per-job secret (hex text, 256 bits)."""
+    return secrets.token_hex(32)
+
+
+def _mac(secret: str, *parts: str) -> str:
+    return hmac.new(bytes.fromhex(secret), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def sign_request(secret: str, method: str, path: str, timestamp: str, nonce: str,
+                 body: bytes) -> str:
+    """The ``mac`` of a request (see the module docstring)."""
+    return _mac(secret, method.upper(), path, timestamp, nonce, hashlib.sha256(body).hexdigest())
+
+
+def sign_response(secret: str, request_mac: str, status: int, body: bytes) -> str:
+    """The signature of an answer to the request signed ``request_mac``."""
+    return _mac(secret, "resp", request_mac, str(status), hashlib.sha256(body).hexdigest())
+
+
+def kv_path(scope: str, key: str) -> str:
+    return f"/kv/{quote(scope, safe='')}/{quote(key, safe='')}"
+
+
+class RendezvousClient:
+    """Talk to the launcher's rendezvous service at ``addr:port`` with the job ``secret``."""
+
+    def __init__(self, addr: str, port: int, secret: str, timeout: float = 30.0) -> None:
+        self.addr, self.port, self.secret, self.timeout = addr, int(port), secret, timeout
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RendezvousClient:
+        """Build a client from ``HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT`` and ``HOROVOD_SECRET_KEY``.
+
+        Raises:
+            RendezvousError: a variable is missing (the process was not started by horovodrun).
+        """
+        environ = os.environ if environ is None else environ
+        try:
+            return cls(environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"],
+                       int(environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]), environ["HOROVOD_SECRET_KEY"])
+        except KeyError as exc:
+            raise RendezvousError(f"{exc.args[0]} is not set: this process was not started by "
+                                  "horovodrun or horovod.run().") from exc
+
+    def request(self, method: str, path: str, body: bytes = b"",
+                timeout: float | None = None) -> tuple[int, bytes]:
+        """Send one signed request; return (status, body) after checking the answer's signature.
+
+        Raises:
+            RendezvousError: connection failure, refusal (403) or a bad answer signature.
+        """
+        ts, nonce = f"{time.time():.6f}", secrets.token_hex(16)
+        mac = sign_request(self.secret, method, path, ts, nonce, body)
+        conn = http.client.HTTPConnection(self.addr, self.port,
+                                          timeout=self.timeout if timeout is None else timeout)
+        try:
+            conn.request(method, path, body=body, headers={AUTH_HEADER: f"{ts}:{nonce}:{mac}"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise RendezvousError(f"Cannot reach the rendezvous service at {self.addr}:{self.port}: "
+                                  f"{exc}. Check that this host can reach the launcher's address "
+                                  "(see --network-interfaces).", addr=self.addr, port=self.port) from exc
+        finally:
+            conn.close()
+        if resp.status == 403:
+            raise RendezvousError(f"The rendezvous service at {self.addr}:{self.port} refused this "
+                                  "worker: its job secret does not match (wrong HOROVOD_SECRET_KEY: "
+                                  "this process belongs to another job).", addr=self.addr,
+                                  refused=True)
+        sig = resp.getheader(SIG_HEADER, "")
+        if not hmac.compare_digest(sig, sign_response(self.secret, mac, resp.status, data)):
+            raise RendezvousError(f"The answer from {self.addr}:{self.port} is not signed by this "
+                                  "job's launcher.", addr=self.addr)
+        return resp.status, data
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        status, _ = self.request("PUT", kv_path(scope, key), value)
+        if status != 200:
+            raise RendezvousError(f"PUT {scope}/{key} failed with HTTP {status}.")
+
+    def get(self, scope: str, key: str) -> bytes | None:
+        status, data = self.request("GET", kv_path(scope, key))
+        if status == 404:
+            return None
+        if status != 200:
+            raise RendezvousError(f"GET {scope}/{key} failed with HTTP {status}.")
+        return data
+
+    def wait(self, scope: str, key: str, timeout: float) -> bytes:
+        """Poll until ``key`` exists.
+
+        Raises:
+            RendezvousError: it did not appear within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            value = self.get(scope, key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"Timed out after {timeout:g} s waiting for {scope}/{key} at "
+                                      f"the rendezvous service.", scope=scope, key=key)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def slot(self, rank: int) -> dict[str, Any]:
+        status, data = self.request("GET", f"/slot/{rank}")
+        if status != 200:
+            raise RendezvousError(f"The launcher has no slot for rank {rank}.", rank=rank)
+        return dict(json.loads(data))
+
+    def call(self, name: str, payload: Mapping[str, Any], timeout: float | None = None,
+             ) -> dict[str, Any]:
+        """``POST /elastic/<name>`` with a JSON body; return the JSON answer.
+
+        Raises:
+            RendezvousError: unreachable service, bad signature, or a non-200 answer.
+        """
+        status, data = self.request("POST", f"/elastic/{quote(name, safe='')}",
+                                    json.dumps(dict(payload)).encode(), timeout=timeout)
+        if status != 200:
+            raise RendezvousError(f"elastic call {name!r} failed with HTTP {status}: "
+                                  f"{data.decode(errors='replace')[:200]}", status=status)
+        return dict(json.loads(data))
