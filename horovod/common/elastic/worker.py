@@ -1,0 +1,223 @@
+"""The worker's side of an elastic job: join each round of the job, and hear about host changes.
+
+An elastic worker (started by the elastic driver with ``HOROVOD_ELASTIC=1``) is known to the
+driver by its slot: the host name and local rank it was started with. Two calls of the rendezvous
+protocol (``horovod.common.rendezvous``, ``POST /elastic/<call>``, JSON both ways) carry
+everything:
+
+* ``ready`` ``{host, slot, after, reason}``: "I am ready for the next round after round
+  ``after``". The driver holds the request for a moment and answers ``{"status": "wait"}``
+  (ask again), ``{"status": "round", "round", "rank", "size", "skip_sync", "notice", ...}`` (this
+  worker's place in the new round), ``{"status": "removed", "message"}`` (the job goes on
+  without this worker) or ``{"status": "stop", "message"}`` (the job is over).
+* ``notice`` ``{after}``: the driver holds the request until a host-change notice newer than
+  ``after`` exists (or a few seconds pass) and answers ``{"version", "update"}``.
+
+The Gloo backend calls ``join_round`` from ``hvd.init()``; ``NotificationManager`` runs one
+background thread per worker that long-polls ``notice`` and hands notices to registered states.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from horovod.common.exceptions import HorovodError, HorovodInternalError
+from horovod.common.rendezvous import RendezvousClient, RendezvousError
+
+__all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedError", "is_elastic",
+           "join_round", "current_round", "NotificationManager", "notification_manager",
+           "set_ready_reason"]
+
+log = logging.getLogger("horovod")
+
+ELASTIC_ENV = "HOROVOD_ELASTIC"
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What changed in a host notice (upstream's values)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = 3
+
+
+class WorkerRemovedError(HorovodError, RuntimeError):
+    """The elastic driver left this worker out of the job's new round (its host was removed)."""
+
+
+class JobStoppedError(HorovodInternalError):
+    """The elastic driver ended the job while this worker waited for a new round."""
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """This worker's place in one round of an elastic job."""
+
+    round: int
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    skip_sync: bool
+    notice: int
+
+
+_lock = threading.Lock()
+_current: RoundInfo | None = None
+_reason = "start"
+
+
+def is_elastic(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(ELASTIC_ENV, "0") not in ("", "0")
+
+
+def current_round() -> RoundInfo | None:
+    """The round this worker last joined (None before the first, or outside elastic jobs)."""
+    return _current
+
+
+def set_ready_reason(reason: str) -> None:
+    """Why this worker asks for the next round: 'error', 'added', 'removed' (sent to the driver)."""
+    global _reason
+    _reason = reason
+
+
+def _identity(environ: Mapping[str, str]) -> tuple[str, int]:
+    host = environ.get("HOROVOD_ELASTIC_HOST") or environ.get("HOROVOD_HOSTNAME") or "localhost"
+    slot = int(environ.get("HOROVOD_ELASTIC_SLOT") or environ.get("HOROVOD_LOCAL_RANK") or 0)
+    return host, slot
+
+
+def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | None = None,
+               after: int | None = None, poll_timeout: float = 60.0) -> RoundInfo:
+    """Wait until the driver places this worker in a round newer than the last one it joined.
+
+    Writes the new identity back to ``HOROVOD_RANK``/``SIZE``/``LOCAL_RANK``/... of ``environ``
+    (as upstream Horovod does: scripts and ``horovod.run`` read them).
+
+    Raises:
+        WorkerRemovedError: the job continues without this worker.
+        JobStoppedError: the driver ended the job.
+        HorovodInternalError: the driver cannot be reached.
+    """
+    global _current, _reason
+    environ = os.environ if environ is None else environ
+    host, slot = _identity(environ)
+    if after is None:
+        after = _current.round if _current is not None else -1
+    payload = {"host": host, "slot": slot, "after": after, "reason": _reason, "pid": os.getpid()}
+    failures = 0
+    while True:
+        try:
+            ans = client.call("ready", payload, timeout=poll_timeout)
+            failures = 0
+        except RendezvousError as exc:
+            failures += 1
+            if failures >= 5:
+                raise HorovodInternalError(
+                    f"elastic worker {host}[{slot}] cannot reach the elastic driver: {exc}") from exc
+            time.sleep(0.2 * failures)
+            continue
+        status = ans.get("status")
+        if status == "wait":
+            continue
+        if status == "removed":
+            raise WorkerRemovedError(ans.get("message") or
+                                     f"{host}[{slot}] has been removed from the elastic job")
+        if status == "stop":
+            raise JobStoppedError(ans.get("message") or "the elastic job has stopped")
+        if status != "round":
+            raise HorovodInternalError(f"elastic driver answered {ans!r} to {host}[{slot}]")
+        info = RoundInfo(round=int(ans["round"]), rank=int(ans["rank"]), size=int(ans["size"]),
+                         local_rank=int(ans["local_rank"]), local_size=int(ans["local_size"]),
+                         cross_rank=int(ans["cross_rank"]), cross_size=int(ans["cross_size"]),
+                         hostname=str(ans.get("hostname") or host),
+                         skip_sync=bool(ans.get("skip_sync")), notice=int(ans.get("notice", 0)))
+        environ.update({
+            "HOROVOD_HOSTNAME": info.hostname, "HOROVOD_RANK": str(info.rank),
+            "HOROVOD_SIZE": str(info.size), "HOROVOD_LOCAL_RANK": str(info.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(info.local_size), "HOROVOD_CROSS_RANK": str(info.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(info.cross_size),
+            "HOROVOD_ELASTIC_HOST": host, "HOROVOD_ELASTIC_SLOT": str(slot)})
+        with _lock:
+            _current = info
+            _reason = "retry"
+        notification_manager.set_floor(info.notice)
+        return info
+
+
+class NotificationManager:
+    """Delivers the driver's host notices to every registered ``State`` (one background thread)."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Any] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._floor = 0
+        self._environ: Mapping[str, str] = os.environ
+
+    def init(self, environ: Mapping[str, str] | None = None) -> None:
+        """Start listening (once per process; only in elastic jobs)."""
+        environ = os.environ if environ is None else environ
+        with self._lock:
+            if self._thread is not None or not is_elastic(environ):
+                return
+            self._environ = environ
+            self._thread = threading.Thread(target=self._listen, name="horovod-elastic-notices",
+                                            daemon=True)
+            self._thread.start()
+
+    def set_floor(self, version: int) -> None:
+        """Notices up to ``version`` are already reflected in the round just joined."""
+        with self._lock:
+            self._floor = max(self._floor, version)
+
+    def register_listener(self, state: Any) -> None:
+        with self._lock:
+            if state not in self._listeners:
+                self._listeners.append(state)
+
+    def remove_listener(self, state: Any) -> None:
+        with self._lock:
+            if state in self._listeners:
+                self._listeners.remove(state)
+
+    def handle_notice(self, version: int, update: int) -> None:
+        with self._lock:
+            if version <= self._floor:
+                return
+            listeners = list(self._listeners)
+        for state in listeners:
+            state.on_hosts_updated(version, HostUpdateResult(update))
+
+    def _listen(self) -> None:
+        client = RendezvousClient.from_env(self._environ)
+        seen = 0
+        delay = 0.2
+        while True:
+            try:
+                ans = client.call("notice", {"after": seen}, timeout=60)
+                delay = 0.2
+            except RendezvousError:
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            version = int(ans.get("version", 0))
+            if version > seen:
+                seen = version
+                self.handle_notice(version, int(ans.get("update", 0)))
+
+
+notification_manager = NotificationManager()
