@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from horovod.testing.fakehosts import FakeHosts
 
 # Open MPI refuses to run as root without these; CI runs as root.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -21,3 +26,29 @@ def _horovod_shutdown():
         basics.shutdown()
     except ImportError:
         pass
+
+
+@pytest.fixture
+def fakehosts_factory() -> Iterator[Callable[..., FakeHosts]]:
+    """``make(n, **kwargs)`` -> a ``horovod.testing.fakehosts.FakeHosts``, closed after the test.
+
+    Skips the test, with the reason, where this machine cannot make fake hosts (not root, no
+    network namespaces, OpenSSH not installable).
+    """
+    from horovod.testing import fakehosts
+
+    reason = fakehosts.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    made: list[FakeHosts] = []
+
+    def make(n: int, **kwargs: object) -> FakeHosts:
+        fh = fakehosts.FakeHosts(n, **kwargs)  # type: ignore[arg-type]
+        made.append(fh)
+        return fh
+
+    try:
+        yield make
+    finally:
+        for fh in made:
+            fh.close()

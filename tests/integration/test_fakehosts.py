@@ -1,84 +1,131 @@
-"""Multi-host launching on real separate hosts: network namespaces made by shared/tools/fakehosts.
+"""Multi-host launching on real separate hosts made by ``horovod.testing.fakehosts``.
 
-Each fake host has its own address, host name and sshd; horovodrun runs inside fakehost1 and
-reaches fakehost2 over ssh (Gloo) or through mpirun (MPI), exactly as across two machines.
+Each fake host is a network namespace with its own address, host name and sshd; horovodrun runs
+inside the first host and reaches the second over ssh (Gloo) or through mpirun (MPI), exactly as
+across two machines. The first tests check the fixture itself.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from horovod.testing.fakehosts import ETC_HOSTS, SSH_DROPIN_DIR, FakeHosts
 from tests.integration.conftest import REPO, WORKER, launcher_env, tagged_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts]
 
-FAKEHOSTS = Path(os.environ.get("HVD_FAKEHOSTS", REPO.parent / "shared" / "tools" / "fakehosts"))
-HOSTS = "fakehost1:2,fakehost2:2"
+Factory = Callable[..., FakeHosts]
 
 
-def _namespaces_unavailable() -> str | None:
-    """Why network namespaces cannot be made here, or None when they can."""
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None and shutil.which("apt-get") is None:
-        return "neither iproute2 nor apt-get is available"
-    if shutil.which("ip") is None:
-        return None  # fakehosts installs iproute2 itself
-    probe = f"hvdprobe{os.getpid()}"
-    res = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
-    if res.returncode != 0:
-        return f"cannot create a network namespace: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return None
+def test_hosts_reach_each_other_by_name_over_ssh(fakehosts_factory: Factory) -> None:
+    fh = fakehosts_factory(3)
+    assert len(set(fh.hosts)) == 3 and len({fh.address(h) for h in fh.hosts}) == 3
+    for src in fh.hosts:
+        assert fh.run(src, ["hostname"]).stdout.strip() == src
+        for dst in fh.hosts:
+            res = fh.run(src, ["ssh", dst, "hostname; ip -4 -o addr show dev eth0"], timeout=60)
+            assert res.returncode == 0, f"ssh {src} -> {dst}: {res.stderr}"
+            name, addr_line = res.stdout.splitlines()[:2]
+            assert name == dst and f"inet {fh.address(dst)}/24" in addr_line, res.stdout
+    # from the machine itself, by name, without a password
+    res = subprocess.run(["ssh", fh.hosts[1], "hostname"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.stdout.strip() == fh.hosts[1], res.stderr
+    # a host reaches nothing but the private bridge: no default route
+    routes = fh.run(fh.hosts[0], ["ip", "-4", "route"]).stdout
+    assert "default" not in routes and routes.count("\n") == 1, routes
 
 
-@pytest.fixture(scope="module")
-def fakehosts():
-    if not FAKEHOSTS.exists():
-        pytest.fail(f"fakehosts tool not found at {FAKEHOSTS} (set HVD_FAKEHOSTS)")
-    reason = _namespaces_unavailable()
+def test_two_instances_at_once_are_separate(fakehosts_factory: Factory) -> None:
+    a, b = fakehosts_factory(2), fakehosts_factory(2)
+    assert not set(a.hosts) & set(b.hosts)
+    assert a.subnet != b.subnet
+    assert fh_hostname(b, b.hosts[0]) == b.hosts[0]
+    res = a.run(a.hosts[0], ["ssh", "-o", "ConnectTimeout=2", b.address(b.hosts[0]), "true"],
+                timeout=60)
+    assert res.returncode != 0, "a host of one instance reached a host of another"
+
+
+def fh_hostname(fh: FakeHosts, host: str) -> str:
+    return fh.run(host, ["ssh", host, "hostname"], timeout=60).stdout.strip()
+
+
+def test_kill_host_processes_and_close_leave_nothing(fakehosts_factory: Factory) -> None:
+    fh = fakehosts_factory(2)
+    h1, h2 = fh.hosts
+    sleeper = fh.popen(h2, ["sleep", "300"])
+    remote = fh.popen(h1, ["ssh", h2, "sleep 301"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        # the remote command itself, once the login shell's startup files are done
+        cmds = [Path(f"/proc/{p}/cmdline").read_bytes() for p in fh.host_pids(h2)
+                if Path(f"/proc/{p}/cmdline").exists()]
+        if b"sleep\x00301\x00" in cmds:
+            break
+        time.sleep(0.1)
+    killed = fh.kill_host_processes(h2, signal.SIGKILL)
+    assert sleeper.pid in killed
+    assert sleeper.wait(10) == -signal.SIGKILL
+    assert remote.wait(30) != 0  # its sshd died with the host
+    assert fh.host_pids(h2) == []
+    assert fh.run(h1, ["ssh", "-o", "ConnectTimeout=2", h2, "true"], timeout=60).returncode != 0
+    survivor = fh.popen(h1, ["sleep", "300"])
+    namespaces = [fh.netns(h) for h in fh.hosts]
+    fh.close()
+    assert survivor.wait(10) != 0, "close() left a process running inside a host"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in namespaces), listed
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert fh.tag not in links, links
+    assert h1 not in ETC_HOSTS.read_text()
+    assert not list(SSH_DROPIN_DIR.glob(f"*{fh.tag}*"))
+
+
+def test_close_after_a_failing_body_removes_everything() -> None:
+    from horovod.testing.fakehosts import unavailable_reason
+
+    reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    up = subprocess.run([str(FAKEHOSTS), "up", "2"], capture_output=True, text=True, timeout=600)
-    try:
-        assert up.returncode == 0, f"fakehosts up 2 failed:\n{up.stdout}\n{up.stderr}"
-        yield FAKEHOSTS
-    finally:
-        subprocess.run([str(FAKEHOSTS), "down", "--kill-stragglers"], capture_output=True,
-                       timeout=120)
+    with pytest.raises(ZeroDivisionError):
+        with FakeHosts(1) as fh:
+            fh.popen(fh.hosts[0], ["sleep", "300"])
+            _ = 1 / 0
+    assert fh.hosts[0] not in ETC_HOSTS.read_text()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert fh.tag not in listed, listed
+    assert not list(SSH_DROPIN_DIR.glob(f"*{fh.tag}*"))
 
 
-def run_on_fakehost1(fh: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run horovodrun inside fakehost1 (the launcher's host)."""
+def run_horovodrun_on(fh: FakeHosts, host: str, *args: str,
+                      timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run horovodrun inside ``host`` (the launcher's host)."""
     env = launcher_env()
-    passed = [f"{k}={env[k]}" for k in ("PYTHONPATH", "OMPI_ALLOW_RUN_AS_ROOT",
-                                         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PATH")]
-    argv = [str(fh), "exec", "fakehost1", "env", *passed, sys.executable, "-m", "horovod.runner",
-            *args]
-    res = subprocess.run(argv, capture_output=True, timeout=timeout, cwd=str(REPO), env=env)
-    return subprocess.CompletedProcess(argv, res.returncode, res.stdout.decode(errors="replace"),
-                                       res.stderr.decode(errors="replace"))
+    return fh.run(host, [sys.executable, "-m", "horovod.runner", *args], env=env,
+                  timeout=timeout, cwd=str(REPO))
 
 
 @pytest.mark.parametrize("mode", ["mpi", "gloo"])
-def test_allreduce_across_two_hosts(fakehosts: Path, mode: str) -> None:
-    res = run_on_fakehost1(fakehosts, f"--{mode}", "-np", "4", "-H", HOSTS, sys.executable, WORKER,
-                           "allreduce")
+def test_allreduce_across_two_hosts(fakehosts_factory: Factory, mode: str) -> None:
+    fh = fakehosts_factory(2)
+    h1, h2 = fh.hosts
+    res = run_horovodrun_on(fh, h1, f"--{mode}", "-np", "4", "-H", f"{h1}:2,{h2}:2",
+                            sys.executable, WORKER, "allreduce")
     assert res.returncode == 0, res.stdout + res.stderr
     results = tagged_json(res.stdout, "RESULT")
     assert sorted(results) == [0, 1, 2, 3], res.stdout + res.stderr
     want_sum = [0 + 1 + 2 + 3 + 4 * i for i in range(4)]
     for r, got in results.items():
         case = f"rank {r} ({mode})"
-        host = "fakehost1" if r < 2 else "fakehost2"
+        host = h1 if r < 2 else h2
         assert got["host"] == host, f"{case}: ran on {got['host']}, expected {host}"
         assert got["sum"] == want_sum, f"{case}: allreduce -> {got['sum']}, expected {want_sum}"
         assert (got["size"], got["local_size"], got["cross_size"]) == (4, 2, 2), case
@@ -87,14 +134,17 @@ def test_allreduce_across_two_hosts(fakehosts: Path, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["mpi", "gloo"])
-def test_worker_killed_on_second_host_ends_job_with_report(fakehosts: Path, mode: str) -> None:
+def test_worker_killed_on_second_host_ends_job_with_report(fakehosts_factory: Factory,
+                                                           mode: str) -> None:
+    fh = fakehosts_factory(2)
+    h1, h2 = fh.hosts
     start = time.monotonic()
-    res = run_on_fakehost1(fakehosts, f"--{mode}", "-np", "4", "-H", HOSTS, sys.executable, WORKER,
-                           "kill", "2", timeout=120)
+    res = run_horovodrun_on(fh, h1, f"--{mode}", "-np", "4", "-H", f"{h1}:2,{h2}:2",
+                            sys.executable, WORKER, "kill", "2", timeout=120)
     elapsed = time.monotonic() - start
     report = res.stderr
     assert res.returncode == 137, report
-    assert "rank 2 (host fakehost2, local rank 0): killed by signal 9 (SIGKILL)" in report, report
+    assert f"rank 2 (host {h2}, local rank 0): killed by signal 9 (SIGKILL)" in report, report
     assert "| rank 2 is failing on purpose" in report, report
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end after rank 2 was killed"
     grandchildren = [int(p) for p in re.findall(r"GRANDCHILD (\d+)", res.stdout)]
@@ -108,32 +158,31 @@ def test_worker_killed_on_second_host_ends_job_with_report(fakehosts: Path, mode
     assert not alive, f"processes left running on the hosts: {alive}"
 
 
-def test_gloo_rendezvous_refuses_strangers_across_hosts(fakehosts: Path) -> None:
-    """A process on fakehost2 without the job's secret gets nothing from the launcher's service."""
+def test_gloo_rendezvous_refuses_strangers_across_hosts(fakehosts_factory: Factory) -> None:
+    """A process on the second host without the job's secret gets nothing from the service."""
+    fh = fakehosts_factory(2)
+    h1, h2 = fh.hosts
     script = (
         "import sys, time\n"
         "from horovod.runner.rendezvous import RendezvousServer, RendezvousClient, make_secret\n"
         "from horovod.runner.rendezvous.auth import RendezvousError\n"
-        "srv = RendezvousServer(make_secret(), host='10.200.0.1')\n"
+        f"srv = RendezvousServer(make_secret(), host={fh.address(h1)!r})\n"
         "srv.put('s', 'k', b'payload')\n"
         "print(srv.port, flush=True)\n"
         "sys.stdin.readline()\n"
         "print('rejected', srv.rejected, flush=True)\n"
     )
     env = launcher_env()
-    server = subprocess.Popen([str(fakehosts), "exec", "fakehost1", "env", f"PYTHONPATH={env['PYTHONPATH']}",
-                               sys.executable, "-c", script], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+    server = fh.popen(h1, [sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE, text=True, cwd=str(REPO))
     try:
         assert server.stdout is not None and server.stdin is not None
         port = int(server.stdout.readline())
         probe = ("from horovod.runner.rendezvous import RendezvousClient, make_secret\n"
-                 f"c = RendezvousClient('10.200.0.1', {port}, make_secret(), timeout=10)\n"
+                 f"c = RendezvousClient({fh.address(h1)!r}, {port}, make_secret(), timeout=10)\n"
                  "try:\n    c.get('s', 'k')\nexcept Exception as e:\n    print('REFUSED', e)\n"
                  "else:\n    print('LEAKED')\n")
-        res = subprocess.run([str(fakehosts), "exec", "fakehost2", "env",
-                              f"PYTHONPATH={env['PYTHONPATH']}", sys.executable, "-c", probe],
-                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
+        res = fh.run(h2, [sys.executable, "-c", probe], env=env, timeout=60, cwd=str(REPO))
         assert "REFUSED" in res.stdout and "refused this worker" in res.stdout, res.stdout + res.stderr
         server.stdin.write("\n")
         server.stdin.flush()
