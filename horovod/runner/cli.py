@@ -152,6 +152,25 @@ def make_parser() -> argparse.ArgumentParser:
                        help="Hosts and slots, e.g. host1:2,host2:4 (default localhost:<np>).")
     hosts.add_argument("-hostfile", "--hostfile", default=S,
                        help="File of '<hostname> slots=<n>' lines.")
+    el = p.add_argument_group("elastic")
+    el.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=S,
+                    help="Fewest processes to go on with (default -np); enables elastic mode.")
+    el.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, default=S,
+                    help="Most processes to use when more slots are available; enables elastic "
+                         "mode.")
+    el.add_argument("--slots-per-host", dest="slots_per_host", type=int, default=S,
+                    help="Slots of a discovered host printed without ':slots'.")
+    el.add_argument("--elastic-timeout", type=float, default=S,
+                    help="Seconds to wait for enough hosts (default HOROVOD_ELASTIC_TIMEOUT or "
+                         "600).")
+    el.add_argument("--reset-limit", type=int, default=S,
+                    help="Most resets (re-formations after a failure or host change) allowed.")
+    el.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
+                    default=S, help="A failed host may come back after a cooldown between MIN and "
+                                    "MAX seconds (default: blacklisted for good).")
+    p.add_argument("--host-discovery-script", default=S,
+                   help="Executable printing one 'hostname[:slots]' per line; enables elastic "
+                        "mode (polled every second).")
     ctrl = p.add_argument_group("controller").add_mutually_exclusive_group()
     ctrl.add_argument("--gloo", dest="controller", action="store_const", const="gloo", default=S,
                       help="Start workers with the built-in launcher and run collectives on Gloo.")
@@ -261,4 +280,12 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         tunable_env=tunables_to_env(tunable_values, tcp=bool(merged.get("tcp", False))),
         log_level=tunable_values.get("log_level"),
         dry_run=bool(merged.get("dry_run", False)),
+        min_np=merged.get("min_np"),
+        max_np=merged.get("max_np"),
+        host_discovery_script=merged.get("host_discovery_script"),
+        slots_per_host=merged.get("slots_per_host"),
+        elastic_timeout=merged.get("elastic_timeout"),
+        reset_limit=merged.get("reset_limit"),
+        blacklist_cooldown_range=(tuple(merged["blacklist_cooldown_range"])  # type: ignore[arg-type]
+                                  if merged.get("blacklist_cooldown_range") else None),
     )

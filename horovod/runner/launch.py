@@ -138,6 +138,8 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
         BackendUnavailableError: ``--mpi`` without an MPI.
     """
     environ = dict(os.environ if environ is None else environ)
+    if settings.elastic:
+        return _launch_elastic(settings, environ, stdout, stderr, secret, on_rendezvous)
     hosts = resolve_hosts(settings)
     mode = choose_mode(settings, environ)
     from horovod.runner.network import is_local_host
@@ -195,6 +197,25 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
     finally:
         if server is not None:
             server.stop()
+
+
+def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
+                    stderr: IO[str] | None, secret: str | None,
+                    on_rendezvous: Callable[[object], None] | None) -> JobResult | str:
+    """Elastic mode (``--host-discovery-script``, ``--min-np``, ``--max-np``): see runner/elastic."""
+    from typing import cast
+
+    from horovod.runner.elastic.launch import configure_logging, launch_elastic
+
+    _check_torch()
+    if settings.dry_run:
+        source = settings.host_discovery_script or settings.hosts or settings.hostfile or "localhost"
+        return (f"Elastic job: start {settings.np} processes (at least {settings.min_np}, at most "
+                f"{settings.max_np or 'all available slots'}) on the hosts of {source}, on Gloo; "
+                f"command: {' '.join(settings.command)}")
+    configure_logging()
+    return cast(JobResult, launch_elastic(settings, environ=environ, stdout=stdout, stderr=stderr,
+                                          secret=secret, on_rendezvous=on_rendezvous))
 
 
 def _commands(plan: LaunchPlan, settings: LaunchSettings, environ: Mapping[str, str], impl: object,

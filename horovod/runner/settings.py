@@ -205,6 +205,20 @@ class LaunchSettings:
     dry_run: bool = False
     # horovod.run(): run workers through run_task and collect results (not set by the CLI).
     run_func: bool = False
+    # Elastic mode (chosen by any of these; see horovod/runner/elastic/).
+    min_np: int | None = None
+    max_np: int | None = None
+    host_discovery_script: str | None = None
+    slots_per_host: int | None = None
+    elastic_timeout: float | None = None
+    reset_limit: int | None = None
+    blacklist_cooldown_range: tuple[float, float] | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Elastic mode: a discovery script, --min-np or --max-np was given."""
+        return (self.host_discovery_script is not None or self.min_np is not None
+                or self.max_np is not None)
 
     def __post_init__(self) -> None:
         if self.controller is not None:
@@ -216,3 +230,39 @@ class LaunchSettings:
             raise errors.ConfigError("Give either -H/--hosts or --hostfile, not both.")
         if self.start_timeout <= 0:
             raise errors.ConfigError(f"--start-timeout {self.start_timeout} must be > 0 seconds.")
+        if self.elastic:
+            self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        if self.controller == "mpi":
+            raise errors.ConfigError("Elastic training (--host-discovery-script, --min-np, --max-np) "
+                                     "runs on Gloo; drop --mpi.")
+        self.controller = "gloo"
+        if self.host_discovery_script and (self.hosts or self.hostfile):
+            raise errors.ConfigError("Give either --host-discovery-script or -H/--hostfile, not both.")
+        if self.np is None:
+            self.np = self.min_np
+        if self.np is None:
+            raise errors.ConfigError("Elastic mode needs -np (the number of processes to start "
+                                     "with), e.g. -np 4 --min-np 2 --max-np 8.")
+        if self.min_np is None:
+            self.min_np = self.np
+        for name, value in (("-np", self.np), ("--min-np", self.min_np), ("--max-np", self.max_np),
+                            ("--slots-per-host", self.slots_per_host)):
+            if value is not None and value < 1:
+                raise errors.ConfigError(f"{name} {value} must be at least 1.")
+        if self.min_np > self.np:
+            raise errors.ConfigError(f"--min-np {self.min_np} is larger than -np {self.np}.")
+        if self.max_np is not None and self.max_np < self.np:
+            raise errors.ConfigError(f"--max-np {self.max_np} is smaller than -np {self.np}.")
+        if self.elastic_timeout is not None and self.elastic_timeout <= 0:
+            raise errors.ConfigError(f"--elastic-timeout {self.elastic_timeout} must be > 0 s.")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise errors.ConfigError(f"--reset-limit {self.reset_limit} must be >= 0.")
+        if self.blacklist_cooldown_range is not None:
+            lo, hi = (float(v) for v in self.blacklist_cooldown_range)
+            if lo < 1 or hi > 3600 or lo > hi:
+                raise errors.ConfigError(
+                    f"--blacklist-cooldown-range {lo:g} {hi:g}: need 1 <= MIN <= MAX <= 3600 "
+                    "seconds.")
+            self.blacklist_cooldown_range = (lo, hi)

@@ -84,6 +84,8 @@ from horovod.torch.mpi_ops import (
 from horovod.torch.optimizer import DistributedOptimizer
 from horovod.torch.sync_batch_norm import SyncBatchNorm
 
+from horovod.torch import elastic  # noqa: E402,I001 - hvd.elastic (needs the names above)
+
 __all__ = [
     # process-level API (horovod.common.BASICS; a test checks this list covers it)
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",

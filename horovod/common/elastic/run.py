@@ -31,6 +31,14 @@ __all__ = ["run_fn", "default_reset"]
 log = logging.getLogger("horovod")
 
 
+def _cause(exc: BaseException) -> str:
+    text = str(exc)
+    marker = text.find("Cause on rank")
+    if marker >= 0:
+        text = text[marker:]
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
 def default_reset() -> None:
     """Leave the current round and join the next one (``shutdown()`` then ``init()``)."""
     from horovod.common import basics
@@ -58,7 +66,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] | None = None) ->
                     raise
                 except HorovodInternalError as exc:
                     log.warning("elastic: a collective failed (%s); restoring the last commit and "
-                                "re-forming the job", str(exc).splitlines()[0] if str(exc) else exc)
+                                "re-forming the job", _cause(exc))
                     state.restore()
                     skip_sync = False
                     set_ready_reason("error")

@@ -128,6 +128,10 @@ class _Server(ThreadingHTTPServer):
         self.elastic_handler: Callable[[str, bytes], tuple[int, bytes]] | None = None
         self._nonces: dict[str, float] = {}
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone mid-answer (a worker killed while it long-polls) is no error of ours.
+        log.debug("rendezvous: connection from %s ended abnormally", client_address, exc_info=True)
+
     def fresh_nonce(self, nonce: str) -> bool:
         """Accept each nonce once (within the skew window), so a captured request cannot replay."""
         now = time.time()

@@ -1,0 +1,568 @@
+"""The elastic driver: keeps a job training on the hosts that remain, and takes in new ones.
+
+The job advances in rounds. In each round every member worker knows its rank and size, and they
+meet in a Gloo world of their own (rendezvous scope ``elastic.<round>``). Workers are known by
+their slot, ``host[local_rank]``, and keep it for their whole life.
+
+* Start: wait (up to ``--elastic-timeout``) until ``-np`` slots are discovered, start a worker on
+  every available slot up to ``--max-np``; round 0 forms when they have all asked to join.
+* A worker dies or raises: its host is blacklisted (``--blacklist-cooldown-range``), the other
+  workers on that host are stopped, the survivors' next collective fails, they restore their last
+  commit and ask to join the next round, which forms as soon as every survivor has asked.
+* Hosts appear: workers are started on the new slots while the others keep training; only once
+  the new workers are up and waiting are the members notified, and they move to the next round
+  at their next ``state.commit()`` (so training pauses for the rendezvous, not for the
+  newcomers' start-up).
+* Hosts disappear from discovery: members are notified, re-form without them at their next
+  commit, and the workers on the removed hosts are told to leave (they exit 0).
+* A round needs ``--min-np`` slots; with fewer the survivors wait, up to ``--elastic-timeout``.
+* Rank 0 of a new round is always a survivor, so ``state.sync()`` spreads the committed state.
+* The job succeeds when a member exits 0; it fails when every worker has failed, when
+  ``--reset-limit`` resets were not enough, or when too few slots remain for longer than the
+  timeout. Every event is logged in words (logger ``horovod.runner.elastic``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from horovod.runner.elastic.discovery import HostManager, order_hosts
+from horovod.runner.failures import describe_status
+from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
+
+__all__ = ["ElasticDriver", "Worker", "ElasticResult"]
+
+log = logging.getLogger("horovod.runner.elastic")
+
+Key = tuple[str, int]
+
+ADDED, REMOVED = 2, 1
+# How long a ready request or a notice request is held before "ask again".
+HOLD_SECONDS = 2.0
+
+
+def key_name(key: Key) -> str:
+    return f"{key[0]}[{key[1]}]"
+
+
+@dataclass
+class Worker:
+    """The driver's record of one worker process."""
+
+    key: Key
+    proc: Any = None
+    state: str = "starting"  # starting | ready | running | exited
+    after: int = -1  # the last round it was a member of, as it reported
+    reason: str = "start"
+    rank: int | None = None
+    removed: bool = False  # left out (or stopped) by the driver: its exit is no failure
+    exit: tuple[int | None, int | None] | None = None
+    exit_handled: bool = False
+    started: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.state != "exited"
+
+
+@dataclass
+class ElasticResult:
+    """How the job ended: ``error`` is None on success."""
+
+    error: str | None
+    rounds: int
+    resets: int
+    events: list[str] = field(default_factory=list)
+    final_ranks: dict[Key, int] = field(default_factory=dict)
+
+
+class ElasticDriver:
+    """See the module docstring.
+
+    Args:
+        hosts: the discovery (script or fixed hosts) and the blacklist.
+        np / min_np / max_np: processes to start with, fewest to go on with, most to use.
+        start_worker: ``f(key, slot_info) -> process`` (a ``WorkerProcess``); the process must
+            call ``driver.worker_exited(key, code, signal)`` when it ends.
+        put_kv: ``f(scope, key, value)`` on the rendezvous store (to abandon a round).
+        timeout: ``--elastic-timeout`` seconds; reset_limit: ``--reset-limit``.
+        discovery_interval: seconds between discovery runs.
+        clock: the time source (tests inject one).
+    """
+
+    def __init__(self, hosts: HostManager, np: int, min_np: int, max_np: int | None,
+                 start_worker: Callable[[Key, SlotInfo], Any],
+                 put_kv: Callable[[str, str, bytes], None] | None = None,
+                 timeout: float = 600.0, reset_limit: int | None = None,
+                 discovery_interval: float = 1.0, stuck_seconds: float = 90.0,
+                 finish_grace: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.hosts = hosts
+        self.np, self.min_np, self.max_np = np, min_np, max_np
+        self.start_worker = start_worker
+        self.put_kv = put_kv
+        self.timeout, self.reset_limit = timeout, reset_limit
+        self.discovery_interval = discovery_interval
+        self.stuck_seconds, self.finish_grace = stuck_seconds, finish_grace
+        self.clock = clock
+        self.cv = threading.Condition()
+        self.workers: dict[Key, Worker] = {}
+        self.round = -1
+        self.members: list[Key] = []
+        self.answers: dict[Key, dict[str, Any]] = {}
+        self.notice_version = 0
+        self.notice_update = 0
+        self._notified_added: frozenset[Key] = frozenset()
+        self._notified_removed: frozenset[Key] = frozenset()
+        self.resets = 0
+        self.events: list[str] = []
+        self.error: str | None = None
+        self.done = False
+        self._finishing_since: float | None = None
+        self._waiting_since: float | None = None
+        self._reset_since: float | None = None
+        self._discovery_ok = False
+        self._discovery_error: str | None = None
+        self._discovery_failing_since: float | None = None
+
+    # ------------------------------------------------------------------ logging
+    def _event(self, text: str, level: int = logging.INFO) -> None:
+        self.events.append(text)
+        log.log(level, "elastic: %s", text)
+
+    # ------------------------------------------------------------------ discovery
+    def discover_once(self) -> None:
+        """Run discovery and record what changed (the discovery thread calls this)."""
+        try:
+            added, removed = self.hosts.update()
+        except Exception as exc:  # noqa: BLE001 - a script failure is reported, not fatal later on
+            with self.cv:
+                if not self._discovery_ok:
+                    self._discovery_error = str(exc)
+                    self.cv.notify_all()
+                    return
+                if self._discovery_failing_since is None:
+                    self._discovery_failing_since = self.clock()
+                    self._event(f"host discovery failed ({exc}); keeping the last known hosts and "
+                                "retrying", logging.WARNING)
+            return
+        with self.cv:
+            self._discovery_ok = True
+            self._discovery_failing_since = None
+            for h in added:
+                self._event(f"host {h} appeared in discovery with {self.hosts.discovered[h]} "
+                            "slot(s)")
+            for h in removed:
+                self._event(f"host {h} is no longer in discovery")
+            if added or removed:
+                self.cv.notify_all()
+
+    def _discovery_loop(self) -> None:
+        while True:
+            with self.cv:
+                if self.done:
+                    return
+            self.discover_once()
+            with self.cv:
+                if self.done:
+                    return
+                self.cv.wait(self.discovery_interval)
+
+    # ------------------------------------------------------------------ requests
+    def handle(self, call: str, body: bytes) -> tuple[int, bytes]:
+        """The rendezvous server's ``POST /elastic/<call>`` handler."""
+        req = json.loads(body or b"{}")
+        if call == "ready":
+            ans = self._ready((str(req["host"]), int(req["slot"])), int(req.get("after", -1)),
+                              str(req.get("reason", "")))
+        elif call == "notice":
+            ans = self._notice(int(req.get("after", 0)))
+        else:
+            return 404, f"unknown elastic call {call!r}".encode()
+        return 200, json.dumps(ans).encode()
+
+    def _ready(self, key: Key, after: int, reason: str) -> dict[str, Any]:
+        deadline = time.monotonic() + HOLD_SECONDS
+        with self.cv:
+            w = self.workers.get(key)
+            if w is None or w.removed:
+                return {"status": "removed", "message": f"{key_name(key)} is not part of this "
+                        "elastic job any more"}
+            if w.state != "exited":
+                if w.state != "ready":
+                    w.reason = reason
+                w.state, w.after = "ready", after
+                self.cv.notify_all()
+            while True:
+                if self.error is not None or self.done or self._finishing_since is not None:
+                    return {"status": "stop", "message": self.error or "the elastic job is over"}
+                if w.removed:
+                    return {"status": "removed", "message": f"{key_name(key)} has been removed "
+                            "from the elastic job"}
+                ans = self.answers.get(key)
+                if ans is not None and ans["round"] > after:
+                    w.state = "running"
+                    return ans
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"status": "wait"}
+                self.cv.wait(left)
+
+    def _notice(self, after: int) -> dict[str, Any]:
+        deadline = time.monotonic() + HOLD_SECONDS * 5
+        with self.cv:
+            while self.notice_version <= after and not self.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cv.wait(left)
+            return {"version": self.notice_version, "update": self.notice_update}
+
+    def worker_exited(self, key: Key, code: int | None, signum: int | None) -> None:
+        with self.cv:
+            w = self.workers.get(key)
+            if w is not None:
+                w.state, w.exit = "exited", (code, signum)
+                self.cv.notify_all()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> ElasticResult:
+        """Drive the job to its end (blocking)."""
+        threading.Thread(target=self._discovery_loop, name="hvd-elastic-discovery",
+                         daemon=True).start()
+        try:
+            with self.cv:
+                while not self.done:
+                    self._step()
+                    if self.done:
+                        break
+                    self.cv.wait(0.25)
+        finally:
+            with self.cv:
+                self.done = True
+                self.cv.notify_all()
+        return ElasticResult(self.error, self.round + 1, self.resets, list(self.events),
+                             {k: a["rank"] for k, a in self.answers.items()
+                              if a["round"] == self.round})
+
+    def stop_all(self, grace: float = 5.0) -> None:
+        with self.cv:
+            procs = [w.proc for w in self.workers.values() if w.alive and w.proc is not None]
+            for w in self.workers.values():
+                w.removed = True
+        for p in procs:
+            p.stop(grace)
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        self._event(message, logging.ERROR)
+        self.done = True
+        self.cv.notify_all()
+
+    def _step(self) -> None:
+        now = self.clock()
+        if self.round < 0 and not self._discovery_ok:
+            if self._discovery_error is not None:
+                self._fail(f"host discovery failed on its first run: {self._discovery_error}")
+            return
+        self._handle_exits()
+        if self.done:
+            return
+        if self._finishing_since is not None:
+            alive = [w for w in self.workers.values() if w.alive]
+            if not alive:
+                self.done = True
+            elif now - self._finishing_since > self.finish_grace:
+                self._event(f"stopping {len(alive)} worker(s) that did not end within "
+                            f"{self.finish_grace:g} s of the job's completion")
+                for w in alive:
+                    w.removed = True
+                    if w.proc is not None:
+                        w.proc.stop()
+                self._finishing_since = now + 3600  # only once
+            return
+        if (self._discovery_failing_since is not None
+                and now - self._discovery_failing_since > self.timeout):
+            self._fail(f"host discovery kept failing for more than --elastic-timeout "
+                       f"{self.timeout:g} s; stopping")
+            return
+        self._drop_unavailable()
+        if self.round < 0:
+            self._form_round(first=True)
+            return
+        member_states = [self.workers[k] for k in self.members]
+        resetting = any(w.state in ("ready", "exited") for w in member_states)
+        if resetting:
+            if self._reset_since is None:
+                self._reset_since = now
+            stuck = [w for w in member_states if w.state in ("running", "starting")]
+            if stuck and now - self._reset_since > self.stuck_seconds:
+                for w in stuck:
+                    self._event(f"worker {key_name(w.key)} (rank {w.rank}) did not rejoin within "
+                                f"{self.stuck_seconds:g} s of the others; stopping it",
+                                logging.WARNING)
+                    w.removed = True
+                    if w.proc is not None:
+                        w.proc.stop()
+                    w.state = "exited"
+                    w.exit_handled = True
+                stuck = []
+            if not stuck:
+                self._form_round(first=False)
+            return
+        self._reset_since = None
+        self._scale()
+
+    # ------------------------------------------------------------------ pieces
+    def _handle_exits(self) -> None:
+        for w in self.workers.values():
+            if w.state != "exited" or w.exit_handled:
+                continue
+            w.exit_handled = True
+            code, sig = w.exit if w.exit else (None, None)
+            status = describe_status(code, sig)
+            who = f"worker {key_name(w.key)}" + (f" (rank {w.rank})" if w.rank is not None else "")
+            if w.removed:
+                log.info("elastic: %s ended (%s) after being removed from the job", who, status)
+                continue
+            if self._finishing_since is not None:
+                log.info("elastic: %s ended (%s) after the job completed", who, status)
+                continue
+            if code == 0 and w.key in self.members:
+                self._event(f"{who} finished training (exit 0): the job is complete")
+                self._finishing_since = self.clock()
+                for other in self.workers.values():
+                    if other.alive and other.key not in self.members:
+                        other.removed = True
+                        if other.proc is not None:
+                            other.proc.stop()
+                continue
+            host = w.key[0]
+            cooldown = self.hosts.blacklist_host(host)
+            until = ("for good" if cooldown is None else f"for {cooldown:.0f} s "
+                     "(--blacklist-cooldown-range)")
+            self._event(f"{who} failed ({status}); blacklisting host {host} {until}",
+                        logging.WARNING)
+            if w.key in self.members and self.put_kv is not None:
+                try:
+                    self.put_kv(f"elastic.{self.round}", "store", b"abandoned")
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+            for other in self.workers.values():
+                if other.key[0] == host and other.alive and not other.removed:
+                    self._event(f"stopping worker {key_name(other.key)}: its host {host} is "
+                                "blacklisted")
+                    other.removed = True
+                    if other.proc is not None:
+                        other.proc.stop()
+        if self.round < 0 and self.workers and all(
+                not w.alive and not w.removed for w in self.workers.values()):
+            self._fail(f"all {len(self.workers)} workers failed before training started; "
+                       "stopping the job (see their output above)")
+
+    def _drop_unavailable(self) -> None:
+        """Stop non-member workers on hosts that are gone; notify members about removals."""
+        avail = self.hosts.available()
+        for w in self.workers.values():
+            if (w.alive and not w.removed and w.key not in self.members
+                    and (w.key[0] not in avail or w.key[1] >= avail[w.key[0]])):
+                self._event(f"stopping worker {key_name(w.key)}: host {w.key[0]} is not available "
+                            "any more")
+                w.removed = True
+                if w.proc is not None:
+                    w.proc.stop()
+        gone = frozenset(k for k in self.members if self.workers[k].alive
+                         and (k[0] not in avail or k[1] >= avail[k[0]]))
+        if gone and not gone <= self._notified_removed:
+            self._notified_removed = self._notified_removed | gone
+            self._notify(REMOVED, f"{', '.join(key_name(k) for k in sorted(gone))} will leave: "
+                         "telling the workers to re-form at their next commit")
+
+    def _notify(self, update: int, text: str) -> None:
+        self.notice_version += 1
+        self.notice_update = update
+        self._event(text)
+        self.cv.notify_all()
+
+    def _plan(self, keep_first: list[str]) -> list[SlotInfo]:
+        avail = self.hosts.available()
+        ordered = order_hosts(avail, keep_first)
+        total = sum(s for _, s in ordered)
+        n = total if self.max_np is None else min(total, self.max_np)
+        if n < 1:
+            return []
+        return assign_slots([HostSpec(h, s) for h, s in ordered], n)
+
+    def _scale(self) -> None:
+        """Start workers on new slots; notify the members once they are all waiting."""
+        if self.max_np is not None and len(self.members) >= self.max_np:
+            return
+        plan = self._plan(self._member_hosts())
+        if len(plan) <= len(self.members):
+            return
+        new = []
+        for s in plan:
+            key = (s.hostname, s.local_rank)
+            if key in self.members:
+                continue
+            w = self.workers.get(key)
+            if w is None or (not w.alive and w.exit_handled and not self.hosts.is_blacklisted(key[0])):
+                self._start(key, s, "to grow the job")
+            new.append(key)
+        ready = frozenset(k for k in new if self.workers[k].state == "ready")
+        if ready and len(ready) == len(new) and not ready <= self._notified_added:
+            self._notified_added = self._notified_added | ready
+            self._notify(ADDED, f"new worker(s) {', '.join(key_name(k) for k in sorted(ready))} "
+                         "are up: telling the workers to take them in at their next commit")
+
+    def _member_hosts(self) -> list[str]:
+        seen: list[str] = []
+        for k in self.members:
+            if k[0] not in seen:
+                seen.append(k[0])
+        return seen
+
+    def _start(self, key: Key, slot: SlotInfo, why: str) -> None:
+        self._event(f"starting worker {key_name(key)} {why}")
+        w = Worker(key, started=self.clock())
+        self.workers[key] = w
+        w.proc = self.start_worker(key, slot)
+
+    def _form_round(self, first: bool) -> None:
+        now = self.clock()
+        survivors = [k for k in self.members if self.workers[k].state == "ready"
+                     and not self.workers[k].removed]
+        avail = self.hosts.available()
+        if first:
+            need = self.np
+        else:
+            need = self.min_np
+            if not survivors:
+                self._fail("all workers of the last round failed or left; no worker holds the "
+                           "committed training state, so the job cannot go on")
+                return
+        plan = self._plan(self._member_hosts())
+        # Survivors on hosts that left (or beyond the slots now offered) are told to go.
+        planned = {(s.hostname, s.local_rank) for s in plan}
+        for k in survivors:
+            if k not in planned:
+                w = self.workers[k]
+                w.removed = True
+                self._event(f"worker {key_name(k)} leaves the job (host {k[0]} was removed)")
+        survivors = [k for k in survivors if k in planned]
+        if len(plan) < need:
+            if self._waiting_since is None:
+                self._waiting_since = now
+                have = sum(avail.values())
+                self._event(f"waiting for hosts: {have} slot(s) available "
+                            f"({', '.join(f'{h}:{s}' for h, s in avail.items()) or 'none'}), "
+                            f"{'-np' if first else '--min-np'} is {need}; waiting up to "
+                            f"--elastic-timeout {self.timeout:g} s")
+            elif now - self._waiting_since > self.timeout:
+                self._fail(f"too few hosts: only {len(plan)} slot(s) available for longer than "
+                           f"--elastic-timeout {self.timeout:g} s, but "
+                           f"{'-np' if first else '--min-np'} is {need}; stopping. Check the "
+                           "discovery script and that enough hosts exist for at least "
+                           f"{need} processes.")
+            return
+        self._waiting_since = None
+        # Start what is missing; survivors (and ready newcomers) are enough once they reach
+        # --min-np, the rest joins a later round.
+        for s in plan:
+            key = (s.hostname, s.local_rank)
+            w = self.workers.get(key)
+            if w is None or (not w.alive and not self.hosts.is_blacklisted(key[0])):
+                self._start(key, s, "for the next round" if not first else "for round 0")
+        ready = [s for s in plan if self.workers[(s.hostname, s.local_rank)].state == "ready"
+                 and not self.workers[(s.hostname, s.local_rank)].removed]
+        if first:
+            if len(ready) < len(plan):
+                return
+            chosen = plan
+        else:
+            ready_keys = {(s.hostname, s.local_rank) for s in ready}
+            pending = [s for s in plan if (s.hostname, s.local_rank) not in ready_keys]
+            if pending and len(ready) < need:
+                return
+            if pending and self.clock() - (self._reset_since or now) < 0.5:
+                return  # newcomers about to be ready: give them a moment
+            if pending:
+                chosen = self._plan_subset(ready_keys)
+            else:
+                chosen = plan
+        if not chosen:
+            return
+        self._publish(chosen, first)
+
+    def _plan_subset(self, keys: set[Key]) -> list[SlotInfo]:
+        """The plan restricted to ``keys`` (slots numbered densely per host, survivors first)."""
+        per_host: dict[str, int] = {}
+        order: list[str] = []
+        for h in self._member_hosts() + [k[0] for k in sorted(keys)]:
+            if h not in order and any(k[0] == h for k in keys):
+                order.append(h)
+        for h in order:
+            slots = sorted(s for hh, s in keys if hh == h)
+            # local ranks must be 0..n-1 on each host: keep the dense prefix only
+            n = 0
+            while n in slots:
+                n += 1
+            if n:
+                per_host[h] = n
+        specs = [HostSpec(h, per_host[h]) for h in order if h in per_host]
+        n = sum(s.slots for s in specs)
+        if self.max_np is not None:
+            n = min(n, self.max_np)
+        return assign_slots(specs, n) if n else []
+
+    def _publish(self, plan: list[SlotInfo], first: bool) -> None:
+        keys = [(s.hostname, s.local_rank) for s in plan]
+        if not first:
+            self.resets += 1
+            if self.reset_limit is not None and self.resets > self.reset_limit:
+                self._fail(f"stopping: this would be reset number {self.resets}, more than "
+                           f"--reset-limit {self.reset_limit}")
+                return
+        old = set(self.members)
+        newcomers = [k for k in keys if k not in old]
+        if not first and keys[0] not in old:
+            log.warning("rank 0 of the new round (%s) is a new worker; the state it syncs is its "
+                        "own initial state", key_name(keys[0]))
+        skip_sync = (not first and not newcomers
+                     and all(self.workers[k].reason == "removed" for k in keys))
+        self.round += 1
+        for s in plan:
+            key = (s.hostname, s.local_rank)
+            w = self.workers[key]
+            w.rank = s.rank
+            self.answers[key] = {"status": "round", "round": self.round, "rank": s.rank,
+                                 "size": s.size, "local_rank": s.local_rank,
+                                 "local_size": s.local_size, "cross_rank": s.cross_rank,
+                                 "cross_size": s.cross_size, "hostname": s.hostname,
+                                 "skip_sync": skip_sync, "notice": self.notice_version}
+        # Workers that were ready but are not in the round (beyond --max-np) go.
+        for w in self.workers.values():
+            if w.alive and not w.removed and w.key not in keys and w.key in old:
+                w.removed = True
+        self.members = keys
+        self._notified_added = frozenset()
+        self._notified_removed = frozenset()
+        self._reset_since = None
+        hosts_text = ", ".join(f"{h}:{sum(1 for k in keys if k[0] == h)}"
+                               for h in dict.fromkeys(k[0] for k in keys))
+        if first:
+            self._event(f"round 0: {len(keys)} workers on {hosts_text} started training")
+        else:
+            joined = (f"; new: {', '.join(key_name(k) for k in newcomers)}" if newcomers else "")
+            left = sorted(old - set(keys))
+            gone = f"; gone: {', '.join(key_name(k) for k in left)}" if left else ""
+            self._event(f"round {self.round}: training resumes with {len(keys)} workers on "
+                        f"{hosts_text}{joined}{gone} (reset {self.resets}"
+                        f"{'' if self.reset_limit is None else f' of at most {self.reset_limit}'}; "
+                        f"{'state kept, no sync' if skip_sync else 'state synced from rank 0'})")
+        self.cv.notify_all()

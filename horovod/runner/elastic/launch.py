@@ -1,0 +1,174 @@
+"""Start an elastic job: the rendezvous service, the driver, and one process per worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from horovod.runner.elastic.discovery import FixedHosts, HostDiscoveryScript, HostManager
+from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key_name
+from horovod.runner.elastic.workers import WorkerProcess
+from horovod.runner.hosts import HostSpec, SlotInfo
+from horovod.runner.plan import RankPlan, build_plan
+from horovod.runner.settings import LaunchSettings
+
+__all__ = ["launch_elastic", "ElasticJobResult", "configure_logging"]
+
+log = logging.getLogger("horovod.runner.elastic")
+
+DEFAULT_ELASTIC_TIMEOUT = 600.0
+
+
+@dataclass
+class ElasticJobResult:
+    """What ``horovodrun`` reports for an elastic job (``returncode`` 0 on success)."""
+
+    returncode: int
+    error: str | None
+    result: ElasticResult
+    exits: list[Any] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> None:
+        return None
+
+    def report(self) -> str:
+        if self.error is None:
+            return ""
+        return (f"horovodrun: elastic job failed: {self.error}\n"
+                f"({self.result.rounds} round(s), {self.result.resets} reset(s))")
+
+
+def _elastic_timeout(settings: LaunchSettings, environ: Mapping[str, str]) -> float:
+    if settings.elastic_timeout is not None:
+        return float(settings.elastic_timeout)
+    return float(environ.get("HOROVOD_ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT))
+
+
+def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
+    if settings.host_discovery_script:
+        script = os.path.abspath(settings.host_discovery_script)
+        from horovod.runner import errors
+
+        if not (os.path.isfile(script) and os.access(script, os.X_OK)):
+            raise errors.ConfigError(f"--host-discovery-script {settings.host_discovery_script}: "
+                                     "not an executable file (chmod +x it).")
+        return HostDiscoveryScript(script, settings.slots_per_host)
+    from horovod.runner.launch import resolve_hosts
+
+    return FixedHosts({h.name: h.slots for h in resolve_hosts(settings)})
+
+
+def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None,
+                   stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                   secret: str | None = None,
+                   on_rendezvous: Callable[[object], None] | None = None,
+                   discovery_interval: float = 1.0) -> ElasticJobResult:
+    """Run one elastic job to its end.
+
+    Raises:
+        ConfigError: bad options or discovery output.
+    """
+    from horovod.runner.launchers.local import local_command
+    from horovod.runner.launchers.ssh import ssh_command
+    from horovod.runner.network import is_local_host, route_address
+    from horovod.runner.rendezvous import RendezvousServer, make_secret
+
+    environ = dict(os.environ if environ is None else environ)
+    assert settings.np is not None and settings.min_np is not None
+    discovery = _discovery(settings)
+    manager = HostManager(discovery, settings.blacklist_cooldown_range)
+    secret = secret or make_secret()
+    # Bind on every interface: hosts found later may be remote; every request is authenticated.
+    server = RendezvousServer(secret, host="0.0.0.0")
+    port = str(server.port)
+    remote_seen: list[str] = []
+    local_cache: dict[str, bool] = {}
+
+    def local(host: str) -> bool:
+        if host not in local_cache:
+            local_cache[host] = is_local_host(host)
+            if not local_cache[host]:
+                remote_seen.append(host)
+        return local_cache[host]
+
+    base_settings = dataclasses.replace(settings, np=1, min_np=None, max_np=None,
+                                        host_discovery_script=None, hosts=None, hostfile=None)
+    base = build_plan(base_settings, [HostSpec("localhost", 1)], environ, set(), "gloo",
+                      ("127.0.0.1", port))
+    if server is not None:
+        base.job_env.update({"HOROVOD_RUNNER_ADDR": "127.0.0.1", "HOROVOD_RUNNER_PORT": port})
+    write_lock = threading.Lock()
+    driver: ElasticDriver
+
+    def start_worker(key: Key, slot: SlotInfo) -> WorkerProcess:
+        host = key[0]
+        is_local = local(host)
+        if is_local:
+            addr = route_address(remote_seen[0]) if remote_seen else "127.0.0.1"
+        else:
+            addr = route_address(host)
+        env = slot.env()
+        env.update({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_HOST": host,
+                    "HOROVOD_ELASTIC_SLOT": str(key[1]), "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
+                    "HOROVOD_RUNNER_ADDR": addr})
+        rank = RankPlan(slot=slot, local=is_local, argv=list(settings.command), env=env)
+        plan = dataclasses.replace(base, ranks=[rank])
+        cmd = (local_command(plan, rank, environ, secret) if is_local
+               else ssh_command(plan, rank, settings, secret))
+        w = driver.workers[key]
+        return WorkerProcess(cmd, key_name(key), lambda: w.rank,
+                             lambda code, sig: driver.worker_exited(key, code, sig),
+                             stdout=stdout, stderr=stderr, timestamp=settings.prefix_timestamp,
+                             write_lock=write_lock)
+
+    driver = ElasticDriver(manager, settings.np, settings.min_np, settings.max_np, start_worker,
+                           put_kv=server.put, timeout=_elastic_timeout(settings, environ),
+                           reset_limit=settings.reset_limit,
+                           discovery_interval=discovery_interval)
+    server.set_elastic_handler(driver.handle)
+    if on_rendezvous is not None:
+        on_rendezvous(server)
+    try:
+        result = driver.run()
+    except KeyboardInterrupt:
+        driver.stop_all(grace=2.0)
+        raise
+    finally:
+        driver.stop_all()
+        _wait_for_exits(driver, timeout=10.0)
+        server.stop()
+    return ElasticJobResult(0 if result.error is None else 1, result.error, result)
+
+
+def _wait_for_exits(driver: ElasticDriver, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with driver.cv:
+            if not any(w.alive for w in driver.workers.values()):
+                return
+            driver.cv.wait(0.1)
+    with driver.cv:
+        procs = [w.proc for w in driver.workers.values() if w.alive and w.proc is not None]
+    for p in procs:
+        p.kill()
+
+
+def configure_logging() -> None:
+    """Elastic events are shown by default: they are what the user needs to follow the job."""
+    lg = logging.getLogger("horovod.runner.elastic")
+    if lg.level == logging.NOTSET or lg.level > logging.INFO:
+        lg.setLevel(logging.INFO)
+    if not logging.getLogger("horovod.runner").handlers and not lg.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("horovodrun: elastic: %(message)s"))
+        lg.addHandler(handler)
+        lg.propagate = False

@@ -1,0 +1,136 @@
+"""One elastic worker process: start it (locally or over ssh, under the worker shim), forward its
+output with its current rank as prefix, and report how it ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+from horovod.runner.launchers.base import Command
+from horovod.runner.output import MARKER, LineSplitter, prefix_line
+
+__all__ = ["WorkerProcess"]
+
+
+class WorkerProcess:
+    """A started worker. ``on_exit(code, signal)`` is called once, from a watcher thread."""
+
+    def __init__(self, cmd: Command, name: str, rank_of: Callable[[], int | None],
+                 on_exit: Callable[[int | None, int | None], None], *,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                 timestamp: bool = False, write_lock: threading.Lock | None = None) -> None:
+        self.cmd, self.name, self.rank_of, self.on_exit = cmd, name, rank_of, on_exit
+        self.out, self.err = stdout or sys.stdout, stderr or sys.stderr
+        self.timestamp = timestamp
+        self.lock = write_lock or threading.Lock()
+        self.exit_info: dict[str, object] | None = None
+        self.returncode: int | None = None
+        self.popen = subprocess.Popen(
+            cmd.argv, env=cmd.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE, start_new_session=True)
+        assert self.popen.stdin is not None
+        try:
+            if cmd.stdin_data:
+                self.popen.stdin.write(cmd.stdin_data)
+            self.popen.stdin.flush()
+        except OSError:
+            pass
+        self._readers = []
+        for stream, pipe in (("stdout", self.popen.stdout), ("stderr", self.popen.stderr)):
+            assert pipe is not None
+            t = threading.Thread(target=self._read, args=(pipe, stream), daemon=True,
+                                 name=f"hvd-elastic-read-{name}-{stream}")
+            t.start()
+            self._readers.append(t)
+        threading.Thread(target=self._wait, daemon=True, name=f"hvd-elastic-wait-{name}").start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _emit(self, stream: str, text: str, term: str) -> None:
+        idx = text.find(MARKER)
+        if idx >= 0:
+            try:
+                self.exit_info = json.loads(text[idx + len(MARKER):])
+                text = text[:idx]
+                if not text:
+                    return
+            except ValueError:
+                pass
+        line = prefix_line(self.rank_of(), stream, text, self.timestamp) + (term or "\n")
+        with self.lock:
+            target = self.err if stream == "stderr" else self.out
+            try:
+                target.write(line)
+                target.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _read(self, pipe: IO[bytes], stream: str) -> None:
+        splitter = LineSplitter()
+        fd = pipe.fileno()
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                for text, term in splitter.feed(data):
+                    self._emit(stream, text, term)
+        except OSError:
+            pass
+        finally:
+            for text, term in splitter.flush():
+                self._emit(stream, text, term)
+
+    def _wait(self) -> None:
+        rc = self.popen.wait()
+        for t in self._readers:
+            t.join(timeout=2.0)  # the exit report comes on stderr just before the end
+        self.returncode = rc
+        code: int | None
+        sig: int | None
+        info = self.exit_info
+        if info is not None and (info.get("code") is not None or info.get("signal") is not None):
+            code = info.get("code")  # type: ignore[assignment]
+            sig = info.get("signal")  # type: ignore[assignment]
+        else:
+            code, sig = (None, -rc) if rc < 0 else (rc, None)
+        self.on_exit(code, sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask the worker to stop (SIGTERM through the shim); SIGKILL after ``grace`` seconds."""
+        if self.popen.poll() is not None:
+            return
+        stdin = self.popen.stdin
+        try:
+            if self.cmd.remote and stdin is not None and not stdin.closed:
+                stdin.write(f"signal {int(signal.SIGTERM)}\n".encode())
+                stdin.close()
+            else:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+        except (OSError, ProcessLookupError):
+            pass
+
+        def kill_later() -> None:
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    return
+                time.sleep(0.1)
+            self.kill()
+
+        threading.Thread(target=kill_later, daemon=True).start()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass

@@ -1,0 +1,207 @@
+"""``TorchState``: the model, optimizer, LR scheduler, sampler and plain values of an elastic job.
+
+``commit()`` copies model and optimizer tensors into buffers kept from the previous commit (no new
+allocation once shapes are known); ``restore()`` copies them back (never aliasing the saved
+copy, so restoring twice gives the same state); ``sync()`` broadcasts rank 0's state. The
+optimizer state travels as one object (structure included), so a new worker whose optimizer has
+no state yet receives it whole instead of waiting in a broadcast that the others never join
+(upstream #2652).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from horovod.common.basics import rank
+from horovod.common.elastic import ObjectState
+from horovod.torch.elastic.sampler import ElasticSampler
+from horovod.torch.functions import broadcast_object, broadcast_parameters
+
+__all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
+           "LRSchedulerStateHandler", "SamplerStateHandler", "get_handler_registry",
+           "set_handler_registry"]
+
+
+def _copy_into(prev: Any, new: Any) -> Any:
+    """A copy of ``new`` (nested dicts/lists/tensors) that reuses ``prev``'s tensors in place."""
+    if isinstance(new, torch.Tensor):
+        if (isinstance(prev, torch.Tensor) and prev.shape == new.shape
+                and prev.dtype == new.dtype and prev.device == new.device):
+            prev.copy_(new)
+            return prev
+        return new.detach().clone()
+    if isinstance(new, dict):
+        prev_d = prev if isinstance(prev, dict) else {}
+        return {k: _copy_into(prev_d.get(k), v) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        prev_l = list(prev) if isinstance(prev, (list, tuple)) and len(prev) == len(new) else \
+            [None] * len(new)
+        out = [_copy_into(p, v) for p, v in zip(prev_l, new)]
+        return out if isinstance(new, list) else tuple(out)
+    return copy.deepcopy(new)
+
+
+class StateHandler:
+    """Keeps one object's committed state: ``save``, ``restore``, ``sync``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        raise NotImplementedError()
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+
+class ModelStateHandler(StateHandler):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self._saved: Any = None
+        self.save()
+
+    def save(self) -> None:
+        with torch.no_grad():
+            self._saved = _copy_into(self._saved, dict(self.value.state_dict()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class OptimizerStateHandler(StateHandler):
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self._saved: Any = None
+        self.save()
+
+    def save(self) -> None:
+        with torch.no_grad():
+            self._saved = _copy_into(self._saved, self.value.state_dict())
+
+    def restore(self) -> None:
+        # load_state_dict keeps the given tensors as the optimizer's state: give it a copy.
+        self.value.load_state_dict(_copy_into(None, self._saved))
+
+    def sync(self) -> None:
+        state = broadcast_object(self.value.state_dict() if rank() == 0 else None, root_rank=0,
+                                 name="elastic.optimizer_state")
+        if rank() != 0:
+            self.value.load_state_dict(state)
+
+
+class LRSchedulerStateHandler(StateHandler):
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__(scheduler)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
+                                                    name="elastic.lr_scheduler_state"))
+
+
+class SamplerStateHandler(StateHandler):
+    def __init__(self, sampler: ElasticSampler) -> None:
+        super().__init__(sampler)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
+                                                    name="elastic.sampler_state"))
+
+
+_handler_registry: list[tuple[type, type[StateHandler]]] = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (torch.optim.lr_scheduler.LRScheduler, LRSchedulerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
+
+
+def get_handler_registry() -> list[tuple[type, type[StateHandler]]]:
+    return _handler_registry
+
+
+def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> None:
+    global _handler_registry
+    _handler_registry = registry
+
+
+def _handler_for(value: Any) -> StateHandler | None:
+    for kind, cls in _handler_registry:
+        if isinstance(value, kind):
+            return cls(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """State of a PyTorch elastic job.
+
+    Args:
+        model: a ``torch.nn.Module`` (optional).
+        optimizer: a ``torch.optim.Optimizer`` or ``DistributedOptimizer`` (optional).
+        kwargs: more models, optimizers, LR schedulers, ``ElasticSampler`` objects, or plain
+            values (epoch, batch...), all exposed as attributes.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: dict[str, StateHandler] = {}
+        plain: dict[str, Any] = {}
+        for k, v in kwargs.items():
+            h = _handler_for(v)
+            if h is not None:
+                handlers[k] = h
+            else:
+                plain[k] = v
+        self._handlers = handlers
+        for name, handler in handlers.items():
+            setattr(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers")
+        if handlers is not None and name in handlers and hasattr(self, name):
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)

@@ -1,0 +1,121 @@
+"""Elastic training worker for the tests: a deterministic model whose final weights do not depend
+on how many workers trained it, so a lost or doubled step shows in the weights.
+
+Every rank feeds the same batch (a function of the step), so the averaged gradient equals one
+worker's gradient; the weights after N steps equal those of ``reference(N)`` in one process.
+
+Environment:
+  STEPS           steps to train (default 30)
+  STEP_SLEEP      seconds per step (default 0.1)
+  KILL / RAISE    "<host>[<slot>]@<step>": that worker SIGKILLs itself / raises at that step
+                  ("*@<step>": every worker)
+  HOSTS_FILE, HOSTS_AT   JSON {"<step>": "<file content>"}: rank 0 writes the discovery file
+                  when it first reaches that step
+  WAIT_FOR_SIZE   "<n>@<step>": the workers wait at that step (at most 90 s) until the job
+                  has n workers
+Prints "COMMIT {json}" after every commit and "FINAL {json}" at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import horovod.torch as hvd
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 4, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.5
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x, y = batch(step)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def reference(steps: int) -> list[list[float]]:
+    """The weights after ``steps`` steps in one process."""
+    model, opt = make_model()
+    for step in range(steps):
+        train_step(model, opt, step)
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _matches(spec: str, me: str, step: int) -> bool:
+    if not spec:
+        return False
+    who, _, at = spec.rpartition("@")
+    return (who in ("*", me)) and int(at) == step
+
+
+def main() -> None:
+    steps = int(os.environ.get("STEPS", "30"))
+    pause = float(os.environ.get("STEP_SLEEP", "0.1"))
+    me = f"{os.environ['HOROVOD_ELASTIC_HOST']}[{os.environ['HOROVOD_ELASTIC_SLOT']}]"
+    hosts_at = json.loads(os.environ.get("HOSTS_AT", "{}"))
+    wait_for = os.environ.get("WAIT_FOR_SIZE", "")
+
+    hvd.init()
+    model, opt = make_model()
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+    def on_reset() -> None:
+        print(f"RESET {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size()})}",
+              flush=True)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while state.step < steps:
+            if _matches(os.environ.get("KILL", ""), me, state.step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if _matches(os.environ.get("RAISE", ""), me, state.step):
+                raise RuntimeError(f"worker {me} raises at step {state.step} (test)")
+            content = hosts_at.get(str(state.step))
+            marker = f"{os.environ.get('HOSTS_FILE', '')}.done{state.step}"
+            if hvd.rank() == 0 and content is not None and not os.path.exists(marker):
+                with open(os.environ["HOSTS_FILE"] + ".tmp", "w") as fh:
+                    fh.write(content)
+                os.replace(os.environ["HOSTS_FILE"] + ".tmp", os.environ["HOSTS_FILE"])
+                open(marker, "w").close()
+            if wait_for:
+                n, _, at = wait_for.partition("@")
+                # Every rank loops the same number of times (check_host_updates is collective).
+                for _ in range(450):
+                    if state.step != int(at) or hvd.size() >= int(n):
+                        break
+                    time.sleep(0.2)
+                    state.check_host_updates()
+            train_step(model, opt, state.step)
+            state.step += 1
+            state.commit()
+            print(f"COMMIT {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step})}",
+                  flush=True)
+            time.sleep(pause)
+
+    state = hvd.elastic.TorchState(model, opt, step=0)
+    state.register_reset_callbacks([on_reset])
+    train(state)
+    momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()]
+    final = {"me": me, "rank": hvd.rank(), "size": hvd.size(), "step": state.step,
+             "w": [p.detach().flatten().tolist() for p in model.parameters()], "momentum": momentum}
+    print(f"FINAL {json.dumps(final)}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
