@@ -48,7 +48,9 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         ValueError (ConfigError): conflicting or invalid arguments.
         WorkerFailedError: a rank raised (the error names the rank, carries ``rank``, ``host`` and
             ``exception``, and chains the original exception) or a worker died.
-        NotImplementedError: elastic arguments (not supported by this launcher yet).
+
+    Elastic mode (``min_num_proc``, ``max_num_proc`` or ``host_discovery_script``; Gloo) returns
+    the results of the first ``min_num_proc`` ranks of the final round, as upstream does.
     """
     import cloudpickle
 
@@ -63,14 +65,13 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
                       DeprecationWarning, stacklevel=2)
         min_num_proc = min_num_proc if min_num_proc is not None else min_np
         max_num_proc = max_num_proc if max_num_proc is not None else max_np
-    if any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script, slots,
-                                   reset_limit, cooldown_range)):
-        raise NotImplementedError("Elastic horovod.run() (min_num_proc, max_num_proc, "
-                                  "host_discovery_script, ...) is not available in this launcher.")
+    elastic = any(v is not None for v in (min_num_proc, max_num_proc, host_discovery_script))
     if hosts and hostfile:
         raise ConfigError("Give either hosts or hostfile to horovod.run(), not both.")
     if use_gloo and use_mpi:
         raise ConfigError("Give either use_gloo=True or use_mpi=True to horovod.run(), not both.")
+    if num_proc is None and elastic:
+        num_proc = min_num_proc
     if num_proc is None:
         raise ConfigError("horovod.run() needs num_proc (the number of processes).")
     nics: list[str] = list(network_interfaces or [])
@@ -87,7 +88,11 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         start_timeout=start_timeout or default_start_timeout(), verbose=int(verbose or 0),
         output_filename=output_filename, disable_cache=bool(disable_cache),
         controller="gloo" if use_gloo else "mpi" if use_mpi else None, mpi_args=mpi_args,
-        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}), run_func=True)
+        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}), run_func=True,
+        min_np=min_num_proc, max_np=max_num_proc, host_discovery_script=host_discovery_script,
+        slots_per_host=slots, reset_limit=reset_limit,
+        blacklist_cooldown_range=(tuple(cooldown_range)  # type: ignore[arg-type]
+                                  if cooldown_range else None))
 
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     servers: list[Any] = []
@@ -103,6 +108,12 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     server = servers[0]
     values: list[Any] = []
     errors: list[tuple[int, BaseException, str]] = []
+    if settings.elastic:
+        # Elastic (upstream): the results of the first min_num_proc ranks of the final round.
+        if result.returncode != 0:
+            raise WorkerFailedError(f"horovod.run: the elastic job failed: "
+                                    f"{getattr(result, 'error', None)}")
+        num_proc = settings.min_np or num_proc
     for rank in range(num_proc):
         raw = server.get(RESULT_SCOPE, str(rank))
         if raw is None:

@@ -34,6 +34,10 @@ def main() -> int:
     try:
         value = func(*args, **kwargs)
         payload = cloudpickle.dumps(("ok", value))
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            return 0  # an elastic worker the job went on without: no result
+        raise
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         tb = traceback.format_exc()
         print(f"User function raise error: {exc!r}\n{tb}", file=sys.stderr, flush=True)

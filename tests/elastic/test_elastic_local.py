@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,10 @@ from elastic_worker import reference  # noqa: E402
 
 
 def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str],
-                timeout: float = 150) -> tuple[subprocess.CompletedProcess[str], Path]:
+                timeout: float = 150, on_log: dict[str, str] | None = None,
+                ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run horovodrun in elastic mode; ``on_log`` maps a driver log text to the hosts-file
+    content written as soon as the driver logs it (once)."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts)
     script = tmp_path / "discover.sh"
@@ -41,9 +45,41 @@ def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str]
     full_env.update(env)
     argv = [sys.executable, "-m", "horovod.runner", *args, "--host-discovery-script", str(script),
             sys.executable, str(WORKER)]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env,
-                         cwd=str(tmp_path))
-    return res, hosts_file
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=str(tmp_path))
+    pending = dict(on_log or {})
+    err_lines: list[str] = []
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line)
+            for text in list(pending):
+                if line.startswith("horovodrun:") and text in line:
+                    hosts_file.write_text(pending.pop(text))
+
+    out_chunks: list[str] = []
+
+    def read_stdout() -> None:
+        assert proc.stdout is not None
+        out_chunks.extend(proc.stdout)
+
+    readers = [threading.Thread(target=read_stderr, daemon=True),
+               threading.Thread(target=read_stdout, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        for t in readers:
+            t.join(5)
+        pytest.fail(f"horovodrun did not end within {timeout} s:\n{''.join(err_lines)[-6000:]}")
+    for t in readers:
+        t.join(10)
+    return (subprocess.CompletedProcess(argv, proc.returncode, "".join(out_chunks),
+                                        "".join(err_lines)), hosts_file)
 
 
 def tagged(stdout: str, tag: str) -> list[dict]:
@@ -126,13 +162,16 @@ def test_graceful_shrink_below_min_np_then_new_host_no_deadlock(tmp_path: Path) 
     steps = 24
     res, _ = run_elastic(
         tmp_path, "localhost:2\n127.0.0.1:1\n", ["-np", "3", "--min-np", "3"],
-        {"STEPS": str(steps), "HOSTS_AT": json.dumps({"6": "localhost:2\n",
-                                                      "7": "localhost:2\n127.0.0.2:1\n"})})
+        {"STEPS": str(steps), "HOSTS_AT": json.dumps({"6": "localhost:2\n"})},
+        on_log={"waiting for hosts: 2 slot(s) available": "localhost:2\n127.0.0.2:1\n"})
     finals = check_training(res, steps, size=3)
     assert {f["me"] for f in finals} == {"localhost[0]", "localhost[1]", "127.0.0.2[0]"}
     log = driver_log(res)
     assert "127.0.0.1[0] will leave" in log, log
-    assert "new: 127.0.0.2[0]" in log and "state synced from rank 0" in log, log
+    assert "waiting for hosts: 2 slot(s) available (localhost:2), --min-np is 3" in log, log
+    assert re.search(r"round 1: training resumes with 3 workers on localhost:2, 127\.0\.0\.2:1; "
+                     r"new: 127\.0\.0\.2\[0\]; gone: 127\.0\.0\.1\[0\].*state synced from rank 0",
+                     log), log
 
 
 def test_all_workers_failing_ends_the_job_with_a_message(tmp_path: Path) -> None:

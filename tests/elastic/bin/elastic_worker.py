@@ -32,6 +32,10 @@ import horovod.torch as hvd
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    # A parameter the forward pass never uses: the optimizer of a trained worker has no state for
+    # it, while a fresh optimizer initialised by a zero-gradient step would (upstream #2652's
+    # shape: a new worker waiting in broadcasts the others never make).
+    model.unused = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, opt
 
@@ -111,7 +115,8 @@ def main() -> None:
     state = hvd.elastic.TorchState(model, opt, step=0)
     state.register_reset_callbacks([on_reset])
     train(state)
-    momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()
+                if p in opt.state]
     final = {"me": me, "rank": hvd.rank(), "size": hvd.size(), "step": state.step,
              "w": [p.detach().flatten().tolist() for p in model.parameters()], "momentum": momentum}
     print(f"FINAL {json.dumps(final)}", flush=True)

@@ -1,0 +1,216 @@
+"""The elastic driver's decisions, without processes: discovery parsing, blacklist cooldown, and
+the round state machine driven step by step with fake workers and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from horovod.common.exceptions import ConfigError
+from horovod.runner.elastic.discovery import (
+    FixedHosts,
+    HostManager,
+    cooldown_seconds,
+    parse_discovery_output,
+)
+from horovod.runner.elastic.driver import ElasticDriver
+
+
+def test_discovery_output_parsing() -> None:
+    assert parse_discovery_output("a:2\n\nb\n# c:9\na:5\n", 3, "s") == {"a": 2, "b": 3}
+    with pytest.raises(ConfigError, match="gives no slots"):
+        parse_discovery_output("a\n", None, "s")
+    with pytest.raises(ConfigError, match="positive integer"):
+        parse_discovery_output("a:0\n", None, "s")
+    with pytest.raises(ConfigError, match="line 1"):
+        parse_discovery_output("a b:2\n", None, "s")
+
+
+def test_cooldown_grows_and_is_clamped() -> None:
+    assert cooldown_seconds(1, None) is None
+    assert cooldown_seconds(1, (10, 100), rand=lambda: 0.0) == 10
+    assert cooldown_seconds(2, (10, 100), rand=lambda: 0.5) == 25
+    assert cooldown_seconds(8, (10, 100), rand=lambda: 0.0) == 100
+
+
+def test_blacklisted_host_comes_back_after_its_cooldown() -> None:
+    now = [0.0]
+    hm = HostManager(FixedHosts({"a": 1, "b": 2}), (10, 100), clock=lambda: now[0],
+                     rand=lambda: 0.0)
+    hm.update()
+    assert hm.blacklist_host("b") == 10
+    assert hm.available() == {"a": 1}
+    now[0] = 10.5
+    assert hm.available() == {"a": 1, "b": 2}
+    permanent = HostManager(FixedHosts({"a": 1}))
+    permanent.update()
+    assert permanent.blacklist_host("a") is None and permanent.all_blacklisted()
+
+
+class FakeProc:
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.stopped = True
+
+    def kill(self) -> None:
+        self.stopped = True
+
+
+class Harness:
+    def __init__(self, hosts: dict[str, int], np: int, min_np: int, max_np: int | None = None,
+                 **kw: object) -> None:
+        self.now = 0.0
+        self.fixed = FixedHosts(hosts)
+        self.started: list[tuple[str, int]] = []
+        hm = HostManager(self.fixed, clock=lambda: self.now)
+        self.d = ElasticDriver(hm, np, min_np, max_np, self.start, clock=lambda: self.now, **kw)
+        self.d.discover_once()
+
+    def start(self, key: tuple[str, int], slot: object) -> FakeProc:
+        self.started.append(key)
+        return FakeProc()
+
+    def ready(self, *keys: tuple[str, int], reason: str = "error") -> None:
+        for k in keys:
+            w = self.d.workers[k]
+            w.state, w.reason = "ready", reason
+
+    def running(self) -> None:
+        for k in self.d.members:
+            self.d.workers[k].state = "running"
+            self.d.workers[k].after = self.d.round
+
+    def exit(self, key: tuple[str, int], code: int | None, sig: int | None = None) -> None:
+        self.d.worker_exited(key, code, sig)
+
+    def step(self) -> None:
+        with self.d.cv:
+            self.d._step()
+
+    def ranks(self) -> dict[tuple[str, int], int]:
+        return {k: self.d.answers[k]["rank"] for k in self.d.members}
+
+
+def test_first_round_waits_for_every_started_worker() -> None:
+    h = Harness({"a": 2, "b": 1}, np=3, min_np=2)
+    h.step()
+    assert h.started == [("a", 0), ("a", 1), ("b", 0)] and h.d.round == -1
+    h.ready(("a", 0), ("a", 1), reason="start")
+    h.step()
+    assert h.d.round == -1
+    h.ready(("b", 0), reason="start")
+    h.step()
+    assert h.d.round == 0 and h.ranks() == {("a", 0): 0, ("a", 1): 1, ("b", 0): 2}
+    assert h.d.answers[("b", 0)]["local_size"] == 1 and h.d.answers[("a", 1)]["local_rank"] == 1
+
+
+def first_round(h: Harness) -> None:
+    h.step()
+    h.ready(*h.started, reason="start")
+    h.step()
+    h.running()
+
+
+def test_failure_blacklists_host_and_survivors_form_the_next_round_with_sync() -> None:
+    h = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=2)
+    first_round(h)
+    h.exit(("a", 0), None, 9)
+    h.step()
+    assert h.d.hosts.is_blacklisted("a")
+    assert h.d.round == 0  # b and c have not rejoined yet
+    h.ready(("b", 0), ("c", 0))
+    h.step()
+    assert h.d.round == 1 and h.ranks() == {("b", 0): 0, ("c", 0): 1}
+    assert h.d.answers[("b", 0)]["skip_sync"] is False
+    assert any("failed (killed by signal 9 (SIGKILL)); blacklisting host a" in e for e in h.d.events)
+
+
+def test_removal_only_round_skips_sync_but_not_when_a_newcomer_joins() -> None:
+    # Upstream #3494: skip_sync must be decided for the round as formed, for every member.
+    h = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=2)
+    first_round(h)
+    h.fixed.hosts = {"a": 1, "b": 1}
+    h.d.discover_once()
+    h.step()
+    assert h.d.notice_version == 1 and h.d.notice_update == 1  # removed
+    h.ready(("a", 0), ("b", 0), ("c", 0), reason="removed")
+    h.step()
+    assert h.d.round == 1 and h.d.answers[("a", 0)]["skip_sync"] is True
+    assert h.d.workers[("c", 0)].removed
+    h.running()
+
+    h2 = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=3)
+    first_round(h2)
+    h2.fixed.hosts = {"a": 1, "b": 1}
+    h2.d.discover_once()
+    h2.step()
+    h2.ready(("a", 0), ("b", 0), ("c", 0), reason="removed")
+    h2.step()
+    assert h2.d.round == 0  # 2 slots < --min-np 3: waiting
+    h2.fixed.hosts = {"a": 1, "b": 1, "d": 1}
+    h2.d.discover_once()
+    h2.step()
+    assert ("d", 0) in h2.started
+    h2.ready(("d", 0), reason="start")
+    h2.now += 1
+    h2.step()
+    assert h2.d.round == 1 and set(h2.ranks()) == {("a", 0), ("b", 0), ("d", 0)}
+    assert all(h2.d.answers[k]["skip_sync"] is False for k in h2.d.members)
+
+
+def test_new_host_members_are_notified_only_once_the_new_worker_is_waiting() -> None:
+    h = Harness({"a": 1}, np=1, min_np=1, max_np=2)
+    first_round(h)
+    h.fixed.hosts = {"a": 1, "b": 1}
+    h.d.discover_once()
+    h.step()
+    assert ("b", 0) in h.started and h.d.notice_version == 0
+    h.ready(("b", 0), reason="start")
+    h.step()
+    assert h.d.notice_version == 1 and h.d.notice_update == 2  # added
+    h.step()
+    assert h.d.notice_version == 1  # notified once
+    h.ready(("a", 0), reason="added")
+    h.step()
+    assert h.d.round == 1 and h.ranks() == {("a", 0): 0, ("b", 0): 1}
+
+
+def test_too_few_slots_for_longer_than_the_timeout_fails() -> None:
+    h = Harness({"a": 1, "b": 1}, np=2, min_np=2, timeout=30)
+    first_round(h)
+    h.exit(("b", 0), 1)
+    h.step()
+    h.ready(("a", 0))
+    h.step()
+    assert not h.d.done and any("waiting for hosts" in e for e in h.d.events)
+    h.now += 31
+    h.step()
+    assert h.d.done and "too few hosts" in (h.d.error or "")
+
+
+def test_reset_limit() -> None:
+    h = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=1, reset_limit=1)
+    first_round(h)
+    h.exit(("c", 0), 1)
+    h.step()
+    h.ready(("a", 0), ("b", 0))
+    h.step()
+    assert h.d.round == 1
+    h.running()
+    h.exit(("b", 0), 1)
+    h.step()
+    h.ready(("a", 0))
+    h.step()
+    assert h.d.done and "more than --reset-limit 1" in (h.d.error or "")
+
+
+def test_member_exit_zero_completes_the_job() -> None:
+    h = Harness({"a": 1, "b": 1}, np=2, min_np=1)
+    first_round(h)
+    h.exit(("a", 0), 0)
+    h.step()
+    assert not h.d.hosts.is_blacklisted("a")
+    h.exit(("b", 0), 0)
+    h.step()
+    assert h.d.done and h.d.error is None
