@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from horovod.common import context as _ctx
+from horovod.common import lifecycle as _lifecycle
 from horovod.common.exceptions import NotInitializedError
 
 __all__ = [
@@ -63,14 +64,23 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     global _atexit_registered
     with _ctx._lock:
-        if _ctx.peek_context() is not None:
+        ctx = _ctx.peek_context()
+        if ctx is not None and ctx.started:
+            ctx.resolve_process_sets(process_sets)
             return
-        ctx = _ctx.Context(comm=comm, process_sets=process_sets)
-        _ctx.set_context(ctx)
-        _configure_logging(ctx.config.log_level, ctx.config.log_hide_time)
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _atexit_registered = True
+        if ctx is None:
+            ctx = _ctx.Context(comm=comm, start=False)
+            _ctx.set_context(ctx)
+            _configure_logging(ctx.config.log_level, ctx.config.log_hide_time)
+            _lifecycle.install()
+            if ctx.topology.size > 1:
+                _lifecycle.note_multi_rank()
+            if not _atexit_registered:
+                atexit.register(_lifecycle.end_process, shutdown)
+                _atexit_registered = True
+        # A bad process-set list raises here and leaves Horovod connected (hvd.size() works),
+        # as upstream: init() may be called again with a valid list.
+        ctx.start(process_sets)
 
 
 def shutdown() -> None:
@@ -81,6 +91,11 @@ def shutdown() -> None:
             return
         _ctx.set_context(None)
     ctx.close()
+
+
+def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered process set: ``{id: sorted global ranks}`` (upstream's internal helper)."""
+    return {i: list(ps.ranks or []) for i, ps in sorted(_ctx.get_context().process_sets.items())}
 
 
 def is_initialized() -> bool:
@@ -207,7 +222,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     ctx = _ctx.get_context()
     if not ctx.config.timeline:
         raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
-    ctx.engine.start_timeline(os.fspath(file_path), mark_cycles)
+    ctx._engine().start_timeline(os.fspath(file_path), mark_cycles)
 
 
 def stop_timeline() -> None:
@@ -215,4 +230,4 @@ def stop_timeline() -> None:
     ctx = _ctx.peek_context()
     if ctx is None:
         raise NotInitializedError()
-    ctx.engine.stop_timeline()
+    ctx._engine().stop_timeline()

