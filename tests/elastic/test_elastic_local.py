@@ -150,7 +150,7 @@ def test_host_added_mid_training_joins_with_the_state(tmp_path: Path) -> None:
     assert "127.0.0.1[0]" in {f["me"] for f in finals}
     log = driver_log(res)
     assert "host 127.0.0.1 appeared in discovery with 1 slot(s)" in log
-    assert "new worker(s) 127.0.0.1[0] are up" in log
+    assert "new slot(s) 127.0.0.1[0]: telling the workers to take them in" in log
     assert re.search(r"round 1: training resumes with 3 workers on localhost:2, 127\.0\.0\.1:1; "
                      r"new: 127\.0\.0\.1\[0\].*state synced from rank 0", log), log
 

@@ -377,6 +377,7 @@ class ElasticDriver:
                 if w.proc is not None:
                     w.proc.stop()
         gone = frozenset(k for k in self.members if self.workers[k].alive
+                         and not self.workers[k].removed
                          and (k[0] not in avail or k[1] >= avail[k[0]]))
         if gone and not gone <= self._notified_removed:
             self._notified_removed = self._notified_removed | gone
@@ -399,7 +400,11 @@ class ElasticDriver:
         return assign_slots([HostSpec(h, s) for h, s in ordered], n)
 
     def _scale(self) -> None:
-        """Start workers on new slots; notify the members once they are all waiting."""
+        """Start workers on new slots and tell the members to take them in at their next commit.
+
+        The members are told at once (as upstream does: scripts wait for the notice); the round
+        they then ask for waits until the new workers are up.
+        """
         if self.max_np is not None and len(self.members) >= self.max_np:
             return
         plan = self._plan(self._member_hosts())
@@ -414,11 +419,11 @@ class ElasticDriver:
             if w is None or (not w.alive and w.exit_handled and not self.hosts.is_blacklisted(key[0])):
                 self._start(key, s, "to grow the job")
             new.append(key)
-        ready = frozenset(k for k in new if self.workers[k].state == "ready")
-        if ready and len(ready) == len(new) and not ready <= self._notified_added:
-            self._notified_added = self._notified_added | ready
-            self._notify(ADDED, f"new worker(s) {', '.join(key_name(k) for k in sorted(ready))} "
-                         "are up: telling the workers to take them in at their next commit")
+        fresh = frozenset(new)
+        if fresh and not fresh <= self._notified_added:
+            self._notified_added = self._notified_added | fresh
+            self._notify(ADDED, f"new slot(s) {', '.join(key_name(k) for k in sorted(fresh))}: "
+                         "telling the workers to take them in at their next commit")
 
     def _member_hosts(self) -> list[str]:
         seen: list[str] = []
@@ -488,6 +493,10 @@ class ElasticDriver:
             ready_keys = {(s.hostname, s.local_rank) for s in ready}
             pending = [s for s in plan if (s.hostname, s.local_rank) not in ready_keys]
             if pending and len(ready) < need:
+                return
+            # A reset asked for to take in new workers waits for them; after a failure the
+            # survivors go on at once with whoever is ready (the others join a later round).
+            if pending and any(self.workers[k].reason == "added" for k in survivors):
                 return
             if pending and self.clock() - (self._reset_since or now) < 0.5:
                 return  # newcomers about to be ready: give them a moment

@@ -159,19 +159,21 @@ def test_removal_only_round_skips_sync_but_not_when_a_newcomer_joins() -> None:
     assert all(h2.d.answers[k]["skip_sync"] is False for k in h2.d.members)
 
 
-def test_new_host_members_are_notified_only_once_the_new_worker_is_waiting() -> None:
+def test_new_host_is_started_members_notified_once_and_the_round_waits_for_it() -> None:
     h = Harness({"a": 1}, np=1, min_np=1, max_np=2)
     first_round(h)
     h.fixed.hosts = {"a": 1, "b": 1}
     h.d.discover_once()
     h.step()
-    assert ("b", 0) in h.started and h.d.notice_version == 0
-    h.ready(("b", 0), reason="start")
-    h.step()
+    assert ("b", 0) in h.started
     assert h.d.notice_version == 1 and h.d.notice_update == 2  # added
     h.step()
     assert h.d.notice_version == 1  # notified once
     h.ready(("a", 0), reason="added")
+    h.now += 5
+    h.step()
+    assert h.d.round == 0  # the member asked to take b in: wait for b
+    h.ready(("b", 0), reason="start")
     h.step()
     assert h.d.round == 1 and h.ranks() == {("a", 0): 0, ("b", 0): 1}
 
