@@ -109,6 +109,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
 
     def start_worker(key: Key, slot: SlotInfo) -> WorkerProcess:
         host = key[0]
+        for known in list(manager.discovered):
+            local(known)  # a remote host anywhere: local workers must use a routable address
         is_local = local(host)
         if is_local:
             addr = route_address(remote_seen[0]) if remote_seen else "127.0.0.1"
