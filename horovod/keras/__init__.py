@@ -43,14 +43,14 @@ from horovod.common.basics import (
 )
 from horovod.common.process_sets import global_process_set
 from horovod.common.types import Adasum, Average, Sum
-from horovod.keras import callbacks
+from horovod.keras import callbacks, elastic
 from horovod.tensorflow.compression import Compression
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
     "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
-    "global_process_set", "Average", "Sum", "Adasum", "Compression", "callbacks", "DistributedOptimizer",
+    "global_process_set", "Average", "Sum", "Adasum", "Compression", "callbacks", "elastic", "DistributedOptimizer",
     "PartialDistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
     "reducescatter", "load_model",
 ]

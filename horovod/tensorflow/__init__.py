@@ -244,3 +244,5 @@ def __getattr__(name: str) -> Any:
 
         return SyncBatchNormalization
     raise AttributeError(f"module 'horovod.tensorflow' has no attribute {name!r}")
+
+from horovod.tensorflow import elastic as elastic  # noqa: E402 - hvd.elastic (needs the names above)

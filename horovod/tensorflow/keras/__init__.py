@@ -52,14 +52,14 @@ from horovod.common.process_sets import (
 )
 from horovod.common.types import Average, Sum
 from horovod.tensorflow.compression import Compression
-from horovod.tensorflow.keras import callbacks
+from horovod.tensorflow.keras import callbacks, elastic
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
     "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
-    "Compression", "callbacks", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "Compression", "callbacks", "elastic", "DistributedOptimizer", "PartialDistributedOptimizer",
     "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter", "load_model",
 ]
 
