@@ -137,7 +137,7 @@ def commit_cost(repeats: int) -> dict[str, float]:
 
     hvd.init()
     layers = [torch.nn.Linear(2048, 2048) for _ in range(6)]  # 6 x 4.2 M
-    layers.append(torch.nn.Linear(2048, 728))  # total ~ 25.6 M parameters (ResNet-50: 25.56 M)
+    layers.append(torch.nn.Linear(2048, 185))  # total 25.56 M parameters, as ResNet-50
     model = torch.nn.Sequential(*layers)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -162,9 +162,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write the figures here as JSON")
+    ap.add_argument("--only", choices=["commit"], help="measure only this figure")
     args = ap.parse_args()
     figures: dict[str, list[dict[str, float]] | dict[str, float]] = {"recovery": [], "join": []}
-    for i in range(args.repeats):
+    for i in range(0 if args.only else args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             figures["recovery"].append(recovery(tmp))  # type: ignore[union-attr]
         with tempfile.TemporaryDirectory() as tmp:

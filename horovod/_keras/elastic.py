@@ -63,7 +63,7 @@ class UpdateBatchStateCallbackImpl:
         self._offset, self._limit = 0, None
         if params.get("steps"):
             if self.steps_per_epoch is None:
-                self.steps_per_epoch = params.get("steps")
+                self.steps_per_epoch = int(params["steps"])
             self._offset = int(self.state.batch)
             self._limit = self.steps_per_epoch - self._offset
             params["steps"] = self._limit

@@ -26,6 +26,7 @@ def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str]
                 timeout: float = 150, on_log: dict[str, str] | None = None,
                 popen: Callable[..., Any] | None = None,
                 on_stdout: Callable[[str], None] | None = None, worker: Path = WORKER,
+                worker_args: list[str] | None = None,
                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Run horovodrun in elastic mode; ``on_log`` maps a driver log text to the hosts-file
     content written as soon as the driver logs it (once); ``on_stdout`` sees every output line;
@@ -40,7 +41,7 @@ def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str]
     full_env.update({"HOSTS_FILE": str(hosts_file), "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"})
     full_env.update(env)
     argv = [sys.executable, "-m", "horovod.runner", *args, "--host-discovery-script", str(script),
-            sys.executable, str(worker)]
+            sys.executable, str(worker), *(worker_args or [])]
     start = popen or subprocess.Popen
     proc = start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                  env=full_env, cwd=str(tmp_path))

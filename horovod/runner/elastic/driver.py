@@ -360,8 +360,8 @@ class ElasticDriver:
                     other.removed = True
                     if other.proc is not None:
                         other.proc.stop()
-        if self.round < 0 and self.workers and all(
-                not w.alive and not w.removed for w in self.workers.values()):
+        if self.round < 0 and self.workers and not any(w.alive for w in self.workers.values()) \
+                and any(not w.removed for w in self.workers.values()):
             self._fail(f"all {len(self.workers)} workers failed before training started; "
                        "stopping the job (see their output above)")
 
@@ -480,8 +480,8 @@ class ElasticDriver:
         # --min-np, the rest joins a later round.
         for s in plan:
             key = (s.hostname, s.local_rank)
-            w = self.workers.get(key)
-            if w is None or (not w.alive and not self.hosts.is_blacklisted(key[0])):
+            known = self.workers.get(key)
+            if known is None or (not known.alive and not self.hosts.is_blacklisted(key[0])):
                 self._start(key, s, "for the next round" if not first else "for round 0")
         ready = [s for s in plan if self.workers[(s.hostname, s.local_rank)].state == "ready"
                  and not self.workers[(s.hostname, s.local_rank)].removed]

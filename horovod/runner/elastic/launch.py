@@ -171,6 +171,6 @@ def configure_logging() -> None:
         lg.setLevel(logging.INFO)
     if not logging.getLogger("horovod.runner").handlers and not lg.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("horovodrun: elastic: %(message)s"))
+        handler.setFormatter(logging.Formatter("horovodrun: %(message)s"))
         lg.addHandler(handler)
         lg.propagate = False
