@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -33,10 +34,15 @@ from typing import Any, NoReturn
 
 from horovod.common.exceptions import HorovodInternalError, HorovodShutdownError
 
-__all__ = ["EXIT_RECORD_ENV", "Failure", "classify", "failure", "install", "note_mpi_initialized",
+__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "note_mpi_initialized",
            "note_multi_rank", "record_failure", "end_process"]
 
 EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
+# The same record, as one stderr line the launcher removes from the output: it travels with the
+# rank's output at once, so the launcher has it even when mpirun stops the rank before its shim
+# can report (mpirun stops forwarding a job's output once it terminates it).
+ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 log = logging.getLogger("horovod")
 
@@ -73,15 +79,58 @@ def note_multi_rank() -> None:
     _multi_rank = True
 
 
+def _is_consequence_type(exc: BaseException) -> bool:
+    return isinstance(exc, HorovodShutdownError) or type(exc) is HorovodInternalError
+
+
+def _below(exc: BaseException) -> BaseException | None:
+    return exc.__cause__ or exc.__context__
+
+
 def classify(exc: BaseException | None) -> str:
-    """``"consequence"`` when the error (or one it was raised from) only says a peer left."""
+    """``"consequence"`` when the error only says that a peer left, else ``"cause"``.
+
+    Follows the chain of ``raise ... from``/``during handling``: the first ``HorovodShutdownError``
+    or plain ``HorovodInternalError`` (a collective failed in the transport) in it makes it a
+    consequence, unless the engine stopped because of an exception of this rank's own (a
+    ``HorovodShutdownError`` raised from, say, a ``RuntimeError`` of the program).
+    """
+    return _classify(exc)[0]
+
+
+def _classify(exc: BaseException | None) -> tuple[str, BaseException | None]:
+    """The kind, and the exception that best says what happened (shown in the report)."""
+    top = exc
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and not _is_consequence_type(exc) and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, HorovodShutdownError) or type(exc) is HorovodInternalError:
-            return "consequence"
-        exc = exc.__cause__ or exc.__context__
-    return "cause"
+        exc = _below(exc)
+    if exc is None or id(exc) in seen:
+        return "cause", top  # no Horovod error in the chain: the program's own
+    last = exc
+    while (nxt := _below(last)) is not None and _is_consequence_type(nxt) and id(nxt) not in seen:
+        seen.add(id(nxt))
+        last = nxt
+    below = _below(last)
+    if below is None or (type(last) is HorovodInternalError and not _raised_by_program(below)):
+        return "consequence", top  # a peer left, or the transport failed under us
+    return "cause", below  # the engine stopped because this rank's program raised
+
+
+_LIBRARY_PARTS = (os.sep + "torch" + os.sep, os.sep + "mpi4py" + os.sep)
+
+
+def _raised_by_program(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in the program's own code (a signal handler, a callback) rather
+    than in Horovod or a transport library (Gloo raises plain ``RuntimeError``)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../horovod
+    return not path.startswith(package + os.sep) and not any(p in path for p in _LIBRARY_PARTS)
 
 
 def record_failure(code: int, kind: str, error: str) -> None:
@@ -91,10 +140,17 @@ def record_failure(code: int, kind: str, error: str) -> None:
         return
     _failure = Failure(code, kind, error, time.time())
     path = os.environ.get(EXIT_RECORD_ENV)
-    if path:
+    if path:  # started by horovodrun (its worker shim named the file)
         with contextlib.suppress(OSError):
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(asdict(_failure), fh)
+        rank = next((os.environ[v] for v in _RANK_VARS if v in os.environ), "")
+        if rank.isdigit():
+            line = ERROR_MARKER + json.dumps(dict(asdict(_failure), rank=int(rank))) + "\n"
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            with contextlib.suppress(OSError):
+                os.write(2, line.encode("utf-8"))
 
 
 def _exit_code(code: Any) -> int:
@@ -125,14 +181,35 @@ class _ExitRequest(SystemExit):
                 record_failure(code, "cause", f"sys.exit({self.code!r})")
 
 
+_last_exit: weakref.ref[_ExitRequest] | None = None
+
+
+def _exit_request(status: Any) -> _ExitRequest:
+    global _last_exit
+    request = _ExitRequest(status)
+    _last_exit = weakref.ref(request)
+    return request
+
+
 def _sys_exit(status: Any = None) -> NoReturn:
-    raise _ExitRequest(status)
+    # made in a helper: a local name here would tie the exception to its own traceback (a
+    # cycle), keeping it alive after it was caught
+    raise _exit_request(status)
+
+
+def _pending_exit() -> None:
+    """At exit: a non-zero ``sys.exit()`` whose exception is still referenced (by a traceback
+    or an error it was chained to) ended the process without its finalizer telling us so."""
+    request = _last_exit() if _last_exit is not None else None
+    if request is not None and _exit_code(request.code):
+        record_failure(_exit_code(request.code), "cause", f"sys.exit({request.code!r})")
 
 
 def _excepthook(orig: Callable[..., Any]) -> Callable[..., Any]:
     def hook(etype: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         code = 130 if issubclass(etype, KeyboardInterrupt) else 1
-        record_failure(code, classify(value), _summary(value))
+        kind, shown = _classify(value)
+        record_failure(code, kind, _summary(shown or value))
         orig(etype, value, tb)
     hook._horovod = True  # type: ignore[attr-defined]
     return hook
@@ -154,7 +231,7 @@ def install() -> None:
             def __call__(self, code: Any = None) -> None:
                 with contextlib.suppress(Exception):
                     sys.stdin.close()
-                raise _ExitRequest(code)
+                raise _exit_request(code)
 
         builtins.exit = _Quitter("exit", "Ctrl-D (i.e. EOF)")
         builtins.quit = _Quitter("quit", "Ctrl-D (i.e. EOF)")
@@ -175,6 +252,8 @@ def end_process(shutdown: Callable[[], None]) -> None:
     Normally: shut Horovod down, then finalize MPI if Horovod initialized it. After a failure in
     a job of several ranks: flush output and leave with the failure's exit code at once.
     """
+    if _failure is None:
+        _pending_exit()
     fail = _failure
     if fail is not None and _multi_rank:
         with contextlib.suppress(Exception):

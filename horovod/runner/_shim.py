@@ -13,7 +13,10 @@ Run by file path (standard library only, nothing from ``horovod`` is imported) a
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
 on to that group. When the command ends, the rest of its group is stopped and one line
 ``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr: rank, host, pid, exit code or signal, time, and
-why the shim stopped it, if it did. The launcher removes that line from the output and uses it
+why the shim stopped it, if it did. The command finds a file name in ``HOROVOD_EXIT_RECORD``;
+Horovod writes there, the moment a rank fails, whether its error is a cause of its own or only
+the consequence of a peer leaving (``horovod/common/lifecycle.py``), and the shim passes that on
+as ``"error"``. The launcher removes that line from the output and uses it
 for the failure report. The shim exits with the command's code, or 128 + the signal number.
 """
 
@@ -27,6 +30,7 @@ import threading
 import time
 
 MARKER = "__HOROVOD_RUNNER_EXIT__ "
+EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
 GRACE_SECONDS = 3.0
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
@@ -117,12 +121,33 @@ def main(argv):
     rank = next((env[v] for v in _RANK_VARS if v in env), "?")
     host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
+    record_path = os.path.join(os.environ.get("TMPDIR") or "/tmp",
+                               f"horovod-exit-{os.getpid()}-{time.time_ns()}.json")
+    try:
+        os.close(os.open(record_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        env[EXIT_RECORD_ENV] = record_path
+    except OSError:  # no record then; the rank's error marker on stderr still reaches the launcher
+        pass
+
+    def read_record():
+        try:
+            with open(record_path, encoding="utf-8") as fh:
+                text = fh.read()
+            return json.loads(text) if text.strip() else None
+        except (OSError, ValueError):
+            return None
+        finally:
+            try:
+                os.unlink(record_path)
+            except OSError:
+                pass
+
     def report(code, signum, reason):
         info = {"rank": int(rank) if rank.isdigit() else rank, "host": host,
                 "real_host": socket.gethostname(), "pid": child_pid, "code": code,
                 "signal": signum,
                 "signame": signal.Signals(signum).name if signum else None,
-                "time": time.time(), "stopped_by": reason}
+                "time": time.time(), "stopped_by": reason, "error": read_record()}
         sys.stdout.flush()
         sys.stderr.write(MARKER + json.dumps(info) + "\n")
         sys.stderr.flush()

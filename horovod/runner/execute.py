@@ -22,13 +22,32 @@ from typing import IO, Any
 
 from horovod.runner.failures import RankExit, format_report, root_cause
 from horovod.runner.launchers.base import Command
-from horovod.runner.output import MARKER, LineSplitter, TagParser, prefix_line
+from horovod.runner.output import ERROR_MARKER, MARKER, LineSplitter, TagParser, prefix_line
 
 __all__ = ["Executor", "JobResult"]
 
 log = logging.getLogger(__name__)
 
 TAIL_LINES = 20
+
+
+def _prctl() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl() if sys.platform.startswith("linux") else None
+
+
+def _end_with_launcher() -> None:
+    """In mpirun, before exec: SIGTERM when horovodrun dies (killed with SIGKILL, say), so that
+    mpirun stops the job instead of running on orphaned (PR_SET_PDEATHSIG)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 @dataclass
@@ -99,6 +118,7 @@ class Executor:
         self._write_lock = threading.Lock()
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._markers: dict[int, dict[str, Any]] = {}
+        self._errors: dict[int, dict[str, Any]] = {}  # ERROR_MARKER records, by rank
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
         self._files: dict[tuple[int, str], IO[str]] = {}
@@ -109,6 +129,17 @@ class Executor:
 
     # ----------------------------------------------------------------- output
     def _emit(self, rank: int | None, stream: str, text: str, term: str) -> None:
+        err_at = text.find(ERROR_MARKER)
+        if err_at >= 0:
+            try:
+                record = json.loads(text[err_at + len(ERROR_MARKER):])
+                if isinstance(record.get("rank"), int):
+                    self._errors.setdefault(record["rank"], record)
+                text, term = text[:err_at], "\n"
+                if not text:
+                    return
+            except ValueError:
+                pass
         idx = text.find(MARKER)
         if idx >= 0:
             try:
@@ -193,7 +224,8 @@ class Executor:
                 popen = subprocess.Popen(
                     cmd.argv, env=cmd.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     stdin=stdin, start_new_session=not tagged,
-                    process_group=0 if tagged else None)
+                    process_group=0 if tagged else None,
+                    preexec_fn=_end_with_launcher if tagged else None)
             except OSError as exc:
                 self._stop(f"could not start {cmd.argv[0]!r}: {exc}")
                 raise
@@ -350,9 +382,9 @@ class Executor:
                 tail = list(self._tails.get(rank, []))
                 if info is not None:
                     stopped = info.get("stopped_by")
-                    exits.append(RankExit(rank, host, info.get("code"), info.get("signal"),
-                                          float(info.get("time") or proc.exit_time), stopped,
-                                          tail, lr))
+                    exits.append(RankExit.with_record(
+                        info.get("error"), rank, host, info.get("code"), info.get("signal"),
+                        float(info.get("time") or proc.exit_time), stopped, tail, lr))
                     seen.add(rank)
                 elif len(proc.cmd.ranks) == 1 and proc.returncode is not None:
                     rc = proc.returncode
@@ -380,6 +412,9 @@ class Executor:
                                 proc.exit_time, "by mpirun; its exit report was not forwarded",
                                 list(self._tails.get(rank, [])),
                                 self.local_rank_by_rank.get(rank)))
+        for e in exits:  # the record sent at the moment of failure, when the shim had none
+            if e.error_kind is None and e.rank is not None and e.rank in self._errors:
+                e.apply_record(self._errors[e.rank])
         returncode = 0
         launcher_tail = list(self._tails.get(None, []))
         mpirun = [p for p in self._procs if len(p.cmd.ranks) != 1 or p.cmd.tagged]

@@ -1,8 +1,13 @@
 """Per-rank exit records and the failure report ``horovodrun`` prints when a job fails.
 
-The report names the root cause first (the rank that failed first, by the time its shim saw it
-end): its host, local rank, exit code or signal, and the last lines of its stderr. Then one line
-per other rank that did not finish cleanly, saying whether it failed by itself or was stopped.
+The report names the root cause first: its host, local rank, exit code or signal, the error it
+raised and the last lines of its stderr. Then one line per other rank that did not finish
+cleanly, saying whether it failed by itself, only because a peer left, or was stopped.
+
+The root cause is decided by cause, not by timing alone: a rank whose Horovod program recorded
+an error of its own (the exit record, see ``horovod/common/lifecycle.py``) comes before ranks
+whose error only says that a peer left (``HorovodShutdownError``, ``HorovodInternalError``),
+whichever ended first.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ class RankExit:
         stderr_tail: the last lines it wrote to stderr.
         local_rank: its local rank, when known.
         note: extra context (for example that no exit report arrived).
+        error: the error the rank's program recorded as it failed ("RuntimeError: ...").
+        error_kind: "cause" (an error of its own), "consequence" (raised because a peer left),
+            or None when the program recorded nothing (not a Horovod program, killed, ...).
+        error_time: when the program recorded the error (the worker host's clock).
     """
 
     rank: int | None
@@ -50,6 +59,33 @@ class RankExit:
     stderr_tail: list[str] = field(default_factory=list)
     local_rank: int | None = None
     note: str = ""
+    error: str = ""
+    error_kind: str | None = None
+    error_time: float | None = None
+    error_code: int | None = None
+
+    @classmethod
+    def with_record(cls, record: object, *args: object, **kwargs: object) -> RankExit:
+        """A RankExit with the fields of a worker's exit record (ignored when malformed)."""
+        e = cls(*args, **kwargs)  # type: ignore[arg-type]
+        e.apply_record(record)
+        return e
+
+    def apply_record(self, record: object) -> None:
+        """Take the error kind, text and time from a worker's exit record, if it is one."""
+        if isinstance(record, dict) and record.get("kind") in ("cause", "consequence"):
+            self.error_kind = str(record["kind"])
+            self.error = str(record.get("error") or "")
+            t = record.get("time")
+            self.error_time = float(t) if isinstance(t, (int, float)) else None
+            code = record.get("code")
+            self.error_code = code if isinstance(code, int) and code else None
+            if self.error_kind == "cause" and self.error_code is not None and (
+                    self.stopped_by or (self.code is None and not self.signal)):
+                self.note = ("it failed with the error below, then did not exit by itself; "
+                             "stopped on its way out")
+                if self.code is None and not self.signal:
+                    self.code = self.error_code
 
     @property
     def failed(self) -> bool:
@@ -61,7 +97,14 @@ class RankExit:
 
     @property
     def exit_status(self) -> int:
-        """The exit status a shell would show: the code, or 128 + signal."""
+        """The exit status a shell would show: the code, or 128 + signal.
+
+        A rank that recorded an error of its own, then hung on the way out and was stopped,
+        counts with the code its error gave (not the signal that stopped it).
+        """
+        if self.error_kind == "cause" and self.error_code and (
+                self.stopped_by or (self.code is None and not self.signal)):
+            return self.error_code
         if self.signal:
             return 128 + self.signal
         return self.code or 0
@@ -78,19 +121,32 @@ SIMULTANEOUS_SECONDS = 0.5
 
 
 def root_cause(exits: list[RankExit]) -> RankExit | None:
-    """The failure that came first among those the launcher did not cause itself.
+    """The rank whose failure started the job's end.
 
-    When several ranks fail within ``SIMULTANEOUS_SECONDS`` of the first, one killed by a signal
-    is preferred: a rank that loses a peer exits with an error code (a transport error, an MPI
-    abort), while the peer that vanished was killed (out of memory, a crash, ``kill -9``).
+    1. A rank whose program recorded an error of its own (``error_kind == "cause"``) comes first,
+       the earliest recorded; one the launcher stopped counts only if its error came before the
+       first rank ended by itself (it failed, then hung on the way out).
+    2. Otherwise the failure that came first among those the launcher did not cause itself,
+       leaving out ranks whose error only says that a peer left while another rank failed
+       otherwise. Among failures within ``SIMULTANEOUS_SECONDS`` of the first, one killed by a
+       signal is preferred: a rank that loses a peer exits with an error code (a transport error,
+       an MPI abort), while the peer that vanished was killed (out of memory, a crash, ``kill -9``).
     """
-    own = [e for e in exits if e.failed and not e.stopped_by]
-    if own:
-        t0 = min(e.time for e in own)
-        near = [e for e in own if e.time <= t0 + SIMULTANEOUS_SECONDS]
+    failed = [e for e in exits if e.failed]
+    own = [e for e in failed if not e.stopped_by]
+    first_end = min((e.time for e in own), default=float("inf"))
+    # (a rank that recorded an error failed, even when mpirun stopped it before it could report)
+    causes = [e for e in exits if e.error_kind == "cause" and (
+        not e.stopped_by or (e.error_time is not None and e.error_time <= first_end))]
+    if causes:
+        return min(causes, key=lambda e: (e.error_time if e.error_time is not None else e.time,
+                                          e.rank if e.rank is not None else -1))
+    primary = [e for e in own if e.error_kind != "consequence"] or own
+    if primary:
+        t0 = min(e.time for e in primary)
+        near = [e for e in primary if e.time <= t0 + SIMULTANEOUS_SECONDS]
         return min(near, key=lambda e: (not e.signal, e.time,
                                         e.rank if e.rank is not None else -1))
-    failed = [e for e in exits if e.failed]
     return min(failed, key=lambda e: e.time) if failed else None
 
 
@@ -106,6 +162,8 @@ def format_report(exits: list[RankExit], interrupted: str | None = None,
                      "thus causing the job to be terminated. The first process to do so was:")
         lines.append(f"  {first.where()}: {first.status}"
                      + (f" ({first.note})" if first.note else ""))
+        if first.error:
+            lines.append(f"  error: {first.error}")
         if first.stderr_tail:
             lines.append(f"  last {min(tail_lines, len(first.stderr_tail))} lines of its stderr:")
             lines += [f"    | {t}" for t in first.stderr_tail[-tail_lines:]]
@@ -118,6 +176,8 @@ def format_report(exits: list[RankExit], interrupted: str | None = None,
         for e in others:
             if e.stopped_by:
                 how = f"{e.status}, stopped after the first failure ({e.stopped_by})"
+            elif e.error_kind == "consequence":
+                how = f"{e.status}, because a peer left ({e.error.splitlines()[0][:120]})"
             else:
                 how = f"{e.status} (after the first failure)" if first else e.status
             lines.append(f"  {e.where()}: {how}" + (f" ({e.note})" if e.note else ""))

@@ -7,10 +7,13 @@ import codecs
 import re
 import time
 
-__all__ = ["LineSplitter", "TagParser", "prefix_line", "MARKER"]
+__all__ = ["LineSplitter", "TagParser", "prefix_line", "MARKER", "ERROR_MARKER"]
 
 # Written by the worker shim as the last stderr line of a rank; see _shim.py.
 MARKER = "__HOROVOD_RUNNER_EXIT__ "
+# Written by a failing Horovod rank the moment it fails (horovod/common/lifecycle.py, same text):
+# whether its error is its own or a consequence of a peer leaving.
+ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
 
 _SPLIT = re.compile(r"(\r\n|\n|\r)")
 

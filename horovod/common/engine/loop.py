@@ -233,8 +233,14 @@ class Engine:
                 shutdown = self._shutdown_requested
             stop = self._round(new, shutdown)
         except BaseException as exc:  # the transport failed: fail everything, loudly
-            log.error("Horovod engine on rank %d stopped: %s", self.rank, exc)
-            self._finish(exc)
+            # Ctrl-C or sys.exit() from a signal handler of a caller driving this round: the
+            # engine stops (the round is cut short), and the caller gets its own exception.
+            exiting = isinstance(exc, (KeyboardInterrupt, SystemExit))
+            if not exiting:
+                log.error("Horovod engine on rank %d stopped: %s", self.rank, exc)
+            self._finish(None if exiting else exc)
+            if exiting and threading.current_thread() is not self._thread:
+                raise
             return
         if stop:
             self._finish(None)

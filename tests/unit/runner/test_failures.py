@@ -31,3 +31,78 @@ def test_exit_status_is_code_or_128_plus_signal() -> None:
     assert RankExit(0, "a", 3, None, 0).exit_status == 3
     assert RankExit(0, "a", None, 9, 0).exit_status == 137
     assert not RankExit(0, "a", 0, None, 0).failed
+
+
+def _rec(kind: str, t: float, error: str = "RuntimeError: boom", code: int = 1) -> dict:
+    return {"kind": kind, "error": error, "time": t, "code": code}
+
+
+def test_cause_wins_over_an_earlier_consequence() -> None:
+    """Rank 0 ended first, but only with HorovodShutdownError because rank 1 left."""
+    exits = [
+        RankExit.with_record(_rec("consequence", 2.0, "HorovodShutdownError: shut down"),
+                             0, "a", 1, None, 2.1),
+        RankExit.with_record(_rec("cause", 1.9, "RuntimeError: step 5 failed"), 1, "a", 1, None,
+                             2.6),
+    ]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 1
+    text = format_report(exits)
+    assert text.splitlines()[1].startswith("  rank 1 (host a): exit code 1")
+    assert "  error: RuntimeError: step 5 failed" in text
+    assert "rank 0 (host a): exit code 1, because a peer left (HorovodShutdownError" in text
+
+
+def test_cause_stuck_at_exit_and_stopped_still_wins() -> None:
+    """The failing rank hung on its way out and the launcher SIGTERMed it after rank 0 ended."""
+    exits = [
+        RankExit.with_record(_rec("consequence", 2.0), 0, "a", 1, None, 2.1),
+        RankExit.with_record(_rec("cause", 1.9, code=1), 1, "a", None, 15, 2.4,
+                             stopped_by="received SIGTERM"),
+    ]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 1
+    assert first.exit_status == 1  # the code its error gave, not 128 + SIGTERM
+    assert "stopped on its way out" in format_report(exits)
+
+
+def test_cause_without_exit_report_still_wins() -> None:
+    """mpirun stopped the failing rank before its shim reported; only its error record came."""
+    e1 = RankExit(1, "a", None, None, 2.5, stopped_by="by mpirun; its exit report was not forwarded")
+    e1.apply_record(_rec("cause", 1.9))
+    exits = [RankExit.with_record(_rec("consequence", 2.0), 0, "a", 1, None, 2.1), e1]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 1 and first.exit_status == 1
+
+
+def test_error_raised_by_a_stopped_rank_after_the_first_failure_is_not_the_cause() -> None:
+    """Rank 2 was SIGKILLed (no record); rank 0's SIGTERM handler raised while being stopped."""
+    exits = [
+        RankExit.with_record(_rec("cause", 5.0), 0, "a", 1, None, 5.1, stopped_by="received SIGTERM"),
+        RankExit(2, "b", None, 9, 3.0),
+    ]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 2
+
+
+def test_consequences_are_not_root_causes_when_another_rank_failed_by_itself() -> None:
+    exits = [
+        RankExit.with_record(_rec("consequence", 1.0), 0, "a", 1, None, 1.0),
+        RankExit(1, "a", 3, None, 1.3),  # sys.exit(3) from a program that recorded nothing
+    ]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 1
+
+
+def test_earliest_of_several_causes() -> None:
+    exits = [RankExit.with_record(_rec("cause", 2.0), 0, "a", 1, None, 2.2),
+             RankExit.with_record(_rec("cause", 1.5), 2, "a", 1, None, 2.4)]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 2
+
+
+def test_malformed_record_is_ignored() -> None:
+    e = RankExit.with_record({"kind": "nonsense"}, 0, "a", 1, None, 1.0)
+    assert e.error_kind is None and e.error == ""
+    e = RankExit.with_record("not a dict", 0, "a", 1, None, 1.0)
+    assert e.error_kind is None

@@ -1,0 +1,176 @@
+"""How a process ends: error classification, sys.exit detection, exit without waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from horovod.common import lifecycle
+from horovod.common.exceptions import (
+    CollectiveMismatchError,
+    HorovodInternalError,
+    HorovodShutdownError,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _raise_from(outer: BaseException, inner: BaseException | None) -> BaseException:
+    try:
+        try:
+            if inner is not None:
+                raise inner
+        except BaseException as e:  # noqa: BLE001
+            raise outer from e
+        raise outer
+    except BaseException as e:  # noqa: BLE001
+        return e
+
+
+def _program_error() -> RuntimeError:
+    try:
+        raise RuntimeError("the program's own")
+    except RuntimeError as e:
+        return e
+
+
+def test_classify() -> None:
+    assert lifecycle.classify(RuntimeError("x")) == "cause"
+    assert lifecycle.classify(CollectiveMismatchError("shapes differ")) == "cause"
+    assert lifecycle.classify(HorovodShutdownError("peer left")) == "consequence"
+    assert lifecycle.classify(HorovodInternalError("MPI failed")) == "consequence"
+    # the program wraps Horovod's error: still only a consequence of the peer leaving
+    assert lifecycle.classify(_raise_from(RuntimeError("training failed"),
+                                          HorovodShutdownError("peer left"))) == "consequence"
+    # the engine stopped because of this rank's own exception (raised inside a collective)
+    own = _raise_from(HorovodShutdownError("Cause on rank 1: x"), _program_error())
+    assert lifecycle.classify(own) == "cause"
+    shown = lifecycle._classify(own)[1]
+    assert shown is not None and shown.args == ("the program's own",)
+    # the transport failed: HorovodInternalError wrapping the library's plain RuntimeError
+    transport = _raise_from(HorovodShutdownError("stopped"),
+                            _raise_from(HorovodInternalError("Gloo failed"), None))
+    assert lifecycle.classify(transport) == "consequence"
+
+
+def _run(code: str, tmp_path: Path, env: dict[str, str] | None = None,
+         timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], dict | None, float]:
+    record = tmp_path / "record.json"
+    full = dict(os.environ, PYTHONPATH=str(REPO), HOROVOD_EXIT_RECORD=str(record), **(env or {}))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=timeout, env=full)
+    took = time.monotonic() - t0
+    data = json.loads(record.read_text()) if record.exists() and record.read_text() else None
+    return res, data, took
+
+
+PRELUDE = """
+    import atexit, sys, time
+    from horovod.common import lifecycle
+    lifecycle.install()
+    lifecycle.note_multi_rank()
+    atexit.register(lifecycle.end_process, lambda: print("SHUTDOWN", flush=True))
+"""
+
+
+def test_uncaught_sys_exit_is_recorded_and_leaves_at_once(tmp_path: Path) -> None:
+    code = ("import atexit, time\n"
+            "atexit.register(time.sleep, 30)  # registered first: runs last, skipped on failure\n"
+            + textwrap.dedent(PRELUDE) + "sys.exit(3)\n")
+    res, rec, took = _run(code, tmp_path)
+    assert res.returncode == 3, res.stderr
+    assert rec is not None and rec["code"] == 3 and rec["kind"] == "cause", rec
+    assert "SHUTDOWN" not in res.stdout and took < 20
+
+
+def test_caught_sys_exit_is_not_a_failure(tmp_path: Path) -> None:
+    code = textwrap.dedent(PRELUDE) + textwrap.dedent("""
+        try:
+            sys.exit(3)
+        except SystemExit:
+            pass
+        exit_after = 0
+    """)
+    res, rec, _ = _run(code, tmp_path)
+    assert res.returncode == 0 and rec is None, (res.stderr, rec)
+    assert "SHUTDOWN" in res.stdout  # the normal exit path ran
+
+
+def test_sys_exit_zero_and_builtin_exit(tmp_path: Path) -> None:
+    res, rec, _ = _run(textwrap.dedent(PRELUDE) + "sys.exit(0)\n", tmp_path)
+    assert res.returncode == 0 and rec is None and "SHUTDOWN" in res.stdout
+    res, rec, _ = _run(textwrap.dedent(PRELUDE) + "exit(4)\n", tmp_path)
+    assert res.returncode == 4 and rec is not None and rec["code"] == 4, (res.stderr, rec)
+
+
+def test_uncaught_exception_recorded_with_its_kind_and_marker(tmp_path: Path) -> None:
+    code = textwrap.dedent(PRELUDE) + textwrap.dedent("""
+        from horovod.common.exceptions import HorovodShutdownError
+        raise HorovodShutdownError("Horovod has been shut down.")
+    """)
+    res, rec, _ = _run(code, tmp_path, env={"HOROVOD_RANK": "2"})
+    assert res.returncode == 1
+    assert rec is not None and rec["kind"] == "consequence" and "HorovodShutdownError" in rec["error"]
+    marker = [line for line in res.stderr.splitlines() if line.startswith(lifecycle.ERROR_MARKER)]
+    assert len(marker) == 1 and json.loads(marker[0][len(lifecycle.ERROR_MARKER):])["rank"] == 2
+    assert "Traceback" in res.stderr  # the traceback is still printed
+
+
+def test_single_rank_failure_takes_the_normal_exit_path(tmp_path: Path) -> None:
+    code = textwrap.dedent(PRELUDE).replace("lifecycle.note_multi_rank()", "") + (
+        "raise RuntimeError('alone')\n")
+    res, rec, _ = _run(code, tmp_path)
+    assert res.returncode == 1 and "SHUTDOWN" in res.stdout
+    assert rec is not None and rec["error"] == "RuntimeError: alone"
+
+
+def test_error_marker_text_matches_the_launcher() -> None:
+    from horovod.runner.output import ERROR_MARKER
+
+    assert lifecycle.ERROR_MARKER == ERROR_MARKER
+
+
+@pytest.mark.parametrize("level", ["single", "multiple"])
+def test_thread_level_of_mpi_init_follows_config(level: str, tmp_path: Path) -> None:
+    """Horovod's own MPI init asks for MPI_THREAD_MULTIPLE unless HOROVOD_MPI_THREADS_DISABLE."""
+    code = textwrap.dedent("""
+        import mpi4py
+        mpi4py.rc.initialize = False
+        from mpi4py import MPI
+        from horovod.common.backends import mpi
+        from horovod.common.config import EngineConfig
+        import os
+        b = mpi.create(EngineConfig.from_env(os.environ), os.environ)
+        print("LEVEL", MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        b.close()
+    """)
+    env = {"HOROVOD_MPI_THREADS_DISABLE": "1"} if level == "single" else {}
+    res, _, _ = _run(code, tmp_path, env=env)
+    assert f"LEVEL {level == 'multiple'}" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0, res.stderr
+
+
+def test_sys_exit_still_referenced_at_exit_counts(tmp_path: Path) -> None:
+    """sys.exit(3) whose exception something keeps alive (here a global) never reaches its
+    finalizer before exit: the exit step must still see it and not take the normal path."""
+    code = textwrap.dedent(PRELUDE) + textwrap.dedent("""
+        kept = []
+        def run():
+            try:
+                sys.exit(3)
+            except SystemExit as e:
+                kept.append(e)
+                raise
+        run()
+    """)
+    res, rec, _ = _run(code, tmp_path)
+    assert res.returncode == 3 and rec is not None and rec["code"] == 3, (res.stderr, rec)
+    assert "SHUTDOWN" not in res.stdout
