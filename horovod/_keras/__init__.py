@@ -112,21 +112,47 @@ def _keras3_methods(base: type) -> dict[str, Any]:
 
 
 def _keras2_methods(base: type) -> dict[str, Any]:
+    # Gradients are averaged where upstream does it: in _compute_gradients (what Keras 2's legacy
+    # minimize() calls; scripts call it too), with the local aggregation of backward_passes_per_step
+    # there. apply_gradients() averages gradients that did not come from _compute_gradients (the
+    # new tf_keras optimizers' minimize() calls compute_gradients(); custom loops pass their own).
+    def _compute_gradients(self: Any, loss: Any, var_list: Any, grad_loss: Any = None,
+                           tape: Any = None) -> list[tuple[Any, Any]]:
+        cfg = _hvd(self)
+        if hasattr(base, "_compute_gradients"):  # legacy OptimizerV2
+            pairs = base._compute_gradients(self, loss, var_list, grad_loss=grad_loss, tape=tape)
+        else:
+            if grad_loss is not None:
+                raise ValueError(f"{base.__name__}.compute_gradients takes no grad_loss; pass "
+                                 "output_gradients through your own tf.GradientTape instead.")
+            pairs = base.compute_gradients(self, loss, var_list, tape=tape)
+        pairs = list(pairs)
+        if not pairs:
+            return pairs
+        grads, variables = [list(x) for x in zip(*pairs)]
+        reduced = cfg.agg.compute_gradients(grads, variables) if cfg.agg else cfg.reduce(grads, variables)
+        self.__dict__["_hvd_reduced"] = list(reduced)
+        return list(zip(reduced, variables))
+
     def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         cfg = _hvd(self)
         pairs = list(grads_and_vars)
         if not pairs:
             return base.apply_gradients(self, pairs, *args, **kwargs)
         grads, variables = [list(x) for x in zip(*pairs)]
+        done = self.__dict__.pop("_hvd_reduced", None)
+        reduced = done is not None and len(done) == len(grads) and all(a is b for a, b in zip(done, grads))
         if cfg.agg is None:
-            return base.apply_gradients(self, list(zip(cfg.reduce(grads, variables), variables)), *args,
-                                        **kwargs)
-        summed = cfg.agg.compute_gradients(grads, variables)
+            if not reduced:
+                grads = cfg.reduce(grads, variables)
+            return base.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs)
+        if not reduced:
+            grads = cfg.agg.compute_gradients(grads, variables)
         return cfg.agg.apply_gradients(
-            lambda: base.apply_gradients(self, list(zip(summed, variables)), *args, **kwargs),
+            lambda: base.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs),
             self.iterations)
 
-    return {"apply_gradients": apply_gradients}
+    return {"_compute_gradients": _compute_gradients, "apply_gradients": apply_gradients}
 
 
 def _register_local_var(self: Any, var: Any) -> None:
@@ -145,7 +171,8 @@ def distributed_class(base: type, cfg: _HvdConfig) -> type:
     keras3 = hasattr(base, "stateless_apply")
     methods = _keras3_methods(base) if keras3 else _keras2_methods(base)
     methods.update(register_local_var=_register_local_var, _hvd_distributed=True,
-                   _hvd_class_config=cfg, __module__=base.__module__)
+                   _hvd_class_config=cfg, __module__=base.__module__,
+                   _agg_helper=property(lambda self: _hvd(self).agg))
     return type(base.__name__, (base,), methods)
 
 

@@ -45,6 +45,7 @@ from horovod.common.process_sets import global_process_set
 from horovod.common.types import Adasum, Average, Sum
 from horovod.keras import callbacks, elastic
 from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.gradient_tape import _is_keras_layer
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
@@ -90,7 +91,7 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_
     layers = [] if local_layers is None else (
         local_layers if isinstance(local_layers, list | tuple) else [local_layers])
     for layer in layers:
-        if not isinstance(layer, keras.layers.Layer):
+        if not _is_keras_layer(layer):  # Keras 3 or tf_keras
             raise ValueError("All local layers must be of keras.layers.Layer type.")
         for w in layer.trainable_weights:
             opt.register_local_var(w)

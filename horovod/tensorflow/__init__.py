@@ -67,6 +67,7 @@ from horovod.common.process_sets import (
     remove_process_set,
 )
 from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from horovod.tensorflow import _errors
 from horovod.tensorflow._grads import sparse_allreduce as _sparse_allreduce
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.functions import (
@@ -96,6 +97,7 @@ from horovod.tensorflow.mpi_ops import (
     size_op,
 )
 from horovod.tensorflow.optimizer import DistributedOptimizer
+from horovod.tensorflow.util import _executing_eagerly  # noqa: F401 - upstream has hvd._executing_eagerly
 
 
 def _exclude_from_autograph() -> None:
@@ -110,6 +112,7 @@ def _exclude_from_autograph() -> None:
 
 
 _exclude_from_autograph()
+_errors.install()  # ranks disagreeing inside graphs: FailedPreconditionError, as upstream
 
 __all__ = [
     # process-level names (horovod.common.BASICS)

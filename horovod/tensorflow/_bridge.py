@@ -11,12 +11,10 @@ Engine keys: an explicit ``name`` in eager mode, else the engine's call-order co
 default, scope included unless ``ignore_name_scope``), so keys do not depend on the order in which
 TF's executor happens to run independent ops.
 
-Errors: in eager mode, ranks disagreeing raise ``tf.errors.FailedPreconditionError``, bad arguments
-``tf.errors.InvalidArgumentError``, a failed or shut-down engine ``tf.errors.UnknownError``; each
-message starts with the op type (``HorovodAllreduce``...) and carries the engine's text, and the
-Horovod exception is chained as ``__cause__``. Inside graphs TF turns exceptions of a
-``numpy_function`` into ``InvalidArgumentError`` (mismatches, bad arguments) or ``UnknownError``
-(engine failures) with the same text.
+Errors (see ``_errors``): ranks disagreeing raise ``tf.errors.FailedPreconditionError``, bad
+arguments ``tf.errors.InvalidArgumentError``, a failed or shut-down engine ``tf.errors.UnknownError``,
+in eager mode and in graphs alike; each message starts with the op type (``HorovodAllreduce``...)
+and carries the engine's text (in eager mode the Horovod exception is chained as ``__cause__``).
 """
 
 from __future__ import annotations
@@ -32,15 +30,11 @@ import tensorflow as tf
 
 from horovod.common import collectives as C
 from horovod.common.engine.executor import SMALL_OUTPUT_BYTES, aligned_empty
-from horovod.common.exceptions import (
-    CollectiveMismatchError,
-    HorovodInternalError,
-    NotInitializedError,
-)
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import ReduceOp
+from horovod.tensorflow import _errors
 
-__all__ = ["engine_call", "normalize_name", "np_allreduce", "np_allgather", "np_broadcast",
+__all__ = ["engine_call", "check_registered", "normalize_name", "np_allreduce", "np_allgather", "np_broadcast",
            "np_alltoall", "np_reducescatter", "check_not_xla"]
 
 NpFn = Callable[[Any, list[np.ndarray]], list[np.ndarray]]
@@ -58,6 +52,22 @@ def normalize_name(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
+def check_registered(process_set: ProcessSet | None, op_type: str) -> None:
+    """Raise ``ValueError`` now, when the op is built, if ``process_set`` was never registered (or
+    was removed), as upstream does; membership is checked when the op runs (InvalidArgumentError).
+    """
+    from horovod.common.context import peek_context
+
+    ctx = peek_context()
+    if ctx is None or process_set is None:
+        return  # before init(): graphs may be built first; the op reports it when it runs
+    ps_id = process_set.process_set_id
+    if ps_id is None or ps_id not in ctx.groups:
+        raise ValueError(f"{op_type}: process set {process_set!r} does not exist or has not been registered "
+                         f"(known ids: {sorted(ctx.groups)}). Register it with hvd.add_process_set() or "
+                         "hvd.init(process_sets=...).")
+
+
 def check_not_xla(op_type: str) -> None:
     """Raise a clear error if the op is being traced into an XLA-compiled function."""
     try:
@@ -66,29 +76,6 @@ def check_not_xla(op_type: str) -> None:
         return
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         raise NotImplementedError(_XLA_HINT.format(op=op_type))
-
-
-def _eager_error(op_type: str, key: Any, exc: BaseException) -> BaseException:
-    where = f"{op_type} ({key!r})" if key is not None else op_type
-    msg = f"{where}: {exc}"
-    if isinstance(exc, CollectiveMismatchError):
-        return tf.errors.FailedPreconditionError(None, None, msg)
-    if isinstance(exc, HorovodInternalError):
-        return tf.errors.UnknownError(None, None, msg)
-    if isinstance(exc, NotInitializedError):
-        return exc
-    if isinstance(exc, ValueError):
-        return tf.errors.InvalidArgumentError(None, None, msg)
-    return exc
-
-
-def _graph_error(op_type: str, key: Any, exc: BaseException) -> BaseException:
-    msg = f"{op_type} ({key!r}): {exc}"
-    if isinstance(exc, CollectiveMismatchError | NotInitializedError) or isinstance(exc, ValueError):
-        return ValueError(msg)  # InvalidArgumentError once it crosses the numpy_function boundary
-    if isinstance(exc, HorovodInternalError):
-        return RuntimeError(msg)  # UnknownError
-    return exc
 
 
 def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf.DType],
@@ -114,7 +101,7 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
         try:
             outs = fn(name, arrays)
         except Exception as exc:  # noqa: BLE001 - translated, re-raised
-            err = _eager_error(op_type, name, exc)
+            err = _errors.eager_error(op_type, name, exc)
             if err is exc:
                 raise
             raise err from exc
@@ -137,7 +124,7 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
             fn(cell[0], list(arrays), layout.views(flat))  # type: ignore[call-arg]
             return flat
         except Exception as exc:  # noqa: BLE001 - translated, re-raised
-            err = _graph_error(op_type, cell[0], exc)
+            err = _errors.graph_error(op_type, cell[0], exc)
             if err is exc:
                 raise
             raise err from exc

@@ -109,6 +109,7 @@ def sparse_allreduce(slices: Sequence[tf.IndexedSlices], op: ReduceOp, process_s
     """Allreduce IndexedSlices by gathering values and indices (duplicates are not merged)."""
     if not slices:
         return []
+    B.check_registered(process_set, "HorovodAllgather")
     values = [tf.convert_to_tensor(s.values) for s in slices]
     indices = [tf.convert_to_tensor(s.indices) for s in slices]
     tensors = values + indices

@@ -5,7 +5,7 @@ same node name), dtype and shape rules; a disagreement raises on every rank (see
 Ops are differentiable with the gradients upstream Horovod registers: allreduce -> allreduce with
 the same op and factors; allgather -> averaged allreduce, then this rank's slice; broadcast ->
 averaged allreduce, zero on non-root ranks; alltoall -> alltoall back with the received splits;
-reducescatter -> allgather (divided by the set size for Average).
+reducescatter -> allgather (times the set size for Sum; as upstream, Average's is the plain allgather).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def _raw_allreduce(tensors: list[Any], name: str | None, op: ReduceOp, prescale:
                    ignore_name_scope: bool, process_set: ProcessSet | None, grouped: bool,
                    groups: Sequence[Sequence[int]] | None = None) -> list[Any]:
     op_type = "HorovodGroupedAllreduce" if grouped else "HorovodAllreduce"
+    B.check_registered(process_set, op_type)
     if grouped and name is None and not tf.executing_eagerly() and tensors:
         first, last = B.normalize_name(tensors[0].name), B.normalize_name(tensors[-1].name)
         name = f"{op_type}_{first}_{last}" if len(tensors) > 1 else f"{op_type}_{first}"
@@ -121,6 +122,7 @@ def allreduce_grads_nograd(tensors: Sequence[Any], name: str | None, op: int, pr
 def _raw_allgather(tensors: list[Any], name: str | None, ignore_name_scope: bool,
                    process_set: ProcessSet | None, grouped: bool) -> list[Any]:
     op_type = "HorovodGroupedAllgather" if grouped else "HorovodAllgather"
+    B.check_registered(process_set, op_type)
 
     def fn(key: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return B.np_allgather(key, arrays, process_set, grouped)
@@ -172,6 +174,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 def _raw_broadcast(tensors: list[Any], root_rank: int, name: str | None, ignore_name_scope: bool,
                    process_set: ProcessSet | None) -> list[Any]:
     op_type = "HorovodBroadcast"
+    B.check_registered(process_set, op_type)
 
     def fn(key: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return B.np_broadcast(key, arrays, root_rank, process_set)
@@ -227,6 +230,7 @@ def broadcast_(variables: Any, root_rank: int, name: str | None = None,
 # ---------------------------------------------------------------------------- alltoall
 def _raw_alltoall(tensor: Any, splits: Any, name: str | None, ignore_name_scope: bool,
                   process_set: ProcessSet | None) -> list[Any]:
+    B.check_registered(process_set, "HorovodAlltoall")
     has_splits = splits is not None
 
     def fn(key: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -265,6 +269,7 @@ def _raw_reducescatter(tensors: list[Any], name: str | None, op: ReduceOp, presc
                        postscale: float, ignore_name_scope: bool, process_set: ProcessSet | None,
                        grouped: bool) -> list[Any]:
     op_type = "HorovodGroupedReducescatter" if grouped else "HorovodReducescatter"
+    B.check_registered(process_set, op_type)
 
     def fn(key: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return B.np_reducescatter(key, arrays, op, prescale, postscale, process_set, grouped)
@@ -276,9 +281,11 @@ def _raw_reducescatter(tensors: list[Any], name: str | None, op: ReduceOp, presc
 
 def _reducescatter_backward(op: ReduceOp, prescale: float, postscale: float, ignore_name_scope: bool,
                             process_set: ProcessSet | None) -> Callable[..., list[Any]]:
+    # Upstream's definition: Sum -> allgather(dy) * set size, Average -> allgather(dy); the
+    # scale factors multiply in as the chain rule says.
     def backward(xs: list[Any], ys: list[Any], dys: list[Any]) -> list[Any]:
         gathered = _raw_allgather(dys, None, ignore_name_scope, process_set, len(dys) > 1)
-        scale = prescale * postscale / (_ps(process_set).size() if op == ReduceOp.AVERAGE else 1)
+        scale = prescale * postscale * (_ps(process_set).size() if op == ReduceOp.SUM else 1)
         return [g * tf.cast(scale, g.dtype) if scale != 1 else g for g in gathered]
 
     return backward

@@ -52,6 +52,7 @@ from horovod.common.process_sets import (
 )
 from horovod.common.types import Average, Sum
 from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.gradient_tape import _is_keras_layer
 from horovod.tensorflow.keras import callbacks, elastic
 
 __all__ = [
@@ -107,7 +108,7 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_
     layers = [] if local_layers is None else (
         local_layers if isinstance(local_layers, list | tuple) else [local_layers])
     for layer in layers:
-        if not isinstance(layer, keras.layers.Layer):
+        if not _is_keras_layer(layer):  # Keras 3 or tf_keras
             raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
         for w in layer.trainable_weights:
             opt.register_local_var(w)

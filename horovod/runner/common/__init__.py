@@ -1,0 +1,1 @@
+"""Helpers kept at upstream Horovod's paths under ``horovod.runner.common``."""

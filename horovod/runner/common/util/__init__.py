@@ -1,0 +1,1 @@
+"""Utilities at upstream Horovod's ``horovod.runner.common.util`` path."""

@@ -1,0 +1,99 @@
+"""Upstream-compatible details of horovod.tensorflow in one process (size 1).
+
+- a graph op whose ranks disagree reports ``tf.errors.FailedPreconditionError`` in ``tf.function``,
+  TF1 sessions and ``tf.data`` (``_errors``), while every other InvalidArgumentError stays one;
+- ``hvd._executing_eagerly`` / ``horovod.tensorflow.util._executing_eagerly``;
+- an unregistered process set raises ``ValueError`` when the op is built, in every mode.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import horovod.tensorflow as hvd  # noqa: E402
+from horovod.tensorflow._errors import HorovodFailedPrecondition  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _init():
+    hvd.init()
+    yield
+
+
+def _mismatch(x):
+    raise HorovodFailedPrecondition("HorovodAllreduce ('w'): Mismatched shapes: rank 0: (2,); rank 1: (3,)")
+
+
+def _bad_argument(x):
+    raise ValueError("HorovodAlltoall ('a'): splits must sum to the first dimension")
+
+
+def _graph_op(fn, x):
+    return tf.numpy_function(fn, [x], tf.float32, stateful=True)
+
+
+def test_mismatch_in_tf_function_is_failed_precondition():
+    f = tf.function(lambda x: _graph_op(_mismatch, x))
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched shapes: rank 0"):
+        f(tf.ones([2]))
+
+
+def test_mismatch_in_tf1_session_is_failed_precondition():
+    with tf.Graph().as_default():
+        out = _graph_op(_mismatch, tf.ones([2]))
+        with tf.compat.v1.Session() as sess, pytest.raises(tf.errors.FailedPreconditionError,
+                                                           match="HorovodAllreduce"):
+            sess.run(out)
+
+
+def test_mismatch_in_tf_data_map_is_failed_precondition():
+    ds = tf.data.Dataset.range(2).map(lambda i: _graph_op(_mismatch, tf.cast(i, tf.float32)))
+    with pytest.raises(tf.errors.FailedPreconditionError):
+        list(ds)
+
+
+def test_other_invalid_arguments_stay_invalid_argument():
+    f = tf.function(lambda x: _graph_op(_bad_argument, x))
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        f(tf.ones([2]))
+    assert type(info.value) is tf.errors.InvalidArgumentError
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        tf.reshape(tf.ones([3]), [2])
+    assert type(info.value) is tf.errors.InvalidArgumentError
+    e = tf.errors.InvalidArgumentError(None, None, "plain")
+    assert type(e) is tf.errors.InvalidArgumentError and e.message == "plain"
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is tf.errors.InvalidArgumentError and again.message == "plain"
+
+
+def test_executing_eagerly_helper():
+    from horovod.tensorflow.util import _executing_eagerly
+
+    assert hvd._executing_eagerly is _executing_eagerly
+    assert _executing_eagerly() is True
+    seen = []
+
+    @tf.function
+    def f(x):
+        seen.append(_executing_eagerly())
+        return x
+
+    f(tf.ones([1]))
+    assert seen == [False]
+
+
+def test_unregistered_process_set_raises_value_error_when_built():
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 1234
+    with pytest.raises(ValueError, match="not been registered"):
+        hvd.allreduce(tf.ones([2]), process_set=fake)
+    with pytest.raises(ValueError, match="not been registered"):
+        tf.function(lambda: hvd.allgather(tf.ones([2]), process_set=fake))()
+    with tf.Graph().as_default(), pytest.raises(ValueError, match="not been registered"):
+        hvd.broadcast(tf.ones([2]), 0, process_set=fake)
+    np.testing.assert_allclose(hvd.allreduce(tf.ones([2])).numpy(), np.ones(2))
