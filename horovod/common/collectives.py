@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from horovod.common.context import get_context
 from horovod.common.engine.handles import Handle
+from horovod.common.engine.negotiation import ArgumentError
+from horovod.common.exceptions import HorovodError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import ReduceOp, Request, RequestType
 
 __all__ = [
-    "REDUCE_DTYPES", "MOVE_DTYPES", "resolve_op", "op_name", "check_dtype",
+    "REDUCE_DTYPES", "MOVE_DTYPES", "ARGUMENT_ERRORS", "resolve_op", "op_name", "check_dtype",
+    "fail_everywhere",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
     "register_handle", "poll", "synchronize", "submit_again",
@@ -30,6 +33,9 @@ __all__ = [
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
                            "float16", "float32", "float64"})
 MOVE_DTYPES = REDUCE_DTYPES | {"bool"}
+# What a call's argument checks raise. A call that fails them is failed on every rank of its set
+# (``fail_everywhere``), never on this rank alone.
+ARGUMENT_ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
 def resolve_op(average: bool | None, op: int | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
@@ -46,23 +52,65 @@ def resolve_op(average: bool | None, op: int | None, default: ReduceOp = ReduceO
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
     if op is None:
         return default
-    return op if type(op) is ReduceOp else _OPS[int(op)]
+    if type(op) is ReduceOp:
+        return op
+    try:
+        return _OPS[int(op)]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"op={op!r} is not a reduction op; pass hvd.Average, hvd.Sum, hvd.Min, "
+                         "hvd.Max, hvd.Product or hvd.Adasum.") from None
 
 
 _OPS = {int(o): o for o in ReduceOp}
+_OP_TEXT = {o: f"hvd.{o.name.capitalize()}" for o in ReduceOp}
 
 
-def op_name(kind: RequestType, name: str | None, handle_id: int, grouped: bool = False,
+def op_name(kind: RequestType, name: str | None, number: int, grouped: bool = False,
             process_set_id: int = 0) -> str:
-    """The engine key of an operation: ``allreduce.<name>`` or ``allreduce.noname.<handle>``.
+    """The engine key of an operation: ``allreduce.<name>`` or ``allreduce.noname.<number>``.
 
+    ``number`` counts the unnamed calls on the process set (``HandleCounter.unnamed``).
     Operations of a process set other than the global one get the suffix ``@ps<id>``: each set
     negotiates its own names (as each has its own queue upstream), so the same name, or the same
     auto-generated one, can be in flight in two sets at once.
     """
     prefix = ("grouped_" if grouped else "") + kind.value
-    key = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{handle_id}"
+    key = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{number}"
     return key if process_set_id == 0 else f"{key}@ps{process_set_id}"
+
+
+def _key(ctx: Any, kind: RequestType, name: str | None, grouped: bool, ps_id: int) -> str:
+    return op_name(kind, name, ctx.counter.unnamed(ps_id) if name is None else 0, grouped, ps_id)
+
+
+def fail_everywhere(kind: RequestType, name: str | None, process_set: ProcessSet | int | None,
+                    exc: BaseException, grouped: bool = False) -> NoReturn:
+    """Fail a call that failed its argument checks on this rank on every rank of its set; raise ``exc``.
+
+    A check can fail on some ranks only (splits or a root that differ per rank, a tensor of
+    another dtype on one rank). Raising on those ranks alone would leave the others waiting
+    forever for the operation. Instead this rank submits the operation's name all the same (an
+    unnamed call takes the same number as a valid one), marked with the error; the coordinator
+    fails the name on every member (``CollectiveMismatchError`` naming this rank and its error)
+    and this rank raises ``exc`` once that answer has arrived. Errors that keep a rank out of the
+    operation (not initialized, not a member of the set) stay local.
+    """
+    if isinstance(exc, HorovodError) or getattr(exc, "_hvd_reported", False):
+        raise exc
+    try:
+        ps_id = process_set if isinstance(process_set, int) else group_of(process_set, kind.value)[0]
+    except ValueError:
+        raise exc from None
+    ctx = get_context()
+    req = Request(name=_key(ctx, kind, name, grouped, ps_id), kind=kind, dtype="uint8",
+                  process_set_id=ps_id, payload=ArgumentError(type(exc).__name__, str(exc)),
+                  rank=ctx.topology.rank)
+    exc._hvd_reported = True  # type: ignore[attr-defined]  # outer layers must not report it again
+    try:
+        ctx.submit(req, [], None, wake=False).wait()
+    except HorovodError:
+        pass  # the expected answer: the name failed on every rank
+    raise exc
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
@@ -125,11 +173,10 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
             name: str | None, grouped: bool, ps_id: int, dtype: str, device: str, splits: Any = None,
             wake: bool = True, **fields: Any) -> Handle:
     ctx = get_context()
-    hid = ctx.counter.next()
-    req = Request(name=op_name(kind, name, hid, grouped, ps_id), kind=kind, dtype=dtype,
+    req = Request(name=_key(ctx, kind, name, grouped, ps_id), kind=kind, dtype=dtype,
                   shapes=tuple([a.shape for a in arrays]), process_set_id=ps_id, device=device,
                   rank=ctx.topology.rank, **fields)
-    return ctx.submit(req, list(arrays), outputs, splits, handle_id=hid, wake=wake)
+    return ctx.submit(req, list(arrays), outputs, splits, wake=wake)
 
 
 def submit_again(request: Request, arrays: list[np.ndarray]) -> Handle:
@@ -157,20 +204,23 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     caller that keeps warm buffers across steps; by default outputs are new arrays (or the inputs,
     with ``inplace``).
 
-    Raises:
-        ValueError: unsupported dtype, unregistered process set, non-member rank, or ``out`` that
-            does not match the inputs.
+    Raises (on every rank of the set when any rank's arguments are bad, see ``fail_everywhere``):
+        ValueError: unsupported dtype, or ``out`` that does not match the inputs.
         NotImplementedError: ``op`` is Adasum.
+        ValueError: (on this rank only) unregistered process set, non-member rank.
     """
     what = "grouped_allreduce" if grouped else "allreduce"
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError(
-            "op=hvd.Adasum is not supported yet by this Horovod; use op=hvd.Average or hvd.Sum.")
     ps_id, _ = group_of(process_set, what)
-    dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
-    outputs = list(arrays) if inplace else None
-    if out is not None:
-        outputs = _check_out(arrays, out, what, inplace)
+    try:
+        if op == ReduceOp.ADASUM:
+            raise NotImplementedError(
+                "op=hvd.Adasum is not supported yet by this Horovod; use op=hvd.Average or hvd.Sum.")
+        dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+        outputs = list(arrays) if inplace else None
+        if out is not None:
+            outputs = _check_out(arrays, out, what, inplace)
+    except ARGUMENT_ERRORS as exc:
+        fail_everywhere(RequestType.ALLREDUCE, name, ps_id, exc, grouped)
     return _submit(RequestType.ALLREDUCE, arrays, outputs, name, grouped,
                    ps_id, dtype, device, wake=wake, reduce_op=op, prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
@@ -182,11 +232,14 @@ def allgather_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     """Concatenate each array along dimension 0 over the ranks of the set, in rank order."""
     what = "grouped_allgather" if grouped else "allgather"
     ps_id, _ = group_of(process_set, what)
-    dtype = _one_dtype(arrays, MOVE_DTYPES, what)
-    for a in arrays:
-        if a.ndim == 0:
-            raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be gathered along its first "
-                             "dimension; reshape it to shape (1,) first.")
+    try:
+        dtype = _one_dtype(arrays, MOVE_DTYPES, what)
+        for a in arrays:
+            if a.ndim == 0:
+                raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be gathered along its "
+                                 "first dimension; reshape it to shape (1,) first.")
+    except ARGUMENT_ERRORS as exc:
+        fail_everywhere(RequestType.ALLGATHER, name, ps_id, exc, grouped)
     return _submit(RequestType.ALLGATHER, arrays, None, name, grouped, ps_id, dtype, device, wake=wake)
 
 
@@ -200,14 +253,39 @@ def broadcast_async(arrays: Sequence[np.ndarray], root_rank: int, *, name: str |
     """
     what = "broadcast"
     ps_id, ranks = group_of(process_set, what)
-    dtype = _one_dtype(arrays, MOVE_DTYPES, what)
-    root = int(root_rank)
-    if root not in ranks:
-        raise ValueError(f"broadcast: root_rank {root} is not a rank of the process set (ranks "
-                         f"{ranks if len(ranks) <= 16 else f'0..{len(ranks) - 1}'}). Pass a global "
-                         "rank of a member.")
+    try:
+        dtype = _one_dtype(arrays, MOVE_DTYPES, what)
+        root = int(root_rank)
+        if root not in ranks:
+            raise ValueError(f"broadcast: root_rank {root} is not a rank of the process set (ranks "
+                             f"{ranks if len(ranks) <= 16 else f'0..{len(ranks) - 1}'}). Pass a global "
+                             "rank of a member.")
+    except ARGUMENT_ERRORS as exc:
+        fail_everywhere(RequestType.BROADCAST, name, ps_id, exc, grouped)
     return _submit(RequestType.BROADCAST, arrays, list(arrays) if inplace else None, name, grouped,
                    ps_id, dtype, device, wake=wake, root_rank=root)
+
+
+def _alltoall_splits(rows: int, splits: Any, n: int) -> np.ndarray:
+    if splits is None:
+        if rows % n:
+            raise ValueError("splits not provided, but first dimension of tensor is not an even "
+                             f"multiple of the number of workers ({rows} rows, {n} workers).")
+        return np.full(n, rows // n, np.int64)
+    given = np.asarray(splits)
+    if given.dtype.kind not in "iu" and given.size:
+        raise ValueError(f"alltoall: splits must be integers (an int32 tensor or a list of ints), "
+                         f"got {given.dtype.name} values {given.reshape(-1).tolist()[:8]}.")
+    split_arr = given.astype(np.int64).reshape(-1)
+    if split_arr.size != n:
+        raise ValueError(f"alltoall: splits has {split_arr.size} entries but the process set has "
+                         f"{n} ranks; give one entry per rank.")
+    if (split_arr < 0).any():
+        raise ValueError(f"alltoall: splits must not be negative, got {split_arr.tolist()}.")
+    if split_arr.sum() > rows:
+        raise ValueError(f"alltoall: splits add up to {int(split_arr.sum())} rows but the tensor has "
+                         f"only {rows}.")
+    return split_arr
 
 
 def alltoall_async(array: np.ndarray, splits: Any = None, *, name: str | None = None,
@@ -216,33 +294,23 @@ def alltoall_async(array: np.ndarray, splits: Any = None, *, name: str | None = 
 
     The handle's result is ``[(output, received_splits)]``.
 
-    Raises:
-        ValueError: splits of the wrong length, negative, or adding up to more than dimension 0;
-            without splits, dimension 0 not divisible by the set size; a scalar input.
+    Raises (on every rank of the set when any rank's arguments are bad, see ``fail_everywhere``):
+        ValueError: splits that are not integers, of the wrong length, negative, or adding up to
+            more than dimension 0; without splits, dimension 0 not divisible by the set size; a
+            scalar input.
     """
     what = "alltoall"
     ps_id, ranks = group_of(process_set, what)
-    dtype = _one_dtype([array], MOVE_DTYPES, what)
-    if array.ndim == 0:
-        raise ValueError("alltoall: a rank-zero tensor (scalar) cannot be split along its first dimension.")
-    n = len(ranks)
-    if splits is None:
-        if array.shape[0] % n:
-            raise ValueError("splits not provided, but first dimension of tensor is not an even "
-                             f"multiple of the number of workers ({array.shape[0]} rows, {n} workers).")
-        split_arr = np.full(n, array.shape[0] // n, np.int64)
-    else:
-        split_arr = np.asarray(splits, dtype=np.int64).reshape(-1)
-        if split_arr.size != n:
-            raise ValueError(f"alltoall: splits has {split_arr.size} entries but the process set has "
-                             f"{n} ranks; give one entry per rank.")
-        if (split_arr < 0).any():
-            raise ValueError(f"alltoall: splits must not be negative, got {split_arr.tolist()}.")
-        if split_arr.sum() > array.shape[0]:
-            raise ValueError(f"alltoall: splits add up to {int(split_arr.sum())} rows but the tensor has "
-                             f"only {array.shape[0]}.")
-        if split_arr.sum() < array.shape[0]:
-            array = array[: int(split_arr.sum())]
+    try:
+        dtype = _one_dtype([array], MOVE_DTYPES, what)
+        if array.ndim == 0:
+            raise ValueError("alltoall: a rank-zero tensor (scalar) cannot be split along its first "
+                             "dimension.")
+        split_arr = _alltoall_splits(array.shape[0], splits, len(ranks))
+    except ARGUMENT_ERRORS as exc:
+        fail_everywhere(RequestType.ALLTOALL, name, ps_id, exc)
+    if split_arr.sum() < array.shape[0]:
+        array = array[: int(split_arr.sum())]
     return _submit(RequestType.ALLTOALL, [array], None, name, False, ps_id, dtype, device,
                    splits=split_arr, wake=wake)
 
@@ -255,18 +323,23 @@ def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None
 
     With N rows and P members, members 0 .. N%P-1 receive N//P+1 rows and the others N//P.
 
-    Raises:
-        ValueError: an op other than Average or Sum, or a scalar input.
+    Raises (on every rank of the set when any rank's arguments are bad, see ``fail_everywhere``):
+        NotImplementedError: an op other than Average or Sum (upstream raised a RuntimeError).
+        ValueError: a scalar input, an unsupported dtype.
     """
     what = "grouped_reducescatter" if grouped else "reducescatter"
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
     ps_id, _ = group_of(process_set, what)
-    dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
-    for a in arrays:
-        if a.ndim == 0:
-            raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be scattered along its first "
-                             "dimension; reshape it to shape (1,) or more rows first.")
+    try:
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise NotImplementedError(
+                f"Reducescatter currently only supports AVERAGE and SUM (got op={_OP_TEXT.get(op, op)}).")
+        dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+        for a in arrays:
+            if a.ndim == 0:
+                raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be scattered along its "
+                                 "first dimension; reshape it to shape (1,) or more rows first.")
+    except ARGUMENT_ERRORS as exc:
+        fail_everywhere(RequestType.REDUCESCATTER, name, ps_id, exc, grouped)
     return _submit(RequestType.REDUCESCATTER, arrays, None, name, grouped, ps_id, dtype, device,
                    wake=wake, reduce_op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
 

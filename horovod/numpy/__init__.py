@@ -53,7 +53,7 @@ from horovod.common.process_sets import (
     global_process_set,
     remove_process_set,
 )
-from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, RequestType, Sum
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -103,12 +103,26 @@ def _as_arrays(tensors: Any) -> list[np.ndarray]:
     return [np.asarray(t) for t in tensors]
 
 
+_AR, _BC, _RS = RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.REDUCESCATTER
+
+
+def _checked(kind: RequestType, name: str | None, process_set: ProcessSet, grouped: bool,
+             check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)``; when it rejects the arguments, the call fails on every rank of the set
+    (``collectives.fail_everywhere``), not on this rank alone."""
+    try:
+        return check(*args)
+    except _C.ARGUMENT_ERRORS as exc:
+        _C.fail_everywhere(kind, name, process_set, exc, grouped)
+
+
 # ---------------------------------------------------------------------------- allreduce
 def allreduce_async(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allreduce of ``tensor``; the result is a new array. Returns a handle."""
-    h = _C.allreduce_async(_contig([np.asarray(tensor)]), name=name, op=_C.resolve_op(average, op),
+    rop = _checked(_AR, name, process_set, False, _C.resolve_op, average, op)
+    h = _C.allreduce_async(_contig([np.asarray(tensor)]), name=name, op=rop,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                            process_set=process_set, wake=_wake)
     return _register(h, lambda r: r[0])
@@ -130,8 +144,9 @@ def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str 
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place allreduce of ``tensor``. Returns a handle."""
-    work, back = _inplace([tensor])
-    h = _C.allreduce_async(work, name=name, op=_C.resolve_op(average, op), inplace=True,
+    rop = _checked(_AR, name, process_set, False, _C.resolve_op, average, op)
+    work, back = _checked(_AR, name, process_set, False, _inplace, [tensor])
+    h = _C.allreduce_async(work, name=name, op=rop, inplace=True,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                            process_set=process_set, wake=_wake)
     return _register(h, lambda r: (back(r), tensor)[1])
@@ -150,7 +165,8 @@ def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: bool | None 
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allreduce of a list of arrays, negotiated and fused as one unit. Returns a handle."""
-    h = _C.allreduce_async(_contig(_as_arrays(tensors)), name=name, op=_C.resolve_op(average, op),
+    rop = _checked(_AR, name, process_set, True, _C.resolve_op, average, op)
+    h = _C.allreduce_async(_contig(_as_arrays(tensors)), name=name, op=rop,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                            process_set=process_set, grouped=True, wake=_wake)
     return _register(h, list)
@@ -170,8 +186,9 @@ def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None
                              process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place grouped allreduce. Returns a handle."""
     tensors = list(tensors)
-    work, back = _inplace(tensors)
-    h = _C.allreduce_async(work, name=name, op=_C.resolve_op(average, op), inplace=True,
+    rop = _checked(_AR, name, process_set, True, _C.resolve_op, average, op)
+    work, back = _checked(_AR, name, process_set, True, _inplace, tensors)
+    h = _C.allreduce_async(work, name=name, op=rop, inplace=True,
                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                            process_set=process_set, grouped=True, wake=_wake)
     return _register(h, lambda r: (back(r), tensors)[1])
@@ -229,7 +246,7 @@ def broadcast(tensor: np.ndarray, root_rank: int, name: str | None = None,
 def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place broadcast. Returns a handle."""
-    work, back = _inplace([tensor])
+    work, back = _checked(_BC, name, process_set, False, _inplace, [tensor])
     h = _C.broadcast_async(work, root_rank, name=name, process_set=process_set, inplace=True, wake=_wake)
     return _register(h, lambda r: (back(r), tensor)[1])
 
@@ -264,7 +281,8 @@ def reducescatter_async(tensor: np.ndarray, name: str | None = None, op: int = A
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, _wake: bool = True) -> int:
     """Start a reducescatter. Returns a handle."""
-    h = _C.reducescatter_async(_contig([np.asarray(tensor)]), name=name, op=ReduceOp(int(op)),
+    rop = _checked(_RS, name, process_set, False, _C.resolve_op, None, op)
+    h = _C.reducescatter_async(_contig([np.asarray(tensor)]), name=name, op=rop,
                                process_set=process_set, prescale_factor=prescale_factor,
                                postscale_factor=postscale_factor, wake=_wake)
     return _register(h, lambda r: r[0])
@@ -282,7 +300,8 @@ def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None 
                                 process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0, _wake: bool = True) -> int:
     """Start a reducescatter of each array of a list, as one unit. Returns a handle."""
-    h = _C.reducescatter_async(_contig(_as_arrays(tensors)), name=name, op=ReduceOp(int(op)),
+    rop = _checked(_RS, name, process_set, True, _C.resolve_op, None, op)
+    h = _C.reducescatter_async(_contig(_as_arrays(tensors)), name=name, op=rop,
                                process_set=process_set, prescale_factor=prescale_factor,
                                postscale_factor=postscale_factor, grouped=True, wake=_wake)
     return _register(h, list)

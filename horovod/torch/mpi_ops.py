@@ -21,7 +21,7 @@ import torch
 from horovod.common import collectives as _C
 from horovod.common.context import get_context
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.common.types import Average, ReduceOp, Sum
+from horovod.common.types import Average, ReduceOp, RequestType, Sum
 from horovod.torch import _convert as _cv
 from horovod.torch.compression import Compression
 
@@ -38,6 +38,12 @@ __all__ = [
 
 _RED = _cv.REDUCE_TORCH_DTYPES
 _MOVE = _cv.MOVE_TORCH_DTYPES
+# A call whose arguments fail a check here fails on every rank of its process set (the other
+# ranks must not wait for it): see horovod.common.collectives.fail_everywhere.
+_BAD = _C.ARGUMENT_ERRORS
+_fail = _C.fail_everywhere
+_ALLREDUCE, _ALLGATHER, _BROADCAST = RequestType.ALLREDUCE, RequestType.ALLGATHER, RequestType.BROADCAST
+_ALLTOALL, _REDUCESCATTER = RequestType.ALLTOALL, RequestType.REDUCESCATTER
 
 
 # ---------------------------------------------------------------------------- handles
@@ -55,16 +61,21 @@ def _tensors(tensors: Any, what: str, allowed: frozenset[torch.dtype]) -> list[t
 
 
 # ---------------------------------------------------------------------------- allreduce
-def _allreduce_submit(tensors: list[torch.Tensor], op: ReduceOp, name: str | None,
+def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: str | None,
                       prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
                       inplace: bool, grouped: bool, what: str) -> tuple[Any, list[Callable[[Any], Any]]]:
-    arrays, backs = [], []
-    for t in tensors:
-        a, b = _cv.reduce_input(t, op, inplace, what)
-        arrays.append(a)
-        backs.append(b)
+    try:
+        ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
+        rop = _C.resolve_op(average, op)
+        arrays, backs = [], []
+        for t in ts:
+            a, b = _cv.reduce_input(t, rop, inplace, what)
+            arrays.append(a)
+            backs.append(b)
+    except _BAD as exc:
+        _fail(_ALLREDUCE, name, process_set, exc, grouped)
     # In place on the working arrays: either the tensors' own memory or private copies.
-    h = _C.allreduce_async(arrays, name=name, op=op, prescale_factor=prescale_factor,
+    h = _C.allreduce_async(arrays, name=name, op=rop, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor, process_set=process_set,
                            inplace=inplace, grouped=grouped)
     return h, backs
@@ -83,10 +94,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             non-member rank, both ``op`` and ``average`` given.
         NotImplementedError: a CUDA tensor, or ``op=Adasum``.
     """
-    t = _cv.check_tensor(tensor, "allreduce_async", _RED)
-    rop = _C.resolve_op(average, op)
-    h, backs = _allreduce_submit([t], rop, name, prescale_factor, postscale_factor, process_set,
-                                 False, False, "allreduce_async")
+    h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
+                                 process_set, False, False, "allreduce_async")
     return _register(h, lambda r: backs[0](r[0]))
 
 
@@ -98,10 +107,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     Raises:
         ValueError, NotImplementedError: as ``allreduce_async``.
     """
-    t = _cv.check_tensor(tensor, "allreduce_async_", _RED)
-    rop = _C.resolve_op(average, op)
-    h, backs = _allreduce_submit([t], rop, name, prescale_factor, postscale_factor, process_set,
-                                 True, False, "allreduce_async_")
+    h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
+                                 process_set, True, False, "allreduce_async_")
     return _register(h, lambda r: backs[0](r[0]))
 
 
@@ -140,8 +147,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         ValueError, NotImplementedError: as ``allreduce_async``.
         HorovodInternalError: ranks disagree on dtype/shape/op, or the transport failed.
     """
-    _cv.check_tensor(tensor, "allreduce", _RED)
-    rop = _C.resolve_op(average, op)
+    try:
+        _cv.check_tensor(tensor, "allreduce", _RED)
+        rop = _C.resolve_op(average, op)
+    except _BAD as exc:
+        _fail(_ALLREDUCE, name, process_set, exc)
     compressed, cctx = compression.compress(tensor)
     out = HorovodAllreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
@@ -153,10 +163,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of a list of tensors, negotiated and fused as one unit (new outputs)."""
-    ts = _tensors(tensors, "grouped_allreduce_async", _RED)
-    rop = _C.resolve_op(average, op)
-    h, backs = _allreduce_submit(ts, rop, name, prescale_factor, postscale_factor, process_set,
-                                 False, True, "grouped_allreduce_async")
+    h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
+                                 process_set, False, True, "grouped_allreduce_async")
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 
@@ -165,10 +173,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place grouped allreduce; ``synchronize`` returns the same tensors."""
-    ts = _tensors(tensors, "grouped_allreduce_async_", _RED)
-    rop = _C.resolve_op(average, op)
-    h, backs = _allreduce_submit(ts, rop, name, prescale_factor, postscale_factor, process_set,
-                                 True, True, "grouped_allreduce_async_")
+    h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
+                                 process_set, True, True, "grouped_allreduce_async_")
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 
@@ -207,8 +213,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
     Differentiable. All ranks of the set must pass lists of the same length, dtypes and shapes.
     """
-    ts = _tensors(tensors, "grouped_allreduce", _RED)
-    rop = _C.resolve_op(average, op)
+    try:
+        ts = _tensors(tensors, "grouped_allreduce", _RED)
+        rop = _C.resolve_op(average, op)
+    except _BAD as exc:
+        _fail(_ALLREDUCE, name, process_set, exc, True)
     pairs = [compression.compress(t) for t in ts]
     outs = HorovodGroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set,
                                          *[c for c, _ in pairs])
@@ -246,7 +255,10 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     Raises:
         ValueError: unsupported dtype, a 0-d tensor, a name still in flight, a process set problem.
     """
-    t = _cv.check_tensor(tensor, "allgather_async", _MOVE)
+    try:
+        t = _cv.check_tensor(tensor, "allgather_async", _MOVE)
+    except _BAD as exc:
+        _fail(_ALLGATHER, name, process_set, exc)
     arr, _ = _cv.move_input(t, False)
     h = _C.allgather_async([arr], name=name, process_set=process_set)
     return _register(h, lambda r: _cv.move_output(r[0], t))
@@ -255,7 +267,10 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start allgathering each tensor of the list as one unit."""
-    ts = _tensors(tensors, "grouped_allgather_async", _MOVE)
+    try:
+        ts = _tensors(tensors, "grouped_allgather_async", _MOVE)
+    except _BAD as exc:
+        _fail(_ALLGATHER, name, process_set, exc, True)
     arrays = [_cv.move_input(t, False)[0] for t in ts]
     h = _C.allgather_async(arrays, name=name, process_set=process_set, grouped=True)
     return _register(h, lambda r: tuple(_cv.move_output(x, t) for x, t in zip(r, ts)))
@@ -287,7 +302,10 @@ class HorovodAllgather(torch.autograd.Function):
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0 (rank order); blocks. Differentiable."""
-    _cv.check_tensor(tensor, "allgather", _MOVE)
+    try:
+        _cv.check_tensor(tensor, "allgather", _MOVE)
+    except _BAD as exc:
+        _fail(_ALLGATHER, name, process_set, exc)
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
@@ -316,7 +334,10 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each tensor of the list as one unit; returns a list. Differentiable."""
-    ts = _tensors(tensors, "grouped_allgather", _MOVE)
+    try:
+        ts = _tensors(tensors, "grouped_allgather", _MOVE)
+    except _BAD as exc:
+        _fail(_ALLGATHER, name, process_set, exc, True)
     return list(HorovodGroupedAllgather.apply(name, process_set, *ts))
 
 
@@ -330,7 +351,10 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     Raises:
         ValueError: unsupported dtype, root not in the set, a name still in flight.
     """
-    t = _cv.check_tensor(tensor, "broadcast_async", _MOVE)
+    try:
+        t = _cv.check_tensor(tensor, "broadcast_async", _MOVE)
+    except _BAD as exc:
+        _fail(_BROADCAST, name, process_set, exc)
     arr, back = _cv.move_input(t, False)
     h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set)
 
@@ -343,7 +367,10 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting ``tensor`` with the root rank's values; ``synchronize`` returns it."""
-    t = _cv.check_tensor(tensor, "broadcast_async_", _MOVE)
+    try:
+        t = _cv.check_tensor(tensor, "broadcast_async_", _MOVE)
+    except _BAD as exc:
+        _fail(_BROADCAST, name, process_set, exc)
     arr, back = _cv.move_input(t, True)
     h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True)
     return _register(h, lambda r: back(r[0]))
@@ -377,7 +404,10 @@ class HorovodBroadcast(torch.autograd.Function):
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return the root rank's ``tensor`` on every rank of the set; blocks. Differentiable."""
-    _cv.check_tensor(tensor, "broadcast", _MOVE)
+    try:
+        _cv.check_tensor(tensor, "broadcast", _MOVE)
+    except _BAD as exc:
+        _fail(_BROADCAST, name, process_set, exc)
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
@@ -388,6 +418,9 @@ def _splits_array(splits: Any) -> Any:
     if isinstance(splits, torch.Tensor):
         if splits.device.type != "cpu":
             raise NotImplementedError("alltoall: splits must be a CPU tensor or a list in this version.")
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise ValueError(f"alltoall: splits must be a tensor of 32-bit integers (torch.int32) or "
+                             f"a list of ints, got a {splits.dtype} tensor.")
         return splits.detach().to(torch.int64).numpy()
     return splits
 
@@ -402,9 +435,13 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     Raises:
         ValueError: bad splits, dimension 0 not divisible without splits, unsupported dtype.
     """
-    t = _cv.check_tensor(tensor, "alltoall_async", _MOVE)
+    try:
+        t = _cv.check_tensor(tensor, "alltoall_async", _MOVE)
+        split_arr = _splits_array(splits)
+    except _BAD as exc:
+        _fail(_ALLTOALL, name, process_set, exc)
     arr, _ = _cv.move_input(t, False)
-    h = _C.alltoall_async(arr, _splits_array(splits), name=name, process_set=process_set)
+    h = _C.alltoall_async(arr, split_arr, name=name, process_set=process_set)
 
     def post(r: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = r[0]
@@ -441,17 +478,25 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
     Returns the output, or ``(output, received_splits)`` when ``splits`` is given. Differentiable.
     """
-    _cv.check_tensor(tensor, "alltoall", _MOVE)
+    try:
+        _cv.check_tensor(tensor, "alltoall", _MOVE)
+        _splits_array(splits)
+    except _BAD as exc:
+        _fail(_ALLTOALL, name, process_set, exc)
     out, received = HorovodAlltoall.apply(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 
 
 # ---------------------------------------------------------------------------- reducescatter
-def _reducescatter_submit(ts: list[torch.Tensor], name: str | None, op: int, process_set: ProcessSet,
+def _reducescatter_submit(tensors: Any, name: str | None, op: int, process_set: ProcessSet,
                           prescale: float, postscale: float, grouped: bool, what: str) -> Any:
-    rop = ReduceOp(int(op))
-    arrays = [_cv.reduce_input(t, rop, False, what)[0] for t in ts]
-    return _C.reducescatter_async(arrays, name=name, op=rop, process_set=process_set,
+    try:
+        ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
+        rop = _C.resolve_op(None, op)
+        arrays = [_cv.reduce_input(t, rop, False, what)[0] for t in ts]
+    except _BAD as exc:
+        _fail(_REDUCESCATTER, name, process_set, exc, grouped)
+    return ts, _C.reducescatter_async(arrays, name=name, op=rop, process_set=process_set,
                                   prescale_factor=prescale, postscale_factor=postscale, grouped=grouped)
 
 
@@ -465,19 +510,17 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
     Raises:
         ValueError: an op other than Average/Sum, a 0-d tensor, unsupported dtype.
     """
-    t = _cv.check_tensor(tensor, "reducescatter_async", _RED)
-    h = _reducescatter_submit([t], name, op, process_set, prescale_factor, postscale_factor, False,
-                              "reducescatter_async")
-    return _register(h, lambda r: _cv.reduce_output(r[0], t))
+    ts, h = _reducescatter_submit(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                  False, "reducescatter_async")
+    return _register(h, lambda r: _cv.reduce_output(r[0], ts[0]))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: int = Average, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of each tensor of the list as one unit."""
-    ts = _tensors(tensors, "grouped_reducescatter_async", _RED)
-    h = _reducescatter_submit(ts, name, op, process_set, prescale_factor, postscale_factor, True,
-                              "grouped_reducescatter_async")
+    ts, h = _reducescatter_submit(tensors, name, op, process_set, prescale_factor, postscale_factor,
+                                  True, "grouped_reducescatter_async")
     return _register(h, lambda r: tuple(_cv.reduce_output(x, t) for x, t in zip(r, ts)))
 
 
@@ -507,9 +550,13 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
                   op: int = Average, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over the set and return this rank's rows; blocks. Differentiable."""
-    _cv.check_tensor(tensor, "reducescatter", _RED)
+    try:
+        _cv.check_tensor(tensor, "reducescatter", _RED)
+        rop = _C.resolve_op(None, op)
+    except _BAD as exc:
+        _fail(_REDUCESCATTER, name, process_set, exc)
     compressed, cctx = compression.compress(tensor)
-    out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    out = HorovodReducescatter.apply(compressed, name, rop, process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, cctx)
 
 
@@ -534,9 +581,13 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each tensor of the list as one unit; returns a list. Differentiable."""
-    ts = _tensors(tensors, "grouped_reducescatter", _RED)
+    try:
+        ts = _tensors(tensors, "grouped_reducescatter", _RED)
+        rop = _C.resolve_op(None, op)
+    except _BAD as exc:
+        _fail(_REDUCESCATTER, name, process_set, exc, True)
     pairs = [compression.compress(t) for t in ts]
-    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+    outs = HorovodGroupedReducescatter.apply(name, rop, process_set, prescale_factor, postscale_factor,
                                              *[c for c, _ in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 

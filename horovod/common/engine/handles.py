@@ -10,13 +10,27 @@ __all__ = ["Handle", "HandleCounter"]
 
 
 class HandleCounter:
-    """Per-process counter of operations; its values are the integer handles and auto-name suffixes."""
+    """Per-process counters: integer handles, and the numbers of unnamed operations.
+
+    An unnamed operation is called ``<op>.noname.<n>``, where ``n`` counts the unnamed calls on
+    its process set only. Every member of a set makes the same unnamed calls on it, so every
+    member numbers them alike, whatever else each rank does (named operations, operations of
+    other sets, or calls that raised: a call that fails its checks still takes its number).
+    """
 
     def __init__(self) -> None:
         self._it = itertools.count()
+        self._unnamed: dict[int, itertools.count[int]] = {}
 
     def next(self) -> int:
         return next(self._it)
+
+    def unnamed(self, process_set_id: int) -> int:
+        """The number of the next unnamed operation on ``process_set_id``."""
+        it = self._unnamed.get(process_set_id)
+        if it is None:
+            it = self._unnamed.setdefault(process_set_id, itertools.count())
+        return next(it)
 
 
 class Handle:

@@ -22,7 +22,7 @@ from horovod.common.types import (
     shape_text,
 )
 
-__all__ = ["Coordinator", "PendingName", "validate"]
+__all__ = ["ArgumentError", "Coordinator", "PendingName", "validate"]
 
 _JOIN_UNSUPPORTED = {
     RequestType.ALLGATHER: "Allgather is not supported with Join at this time. Specify "
@@ -31,6 +31,34 @@ _JOIN_UNSUPPORTED = {
     RequestType.ALLTOALL: "Alltoall is not supported with Join at this time.",
     RequestType.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
 }
+
+
+@dataclass(frozen=True)
+class ArgumentError:
+    """The payload of a request whose call failed its argument checks on the submitting rank.
+
+    The rank still submits the operation's name, so that the coordinator can fail the name on
+    every rank of the set instead of leaving the others waiting for a rank that raised locally.
+    """
+
+    error_type: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
+def _argument_errors(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
+    bad = {rank: r.payload for rank, r in requests.items() if type(r.payload) is ArgumentError}
+    if not bad:
+        return None
+    first = requests[min(bad)]
+    groups = _group_by_value(requests, lambda r: r.payload,
+                             lambda r: str(r.payload) if type(r.payload) is ArgumentError
+                             else "valid arguments")
+    return _mismatch(first, "Invalid arguments", "argument", groups,
+                     f"The call failed on every rank because of rank(s) {sorted(bad)}; fix the "
+                     "arguments there (every rank must pass valid, matching arguments).")
 
 
 def _group_by_value(requests: dict[int, Request], key: Callable[[Request], Any],
@@ -62,6 +90,9 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
     """Check that the requests of one name agree across ranks; return (message, fields) or None."""
     first = requests[min(requests)]
     reqs = requests
+    for r in reqs.values():
+        if type(r.payload) is ArgumentError:
+            return _argument_errors(reqs)
     sig = first.signature()
     if all(r.signature() == sig for r in reqs.values()) and (
             first.kind in RAGGED_KINDS or all(r.shapes == first.shapes for r in reqs.values())):
