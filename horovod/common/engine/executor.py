@@ -78,6 +78,8 @@ def _scale(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
     if factor == 1.0:
         if dst is not src:
             np.copyto(dst, src, casting="unsafe")
+    elif dst.dtype.char == "e":  # float16 is scaled in float32 math (as upstream on the CPU)
+        np.multiply(src, np.float32(factor), out=dst, dtype=np.float32, casting="unsafe")
     else:
         np.multiply(src, factor, out=dst, casting="unsafe")
 
@@ -317,10 +319,14 @@ class Executor:
         for x in entry.inputs:
             work = self._work_dtype(x.dtype.name)
             send = x.reshape(-1)
-            if work != x.dtype or req.prescale != 1.0:
+            if work != x.dtype:  # float16 widened to float32: scaled in float32
                 send = send.astype(work)
                 if req.prescale != 1.0:
                     send *= req.prescale
+            elif req.prescale != 1.0:  # integers are scaled in float64 and truncated, as upstream
+                scaled = np.empty(send.size, work)
+                _scale(scaled, send, req.prescale)
+                send = scaled
             rows = reducescatter_rows(x.shape[0], group.size)
             row = int(np.prod(x.shape[1:]))
             recv = aligned_empty((rows[group.rank],) + x.shape[1:], work)
