@@ -140,8 +140,11 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
     try:
         result = driver.run()
     except KeyboardInterrupt:
+        log.warning("elastic: interrupted (SIGINT): stopping every worker")
         driver.stop_all(grace=2.0)
-        raise
+        result = ElasticResult("interrupted by SIGINT; every worker was stopped", driver.round + 1,
+                               driver.resets, list(driver.events))
+        return ElasticJobResult(130, result.error, result)
     finally:
         driver.stop_all()
         _wait_for_exits(driver, timeout=10.0)
