@@ -216,3 +216,28 @@ def test_member_exit_zero_completes_the_job() -> None:
     h.exit(("b", 0), 0)
     h.step()
     assert h.d.done and h.d.error is None
+
+
+def test_a_round_abandoned_by_the_driver_fails_fast_in_the_gloo_rendezvous() -> None:
+    # A member died before the round formed: the others must not wait for its store address
+    # until the Gloo timeout.
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.runner.rendezvous import RendezvousServer, make_secret
+
+    secret = make_secret()
+    with RendezvousServer(secret) as server:
+        server.put("elastic.3", "store", gloo_backend.ABANDONED)
+        rdv = gloo_backend._Rendezvous("127.0.0.1", server.port, secret, rank=1)
+        with pytest.raises(HorovodInternalError, match="abandoned"):
+            rdv.wait("elastic.3", "store", timeout=30)
+
+
+def test_member_death_abandons_the_current_round() -> None:
+    h = Harness({"a": 1, "b": 1}, np=2, min_np=1)
+    put: list[tuple[str, str, bytes]] = []
+    h.d.put_kv = lambda scope, key, value: put.append((scope, key, value))
+    first_round(h)
+    h.exit(("b", 0), 1)
+    h.step()
+    assert put == [("elastic.0", "store", b"abandoned")]
