@@ -190,3 +190,22 @@ def test_gloo_rendezvous_refuses_strangers_across_hosts(fakehosts_factory: Facto
     finally:
         server.kill()
         server.wait(10)
+
+
+@pytest.mark.parametrize("mode", ["mpi", "gloo"])
+def test_exception_on_second_host_is_named_first(fakehosts_factory: Factory, mode: str) -> None:
+    """Rank 2 (second host) raises while the others wait for it in an allreduce: the report
+    names it and its error first, whatever order the ranks ended in."""
+    fh = fakehosts_factory(2)
+    h1, h2 = fh.hosts
+    script = str(Path(WORKER).parent / "fail_at_step.py")
+    start = time.monotonic()
+    res = run_horovodrun_on(fh, h1, f"--{mode}", "-np", "4", "-H", f"{h1}:2,{h2}:2",
+                            sys.executable, script, "raise", "outside", "2", timeout=120)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith("Horovod detected"))
+    assert lines[i + 1].startswith(f"  rank 2 (host {h2}, local rank 0): exit code 1"), res.stderr[-3000:]
+    assert lines[i + 2] == "  error: RuntimeError: rank 2 fails on purpose", res.stderr[-3000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f} s"
