@@ -13,7 +13,9 @@ from horovod.tensorflow.mpi_ops import _allreduce
 __all__ = ["SyncBatchNormalization"]
 
 _BatchNormalization = tf.keras.layers.BatchNormalization
-_KERAS3 = hasattr(_BatchNormalization, "_moments")
+# Keras 3 computes statistics in _moments(inputs, mask); Keras 2 (tf_keras, also has a _moments)
+# in _calculate_mean_and_var(inputs, reduction_axes, keep_dims, mask=None).
+_KERAS3 = not hasattr(_BatchNormalization, "_calculate_mean_and_var")
 
 
 def _group_moments(mean: Any, variance: Any) -> tuple[Any, Any]:
@@ -51,6 +53,6 @@ class SyncBatchNormalization(_BatchNormalization):
             mean, variance = super()._moments(inputs, mask)
             return _group_moments(mean, variance)
     else:
-        def _calculate_mean_and_var(self, x: Any, axes: Any, keep_dims: Any) -> Any:
-            mean, variance = super()._calculate_mean_and_var(x, axes, keep_dims)
+        def _calculate_mean_and_var(self, x: Any, axes: Any, keep_dims: Any, mask: Any = None) -> Any:
+            mean, variance = super()._calculate_mean_and_var(x, axes, keep_dims, mask=mask)
             return _group_moments(mean, variance)

@@ -204,3 +204,37 @@ def test_keras2_compute_gradients_and_aggregation_np2():
     results = run_ranks(_keras2_optimizer_body, np=2, timeout=300, env={"TF_USE_LEGACY_KERAS": "1"})
     failures = _failures(results)
     assert not failures, "\n".join(failures)
+
+
+def _sync_batch_norm_body():
+    import numpy as np
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    full = np.arange(n * 4 * 3, dtype=np.float32).reshape(n * 4, 3) ** 1.5 / 7.0
+    mine = full[r * 4:(r + 1) * 4]
+    bad = []
+    for kwargs in ({}, {"fused": False}):
+        sbn = hvd.SyncBatchNormalization(axis=1, momentum=0.5, **kwargs)
+        ref = tf.keras.layers.BatchNormalization(axis=1, momentum=0.5)
+        got = sbn(tf.constant(mine), training=True).numpy()
+        want = ref(tf.constant(full), training=True).numpy()[r * 4:(r + 1) * 4]
+        if not np.allclose(got, want, atol=1e-4):
+            bad.append(f"rank {r}: SyncBatchNormalization({kwargs}) output differs from BatchNormalization "
+                       f"over every rank's batch by {np.abs(got - want).max()}")
+        if not np.allclose(sbn.moving_mean.numpy(), ref.moving_mean.numpy(), atol=1e-4):
+            bad.append(f"rank {r}: SyncBatchNormalization({kwargs}) moving mean {sbn.moving_mean.numpy()} != "
+                       f"{ref.moving_mean.numpy()}")
+    return bad, tf.keras.__name__
+
+
+@pytest.mark.parametrize("keras2", [False, True], ids=["keras3", "keras2"])
+def test_sync_batch_norm_uses_every_ranks_batch(keras2):
+    results = run_ranks(_sync_batch_norm_body, np=2, timeout=240,
+                        env={"TF_USE_LEGACY_KERAS": "1"} if keras2 else None)
+    failures = [m for res in results for m in res[0]]
+    assert not failures, "\n".join(failures)
+    assert results[0][1].startswith("tf_keras") == keras2, results[0][1]
