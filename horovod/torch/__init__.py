@@ -84,7 +84,8 @@ from horovod.torch.mpi_ops import (
 from horovod.torch.optimizer import DistributedOptimizer
 from horovod.torch.sync_batch_norm import SyncBatchNorm
 
-from horovod.torch import elastic  # noqa: E402,I001 - hvd.elastic (needs the names above)
+# isort: split
+from horovod.torch import elastic  # hvd.elastic, imported last: it needs the names above
 
 __all__ = [
     # process-level API (horovod.common.BASICS; a test checks this list covers it)
@@ -106,4 +107,5 @@ __all__ = [
     # training helpers
     "Compression", "DistributedOptimizer", "SyncBatchNorm",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "elastic",
 ]
