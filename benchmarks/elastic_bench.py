@@ -6,7 +6,9 @@
   new round, and the driver's own view (its log line times).
 * ``join``: ``-np 2 --max-np 3`` on ``localhost:2``; the benchmark adds ``127.0.0.1:1`` to the
   discovery file. Figure: from that write to the first step the new worker commits (discovery
-  poll of 1 s, process start with ``import torch``, rendezvous and state sync included).
+  poll of 1 s, process start with ``import torch``, rendezvous and state sync included), and the
+  longest pause of the other workers; ``--only join`` compares the default (members told at
+  once, as upstream) with ``HOROVOD_ELASTIC_NOTIFY_WHEN_READY=1``, interleaved.
 * ``commit``: ``TorchState.commit()`` of a model with ResNet-50's parameter count (25.6 M float32)
   and its SGD momentum, in one process, against upstream's way (``copy.deepcopy`` of the state
   dicts), interleaved.
@@ -108,7 +110,7 @@ def recovery(tmp: str) -> dict[str, float]:
     return {"death_to_first_step_s": min(c["t"] for c in after) - died}
 
 
-def join(tmp: str) -> dict[str, float]:
+def join(tmp: str, when_ready: bool = False) -> dict[str, float]:
     written: dict[str, float] = {}
 
     def on_line(line: str, hosts_file: str) -> None:
@@ -118,7 +120,8 @@ def join(tmp: str) -> dict[str, float]:
             written["t"] = time.time()
 
     out, err, rc = _run(tmp, "localhost:2\n", ["-np", "2", "--max-np", "3"],
-                        {"STEPS": "400", "STEP_SLEEP": "0.02"}, on_line)
+                        {"STEPS": "400", "STEP_SLEEP": "0.02",
+                         "HOROVOD_ELASTIC_NOTIFY_WHEN_READY": "1" if when_ready else "0"}, on_line)
     if rc != 0:
         raise SystemExit(f"join run failed:\n{err[-3000:]}")
     first_new = min(c["t"] for c in _events(out, "COMMIT") if c["me"] == "127.0.0.1[0]")
@@ -162,9 +165,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write the figures here as JSON")
-    ap.add_argument("--only", choices=["commit"], help="measure only this figure")
+    ap.add_argument("--only", choices=["commit", "join"], help="measure only this figure")
     args = ap.parse_args()
     figures: dict[str, list[dict[str, float]] | dict[str, float]] = {"recovery": [], "join": []}
+    if args.only == "join":
+        figures = {"join": [], "join_notify_when_ready": []}
+        for _ in range(args.repeats):
+            for key, ready in (("join", False), ("join_notify_when_ready", True)):
+                with tempfile.TemporaryDirectory() as tmp:
+                    figures[key].append(join(tmp, ready))  # type: ignore[union-attr]
+                print(key, figures[key][-1], flush=True)  # type: ignore[index]
     for i in range(0 if args.only else args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             figures["recovery"].append(recovery(tmp))  # type: ignore[union-attr]
@@ -172,7 +182,8 @@ def main() -> int:
             figures["join"].append(join(tmp))  # type: ignore[union-attr]
         print(f"run {i + 1}: {figures['recovery'][-1]} {figures['join'][-1]}",  # type: ignore[index]
               flush=True)
-    figures["commit"] = commit_cost(max(5, args.repeats * 3))
+    if args.only != "join":
+        figures["commit"] = commit_cost(max(5, args.repeats * 3))
     print(json.dumps(figures, indent=2))
     if args.json:
         with open(args.json, "w") as fh:

@@ -93,6 +93,7 @@ class ElasticDriver:
         put_kv: ``f(scope, key, value)`` on the rendezvous store (to abandon a round).
         timeout: ``--elastic-timeout`` seconds; reset_limit: ``--reset-limit``.
         discovery_interval: seconds between discovery runs.
+        notify_when_ready: tell members about new workers only once these are up (see _scale).
         clock: the time source (tests inject one).
     """
 
@@ -101,7 +102,8 @@ class ElasticDriver:
                  put_kv: Callable[[str, str, bytes], None] | None = None,
                  timeout: float = 600.0, reset_limit: int | None = None,
                  discovery_interval: float = 1.0, stuck_seconds: float = 90.0,
-                 finish_grace: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 finish_grace: float = 30.0, notify_when_ready: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.hosts = hosts
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.start_worker = start_worker
@@ -109,6 +111,7 @@ class ElasticDriver:
         self.timeout, self.reset_limit = timeout, reset_limit
         self.discovery_interval = discovery_interval
         self.stuck_seconds, self.finish_grace = stuck_seconds, finish_grace
+        self.notify_when_ready = notify_when_ready
         self.clock = clock
         self.cv = threading.Condition()
         self.workers: dict[Key, Worker] = {}
@@ -402,8 +405,10 @@ class ElasticDriver:
     def _scale(self) -> None:
         """Start workers on new slots and tell the members to take them in at their next commit.
 
-        The members are told at once (as upstream does: scripts wait for the notice); the round
-        they then ask for waits until the new workers are up.
+        By default the members are told at once (as upstream does: scripts wait for the notice)
+        and the round they then ask for waits until the new workers are up; with
+        ``notify_when_ready`` they are told only once the new workers wait, so they keep
+        training while those start.
         """
         if self.max_np is not None and len(self.members) >= self.max_np:
             return
@@ -420,6 +425,8 @@ class ElasticDriver:
                 self._start(key, s, "to grow the job")
             new.append(key)
         fresh = frozenset(new)
+        if self.notify_when_ready and any(self.workers[k].state != "ready" for k in fresh):
+            return
         if fresh and not fresh <= self._notified_added:
             self._notified_added = self._notified_added | fresh
             self._notify(ADDED, f"new slot(s) {', '.join(key_name(k) for k in sorted(fresh))}: "

@@ -133,7 +133,9 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
     driver = ElasticDriver(manager, settings.np, settings.min_np, settings.max_np, start_worker,
                            put_kv=server.put, timeout=_elastic_timeout(settings, environ),
                            reset_limit=settings.reset_limit,
-                           discovery_interval=discovery_interval)
+                           discovery_interval=discovery_interval,
+                           notify_when_ready=environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY", "0")
+                           not in ("", "0"))
     server.set_elastic_handler(driver.handle)
     if on_rendezvous is not None:
         on_rendezvous(server)

@@ -18,12 +18,22 @@ from collections.abc import Callable
 from typing import Any
 
 from horovod.common.elastic import ObjectState, State, run_fn
+from horovod.common.elastic.worker import is_elastic as _is_elastic
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.elastic.state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
            "HostsUpdatedInterrupt"]
+
+if _is_elastic():
+    # torch imports torch._dynamo when the first optimizer is made (seconds). An elastic worker
+    # pays it here, before hvd.init() tells the driver it is ready, not while the workers it
+    # joins wait for it in the new round's first collective.
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - only a warm-up
+        pass
 
 
 def _reset() -> None:

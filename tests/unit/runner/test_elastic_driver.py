@@ -241,3 +241,18 @@ def test_member_death_abandons_the_current_round() -> None:
     h.exit(("b", 0), 1)
     h.step()
     assert put == [("elastic.0", "store", b"abandoned")]
+
+
+def test_notify_when_ready_lets_members_train_while_new_workers_start() -> None:
+    h = Harness({"a": 1}, np=1, min_np=1, max_np=2, notify_when_ready=True)
+    first_round(h)
+    h.fixed.hosts = {"a": 1, "b": 1}
+    h.d.discover_once()
+    h.step()
+    assert ("b", 0) in h.started and h.d.notice_version == 0  # b is still starting
+    h.ready(("b", 0), reason="start")
+    h.step()
+    assert h.d.notice_version == 1 and h.d.notice_update == 2
+    h.ready(("a", 0), reason="added")
+    h.step()
+    assert h.d.round == 1 and h.ranks() == {("a", 0): 0, ("b", 0): 1}
