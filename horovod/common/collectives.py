@@ -107,7 +107,11 @@ def fail_everywhere(kind: RequestType, name: str | None, process_set: ProcessSet
                   rank=ctx.topology.rank)
     exc._hvd_reported = True  # type: ignore[attr-defined]  # outer layers must not report it again
     try:
-        ctx.submit(req, [], None, wake=False).wait()
+        handle = ctx.submit(req, [], None, wake=False)
+    except (ValueError, HorovodError):  # the name is in flight here, or the engine stopped
+        raise exc from None
+    try:
+        handle.wait()
     except HorovodError:
         pass  # the expected answer: the name failed on every rank
     raise exc

@@ -135,3 +135,38 @@ def test_negotiation_add_process_set_assigns_increasing_ids():
         c.submit([req(r, name="ps.add", kind=RequestType.ADD_PROCESS_SET, shapes=(), payload=(0, 1))])
     (resp,) = c.ready()
     assert resp.result == 3
+
+
+def test_a_rank_whose_arguments_failed_fails_the_name_on_every_rank():
+    from horovod.common.engine.negotiation import ArgumentError
+
+    c = coordinator(3)
+    err = ArgumentError("ValueError", "alltoall: splits has 4 entries but the process set has 3 ranks")
+    c.submit([req(0, "alltoall.noname.0", kind=RequestType.ALLTOALL)])
+    c.submit([Request(name="alltoall.noname.0", kind=RequestType.ALLTOALL, dtype="uint8", payload=err, rank=1)])
+    assert c.ready() == []  # still waits for rank 2: every member must hear the answer
+    c.submit([req(2, "alltoall.noname.0", kind=RequestType.ALLTOALL)])
+    (resp,) = c.ready()
+    assert resp.error is not None and resp.error_fields["field"] == "argument"
+    assert resp.error_fields["ranks"] == [0, 1, 2]
+    assert resp.error_fields["values"] == {"valid arguments": [0, 2], str(err): [1]}
+    assert "rank 1: ValueError: alltoall: splits has 4 entries" in resp.error
+
+
+def test_the_same_argument_error_on_every_rank_is_still_an_error():
+    from horovod.common.engine.negotiation import ArgumentError
+
+    err = ArgumentError("NotImplementedError", "Reducescatter currently only supports AVERAGE and SUM")
+    reqs = {r: Request(name="reducescatter.noname.3", kind=RequestType.REDUCESCATTER, dtype="uint8",
+                       payload=err, rank=r) for r in range(2)}
+    problem = validate(reqs)
+    assert problem is not None and problem[1]["field"] == "argument"
+    assert problem[1]["values"] == {str(err): [0, 1]}
+
+
+def test_unnamed_operations_are_numbered_per_process_set():
+    from horovod.common.engine.handles import HandleCounter
+
+    c = HandleCounter()
+    assert [c.unnamed(0), c.unnamed(1), c.unnamed(1), c.unnamed(0), c.unnamed(2)] == [0, 0, 1, 1, 0]
+    assert [c.next(), c.next()] == [0, 1]  # handles are a separate count
