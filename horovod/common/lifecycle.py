@@ -26,7 +26,6 @@ import os
 import sys
 import time
 import traceback
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -173,6 +172,8 @@ class _ExitRequest(SystemExit):
     """
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # freed with the modules at the very end: says nothing
+            return
         try:
             sys._getframe(1)
         except ValueError:
@@ -181,28 +182,14 @@ class _ExitRequest(SystemExit):
                 record_failure(code, "cause", f"sys.exit({self.code!r})")
 
 
-_last_exit: weakref.ref[_ExitRequest] | None = None
-
-
 def _exit_request(status: Any) -> _ExitRequest:
-    global _last_exit
-    request = _ExitRequest(status)
-    _last_exit = weakref.ref(request)
-    return request
+    return _ExitRequest(status)
 
 
 def _sys_exit(status: Any = None) -> NoReturn:
     # made in a helper: a local name here would tie the exception to its own traceback (a
-    # cycle), keeping it alive after it was caught
+    # cycle) and keep it alive, so that its finalizer would not run when it ends the process
     raise _exit_request(status)
-
-
-def _pending_exit() -> None:
-    """At exit: a non-zero ``sys.exit()`` whose exception is still referenced (by a traceback
-    or an error it was chained to) ended the process without its finalizer telling us so."""
-    request = _last_exit() if _last_exit is not None else None
-    if request is not None and _exit_code(request.code):
-        record_failure(_exit_code(request.code), "cause", f"sys.exit({request.code!r})")
 
 
 def _excepthook(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -252,8 +239,6 @@ def end_process(shutdown: Callable[[], None]) -> None:
     Normally: shut Horovod down, then finalize MPI if Horovod initialized it. After a failure in
     a job of several ranks: flush output and leave with the failure's exit code at once.
     """
-    if _failure is None:
-        _pending_exit()
     fail = _failure
     if fail is not None and _multi_rank:
         with contextlib.suppress(Exception):

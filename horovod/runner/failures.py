@@ -136,7 +136,7 @@ def root_cause(exits: list[RankExit]) -> RankExit | None:
     own = [e for e in failed if not e.stopped_by]
     first_end = min((e.time for e in own), default=float("inf"))
     # (a rank that recorded an error failed, even when mpirun stopped it before it could report)
-    causes = [e for e in exits if e.error_kind == "cause" and (
+    causes = [e for e in exits if e.error_kind == "cause" and e.code != 0 and (
         not e.stopped_by or (e.error_time is not None and e.error_time <= first_end))]
     if causes:
         return min(causes, key=lambda e: (e.error_time if e.error_time is not None else e.time,

@@ -158,19 +158,17 @@ def test_thread_level_of_mpi_init_follows_config(level: str, tmp_path: Path) -> 
     assert res.returncode == 0, res.stderr
 
 
-def test_sys_exit_still_referenced_at_exit_counts(tmp_path: Path) -> None:
-    """sys.exit(3) whose exception something keeps alive (here a global) never reaches its
-    finalizer before exit: the exit step must still see it and not take the normal path."""
+def test_sys_exit_caught_and_kept_is_not_a_failure(tmp_path: Path) -> None:
+    """As pytest.raises(SystemExit) does: the exception stays referenced but never left the
+    program's own frames, so the normal exit path runs."""
     code = textwrap.dedent(PRELUDE) + textwrap.dedent("""
         kept = []
-        def run():
+        def check():
             try:
                 sys.exit(3)
             except SystemExit as e:
                 kept.append(e)
-                raise
-        run()
+        check()
     """)
     res, rec, _ = _run(code, tmp_path)
-    assert res.returncode == 3 and rec is not None and rec["code"] == 3, (res.stderr, rec)
-    assert "SHUTDOWN" not in res.stdout
+    assert res.returncode == 0 and rec is None and "SHUTDOWN" in res.stdout, (res.stderr, rec)

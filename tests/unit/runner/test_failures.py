@@ -106,3 +106,10 @@ def test_malformed_record_is_ignored() -> None:
     assert e.error_kind is None and e.error == ""
     e = RankExit.with_record("not a dict", 0, "a", 1, None, 1.0)
     assert e.error_kind is None
+
+
+def test_a_rank_that_exited_zero_is_never_the_cause() -> None:
+    ok = RankExit.with_record(_rec("cause", 0.5), 0, "a", 0, None, 3.0)
+    bad = RankExit(1, "a", None, 9, 2.0)
+    assert root_cause([ok, bad]) is bad
+    assert root_cause([ok]) is None
