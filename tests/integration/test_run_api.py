@@ -77,6 +77,8 @@ def test_run_rejects_conflicting_arguments() -> None:
         horovod.run(len, num_proc=1, hosts="a:1", hostfile="f")
     with pytest.raises(ConfigError, match="not both"):
         horovod.run(len, num_proc=1, use_gloo=True, use_mpi=True)
-    with pytest.raises(NotImplementedError, match="Elastic"):
-        horovod.run(len, num_proc=1, min_num_proc=1)
+    with pytest.raises(ConfigError, match="runs on Gloo"):
+        horovod.run(len, num_proc=1, min_num_proc=1, use_mpi=True)
+    with pytest.raises(ConfigError, match="larger than -np"):
+        horovod.run(len, num_proc=1, min_num_proc=3, max_num_proc=4)
     assert os.environ.get("HOROVOD_SECRET_KEY") is None
