@@ -400,4 +400,8 @@ def join() -> int:
     While waiting, this rank contributes zeros to other ranks' allreduces. Returns the rank that
     joined last (the same value on every rank).
     """
-    return int(get_context().control(RequestType.JOIN, "join.noname"))
+    ctx = get_context()
+    last = int(ctx.control(RequestType.JOIN, "join.noname"))
+    # Every rank is past the join now; ranks that joined early skipped the others' unnamed calls.
+    ctx.counter.restart_unnamed(0)
+    return last

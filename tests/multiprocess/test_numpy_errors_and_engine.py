@@ -161,6 +161,38 @@ def test_join_zero_contributions_and_last_rank(np_):
             assert "not supported with Join" in res["allgather"], (r, res)
 
 
+def _join_in_turn_with_unnamed_calls():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = []
+    for first in range(n):
+        # The rank that joins first skips the unnamed calls the others make while it waits.
+        if r != first:
+            hvd.allreduce(np.ones(3), op=hvd.Sum)
+            try:
+                hvd.allgather(np.ones((2, 2)))
+            except RuntimeError:
+                pass
+        last = hvd.join()
+        out.append((last, hvd.allreduce(np.full(2, float(r)), op=hvd.Sum).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_unnamed_calls_stay_in_step_when_each_rank_joins_first_in_turn(np_):
+    # At np=3 the two ranks that did not join first used to number their unnamed calls apart
+    # from the rank that joined (it skipped them), and the next round hung.
+    results = run_ranks(_join_in_turn_with_unnamed_calls, np=np_, timeout=120)
+    total = float(sum(range(np_)))
+    for step in range(np_):
+        assert len({res[step][0] for res in results}) == 1, results
+        assert all(res[step][1] == [total, total] for res in results), results
+
+
 def _process_sets():
     import numpy as np
 

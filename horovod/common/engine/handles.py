@@ -16,6 +16,8 @@ class HandleCounter:
     its process set only. Every member of a set makes the same unnamed calls on it, so every
     member numbers them alike, whatever else each rank does (named operations, operations of
     other sets, or calls that raised: a call that fails its checks still takes its number).
+    ``join`` is the exception: a joined rank skips the unnamed calls the others make until every
+    rank has joined, so a completed join restarts the numbering of the global set on every rank.
     """
 
     def __init__(self) -> None:
@@ -31,6 +33,10 @@ class HandleCounter:
         if it is None:
             it = self._unnamed.setdefault(process_set_id, itertools.count())
         return next(it)
+
+    def restart_unnamed(self, process_set_id: int) -> None:
+        """Number the next unnamed operation on ``process_set_id`` 0 again (after a join)."""
+        self._unnamed.pop(process_set_id, None)
 
 
 class Handle:
