@@ -74,8 +74,27 @@ def _move_view(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(_MOVE_DTYPES[a.dtype.itemsize])
 
 
-def _scale(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
-    if factor == 1.0:
+def _post_factors(req: Any, group: Group) -> tuple[float, int]:
+    """(factor, divisor) applied after the reduction.
+
+    A plain Average divides by the set's size, as the framework's own ``t / size`` does (exactly
+    rounded: multiplying float32 by float32(1/3) is one ulp off for about a third of the values);
+    an Average with a postscale factor multiplies once by ``postscale / size``.
+    """
+    if req.reduce_op != ReduceOp.AVERAGE:
+        return req.postscale, 1
+    if req.postscale == 1.0:
+        return 1.0, group.size
+    return req.postscale / group.size, 1
+
+
+def _scale(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> None:
+    if divisor != 1:
+        if dst.dtype.char == "e":
+            np.divide(src, np.float32(divisor), out=dst, dtype=np.float32, casting="unsafe")
+        else:
+            np.divide(src, divisor, out=dst, casting="unsafe")
+    elif factor == 1.0:
         if dst is not src:
             np.copyto(dst, src, casting="unsafe")
     elif dst.dtype.char == "e":  # float16 is scaled in float32 math (as upstream on the CPU)
@@ -176,7 +195,7 @@ class Executor:
                    tl: Timeline | None) -> None:
         req = batch[0].request
         op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
-        post = req.postscale / group.size if req.reduce_op == ReduceOp.AVERAGE else req.postscale
+        post, div = _post_factors(req, group)
         pre = req.prescale
         work, dtype, widen = self._dtypes(req.dtype)
         # (input, output, in_place) triples of flat views.
@@ -216,11 +235,11 @@ class Executor:
             self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", True)
             off = 0
             for x, o, _ in small:
-                _scale(o, fbuf[off:off + x.size], post)
+                _scale(o, fbuf[off:off + x.size], post, div)
                 off += x.size
             self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
         if large:
-            exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post)
+            exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post / div)
             self._activity(tl, names, self._act + "ALLREDUCE", True)
             for x, o, inplace in large:
                 if widen:
@@ -228,23 +247,23 @@ class Executor:
                     if pre != 1.0:
                         w *= pre
                     self.backend.allreduce(w, op, group)
-                    _scale(o, w, post)
+                    _scale(o, w, post, div)
                     continue
                 if pre != 1.0:
                     _scale(o, x, pre)
                     self.backend.allreduce(o, op, group)
-                elif not inplace and post != 1.0 and exact_post:
+                elif not inplace and (post != 1.0 or div != 1) and exact_post:
                     # One pass (x * post -> o) then reduce o in place, instead of MPI copying x
                     # to o and a second pass scaling o; bit-identical when post is a power of two.
-                    _scale(o, x, post)
+                    _scale(o, x, post, div)
                     self.backend.allreduce(o, op, group)
                     continue
                 elif inplace:
                     self.backend.allreduce(o, op, group)
                 else:
                     self.backend.allreduce(o, op, group, src=x)
-                if post != 1.0:
-                    _scale(o, o, post)
+                if post != 1.0 or div != 1:
+                    _scale(o, o, post, div)
             self._activity(tl, names, self._act + "ALLREDUCE", False)
 
     # ------------------------------------------------------------------ broadcast
@@ -314,7 +333,7 @@ class Executor:
     def _reducescatter(self, entry: Any, group: Group, tl: Timeline | None) -> None:
         req = entry.request
         op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
-        post = req.postscale / group.size if req.reduce_op == ReduceOp.AVERAGE else req.postscale
+        post, div = _post_factors(req, group)
         outputs = []
         for x in entry.inputs:
             work = self._work_dtype(x.dtype.name)
@@ -332,9 +351,9 @@ class Executor:
             recv = aligned_empty((rows[group.rank],) + x.shape[1:], work)
             self.backend.reducescatter(np.ascontiguousarray(send), recv.reshape(-1),
                                        [r * row for r in rows], op, group)
-            if work != x.dtype or post != 1.0:
+            if work != x.dtype or post != 1.0 or div != 1:
                 out = aligned_empty(recv.shape, x.dtype)
-                _scale(out, recv, post)
+                _scale(out, recv, post, div)
                 recv = out
             outputs.append(recv)
         entry.outputs = outputs
