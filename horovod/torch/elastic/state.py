@@ -103,9 +103,13 @@ class OptimizerStateHandler(StateHandler):
             self.value.load_state_dict(state)
 
 
-class LRSchedulerStateHandler(StateHandler):
-    def __init__(self, scheduler: Any) -> None:
-        super().__init__(scheduler)
+class _StateDictHandler(StateHandler):
+    """Keeps a deep copy of ``value.state_dict()``; syncs it from rank 0 by object broadcast."""
+
+    sync_name = ""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
@@ -116,23 +120,15 @@ class LRSchedulerStateHandler(StateHandler):
 
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
-                                                    name="elastic.lr_scheduler_state"))
+                                                    name=self.sync_name))
 
 
-class SamplerStateHandler(StateHandler):
-    def __init__(self, sampler: ElasticSampler) -> None:
-        super().__init__(sampler)
-        self.save()
+class LRSchedulerStateHandler(_StateDictHandler):
+    sync_name = "elastic.lr_scheduler_state"
 
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
 
-    def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self._saved))
-
-    def sync(self) -> None:
-        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0,
-                                                    name="elastic.sampler_state"))
+class SamplerStateHandler(_StateDictHandler):
+    sync_name = "elastic.sampler_state"
 
 
 _handler_registry: list[tuple[type, type[StateHandler]]] = [
