@@ -80,6 +80,11 @@ class EngineConfig:
         "HOROVOD_FUSION_MAX_TENSOR_BYTES", 256 * 1024,
         "Tensors larger than this many bytes are sent in place, without a copy into the fusion "
         "buffer (copying large tensors costs more than the extra transport call).", _parse_int, minimum=0)
+    chunk_bytes: int = _setting(
+        "HOROVOD_CHUNK_BYTES", 2 * 1024 * 1024,
+        "Piece size in bytes of CPU reductions: the fusion buffer and large tensors are reduced in "
+        "pieces of at most this size, each scaled while hot in cache (0: one transport call per "
+        "buffer).", _parse_int, minimum=0)
     cycle_time_ms: float = _setting(
         "HOROVOD_CYCLE_TIME", 1.0,
         "Milliseconds between the engine thread's negotiation rounds (the least gap between two "
@@ -125,10 +130,12 @@ class EngineConfig:
         "Allow add_process_set()/remove_process_set() after init.", parse_bool)
     hierarchical_allreduce: bool = _setting(
         "HOROVOD_HIERARCHICAL_ALLREDUCE", False,
-        "Accepted for compatibility; the transport (Open MPI's tuned collectives, NCCL) already picks "
-        "hierarchical algorithms across hosts.", parse_bool)
+        "Allreduce hierarchically: reduce within each host, allreduce across hosts among one rank "
+        "per host, broadcast within the host.", parse_bool)
     hierarchical_allgather: bool = _setting(
-        "HOROVOD_HIERARCHICAL_ALLGATHER", False, "Accepted for compatibility (see above).", parse_bool)
+        "HOROVOD_HIERARCHICAL_ALLGATHER", False,
+        "Allgather hierarchically: gather within each host, allgather across hosts among one rank "
+        "per host, broadcast within the host.", parse_bool)
     disable_group_fusion: bool = _setting(
         "HOROVOD_DISABLE_GROUP_FUSION", False,
         "Do not fuse grouped operations with other tensors.", parse_bool)

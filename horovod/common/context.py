@@ -80,6 +80,7 @@ class Context:
         self.backend = create_backend(self.backend_name, self.config, environ, comm)
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         hostnames = self.backend.allgather_object(host)
+        self.hostnames: list[str] = list(hostnames)
         self.topology: Topology = topology_from_hostnames(hostnames, self.backend.rank)
         self.counter = HandleCounter()
         self.handles: dict[int, tuple[Handle, Any]] = {}
@@ -154,7 +155,7 @@ class Context:
             ps = by_key.get(_set_key(ranks)) or ProcessSet(ranks)
             ps.process_set_id = new_id
             self.process_sets[new_id] = ps
-        self.engine = Engine(self.backend, self.config, self.groups)
+        self.engine = Engine(self.backend, self.config, self.groups, hostnames=self.hostnames)
         self.engine.start()
 
     def resolve_process_sets(self, process_sets: Any) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from horovod.common.backends.base import Group
 from horovod.common.engine.timeline import Timeline
+from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
 
 __all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "SMALL_OUTPUT_BYTES"]
@@ -111,19 +112,56 @@ def _power_of_two(x: float) -> bool:
 class Executor:
     """Executes batches for one engine."""
 
-    def __init__(self, backend: Any, groups: dict[int, Group], rank: int, max_tensor_bytes: int,
-                 fusion_enabled: bool, timeline: Callable[[], Timeline | None]) -> None:
+    def __init__(self, backend: Any, groups: dict[int, Group], rank: int, tunables: Tunables,
+                 timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None) -> None:
         self.backend = backend
         self.groups = groups
         self.rank = rank
-        self.max_tensor_bytes = max_tensor_bytes
-        self.fusion_enabled = fusion_enabled
+        self.tunables = tunables
+        self.hostnames = list(hostnames) if hostnames is not None else None
         self._timeline = timeline
         self._native = backend.reduce_dtypes()
         self._buffers: dict[str, np.ndarray] = {}
         self._work: dict[str, np.dtype] = {}
         self._dtype_info: dict[str, tuple[np.dtype, np.dtype, bool]] = {}
         self._act = backend.name.upper() + "_"
+
+    # ------------------------------------------------------------------ tunables (read every batch)
+    @property
+    def max_tensor_bytes(self) -> int:
+        return self.tunables.max_tensor_bytes
+
+    @max_tensor_bytes.setter
+    def max_tensor_bytes(self, value: int) -> None:
+        self.tunables.max_tensor_bytes = int(value)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.tunables.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self.tunables.chunk_bytes = int(value)
+
+    @property
+    def fusion_enabled(self) -> bool:
+        return self.tunables.fusion_threshold > 0
+
+    @property
+    def hierarchical_allreduce(self) -> bool:
+        return self.tunables.hierarchical_allreduce
+
+    @hierarchical_allreduce.setter
+    def hierarchical_allreduce(self, value: bool) -> None:
+        self.tunables.hierarchical_allreduce = bool(value)
+
+    @property
+    def hierarchical_allgather(self) -> bool:
+        return self.tunables.hierarchical_allgather
+
+    @hierarchical_allgather.setter
+    def hierarchical_allgather(self, value: bool) -> None:
+        self.tunables.hierarchical_allgather = bool(value)
 
     # ------------------------------------------------------------------ helpers
     def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:

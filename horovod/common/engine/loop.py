@@ -33,6 +33,7 @@ from horovod.common.engine.fusion import plan_batches
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
 from horovod.common.engine.stall import StallInspector
 from horovod.common.engine.timeline import Timeline
+from horovod.common.engine.tunables import Tunables
 from horovod.common.exceptions import (
     SHUT_DOWN_MESSAGE,
     CollectiveMismatchError,
@@ -81,7 +82,7 @@ class Engine:
     def __init__(self, backend: Any, config: EngineConfig, groups: dict[int, Group],
                  on_process_set_added: Callable[[int, list[int]], None] | None = None,
                  on_process_set_removed: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None) -> None:
         self.backend = backend
         self.config = config
         self.rank: int = backend.rank
@@ -105,13 +106,14 @@ class Engine:
         self._new: list[Entry] = []
         self._joined = False
         self._progress = True  # did the last round complete anything or take new work?
-        self._cycle = config.cycle_time_ms / 1000.0
+        # Speed knobs, read afresh every round/batch (an autotuner changes them at run time).
+        self.tunables = Tunables.from_config(config)
         self._last_round = 0.0  # when the engine thread last started a round (perf_counter)
         # With only the global process set, a rank with nothing pending cannot help any
         # operation finish (each needs this rank's own submission, which wakes it at once), so it
         # joins rounds rarely: often enough for stall reports and shutdowns, not so often that
         # its empty rounds interrupt the busy ranks. Other process sets need it every cycle.
-        self._idle_tick = max(self._cycle, 0.05)
+        self._idle_tick_floor = 0.05
         self.cache = ResponseCache(config.cache_capacity, on_evict=self._forget_slot)
         # Bit masks over cache slots, as Python ints (bit i = slot i).
         self._ready_mask = 0
@@ -129,8 +131,8 @@ class Engine:
         self.timeline: Timeline | None = None
         if self.rank == 0 and config.timeline and config.timeline.upper() != "DYNAMIC":
             self.timeline = Timeline(config.timeline, config.timeline_mark_cycles)
-        self._executor = Executor(backend, groups, self.rank, config.fusion_max_tensor_bytes,
-                                  config.fusion_threshold > 0, lambda: self.timeline)
+        self._executor = Executor(backend, groups, self.rank, self.tunables, lambda: self.timeline,
+                                  hostnames)
         self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
 
     # ================================================================ caller side
@@ -190,6 +192,15 @@ class Engine:
             old.close()
 
     # ================================================================ engine thread
+    @property
+    def _cycle(self) -> float:
+        """Seconds between background rounds (``tunables.cycle_time_ms``, read every round)."""
+        return self.tunables.cycle_time_ms / 1000.0
+
+    @property
+    def _idle_tick(self) -> float:
+        return max(self._cycle, self._idle_tick_floor)
+
     def _members(self, process_set_id: int) -> list[int] | None:
         g = self.groups.get(process_set_id)
         return None if g is None else g.ranks
@@ -294,7 +305,7 @@ class Engine:
             self._pending[req.name] = e
             if req.kind == RequestType.JOIN:
                 self._joined = True
-            slot, match = cache.lookup(req) if words else (-1, False)
+            slot, match = cache.lookup(req) if words and self.tunables.cache_enabled else (-1, False)
             if match:
                 e.state, e.slot = _CACHED, slot
                 self._ready_mask |= 1 << slot
@@ -413,7 +424,7 @@ class Engine:
         for slot in cached_slots:
             cache.touch(slot)
         for resp in responses[len(cached_slots):]:
-            if resp.error is None and resp.kind not in (RequestType.JOIN,):
+            if resp.error is None and resp.kind not in (RequestType.JOIN,) and self.tunables.cache_enabled:
                 before = cache.lookup(resp.request)[0]
                 cache.put(resp)
                 slot = cache.lookup(resp.request)[0]
@@ -424,8 +435,8 @@ class Engine:
         if joined_any:
             responses = [Response(r.request, error=_JOIN_UNSUPPORTED[r.kind])
                          if r.kind in _JOIN_UNSUPPORTED and r.error is None else r for r in responses]
-        batches = plan_batches(responses, self.config.fusion_threshold,
-                               self.config.fusion_max_tensor_bytes,
+        batches = plan_batches(responses, self.tunables.fusion_threshold,
+                               self.tunables.max_tensor_bytes,
                                not self.config.disable_group_fusion)
         for batch in batches:
             self._run_batch(batch)

@@ -1,0 +1,81 @@
+"""The engine's run-time tunables: every knob that decides speed, in one mutable struct. PURE.
+
+One ``Tunables`` object per engine, shared by reference between the engine loop (``loop.py``),
+the fusion planner's caller and the executor (``executor.py``). Every field is read afresh at
+each round or batch, never baked in at init, so an autotuner may change them at run time. A
+change must be made **identically on every rank at the same round boundary** (e.g. from a value
+every rank agreed on in a collective, or between rounds from the engine thread): the fields decide
+how batches are planned and cut, and ranks that plan differently would pair mismatched transport
+calls.
+
+Fields:
+    fusion_threshold: fusion buffer size in bytes (``HOROVOD_FUSION_THRESHOLD``); responses of the
+        same kind/dtype/op share a batch up to this many bytes of small tensors. 0 disables fusion.
+        Read by the planner every round.
+    max_tensor_bytes: tensors above this many bytes are never packed into the fusion buffer
+        (``HOROVOD_FUSION_MAX_TENSOR_BYTES``); they are reduced piecewise in their own memory.
+        Read by the planner and the executor every batch.
+    chunk_bytes: piece size in bytes of the reductions (``HOROVOD_CHUNK_BYTES``): the fusion
+        buffer and every large tensor are reduced in pieces of at most this size, each piece
+        scaled/copied while it is hot in cache. 0 means one transport call per buffer. Read by
+        the executor every batch.
+    cycle_time_ms: milliseconds between the engine thread's background rounds
+        (``HOROVOD_CYCLE_TIME``). Read by the engine loop every round.
+    cache_enabled: whether the response cache is consulted and filled (the cache's capacity is
+        fixed at init by ``HOROVOD_CACHE_CAPACITY``; with capacity 0 this flag changes nothing).
+        Read by the engine loop every round.
+    hierarchical_allreduce: reduce within each host, allreduce across hosts among the hosts'
+        first local ranks, broadcast within the host (``HOROVOD_HIERARCHICAL_ALLREDUCE``). Read by
+        the executor every batch.
+    hierarchical_allgather: gather within each host, allgather across hosts, broadcast within the
+        host (``HOROVOD_HIERARCHICAL_ALLGATHER``). Read by the executor every operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["Tunables", "DEFAULT_CHUNK_BYTES"]
+
+# Measured on a 2-core x86 machine (benchmarks/gradsync_limit.py): 1-4 MiB pieces reduce 3-5x
+# faster than one flat call streaming through memory; 2 MiB was the best raw schedule.
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+
+
+@dataclass
+class Tunables:
+    """The knobs an autotuner may change at run time (see the module docstring)."""
+
+    fusion_threshold: int = 128 * 1024 * 1024
+    max_tensor_bytes: int = 256 * 1024
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    cycle_time_ms: float = 1.0
+    cache_enabled: bool = True
+    hierarchical_allreduce: bool = False
+    hierarchical_allgather: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> Tunables:
+        """The initial values, from an ``EngineConfig`` (missing fields keep their defaults)."""
+        return cls(
+            fusion_threshold=int(config.fusion_threshold),
+            max_tensor_bytes=int(config.fusion_max_tensor_bytes),
+            chunk_bytes=int(getattr(config, "chunk_bytes", DEFAULT_CHUNK_BYTES)),
+            cycle_time_ms=float(config.cycle_time_ms),
+            cache_enabled=int(config.cache_capacity) > 0,
+            hierarchical_allreduce=bool(config.hierarchical_allreduce),
+            hierarchical_allgather=bool(config.hierarchical_allgather),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Field name -> value (for logs and autotune CSV rows)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def update(self, **values: Any) -> None:
+        """Set several fields at once; an unknown name raises ``AttributeError``."""
+        names = {f.name for f in fields(self)}
+        for k, v in values.items():
+            if k not in names:
+                raise AttributeError(f"Tunables has no field {k!r}; fields: {sorted(names)}")
+            setattr(self, k, v)
