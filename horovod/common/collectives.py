@@ -24,6 +24,7 @@ from horovod.common.types import ReduceOp, Request, RequestType
 
 __all__ = [
     "REDUCE_DTYPES", "MOVE_DTYPES", "ARGUMENT_ERRORS", "resolve_op", "op_name", "check_dtype",
+    "check_adasum",
     "fail_everywhere",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
@@ -147,6 +148,28 @@ def group_of(process_set: ProcessSet | None, what: str) -> tuple[int, list[int]]
     return ps_id, ranks
 
 
+def check_adasum(process_set_id: int, dtype: str, what: str = "allreduce") -> None:
+    """Upstream's preconditions of an Adasum allreduce on the CPU.
+
+    Raises:
+        NotImplementedError: a process set other than the global one, or a world size that is not
+            a power of two (upstream's messages).
+        ValueError: a dtype other than float16, float32 or float64.
+    """
+    from horovod.common.engine.adasum import ADASUM_DTYPES, is_power_of_two
+
+    if process_set_id != 0:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    size = get_context().topology.size
+    if not is_power_of_two(size):
+        raise NotImplementedError(
+            "Running Adasum with non-power of 2 ranks is not supported yet. "
+            f"(This job has {size} ranks; run with a power of two, or use op=hvd.Average.)")
+    if dtype not in ADASUM_DTYPES:
+        raise ValueError(f"{what}: Adasum reduces float16, float32 and float64 tensors only, got {dtype}; "
+                         "cast the tensor to a float type or use op=hvd.Sum.")
+
+
 def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str) -> str:
     if not arrays:
         raise ValueError(f"{what}: no tensors given")
@@ -210,16 +233,16 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
 
     Raises (on every rank of the set when any rank's arguments are bad, see ``fail_everywhere``):
         ValueError: unsupported dtype, or ``out`` that does not match the inputs.
-        NotImplementedError: ``op`` is Adasum.
+        NotImplementedError: ``op`` is Adasum with a non-power-of-two world size or a process set
+            other than the global one (see ``check_adasum``).
         ValueError: (on this rank only) unregistered process set, non-member rank.
     """
     what = "grouped_allreduce" if grouped else "allreduce"
     ps_id, _ = group_of(process_set, what)
     try:
-        if op == ReduceOp.ADASUM:
-            raise NotImplementedError(
-                "op=hvd.Adasum is not supported yet by this Horovod; use op=hvd.Average or hvd.Sum.")
         dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+        if op == ReduceOp.ADASUM:
+            check_adasum(ps_id, dtype, what)
         outputs = list(arrays) if inplace else None
         if out is not None:
             outputs = _check_out(arrays, out, what, inplace)

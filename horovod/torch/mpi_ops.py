@@ -92,7 +92,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     Raises:
         ValueError: unsupported dtype, a name still in flight, unregistered process set or
             non-member rank, both ``op`` and ``average`` given.
-        NotImplementedError: a CUDA tensor, or ``op=Adasum``.
+        NotImplementedError: a CUDA tensor; ``op=Adasum`` on a non-power-of-two world or a
+            non-global process set.
     """
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
                                  process_set, False, False, "allreduce_async")

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from horovod.common.basics import size
-from horovod.common.collectives import register_handle, submit_again
+from horovod.common.collectives import check_adasum, register_handle, submit_again
 from horovod.common.context import get_context
 from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
+from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
 from horovod.torch._convert import DIRECT_DTYPES
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
@@ -349,6 +350,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = passes
 
 
+class _ParamGroups:
+    """Just enough of an optimizer for ``_DistributedOptimizer._names`` (the Adasum wrapper's names)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.param_groups = param_groups
+
+    _all_params = _DistributedOptimizer._all_params
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
                          compression: Any = Compression.none, backward_passes_per_step: int = 1,
                          op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
@@ -366,7 +376,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         named_parameters: ``model.named_parameters()``; names become the allreduce names.
         compression: ``Compression.none`` or ``Compression.fp16``.
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
-        op: ``Average`` or ``Sum`` (``Adasum`` is not available in this version).
+        op: ``Average``, ``Sum`` or ``Adasum`` (with more than one rank: upstream's delta
+            optimizer, see ``horovod.torch._adasum_optimizer``; world size a power of two).
         gradient_predivide_factor: divide by this before the sum and multiply after (Average only).
         num_groups: deprecated; use ``groups``.
         groups: an int k (params split into k fused groups) or a list of lists of parameters.
@@ -376,7 +387,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Raises:
         ValueError: bad ``named_parameters``, ``groups``, ``backward_passes_per_step`` or
             ``gradient_predivide_factor``.
-        NotImplementedError: ``op=Adasum``.
+        NotImplementedError: ``op=Adasum`` with a non-global process set or a world size that is
+            not a power of two.
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -387,9 +399,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    if op == Adasum:
-        raise NotImplementedError("op=hvd.Adasum is not supported by this version of Horovod's "
-                                  "DistributedOptimizer; use op=hvd.Average.")
+    if op == Adasum and size() > 1:  # upstream's delta optimizer (one rank: the plain wrapper)
+        if process_set != global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        check_adasum(0, "float32", "DistributedOptimizer")
+        cls = type(optimizer.__class__.__name__, (DistributedAdasumOptimizer, optimizer.__class__), {})
+        names = _DistributedOptimizer._names(_ParamGroups(optimizer.param_groups), named_parameters)
+        return cls(optimizer.param_groups, names, compression, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)

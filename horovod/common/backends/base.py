@@ -111,5 +111,12 @@ class CollectiveBackend(Protocol):
     def barrier(self, group: Group) -> None:
         """Block until every member arrives."""
 
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group) -> None:
+        """Send ``send`` to member ``peer`` (an index in the group) and receive ``recv`` from it.
+
+        Point to point between two members only (Adasum's pairwise exchanges); ``peer`` calls it
+        with this member's index at the same point. Any dtype (the bytes travel).
+        """
+
     def close(self) -> None:
         """Release the transport's resources at shutdown (must not prevent a later init)."""

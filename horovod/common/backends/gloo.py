@@ -420,6 +420,14 @@ class GlooBackend:
         # other collectives issued on the same group, an allreduce does.
         self.allreduce(np.zeros(1, np.int32), ReduceOp.SUM, group)
 
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group) -> None:
+        with self._translate("sendrecv"):  # Gloo's send is asynchronous: no ordering by rank needed
+            s = group.handle.send([self._t(self._bytes(send))], peer, 0) if send.size else None
+            if recv.size:
+                group.handle.recv([self._t(self._bytes(recv))], peer, 0).wait()
+            if s is not None:
+                s.wait()
+
     def close(self) -> None:
         # Groups first (their handles are the only other references to the process groups),
         # then the process groups, then the store: each is destroyed here, in this order, not

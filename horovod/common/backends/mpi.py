@@ -163,6 +163,11 @@ class MPIBackend:
         with _translate(self.rank, "barrier"):
             group.handle.Barrier()
 
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group) -> None:
+        with _translate(self.rank, "sendrecv"):
+            group.handle.Sendrecv(send.reshape(-1).view(np.uint8), peer, 0,
+                                  recv.reshape(-1).view(np.uint8), peer, 0)
+
     def close(self) -> None:
         # The duplicated communicator is freed; MPI itself stays initialized so that a later
         # hvd.init() works (MPI cannot be initialized twice in one process).

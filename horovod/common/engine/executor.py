@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common.backends.base import Group
+from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
@@ -204,7 +205,9 @@ class Executor:
         if tl is not None:
             for r in batch:
                 tl.begin(r.name, kind.upper)
-        if kind == RequestType.ALLREDUCE:
+        if kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
+            self._adasum_runner().run(batch, entries, group, aligned_empty)
+        elif kind == RequestType.ALLREDUCE:
             self._allreduce(batch, entries, group, tl)
         elif kind == RequestType.BROADCAST:
             self._broadcast(batch, entries, group, tl)
@@ -219,6 +222,12 @@ class Executor:
                 tl.end(r.name, {"dtype": r.request.dtype,
                                 "shape": str([list(s) for s in r.request.shapes])})
 
+    def _adasum_runner(self) -> AdasumRunner:
+        runner = self.__dict__.get("_adasum")
+        if runner is None:
+            runner = self._adasum = AdasumRunner(self.backend)
+        return runner
+
     def _activity(self, tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
         if tl is None:
             return
@@ -231,78 +240,119 @@ class Executor:
     # ------------------------------------------------------------------ allreduce
     def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
                    tl: Timeline | None) -> None:
+        """Reduce a batch piece by piece, each piece scaled and copied while it is hot in cache.
+
+        The batch's tensors, in order, form one virtual flat buffer. Small tensors (at most
+        ``max_tensor_bytes``), the tails of large ones and every piece that must be widened are
+        packed into a reusable buffer of ``chunk_bytes``, reduced when it is full; the full
+        ``chunk_bytes`` pieces of large tensors are reduced in their own memory. Every rank derives
+        the same pieces from the agreed shapes, so the transport calls pair up.
+        """
         req = batch[0].request
         op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
         post, div = _post_factors(req, group)
         pre = req.prescale
         work, dtype, widen = self._dtypes(req.dtype)
-        # (input, output, in_place) triples of flat views.
-        items: list[tuple[np.ndarray, np.ndarray, bool]] = []
+        # (input, output, in_place, name) of flat views.
+        items: list[tuple[np.ndarray, np.ndarray, bool, str]] = []
         for resp, entry in zip(batch, entries):
             if entry is None:  # this rank joined: contribute zeros of the agreed shapes
                 for shape in resp.request.shapes:
                     z = np.zeros(int(np.prod(shape)), dtype)
-                    items.append((z, z, True))
+                    items.append((z, z, True, resp.name))
                 continue
             if entry.outputs is None:
                 entry.outputs = [aligned_empty(x.shape, x.dtype) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
-                items.append((x.reshape(-1), o.reshape(-1), o is x))
-        small: list[tuple[np.ndarray, np.ndarray, bool]] = []
-        large = items
-        if self.fusion_enabled and len(items) > 1:
-            cut = self.max_tensor_bytes
-            small = [p for p in items if p[0].nbytes <= cut]
-            if len(small) > 1:
-                large = [p for p in items if p[0].nbytes > cut]
-            else:
-                small = []
-        names = [r.name for r in batch] if tl is not None else []
-        if small:
-            total = sum(p[0].size for p in small)
-            fbuf = self._fusion_buffer(work, total)
-            self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", True)
-            off = 0
-            for x, _, _ in small:
-                _scale(fbuf[off:off + x.size], x, pre)
-                off += x.size
-            self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", False)
-            self._activity(tl, names, self._act + "ALLREDUCE", True)
-            self.backend.allreduce(fbuf, op, group)
-            self._activity(tl, names, self._act + "ALLREDUCE", False)
-            self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", True)
-            off = 0
-            for x, o, _ in small:
-                _scale(o, fbuf[off:off + x.size], post, div)
-                off += x.size
-            self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
-        if large:
-            exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post / div)
-            self._activity(tl, names, self._act + "ALLREDUCE", True)
-            for x, o, inplace in large:
-                if widen:
-                    w = x.astype(work)
+                items.append((x.reshape(-1), o.reshape(-1), o is x, resp.name))
+        reduce = self._reducer(group, op)
+        fuse = self.fusion_enabled and len(items) > 1
+        cut = self.max_tensor_bytes
+        chunk = self.chunk_bytes // work.itemsize if self.chunk_bytes > 0 else 0
+        if chunk > 0:
+            cap = chunk
+        else:  # one call for all packed tensors, one per large tensor
+            cap = sum(x.size for x, *_ in items if widen or (fuse and x.nbytes <= cut))
+        cap = max(cap, 1)
+        scaled = post != 1.0 or div != 1
+        exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post / div)
+        pack: list[tuple[int, int, int, int]] = []  # (item, start, stop, offset in the buffer)
+        fill = 0
+        for idx, (x, o, inplace, name) in enumerate(items):
+            n = x.size
+            start = 0
+            if not widen and not (fuse and x.nbytes <= cut):
+                step = chunk if chunk > 0 else max(n, 1)
+                # Whole pieces in the tensor's own memory; a short tail joins the packed buffer.
+                stop = n - n % step if fuse and n % step and (n % step) * x.itemsize <= cut else n
+                if tl is not None and stop > 0:
+                    tl.begin(name, self._act + "ALLREDUCE")
+                for s in range(0, stop, step):
+                    e = min(s + step, stop)
+                    xs, os_ = x[s:e], o[s:e]
                     if pre != 1.0:
-                        w *= pre
-                    self.backend.allreduce(w, op, group)
-                    _scale(o, w, post, div)
-                    continue
+                        _scale(os_, xs, pre)
+                        reduce(os_)
+                    elif inplace:
+                        reduce(os_)
+                    elif scaled and exact_post:
+                        # Scale during the copy, then reduce in place: one pass instead of two,
+                        # bit-identical because the factor is a power of two.
+                        _scale(os_, xs, post, div)
+                        reduce(os_)
+                        continue
+                    else:
+                        np.copyto(os_, xs)
+                        reduce(os_)
+                    if scaled:
+                        _scale(os_, os_, post, div)
+                if tl is not None and stop > 0:
+                    tl.end(name)
+                start = stop
+            while start < n:
+                take = min(n - start, cap - fill)
+                pack.append((idx, start, start + take, fill))
+                fill += take
+                start += take
+                if fill == cap:
+                    self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
+                    pack, fill = [], 0
+        if pack:
+            self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
+
+    def _reduce_packed(self, items: Sequence[tuple[np.ndarray, np.ndarray, bool, str]],
+                       pack: Sequence[tuple[int, int, int, int]], fill: int, work: np.dtype, widen: bool,
+                       pre: float, post: float, div: int, reduce: Callable[[np.ndarray], None],
+                       tl: Timeline | None) -> None:
+        """Copy (prescaled, widened) pieces into the fusion buffer, reduce it, copy them out scaled."""
+        buf = self._fusion_buffer(work, fill)
+        names = list(dict.fromkeys(items[i][3] for i, *_ in pack)) if tl is not None else []
+        self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", True)
+        for i, s, e, b in pack:
+            dst, src = buf[b:b + e - s], items[i][0][s:e]
+            if widen:  # float16 is widened, then scaled in float32 math (as upstream on the CPU)
+                np.copyto(dst, src, casting="unsafe")
                 if pre != 1.0:
-                    _scale(o, x, pre)
-                    self.backend.allreduce(o, op, group)
-                elif not inplace and (post != 1.0 or div != 1) and exact_post:
-                    # One pass (x * post -> o) then reduce o in place, instead of MPI copying x
-                    # to o and a second pass scaling o; bit-identical when post is a power of two.
-                    _scale(o, x, post, div)
-                    self.backend.allreduce(o, op, group)
-                    continue
-                elif inplace:
-                    self.backend.allreduce(o, op, group)
-                else:
-                    self.backend.allreduce(o, op, group, src=x)
-                if post != 1.0 or div != 1:
-                    _scale(o, o, post, div)
-            self._activity(tl, names, self._act + "ALLREDUCE", False)
+                    np.multiply(dst, pre, out=dst)
+            else:
+                _scale(dst, src, pre)
+        self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", False)
+        self._activity(tl, names, self._act + "ALLREDUCE", True)
+        reduce(buf)
+        self._activity(tl, names, self._act + "ALLREDUCE", False)
+        self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", True)
+        for i, s, e, b in pack:
+            _scale(items[i][1][s:e], buf[b:b + e - s], post, div)
+        self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
+
+    def _reducer(self, group: Group, op: ReduceOp) -> Callable[[np.ndarray], None]:
+        """In-place reduction of a flat buffer over ``group``: flat, or hierarchical when enabled."""
+        backend = self.backend
+        if self.hierarchical_allreduce:
+            hier = self._hierarchy(group)
+            if hier is not None:
+                return lambda buf: hier.allreduce(buf, op)
+        return lambda buf: backend.allreduce(buf, op, group)
 
     # ------------------------------------------------------------------ broadcast
     def _broadcast(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
