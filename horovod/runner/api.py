@@ -10,7 +10,7 @@ from typing import Any
 from horovod.common.exceptions import ConfigError, WorkerFailedError
 from horovod.runner.settings import LaunchSettings, default_start_timeout
 
-__all__ = ["run"]
+__all__ = ["run", "collect_results"]
 
 
 def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
@@ -55,7 +55,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     import cloudpickle
 
     from horovod.runner.launch import launch
-    from horovod.runner.run_task import FUNC_SCOPE, RESULT_SCOPE
+    from horovod.runner.run_task import FUNC_SCOPE
 
     if np is not None:
         warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)
@@ -106,16 +106,36 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     result = launch(settings, secret=make_secret(), on_rendezvous=publish)
     assert not isinstance(result, str)
     server = servers[0]
-    values: list[Any] = []
-    errors: list[tuple[int, BaseException, str]] = []
     if settings.elastic:
         # Elastic (upstream): the results of the first min_num_proc ranks of the final round.
         if result.returncode != 0:
             raise WorkerFailedError(f"horovod.run: the elastic job failed: "
                                     f"{getattr(result, 'error', None)}")
         num_proc = settings.min_np or num_proc
+    return collect_results(server.get, num_proc, result, "horovod.run")
+
+
+def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, result: Any,
+                    caller: str) -> list[Any]:
+    """The values ``run_task`` workers stored under ``RESULT_SCOPE``, in rank order.
+
+    Shared by ``horovod.run`` and the cluster launchers (``horovod.spark``): ``get(scope, key)``
+    reads the launcher's rendezvous store, ``result`` is the job's ``JobResult`` (its ``exits``
+    name each rank's host, ``report()`` describes the failures).
+
+    Raises:
+        WorkerFailedError: a rank raised (the first rank that raised is named; the error carries
+            ``rank``, ``host``, ``exception``, ``ranks``; the root-cause rank of the exit
+            records first, else the lowest), or a rank ended without a result.
+    """
+    import cloudpickle
+
+    from horovod.runner.run_task import RESULT_SCOPE
+
+    values: list[Any] = []
+    errors: list[tuple[int, BaseException, str]] = []
     for rank in range(num_proc):
-        raw = server.get(RESULT_SCOPE, str(rank))
+        raw = get(RESULT_SCOPE, str(rank))
         if raw is None:
             continue
         item = cloudpickle.loads(raw)
@@ -125,17 +145,20 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
             errors.append((rank, item[1], item[2]))
     hosts_by_rank = {e.rank: e.host for e in result.exits}
     if errors:
+        # The rank whose failure caused the others' (from the exit records) is named first.
+        root = result.first_failure
+        errors.sort(key=lambda e: e[0] != (root.rank if root is not None else None))
         rank, exc, tb = errors[0]
         others = f" (ranks {[r for r, _, _ in errors]} raised)" if len(errors) > 1 else ""
         raise WorkerFailedError(
-            f"horovod.run: rank {rank} on host {hosts_by_rank.get(rank, '?')} raised "
+            f"{caller}: rank {rank} on host {hosts_by_rank.get(rank, '?')} raised "
             f"{type(exc).__name__}: {exc}{others}\n{tb}", rank=rank,
             host=hosts_by_rank.get(rank), exception=exc,
             ranks=[r for r, _, _ in errors]) from exc
     if result.returncode != 0 or len(values) != num_proc:
         first = result.first_failure
         raise WorkerFailedError(
-            "horovod.run: the job failed before every rank returned a result.\n" + result.report(),
+            f"{caller}: the job failed before every rank returned a result.\n" + result.report(),
             rank=first.rank if first else None, host=first.host if first else None,
             exits=result.exits)
     return values

@@ -174,6 +174,11 @@ class RendezvousServer:
         with self._server.lock:
             return self._server.store.get((scope, key))
 
+    def pop(self, scope: str, key: str) -> bytes | None:
+        """Remove ``scope/key`` and return its value (None when absent)."""
+        with self._server.lock:
+            return self._server.store.pop((scope, key), None)
+
     def set_slots(self, slots: dict[int, dict[str, Any]]) -> None:
         self._server.slots = {str(r): info for r, info in slots.items()}
 

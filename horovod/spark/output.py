@@ -1,0 +1,131 @@
+"""Rank output from Spark executors to the driver, through the job's rendezvous service.
+
+A rank runs inside a Spark task on some executor; its stdout and stderr would end in that
+executor's log. The task forwards them instead: ``RemoteOutput`` collects the already prefixed
+lines (``[rank]<stdout>:...``) and ships them in small batches with a signed ``PUT`` under
+``spark_output/<rank>.<n>``; on the driver, ``OutputPump`` reads the batches in order straight
+from the service's store (no network hop) and writes them to the ``stdout``/``stderr`` streams
+the caller gave ``horovod.spark.run`` (default: the driver's own).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+__all__ = ["OUTPUT_SCOPE", "RemoteOutput", "OutputPump"]
+
+OUTPUT_SCOPE = "spark_output"
+_BATCH_SECONDS = 0.1
+_BATCH_BYTES = 256 * 1024
+
+
+class _Stream:
+    """A text stream (``write``/``flush``) whose lines go to ``RemoteOutput`` as one stream."""
+
+    def __init__(self, owner: RemoteOutput, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def write(self, text: str) -> int:
+        self.owner.add(self.name, text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+class RemoteOutput:
+    """Task side: batch lines of one rank and ``put(scope, key, bytes)`` them to the driver.
+
+    A background thread sends whatever has collected every 0.1 s (sooner past 256 KiB); ``close()``
+    sends the rest. A failed send is dropped after one retry: output must never fail a rank.
+    """
+
+    def __init__(self, put: Callable[[str, str, bytes], None], rank: int) -> None:
+        self.put, self.rank = put, rank
+        self.stdout, self.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
+        self._items: list[tuple[str, str]] = []
+        self._size = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="hvd-spark-output")
+        self._thread.start()
+
+    def add(self, stream: str, text: str) -> None:
+        with self._lock:
+            self._items.append((stream, text))
+            self._size += len(text)
+            big = self._size >= _BATCH_BYTES
+        if big:
+            self._wake.set()
+
+    def _send(self) -> None:
+        with self._send_lock:
+            with self._lock:
+                items, self._items, self._size = self._items, [], 0
+            if not items:
+                return
+            key = f"{self.rank}.{self._seq}"
+            self._seq += 1
+            body = json.dumps(items).encode()
+            for _ in range(2):
+                try:
+                    self.put(OUTPUT_SCOPE, key, body)
+                    return
+                except Exception:  # noqa: BLE001 - the driver may be gone; output is best effort
+                    time.sleep(0.2)
+
+    def _loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(_BATCH_SECONDS)
+            self._wake.clear()
+            self._send()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._send()
+
+
+class OutputPump:
+    """Driver side: write every rank's batches, in order, to ``stdout``/``stderr``.
+
+    ``get(scope, key)`` and ``pop(scope, key)`` read the rendezvous store in process. Call
+    ``pump()`` periodically (it returns at once when nothing is new) and once more at the end.
+    """
+
+    def __init__(self, get: Callable[[str, str], bytes | None],
+                 pop: Callable[[str, str], Any], stdout: IO[str] | None = None,
+                 stderr: IO[str] | None = None) -> None:
+        self.get, self.pop = get, pop
+        self.out, self.err = stdout, stderr
+        self._next: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def pump(self, ranks: list[int]) -> None:
+        with self._lock:
+            for rank in ranks:
+                seq = self._next.get(rank, 0)
+                while True:
+                    key = f"{rank}.{seq}"
+                    raw = self.get(OUTPUT_SCOPE, key)
+                    if raw is None:
+                        break
+                    self.pop(OUTPUT_SCOPE, key)
+                    seq += 1
+                    for stream, text in json.loads(raw):
+                        target = (self.err or sys.stderr) if stream == "stderr" else (self.out or sys.stdout)
+                        try:
+                            target.write(text)
+                            target.flush()
+                        except (OSError, ValueError):
+                            pass
+                self._next[rank] = seq

@@ -1,0 +1,292 @@
+"""``horovod.spark.run`` and ``horovod.spark.run_elastic``: Horovod jobs as Spark tasks.
+
+The driver opens the job's rendezvous service (``horovod.runner.rendezvous``) on the Spark driver,
+publishes the cloudpickled function there and submits one Spark job of ``num_proc`` tasks. In
+``run`` the stage runs in barrier mode (all tasks start together or none does); each task starts
+one Gloo rank (``horovod.spark.task``). Results come back in rank order through the same service,
+the ranks' output is written to ``stdout``/``stderr`` on the driver as it happens, and a failure
+names its rank, host and Spark executor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import IO, Any
+
+from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.spark.task import TASK_SCOPE, JobSpec
+
+__all__ = ["run", "run_elastic", "SparkStartTimeoutError", "default_start_timeout"]
+
+log = logging.getLogger("horovod.spark")
+
+DEFAULT_START_TIMEOUT = 600.0
+
+
+class SparkStartTimeoutError(WorkerFailedError, TimeoutError):
+    """Not every Spark task of the job started within ``start_timeout``."""
+
+
+def default_start_timeout() -> float:
+    """``HOROVOD_SPARK_START_TIMEOUT`` seconds, else 600 (upstream's default)."""
+    raw = os.environ.get("HOROVOD_SPARK_START_TIMEOUT")
+    if not raw:
+        return DEFAULT_START_TIMEOUT
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"HOROVOD_SPARK_START_TIMEOUT={raw!r} is not a number of seconds.") from exc
+
+
+def _spark_context() -> Any:
+    try:
+        from pyspark import SparkContext
+    except ImportError as exc:
+        raise ImportError("horovod.spark needs PySpark: pip install 'horovod-py[spark]' "
+                          f"(import failed: {exc}).") from exc
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        raise RuntimeError("Could not find an active SparkContext, are you running in a PySpark "
+                           "session? Create one first (SparkSession.builder.getOrCreate()).")
+    return sc
+
+
+def free_task_slots(sc: Any) -> int | None:
+    """How many tasks the cluster can run at once now (None when Spark cannot tell)."""
+    try:
+        jsc = sc._jsc.sc()
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        return int(jsc.maxNumConcurrentTasks(profile))
+    except Exception:  # noqa: BLE001 - a private Spark API; without it only the timeout applies
+        return None
+
+
+def _driver_address(sc: Any, nics: list[str] | None) -> tuple[str, str]:
+    """(bind address, address the executors use) for the rendezvous service."""
+    if nics and "/" not in nics[0]:
+        from horovod.runner.network import interface_address
+
+        addr = interface_address(nics[0])
+        return addr, addr
+    host = sc.getConf().get("spark.driver.host") or "127.0.0.1"
+    return "0.0.0.0", host
+
+
+class _Job:
+    """One ``horovod.spark.run``: the service, the Spark job thread, output and results."""
+
+    def __init__(self, sc: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], num_proc: int, start_timeout: float,
+                 env: dict[str, str] | None, stdout: IO[str] | None, stderr: IO[str] | None,
+                 nics: list[str] | None, timestamp: bool, executable: str | None) -> None:
+        import cloudpickle
+
+        from horovod.runner.rendezvous import RendezvousServer, make_secret
+        from horovod.runner.run_task import FUNC_SCOPE
+        from horovod.spark.output import OutputPump
+
+        self.sc, self.num_proc, self.start_timeout = sc, num_proc, start_timeout
+        secret = make_secret()
+        bind, advertised = _driver_address(sc, nics)
+        self.server = RendezvousServer(secret, host=bind)
+        self.server.put(FUNC_SCOPE, "func", cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        self.spec = JobSpec(addr=advertised, port=self.server.port, secret=secret,
+                            num_proc=num_proc, executable=executable,
+                            env={k: str(v) for k, v in (env or {}).items()}, nics=list(nics or []),
+                            timestamp=timestamp, start_timeout=start_timeout)
+        self.pump = OutputPump(self.server.get, self.server.pop, stdout, stderr)
+        self.group = f"horovod.spark.run.{uuid.uuid4().hex[:12]}"
+        self.records: list[dict[str, Any]] | None = None
+        self.spark_error: BaseException | None = None
+
+    def started(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for p in range(self.num_proc):
+            raw = self.server.get(TASK_SCOPE, str(p))
+            if raw is not None:
+                out[p] = json.loads(raw)
+        return out
+
+    def _submit(self) -> None:
+        from horovod.spark.task import barrier_task
+
+        spec = self.spec
+        try:
+            self.sc.setJobGroup(self.group, f"horovod.spark.run: {self.num_proc} processes",
+                                interruptOnCancel=True)
+            rdd = self.sc.parallelize(range(self.num_proc), self.num_proc)
+            rows = rdd.barrier().mapPartitions(lambda it: barrier_task(spec, it)).collect()
+            self.records = [json.loads(r) for r in rows]
+        except BaseException as exc:  # noqa: BLE001 - reported on the calling thread
+            self.spark_error = exc
+
+    def run(self) -> list[Any]:
+        from horovod.runner.api import collect_results
+        from horovod.runner.execute import JobResult
+        from horovod.runner.failures import RankExit
+
+        thread = threading.Thread(target=self._submit, name="hvd-spark-job", daemon=True)
+        t0 = time.monotonic()
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.1)
+                self.pump.pump(list(range(self.num_proc)))
+                if time.monotonic() - t0 > self.start_timeout:
+                    started = self.started()
+                    if len(started) < self.num_proc:
+                        self._cancel()
+                        raise self._start_timeout_error(len(started))
+            self.pump.pump(list(range(self.num_proc)))
+            started = self.started()
+            if self.spark_error is not None:
+                raise self._spark_failure(started)
+            assert self.records is not None
+            exits = [RankExit.with_record(r["record"], r["rank"], r["host"], r["code"], r["signal"],
+                                          r["time"], None, r["stderr_tail"], r["local_rank"])
+                     for r in self.records]
+            result = JobResult(exits, 0 if all(e.code == 0 for e in exits) else 1)
+            return collect_results(self.server.get, self.num_proc, result, "horovod.spark.run")
+        finally:
+            if thread.is_alive():
+                self._cancel()
+                thread.join(10)
+            self.server.stop()
+
+    def _cancel(self) -> None:
+        try:
+            self.sc.cancelJobGroup(self.group)
+        except Exception:  # noqa: BLE001 - the context may be stopping
+            log.debug("cancelJobGroup failed", exc_info=True)
+
+    def _start_timeout_error(self, started: int) -> SparkStartTimeoutError:
+        slots = free_task_slots(self.sc)
+        have = f"; the cluster has {slots} free task slot(s) now" if slots is not None else ""
+        return SparkStartTimeoutError(
+            f"horovod.spark.run: timed out after {self.start_timeout:g} s waiting for Spark tasks to "
+            f"start: {started} of {self.num_proc} started{have}. Each Horovod process runs in a "
+            "Spark task and barrier mode starts them all together, so the cluster needs "
+            f"{self.num_proc} free task slots (executor cores / spark.task.cpus). Lower num_proc, "
+            "add executors, or raise start_timeout (HOROVOD_SPARK_START_TIMEOUT) if executors are "
+            "allocated on demand.", started=started, num_proc=self.num_proc)
+
+    def _spark_failure(self, started: dict[int, dict[str, Any]]) -> WorkerFailedError:
+        from horovod.runner.api import collect_results
+        from horovod.runner.execute import JobResult
+
+        exc = self.spark_error
+        assert exc is not None
+        # A rank that raised stored its error before its task ended: name it first.
+        try:
+            collect_results(self.server.get, self.num_proc, JobResult([], 1), "horovod.spark.run")
+        except WorkerFailedError as err:
+            if getattr(err, "exception", None) is not None:
+                return err
+        reason = spark_failure_reason(str(exc)) or type(exc).__name__
+        where = ", ".join(f"rank {v['rank']} (partition {p}, executor {v['address']})"
+                          for p, v in sorted(started.items()))
+        return WorkerFailedError(
+            f"horovod.spark.run: the Spark job failed: {reason[:500]}. Ranks started: "
+            f"{where or 'none'}. A static job cannot survive a lost task or executor; use "
+            "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000])
+
+
+def spark_failure_reason(text: str) -> str:
+    """The useful lines of a Spark job failure: Spark's reason and the task's Python error."""
+    import re
+
+    picked: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        m = re.search(r"(Most recent failure reason|Reason): (.*)", line)
+        if m:
+            picked.append(m.group(2))
+        elif re.match(r"^[\w.]+(Error|Exception|Failure|Interrupt)\b.*:", line) and "SparkException" not in line:
+            picked.append(line)
+        elif "ExecutorLostFailure" in line or "Lost executor" in line:
+            picked.append(line)
+    seen: dict[str, None] = {}
+    for p in picked:
+        seen.setdefault(p[:300], None)
+    return " | ".join(seen)
+
+
+def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = None, start_timeout: float | None = None,
+        use_mpi: bool | None = None, use_gloo: bool | None = None,
+        extra_mpi_args: str | None = None, env: dict[str, str] | None = None,
+        stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
+        nics: list[str] | set[str] | None = None, prefix_output_with_timestamp: bool = False,
+        executable: str | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` as a Horovod job of ``num_proc`` Spark tasks.
+
+    Every task runs one rank; ranks are grouped by executor host, so ``hvd.local_rank()`` and
+    ``hvd.cross_rank()`` are right. Needs an active ``SparkContext``.
+
+    Args:
+        fn: the function every rank runs (shipped with cloudpickle).
+        args, kwargs: its arguments.
+        num_proc: number of processes (default: ``spark.default.parallelism``).
+        start_timeout: seconds for every task to start (default ``HOROVOD_SPARK_START_TIMEOUT``
+            or 600).
+        use_mpi, use_gloo, extra_mpi_args: the transport. Gloo is the one used; ``use_mpi=True``
+            is refused (see docs/spark.md).
+        env: variables added to the ranks' environment (which is otherwise the executor's).
+        stdout, stderr: where the ranks' prefixed output is written (default: the driver's).
+        verbose: 0 silent, 1 one line per job, 2 debug logging of the launcher.
+        nics: network interfaces to use (the first one binds the service and Gloo).
+        prefix_output_with_timestamp: put ``time.asctime()`` before every output line.
+        executable: the Python that runs the ranks on the executors (default: the executor's).
+
+    Returns:
+        One return value per rank, in rank order.
+
+    Raises:
+        WorkerFailedError: a rank raised (its traceback is in the message; ``err.rank``,
+            ``err.exception``), or a task or executor was lost.
+        SparkStartTimeoutError: not every task started within ``start_timeout``.
+        ConfigError (ValueError): bad arguments; ``use_mpi=True``.
+    """
+    sc = _spark_context()
+    if use_mpi and use_gloo:
+        raise ConfigError("Give either use_gloo=True or use_mpi=True to horovod.spark.run, not both.")
+    if use_mpi:
+        raise ConfigError(
+            "horovod.spark.run(use_mpi=True) is not supported by horovod-py: Spark tasks are "
+            "started by Spark, not by mpirun, so the ranks run on Gloo (the default). Leave "
+            "use_mpi unset, or start an MPI job with horovodrun/mpirun outside Spark.")
+    if extra_mpi_args:
+        raise ConfigError("extra_mpi_args applies to MPI only; horovod.spark.run uses Gloo.")
+    if num_proc is None:
+        num_proc = int(sc.defaultParallelism)
+    if num_proc < 1:
+        raise ConfigError(f"num_proc={num_proc}: need at least 1 process.")
+    timeout = float(start_timeout) if start_timeout is not None else default_start_timeout()
+    _configure_logging(verbose)
+    if verbose >= 1:
+        print(f"Running {num_proc} processes...", file=stderr or sys.stderr, flush=True)
+    job = _Job(sc, fn, tuple(args), dict(kwargs or {}), num_proc, timeout, env, stdout, stderr,
+               sorted(nics) if isinstance(nics, set) else list(nics or []),
+               prefix_output_with_timestamp, executable)
+    return job.run()
+
+
+def _configure_logging(verbose: int) -> None:
+    if verbose >= 2 and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("horovod.spark: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+
+
+def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
+    from horovod.spark.elastic import run_elastic as _run_elastic
+
+    return _run_elastic(*args, **kwargs)

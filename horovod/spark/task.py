@@ -1,0 +1,169 @@
+"""What runs inside the Spark tasks of ``horovod.spark.run``: one Horovod rank per task.
+
+Every task of the barrier stage knows the executor address of every other task
+(``BarrierTaskContext.getTaskInfos()``), so each computes the same rank assignment on its own:
+tasks are grouped by executor host (hosts in the order of their first task), and ranks are given
+host by host, as ``horovodrun -H`` does; ``local_rank``/``cross_rank`` follow from that. The task
+then starts the rank exactly as the Gloo launcher starts a local rank (``build_plan`` and
+``local_command``: the worker shim running ``python -m horovod.runner.run_task``), forwards its
+output to the driver (``horovod.spark.output``) and returns how it ended. The function, its
+result and any exception travel through the driver's rendezvous service, as for ``horovod.run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from horovod.runner.hosts import HostSpec
+
+__all__ = ["JobSpec", "TASK_SCOPE", "group_by_host", "host_of_address", "barrier_task",
+           "get_available_devices"]
+
+# Where each task reports that it started: key = partition id, value = JSON.
+TASK_SCOPE = "spark_task"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the driver tells every task (pickled into the Spark closure; no secret in logs)."""
+
+    addr: str
+    port: int
+    secret: str
+    num_proc: int
+    executable: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    nics: list[str] = field(default_factory=list)
+    timestamp: bool = False
+    start_timeout: float = 600.0
+
+
+def host_of_address(address: str) -> str:
+    """``"10.0.0.5:41234"`` -> ``"10.0.0.5"`` (IPv6 ``"[::1]:41234"`` -> ``"::1"``)."""
+    host = address.rpartition(":")[0] or address
+    return host.strip("[]")
+
+
+def group_by_host(addresses: list[str]) -> tuple[list[HostSpec], list[int]]:
+    """The job's hosts (in order of their first task) and the rank of each partition.
+
+    ``addresses[p]`` is the executor address of partition ``p``. Ranks fill one host after the
+    other, partitions of a host in partition order, so ``assign_slots(hosts, n)[ranks[p]]`` is
+    partition ``p``'s slot.
+    """
+    by_host: dict[str, list[int]] = {}
+    for partition, address in enumerate(addresses):
+        by_host.setdefault(host_of_address(address), []).append(partition)
+    ranks = [0] * len(addresses)
+    rank = 0
+    for partitions in by_host.values():
+        for partition in partitions:
+            ranks[partition] = rank
+            rank += 1
+    return [HostSpec(h, len(p)) for h, p in by_host.items()], ranks
+
+
+def _client(spec: JobSpec) -> Any:
+    from horovod.runner.rendezvous import RendezvousClient
+
+    return RendezvousClient(spec.addr, spec.port, spec.secret)
+
+
+def run_rank(spec: JobSpec, hosts: list[HostSpec], rank: int, extra_env: dict[str, str],
+             ) -> dict[str, Any]:
+    """Start rank ``rank`` here under the worker shim, forward its output, wait for its end.
+
+    Returns the rank's exit as a dict (``rank``, ``host``, ``local_rank``, ``code``,
+    ``signal``, ``time``, ``record``, ``stderr_tail``).
+    """
+    from horovod.runner.elastic.workers import WorkerProcess
+    from horovod.runner.launchers.local import local_command
+    from horovod.runner.plan import build_plan
+    from horovod.runner.settings import LaunchSettings
+    from horovod.spark.output import RemoteOutput
+
+    python = spec.executable or sys.executable
+    settings = LaunchSettings(command=[python, "-m", "horovod.runner.run_task"],
+                              np=spec.num_proc, nics=list(spec.nics), extra_env=dict(spec.env),
+                              start_timeout=spec.start_timeout)
+    plan = build_plan(settings, hosts, os.environ, {h.name for h in hosts}, "gloo",
+                      (spec.addr, str(spec.port)))
+    plan.job_env.update({"HOROVOD_RUNNER_ADDR": spec.addr, "HOROVOD_RUNNER_PORT": str(spec.port),
+                         **extra_env})
+    rank_plan = plan.ranks[rank]
+    cmd = local_command(plan, rank_plan, os.environ, spec.secret, python=python)
+    client = _client(spec)
+    output = RemoteOutput(client.put, rank)
+    tail: list[str] = []
+
+    class _Tail:
+        """stderr goes to the driver and its last lines into the exit report."""
+
+        def write(self, text: str) -> int:
+            output.stderr.write(text)
+            tail.append(text.rstrip("\n"))
+            del tail[:-20]
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    ended = threading.Event()
+    status: list[tuple[int | None, int | None]] = []
+
+    def on_exit(code: int | None, sig: int | None) -> None:
+        status.append((code, sig))
+        ended.set()
+
+    proc = WorkerProcess(cmd, f"rank {rank}", lambda: rank, on_exit, stdout=output.stdout,  # type: ignore[arg-type]
+                         stderr=_Tail(), timestamp=spec.timestamp)  # type: ignore[arg-type]
+    try:
+        while not ended.wait(1.0):
+            pass
+    finally:
+        # A Spark kill (job cancelled, stage aborted) interrupts this wait: stop the rank too.
+        if not ended.is_set():
+            proc.stop(grace=2.0)
+        output.close()
+    code, sig = status[0]
+    info = proc.exit_info or {}
+    slot = rank_plan.slot
+    return {"rank": rank, "host": slot.hostname, "local_rank": slot.local_rank, "code": code,
+            "signal": sig, "time": float(info.get("time") or time.time()),
+            "record": info.get("error"), "stderr_tail": tail[-20:]}
+
+
+def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
+    """The body of every barrier task of ``horovod.spark.run`` (yields one JSON exit record)."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    partition = ctx.partitionId()
+    addresses = [info.address for info in ctx.getTaskInfos()]
+    hosts, ranks = group_by_host(addresses)
+    rank = ranks[partition]
+    client = _client(spec)
+    client.put(TASK_SCOPE, str(partition), json.dumps({
+        "rank": rank, "address": addresses[partition], "attempt": ctx.attemptNumber(),
+        "pid": os.getpid()}).encode())
+    exit_info = run_rank(spec, hosts, rank, {"HOROVOD_SPARK_PARTITION": str(partition)})
+    yield json.dumps(exit_info)
+
+
+def get_available_devices() -> list[str]:
+    """The GPU addresses Spark assigned to this task (Spark resource scheduling), as upstream."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if ctx is None:
+        return []
+    resources = ctx.resources()
+    gpu = resources.get("gpu")
+    return list(gpu.addresses) if gpu is not None else []
