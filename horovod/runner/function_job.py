@@ -71,6 +71,22 @@ class FunctionJob:
         common = {**plan.job_env, **self.base_env()}
         return [(r.slot, {**common, **r.env}) for r in plan.ranks]
 
+    def elastic_worker_env(self, slot: SlotInfo, *, nics: Sequence[str] | None = None,
+                           extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of one elastic worker started on ``slot`` (``horovod.runner.elastic``:
+        the worker is known to the driver as ``slot.hostname[slot.local_rank]`` for its life and
+        asks the driver for its rank in every round)."""
+        settings = LaunchSettings(command=["<function>"], np=1, nics=list(nics or []),
+                                  extra_env=dict(extra_env or {}))
+        plan = build_plan(settings, [HostSpec(slot.hostname, 1)], environ={}, local_hosts=set(),
+                          mode="gloo", rendezvous=(self.addr, str(self.port)))
+        return {**plan.job_env, **self.base_env(), **slot.env(), "HOROVOD_ELASTIC": "1",
+                "HOROVOD_ELASTIC_HOST": slot.hostname, "HOROVOD_ELASTIC_SLOT": str(slot.local_rank)}
+
+    def set_elastic_handler(self, handler: Any) -> None:
+        """Answer the elastic workers' calls (``ElasticDriver.handle``; None: no elastic job)."""
+        self.server.set_elastic_handler(handler)
+
     def put(self, scope: str, key: str, value: bytes) -> None:
         self.server.put(scope, key, value)
 

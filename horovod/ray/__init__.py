@@ -1,0 +1,11 @@
+"""Horovod on Ray: ranks as Ray actors, started from a driver program or a notebook.
+
+``RayExecutor`` (upstream's ``horovod.ray.RayExecutor``): static jobs with ``num_workers`` (or
+``num_hosts`` x ``num_workers_per_host``), elastic jobs with ``min_workers``/``max_workers``.
+Needs the ``ray`` extra (``pip install "horovod-py[ray]"``). See docs/ray.md.
+"""
+
+from horovod.ray.runner import MiniSettings, RayExecutor
+from horovod.ray.worker import BaseHorovodWorker
+
+__all__ = ["RayExecutor", "MiniSettings", "BaseHorovodWorker"]

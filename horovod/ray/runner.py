@@ -1,0 +1,308 @@
+"""``RayExecutor``: Horovod jobs whose ranks are Ray actors (upstream's ``horovod.ray``).
+
+Static mode (``num_workers`` or ``num_hosts``): ``start()`` reserves the workers' resources in a
+placement group, starts one actor per rank, numbers the ranks node by node and hands every actor
+the environment ``horovodrun --gloo`` gives a worker; the Gloo rendezvous service runs in the
+driver (``horovod.runner.function_job``). The actors stay up until ``shutdown()``, so
+successive ``run`` calls reuse them. Elastic mode (``min_workers``): see ``horovod.ray.elastic``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from horovod.runner import errors
+
+__all__ = ["RayExecutor", "MiniSettings"]
+
+log = logging.getLogger("horovod.ray")
+
+# After the first rank fails, how long the others get to finish or fail in turn (a dead peer
+# makes their collectives fail within a second) before the job is declared stuck.
+FAILURE_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class MiniSettings:
+    """The settings ``RayExecutor`` uses (upstream's ``MiniSettings``)."""
+
+    nics: set[str] | None = None
+    verbose: int = 1
+    key: str | None = None
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    timeout_s: int = 30
+    placement_group_timeout_s: int = 100
+    elastic: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _label(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class RayExecutor:
+    """Run Horovod ranks as Ray actors.
+
+    Args:
+        settings: from ``RayExecutor.create_settings``.
+        num_workers: number of ranks (static mode).
+        num_hosts / num_workers_per_host: instead of ``num_workers``: this many nodes with this
+            many ranks each (one placement-group bundle per node, ``STRICT_SPREAD``).
+        cpus_per_worker / use_gpu / gpus_per_worker: resources of each rank's actor.
+        use_current_placement_group: inside a placement group (a Ray Tune trial), place the
+            ranks in it instead of creating one.
+        min_workers / max_workers: elastic mode (``horovod.ray.elastic``): go on with at least
+            ``min_workers`` ranks, use at most ``max_workers`` (default: every slot found).
+        reset_limit / cooldown_range / elastic_timeout: as ``horovodrun``'s ``--reset-limit``,
+            ``--blacklist-cooldown-range`` and ``--elastic-timeout``.
+        override_discovery: elastic mode: find slots from Ray's nodes (CPUs, GPUs per worker).
+
+    Raises:
+        ValueError: conflicting arguments (the message says which).
+    """
+
+    @classmethod
+    def create_settings(cls, timeout_s: int = 30, ssh_identity_file: str | None = None,
+                        ssh_str: str | None = None, placement_group_timeout_s: int = 100,
+                        nics: set[str] | None = None) -> MiniSettings:
+        """Settings for ``RayExecutor``.
+
+        Args:
+            timeout_s: Gloo rendezvous (and collective) timeout in seconds.
+            ssh_identity_file / ssh_str: accepted as upstream (``ssh_str`` is written to
+                ``ssh_identity_file`` with mode 0600); Ray starts the workers, so no ssh is used.
+            placement_group_timeout_s: how long ``start()`` waits for the resources.
+            nics: network interfaces for Gloo (the first one is used).
+        """
+        if ssh_str and ssh_identity_file and not os.path.exists(ssh_identity_file):
+            fd = os.open(ssh_identity_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(ssh_str)
+        return MiniSettings(ssh_identity_file=ssh_identity_file, timeout_s=timeout_s,
+                            placement_group_timeout_s=placement_group_timeout_s, nics=nics)
+
+    def __init__(self, settings: MiniSettings, num_workers: int | None = None,
+                 num_hosts: int | None = None, num_workers_per_host: int = 1,
+                 cpus_per_worker: int = 1, use_gpu: bool = False,
+                 gpus_per_worker: int | None = None, use_current_placement_group: bool = True,
+                 min_workers: int | None = None, max_workers: int | None = None,
+                 reset_limit: int | None = None, cooldown_range: tuple[int, int] | None = None,
+                 elastic_timeout: int = 1200, override_discovery: bool = True) -> None:
+        if max_workers and (not min_workers or min_workers <= 0):
+            raise ValueError("RayExecutor: max_workers was given without a positive min_workers; "
+                             "elastic jobs need min_workers >= 1.")
+        if min_workers and num_workers:
+            raise ValueError("RayExecutor: give either num_workers (a static job) or min_workers "
+                             "(an elastic job), not both.")
+        if gpus_per_worker and not use_gpu:
+            raise ValueError("RayExecutor: gpus_per_worker is set but use_gpu is False; set "
+                             "use_gpu=True.")
+        if use_gpu and gpus_per_worker is not None and gpus_per_worker < 1:
+            raise ValueError(f"RayExecutor: gpus_per_worker must be >= 1, got {gpus_per_worker}.")
+        if cpus_per_worker <= 0:
+            raise ValueError(f"RayExecutor: cpus_per_worker must be > 0, got {cpus_per_worker}.")
+        if min_workers is None:
+            if num_workers is None and num_hosts is None:
+                raise ValueError("RayExecutor: give num_workers (or num_hosts and "
+                                 "num_workers_per_host), or min_workers for an elastic job.")
+            if num_workers is not None and num_hosts is not None:
+                raise ValueError("RayExecutor: give either num_workers or num_hosts, not both.")
+            if (num_workers is not None and num_workers < 1) or (num_hosts is not None and num_hosts < 1) \
+                    or num_workers_per_host < 1:
+                raise ValueError(f"RayExecutor: num_workers={num_workers}, num_hosts={num_hosts}, "
+                                 f"num_workers_per_host={num_workers_per_host}: each must be >= 1.")
+        else:
+            if min_workers < 1:
+                raise ValueError(f"RayExecutor: min_workers must be >= 1, got {min_workers}.")
+            if max_workers is not None and max_workers < min_workers:
+                raise ValueError(f"RayExecutor: max_workers ({max_workers}) is less than "
+                                 f"min_workers ({min_workers}).")
+        self.settings = settings
+        self.settings.elastic = min_workers is not None
+        self.num_workers = num_workers
+        self.num_hosts = num_hosts
+        self.num_workers_per_host = num_workers_per_host
+        self.cpus_per_worker = cpus_per_worker
+        self.use_gpu = use_gpu
+        self.gpus_per_worker = gpus_per_worker or 1
+        self.use_current_placement_group = use_current_placement_group
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
+        self.elastic_timeout, self.override_discovery = elastic_timeout, override_discovery
+        self.adapter: Any = None
+
+    # ------------------------------------------------------------------ public API
+    def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
+              executable_kwargs: dict[str, Any] | None = None,
+              extra_env_vars: dict[str, Any] | None = None) -> None:
+        """Start the workers (static) or the elastic driver's services (elastic).
+
+        Args:
+            executable_cls: a class made in every worker (``execute`` passes it to ``fn``).
+            executable_args / executable_kwargs: its arguments.
+            extra_env_vars: variables set in every worker before anything runs.
+
+        Raises:
+            LaunchError: the resources could not be reserved within
+                ``placement_group_timeout_s``, or the workers did not start within ``timeout_s``.
+        """
+        import ray
+
+        if not ray.is_initialized():
+            ray.init()
+        if self.adapter is not None:
+            self.shutdown()
+        if self.settings.elastic:
+            from horovod.ray.elastic import ElasticAdapter
+
+            adapter: Any = ElasticAdapter(self)
+        else:
+            from horovod.ray.static import StaticAdapter
+
+            adapter = StaticAdapter(self)
+        adapter.start(executable_cls, executable_args, executable_kwargs, extra_env_vars or {})
+        self.adapter = adapter
+
+    def run(self, fn: Callable[..., Any], args: list[Any] | tuple[Any, ...] | None = None,
+            kwargs: dict[str, Any] | None = None, callbacks: list[Callable[..., Any]] | None = None,
+            ) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order.
+
+        Raises:
+            WorkerFailedError: a rank raised (the error names it, its node, and carries its
+                traceback; ``.exception`` is the original) or its actor died.
+        """
+        a, kw = tuple(args or ()), dict(kwargs or {})
+        return self._adapter().run(lambda _executable: fn(*a, **kw), _label(fn))
+
+    def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None,
+                ) -> list[Any]:
+        """``fn(executable)`` on every rank (the object made by ``start(executable_cls)``)."""
+        return self._adapter().run(fn, _label(fn))
+
+    def run_remote(self, fn: Callable[..., Any], args: list[Any] | tuple[Any, ...] | None = None,
+                   kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Start ``fn(*args, **kwargs)`` on every rank; return the Ray ``ObjectRef`` s, rank order.
+
+        Raises:
+            NotImplementedError: in elastic mode (its workers come and go).
+        """
+        a, kw = tuple(args or ()), dict(kwargs or {})
+        return self._adapter().run_remote(lambda _executable: fn(*a, **kw))
+
+    def execute_single(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(executable)`` on rank 0 only.
+
+        Raises:
+            NotImplementedError: in elastic mode.
+        """
+        return self._adapter().execute_single(fn)
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their resources and the rendezvous service."""
+        adapter, self.adapter = self.adapter, None
+        if adapter is not None:
+            adapter.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _adapter(self) -> Any:
+        if self.adapter is None:
+            raise errors.LaunchError("RayExecutor: call start() before run/execute (or start() again "
+                                     "after shutdown()).")
+        return self.adapter
+
+    def __del__(self) -> None:  # the placement group must not outlive an executor left behind
+        try:
+            if self.adapter is not None:
+                self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
+             grace: float = FAILURE_GRACE_SECONDS) -> tuple[list[Any], dict[int, tuple[Any, ...]],
+                                                             list[int]]:
+    """Wait for every rank's ``execute_reported`` call.
+
+    Returns (values by rank, failures by rank as ``("error", exc, tb)`` or ``("died", exc)``,
+    ranks still running ``grace`` seconds after the first failure).
+    """
+    import ray
+    import ray.exceptions
+
+    pending = {ref: rank for rank, ref in enumerate(refs)}
+    values: list[Any] = [None] * len(refs)
+    failures: dict[int, tuple[Any, ...]] = {}
+    first_failure: float | None = None
+    while pending:
+        timeout = 1.0 if first_failure is None else max(0.0, first_failure + grace - time.monotonic())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                failures[rank] = ("died", exc)
+            except ray.exceptions.RayError as exc:
+                failures[rank] = ("error", exc, str(exc))
+            else:
+                if out[0] == "ok":
+                    values[rank] = out[1]
+                elif out[0] == "exit":
+                    failures[rank] = ("error", SystemExit(out[1]), f"SystemExit({out[1]})")
+                else:
+                    failures[rank] = out
+        if failures and first_failure is None:
+            first_failure = time.monotonic()
+            log.debug("%s: %s failed; waiting up to %g s for the other ranks", what,
+                      describe(min(failures)), grace)
+        if first_failure is not None and time.monotonic() >= first_failure + grace:
+            break
+    return values, failures, sorted(pending.values())
+
+
+def failure_error(what: str, failures: dict[int, tuple[Any, ...]], stuck: list[int],
+                  describe: Callable[[int], str], tail: str = "") -> Exception:
+    """The ``WorkerFailedError`` for failed ranks: the root cause first (a dead actor, then a
+    rank whose own error was not only a peer's loss, then the lowest rank), each rank named with
+    its node."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    def cause_order(rank: int) -> tuple[int, int]:
+        f = failures[rank]
+        if f[0] == "died":
+            return (0, rank)
+        return (2 if isinstance(f[1], HorovodInternalError) else 1, rank)
+
+    ordered = sorted(failures, key=cause_order)
+    root = ordered[0]
+    f = failures[root]
+    if f[0] == "died":
+        first = (f"{describe(root)} died: {str(f[1]).strip().splitlines()[0]} (its actor's process "
+                 "ended: killed, out of memory, or its node was lost)")
+        exc: BaseException = f[1]
+        tb = ""
+    else:
+        exc, tb = f[1], f[2]
+        first = f"{describe(root)} raised {type(exc).__name__}: {exc}"
+    lines = [f"{what}: {first}"]
+    for rank in ordered[1:]:
+        g = failures[rank]
+        lines.append(f"  also {describe(rank)}: "
+                     + ("died" if g[0] == "died" else f"{type(g[1]).__name__}: {g[1]}"))
+    if stuck:
+        lines.append(f"  {', '.join(describe(r) for r in stuck)} did not finish within "
+                     f"{FAILURE_GRACE_SECONDS:g} s of the failure (waiting for the failed rank "
+                     "in a collective)")
+    if tail:
+        lines.append(tail)
+    if tb:
+        lines.append(f"Traceback of rank {root}:\n{tb}")
+    return errors.WorkerFailedError("\n".join(lines), rank=root, exception=exc,
+                                    ranks=ordered, stuck_ranks=stuck)

@@ -1,0 +1,173 @@
+"""Static ``RayExecutor`` jobs: a fixed set of rank actors that live until ``shutdown()``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve
+from horovod.ray.runner import failure_error, wait_all
+from horovod.ray.worker import BaseHorovodWorker
+from horovod.runner import errors
+from horovod.runner.hosts import HostSpec
+
+__all__ = ["StaticAdapter"]
+
+log = logging.getLogger("horovod.ray")
+
+
+class StaticAdapter:
+    """Workers, placement group and rendezvous service of one static job."""
+
+    def __init__(self, executor: Any) -> None:
+        self.ex = executor
+        self.settings = executor.settings
+        self.workers: list[Any] = []
+        self.nodes: list[NodeInfo] = []
+        self.labels: dict[str, str] = {}
+        self.pg: Any = None
+        self.owns_pg = False
+        self.job: Any = None
+        self.broken: str | None = None
+
+    # ------------------------------------------------------------------ start
+    def _placement(self) -> tuple[int, list[dict[str, Any]]]:
+        """(number of workers, Ray options per worker); creates the placement group."""
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ex = self.ex
+        res: dict[str, float] = {"CPU": float(ex.cpus_per_worker)}
+        if ex.use_gpu:
+            res["GPU"] = float(ex.gpus_per_worker)
+        current = get_current_placement_group() if ex.use_current_placement_group else None
+        timeout = float(self.settings.placement_group_timeout_s)
+        if current is not None:
+            log.info("RayExecutor: placing the workers in the current placement group "
+                     "(use_current_placement_group=False to create a new one)")
+            self.pg = current
+            n = ex.num_workers or (ex.num_hosts or 0) * ex.num_workers_per_host \
+                or len(current.bundle_specs)
+            index = [-1] * n
+        elif ex.num_workers is not None:
+            n = ex.num_workers
+            self.pg = reserve([dict(res) for _ in range(n)], "PACK", timeout, f"{n} worker(s)")
+            self.owns_pg = True
+            index = list(range(n))
+        else:
+            per = ex.num_workers_per_host
+            n = ex.num_hosts * per
+            bundle = {k: v * per for k, v in res.items()}
+            self.pg = reserve([dict(bundle) for _ in range(ex.num_hosts)], "STRICT_SPREAD", timeout,
+                              f"{ex.num_hosts} node(s) with {per} worker(s) each")
+            self.owns_pg = True
+            index = [i // per for i in range(n)]
+        opts = [dict(num_cpus=ex.cpus_per_worker, num_gpus=ex.gpus_per_worker if ex.use_gpu else 0,
+                     scheduling_strategy=PlacementGroupSchedulingStrategy(
+                         self.pg, placement_group_bundle_index=i,
+                         placement_group_capture_child_tasks=False)) for i in index]
+        return n, opts
+
+    def start(self, executable_cls: type | None, executable_args: list[Any] | None,
+              executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
+        import ray
+
+        from horovod.runner.function_job import FunctionJob
+
+        try:
+            n, opts = self._placement()
+            cls = ray.remote(BaseHorovodWorker)
+            actors = [cls.options(**o).remote() for o in opts]
+            timeout = float(self.settings.timeout_s)
+            ready, _ = ray.wait([a.node_info.remote() for a in actors], num_returns=n,
+                                timeout=max(timeout, 60.0))
+            if len(ready) < n:
+                for a in actors:
+                    ray.kill(a)
+                raise errors.LaunchError(f"RayExecutor: only {len(ready)} of {n} worker actors "
+                                         f"started within {max(timeout, 60.0):g} s.")
+            infos = [NodeInfo(*ray.get(a.node_info.remote())) for a in actors]
+            order = group_by_node(infos)
+            self.workers = [actors[i] for i in order]
+            self.nodes = [infos[i] for i in order]
+            self.labels = node_labels(self.nodes)
+            hosts: dict[str, int] = {}
+            for info in self.nodes:
+                label = self.labels[info.node_id]
+                hosts[label] = hosts.get(label, 0) + 1
+            self.job = FunctionJob(ray.util.get_node_ip_address())
+            envs = self.job.worker_envs([HostSpec(h, c) for h, c in hosts.items()],
+                                        nics=sorted(self.settings.nics or []))
+            gloo = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(self.settings.timeout_s)}
+            ray.get([w.update_env_vars.remote({**gloo, **env, **extra_env})
+                     for w, (_, env) in zip(self.workers, envs)])
+            ray.get([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
+                     for w in self.workers])
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("RayExecutor: %d worker(s) on %s", n,
+                 ", ".join(f"{h}:{c}" for h, c in hosts.items()))
+
+    # ------------------------------------------------------------------ calls
+    def describe(self, rank: int) -> str:
+        info = self.nodes[rank]
+        return f"rank {rank} (node {self.labels[info.node_id]}, node id {info.node_id[:12]}, pid {info.pid})"
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise errors.LaunchError(f"RayExecutor: the workers were stopped after a failure ({self.broken}); "
+                                     "call start() again.")
+
+    def run(self, fn: Any, label: str) -> list[Any]:
+        self._check()
+        refs = [w.execute_reported.remote(fn) for w in self.workers]
+        what = f"RayExecutor.run({label})"
+        values, failures, stuck = wait_all(refs, self.describe, what)
+        if not failures:
+            return values
+        died = [r for r, f in failures.items() if f[0] == "died"]
+        tail = ""
+        if died or stuck:
+            self.broken = f"rank(s) {sorted(died + stuck)} died or hung"
+            tail = ("The job cannot go on without those ranks: every worker was stopped; call "
+                    "start() again to run more (or use min_workers for an elastic job).")
+            self._stop_workers()
+        err = failure_error(what, failures, stuck, self.describe, tail)
+        cause = err.exception if isinstance(getattr(err, "exception", None), BaseException) else None
+        raise err from cause
+
+    def run_remote(self, fn: Any) -> list[Any]:
+        self._check()
+        return [w.execute.remote(fn) for w in self.workers]
+
+    def execute_single(self, fn: Any) -> Any:
+        import ray
+
+        self._check()
+        return ray.get(self.workers[0].execute.remote(fn))
+
+    # ------------------------------------------------------------------ stop
+    def _stop_workers(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        self._stop_workers()
+        self.workers = []
+        if self.pg is not None and self.owns_pg:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - cluster already gone
+                pass
+        self.pg = None
+        if self.job is not None:
+            self.job.stop()
+            self.job = None

@@ -1,0 +1,65 @@
+"""One real local Ray cluster for every Ray test: a head node with 2 CPUs and a second node with
+1 CPU (two raylets on this machine), so that ranks are grouped by node and a node can be added
+while an elastic job runs. Ray starts slowly (seconds), so the cluster is shared by the session."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'horovod-py[ray]')")
+
+_STORE = 100 * 1024 * 1024  # a small object store per node: the machine is shared
+
+
+@dataclass
+class RayCluster:
+    cluster: Any
+    head_id: str
+    second_id: str
+
+    def add_node(self, num_cpus: int = 1) -> Any:
+        node = self.cluster.add_node(num_cpus=num_cpus, object_store_memory=_STORE)
+        self.cluster.wait_for_nodes()
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        self.cluster.remove_node(node)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, object_store_memory=_STORE, include_dashboard=False))
+    second = cluster.add_node(num_cpus=1, object_store_memory=_STORE)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
+    # Test functions travel to the actors by value (the actors cannot import the test modules).
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(("test_ray", "tests.ray", "ray_jobs")):
+            ray.cloudpickle.register_pickle_by_value(mod)
+    try:
+        yield RayCluster(cluster, cluster.head_node.node_id, second.node_id)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture
+def free_cluster(ray_cluster: RayCluster) -> Iterator[RayCluster]:
+    """The shared cluster; after the test, checks that every CPU was given back."""
+    yield ray_cluster
+    import time
+
+    total = ray.cluster_resources().get("CPU", 0)
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == total, (
+        f"CPUs still held after the test: {ray.available_resources()} of {ray.cluster_resources()}")
