@@ -88,23 +88,42 @@ class _Job:
                  nics: list[str] | None, timestamp: bool, executable: str | None) -> None:
         import cloudpickle
 
-        from horovod.runner.rendezvous import RendezvousServer, make_secret
+        from horovod.runner.function_job import FunctionJob
         from horovod.runner.run_task import FUNC_SCOPE
         from horovod.spark.output import OutputPump
 
         self.sc, self.num_proc, self.start_timeout = sc, num_proc, start_timeout
-        secret = make_secret()
-        bind, advertised = _driver_address(sc, nics)
-        self.server = RendezvousServer(secret, host=bind)
+        self.env = {k: str(v) for k, v in (env or {}).items()}
+        self.nics = list(nics or [])
+        bind, advertised = _driver_address(sc, self.nics)
+        self.job = FunctionJob(advertised, bind_addr=bind)
+        self.server = self.job.server
         self.server.put(FUNC_SCOPE, "func", cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
-        self.spec = JobSpec(addr=advertised, port=self.server.port, secret=secret,
-                            num_proc=num_proc, executable=executable,
-                            env={k: str(v) for k, v in (env or {}).items()}, nics=list(nics or []),
-                            timestamp=timestamp, start_timeout=start_timeout)
+        self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
+                            num_proc=num_proc, executable=executable, timestamp=timestamp,
+                            start_timeout=start_timeout)
         self.pump = OutputPump(self.server.get, self.server.pop, stdout, stderr)
         self.group = f"horovod.spark.run.{uuid.uuid4().hex[:12]}"
         self.records: list[dict[str, Any]] | None = None
         self.spark_error: BaseException | None = None
+        self.assigned = False
+
+    def assign(self, started: dict[int, dict[str, Any]]) -> None:
+        """Once a task has reported every task's executor, publish each partition's rank and env."""
+        from horovod.spark.task import ENV_SCOPE, group_by_host
+
+        if self.assigned or not started:
+            return
+        addresses = next(iter(started.values()))["addresses"]
+        hosts, ranks = group_by_host(addresses)
+        envs = self.job.worker_envs(hosts, self.num_proc, nics=self.nics, extra_env=self.env)
+        for partition, rank in enumerate(ranks):
+            slot, env = envs[rank]
+            self.server.put(ENV_SCOPE, str(partition), json.dumps({
+                "rank": rank, "host": slot.hostname, "local_rank": slot.local_rank,
+                "env": env}).encode())
+        self.assigned = True
+        log.debug("ranks by partition: %s on hosts %s", ranks, hosts)
 
     def started(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -135,12 +154,15 @@ class _Job:
         thread = threading.Thread(target=self._submit, name="hvd-spark-job", daemon=True)
         t0 = time.monotonic()
         thread.start()
+        started: dict[int, dict[str, Any]] = {}
         try:
             while thread.is_alive():
-                thread.join(0.1)
+                thread.join(0.05)
                 self.pump.pump(list(range(self.num_proc)))
-                if time.monotonic() - t0 > self.start_timeout:
+                if len(started) < self.num_proc:
                     started = self.started()
+                self.assign(started)
+                if time.monotonic() - t0 > self.start_timeout:
                     if len(started) < self.num_proc:
                         self._cancel()
                         raise self._start_timeout_error(len(started))
@@ -190,10 +212,10 @@ class _Job:
             if getattr(err, "exception", None) is not None:
                 return err
         reason = spark_failure_reason(str(exc)) or type(exc).__name__
-        where = ", ".join(f"rank {v['rank']} (partition {p}, executor {v['address']})"
+        where = ", ".join(f"partition {p} on executor {v['addresses'][p]}"
                           for p, v in sorted(started.items()))
         return WorkerFailedError(
-            f"horovod.spark.run: the Spark job failed: {reason[:500]}. Ranks started: "
+            f"horovod.spark.run: the Spark job failed: {reason[:500]}. Tasks started: "
             f"{where or 'none'}. A static job cannot survive a lost task or executor; use "
             "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000])
 

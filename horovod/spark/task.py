@@ -1,13 +1,14 @@
 """What runs inside the Spark tasks of ``horovod.spark.run``: one Horovod rank per task.
 
 Every task of the barrier stage knows the executor address of every other task
-(``BarrierTaskContext.getTaskInfos()``), so each computes the same rank assignment on its own:
-tasks are grouped by executor host (hosts in the order of their first task), and ranks are given
-host by host, as ``horovodrun -H`` does; ``local_rank``/``cross_rank`` follow from that. The task
-then starts the rank exactly as the Gloo launcher starts a local rank (``build_plan`` and
-``local_command``: the worker shim running ``python -m horovod.runner.run_task``), forwards its
-output to the driver (``horovod.spark.output``) and returns how it ended. The function, its
-result and any exception travel through the driver's rendezvous service, as for ``horovod.run``.
+(``BarrierTaskContext.getTaskInfos()``) and reports them to the driver. The driver groups the
+tasks by executor host (hosts in the order of their first task) and numbers the ranks host by
+host, as ``horovodrun -H`` does, so ``local_rank``/``cross_rank`` follow; it computes every
+rank's environment with ``horovod.runner.function_job`` (the same plan code as
+``horovodrun --gloo``). The task then starts its rank as the Gloo launcher starts a local one
+(the worker shim running ``python -m horovod.runner.run_task``), forwards its output to the
+driver (``horovod.spark.output``) and returns how it ended. The function, its result and any
+exception travel through the driver's rendezvous service, as for ``horovod.run``.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from horovod.runner.hosts import HostSpec
 
-__all__ = ["JobSpec", "TASK_SCOPE", "group_by_host", "host_of_address", "barrier_task",
+__all__ = ["JobSpec", "TASK_SCOPE", "ENV_SCOPE", "run_rank", "group_by_host", "host_of_address", "barrier_task",
            "get_available_devices"]
 
-# Where each task reports that it started: key = partition id, value = JSON.
+# Where each task reports that it started (key: partition id; JSON: every task's executor
+# address), and where the driver answers with the rank and environment of each partition.
 TASK_SCOPE = "spark_task"
+ENV_SCOPE = "spark_env"
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,6 @@ class JobSpec:
     secret: str
     num_proc: int
     executable: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    nics: list[str] = field(default_factory=list)
     timestamp: bool = False
     start_timeout: float = 600.0
 
@@ -76,29 +77,24 @@ def _client(spec: JobSpec) -> Any:
     return RendezvousClient(spec.addr, spec.port, spec.secret)
 
 
-def run_rank(spec: JobSpec, hosts: list[HostSpec], rank: int, extra_env: dict[str, str],
+def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str, str],
              ) -> dict[str, Any]:
     """Start rank ``rank`` here under the worker shim, forward its output, wait for its end.
+
+    ``env`` is what the driver computed for the rank (``FunctionJob``: identity, rendezvous,
+    secret); it is added to this executor's environment.
 
     Returns the rank's exit as a dict (``rank``, ``host``, ``local_rank``, ``code``,
     ``signal``, ``time``, ``record``, ``stderr_tail``).
     """
     from horovod.runner.elastic.workers import WorkerProcess
-    from horovod.runner.launchers.local import local_command
-    from horovod.runner.plan import build_plan
-    from horovod.runner.settings import LaunchSettings
+    from horovod.runner.launchers.base import Command, shim_argv
     from horovod.spark.output import RemoteOutput
 
     python = spec.executable or sys.executable
-    settings = LaunchSettings(command=[python, "-m", "horovod.runner.run_task"],
-                              np=spec.num_proc, nics=list(spec.nics), extra_env=dict(spec.env),
-                              start_timeout=spec.start_timeout)
-    plan = build_plan(settings, hosts, os.environ, {h.name for h in hosts}, "gloo",
-                      (spec.addr, str(spec.port)))
-    plan.job_env.update({"HOROVOD_RUNNER_ADDR": spec.addr, "HOROVOD_RUNNER_PORT": str(spec.port),
-                         **extra_env})
-    rank_plan = plan.ranks[rank]
-    cmd = local_command(plan, rank_plan, os.environ, spec.secret, python=python)
+    cmd = Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"], python=python,
+                                 watch_stdin=True),
+                  env={**os.environ, **env}, ranks=(rank,), host=host, lifeline=True)
     client = _client(spec)
     output = RemoteOutput(client.put, rank)
     tail: list[str] = []
@@ -134,8 +130,7 @@ def run_rank(spec: JobSpec, hosts: list[HostSpec], rank: int, extra_env: dict[st
         output.close()
     code, sig = status[0]
     info = proc.exit_info or {}
-    slot = rank_plan.slot
-    return {"rank": rank, "host": slot.hostname, "local_rank": slot.local_rank, "code": code,
+    return {"rank": rank, "host": host, "local_rank": local_rank, "code": code,
             "signal": sig, "time": float(info.get("time") or time.time()),
             "record": info.get("error"), "stderr_tail": tail[-20:]}
 
@@ -147,14 +142,11 @@ def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     ctx = BarrierTaskContext.get()
     partition = ctx.partitionId()
     addresses = [info.address for info in ctx.getTaskInfos()]
-    hosts, ranks = group_by_host(addresses)
-    rank = ranks[partition]
     client = _client(spec)
     client.put(TASK_SCOPE, str(partition), json.dumps({
-        "rank": rank, "address": addresses[partition], "attempt": ctx.attemptNumber(),
-        "pid": os.getpid()}).encode())
-    exit_info = run_rank(spec, hosts, rank, {"HOROVOD_SPARK_PARTITION": str(partition)})
-    yield json.dumps(exit_info)
+        "addresses": addresses, "attempt": ctx.attemptNumber(), "pid": os.getpid()}).encode())
+    mine = json.loads(client.wait(ENV_SCOPE, str(partition), timeout=spec.start_timeout))
+    yield json.dumps(run_rank(spec, mine["rank"], mine["host"], mine["local_rank"], mine["env"]))
 
 
 def get_available_devices() -> list[str]:
