@@ -133,6 +133,7 @@ class ElasticAdapter:
         self.outcomes: dict[Key, tuple[Any, ...]] = {}
         self.lock = threading.Lock()
         self.driver: ElasticDriver | None = None
+        self.events: list[str] = []  # what the driver of the last run logged
 
     def start(self, executable_cls: type | None, executable_args: list[Any] | None,
               executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
@@ -173,6 +174,7 @@ class ElasticAdapter:
             for p in procs:
                 p.finished.wait(timeout=10.0)
             self.job.set_elastic_handler(None)
+            self.events = list(driver.events)
             self.driver = None
         if result.error is not None:
             raise errors.WorkerFailedError(self._failure_text(what, result.error),

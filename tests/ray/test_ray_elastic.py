@@ -1,0 +1,124 @@
+"""Elastic ``RayExecutor`` (``min_workers``/``max_workers``) on a real local Ray cluster: a killed
+actor is survived and a node added to the cluster is taken in, with no committed step lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from horovod.ray import RayExecutor
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+
+def _elastic_train(kill_host_suffix, min_steps, max_steps):
+    import os
+    import signal
+
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        state.sizes = state.sizes + [hvd.size()]  # the sizes of the rounds this state lived in
+        while state.step < max_steps:
+            if state.step >= min_steps and state.sizes[-1] == 3 and 2 in state.sizes:
+                break
+            if (len(state.sizes) == 1 and state.step == 3
+                    and os.environ["HOROVOD_ELASTIC_HOST"].endswith(kill_host_suffix)):
+                os.kill(os.getpid(), signal.SIGKILL)  # this actor dies mid-training
+            gen = torch.Generator().manual_seed(state.step)
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            state.step += 1
+            time.sleep(0.1)
+            state.commit()
+
+    train(state)
+    return {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "sizes": state.sizes,
+            "host": os.environ["HOROVOD_ELASTIC_HOST"],
+            "params": [p.detach().numpy().copy() for p in model.parameters()]}
+
+
+def _expected_params(steps):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().numpy() for p in model.parameters()]
+
+
+def test_killed_actor_survived_and_new_node_taken_in(free_cluster):
+    second = free_cluster.second_id[:8]
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=2, max_workers=3,
+                     elastic_timeout=60)
+    ex.start()
+    added: list = []
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["out"] = ex.run(_elastic_train, args=[second, 10, 300])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        # Once the driver has blacklisted the dead actor's node, a new node joins the cluster
+        # (Ray adds nodes from the main thread only).
+        deadline = time.monotonic() + 90
+        while runner.is_alive() and time.monotonic() < deadline and not added:
+            driver = ex.adapter.driver if ex.adapter is not None else None
+            if driver is not None and any("blacklisting" in e for e in list(driver.events)):
+                added.append(free_cluster.add_node(num_cpus=1))
+            time.sleep(0.2)
+        runner.join(timeout=150)
+        assert not runner.is_alive(), "the elastic run did not end"
+        if "error" in outcome:
+            raise outcome["error"]
+        out = outcome["out"]
+        events = list(ex.adapter.events)
+    finally:
+        ex.shutdown()
+        for node in added:
+            free_cluster.remove_node(node)
+    assert added, "the dead actor's node was never blacklisted"
+    assert [o["rank"] for o in out] == [0, 1, 2], out
+    assert all(o["size"] == 3 for o in out), out
+    # Round 0 had 3 workers, the survivors went on with 2, the new node's worker made 3 again.
+    assert out[0]["sizes"][:3] == [3, 2, 3], out[0]["sizes"]
+    hosts = {o["host"] for o in out}
+    assert not any(h.endswith(second) for h in hosts), hosts  # the dead actor's node is out
+    assert any(h.endswith(added[0].node_id[:8]) for h in hosts), (hosts, added[0].node_id)
+    steps = out[0]["step"]
+    assert all(o["step"] == steps for o in out)
+    for o in out[1:]:
+        for a, b in zip(out[0]["params"], o["params"]):
+            np.testing.assert_array_equal(a, b)  # identical on every rank
+    for got, want in zip(out[0]["params"], _expected_params(steps)):
+        # no committed step lost or applied twice across the two resets
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    text = "\n".join(events)
+    assert "killed by signal 9" in text and "round 1: training resumes with 2 workers" in text, text
+    assert "round 2: training resumes with 3 workers" in text, text
