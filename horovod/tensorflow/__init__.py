@@ -128,9 +128,18 @@ __all__ = [
     "rank_op", "local_rank_op", "process_set_included_op", "broadcast_variables",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
-    "SyncBatchNormalization",
+    "SyncBatchNormalization", "gpu_available",
 ]
 assert set(_BASICS) <= set(__all__)
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Whether Horovod's ``ext_base_name`` extension reduces GPU tensors (upstream's helper).
+
+    TensorFlow tensors are reduced on the CPU here, so ``'tensorflow'`` is always False; ``'torch'``
+    is True where PyTorch has CUDA and NCCL.
+    """
+    return ext_base_name == "torch" and bool(cuda_built())
 
 
 def _check_sparse(op: ReduceOp, prescale_factor: float, postscale_factor: float) -> None:

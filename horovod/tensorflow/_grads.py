@@ -30,7 +30,6 @@ def check_op_args(op: int, gradient_predivide_factor: float, average_aggregated_
     Raises:
         ValueError: predivide with an op other than Average; Adasum with Keras or with
             ``average_aggregated_gradients``; an op other than Average/Sum for Keras.
-        NotImplementedError: Adasum (not implemented by this Horovod's engine).
     """
     op = ReduceOp(int(op))
     if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
@@ -40,8 +39,6 @@ def check_op_args(op: int, gradient_predivide_factor: float, average_aggregated_
             raise ValueError("op == Adasum is not supported yet with Keras")
         if average_aggregated_gradients:
             raise ValueError("Adasum does not support average_aggregated_gradients == True")
-        raise NotImplementedError("op=hvd.Adasum is not supported yet by this Horovod; use "
-                                  "op=hvd.Average or hvd.Sum.")
     if keras and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("op currently only supports Average and Sum")
     return op

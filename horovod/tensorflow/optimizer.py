@@ -7,7 +7,7 @@ from typing import Any
 import tensorflow as tf
 
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.common.types import Average
+from horovod.common.types import Average, ReduceOp
 from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
@@ -126,6 +126,13 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     op = check_op_args(op, gradient_predivide_factor, average_aggregated_gradients, keras=keras_opt)
     groups = normalize_groups(num_groups, groups)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if op == ReduceOp.ADASUM:  # upstream's delta optimizer (see _adasum_optimizer)
+            if process_set.process_set_id != 0:
+                raise NotImplementedError("Adasum does not support process sets yet")
+            from horovod.tensorflow._adasum_optimizer import DistributedAdasumOptimizer
+
+            return DistributedAdasumOptimizer(optimizer, name, use_locking, device_dense, device_sparse,
+                                              compression, backward_passes_per_step)
         return _DistributedOptimizer(optimizer, name, use_locking, device_dense, device_sparse, compression,
                                      sparse_as_dense, op, gradient_predivide_factor, groups,
                                      backward_passes_per_step, average_aggregated_gradients, process_set,
