@@ -158,8 +158,13 @@ class StaticAdapter:
                 pass
 
     def shutdown(self) -> None:
+        import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.workers and self.broken is None:
+            # Every rank leaves Horovod together first: no rank sees a peer vanish.
+            ray.wait([w.shutdown_horovod.remote() for w in self.workers], num_returns=len(self.workers),
+                     timeout=10.0)
         self._stop_workers()
         self.workers = []
         if self.pg is not None and self.owns_pg:

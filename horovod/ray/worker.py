@@ -67,6 +67,13 @@ class BaseHorovodWorker:
         """``func(self.executable)``; its exception propagates (``run_remote``)."""
         return func(self.executable)
 
+    def shutdown_horovod(self) -> None:
+        """``hvd.shutdown()`` if this worker initialized Horovod (before its actor is killed, so
+        that the other ranks do not see a lost peer)."""
+        basics = sys.modules.get("horovod.common.basics")
+        if basics is not None:
+            basics.shutdown()
+
     def execute_reported(self, func: Callable[[Any], Any]) -> tuple[Any, ...]:
         """``func(self.executable)``, its outcome as data: ``("ok", value)``, ``("exit", code)``
         for ``sys.exit`` (an elastic worker left out of the job exits 0) or
