@@ -174,17 +174,21 @@ class RayExecutor:
             ) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order.
 
+        ``callbacks``: called on the driver with every value rank 0 logs with
+        ``horovod.ray.ray_logger.log(...)`` while ``fn`` runs.
+
         Raises:
             WorkerFailedError: a rank raised (the error names it, its node, and carries its
                 traceback; ``.exception`` is the original) or its actor died.
         """
         a, kw = tuple(args or ()), dict(kwargs or {})
-        return self._adapter().run(lambda _executable: fn(*a, **kw), _label(fn))
+        return self._call(lambda _executable: fn(*a, **kw), _label(fn), callbacks)
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None,
                 ) -> list[Any]:
-        """``fn(executable)`` on every rank (the object made by ``start(executable_cls)``)."""
-        return self._adapter().run(fn, _label(fn))
+        """``fn(executable)`` on every rank (the object made by ``start(executable_cls)``); the
+        results in rank order. ``callbacks`` as in ``run``."""
+        return self._call(fn, _label(fn), callbacks)
 
     def run_remote(self, fn: Callable[..., Any], args: list[Any] | tuple[Any, ...] | None = None,
                    kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -211,6 +215,16 @@ class RayExecutor:
             adapter.shutdown()
 
     # ------------------------------------------------------------------ internals
+    def _call(self, fn: Callable[[Any], Any], label: str,
+              callbacks: list[Callable[..., Any]] | None) -> list[Any]:
+        adapter = self._adapter()
+        if not callbacks:
+            return adapter.run(fn, label)
+        from horovod.ray.ray_logger import CallbackPump
+
+        with CallbackPump(callbacks) as pump:
+            return adapter.run(pump.wrap(fn), label)
+
     def _adapter(self) -> Any:
         if self.adapter is None:
             raise errors.LaunchError("RayExecutor: call start() before run/execute (or start() again "

@@ -83,6 +83,29 @@ def test_num_hosts_places_one_rank_per_node(free_cluster):
             for o in out] == [(0, 0, 1, 0, 2), (1, 0, 1, 1, 2)]
 
 
+def _logging(n):
+    import horovod.torch as hvd
+    from horovod.ray import ray_logger
+
+    hvd.init()
+    for step in range(n):
+        ray_logger.log({"rank": hvd.rank(), "step": step})  # rank 0's only
+    ray_logger.log({"rank": hvd.rank(), "all": True}, chief_only=False)
+    return hvd.rank()
+
+
+def test_callbacks_get_what_the_ranks_log(free_cluster):
+    seen = []
+    ex = RayExecutor(_settings(), num_workers=2)
+    ex.start()
+    try:
+        assert ex.run(_logging, args=[3], callbacks=[seen.append]) == [0, 1]
+    finally:
+        ex.shutdown()
+    assert [s for s in seen if "step" in s] == [{"rank": 0, "step": i} for i in range(3)]
+    assert sorted(s["rank"] for s in seen if "all" in s) == [0, 1]
+
+
 def _train(steps, seed):
     import torch
 
