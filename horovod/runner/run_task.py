@@ -13,6 +13,7 @@ import traceback
 
 FUNC_SCOPE = "runfunc"
 RESULT_SCOPE = "runfunc_result"
+RESULT_KEY_ENV = "HOROVOD_RUN_TASK_RESULT_KEY"
 
 
 def _rank() -> int:
@@ -29,7 +30,9 @@ def main() -> int:
 
     client = RendezvousClient(os.environ["HOROVOD_RUNNER_ADDR"], int(os.environ["HOROVOD_RUNNER_PORT"]),
                               os.environ["HOROVOD_SECRET_KEY"])
-    rank = _rank()
+    # The key the result is stored under: the rank, or a name the launcher chose (an elastic
+    # worker of horovod.spark.run_elastic changes rank between rounds; its slot name does not).
+    key = os.environ.get(RESULT_KEY_ENV) or str(_rank())
     func, args, kwargs = cloudpickle.loads(client.wait(FUNC_SCOPE, "func", timeout=60))
     try:
         value = func(*args, **kwargs)
@@ -45,9 +48,9 @@ def main() -> int:
             payload = cloudpickle.dumps(("error", exc, tb))
         except Exception:  # noqa: BLE001 - an exception that cannot be pickled goes as text
             payload = cloudpickle.dumps(("error", RuntimeError(repr(exc)), tb))
-        client.put(RESULT_SCOPE, str(rank), payload)
+        client.put(RESULT_SCOPE, key, payload)
         return 1
-    client.put(RESULT_SCOPE, str(rank), payload)
+    client.put(RESULT_SCOPE, key, payload)
     return 0
 
 

@@ -4,6 +4,7 @@
 PySpark is imported when they are called (``pip install 'horovod-py[spark]'``).
 """
 
-from horovod.spark.runner import run, run_elastic
+from horovod.spark.elastic import run_elastic
+from horovod.spark.runner import run
 
 __all__ = ["run", "run_elastic"]

@@ -39,14 +39,15 @@ class _Stream:
 
 
 class RemoteOutput:
-    """Task side: batch lines of one rank and ``put(scope, key, bytes)`` them to the driver.
+    """Task side: batch the lines of one ``source`` (a rank, or an elastic agent) and send them
+    with ``put(scope, key, bytes)`` to the driver.
 
     A background thread sends whatever has collected every 0.1 s (sooner past 256 KiB); ``close()``
     sends the rest. A failed send is dropped after one retry: output must never fail a rank.
     """
 
-    def __init__(self, put: Callable[[str, str, bytes], None], rank: int) -> None:
-        self.put, self.rank = put, rank
+    def __init__(self, put: Callable[[str, str, bytes], None], source: int | str) -> None:
+        self.put, self.source = put, source
         self.stdout, self.stderr = _Stream(self, "stdout"), _Stream(self, "stderr")
         self._items: list[tuple[str, str]] = []
         self._size = 0
@@ -72,7 +73,7 @@ class RemoteOutput:
                 items, self._items, self._size = self._items, [], 0
             if not items:
                 return
-            key = f"{self.rank}.{self._seq}"
+            key = f"{self.source}.{self._seq}"
             self._seq += 1
             body = json.dumps(items).encode()
             for _ in range(2):
@@ -88,6 +89,10 @@ class RemoteOutput:
             self._wake.clear()
             self._send()
 
+    def close_batch(self) -> None:
+        """Send what has collected now (a worker ended: its last lines go before its exit)."""
+        self._send()
+
     def close(self) -> None:
         self._closed = True
         self._wake.set()
@@ -100,32 +105,38 @@ class OutputPump:
 
     ``get(scope, key)`` and ``pop(scope, key)`` read the rendezvous store in process. Call
     ``pump()`` periodically (it returns at once when nothing is new) and once more at the end.
+    ``fmt(source, stream, text)``, when given, formats each line on the driver (elastic workers
+    change rank between rounds, so only the driver knows the prefix); by default the lines come
+    prefixed already.
     """
 
     def __init__(self, get: Callable[[str, str], bytes | None],
                  pop: Callable[[str, str], Any], stdout: IO[str] | None = None,
-                 stderr: IO[str] | None = None) -> None:
-        self.get, self.pop = get, pop
+                 stderr: IO[str] | None = None,
+                 fmt: Callable[[str, str, str], str] | None = None) -> None:
+        self.get, self.pop, self.fmt = get, pop, fmt
         self.out, self.err = stdout, stderr
-        self._next: dict[int, int] = {}
+        self._next: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def pump(self, ranks: list[int]) -> None:
+    def pump(self, sources: list[int] | list[str]) -> None:
         with self._lock:
-            for rank in ranks:
-                seq = self._next.get(rank, 0)
+            for source in map(str, sources):
+                seq = self._next.get(source, 0)
                 while True:
-                    key = f"{rank}.{seq}"
+                    key = f"{source}.{seq}"
                     raw = self.get(OUTPUT_SCOPE, key)
                     if raw is None:
                         break
                     self.pop(OUTPUT_SCOPE, key)
                     seq += 1
                     for stream, text in json.loads(raw):
+                        if self.fmt is not None:
+                            text = self.fmt(source, stream, text)
                         target = (self.err or sys.stderr) if stream == "stderr" else (self.out or sys.stdout)
                         try:
                             target.write(text)
                             target.flush()
                         except (OSError, ValueError):
                             pass
-                self._next[rank] = seq
+                self._next[source] = seq

@@ -308,7 +308,4 @@ def _configure_logging(verbose: int) -> None:
         log.setLevel(logging.DEBUG)
 
 
-def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
-    from horovod.spark.elastic import run_elastic as _run_elastic
-
-    return _run_elastic(*args, **kwargs)
+from horovod.spark.elastic import run_elastic  # noqa: E402 - upstream's home of both

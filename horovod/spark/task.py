@@ -24,7 +24,8 @@ from typing import Any
 
 from horovod.runner.hosts import HostSpec
 
-__all__ = ["JobSpec", "TASK_SCOPE", "ENV_SCOPE", "run_rank", "group_by_host", "host_of_address", "barrier_task",
+__all__ = ["JobSpec", "TASK_SCOPE", "ENV_SCOPE", "run_rank", "elastic_agent", "executor_name",
+           "group_by_host", "host_of_address", "barrier_task",
            "get_available_devices"]
 
 # Where each task reports that it started (key: partition id; JSON: every task's executor
@@ -147,6 +148,119 @@ def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
         "addresses": addresses, "attempt": ctx.attemptNumber(), "pid": os.getpid()}).encode())
     mine = json.loads(client.wait(ENV_SCOPE, str(partition), timeout=spec.start_timeout))
     yield json.dumps(run_rank(spec, mine["rank"], mine["host"], mine["local_rank"], mine["env"]))
+
+
+# Elastic agents (run_elastic): registration, heartbeats, commands from the driver, worker exits.
+AGENT_SCOPE = "spark_agent"
+HEARTBEAT_SCOPE = "spark_agent_hb"
+COMMAND_SCOPE = "spark_agent_cmd"
+EXIT_SCOPE = "spark_agent_exit"
+# An agent whose driver has not answered for this long stops its worker and ends its task.
+DRIVER_LOST_SECONDS = 30.0
+
+
+def executor_name(route_to: str) -> str:
+    """This executor as an elastic "host": its IP and Spark executor id (``10.0.0.5/exec-3``).
+
+    Spark loses executors, not machines, so ``run_elastic`` treats each executor as a host (a
+    lost executor is blacklisted alone, not every executor of its machine).
+    """
+    import re
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((route_to, 9))
+            ip = str(s.getsockname()[0])
+        except OSError:
+            ip = "127.0.0.1"
+    m = re.search(r"executorId=([^&]+)", os.environ.get("SPARK_LOG_URL_STDERR", ""))
+    if m:
+        return f"{ip}/exec-{m.group(1)}"
+    # Elsewhere the executor is the JVM that started the Python daemon that forked this worker.
+    try:
+        import psutil
+
+        return f"{ip}/jvm-{psutil.Process(os.getppid()).ppid()}"
+    except Exception:  # noqa: BLE001 - psutil missing or the process gone
+        return f"{ip}/pid-{os.getppid()}"
+
+
+def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
+    """The body of every Spark task of ``run_elastic``: a slot the elastic driver starts workers in.
+
+    The agent registers (``AGENT_SCOPE/<partition>.<attempt>``), sends a heartbeat every 0.5 s,
+    and follows the driver's numbered commands (``COMMAND_SCOPE/<agent>.<n>``): ``start`` a
+    worker with the given environment, ``stop`` or ``kill`` it, ``exit``. Each worker's end goes
+    to ``EXIT_SCOPE/<agent>.<n>``; its output to the driver under the agent's name.
+    """
+    from pyspark import TaskContext
+
+    from horovod.runner.elastic.workers import WorkerProcess
+    from horovod.runner.launchers.base import Command, shim_argv
+    from horovod.spark.output import RemoteOutput
+
+    ctx = TaskContext.get()
+    agent = f"{ctx.partitionId()}.{ctx.attemptNumber()}"
+    client = _client(spec)
+    client.put(AGENT_SCOPE, agent, json.dumps({"host": executor_name(spec.addr), "pid": os.getpid(),
+                                               "attempt": ctx.attemptNumber()}).encode())
+    stop = threading.Event()
+    last_ok = [time.monotonic()]
+
+    def heartbeat() -> None:
+        beat = 0
+        while not stop.wait(0.5):
+            beat += 1
+            try:
+                client.put(HEARTBEAT_SCOPE, agent, str(beat).encode())
+                last_ok[0] = time.monotonic()
+            except Exception:  # noqa: BLE001 - counted below
+                if time.monotonic() - last_ok[0] > DRIVER_LOST_SECONDS:
+                    stop.set()
+
+    threading.Thread(target=heartbeat, daemon=True, name="hvd-spark-heartbeat").start()
+    python = spec.executable or sys.executable
+    proc: WorkerProcess | None = None
+    output = RemoteOutput(client.put, agent)
+    n = 0
+    try:
+        while not stop.is_set():
+            try:
+                raw = client.get(COMMAND_SCOPE, f"{agent}.{n}")
+            except Exception:  # noqa: BLE001 - the heartbeat decides when the driver is gone
+                raw = None
+            if raw is None:
+                stop.wait(0.1)
+                continue
+            cmd = json.loads(raw)
+            n += 1
+            if cmd["op"] == "start":
+                seq = cmd["seq"]
+
+                def on_exit(code: int | None, sig: int | None, seq: int = seq) -> None:
+                    output.close_batch()
+                    client.put(EXIT_SCOPE, f"{agent}.{seq}",
+                               json.dumps({"code": code, "signal": sig}).encode())
+
+                command = Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"],
+                                                 python=python, watch_stdin=True),
+                                  env={**os.environ, **cmd["env"]}, ranks=(), host=agent,
+                                  lifeline=True)
+                proc = WorkerProcess(command, agent, lambda: None, on_exit,
+                                     stdout=output.stdout, stderr=output.stderr)  # type: ignore[arg-type]
+            elif cmd["op"] == "stop" and proc is not None:
+                proc.stop(grace=float(cmd.get("grace", 5.0)))
+            elif cmd["op"] == "kill" and proc is not None:
+                proc.kill()
+            elif cmd["op"] == "exit":
+                break
+    finally:
+        stop.set()
+        if proc is not None and proc.popen.poll() is None:
+            proc.stop(grace=2.0)
+        output.close()
+    yield agent
 
 
 def get_available_devices() -> list[str]:

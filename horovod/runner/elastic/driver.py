@@ -261,6 +261,12 @@ class ElasticDriver:
         for p in procs:
             p.stop(grace)
 
+    def abort(self, message: str) -> None:
+        """End the job now with ``message`` as its error (the launcher lost its cluster)."""
+        with self.cv:
+            if not self.done:
+                self._fail(message)
+
     def _fail(self, message: str) -> None:
         self.error = message
         self._event(message, logging.ERROR)
