@@ -122,6 +122,30 @@ class EngineConfig:
         "HOROVOD_CPU_OPERATIONS", "",
         "MPI or GLOO: the transport for CPU tensors (default: the controller's).",
         _parse_upper, choices=("", "MPI", "GLOO"))
+    gpu_operations: str = _setting(
+        "HOROVOD_GPU_OPERATIONS", "",
+        "NCCL, MPI or GLOO: how GPU tensors are reduced and moved. NCCL runs torch.distributed NCCL "
+        "on the device; MPI and GLOO stage them through host memory over the job's CPU transport "
+        "(default: NCCL when available).", _parse_upper, choices=("", "NCCL", "MPI", "GLOO"))
+    gpu_allreduce: str = _setting(
+        "HOROVOD_GPU_ALLREDUCE", "", "NCCL, MPI or GLOO for GPU allreduce (overrides "
+        "HOROVOD_GPU_OPERATIONS).", _parse_upper, choices=("", "NCCL", "MPI", "GLOO"))
+    gpu_allgather: str = _setting(
+        "HOROVOD_GPU_ALLGATHER", "", "NCCL, MPI or GLOO for GPU allgather.", _parse_upper,
+        choices=("", "NCCL", "MPI", "GLOO"))
+    gpu_broadcast: str = _setting(
+        "HOROVOD_GPU_BROADCAST", "", "NCCL, MPI or GLOO for GPU broadcast.", _parse_upper,
+        choices=("", "NCCL", "MPI", "GLOO"))
+    gpu_alltoall: str = _setting(
+        "HOROVOD_GPU_ALLTOALL", "", "NCCL, MPI or GLOO for GPU alltoall.", _parse_upper,
+        choices=("", "NCCL", "MPI", "GLOO"))
+    gpu_reducescatter: str = _setting(
+        "HOROVOD_GPU_REDUCESCATTER", "", "NCCL, MPI or GLOO for GPU reducescatter.", _parse_upper,
+        choices=("", "NCCL", "MPI", "GLOO"))
+    torch_cpu_plane: bool = _setting(
+        "HOROVOD_TORCH_CPU_PLANE", False,
+        "Run CPU torch tensors through the device plane on torch.distributed Gloo (the CPU twin of "
+        "the GPU path, for testing it without a GPU) instead of the host NumPy path.", parse_bool)
     mpi_threads_disable: bool = _setting(
         "HOROVOD_MPI_THREADS_DISABLE", False,
         "Ask MPI for MPI_THREAD_SINGLE instead of MPI_THREAD_MULTIPLE.", parse_bool)
@@ -145,7 +169,23 @@ class EngineConfig:
         _parse_float, minimum=0)
     autotune: bool = _setting(
         "HOROVOD_AUTOTUNE", False,
-        "Accepted for compatibility; this engine has no autotuner (see docs/engine.md).", parse_bool)
+        "Tune the speed knobs at run time (fusion threshold, piece size, cycle time, response cache, "
+        "hierarchical collectives) by Bayesian optimisation, then keep the best (docs/autotune.md).",
+        parse_bool)
+    autotune_log: str = _setting(
+        "HOROVOD_AUTOTUNE_LOG", "", "CSV file (written by rank 0) of every autotune sample and, last, "
+        "the best parameters.", _parse_str)
+    autotune_warmup_samples: int = _setting(
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, "Autotune samples discarded at the start.", _parse_int, minimum=0)
+    autotune_steps_per_sample: int = _setting(
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, "Training steps measured per autotune sample.",
+        _parse_int, minimum=1)
+    autotune_bayes_opt_max_samples: int = _setting(
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, "Samples of the Bayesian optimisation before the "
+        "best is kept.", _parse_int, minimum=1)
+    autotune_gaussian_process_noise: float = _setting(
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8, "Noise of the autotuner's Gaussian process "
+        "(0-1, relative to the scores' spread).", _parse_float, minimum=0)
 
     def __post_init__(self) -> None:
         if 0 < self.stall_shutdown_time_seconds < self.stall_check_time_seconds:

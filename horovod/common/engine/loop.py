@@ -18,6 +18,7 @@ operations starts the next round at once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -133,6 +134,12 @@ class Engine:
             self.timeline = Timeline(config.timeline, config.timeline_mark_cycles)
         self._executor = Executor(backend, groups, self.rank, self.tunables, lambda: self.timeline,
                                   hostnames)
+        self._autotune = None
+        if config.autotune:  # HOROVOD_AUTOTUNE: tunes self.tunables at sample boundaries (same on every rank)
+            from horovod.common.autotune import from_config
+
+            self._autotune = from_config(config, self.tunables, self.rank, backend.bcast_from_root, os.environ,
+                                         len(set(hostnames or [])) > 1, on_change=self._autotuned)
         self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
 
     # ================================================================ caller side
@@ -440,6 +447,15 @@ class Engine:
                                not self.config.disable_group_fusion)
         for batch in batches:
             self._run_batch(batch)
+        if self._autotune is not None:
+            self._autotune.observe(responses)
+
+    def _autotuned(self, old: dict[str, Any], new: dict[str, Any]) -> None:
+        """The autotuner changed the knobs (on every rank at this same point)."""
+        if old.get("cache_enabled") and not new.get("cache_enabled"):
+            # Requests waiting on cache slots go back through the coordinator, on every rank alike.
+            for slot in list(self.cache.occupied()):
+                self._evict(slot)
 
     def _take(self, name: str) -> Entry | None:
         e = self._pending.pop(name, None)
