@@ -114,6 +114,9 @@ class ParameterManager:
         self._clock = clock
         self.active = bool(self.knobs)
         self.history: list[dict[str, Any]] = []  # every sample: params, score (rank 0), phase
+        # Every rank: (operations observed so far, parameters applied) at each sample boundary.
+        self.applied: list[tuple[int, dict[str, Any]]] = []
+        self._observed = 0
         start = [k.encode(getattr(tunables, k.name)) for k in self.knobs]
         rng = np.random.default_rng(seed)
         initial = [start] + [list(rng.random(len(self.knobs))) for _ in range(2)]
@@ -144,6 +147,7 @@ class ParameterManager:
                 self._steps += 1
             self._seen.add(name)
             self._bytes += _nbytes(resp.request)
+            self._observed += 1
         if self._steps >= self.steps_per_sample:
             self._end_sample()
 
@@ -159,6 +163,7 @@ class ParameterManager:
         old = self._params()
         self.tunables.update(**params)
         self.active = active
+        self.applied.append((self._observed, params))
         if self._on_change is not None and params != old:
             self._on_change(old, params)
         self._seen.clear()
