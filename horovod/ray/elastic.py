@@ -83,6 +83,7 @@ class _ActorWorker:
         self.actor.start_executable.remote(*adapter.executable)
         self.ref = self.actor.execute_reported.remote(fn)
         self.finished = threading.Event()
+        self.stopped = False
         threading.Thread(target=self._wait, daemon=True, name=f"hvd-ray-{key_name(key)}").start()
 
     def _wait(self) -> None:
@@ -95,7 +96,8 @@ class _ActorWorker:
             out = ray.get(self.ref)
         except ray.exceptions.RayActorError as exc:
             code, sig = None, int(signal.SIGKILL)
-            self.adapter.record(self.key, ("died", exc))
+            # A worker the driver stopped (its node blacklisted, left out) did not fail.
+            self.adapter.record(self.key, ("stopped",) if self.stopped else ("died", exc))
         except Exception as exc:  # noqa: BLE001 - any other Ray failure is this worker's failure
             code = 1
             self.adapter.record(self.key, ("error", exc, str(exc)))
@@ -108,6 +110,7 @@ class _ActorWorker:
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the worker (an actor cannot be asked politely: it is killed)."""
+        self.stopped = True
         self.kill()
 
     def kill(self) -> None:
@@ -177,8 +180,14 @@ class ElasticAdapter:
             self.events = list(driver.events)
             self.driver = None
         if result.error is not None:
-            raise errors.WorkerFailedError(self._failure_text(what, result.error),
-                                           events=result.events, resets=result.resets)
+            ranks = {k: w.rank for k, w in driver.workers.items()}
+            failed = [(k, o) for k, o in self.outcomes.items() if o[0] in ("died", "error")]
+            root = failed[0] if failed else None
+            raise errors.WorkerFailedError(
+                self._failure_text(what, result.error, ranks), events=result.events,
+                resets=result.resets, rank=ranks.get(root[0]) if root else None,
+                host=root[0][0] if root else None,
+                exception=root[1][1] if root else None)
         final = sorted(result.final_ranks.items(), key=lambda kv: kv[1])
         values = []
         for key, _rank in final:
@@ -187,14 +196,23 @@ class ElasticAdapter:
                 values.append(out[1])
         return values
 
-    def _failure_text(self, what: str, error: str) -> str:
-        lines = [f"{what}: the elastic job failed: {error}"]
-        for key, out in sorted(self.outcomes.items()):
+    def _failure_text(self, what: str, error: str, ranks: dict[Key, int | None]) -> str:
+        ex = self.ex
+        try:
+            offered = self.discovery.find_available_hosts_and_slots()
+        except Exception:  # noqa: BLE001 - the cluster may be gone
+            offered = {}
+        lines = [f"{what}: the elastic job failed: {error}",
+                 f"  (RayExecutor: min_workers={ex.min_workers}, max_workers={ex.max_workers}, "
+                 f"elastic_timeout={ex.elastic_timeout} s, reset_limit={ex.reset_limit}; the Ray "
+                 f"cluster offers {sum(offered.values())} slot(s) of {ex.cpus_per_worker} CPU(s): "
+                 f"{', '.join(f'{h}:{n}' for h, n in offered.items()) or 'none'})"]
+        for key, out in self.outcomes.items():  # in the order they ended
+            who = f"worker {key_name(key)}" + (f" (rank {ranks[key]})" if ranks.get(key) is not None else "")
             if out[0] == "died":
-                lines.append(f"  worker {key_name(key)} died: {str(out[1]).strip().splitlines()[0]}")
+                lines.append(f"  {who} died: {str(out[1]).strip().splitlines()[0]}")
             elif out[0] == "error":
-                lines.append(f"  worker {key_name(key)} raised {type(out[1]).__name__}: {out[1]}\n"
-                             f"{out[2]}")
+                lines.append(f"  {who} raised {type(out[1]).__name__}: {out[1]}\n{out[2]}")
         return "\n".join(lines)
 
     def run_remote(self, fn: Any) -> list[Any]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from horovod.ray import RayExecutor
+from horovod.runner import errors
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -122,3 +123,44 @@ def test_killed_actor_survived_and_new_node_taken_in(free_cluster):
     text = "\n".join(events)
     assert "killed by signal 9" in text and "round 1: training resumes with 2 workers" in text, text
     assert "round 2: training resumes with 3 workers" in text, text
+
+
+def _raise_everywhere():
+    import horovod.torch as hvd
+
+    hvd.init()
+    raise ValueError(f"bad input on rank {hvd.rank()}")
+
+
+def test_every_worker_raising_fails_the_run_with_their_errors(free_cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=2, max_workers=2,
+                     elastic_timeout=5)
+    ex.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(errors.WorkerFailedError) as info:
+            ex.run(_raise_everywhere)
+        elapsed = time.monotonic() - t0
+    finally:
+        ex.shutdown()
+    text = str(info.value)
+    assert text.startswith("RayExecutor.run(_raise_everywhere) [elastic]: the elastic job failed"), text
+    assert "raised ValueError: bad input on rank" in text and "Traceback" in text, text
+    assert "min_workers=2" in text, text
+    assert elapsed < 60, elapsed
+
+
+def test_too_few_slots_fails_after_the_elastic_timeout(free_cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=5, elastic_timeout=3)
+    ex.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(errors.WorkerFailedError) as info:
+            ex.run(_raise_everywhere)
+        elapsed = time.monotonic() - t0
+    finally:
+        ex.shutdown()
+    text = str(info.value)
+    assert "too few hosts: only 3 slot(s) available" in text, text
+    assert "min_workers=5" in text and "offers 3 slot(s)" in text, text
+    assert 3 <= elapsed < 20, elapsed
