@@ -27,6 +27,7 @@ import os
 import pickle
 import socket
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -148,6 +149,7 @@ class GlooBackend:
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
         self._group_seq = 0
+        self._split_seq: dict[str, int] = {}
         # Every process group and Group made here, so that close() can tear them down in order
         # while the store still exists (left to interpreter exit, a Gloo group may be destroyed
         # with its threads still running, which aborts the process).
@@ -290,6 +292,25 @@ class GlooBackend:
         if self.rank in ranks:
             with self._translate("creating a process group"):
                 handle = self._make_pg(f"group{self._group_seq}", ranks.index(self.rank), len(ranks))
+        group = Group(ranks, self.rank, handle)
+        self._groups.append(group)
+        return group
+
+    def split_group(self, parent: Group, colors: list[int]) -> Group:
+        """This member's part of ``parent`` split by color (``colors[i]`` for ``parent.ranks[i]``).
+
+        Made by ``parent``'s members only (each split of a parent gets its own store prefix, the
+        same on every member); a negative color gives a group without handle.
+        """
+        key = ",".join(map(str, parent.ranks))
+        seq = self._split_seq[key] = self._split_seq.get(key, 0) + 1
+        color = colors[parent.rank]
+        if color < 0:
+            return Group([], self.rank, None)
+        ranks = [r for r, c in zip(parent.ranks, colors) if c == color]
+        with self._translate("creating a process group"):
+            handle = self._make_pg(f"split{zlib.crc32(key.encode())}.{len(parent.ranks)}.{seq}.{color}",
+                                   ranks.index(self.rank), len(ranks))
         group = Group(ranks, self.rank, handle)
         self._groups.append(group)
         return group

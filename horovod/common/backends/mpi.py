@@ -112,6 +112,18 @@ class MPIBackend:
             sub = self.comm.Split(color, key=self.rank)
         return Group(ranks, self.rank, None if sub == MPI.COMM_NULL else sub)
 
+    def split_group(self, parent: Group, colors: list[int]) -> Group:
+        """This member's part of ``parent`` split by color (``colors[i]`` for ``parent.ranks[i]``).
+
+        Collective over ``parent``'s members only; a negative color gives a group without handle.
+        """
+        MPI = self._MPI
+        color = colors[parent.rank]
+        with _translate(self.rank, "communicator split"):
+            sub = parent.handle.Split(color if color >= 0 else MPI.UNDEFINED, key=parent.rank)
+        ranks = [r for r, c in zip(parent.ranks, colors) if c == color] if color >= 0 else []
+        return Group(ranks, self.rank, None if sub == MPI.COMM_NULL else sub)
+
     def free_group(self, group: Group) -> None:
         if group.handle is not None and group.handle != self.comm:
             group.handle.Free()

@@ -18,6 +18,8 @@ import numpy as np
 
 from horovod.common.backends.base import Group
 from horovod.common.engine.adasum import AdasumRunner
+from horovod.common.engine.device import Planes, is_plane
+from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
@@ -126,6 +128,8 @@ class Executor:
         self._work: dict[str, np.dtype] = {}
         self._dtype_info: dict[str, tuple[np.dtype, np.dtype, bool]] = {}
         self._act = backend.name.upper() + "_"
+        self.planes = Planes(self)
+        self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
 
     # ------------------------------------------------------------------ tunables (read every batch)
     @property
@@ -205,7 +209,9 @@ class Executor:
         if tl is not None:
             for r in batch:
                 tl.begin(r.name, kind.upper)
-        if kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
+        if is_plane(req.device):  # framework-owned (GPU) tensors: the device plane runs them
+            self.planes.run(batch, entries, group)
+        elif kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
             self._adasum_runner().run(batch, entries, group, aligned_empty)
         elif kind == RequestType.ALLREDUCE:
             self._allreduce(batch, entries, group, tl)
@@ -354,6 +360,20 @@ class Executor:
                 return lambda buf: hier.allreduce(buf, op)
         return lambda buf: backend.allreduce(buf, op, group)
 
+    def _hierarchy(self, group: Group) -> Hierarchy | None:
+        """The set's local and cross groups, made on first use (by all of the set's members, which
+        run the same batch); None when the hierarchy does not apply (see ``hierarchy.host_layout``)."""
+        key = tuple(group.ranks)
+        cached = self._hierarchies.get(key, False)
+        if cached is not False and (cached is None or cached.group is group):
+            return cached
+        layout = None
+        if self.hostnames is not None and hasattr(self.backend, "split_group"):
+            layout = host_layout(group.ranks, self.hostnames)
+        hier = Hierarchy(self.backend, group, *layout) if layout is not None else None
+        self._hierarchies[key] = hier
+        return hier
+
     # ------------------------------------------------------------------ broadcast
     def _broadcast(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
                    tl: Timeline | None) -> None:
@@ -402,7 +422,11 @@ class Executor:
             row = int(np.prod(x.shape[1:]))
             counts = [int(c) * row for c in all_dims[:, i]]
             out = aligned_empty((int(all_dims[:, i].sum()),) + x.shape[1:], x.dtype)
-            self.backend.allgatherv(_move_view(x), _move_view(out), counts, group)
+            hier = self._hierarchy(group) if self.hierarchical_allgather else None
+            if hier is not None:
+                hier.allgatherv(_move_view(x), _move_view(out), counts)
+            else:
+                self.backend.allgatherv(_move_view(x), _move_view(out), counts, group)
             outputs.append(out)
         entry.outputs = outputs
 

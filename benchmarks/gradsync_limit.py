@@ -1,0 +1,194 @@
+"""Gradient-set sync against the machine's limit, every binding and raw MPI interleaved in one run.
+
+    mpirun -np 2 python benchmarks/gradsync_limit.py --case resnet50 [--frameworks numpy,torch,tf]
+    mpirun -np 3 --oversubscribe python benchmarks/gradsync_limit.py --case bert_base
+
+Cases: ``resnet50`` / ``bert_base`` (the model's gradient set, ``shapes.py``), ``single64`` (one 64 MiB
+float32 tensor), ``latency`` (a 4-byte allreduce, blocking, timed over 200 calls per repetition).
+
+Modes (every repetition runs each mode once, in turn, after a barrier, so noise hits all alike):
+  raw-flat          mpi4py: one in-place Allreduce of a flat float32 buffer of the same size, then /size
+  raw-chunk-<k>MiB  mpi4py: the flat buffer cut into k MiB pieces, each reduced in place and divided
+                    while hot in cache (k = 1, 2, 4, 8, 16, 32); the best of these is "the limit"
+  numpy             horovod.numpy allreduce_async of each array (op=Average), then synchronize each
+  torch-async       horovod.torch allreduce_async_ of each tensor (op=Average), then synchronize each
+                    (what DistributedOptimizer does)
+  torch-grouped     horovod.torch grouped_allreduce_ of all tensors (op=Average)
+  tf-local          a tf.function step with a plain GradientTape over variables of these shapes
+                    (loss = sum of reduce_sum, so every gradient is a tensor of ones)
+  tf-tape           the same step with hvd.DistributedGradientTape (gradients + averaging)
+  tf-sync           tf-tape - tf-local: what averaging adds to the step (derived, not timed)
+
+Rank 0 prints the medians and each binding's ratio to the best raw schedule, and with --json
+appends one JSON object per run to the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import MODELS  # noqa: E402
+
+CHUNKS_MIB = (1, 2, 4, 8, 16, 32)
+LATENCY_CALLS = 200
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--case", default="resnet50", choices=sorted(MODELS) + ["single64", "latency"])
+parser.add_argument("--reps", type=int, default=15)
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--frameworks", default="numpy,torch,tf",
+                    help="comma-separated subset of numpy, torch, tf")
+parser.add_argument("--json", default=None, help="append the medians to this file (rank 0)")
+
+
+def case_shapes(case: str) -> list[tuple[int, ...]]:
+    if case == "single64":
+        return [(16 * 1024 * 1024,)]
+    if case == "latency":
+        return [(1,)]
+    return MODELS[case]()
+
+
+def main() -> None:
+    args = parser.parse_args()
+    frameworks = set(args.frameworks.split(","))
+    if "tf" in frameworks:
+        import tensorflow as tf
+
+        import horovod.tensorflow as hvd_tf
+        hvd_tf.init()
+    import horovod.numpy as hvd
+
+    hvd.init()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    size = comm.size
+    shapes = case_shapes(args.case)
+    numel = sum(math.prod(s) for s in shapes)
+    latency = args.case == "latency"
+    calls = LATENCY_CALLS if latency else 1
+    modes = {}
+
+    flat = np.ones(numel, np.float32)
+
+    def raw_flat() -> None:
+        for _ in range(calls):
+            comm.Allreduce(MPI.IN_PLACE, flat)
+            np.divide(flat, size, out=flat)
+
+    modes["raw-flat"] = raw_flat
+
+    def raw_chunked(nbytes: int):
+        n = nbytes // 4
+
+        def step() -> None:
+            for o in range(0, numel, n):
+                v = flat[o:o + n]
+                comm.Allreduce(MPI.IN_PLACE, v)
+                np.divide(v, size, out=v)
+        return step
+
+    if not latency:
+        for mib in CHUNKS_MIB:
+            if (mib << 20) < numel * 4 * 2 or mib == CHUNKS_MIB[0]:
+                modes[f"raw-chunk-{mib}MiB"] = raw_chunked(mib << 20)
+
+    if "numpy" in frameworks:
+        arrs = [np.ones(s, np.float32) for s in shapes]
+        names = [f"np.{i}" for i in range(len(arrs))]
+
+        def hvd_numpy() -> None:
+            for _ in range(calls):
+                hs = [hvd.allreduce_async(x, name=n, op=hvd.Average) for x, n in zip(arrs, names)]
+                for h in hs:
+                    hvd.synchronize(h)
+        modes["numpy"] = hvd_numpy
+
+    if "torch" in frameworks:
+        import torch
+
+        import horovod.torch as hvd_torch
+
+        hvd_torch.init()
+        torch.set_num_threads(1)
+        tts = [torch.ones(s) for s in shapes]
+        tnames = [f"t.{i}" for i in range(len(tts))]
+        gts = [torch.ones(s) for s in shapes]
+
+        def torch_async() -> None:
+            for _ in range(calls):
+                hs = [hvd_torch.allreduce_async_(t, name=n, op=hvd_torch.Average) for t, n in zip(tts, tnames)]
+                for h in hs:
+                    hvd_torch.synchronize(h)
+
+        def torch_grouped() -> None:
+            for _ in range(calls):
+                hvd_torch.grouped_allreduce_(gts, name="grouped", op=hvd_torch.Average)
+        modes["torch-async"] = torch_async
+        modes["torch-grouped"] = torch_grouped
+
+    if "tf" in frameworks:
+        variables = [tf.Variable(tf.ones(s)) for s in shapes]
+
+        def make_step(distributed: bool):
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([tf.reduce_sum(v) for v in variables])
+                if distributed:
+                    tape = hvd_tf.DistributedGradientTape(tape)
+                grads = tape.gradient(loss, variables)
+                return tf.add_n([g[(0,) * len(g.shape)] for g in grads])  # consume every gradient
+
+            def run() -> None:
+                for _ in range(calls):
+                    step().numpy()
+            return run
+        modes["tf-local"] = make_step(False)
+        modes["tf-tape"] = make_step(True)
+
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(args.warmup):
+        for f in modes.values():
+            comm.Barrier()
+            f()
+    for _ in range(args.reps):
+        for k, f in modes.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) / calls)
+    if comm.rank != 0:
+        return
+    unit, scale = ("us", 1e6) if latency else ("ms", 1e3)
+    med = {k: statistics.median(v) * scale for k, v in times.items()}
+    if "tf-tape" in med:
+        med["tf-sync"] = med["tf-tape"] - med["tf-local"]
+    raw = {k: v for k, v in med.items() if k.startswith("raw")}
+    best = min(raw, key=raw.get)
+    print(f"case={args.case} np={size} tensors={len(shapes)} MiB={numel * 4 / 2**20:.1f} "
+          f"reps={args.reps} unit={unit}")
+    for k, v in med.items():
+        ratio = "" if k.startswith("raw") or k == "tf-local" else f"  / best raw = {v / raw[best]:.2f}"
+        print(f"  {k:18s} {v:9.2f} {unit}{ratio}")
+    print(f"  best raw: {best}")
+    if args.json:
+        with open(args.json, "a") as fh:
+            fh.write(json.dumps({"case": args.case, "np": size, "unit": unit, "tensors": len(shapes),
+                                 "mib": numel * 4 / 2**20, "reps": args.reps, "median": med,
+                                 "best_raw": best, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                         time.gmtime())}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
