@@ -14,7 +14,8 @@ from typing import Any
 
 from horovod.runner import errors
 
-__all__ = ["NodeInfo", "reserve", "group_by_node", "node_labels", "resources_text"]
+__all__ = ["NodeInfo", "reserve", "group_by_node", "node_labels", "resources_text",
+           "shared_visible_devices"]
 
 log = logging.getLogger("horovod.ray")
 
@@ -86,3 +87,17 @@ def node_labels(infos: Sequence[NodeInfo]) -> dict[str, str]:
         ips.setdefault(info.ip, set()).add(info.node_id)
     return {info.node_id: info.ip if len(ips[info.ip]) == 1 else f"{info.ip}-{info.node_id[:8]}"
             for info in infos}
+
+
+def shared_visible_devices(nodes: Sequence[str], gpu_ids: Sequence[Sequence[Any]]) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` per rank: every GPU Ray gave the ranks of its node, in rank order.
+
+    Ray shows each actor only its own GPUs; Horovod's recipe pins ``hvd.local_rank()`` as the
+    device index, so (as upstream does) every rank of a node sees the node's GPUs of the job.
+    ``nodes[r]`` is rank r's node, ``gpu_ids[r]`` the GPU ids Ray gave it.
+    """
+    per_node: dict[str, list[str]] = {}
+    for node, ids in zip(nodes, gpu_ids):
+        seen = per_node.setdefault(node, [])
+        seen += [str(i) for i in ids if str(i) not in seen]
+    return [",".join(per_node[node]) for node in nodes]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve
+from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve, shared_visible_devices
 from horovod.ray.runner import failure_error, wait_all
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner import errors
@@ -99,7 +99,14 @@ class StaticAdapter:
             envs = self.job.worker_envs([HostSpec(h, c) for h, c in hosts.items()],
                                         nics=sorted(self.settings.nics or []))
             gloo = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(self.settings.timeout_s)}
-            ray.get([w.update_env_vars.remote({**gloo, **env, **extra_env})
+            for env in envs:
+                env[1].update(gloo)
+            if self.ex.use_gpu:
+                gpu_ids = ray.get([w.get_gpu_ids.remote() for w in self.workers])
+                visible = shared_visible_devices([i.node_id for i in self.nodes], gpu_ids)
+                for env, devices in zip(envs, visible):
+                    env[1]["CUDA_VISIBLE_DEVICES"] = devices
+            ray.get([w.update_env_vars.remote({**env, **extra_env})
                      for w, (_, env) in zip(self.workers, envs)])
             ray.get([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
                      for w in self.workers])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.ray.placement import NodeInfo, group_by_node, node_labels
+from horovod.ray.placement import NodeInfo, group_by_node, node_labels, shared_visible_devices
 from horovod.runner.function_job import FunctionJob
 from horovod.runner.hosts import HostSpec
 
@@ -58,3 +58,9 @@ def test_ray_host_discovery_counts_slots_per_alive_node(monkeypatch):
     gpu = RayHostDiscovery(use_gpu=True, cpus_per_worker=1, gpus_per_worker=1)
     assert gpu.find_available_hosts_and_slots() == {"10.0.0.1-aaaaaaaa": 2}
     assert gpu.node_ids == {"10.0.0.1-aaaaaaaa": "a" * 40}
+
+
+def test_every_rank_of_a_node_sees_the_gpus_of_its_node_in_rank_order():
+    assert shared_visible_devices(["a", "a", "b", "b"], [[3], [1], [0], [2]]) == \
+        ["3,1", "3,1", "0,2", "0,2"]
+    assert shared_visible_devices(["a"], [[]]) == [""]
