@@ -107,6 +107,7 @@ class _Job:
         self.records: list[dict[str, Any]] | None = None
         self.spark_error: BaseException | None = None
         self.assigned = False
+        self.ranks: list[int] = []  # rank of each partition, once assigned
 
     def assign(self, started: dict[int, dict[str, Any]]) -> None:
         """Once a task has reported every task's executor, publish each partition's rank and env."""
@@ -123,6 +124,7 @@ class _Job:
                 "rank": rank, "host": slot.hostname, "local_rank": slot.local_rank,
                 "env": env}).encode())
         self.assigned = True
+        self.ranks = ranks
         log.debug("ranks by partition: %s on hosts %s", ranks, hosts)
 
     def started(self) -> dict[int, dict[str, Any]]:
@@ -202,22 +204,30 @@ class _Job:
     def _spark_failure(self, started: dict[int, dict[str, Any]]) -> WorkerFailedError:
         from horovod.runner.api import collect_results
         from horovod.runner.execute import JobResult
+        from horovod.runner.run_task import RESULT_SCOPE
 
         exc = self.spark_error
         assert exc is not None
-        # A rank that raised stored its error before its task ended: name it first.
-        try:
-            collect_results(self.server.get, self.num_proc, JobResult([], 1), "horovod.spark.run")
-        except WorkerFailedError as err:
-            if getattr(err, "exception", None) is not None:
-                return err
+        lost = [r for r in range(self.num_proc) if self.server.get(RESULT_SCOPE, str(r)) is None]
+        if self.ranks and not lost:
+            # Every rank reported and one raised (its task failed afterwards): name that rank.
+            try:
+                collect_results(self.server.get, self.num_proc, JobResult([], 1), "horovod.spark.run")
+            except WorkerFailedError as err:
+                if getattr(err, "exception", None) is not None:
+                    return err
         reason = spark_failure_reason(str(exc)) or type(exc).__name__
-        where = ", ".join(f"partition {p} on executor {v['addresses'][p]}"
-                          for p, v in sorted(started.items()))
+        partition_of = {r: p for p, r in enumerate(self.ranks)}
+        addresses = next(iter(started.values()))["addresses"] if started else []
+        where = [f"rank {r} (partition {partition_of[r]}, executor {addresses[partition_of[r]]})"
+                 for r in lost if r in partition_of and partition_of[r] < len(addresses)]
+        head = (f"horovod.spark.run: {', '.join(where)} ended without a result: its Spark task or "
+                f"executor was lost" if where else "horovod.spark.run: the Spark job failed")
         return WorkerFailedError(
-            f"horovod.spark.run: the Spark job failed: {reason[:500]}. Tasks started: "
-            f"{where or 'none'}. A static job cannot survive a lost task or executor; use "
-            "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000])
+            f"{head}. Spark says: {reason[:800]}. The other ranks stopped because a peer left. "
+            "A static job cannot survive a lost task or executor; use "
+            "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000],
+            rank=lost[0] if lost else None, ranks=lost)
 
 
 def spark_failure_reason(text: str) -> str:
@@ -276,7 +286,6 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, An
         SparkStartTimeoutError: not every task started within ``start_timeout``.
         ConfigError (ValueError): bad arguments; ``use_mpi=True``.
     """
-    sc = _spark_context()
     if use_mpi and use_gloo:
         raise ConfigError("Give either use_gloo=True or use_mpi=True to horovod.spark.run, not both.")
     if use_mpi:
@@ -286,6 +295,7 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, An
             "use_mpi unset, or start an MPI job with horovodrun/mpirun outside Spark.")
     if extra_mpi_args:
         raise ConfigError("extra_mpi_args applies to MPI only; horovod.spark.run uses Gloo.")
+    sc = _spark_context()
     if num_proc is None:
         num_proc = int(sc.defaultParallelism)
     if num_proc < 1:

@@ -1,0 +1,125 @@
+"""Pure pieces of horovod.spark: rank numbering by executor host, failure text, output relay,
+elastic agent discovery, argument errors (no Spark cluster needed)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from horovod.common.exceptions import ConfigError
+from horovod.runner.function_job import FunctionJob
+from horovod.spark.output import OutputPump, RemoteOutput
+from horovod.spark.task import AGENT_SCOPE, HEARTBEAT_SCOPE, group_by_host, host_of_address
+
+
+def test_host_of_address_ipv4_and_ipv6():
+    assert host_of_address("10.0.0.5:41234") == "10.0.0.5"
+    assert host_of_address("[::1]:41234") == "::1"
+
+
+def test_group_by_host_numbers_ranks_host_by_host():
+    hosts, ranks = group_by_host(["b:1", "a:2", "b:3", "a:4", "c:5"])
+    assert [(h.name, h.slots) for h in hosts] == [("b", 2), ("a", 2), ("c", 1)]
+    # partitions on b get ranks 0, 1; on a 2, 3; on c 4
+    assert ranks == [0, 2, 1, 3, 4]
+
+
+def test_group_by_host_gives_local_and_cross_ranks():
+    hosts, ranks = group_by_host(["h1:1", "h2:1", "h1:2"])
+    with FunctionJob("127.0.0.1", bind_addr="127.0.0.1") as job:
+        envs = job.worker_envs(hosts)
+    by_partition = [envs[r][1] for r in ranks]
+    got = [(e["HOROVOD_RANK"], e["HOROVOD_LOCAL_RANK"], e["HOROVOD_CROSS_RANK"], e["HOROVOD_HOSTNAME"])
+           for e in by_partition]
+    assert got == [("0", "0", "0", "h1"), ("2", "0", "1", "h2"), ("1", "1", "0", "h1")]
+
+
+def test_spark_failure_reason_keeps_reason_and_python_error():
+    from horovod.spark.runner import spark_failure_reason
+
+    text = ("An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.\n"
+            ": org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover "
+            "from a failed barrier ResultStage. Most recent failure reason: Stage failed because "
+            "barrier task ResultTask(0, 1) finished unsuccessfully.\n"
+            "ExecutorLostFailure (executor 1 exited caused by one of the running tasks) Reason: "
+            "Command exited with code 137\n\tat org.apache.spark.Foo(Foo.scala:1)\n")
+    reason = spark_failure_reason(text)
+    assert "barrier task ResultTask(0, 1) finished unsuccessfully" in reason
+    assert "Command exited with code 137" in reason
+    assert "Foo.scala" not in reason
+
+
+def test_output_relay_keeps_order_per_rank_and_streams():
+    store: dict[tuple[str, str], bytes] = {}
+    out, err = io.StringIO(), io.StringIO()
+    pump = OutputPump(lambda s, k: store.get((s, k)), lambda s, k: store.pop((s, k), None), out, err)
+    relay = RemoteOutput(lambda s, k, v: store.__setitem__((s, k), v), 1)
+    for i in range(5):
+        relay.stdout.write(f"[1]<stdout>:line {i}\n")
+        relay.close_batch()  # one batch per line: the pump must read them in order
+    relay.stderr.write("[1]<stderr>:oops\n")
+    relay.close()
+    pump.pump([0, 1])
+    assert out.getvalue() == "".join(f"[1]<stdout>:line {i}\n" for i in range(5))
+    assert err.getvalue() == "[1]<stderr>:oops\n"
+    assert not store  # every batch was taken off the store
+
+
+def test_output_pump_formats_on_the_driver():
+    store = {("spark_output", "0.1.0"): json.dumps([["stdout", "hi\n"]]).encode()}
+    out = io.StringIO()
+    pump = OutputPump(lambda s, k: store.get((s, k)),
+                      lambda s, k: store.pop((s, k), None), out, None,
+                      fmt=lambda src, stream, text: f"<{src}|{stream}>{text}")
+    pump.pump(["0.1"])
+    assert out.getvalue() == "<0.1|stdout>hi\n"
+
+
+def test_spark_agents_discovery_counts_live_agents_per_executor():
+    from horovod.spark.elastic import SparkAgents
+
+    store: dict[tuple[str, str], bytes] = {}
+    now = [100.0]
+    agents = SparkAgents(lambda s, k: store.get((s, k)), num_tasks=3, stale_seconds=5.0,
+                         clock=lambda: now[0])
+    assert agents.find_available_hosts_and_slots() == {}
+    for agent, host in (("0.0", "ip/exec-0"), ("1.0", "ip/exec-1"), ("2.0", "ip/exec-1")):
+        store[(AGENT_SCOPE, agent)] = json.dumps({"host": host}).encode()
+    assert agents.find_available_hosts_and_slots() == {"ip/exec-0": 1, "ip/exec-1": 2}
+    # exec-1's agents keep beating, exec-0's falls silent: after 5 s it is gone
+    for t in (102.0, 104.0, 106.0):
+        now[0] = t
+        store[(HEARTBEAT_SCOPE, "1.0")] = str(t).encode()
+        store[(HEARTBEAT_SCOPE, "2.0")] = str(t).encode()
+        found = agents.find_available_hosts_and_slots()
+    assert found == {"ip/exec-1": 2}
+    assert not agents.alive("0.0") and agents.alive("1.0")
+    # Spark re-ran partition 0 (attempt 1) on a new executor
+    store[(AGENT_SCOPE, "0.1")] = json.dumps({"host": "ip/exec-2"}).encode()
+    assert agents.find_available_hosts_and_slots() == {"ip/exec-1": 2, "ip/exec-2": 1}
+    assert agents.live_agents("ip/exec-1") == ["1.0", "2.0"]
+
+
+def test_run_refuses_mpi_with_a_clear_error():
+    import horovod.spark
+
+    with pytest.raises(ConfigError, match=r"use_mpi=True\) is not supported"):
+        horovod.spark.run(lambda: 0, num_proc=2, use_mpi=True)
+    with pytest.raises(ConfigError, match="not both"):
+        horovod.spark.run(lambda: 0, num_proc=2, use_mpi=True, use_gloo=True)
+
+
+def test_run_without_spark_context_says_so():
+    pytest.importorskip("pyspark")
+    from pyspark import SparkContext
+
+    import horovod.spark
+
+    if SparkContext._active_spark_context is not None:
+        pytest.skip("a SparkContext is active in this process")
+    with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
+        horovod.spark.run(lambda: 0, num_proc=2)
+    with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
+        horovod.spark.run_elastic(lambda: 0, num_proc=2)
