@@ -34,6 +34,8 @@ __all__ = [
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
                            "float16", "float32", "float64"})
 MOVE_DTYPES = REDUCE_DTYPES | {"bool"}
+# What device planes (GPU tensors) also reduce and move, beyond the NumPy types.
+PLANE_EXTRA_DTYPES = frozenset({"bool", "bfloat16"})
 # What a call's argument checks raise. A call that fails them is failed on every rank of its set
 # (``fail_everywhere``), never on this rank alone.
 ARGUMENT_ERRORS = (ValueError, TypeError, NotImplementedError)
@@ -123,8 +125,8 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 def check_dtype(a: np.ndarray, allowed: frozenset[str], what: str) -> str:
     name = _DTYPE_NAMES.get(a.dtype)
-    if name is None:
-        name = _DTYPE_NAMES[a.dtype] = a.dtype.name
+    if name is None:  # a device plane's buffers name their dtype (str), NumPy's have a dtype object
+        name = _DTYPE_NAMES[a.dtype] = a.dtype if isinstance(a.dtype, str) else a.dtype.name
     if name not in allowed:
         raise ValueError(f"Tensor type {name} is not supported by {what}. Supported: "
                          f"{', '.join(sorted(allowed))}.")
@@ -173,6 +175,8 @@ def check_adasum(process_set_id: int, dtype: str, what: str = "allreduce") -> No
 def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str) -> str:
     if not arrays:
         raise ValueError(f"{what}: no tensors given")
+    if isinstance(arrays[0].dtype, str):  # device-plane buffers: the framework reduces these too
+        allowed = allowed | PLANE_EXTRA_DTYPES
     if len(arrays) == 1:
         return check_dtype(arrays[0], allowed, what)
     names = {check_dtype(a, allowed, what) for a in arrays}

@@ -11,6 +11,7 @@ from typing import Any
 
 from horovod.common.backends.registry import create_backend, select_backend_name
 from horovod.common.config import EngineConfig
+from horovod.common.engine.device import check_gpu_settings
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.handles import Handle, HandleCounter
 from horovod.common.engine.loop import Engine
@@ -59,6 +60,12 @@ def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
                                             backend.comm.Get_group()))
 
 
+def _nccl_version() -> int:
+    from horovod.common.basics import nccl_built  # basics imports this module
+
+    return nccl_built()
+
+
 def _set_key(ranks: list[int]) -> tuple[int, ...]:
     return tuple(ranks)
 
@@ -76,6 +83,7 @@ class Context:
                  environ: Mapping[str, str] | None = None, *, start: bool = True) -> None:
         environ = os.environ if environ is None else environ
         self.config = EngineConfig.from_env(environ)
+        check_gpu_settings(self.config, _nccl_version)  # HOROVOD_GPU_OPERATIONS=NCCL without CUDA
         self.backend_name = select_backend_name(self.config, environ, comm)
         self.backend = create_backend(self.backend_name, self.config, environ, comm)
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()

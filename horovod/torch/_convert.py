@@ -1,6 +1,14 @@
-"""Torch tensor <-> NumPy buffer translation for the engine (CPU tensors only).
+"""Torch tensor <-> engine buffer translation: which path a tensor takes, and its buffers.
 
-A CPU tensor of a dtype NumPy knows is handed to the engine as a zero-copy view
+``route`` picks the path of a tensor (the request's device tag, see
+``horovod.common.engine.device``): ``"cpu"`` (host NumPy), ``"torch:cuda"`` (the device plane on
+NCCL), ``"host:cuda"`` (a CUDA tensor staged through pinned host memory over the job's CPU
+transport: ``HOROVOD_GPU_OPERATIONS=MPI|GLOO``, a per-op setting, no NCCL, or Adasum) or
+``"torch:cpu"`` (a CPU tensor on the device plane's Gloo twin, ``HOROVOD_TORCH_CPU_PLANE=1``).
+For the plane a tensor is handed over as a ``DeviceTensor`` (no copy, with its CUDA ordering
+events); staged tensors are copied to pinned memory and then follow the host path.
+
+On the host path, a CPU tensor of a dtype NumPy knows is handed to the engine as a zero-copy view
 (``tensor.detach().numpy()``), so in-place operations land directly in the tensor's memory.
 Two dtypes need a translation:
 
@@ -17,11 +25,25 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as _dist
 
-from horovod.common.types import ReduceOp
+from horovod.common.context import peek_context
+from horovod.common.engine.device import gpu_transport
+from horovod.common.types import ReduceOp, RequestType
 
-__all__ = ["reduce_input", "move_input", "reduce_output", "move_output", "check_tensor",
-           "REDUCE_TORCH_DTYPES", "MOVE_TORCH_DTYPES", "DIRECT_DTYPES"]
+if _dist.is_available():
+    from horovod.torch._device_plane import PLANE_CPU, PLANE_CUDA, DeviceTensor, set_join_device, wait_done
+else:  # a torch without torch.distributed: host paths only
+    PLANE_CPU = PLANE_CUDA = ""
+    DeviceTensor = wait_done = None  # type: ignore[assignment,misc]
+
+    def set_join_device(device: int) -> None:
+        """No device plane here: joined ranks only contribute to host operations."""
+
+__all__ = ["reduce_input", "move_input", "reduce_output", "move_output", "check_tensor", "route",
+           "REDUCE_TORCH_DTYPES", "MOVE_TORCH_DTYPES", "DIRECT_DTYPES", "HOST_CUDA", "set_join_device"]
+
+HOST_CUDA = "host:cuda"
 
 # dtypes whose memory NumPy can view directly
 _DIRECT = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
@@ -40,17 +62,26 @@ def check_tensor(tensor: Any, what: str, allowed: frozenset[torch.dtype]) -> tor
 
     Raises:
         TypeError: not a ``torch.Tensor``.
-        NotImplementedError: a CUDA (or other non-CPU) tensor.
-        ValueError: an unsupported dtype or a sparse tensor.
+        NotImplementedError: a tensor on a device other than the CPU and CUDA.
+        ValueError: an unsupported dtype or a sparse tensor; a CUDA tensor on another GPU than
+            this process's current one.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"horovod.torch.{what}() expects a torch.Tensor, got {type(tensor).__name__}. "
                         "Convert it with torch.as_tensor() first.")
-    if tensor.device.type != "cpu":
+    dev = tensor.device
+    if dev.type == "cuda":
+        current = torch.cuda.current_device()
+        if dev.index != current:
+            raise ValueError(
+                f"horovod.torch.{what}(): the tensor of shape {tuple(tensor.shape)} is on {dev}, but "
+                f"this process uses cuda:{current}. Each Horovod process works on one GPU (another "
+                "rank may own this one): call torch.cuda.set_device(hvd.local_rank()) before "
+                "creating tensors, and keep them on that device.")
+    elif dev.type != "cpu":
         raise NotImplementedError(
             f"horovod.torch.{what}(): the tensor of shape {tuple(tensor.shape)} is on device "
-            f"'{tensor.device}'. GPU support is not available in this version of Horovod (CPU "
-            "tensors only); move the tensor with .cpu() first.")
+            f"'{dev}'; Horovod supports CPU and CUDA tensors. Move it with .cpu() or .cuda() first.")
     if tensor.dtype not in allowed:
         raise ValueError(f"Tensor type {tensor.type()} is not supported. horovod.torch.{what}() accepts "
                          f"{_supported_text(allowed)}.")
@@ -66,17 +97,90 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-# ---------------------------------------------------------------------------- reductions
-def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str
-                 ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
-    """Return the array to reduce and a function turning the engine's result into the torch result.
+# ---------------------------------------------------------------------------- routing
+_NCCL: list[bool] = []
 
-    With ``inplace`` the array is the tensor's own memory when possible (the function then just
-    returns ``tensor``); otherwise the result is copied back into ``tensor``.
+
+def _nccl() -> bool:
+    if not _NCCL:
+        _NCCL.append(bool(_dist.is_available() and _dist.is_nccl_available()
+                          and torch.cuda.is_available()))
+    return _NCCL[0]
+
+
+def route(tensor: torch.Tensor, kind: RequestType, op: ReduceOp | None = None) -> str:
+    """The device tag of ``tensor`` for an operation of ``kind``: which path executes it."""
+    ctx = peek_context()
+    if tensor.device.type == "cpu":
+        if ctx is not None and ctx.config.torch_cpu_plane and op != ReduceOp.ADASUM and PLANE_CPU:
+            return PLANE_CPU
+        return "cpu"
+    if op == ReduceOp.ADASUM or ctx is None or not PLANE_CUDA:
+        return HOST_CUDA
+    return PLANE_CUDA if gpu_transport(ctx.config, kind, _nccl()) == "NCCL" else HOST_CUDA
+
+
+def _on_plane(device: str) -> bool:
+    return device in (PLANE_CPU, PLANE_CUDA) and device != ""
+
+
+def _stage(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a CUDA tensor (waits for the caller's stream up to this point)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(_plain(tensor))
+    return host
+
+
+def _to_device(result: torch.Tensor, tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Bring a staged result back onto ``tensor``'s GPU (ordered on the caller's stream)."""
+    if inplace:
+        with torch.no_grad():
+            tensor.copy_(result, non_blocking=result.is_pinned())
+        return tensor
+    return result.to(tensor.device, non_blocking=result.is_pinned())
+
+
+def _plane_input(tensor: torch.Tensor, inplace: bool) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    t = _plain(tensor)
+    contiguous = t.is_contiguous()
+    w = DeviceTensor.of(t if contiguous else t.contiguous())
+
+    def back(r: torch.Tensor) -> torch.Tensor:
+        wait_done([w], [r])
+        if inplace:
+            if not contiguous:
+                with torch.no_grad():
+                    tensor.copy_(r)
+            return tensor
+        return r
+    return w, back
+
+
+# ---------------------------------------------------------------------------- reductions
+def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str, device: str = "cpu"
+                 ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Return the buffer to reduce and a function turning the engine's result into the torch result.
+
+    With ``inplace`` the buffer is the tensor's own memory when possible (the function then just
+    returns ``tensor``); otherwise the result is copied back into ``tensor``. ``device`` is the
+    tensor's route (see ``route``).
 
     Raises:
         ValueError: Average of a bool tensor (it has no meaning; use Sum or Min).
     """
+    if tensor.dtype == torch.bool and op == ReduceOp.AVERAGE:
+        raise ValueError(f"horovod.torch.{what}(): op=Average is not defined for bool tensors; use "
+                         "op=hvd.Sum or hvd.Max (logical or) or hvd.Min (logical and).")
+    if _on_plane(device):
+        return _plane_input(tensor, inplace)
+    if device == HOST_CUDA:
+        arr, host_back = _host_reduce_input(_stage(tensor), op, inplace, what)
+        return arr, lambda r: _to_device(host_back(r), tensor, inplace)
+    return _host_reduce_input(tensor, op, inplace, what)
+
+
+def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str
+                       ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
     dt = tensor.dtype
     if dt in _DIRECT:
         t = _plain(tensor)
@@ -104,9 +208,6 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
             return out
         return work, from_f32
     if dt == torch.bool:
-        if op == ReduceOp.AVERAGE:
-            raise ValueError(f"horovod.torch.{what}(): op=Average is not defined for bool tensors; use "
-                             "op=hvd.Sum or hvd.Max (logical or) or hvd.Min (logical and).")
         work = _plain(tensor).to(torch.uint8).contiguous().numpy()
 
         def from_u8(r: np.ndarray) -> torch.Tensor:
@@ -120,20 +221,36 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
     raise ValueError(f"Tensor type {tensor.type()} is not supported.")
 
 
-def reduce_output(result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """Turn a reduced array (from a reducescatter) back into a tensor of ``like``'s dtype."""
+def reduce_output(result: Any, like: torch.Tensor, buf: Any = None) -> torch.Tensor:
+    """Turn a reduced buffer (from a reducescatter) back into a tensor of ``like``'s dtype and device.
+
+    ``buf`` is what was submitted (a ``DeviceTensor`` for the plane, whose result is final).
+    """
+    if isinstance(result, torch.Tensor):
+        wait_done([buf], [result])
+        return result
     out = torch.from_numpy(result)
     if like.dtype == torch.bool:
-        return out != 0
-    if out.dtype != like.dtype:
-        return out.to(like.dtype)
-    return out
+        out = out != 0
+    elif out.dtype != like.dtype:
+        out = out.to(like.dtype)
+    return out.to(like.device) if like.is_cuda else out
 
 
 # ---------------------------------------------------------------------------- data movement
-def move_input(tensor: torch.Tensor, inplace: bool
-               ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
-    """Return the array to move and a function turning the engine's result into the torch result."""
+def move_input(tensor: torch.Tensor, inplace: bool, device: str = "cpu"
+               ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Return the buffer to move and a function turning the engine's result into the torch result."""
+    if _on_plane(device):
+        return _plane_input(tensor, inplace)
+    if device == HOST_CUDA:
+        arr, host_back = _host_move_input(_stage(tensor), inplace)
+        return arr, lambda r: _to_device(host_back(r), tensor, inplace)
+    return _host_move_input(tensor, inplace)
+
+
+def _host_move_input(tensor: torch.Tensor, inplace: bool
+                     ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
     t = _plain(tensor)
     bf16 = t.dtype == torch.bfloat16
     contiguous = t.is_contiguous()
@@ -154,10 +271,14 @@ def move_input(tensor: torch.Tensor, inplace: bool
     return arr, back
 
 
-def move_output(result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """Turn a moved array (allgather/alltoall output) back into a tensor of ``like``'s dtype."""
+def move_output(result: Any, like: torch.Tensor, buf: Any = None) -> torch.Tensor:
+    """Turn a moved buffer (allgather/alltoall output) into a tensor of ``like``'s dtype and device."""
+    if isinstance(result, torch.Tensor):
+        wait_done([buf], [result])
+        return result
     out = torch.from_numpy(result)
-    return out.view(torch.bfloat16) if like.dtype == torch.bfloat16 else out
+    out = out.view(torch.bfloat16) if like.dtype == torch.bfloat16 else out
+    return out.to(like.device) if like.is_cuda else out
 
 
 def same_device(tensors: Sequence[torch.Tensor]) -> None:

@@ -7,7 +7,9 @@ engine keeps serving later operations. Functions ending in ``_async`` return an 
 ``poll``/``synchronize``; functions ending in ``_`` write the result into their input. The
 synchronous out-of-place functions are differentiable (``torch.autograd.Function``).
 
-Only CPU tensors are supported in this version; a CUDA tensor raises ``NotImplementedError``.
+CPU and CUDA tensors are supported; a result lives on its input's device. CUDA tensors run on the
+device plane (NCCL through ``torch.distributed``) or host-staged (``HOROVOD_GPU_OPERATIONS``); see
+docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: 
     try:
         ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
         rop = _C.resolve_op(average, op)
+        dev = _cv.route(ts[0], _ALLREDUCE, rop)
         arrays, backs = [], []
         for t in ts:
-            a, b = _cv.reduce_input(t, rop, inplace, what)
+            a, b = _cv.reduce_input(t, rop, inplace, what, dev)
             arrays.append(a)
             backs.append(b)
     except _BAD as exc:
@@ -77,7 +80,7 @@ def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: 
     # In place on the working arrays: either the tensors' own memory or private copies.
     h = _C.allreduce_async(arrays, name=name, op=rop, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor, process_set=process_set,
-                           inplace=inplace, grouped=grouped)
+                           inplace=inplace, grouped=grouped, device=dev)
     return h, backs
 
 
@@ -92,8 +95,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     Raises:
         ValueError: unsupported dtype, a name still in flight, unregistered process set or
             non-member rank, both ``op`` and ``average`` given.
-        NotImplementedError: a CUDA tensor; ``op=Adasum`` on a non-power-of-two world or a
-            non-global process set.
+        NotImplementedError: a tensor on a device other than CPU/CUDA; ``op=Adasum`` on a
+            non-power-of-two world or a non-global process set.
     """
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
                                  process_set, False, False, "allreduce_async")
@@ -260,9 +263,10 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
         t = _cv.check_tensor(tensor, "allgather_async", _MOVE)
     except _BAD as exc:
         _fail(_ALLGATHER, name, process_set, exc)
-    arr, _ = _cv.move_input(t, False)
-    h = _C.allgather_async([arr], name=name, process_set=process_set)
-    return _register(h, lambda r: _cv.move_output(r[0], t))
+    dev = _cv.route(t, _ALLGATHER)
+    arr, _ = _cv.move_input(t, False, dev)
+    h = _C.allgather_async([arr], name=name, process_set=process_set, device=dev)
+    return _register(h, lambda r: _cv.move_output(r[0], t, arr))
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -272,9 +276,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         ts = _tensors(tensors, "grouped_allgather_async", _MOVE)
     except _BAD as exc:
         _fail(_ALLGATHER, name, process_set, exc, True)
-    arrays = [_cv.move_input(t, False)[0] for t in ts]
-    h = _C.allgather_async(arrays, name=name, process_set=process_set, grouped=True)
-    return _register(h, lambda r: tuple(_cv.move_output(x, t) for x, t in zip(r, ts)))
+    dev = _cv.route(ts[0], _ALLGATHER)
+    arrays = [_cv.move_input(t, False, dev)[0] for t in ts]
+    h = _C.allgather_async(arrays, name=name, process_set=process_set, grouped=True, device=dev)
+    return _register(h, lambda r: tuple(_cv.move_output(x, t, a) for x, t, a in zip(r, ts, arrays)))
 
 
 def _rank_offset(dim0: int, process_set: ProcessSet) -> int:
@@ -356,12 +361,14 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
         t = _cv.check_tensor(tensor, "broadcast_async", _MOVE)
     except _BAD as exc:
         _fail(_BROADCAST, name, process_set, exc)
-    arr, back = _cv.move_input(t, False)
-    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set)
+    dev = _cv.route(t, _BROADCAST)
+    arr, back = _cv.move_input(t, False, dev)
+    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, device=dev)
 
-    def post(r: list[np.ndarray]) -> torch.Tensor:
-        # On the root the engine hands back the input buffer itself: copy it out.
-        return back(r[0].copy() if np.shares_memory(r[0], arr) else r[0])
+    def post(r: list[Any]) -> torch.Tensor:
+        # On the root the host path hands back the input buffer itself: copy it out.
+        shared = isinstance(r[0], np.ndarray) and np.shares_memory(r[0], arr)
+        return back(r[0].copy() if shared else r[0])
     return _register(h, post)
 
 
@@ -372,8 +379,9 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         t = _cv.check_tensor(tensor, "broadcast_async_", _MOVE)
     except _BAD as exc:
         _fail(_BROADCAST, name, process_set, exc)
-    arr, back = _cv.move_input(t, True)
-    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True)
+    dev = _cv.route(t, _BROADCAST)
+    arr, back = _cv.move_input(t, True, dev)
+    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True, device=dev)
     return _register(h, lambda r: back(r[0]))
 
 
@@ -417,12 +425,10 @@ def _splits_array(splits: Any) -> Any:
     if splits is None:
         return None
     if isinstance(splits, torch.Tensor):
-        if splits.device.type != "cpu":
-            raise NotImplementedError("alltoall: splits must be a CPU tensor or a list in this version.")
         if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
             raise ValueError(f"alltoall: splits must be a tensor of 32-bit integers (torch.int32) or "
                              f"a list of ints, got a {splits.dtype} tensor.")
-        return splits.detach().to(torch.int64).numpy()
+        return splits.detach().to("cpu", torch.int64).numpy()
     return splits
 
 
@@ -441,12 +447,13 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         split_arr = _splits_array(splits)
     except _BAD as exc:
         _fail(_ALLTOALL, name, process_set, exc)
-    arr, _ = _cv.move_input(t, False)
-    h = _C.alltoall_async(arr, split_arr, name=name, process_set=process_set)
+    dev = _cv.route(t, _ALLTOALL)
+    arr, _ = _cv.move_input(t, False, dev)
+    h = _C.alltoall_async(arr, split_arr, name=name, process_set=process_set, device=dev)
 
     def post(r: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = r[0]
-        return _cv.move_output(out, t), torch.from_numpy(np.asarray(received, np.int32))
+        return _cv.move_output(out, t, arr), torch.from_numpy(np.asarray(received, np.int32))
     return _register(h, post)
 
 
@@ -494,11 +501,13 @@ def _reducescatter_submit(tensors: Any, name: str | None, op: int, process_set: 
     try:
         ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
         rop = _C.resolve_op(None, op)
-        arrays = [_cv.reduce_input(t, rop, False, what)[0] for t in ts]
+        dev = _cv.route(ts[0], _REDUCESCATTER, rop)
+        arrays = [_cv.reduce_input(t, rop, False, what, dev)[0] for t in ts]
     except _BAD as exc:
         _fail(_REDUCESCATTER, name, process_set, exc, grouped)
-    return ts, _C.reducescatter_async(arrays, name=name, op=rop, process_set=process_set,
-                                  prescale_factor=prescale, postscale_factor=postscale, grouped=grouped)
+    return ts, arrays, _C.reducescatter_async(arrays, name=name, op=rop, process_set=process_set,
+                                              prescale_factor=prescale, postscale_factor=postscale,
+                                              grouped=grouped, device=dev)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
@@ -511,18 +520,18 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
     Raises:
         ValueError: an op other than Average/Sum, a 0-d tensor, unsupported dtype.
     """
-    ts, h = _reducescatter_submit(tensor, name, op, process_set, prescale_factor, postscale_factor,
-                                  False, "reducescatter_async")
-    return _register(h, lambda r: _cv.reduce_output(r[0], ts[0]))
+    ts, bufs, h = _reducescatter_submit(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                                        False, "reducescatter_async")
+    return _register(h, lambda r: _cv.reduce_output(r[0], ts[0], bufs[0]))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: int = Average, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of each tensor of the list as one unit."""
-    ts, h = _reducescatter_submit(tensors, name, op, process_set, prescale_factor, postscale_factor,
-                                  True, "grouped_reducescatter_async")
-    return _register(h, lambda r: tuple(_cv.reduce_output(x, t) for x, t in zip(r, ts)))
+    ts, bufs, h = _reducescatter_submit(tensors, name, op, process_set, prescale_factor, postscale_factor,
+                                        True, "grouped_reducescatter_async")
+    return _register(h, lambda r: tuple(_cv.reduce_output(x, t, b) for x, t, b in zip(r, ts, bufs)))
 
 
 def _reducescatter_grad(grads: Sequence[torch.Tensor], op: ReduceOp, pre: float, post: float,
@@ -599,8 +608,10 @@ def join(device: int = -1) -> int:
 
     While waiting, this rank contributes zeros to the other ranks' allreduces (Average still
     divides by the full set size). Returns the global rank that joined last, the same on every
-    rank. ``device`` is accepted for compatibility; zeros are always made on the CPU here.
+    rank. ``device``: the GPU on which zeros for CUDA allreduces are made (default: the GPU this
+    process last reduced on); CPU zeros for host tensors.
     """
+    _cv.set_join_device(int(device))
     return _C.join()
 
 

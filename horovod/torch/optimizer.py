@@ -212,7 +212,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ctx, req, dtype, shape = fast
             if (tensor.dtype is dtype and tensor.shape == shape and ctx is get_context()
                     and req.process_set_id in ctx.groups and not tensor.requires_grad
-                    and tensor.layout is torch.strided and tensor.device.type == "cpu"
+                    and tensor.layout is torch.strided and tensor.device.type == "cpu" and req.device == "cpu"
                     and tensor.is_contiguous()):
                 h = submit_again(req, [tensor.numpy()])
                 return register_handle(h, _Same(tensor)), (None, tensor)

@@ -29,6 +29,7 @@ import numpy as np
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
+from horovod.common.engine.device import DevicePlaneError
 from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.fusion import plan_batches
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
@@ -178,6 +179,8 @@ class Engine:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._executor.planes.close()  # device planes' process groups, while the transport lives
         if self.timeline is not None:
             self.timeline.close()
             self.timeline = None
@@ -528,7 +531,7 @@ class Engine:
                                        "which it never submitted")
         try:
             self._executor.run(batch, entries, self._joined)
-        except TypeError as exc:
+        except (TypeError, DevicePlaneError) as exc:  # this batch fails; the engine keeps serving
             for e in entries:
                 if e is not None:
                     with self._cv:

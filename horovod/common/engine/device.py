@@ -1,0 +1,138 @@
+"""Device planes: how the engine executes a batch whose tensors a framework owns (GPU tensors).
+
+The engine's own executor runs batches on host NumPy buffers through the job's CPU transport.
+A *device plane* runs them instead on the framework's tensors where they live (CUDA memory), on
+that framework's collective library (NCCL through ``torch.distributed``). Negotiation, the
+response cache, names, fusion planning, error paths, join and process sets stay the engine's:
+only the execution of a planned batch differs.
+
+A request's ``device`` says which path executes it:
+
+* ``"cpu"``: host NumPy buffers (the executor's own path);
+* ``"host:<kind>"``: device tensors staged through host memory by the binding; the executor's
+  own path runs them, the tag only keeps negotiation from pairing them with other kinds;
+* ``"<plane>:<kind>"`` for a registered plane (``"torch:cuda"``, and ``"torch:cpu"``, the CPU twin
+  of the CUDA path used to test it without a GPU): the plane runs the batch.
+
+Ranks that submit one name with different tags fail with a ``CollectiveMismatchError`` naming the
+ranks and their devices. This module imports no framework: ``horovod.torch`` registers its plane
+with ``register_plane`` when it is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from horovod.common.backends.base import Group
+from horovod.common.exceptions import ConfigError, HorovodInternalError
+from horovod.common.types import RequestType, Response
+
+__all__ = ["DevicePlane", "DevicePlaneError", "Planes", "register_plane", "is_plane", "plane_name",
+           "GPU_OP_SETTINGS", "gpu_transport", "check_gpu_settings"]
+
+
+class DevicePlaneError(HorovodInternalError):
+    """A device plane could not run a batch (bad device placement, library failure).
+
+    The engine fails the batch's operations with it on this rank and keeps serving; every member
+    of the set sees the same cause, since planes check what all members share.
+    """
+
+
+class DevicePlane(Protocol):
+    """Executes planned batches of one device kind (see the module docstring)."""
+
+    def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
+        """Execute ``batch``; ``entries[i]`` is this rank's entry for ``batch[i]`` (None after join).
+
+        Sets each entry's ``outputs``. Called only from the engine thread, in the same order on
+        every member of ``group``.
+        """
+
+    def close(self) -> None:
+        """Release process groups and buffers (the engine has stopped)."""
+
+
+# plane name -> factory(executor) -> DevicePlane; the executor gives the backend and tunables.
+_FACTORIES: dict[str, Callable[[Any], DevicePlane]] = {}
+
+
+def register_plane(name: str, factory: Callable[[Any], DevicePlane]) -> None:
+    """Register the plane that runs requests whose device is ``"<name>:<kind>"``."""
+    _FACTORIES[name] = factory
+
+
+def plane_name(device: str) -> str:
+    return device.partition(":")[0]
+
+
+def is_plane(device: str) -> bool:
+    """Whether a request with this device tag is executed by a registered plane."""
+    return device != "cpu" and plane_name(device) in _FACTORIES
+
+
+class Planes:
+    """The planes of one executor, created on first use."""
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = executor
+        self._planes: dict[str, DevicePlane] = {}
+
+    def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
+        device = batch[0].request.device
+        name = plane_name(device)
+        plane = self._planes.get(name)
+        if plane is None:
+            plane = self._planes[name] = _FACTORIES[name](self._executor)
+        plane.run(batch, entries, group)
+
+    def close(self) -> None:
+        planes, self._planes = self._planes, {}
+        for plane in planes.values():
+            plane.close()
+
+
+# ------------------------------------------------------------------------- GPU settings
+GPU_OP_SETTINGS: dict[RequestType, str] = {
+    RequestType.ALLREDUCE: "gpu_allreduce",
+    RequestType.ALLGATHER: "gpu_allgather",
+    RequestType.BROADCAST: "gpu_broadcast",
+    RequestType.ALLTOALL: "gpu_alltoall",
+    RequestType.REDUCESCATTER: "gpu_reducescatter",
+}
+
+
+def gpu_transport(config: Any, kind: RequestType, nccl: bool) -> str:
+    """``"NCCL"`` or ``"HOST"`` (staged through host memory) for a GPU tensor of ``kind``.
+
+    The per-op setting (``HOROVOD_GPU_ALLREDUCE`` ...) wins over ``HOROVOD_GPU_OPERATIONS``; the
+    default is NCCL when it is available. MPI and GLOO both mean host-staged over the job's CPU
+    transport.
+    """
+    attr = GPU_OP_SETTINGS.get(kind)
+    chosen = (getattr(config, attr, "") if attr else "") or getattr(config, "gpu_operations", "")
+    if chosen:
+        return "NCCL" if chosen == "NCCL" else "HOST"
+    return "NCCL" if nccl else "HOST"
+
+
+def check_gpu_settings(config: Any, nccl_version: Callable[[], int],
+                       environ: Mapping[str, str] | None = None) -> None:
+    """Reject a setting that asks for NCCL where there is none (at ``init``, on every rank).
+
+    Raises:
+        ConfigError: ``HOROVOD_GPU_OPERATIONS`` or a per-op setting is NCCL but PyTorch with CUDA
+            and NCCL is not available in this process.
+    """
+    names = {"gpu_operations": "HOROVOD_GPU_OPERATIONS"}
+    names.update({attr: "HOROVOD_" + attr.upper() for attr in GPU_OP_SETTINGS.values()})
+    wanted = [env for attr, env in names.items() if getattr(config, attr, "") == "NCCL"]
+    if not wanted or nccl_version() > 0:
+        return
+    raise ConfigError(
+        f"{wanted[0]}=NCCL, but NCCL cannot be used in this process: it needs PyTorch built with "
+        "CUDA and NCCL and a visible GPU (torch.cuda.is_available() is False here, or torch is "
+        "missing). Unset it to use the default, or set it to MPI or GLOO to stage GPU tensors "
+        "through host memory.", variable=wanted[0], value="NCCL")
+
