@@ -8,4 +8,13 @@ Needs the ``ray`` extra (``pip install "horovod-py[ray]"``). See docs/ray.md.
 from horovod.ray.runner import MiniSettings, RayExecutor
 from horovod.ray.worker import BaseHorovodWorker
 
-__all__ = ["RayExecutor", "MiniSettings", "BaseHorovodWorker"]
+__all__ = ["RayExecutor", "MiniSettings", "BaseHorovodWorker", "ElasticRayExecutor"]
+
+
+def __getattr__(name: str) -> object:
+    # Upstream's deprecated elastic class; loaded on use (it imports the elastic driver).
+    if name == "ElasticRayExecutor":
+        from horovod.ray.elastic import ElasticRayExecutor
+
+        return ElasticRayExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,9 @@ import logging
 import math
 import signal
 import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from horovod.ray.worker import BaseHorovodWorker
@@ -26,7 +29,7 @@ from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
 from horovod.runner.hosts import SlotInfo
 
-__all__ = ["RayHostDiscovery", "ElasticAdapter"]
+__all__ = ["RayHostDiscovery", "ElasticAdapter", "ElasticRayExecutor", "ElasticSettings"]
 
 log = logging.getLogger("horovod.ray")
 
@@ -229,3 +232,76 @@ class ElasticAdapter:
         if self.job is not None:
             self.job.stop()
             self.job = None
+
+
+@dataclass
+class ElasticSettings:
+    """Settings of ``ElasticRayExecutor`` (upstream's ``ElasticSettings`` fields it used)."""
+
+    min_num_proc: int = 1
+    max_num_proc: int | None = None
+    reset_limit: int | None = None
+    elastic_timeout: int = 600
+    timeout_s: int = 30
+    ssh_identity_file: str | None = None
+    nics: set[str] | None = None
+    cooldown_range: tuple[int, int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_proc(self) -> int:
+        return self.min_num_proc
+
+
+class ElasticRayExecutor:
+    """Upstream's older elastic Ray API (deprecated there since 0.25): a thin layer over
+    ``RayExecutor(settings, min_workers=..., max_workers=...)``, which new code should use.
+
+    ``run(worker_fn)`` calls ``worker_fn()`` (no arguments) on every worker.
+    """
+
+    @staticmethod
+    def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None,
+                        reset_limit: int | None = None, elastic_timeout: int = 600,
+                        timeout_s: int = 30, ssh_identity_file: str | None = None,
+                        nics: set[str] | None = None, min_np: int | None = None,
+                        max_np: int | None = None, **kwargs: Any) -> ElasticSettings:
+        """Settings for ``ElasticRayExecutor`` (``min_np``/``max_np`` are deprecated spellings)."""
+        if min_np is not None:
+            warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning,
+                          stacklevel=2)
+            min_num_proc = min_np
+        if max_np is not None:
+            warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning,
+                          stacklevel=2)
+            max_num_proc = max_num_proc if max_num_proc is not None else max_np
+        cooldown = kwargs.pop("cooldown_range", None)
+        return ElasticSettings(min_num_proc, max_num_proc, reset_limit, elastic_timeout, timeout_s,
+                               ssh_identity_file, nics, cooldown, dict(kwargs))
+
+    def __init__(self, settings: ElasticSettings, use_gpu: bool = False, cpus_per_slot: int = 1,
+                 gpus_per_slot: int | None = None, env_vars: dict[str, Any] | None = None,
+                 override_discovery: bool = True) -> None:
+        from horovod.ray.runner import MiniSettings, RayExecutor
+
+        warnings.warn("ElasticRayExecutor is deprecated (as upstream); use "
+                      "RayExecutor(settings, min_workers=..., max_workers=...)", DeprecationWarning,
+                      stacklevel=2)
+        self.settings = settings
+        self.env_vars = dict(env_vars or {})
+        self.executor = RayExecutor(
+            MiniSettings(timeout_s=settings.timeout_s, nics=settings.nics,
+                         ssh_identity_file=settings.ssh_identity_file),
+            min_workers=settings.min_num_proc, max_workers=settings.max_num_proc,
+            reset_limit=settings.reset_limit, cooldown_range=settings.cooldown_range,
+            elastic_timeout=settings.elastic_timeout, cpus_per_worker=cpus_per_slot,
+            use_gpu=use_gpu, gpus_per_worker=gpus_per_slot, override_discovery=override_discovery)
+
+    def start(self) -> None:
+        """Start the rendezvous service (workers start with ``run``)."""
+        self.executor.start(extra_env_vars=self.env_vars)
+
+    def run(self, worker_fn: Callable[[], Any],
+            callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
+        """``worker_fn()`` on every worker; the final round's results in rank order."""
+        return self.executor.run(worker_fn, callbacks=callbacks)

@@ -164,3 +164,23 @@ def test_too_few_slots_fails_after_the_elastic_timeout(free_cluster):
     assert "too few hosts: only 3 slot(s) available" in text, text
     assert "min_workers=5" in text and "offers 3 slot(s)" in text, text
     assert 3 <= elapsed < 20, elapsed
+
+
+def _rank_and_size():
+    import horovod.torch as hvd
+
+    hvd.init()
+    return hvd.rank(), hvd.size()
+
+
+def test_upstream_elastic_ray_executor_api(free_cluster):
+    from horovod.ray import ElasticRayExecutor
+
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=30)
+    with pytest.warns(DeprecationWarning, match="RayExecutor\\(settings, min_workers"):
+        ex = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"X": "1"})
+    ex.start()
+    try:
+        assert ex.run(_rank_and_size) == [(0, 2), (1, 2)]
+    finally:
+        ex.executor.shutdown()

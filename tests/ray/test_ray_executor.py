@@ -71,6 +71,39 @@ def test_results_in_rank_order_grouped_by_node(free_cluster):
     assert env == [(11, "yes")] * 3 and single == 12 and remote == [42, 42, 42]
 
 
+def _pg_id():
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group()
+    return pg.id.hex() if pg is not None else None
+
+
+def _executor_inside_placement_group():
+    ex = RayExecutor(_settings(), num_workers=2)  # use_current_placement_group=True (default)
+    ex.start()
+    try:
+        return ex.run(_pg_id), ex.adapter.owns_pg
+    finally:
+        ex.shutdown()
+
+
+def test_ranks_go_into_the_current_placement_group(free_cluster):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray.get(pg.ready(), timeout=30)
+    try:
+        task = ray.remote(num_cpus=0)(_executor_inside_placement_group).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_capture_child_tasks=True))
+        ids, owned = ray.get(task.remote(), timeout=120)
+    finally:
+        remove_placement_group(pg)
+    assert ids == [pg.id.hex()] * 2 and owned is False
+
+
 def test_num_hosts_places_one_rank_per_node(free_cluster):
     ex = RayExecutor(_settings(), num_hosts=2, num_workers_per_host=1)
     ex.start()
