@@ -74,4 +74,4 @@ def test_autotune_tunes_identically_everywhere_and_training_stays_exact(tmp_path
     assert rows[0][:7] == ["hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
                            "cycle_time_ms", "tensor_fusion_threshold", "score"]
     assert len(rows) == 1 + 6 + 1
-    assert float(rows[-1][6]) == max(float(row[6]) for row in rows[1:-1])
+    assert rows[-1][:7] in [row[:7] for row in rows[1:-1]], "the best row is not one of the samples"

@@ -96,6 +96,20 @@ class BayesianOptimizer:
         i = int(np.argmax(self.ys))
         return self.xs[i], self.ys[i]
 
+    def best_estimate(self) -> tuple[np.ndarray, float]:
+        """The measured point the model rates best (its posterior mean), and its measured score.
+
+        Scores are noisy: the single highest measurement is often a lucky one. The point whose
+        smoothed (posterior mean) score is highest is the better pick to keep.
+        """
+        if len(self.xs) < 3:
+            return self.best()
+        x = np.stack(self.xs)
+        self._gp.fit(x, np.asarray(self.ys))
+        mu, _ = self._gp.predict(x)
+        i = int(np.argmax(mu))
+        return self.xs[i], self.ys[i]
+
     def suggest(self) -> np.ndarray:
         """The next point to measure."""
         n = len(self.xs)

@@ -9,8 +9,9 @@ the same step and sample boundaries:
   microsecond of wall time on rank 0 (upstream's unit);
 - at each sample boundary rank 0 decides (the first ``warmup_samples`` samples are discarded; then
   each score is logged as a CSV row and given to the Bayesian optimiser, which proposes the next
-  parameters; after ``bayes_opt_max_samples`` scored samples the best parameters are kept and
-  tuning stops) and every rank receives the decision in one broadcast from rank 0, at the same
+  parameters; after ``bayes_opt_max_samples`` scored samples the measured point with the best
+  smoothed score (the Gaussian process's mean: single measurements are noisy) is kept and tuning
+  stops) and every rank receives the decision in one broadcast from rank 0, at the same
   point of its round sequence, and applies it to the engine's ``Tunables``.
 
 The knobs: fusion threshold, piece (chunk) size, cycle time, response cache on/off and, on jobs of
@@ -183,7 +184,7 @@ class ParameterManager:
         self.history.append({**params, "score": score, "phase": "sample"})
         self._write(params, score)
         if len(self._bo.ys) >= self.max_samples:
-            best_x, best_y = self._bo.best()
+            best_x, best_y = self._bo.best_estimate()
             best = self._decode(best_x)
             self.history.append({**best, "score": best_y, "phase": "best"})
             self._write(best, best_y)
