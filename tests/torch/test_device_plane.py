@@ -318,6 +318,22 @@ def test_device_plane_training_recipe_on_cpu_twin():
     assert results == [[]] * 2, "\n".join(x for res in results for x in res)
 
 
+def test_seed_recipe_runs_as_written_on_cpu_twin():
+    """The seed's script (GPU pinning, model.cuda() when CUDA exists) trains through the plane."""
+    import os
+    import re
+    import sys
+
+    from horovod.testing import run_mpi_script
+
+    script = os.path.join(os.path.dirname(__file__), "..", "gpu", "bin", "torch_recipe.py")
+    res = run_mpi_script([sys.executable, script], np=2, timeout=120, env=TWIN)
+    lines = re.findall(r"rank (\d) device (\S+) loss ([\d.]+) -> ([\d.]+) spread (\S+)", res.stdout)
+    assert len(lines) == 2, res.stdout
+    for _, _, first, last, spread in lines:
+        assert float(last) < float(first) and float(spread) == 0.0, res.stdout
+
+
 def _gpu_nccl_without_cuda():
     import horovod.torch as hvd
     from horovod.common.exceptions import ConfigError

@@ -1,0 +1,128 @@
+"""The GPU path's pure parts: settings, routing, the plane's rounding and its placement checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import horovod.torch as hvd
+from horovod.common.backends.base import Group
+from horovod.common.config import EngineConfig
+from horovod.common.engine.device import (
+    DevicePlaneError,
+    check_gpu_settings,
+    gpu_transport,
+    is_plane,
+)
+from horovod.common.exceptions import ConfigError
+from horovod.common.types import RequestType
+from horovod.torch import _convert as cv
+from horovod.torch import _device_plane as dp
+
+A, G, B = RequestType.ALLREDUCE, RequestType.ALLGATHER, RequestType.BROADCAST
+
+
+@pytest.mark.parametrize("env,nccl,kind,want", [
+    ({}, True, A, "NCCL"),
+    ({}, False, A, "HOST"),
+    ({"HOROVOD_GPU_OPERATIONS": "MPI"}, True, A, "HOST"),
+    ({"HOROVOD_GPU_OPERATIONS": "gloo"}, True, G, "HOST"),
+    ({"HOROVOD_GPU_OPERATIONS": "MPI", "HOROVOD_GPU_ALLREDUCE": "NCCL"}, True, A, "NCCL"),
+    ({"HOROVOD_GPU_OPERATIONS": "MPI", "HOROVOD_GPU_ALLREDUCE": "NCCL"}, True, G, "HOST"),
+    ({"HOROVOD_GPU_BROADCAST": "MPI"}, True, B, "HOST"),
+    ({"HOROVOD_GPU_BROADCAST": "MPI"}, True, A, "NCCL"),
+])
+def test_gpu_transport_per_op_setting_wins(env, nccl, kind, want):
+    assert gpu_transport(EngineConfig.from_env(env), kind, nccl) == want
+
+
+def test_gpu_settings_reject_unknown_values():
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_env({"HOROVOD_GPU_ALLGATHER": "CUDA"})
+    assert err.value.variable == "HOROVOD_GPU_ALLGATHER" and "NCCL, MPI, GLOO" in str(err.value)
+
+
+@pytest.mark.parametrize("env,variable", [({"HOROVOD_GPU_OPERATIONS": "NCCL"}, "HOROVOD_GPU_OPERATIONS"),
+                                          ({"HOROVOD_GPU_REDUCESCATTER": "nccl"}, "HOROVOD_GPU_REDUCESCATTER")])
+def test_check_gpu_settings_nccl_without_cuda(env, variable):
+    cfg = EngineConfig.from_env(env)
+    with pytest.raises(ConfigError) as err:
+        check_gpu_settings(cfg, lambda: 0)
+    assert err.value.variable == variable and "MPI or GLOO" in str(err.value)
+    check_gpu_settings(cfg, lambda: 22105)  # NCCL present: fine
+    check_gpu_settings(EngineConfig.from_env({"HOROVOD_GPU_OPERATIONS": "MPI"}), lambda: 0)
+
+
+def test_build_probes_tell_the_truth():
+    cuda = torch.cuda.is_available() and torch.distributed.is_nccl_available()
+    assert hvd.cuda_built() == cuda
+    assert (hvd.nccl_built() > 0) == cuda
+    from horovod.runner.launch import check_build_text
+
+    assert f"[{'X' if cuda else ' '}] NCCL" in check_build_text()
+
+
+def test_plane_device_tags():
+    assert is_plane(dp.PLANE_CUDA) and is_plane(dp.PLANE_CPU)
+    assert not is_plane("cpu") and not is_plane(cv.HOST_CUDA)
+    assert cv.route(torch.ones(1), A) == "cpu"  # no context: host path
+
+
+def test_device_tensor_carries_what_the_core_checks():
+    w = dp.DeviceTensor.of(torch.zeros(4, 3, dtype=torch.bfloat16))
+    assert (w.shape, w.dtype, w.ndim, w.ready, w.done) == ((4, 3), "bfloat16", 2, None, None)
+    part = w[:2]
+    assert part.shape == (2, 3) and part.tensor.data_ptr() == w.tensor.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8])
+def test_plane_integer_scaling_truncates_like_the_host_path(dtype):
+    src = torch.tensor([-7, -3, 3, 7, 9], dtype=dtype)
+    dst = torch.empty_like(src)
+    dp._scale_into(dst, src, 1.0, 2)  # Average over 2 ranks
+    assert dst.tolist() == np.trunc(src.numpy() / 2).astype(np.int64).tolist()
+    dp._scale_into(dst, src, 0.5)  # prescale
+    assert dst.tolist() == np.trunc(src.numpy() * 0.5).astype(np.int64).tolist()
+
+
+def test_plane_float_scaling_is_exact_division():
+    src = torch.arange(1, 100, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dp._scale_into(dst, src, 1.0, 3)
+    assert torch.equal(dst, src / 3)
+    half = torch.arange(1, 50, dtype=torch.float16)
+    out = torch.empty_like(half)
+    dp._scale_into(out, half, 1.0, 3)
+    want = (half.numpy().astype(np.float32) / np.float32(3)).astype(np.float16)
+    assert np.array_equal(out.numpy(), want)
+
+
+def test_tensors_on_other_devices_are_refused_clearly():
+    with pytest.raises(NotImplementedError, match="supports CPU and CUDA tensors"):
+        cv.check_tensor(torch.empty(2, device="meta"), "allreduce", cv.REDUCE_TORCH_DTYPES)
+
+
+class _FakeBackend:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def allgather_ints(self, values, group):
+        return np.array(self.rows, np.int64)
+
+
+class _FakeExecutor:
+    def __init__(self, rows):
+        self.backend = _FakeBackend(rows)
+
+
+def test_two_ranks_on_one_gpu_are_named_before_nccl_runs():
+    plane = dp.TorchPlane(_FakeExecutor([[7, 0], [7, 0], [7, 1]]))
+    group = Group([0, 1, 2], 0, None)
+    with pytest.raises(DevicePlaneError) as err:
+        plane._check_distinct_gpus(group, torch.device("cuda", 0))
+    assert err.value.ranks == [0, 1]
+    assert "torch.cuda.set_device(hvd.local_rank())" in str(err.value)
+    assert "HOROVOD_GPU_OPERATIONS=MPI" in str(err.value)
+    ok = dp.TorchPlane(_FakeExecutor([[7, 0], [7, 1], [8, 0]]))
+    ok._check_distinct_gpus(group, torch.device("cuda", 0))
