@@ -50,10 +50,12 @@ def _cases():
     if not np.allclose(g.numpy(), adasum_reference([p.astype(np.float32) for p in per]), atol=1e-5):
         bad.append(f"rank {r}: tape Adasum gradient {g.numpy()}")
     # The tf.compat.v1 delta optimizer: local SGD steps, deltas combined every k-th apply.
-    for k_passes in (1, 2):
+    for k_passes, in_function in ((1, False), (2, False), (2, True)):
         v = tf.Variable([1.0, -2.0, 0.5])
         opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Adasum,
                                        backward_passes_per_step=k_passes)
+        apply = tf.function(lambda g, opt=opt, v=v: opt.apply_gradients([(g, v)])) if in_function else \
+            (lambda g, opt=opt, v=v: opt.apply_gradients([(g, v)]))
         if type(opt).__name__ != "DistributedAdasumOptimizer" or not opt.get_name().startswith("DistributedDelta"):
             bad.append(f"rank {r}: optimizer {type(opt).__name__} {opt.get_name()}")
         ref = [np.array([1.0, -2.0, 0.5], np.float32) for _ in range(n)]
@@ -61,13 +63,13 @@ def _cases():
         for step in range(4):
             grads = [(np.array([1.0, 2.0, 3.0]) * (kk + 1) * (step + 1) * np.array([1, -1, 0.5]) ** kk
                       ).astype(np.float32) for kk in range(n)]
-            opt.apply_gradients([(tf.constant(grads[r]), v)])
+            apply(tf.constant(grads[r]))
             ref = [ref[kk] - 0.1 * grads[kk] for kk in range(n)]
             if step % k_passes == k_passes - 1:
                 start = start + adasum_reference([ref[kk] - start for kk in range(n)])
                 ref = [start.copy() for _ in range(n)]
         if not np.allclose(v.numpy(), ref[r], atol=1e-5):
-            bad.append(f"rank {r}: delta optimizer k={k_passes}: {v.numpy()} != {ref[r]}")
+            bad.append(f"rank {r}: delta optimizer k={k_passes} tf.function={in_function}: {v.numpy()} != {ref[r]}")
     # Keras optimizers refuse Adasum, as upstream.
     for make in (lambda: hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Adasum),
                  lambda: hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Adasum)):
