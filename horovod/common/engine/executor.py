@@ -20,6 +20,7 @@ from horovod.common.backends.base import Group
 from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.device import Planes, is_plane
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
+from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
@@ -130,6 +131,7 @@ class Executor:
         self._act = backend.name.upper() + "_"
         self.planes = Planes(self)
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
+        self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
 
     # ------------------------------------------------------------------ tunables (read every batch)
     @property
@@ -268,7 +270,7 @@ class Executor:
                     items.append((z, z, True, resp.name))
                 continue
             if entry.outputs is None:
-                entry.outputs = [aligned_empty(x.shape, x.dtype) for x in entry.inputs]
+                entry.outputs = [self._outputs.empty(x.shape, x.dtype) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
                 items.append((x.reshape(-1), o.reshape(-1), o is x, resp.name))
         reduce = self._reducer(group, op)
@@ -383,7 +385,7 @@ class Executor:
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         for entry in entries:
             if entry.outputs is None:
-                entry.outputs = [x if is_root else aligned_empty(x.shape, x.dtype) for x in entry.inputs]
+                entry.outputs = [x if is_root else self._outputs.empty(x.shape, x.dtype) for x in entry.inputs]
             for x, o in zip(entry.inputs, entry.outputs):
                 pairs.append((_move_view(x), _move_view(o)))
         names = [r.name for r in batch] if tl is not None else []

@@ -1,0 +1,148 @@
+"""The executor's piecewise allreduce, the output pool, the tunables and the host layout (one process).
+
+A fake transport stands for ``n`` ranks that all hold the same data: its allreduce multiplies the
+buffer by ``n`` (Sum) and records each call's size, so values and the call schedule are checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from horovod.common.backends.base import Group
+from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.hierarchy import host_layout
+from horovod.common.engine.outputs import OutputPool
+from horovod.common.engine.tunables import Tunables
+from horovod.common.types import ReduceOp, Request, RequestType, Response
+
+
+class FakeBackend:
+    name = "mpi"
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls: list[int] = []
+
+    def reduce_dtypes(self) -> frozenset[str]:
+        return frozenset({"int32", "float32", "float64"})
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:
+        assert buf.flags.c_contiguous and buf.ndim == 1
+        if src is not None:
+            np.copyto(buf, src)
+        self.calls.append(buf.nbytes)
+        buf *= self.n
+
+
+def _run(shapes, dtype="float32", op=ReduceOp.AVERAGE, pre=1.0, post=1.0, in_place=True, n=2,
+         chunk=1024, max_tensor=256, threshold=1 << 20, joined_at=None):
+    backend = FakeBackend(n)
+    tun = Tunables(fusion_threshold=threshold, max_tensor_bytes=max_tensor, chunk_bytes=chunk)
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)
+    batch, entries, inputs = [], [], []
+    for i, shape in enumerate(shapes):
+        req = Request(f"t{i}", RequestType.ALLREDUCE, dtype, (shape,), op, pre, post)
+        batch.append(Response(req))
+        x = (np.arange(int(np.prod(shape))) % 11 + 1).astype(dtype).reshape(shape)
+        inputs.append(x.copy())
+        entries.append(None if i == joined_at else Entry(req, [x], [x] if in_place else None, None))
+    ex.run(batch, entries, joined_at is not None)
+    return backend, entries, inputs
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("chunk", [0, 64, 1000, 4096])
+def test_values_and_schedule_of_mixed_batches(in_place: bool, chunk: int) -> None:
+    shapes = [(3,), (700,), (5, 7), (1,), (2000,), (64,), (10, 100)]
+    backend, entries, inputs = _run(shapes, in_place=in_place, chunk=chunk)
+    for e, x in zip(entries, inputs):
+        np.testing.assert_array_equal(e.outputs[0], x)  # Average of identical ranks
+        assert e.outputs[0].shape == x.shape and (e.outputs[0] is e.inputs[0]) == in_place
+    total = sum(int(np.prod(s)) for s in shapes) * 4
+    assert sum(backend.calls) == total
+    if chunk:
+        assert max(backend.calls) <= chunk, backend.calls
+    # The schedule depends only on the shapes and settings, never on in-place or not.
+    other, _, _ = _run(shapes, in_place=not in_place, chunk=chunk)
+    assert other.calls == backend.calls
+
+
+def test_large_tensors_are_cut_into_full_pieces_and_tails_are_packed() -> None:
+    # 2000 floats = 8000 bytes, chunk 1024 bytes = 256 floats: 7 full pieces in place, a tail of
+    # 208 floats (832 bytes) > max_tensor 256 bytes stays in place too; small ones are packed.
+    backend, _, _ = _run([(2000,), (10,), (20,)], chunk=1024, max_tensor=256)
+    assert backend.calls == [1024] * 7 + [832, 120]
+    backend, _, _ = _run([(2000,), (10,), (20,)], chunk=1024, max_tensor=1000)
+    assert backend.calls == [1024] * 7 + [832 + 120]  # tail packed with the small tensors
+
+
+def test_sum_scale_factors_integers_float16_and_joined_zeros() -> None:
+    shapes = [(300,), (5,), (1000,)]
+    backend, entries, inputs = _run(shapes, op=ReduceOp.SUM, pre=2.0, post=0.25, n=3, chunk=512)
+    for e, x in zip(entries, inputs):
+        np.testing.assert_allclose(e.outputs[0], x * 2.0 * 3 * 0.25)
+    _, entries, inputs = _run(shapes, dtype="int32", op=ReduceOp.SUM, n=3, chunk=512, in_place=False)
+    for e, x in zip(entries, inputs):
+        assert e.outputs[0].dtype == np.int32
+        np.testing.assert_array_equal(e.outputs[0], x * 3)
+    backend, entries, inputs = _run(shapes, dtype="float16", n=2, chunk=512, in_place=False)
+    for e, x in zip(entries, inputs):
+        assert e.outputs[0].dtype == np.float16
+        np.testing.assert_array_equal(e.outputs[0], x)
+    assert max(backend.calls) <= 512  # widened to float32 piece by piece
+    # this rank joined for t1: its zeros are reduced (the fake doubles them: still zeros)
+    backend, entries, inputs = _run(shapes, n=2, chunk=512, joined_at=1)
+    assert entries[1] is None and sum(backend.calls) == sum(int(np.prod(s)) for s in shapes) * 4
+
+
+def test_average_divides_by_size_exactly_at_np3() -> None:
+    _, entries, inputs = _run([(5000,), (7,)], n=3, chunk=1024, in_place=False)
+    for e, x in zip(entries, inputs):
+        np.testing.assert_array_equal(e.outputs[0], (x * np.float32(3)) / np.float32(3))
+
+
+def test_tunables_are_read_at_every_batch() -> None:
+    backend = FakeBackend(2)
+    tun = Tunables(chunk_bytes=400, max_tensor_bytes=0)
+    ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, tun, lambda: None)
+    req = Request("x", RequestType.ALLREDUCE, "float32", ((1000,),), ReduceOp.SUM)
+    ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)], False)
+    assert backend.calls == [400] * 10
+    backend.calls.clear()
+    ex.chunk_bytes = 2000
+    assert tun.chunk_bytes == 2000 and ex.max_tensor_bytes == 0
+    ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)], False)
+    assert backend.calls == [2000, 2000]
+    tun.update(fusion_threshold=0, cycle_time_ms=3.0)
+    assert not ex.fusion_enabled and tun.as_dict()["cycle_time_ms"] == 3.0
+    with pytest.raises(AttributeError, match="no field 'chunk'"):
+        tun.update(chunk=1)
+
+
+def test_output_pool_reuses_only_dropped_buffers() -> None:
+    pool = OutputPool(min_bytes=1024)
+    a = pool.empty((1000,), np.float32)
+    addr = a.__array_interface__["data"][0]
+    assert addr % 64 == 0
+    b = pool.empty((1000,), np.float32)
+    assert b.__array_interface__["data"][0] != addr
+    del a
+    c = pool.empty((250, 4), np.float32)
+    assert c.__array_interface__["data"][0] == addr and c.shape == (250, 4)
+    view = c[10:20]
+    del c
+    d = pool.empty((1000,), np.float32)
+    assert d.__array_interface__["data"][0] != addr, "a buffer still viewed was handed out again"
+    assert view.base is not None
+    small = pool.empty((3,), np.float64)
+    assert small.shape == (3,) and pool.tracked_bytes == 3 * 4000
+
+
+def test_host_layout() -> None:
+    hosts = ["a", "a", "b", "b"]
+    assert host_layout([0, 1, 2, 3], hosts) == ([0, 0, 1, 1], [0, 1, 0, 1])
+    assert host_layout([0, 1, 2, 3], ["a", "b", "a", "b"]) == ([0, 1, 0, 1], [0, 0, 1, 1])
+    assert host_layout([0, 2], hosts) is None  # one rank per host
+    assert host_layout([0, 1], hosts) is None  # one host
+    assert host_layout([0, 1, 2], hosts) is None  # uneven hosts
