@@ -309,7 +309,7 @@ def _error_cases():
            "Tensor type")
     expect("non-tensor", TypeError, lambda: hvd.allreduce([1.0, 2.0]), "torch.Tensor")
     expect("meta device", NotImplementedError, lambda: hvd.allreduce(torch.ones(2, device="meta")),
-           "GPU support is not available")
+           "supports CPU and CUDA tensors")
     expect("reducescatter Max", NotImplementedError, lambda: hvd.reducescatter(torch.ones(n), op=hvd.Max),
            "AVERAGE and SUM")
     expect("alltoall bad splits", ValueError, lambda: hvd.alltoall(torch.ones(4), splits=[1] * (n + 1)))
