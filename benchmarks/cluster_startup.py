@@ -95,8 +95,6 @@ def ray_variants(skipped: dict[str, str]) -> tuple[dict[str, Callable[[dict[str,
         skipped["Ray variants"] = f"ray not importable: {exc}"
         return {}, {}, None
     import cloudpickle
-
-    sys.path.insert(0, HERE)
     import ray_startup
 
     # Ship the imported benchmark functions by value: the workers cannot import ray_startup.
@@ -116,7 +114,9 @@ def ray_variants(skipped: dict[str, str]) -> tuple[dict[str, Callable[[dict[str,
     except ImportError as exc:
         skipped["TorchTrainer"] = f"ray.train not importable: {exc}"
     t0 = time.perf_counter()
-    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024 * 1024,
+    # address="local": a new instance of our own, even where another Ray cluster runs here.
+    ray.init(address="local", num_cpus=3, include_dashboard=False,
+             object_store_memory=200 * 1024 * 1024,
              log_to_driver=False)
     return variants, {"ray.init (local instance, 3 CPUs)": time.perf_counter() - t0}, ray
 
@@ -131,6 +131,7 @@ def main() -> int:
 
     import horovod
 
+    sys.path.insert(0, HERE)  # ray_startup: the Ray variants and the timing loop
     skipped: dict[str, str] = {}
     variants: dict[str, Callable[[dict[str, Any]], Any]] = {
         "horovod.run np=2 (gloo)": lambda state: horovod.run(hvd_fn, num_proc=2, use_gloo=True),
@@ -146,18 +147,10 @@ def main() -> int:
         more, starts, ray = ray_variants(skipped)
         variants.update(more)
         cluster.update(starts)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    warm: list[float] = []
+    from ray_startup import time_rounds
+
     try:
-        for rnd in range(args.repeats):
-            for name, fn in variants.items():
-                state: dict[str, Any] = {}
-                start = time.perf_counter()
-                out = fn(state)
-                times[name].append(time.perf_counter() - start)
-                if "warm" in state:
-                    warm.append(state["warm"])
-                print(f"round {rnd}: {name}: {times[name][-1]:.2f} s -> {out}", flush=True)
+        times, warm = time_rounds(variants, args.repeats)
     finally:
         if ray is not None:
             ray.shutdown()

@@ -77,6 +77,23 @@ def horovod_run(mode: str) -> Callable[[dict[str, Any]], Any]:
     return go
 
 
+def time_rounds(variants: dict[str, Callable[[dict[str, Any]], Any]], repeats: int,
+                ) -> tuple[dict[str, list[float]], list[float]]:
+    """Time each variant once per round, interleaved; also what variants put in ``state["warm"]``."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    warm: list[float] = []
+    for rnd in range(repeats):
+        for name, fn in variants.items():
+            state: dict[str, Any] = {}
+            start = time.perf_counter()
+            out = fn(state)
+            times[name].append(time.perf_counter() - start)
+            if "warm" in state:
+                warm.append(state["warm"])
+            print(f"round {rnd}: {name}: {times[name][-1]:.2f} s -> {out}", flush=True)
+    return times, warm
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -95,18 +112,8 @@ def main() -> int:
         "RayExecutor start+run+shutdown": ray_executor_cold,
         "Ray Train TorchTrainer.fit": torch_trainer,
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    warm: list[float] = []
     try:
-        for rnd in range(args.repeats):
-            for name, fn in variants.items():
-                state: dict[str, Any] = {}
-                start = time.perf_counter()
-                out = fn(state)
-                times[name].append(time.perf_counter() - start)
-                if "warm" in state:
-                    warm.append(state["warm"])
-                print(f"round {rnd}: {name}: {times[name][-1]:.2f} s -> {out}", flush=True)
+        times, warm = time_rounds(variants, args.repeats)
     finally:
         ray.shutdown()
     rows = {k: statistics.median(v) for k, v in times.items()}
