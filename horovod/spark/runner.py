@@ -106,14 +106,13 @@ class _Job:
         self.group = f"horovod.spark.run.{uuid.uuid4().hex[:12]}"
         self.records: list[dict[str, Any]] | None = None
         self.spark_error: BaseException | None = None
-        self.assigned = False
         self.ranks: list[int] = []  # rank of each partition, once assigned
 
     def assign(self, started: dict[int, dict[str, Any]]) -> None:
         """Once a task has reported every task's executor, publish each partition's rank and env."""
         from horovod.spark.task import ENV_SCOPE, group_by_host
 
-        if self.assigned or not started:
+        if self.ranks or not started:
             return
         addresses = next(iter(started.values()))["addresses"]
         hosts, ranks = group_by_host(addresses)
@@ -123,7 +122,6 @@ class _Job:
             self.server.put(ENV_SCOPE, str(partition), json.dumps({
                 "rank": rank, "host": slot.hostname, "local_rank": slot.local_rank,
                 "env": env}).encode())
-        self.assigned = True
         self.ranks = ranks
         log.debug("ranks by partition: %s on hosts %s", ranks, hosts)
 
