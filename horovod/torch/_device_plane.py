@@ -129,10 +129,10 @@ def _scale_into(dst: torch.Tensor, src: torch.Tensor, factor: float, divisor: in
 class _Group:
     """A process set's torch process group on one device kind."""
 
-    __slots__ = ("pg", "nccl")
+    __slots__ = ("pg", "nccl", "size")
 
-    def __init__(self, pg: Any, nccl: bool) -> None:
-        self.pg, self.nccl = pg, nccl
+    def __init__(self, pg: Any, nccl: bool, size: int) -> None:
+        self.pg, self.nccl, self.size = pg, nccl, size
 
 
 class TorchPlane:
@@ -199,14 +199,17 @@ class TorchPlane:
             if nccl:
                 self._check_distinct_gpus(group, device)
                 opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = self._timeout()
+                opts.is_high_priority_stream = False
+                # NCCL's watchdog timeout covers one collective once every member has submitted it
+                # (the engine negotiated that), plus the communicator's first set-up: torch's default.
+                opts._timeout = max(self._timeout(), datetime.timedelta(minutes=10))
                 pg = dist.ProcessGroupNCCL(store, group.rank, group.size, opts)
             else:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = self._timeout()
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._address(group))]
                 pg = dist.ProcessGroupGloo(store, group.rank, group.size, opts)
-        g = self._groups[(group, nccl)] = _Group(pg, nccl)
+        g = self._groups[(group, nccl)] = _Group(pg, nccl, group.size)
         return g
 
     def _check_distinct_gpus(self, group: Group, device: torch.device) -> None:
@@ -312,7 +315,7 @@ class TorchPlane:
 
     # ------------------------------------------------------------------ allreduce
     def _reduce(self, g: _Group, t: torch.Tensor, op: ReduceOp) -> None:
-        if t.numel() == 0:
+        if t.numel() == 0 or g.size == 1:  # a set of one: the reduction is the identity
             return
         o = dist.AllreduceOptions()
         o.reduceOp = _TORCH_OPS[op]
