@@ -35,7 +35,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         c = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         xd = x.detach().to(torch.float64)
-        count = torch.tensor([x.numel() / c], dtype=torch.float64)
+        count = torch.tensor([x.numel() / c], dtype=torch.float64, device=x.device)
         # One allreduce of [count, sum(x), sum(x^2)] per channel, in float64 against cancellation.
         stats = torch.cat([count, xd.sum(dims), (xd * xd).sum(dims)])
         stats = _sum_all(stats, f"sync_batch_norm.{c}.stats")
