@@ -79,7 +79,7 @@ def test_killed_actor_survived_and_new_node_taken_in(free_cluster):
 
     def run():
         try:
-            outcome["out"] = ex.run(_elastic_train, args=[second, 10, 300])
+            outcome["out"] = ex.run(_elastic_train, args=[second, 10, 1500])
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             outcome["error"] = exc
 

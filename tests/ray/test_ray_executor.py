@@ -77,7 +77,8 @@ def _raise_on_rank_1():
 
 
 def test_raising_function_names_rank_and_node(free_cluster):
-    ex = RayExecutor(_settings(), num_workers=2)
+    # A Gloo timeout far above the bound below: the error must not come from a timeout.
+    ex = RayExecutor(_settings(timeout_s=120), num_workers=2)
     ex.start()
     try:
         t0 = time.monotonic()
@@ -114,7 +115,7 @@ def _die_on_rank_1():
 
 
 def test_killed_actor_is_a_clear_error(free_cluster):
-    ex = RayExecutor(_settings(), num_workers=3)
+    ex = RayExecutor(_settings(timeout_s=120), num_workers=3)
     ex.start()
     try:
         t0 = time.monotonic()
