@@ -154,6 +154,11 @@ class RayExecutor:
         """
         import ray
 
+        if _ray_client_connected():
+            raise errors.LaunchError(
+                "RayExecutor: Ray Client mode (ray.init('ray://...')) is not supported: the driver "
+                "runs the job's rendezvous service, which the workers must reach. Run the driver "
+                "on a node of the cluster (ray job submit, or ray.init(address='auto') there).")
         if not ray.is_initialized():
             ray.init()
         if self.adapter is not None:
@@ -233,10 +238,22 @@ class RayExecutor:
 
     def __del__(self) -> None:  # the placement group must not outlive an executor left behind
         try:
-            if self.adapter is not None:
+            import sys
+
+            ray = sys.modules.get("ray")
+            if self.adapter is not None and ray is not None and ray.is_initialized():
                 self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+def _ray_client_connected() -> bool:
+    try:
+        from ray.util.client import ray as client
+
+        return bool(client.is_connected())
+    except Exception:  # noqa: BLE001 - no client support in this Ray: not connected through it
+        return False
 
 
 def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
