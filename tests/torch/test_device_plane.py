@@ -233,6 +233,12 @@ def _mixed_join_and_errors():
     if not _plane_ran():
         bad.append(f"rank {r}: the device plane never ran")
     hvd.shutdown()
+    # init again: a new engine makes new process groups (the old ones were shut down)
+    hvd.init()
+    got = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, name="reinit")
+    if not torch.equal(got, torch.full((3,), float(sum(range(n))))) or not _plane_ran():
+        bad.append(f"rank {r}: allreduce after re-init -> {got}")
+    hvd.shutdown()
     return bad
 
 
