@@ -79,14 +79,14 @@ class StaticAdapter:
             cls = ray.remote(BaseHorovodWorker)
             actors = [cls.options(**o).remote() for o in opts]
             timeout = float(self.settings.timeout_s)
-            ready, _ = ray.wait([a.node_info.remote() for a in actors], num_returns=n,
-                                timeout=max(timeout, 60.0))
+            refs = [a.node_info.remote() for a in actors]
+            ready, _ = ray.wait(refs, num_returns=n, timeout=max(timeout, 60.0))
             if len(ready) < n:
                 for a in actors:
                     ray.kill(a)
                 raise errors.LaunchError(f"RayExecutor: only {len(ready)} of {n} worker actors "
                                          f"started within {max(timeout, 60.0):g} s.")
-            infos = [NodeInfo(*ray.get(a.node_info.remote())) for a in actors]
+            infos = [NodeInfo(*info) for info in ray.get(refs)]
             order = group_by_node(infos)
             self.workers = [actors[i] for i in order]
             self.nodes = [infos[i] for i in order]
