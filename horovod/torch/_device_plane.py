@@ -251,9 +251,9 @@ class TorchPlane:
     def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
         req = batch[0].request
         device = self._device(req.device, entries)
-        g = self._group(group, device)
         wrappers = [w for e in entries if e is not None for w in e.inputs]
         with self._on_stream(device, wrappers) as stream:
+            g = self._group(group, device)  # with the GPU current, as NCCL binds it on first use
             with self._translate(req.kind.value, group):
                 kind = req.kind
                 if kind == RequestType.ALLREDUCE:
