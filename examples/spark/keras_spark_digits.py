@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     builder = SparkSession.builder.appName("horovod-keras-digits")
     if args.master:
         builder = builder.master(args.master)
-    builder.getOrCreate()
-    results = horovod.spark.run(train, kwargs={"epochs": args.epochs}, num_proc=args.num_proc)
+    spark = builder.getOrCreate()
+    try:
+        results = horovod.spark.run(train, kwargs={"epochs": args.epochs}, num_proc=args.num_proc)
+    finally:
+        spark.stop()
     for r in results:
         print(f"rank {r['rank']} of {r['size']}: test accuracy {r['accuracy']:.3f}")
     return results

@@ -85,9 +85,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     builder = SparkSession.builder.appName("horovod-pytorch-digits")
     if args.master:
         builder = builder.master(args.master)
-    builder.getOrCreate()
-    results = horovod.spark.run(train, kwargs={"epochs": args.epochs, "lr": args.lr},
-                                num_proc=args.num_proc)
+    spark = builder.getOrCreate()
+    try:
+        results = horovod.spark.run(train, kwargs={"epochs": args.epochs, "lr": args.lr},
+                                    num_proc=args.num_proc)
+    finally:
+        spark.stop()
     for r in results:
         print(f"rank {r['rank']} of {r['size']} (local rank {r['local_rank']}): "
               f"test accuracy {r['accuracy']:.3f}")
