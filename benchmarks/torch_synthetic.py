@@ -11,7 +11,12 @@ Modes, each with its own copy of the same model and batch (every iteration runs 
   ddp    torch.nn.parallel.DistributedDataParallel on a Gloo process group
   local  the same step without any communication (each rank's compute-only speed)
 
-The model is the small ResNet of ``examples/pytorch/pytorch_synthetic_benchmark.py``.
+Models: the small ResNet of ``examples/pytorch/pytorch_synthetic_benchmark.py`` (default), any
+model name of that example, or ``transformer``: a stack of BERT-base-sized encoder blocks (hidden
+768, 12 heads, feed-forward 3072; ``--layers``, default 4, ~35 M parameters, 135 MiB of gradients)
+over token sequences of ``--seq-len`` (default 32), where communication weighs more.
+
+    mpirun -np 2 python benchmarks/torch_synthetic.py --model transformer --batch-size 4
 """
 
 from __future__ import annotations
@@ -41,6 +46,30 @@ parser.add_argument("--batches", type=int, default=3, help="steps per mode per i
 parser.add_argument("--iters", type=int, default=9)
 parser.add_argument("--warmup", type=int, default=2)
 parser.add_argument("--modes", default="hvd,ddp,local")
+parser.add_argument("--layers", type=int, default=4, help="encoder blocks of --model transformer")
+parser.add_argument("--seq-len", type=int, default=32, help="tokens per sample of --model transformer")
+
+VOCAB = 8192
+
+
+class TransformerStack(torch.nn.Module):
+    """BERT-base-sized encoder blocks over token ids, mean-pooled into 1000 classes."""
+
+    def __init__(self, layers: int, hidden: int = 768, heads: int = 12, ff: int = 3072) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        block = torch.nn.TransformerEncoderLayer(hidden, heads, ff, dropout=0.0, batch_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(hidden, 1000)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)).mean(dim=1))
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.model == "transformer":
+        return TransformerStack(args.layers)
+    return make_model(args.model)
 
 
 def _free_port() -> int:
@@ -56,13 +85,16 @@ def main() -> None:
     torch.set_num_threads(1)
     modes = args.modes.split(",")
     torch.manual_seed(0)
-    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    if args.model == "transformer":
+        data = torch.randint(0, VOCAB, (args.batch_size, args.seq_len))
+    else:
+        data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     target = torch.randint(0, 1000, (args.batch_size,))
 
     steps = {}
     if "hvd" in modes:
         torch.manual_seed(0)
-        m_hvd = make_model(args.model)
+        m_hvd = build_model(args)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m_hvd.parameters(), lr=0.01),
                                        named_parameters=m_hvd.named_parameters())
         hvd.broadcast_parameters(m_hvd.state_dict(), 0)
@@ -78,7 +110,7 @@ def main() -> None:
         port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="gloo.port")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         torch.manual_seed(0)
-        m_ddp = torch.nn.parallel.DistributedDataParallel(make_model(args.model))
+        m_ddp = torch.nn.parallel.DistributedDataParallel(build_model(args))
         opt_ddp = torch.optim.SGD(m_ddp.parameters(), lr=0.01)
 
         def ddp_step() -> None:
@@ -88,7 +120,7 @@ def main() -> None:
         steps["ddp"] = ddp_step
     if "local" in modes:
         torch.manual_seed(0)
-        m_loc = make_model(args.model)
+        m_loc = build_model(args)
         opt_loc = torch.optim.SGD(m_loc.parameters(), lr=0.01)
 
         def local_step() -> None:
@@ -111,7 +143,7 @@ def main() -> None:
             for _ in range(args.batches):
                 fn()
             rates[k].append(args.batch_size * args.batches / (time.perf_counter() - t0))
-    model = make_model(args.model)
+    model = build_model(args)
     if rank == 0:
         for k, r in rates.items():
             med = statistics.median(r)
