@@ -52,6 +52,9 @@ _WORK = {torch.int16: torch.int32, torch.bool: torch.uint8}
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.MIN: ReduceOp.MIN,
              ReduceOp.PRODUCT: ReduceOp.MIN}
 
+# Timeline activity names, as upstream's (NCCL_ALLREDUCE, NCCL_BCAST, GLOO_ALLGATHER ...).
+_ACTIVITY = {RequestType.BROADCAST: "BCAST"}
+
 _join_device: list[torch.device | None] = [None]
 
 
@@ -254,18 +257,28 @@ class TorchPlane:
         wrappers = [w for e in entries if e is not None for w in e.inputs]
         with self._on_stream(device, wrappers) as stream:
             g = self._group(group, device)  # with the GPU current, as NCCL binds it on first use
-            with self._translate(req.kind.value, group):
-                kind = req.kind
-                if kind == RequestType.ALLREDUCE:
-                    self._allreduce(batch, entries, g, group, device)
-                elif kind == RequestType.BROADCAST:
-                    self._broadcast(entries, g, group)
-                elif kind == RequestType.ALLGATHER:
-                    self._allgather(entries[0], g, group)
-                elif kind == RequestType.ALLTOALL:
-                    self._alltoall(entries[0], g, group)
-                elif kind == RequestType.REDUCESCATTER:
-                    self._reducescatter(entries[0], g, group)
+            kind = req.kind
+            tl = self._executor._timeline()
+            activity = ("NCCL_" if g.nccl else "GLOO_") + _ACTIVITY.get(kind, kind.upper)
+            if tl is not None:
+                for r in batch:
+                    tl.begin(r.name, activity)
+            try:
+                with self._translate(kind.value, group):
+                    if kind == RequestType.ALLREDUCE:
+                        self._allreduce(batch, entries, g, group, device)
+                    elif kind == RequestType.BROADCAST:
+                        self._broadcast(entries, g, group)
+                    elif kind == RequestType.ALLGATHER:
+                        self._allgather(entries[0], g, group)
+                    elif kind == RequestType.ALLTOALL:
+                        self._alltoall(entries[0], g, group)
+                    elif kind == RequestType.REDUCESCATTER:
+                        self._reducescatter(entries[0], g, group)
+            finally:
+                if tl is not None:  # on CUDA this spans the enqueueing, not the GPU's work
+                    for r in batch:
+                        tl.end(r.name)
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record(stream)

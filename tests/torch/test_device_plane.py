@@ -319,9 +319,13 @@ def _training():
     return bad
 
 
-def test_device_plane_training_recipe_on_cpu_twin():
-    results = run_ranks(_training, np=2, timeout=120, env=TWIN)
+def test_device_plane_training_recipe_on_cpu_twin(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    results = run_ranks(_training, np=2, timeout=120, env={**TWIN, "HOROVOD_TIMELINE": str(timeline)})
     assert results == [[]] * 2, "\n".join(x for res in results for x in res)
+    # the plane's batches show in the timeline under upstream's activity names
+    text = timeline.read_text()
+    assert "GLOO_ALLREDUCE" in text and "GLOO_BCAST" in text and "MEMCPY_IN_FUSION_BUFFER" not in text
 
 
 def test_seed_recipe_runs_as_written_on_cpu_twin():
