@@ -1,9 +1,11 @@
 """One real local Ray cluster for every Ray test: a head node with 2 CPUs and a second node with
 1 CPU (two raylets on this machine), so that ranks are grouped by node and a node can be added
-while an elastic job runs. Ray starts slowly (seconds), so the cluster is shared by the session."""
+while an elastic job runs. Ray starts slowly (seconds), so the cluster is shared by every test of
+this directory and stopped after the last one."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +13,10 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'horovod-py[ray]')")
+try:
+    import ray
+except ImportError:  # the tests skip themselves, with the reason
+    ray = None
 
 _STORE = 100 * 1024 * 1024  # a small object store per node: the machine is shared
 
@@ -31,24 +36,50 @@ class RayCluster:
         self.cluster.remove_node(node)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
-    from ray.cluster_utils import Cluster
+_cluster: RayCluster | None = None
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, object_store_memory=_STORE, include_dashboard=False))
-    second = cluster.add_node(num_cpus=1, object_store_memory=_STORE)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
-    # Test functions travel to the actors by value (the actors cannot import the test modules).
-    for name, mod in list(sys.modules.items()):
-        if name.startswith(("test_ray", "tests.ray", "ray_jobs")):
-            ray.cloudpickle.register_pickle_by_value(mod)
-    try:
-        yield RayCluster(cluster, cluster.head_node.node_id, second.node_id)
-    finally:
+
+def _get_cluster() -> RayCluster:
+    global _cluster
+    if ray is None:
+        pytest.skip("Ray is not installed (pip install 'horovod-py[ray]')")
+    if _cluster is None:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=2, object_store_memory=_STORE, include_dashboard=False))
+        second = cluster.add_node(num_cpus=1, object_store_memory=_STORE)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
+        # Test functions travel to the actors by value (the actors cannot import the test modules).
+        for name, mod in list(sys.modules.items()):
+            if name.startswith(("test_ray", "ray_jobs")):
+                ray.cloudpickle.register_pickle_by_value(mod)
+        _cluster = RayCluster(cluster, cluster.head_node.node_id, second.node_id)
+    return _cluster
+
+
+def _stop_cluster() -> None:
+    global _cluster
+    if _cluster is not None:
+        cluster, _cluster = _cluster.cluster, None
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    """The shared cluster (started by the first Ray test, stopped after the last one)."""
+    yield _get_cluster()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # After the last test of this directory (and its fixtures' teardown), the cluster goes: the
+    # rest of the suite does not share the machine with idle Ray processes.
+    if nextitem is None or not str(nextitem.path).startswith(_HERE + os.sep):
+        _stop_cluster()
 
 
 @pytest.fixture
