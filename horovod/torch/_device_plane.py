@@ -198,6 +198,7 @@ class TorchPlane:
             return g
         self._seq += 1
         store = dist.PrefixStore(f"plane.{'nccl' if nccl else 'gloo'}.{self._seq}", self._store(group))
+        pg: Any
         with self._translate("creating a process group", group):
             if nccl:
                 self._check_distinct_gpus(group, device)
@@ -208,10 +209,10 @@ class TorchPlane:
                 opts._timeout = max(self._timeout(), datetime.timedelta(minutes=10))
                 pg = dist.ProcessGroupNCCL(store, group.rank, group.size, opts)
             else:
-                opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = self._timeout()
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._address(group))]
-                pg = dist.ProcessGroupGloo(store, group.rank, group.size, opts)
+                gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                gopts._timeout = self._timeout()
+                gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._address(group))]
+                pg = dist.ProcessGroupGloo(store, group.rank, group.size, gopts)
         g = self._groups[(group, nccl)] = _Group(pg, nccl, group.size)
         return g
 
@@ -309,8 +310,8 @@ class TorchPlane:
         if tag != PLANE_CUDA:
             return torch.device("cpu")
         # A joined rank with nothing of its own in this batch: zeros on its GPU.
-        dev = _join_device[0] or self._last_cuda
-        return dev if dev is not None else torch.device("cuda", torch.cuda.current_device())
+        joined = _join_device[0] or self._last_cuda
+        return joined if joined is not None else torch.device("cuda", torch.cuda.current_device())
 
     @contextlib.contextmanager
     def _on_stream(self, device: torch.device, wrappers: Sequence[DeviceTensor]) -> Iterator[Any]:
@@ -331,13 +332,13 @@ class TorchPlane:
         if t.numel() == 0 or g.size == 1:  # a set of one: the reduction is the identity
             return
         o = dist.AllreduceOptions()
-        o.reduceOp = _TORCH_OPS[op]
+        o.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
         g.pg.allreduce([t], o).wait()
 
     def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], g: _Group, group: Group,
                    device: torch.device) -> None:
         req = batch[0].request
-        op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
+        op: ReduceOp = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
         post, div = _post_factors(req, group)
         pre = req.prescale
         items: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -484,7 +485,7 @@ class TorchPlane:
             if g.nccl and len(set(rows)) == 1 and w.numel():
                 part = torch.empty(mine, dtype=work, device=x.device)
                 o = dist.ReduceScatterOptions()
-                o.reduceOp = _TORCH_OPS[rop]
+                o.reduceOp = _TORCH_OPS[rop]  # type: ignore[assignment]
                 g.pg._reduce_scatter_base(part, w, o).wait()
             else:  # Gloo has no reduce-scatter on CPU tensors (and NCCL wants equal parts)
                 self._reduce(g, w, rop)

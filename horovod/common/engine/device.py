@@ -21,7 +21,7 @@ with ``register_plane`` when it is imported.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from horovod.common.backends.base import Group
@@ -117,8 +117,7 @@ def gpu_transport(config: Any, kind: RequestType, nccl: bool) -> str:
     return "NCCL" if nccl else "HOST"
 
 
-def check_gpu_settings(config: Any, nccl_version: Callable[[], int],
-                       environ: Mapping[str, str] | None = None) -> None:
+def check_gpu_settings(config: Any, nccl_version: Callable[[], int]) -> None:
     """Reject a setting that asks for NCCL where there is none (at ``init``, on every rank).
 
     Raises:
