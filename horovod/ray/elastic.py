@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import warnings
@@ -74,7 +75,7 @@ class _ActorWorker:
 
         self.key, self.driver, self.adapter = key, driver, adapter
         ex = adapter.ex
-        node_id = adapter.discovery.node_ids[key[0]]
+        node_id = adapter.node_of(key[0])
         cls = ray.remote(BaseHorovodWorker)
         self.actor = cls.options(
             num_cpus=ex.cpus_per_worker, num_gpus=ex.gpus_per_worker if ex.use_gpu else 0,
@@ -131,8 +132,15 @@ class ElasticAdapter:
     def __init__(self, executor: Any) -> None:
         self.ex = executor
         self.settings = executor.settings
-        self.discovery = RayHostDiscovery(executor.use_gpu, executor.cpus_per_worker,
-                                          executor.gpus_per_worker)
+        self.ray_discovery = RayHostDiscovery(executor.use_gpu, executor.cpus_per_worker,
+                                              executor.gpus_per_worker)
+        custom = getattr(self.settings, "discovery", None)
+        if not executor.override_discovery and custom is None:
+            raise ValueError("RayExecutor: override_discovery=False needs settings.discovery (an "
+                             "object with find_available_hosts_and_slots() -> {host: slots}).")
+        # override_discovery=False: the user's discovery names the hosts (node IPs, node ids or
+        # this module's '<ip>-<id>' names); Ray's nodes place the workers.
+        self.discovery: Any = self.ray_discovery if executor.override_discovery else custom
         self.job: Any = None
         self.extra_env: dict[str, str] = {}
         self.executable: tuple[Any, Any, Any] = (None, None, None)
@@ -150,6 +158,27 @@ class ElasticAdapter:
         self.job = FunctionJob(ray.util.get_node_ip_address())
         self.extra_env = {k: str(v) for k, v in extra_env.items()}
         self.executable = (executable_cls, executable_args, executable_kwargs)
+
+    def node_of(self, host: str) -> str:
+        """The Ray node id of a discovered host.
+
+        Raises:
+            LaunchError: no alive Ray node has that name, id or IP.
+        """
+        if host in self.ray_discovery.node_ids:
+            return self.ray_discovery.node_ids[host]
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive", n.get("alive"))]
+        for key in ("NodeID", "NodeManagerAddress", "NodeName"):
+            for node in alive:
+                if node.get(key) == host:
+                    return str(node["NodeID"])
+        self.ray_discovery.find_available_hosts_and_slots()
+        if host in self.ray_discovery.node_ids:
+            return self.ray_discovery.node_ids[host]
+        raise errors.LaunchError(f"RayExecutor: discovered host {host!r} is no alive Ray node (give "
+                                 "node IPs, node ids or '<ip>-<node id prefix>' names).", host=host)
 
     def record(self, key: Key, outcome: tuple[Any, ...]) -> None:
         with self.lock:
@@ -169,7 +198,9 @@ class ElasticAdapter:
 
         driver = ElasticDriver(manager, ex.min_workers, ex.min_workers, ex.max_workers, start_worker,
                                put_kv=self.job.put, timeout=float(ex.elastic_timeout),
-                               reset_limit=ex.reset_limit)
+                               reset_limit=ex.reset_limit,
+                               notify_when_ready=os.environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY",
+                                                                "0") not in ("", "0"))
         self.driver = driver
         self.job.set_elastic_handler(driver.handle)
         configure_logging()
@@ -247,6 +278,7 @@ class ElasticSettings:
     nics: set[str] | None = None
     cooldown_range: tuple[int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    discovery: Any = None  # used with override_discovery=False
 
     @property
     def num_proc(self) -> int:
@@ -291,7 +323,7 @@ class ElasticRayExecutor:
         self.env_vars = dict(env_vars or {})
         self.executor = RayExecutor(
             MiniSettings(timeout_s=settings.timeout_s, nics=settings.nics,
-                         ssh_identity_file=settings.ssh_identity_file),
+                         ssh_identity_file=settings.ssh_identity_file, discovery=settings.discovery),
             min_workers=settings.min_num_proc, max_workers=settings.max_num_proc,
             reset_limit=settings.reset_limit, cooldown_range=settings.cooldown_range,
             elastic_timeout=settings.elastic_timeout, cpus_per_worker=cpus_per_slot,

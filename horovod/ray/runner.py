@@ -40,6 +40,8 @@ class MiniSettings:
     placement_group_timeout_s: int = 100
     elastic: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Elastic mode with override_discovery=False: find_available_hosts_and_slots() -> {host: slots}
+    discovery: Any = None
 
 
 def _label(fn: Callable[..., Any]) -> str:
@@ -61,7 +63,9 @@ class RayExecutor:
             ``min_workers`` ranks, use at most ``max_workers`` (default: every slot found).
         reset_limit / cooldown_range / elastic_timeout: as ``horovodrun``'s ``--reset-limit``,
             ``--blacklist-cooldown-range`` and ``--elastic-timeout``.
-        override_discovery: elastic mode: find slots from Ray's nodes (CPUs, GPUs per worker).
+        override_discovery: elastic mode: find slots from Ray's nodes (CPUs, GPUs per worker);
+            False: use ``settings.discovery`` (hosts named by node IP, node id or
+            ``<ip>-<node id prefix>``).
 
     Raises:
         ValueError: conflicting arguments (the message says which).

@@ -167,20 +167,34 @@ def test_too_few_slots_fails_after_the_elastic_timeout(free_cluster):
 
 
 def _rank_and_size():
+    import ray
+
     import horovod.torch as hvd
 
     hvd.init()
-    return hvd.rank(), hvd.size()
+    return hvd.rank(), hvd.size(), ray.get_runtime_context().get_node_id()
 
 
-def test_upstream_elastic_ray_executor_api(free_cluster):
+class _OnlyTheSecondNode:
+    """A user's discovery (override_discovery=False): the second node by its id, 1 slot."""
+
+    def __init__(self, node_id):
+        self.node_id = node_id
+
+    def find_available_hosts_and_slots(self):
+        return {self.node_id: 1}
+
+
+def test_upstream_elastic_ray_executor_api_with_own_discovery(free_cluster):
     from horovod.ray import ElasticRayExecutor
 
-    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=30)
+    settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, elastic_timeout=30)
+    settings.discovery = _OnlyTheSecondNode(free_cluster.second_id)
     with pytest.warns(DeprecationWarning, match="RayExecutor\\(settings, min_workers"):
-        ex = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"X": "1"})
+        ex = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"X": "1"},
+                                override_discovery=False)
     ex.start()
     try:
-        assert ex.run(_rank_and_size) == [(0, 2), (1, 2)]
+        assert ex.run(_rank_and_size) == [(0, 1, free_cluster.second_id)]
     finally:
         ex.executor.shutdown()
