@@ -70,10 +70,11 @@ class DeviceTensor:
     treats it like an array without knowing torch.
     """
 
-    __slots__ = ("tensor", "shape", "dtype", "ndim", "ready", "done")
+    __slots__ = ("tensor", "shape", "dtype", "ndim", "ready", "done", "parent")
 
-    def __init__(self, tensor: torch.Tensor, ready: Any = None) -> None:
+    def __init__(self, tensor: torch.Tensor, ready: Any = None, parent: DeviceTensor | None = None) -> None:
         self.tensor = tensor
+        self.parent = parent  # the wrapper this one slices (the caller waits on that one)
         self.shape = tuple(tensor.shape)
         self.dtype = str(tensor.dtype).rpartition(".")[2]
         self.ndim = tensor.dim()
@@ -90,8 +91,7 @@ class DeviceTensor:
         return cls(tensor, ready)
 
     def __getitem__(self, index: Any) -> DeviceTensor:
-        w = DeviceTensor(self.tensor[index], self.ready)
-        return w
+        return DeviceTensor(self.tensor[index], self.ready, self)
 
 
 def wait_done(wrappers: Sequence[DeviceTensor], outputs: Sequence[torch.Tensor]) -> None:
@@ -285,6 +285,8 @@ class TorchPlane:
                 done.record(stream)
                 for w in wrappers:
                     w.done = done
+                    if w.parent is not None:
+                        w.parent.done = done
                 for e in entries:
                     for t in self._user_tensors(e):
                         t.record_stream(stream)

@@ -74,6 +74,7 @@ def test_device_tensor_carries_what_the_core_checks():
     assert (w.shape, w.dtype, w.ndim, w.ready, w.done) == ((4, 3), "bfloat16", 2, None, None)
     part = w[:2]
     assert part.shape == (2, 3) and part.tensor.data_ptr() == w.tensor.data_ptr()
+    assert part.parent is w  # the plane signals completion on the caller's wrapper too
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8])
