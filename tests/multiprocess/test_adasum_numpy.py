@@ -40,8 +40,7 @@ def _cases():
     return bad
 
 
-@pytest.mark.parametrize("np_", [2, 4])
-@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+@pytest.mark.parametrize("np_,launcher", [(2, "mpirun"), (4, "mpirun"), (4, "gloo")])
 def test_adasum_numpy_both_transports(np_, launcher):
     gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
     for bad in run_ranks(_cases, np=np_, timeout=180, launcher=gloo if launcher == "gloo" else None):

@@ -206,7 +206,8 @@ def _optimizer_cases():
     return bad
 
 
-@pytest.mark.parametrize("np_", [2, 4])
-def test_adasum_delta_optimizer(np_):
-    for bad in run_ranks(_optimizer_cases, np=np_, timeout=180):
+def test_adasum_delta_optimizer_np2():
+    # np=2 suffices here: the optimizer only calls the allreduce that test_adasum_allreduce_values
+    # checks at np=4 (several VHDD levels).
+    for bad in run_ranks(_optimizer_cases, np=2, timeout=180):
         assert bad == []
