@@ -76,8 +76,8 @@ class _ActorWorker:
         self.key, self.driver, self.adapter = key, driver, adapter
         ex = adapter.ex
         node_id = adapter.node_of(key[0])
-        cls = ray.remote(BaseHorovodWorker)
-        self.actor = cls.options(
+        cls: Any = ray.remote(BaseHorovodWorker)
+        self.actor: Any = cls.options(
             num_cpus=ex.cpus_per_worker, num_gpus=ex.gpus_per_worker if ex.use_gpu else 0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
         env = adapter.job.elastic_worker_env(slot, nics=sorted(adapter.settings.nics or []),

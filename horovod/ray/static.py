@@ -76,8 +76,8 @@ class StaticAdapter:
 
         try:
             n, opts = self._placement()
-            cls = ray.remote(BaseHorovodWorker)
-            actors = [cls.options(**o).remote() for o in opts]
+            cls: Any = ray.remote(BaseHorovodWorker)
+            actors: list[Any] = [cls.options(**o).remote() for o in opts]
             timeout = float(self.settings.timeout_s)
             refs = [a.node_info.remote() for a in actors]
             ready, _ = ray.wait(refs, num_returns=n, timeout=max(timeout, 60.0))
@@ -141,7 +141,8 @@ class StaticAdapter:
                     "start() again to run more (or use min_workers for an elastic job).")
             self._stop_workers()
         err = failure_error(what, failures, stuck, self.describe, tail)
-        cause = err.exception if isinstance(getattr(err, "exception", None), BaseException) else None
+        exc = getattr(err, "exception", None)
+        cause = exc if isinstance(exc, BaseException) else None
         raise err from cause
 
     def run_remote(self, fn: Any) -> list[Any]:

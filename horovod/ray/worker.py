@@ -43,7 +43,7 @@ class BaseHorovodWorker:
         return (str(ray.get_runtime_context().get_node_id()), ray.util.get_node_ip_address(),
                 self.hostname(), os.getpid())
 
-    def get_gpu_ids(self) -> list[int]:
+    def get_gpu_ids(self) -> list[Any]:
         """The CUDA devices Ray gave this worker."""
         import ray
 
