@@ -214,6 +214,24 @@ def _mixed_join_and_errors():
     except (ValueError, HorovodInternalError) as exc:
         if r == 1 and "bool" not in str(exc):
             bad.append(f"rank {r}: unexpected error {exc!r}")
+    # a failure inside the plane fails that operation on every rank, named, and nothing else
+    from horovod.torch import _device_plane as dp
+
+    real = dp.TorchPlane._reduce
+
+    def failing(self, g, t, op):
+        raise RuntimeError("injected transport failure")
+
+    dp.TorchPlane._reduce = failing
+    try:
+        hvd.allreduce(torch.ones(2), name="planefail")
+        bad.append(f"rank {r}: a failing plane did not raise")
+    except HorovodInternalError as exc:
+        text = str(exc)
+        if "planefail" not in text or f"failed on rank {r}" not in text or "injected" not in text:
+            bad.append(f"rank {r}: plane failure error lacks the name/rank/cause: {text}")
+    finally:
+        dp.TorchPlane._reduce = real
     # the engine keeps serving afterwards
     got = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after")
     if not torch.equal(got, torch.full((2,), float(n))):
