@@ -6,7 +6,8 @@ the same step and sample boundaries:
 
 - a **step** ends when an operation name repeats (a training step submits the same names again);
 - a **sample** is ``steps_per_sample`` steps; its score is the bytes the collectives moved per
-  microsecond of wall time on rank 0 (upstream's unit);
+  microsecond on rank 0 (upstream's unit), over the median step duration of the sample (upstream
+  takes the sample's total time; the median ignores a step slowed down by another job);
 - at each sample boundary rank 0 decides (the first ``warmup_samples`` samples are discarded; then
   each score is logged as a CSV row and given to the Bayesian optimiser, which proposes the next
   parameters; after ``bayes_opt_max_samples`` scored samples the measured point with the best
@@ -127,7 +128,8 @@ class ParameterManager:
         self._seen: set[str] = set()
         self._steps = 0
         self._bytes = 0
-        self._t0 = clock()
+        self._t0 = self._t_step = clock()
+        self._step_times: list[float] = []
         self._log = None
         if rank == 0 and log_path and self.active:
             self._log = open(log_path, "w", newline="")  # noqa: SIM115 - closed when tuning ends
@@ -146,6 +148,9 @@ class ParameterManager:
             if name in self._seen:
                 self._seen.clear()
                 self._steps += 1
+                now = self._clock()
+                self._step_times.append(now - self._t_step)
+                self._t_step = now
             self._seen.add(name)
             self._bytes += _nbytes(resp.request)
             self._observed += 1
@@ -157,8 +162,10 @@ class ParameterManager:
         return {k.name: getattr(self.tunables, k.name) for k in self.knobs}
 
     def _end_sample(self) -> None:
-        elapsed = max(self._clock() - self._t0, 1e-9)
-        score = self._bytes / (elapsed * 1e6)
+        # Bytes per microsecond of a typical step: the bytes of the sample's steps over their median
+        # duration (one step slowed by another job on the machine does not decide the sample).
+        median = float(np.median(self._step_times)) if self._step_times else self._clock() - self._t0
+        score = self._bytes / max(len(self._step_times), 1) / (max(median, 1e-9) * 1e6)
         message = self._decide(score) if self.rank == 0 else None
         params, active = self._bcast(message)
         old = self._params()
@@ -170,7 +177,8 @@ class ParameterManager:
         self._seen.clear()
         self._steps = 0
         self._bytes = 0
-        self._t0 = self._clock()
+        self._step_times.clear()
+        self._t0 = self._t_step = self._clock()
 
     def _decide(self, score: float) -> tuple[dict[str, Any], bool]:
         """Rank 0: record the sample, choose the next parameters; returns (params, still active)."""
