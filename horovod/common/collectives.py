@@ -210,18 +210,19 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
     return ctx.submit(req, list(arrays), outputs, splits, wake=wake)
 
 
-def submit_again(request: Request, arrays: list[np.ndarray]) -> Handle:
+def submit_again(request: Request, arrays: list[np.ndarray], defer: bool = False) -> Handle:
     """Submit ``request`` once more, in place on new buffers: the fast path for an operation
     repeated every step (a gradient's allreduce_), skipping the argument checks and the request's
     construction.
 
     The caller guarantees what the checks established the first time: ``request`` came from a
     ``*_async`` call of this context (``handle.request``) and ``arrays`` have its dtype and shapes
-    and are C-contiguous.
+    and are C-contiguous. With ``defer=True`` (gradient hooks, whose handles the optimizer always
+    waits for) the engine may hold the operation until a caller waits (``Engine.submit``).
     """
     ctx = get_context()
     hid = ctx.counter.next()
-    return ctx.submit(request, arrays, arrays, handle_id=hid)
+    return ctx.submit(request, arrays, arrays, handle_id=hid, defer=defer)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

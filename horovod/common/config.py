@@ -50,6 +50,13 @@ def _parse_upper(text: str) -> str:
     return text.strip().upper()
 
 
+def _parse_auto_bool(text: str) -> str:
+    t = text.strip().lower()
+    if t in ("", "auto"):
+        return ""
+    return "1" if parse_bool(t) else "0"
+
+
 def _parse_level(text: str) -> str:
     t = text.strip().lower()
     return t if t in LOG_LEVELS else "warning"
@@ -85,6 +92,11 @@ class EngineConfig:
         "Piece size in bytes of CPU reductions: the fusion buffer and large tensors are reduced in "
         "pieces of at most this size, each scaled while hot in cache (0: one transport call per "
         "buffer).", _parse_int, minimum=0)
+    overlap_gradients: str = _setting(
+        "HOROVOD_OVERLAP_GRADIENTS", "",
+        "1: reduce the optimizer's gradients in the background while the backward pass runs; 0: hold "
+        "them until the optimizer waits, then reduce them all on the idle cores; empty (auto): 1 when "
+        "the host has at least two cores per local rank, else 0.", _parse_auto_bool)
     cycle_time_ms: float = _setting(
         "HOROVOD_CYCLE_TIME", 1.0,
         "Milliseconds between the engine thread's negotiation rounds (the least gap between two "

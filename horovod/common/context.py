@@ -188,12 +188,13 @@ class Context:
 
     # ------------------------------------------------------------------ submission
     def submit(self, request: Request, inputs: list[Any], outputs: list[Any] | None = None,
-               splits: Any = None, handle_id: int | None = None, wake: bool = True) -> Handle:
+               splits: Any = None, handle_id: int | None = None, wake: bool = True,
+               defer: bool = False) -> Handle:
         """Queue an operation on the engine and return its handle (see ``collectives.py``)."""
         hid = self.counter.next() if handle_id is None else handle_id
         handle = Handle(hid, request.name)
         handle.request = request
-        self._engine().submit(Entry(request, inputs, outputs, handle, splits), wake)
+        self._engine().submit(Entry(request, inputs, outputs, handle, splits), wake, defer)
         return handle
 
     def control(self, kind: RequestType, name: str, payload: Any = None, process_set_id: int = 0) -> Any:

@@ -214,7 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     and req.process_set_id in ctx.groups and not tensor.requires_grad
                     and tensor.layout is torch.strided and tensor.device.type == "cpu" and req.device == "cpu"
                     and tensor.is_contiguous()):
-                h = submit_again(req, [tensor.numpy()])
+                h = submit_again(req, [tensor.numpy()], defer=True)  # step() waits for it
                 return register_handle(h, _Same(tensor)), (None, tensor)
         if tensor.is_sparse:
             if self.sparse_as_dense:

@@ -78,6 +78,11 @@ def _low_timer_slack() -> None:
         pass
 
 
+# Deferred submissions (``submit(defer=True)``) start in the background after this long if no
+# caller waits for any handle meanwhile.
+DEFER_LIMIT_S = 2.0
+
+
 class Engine:
     """Background communication engine of one process."""
 
@@ -108,8 +113,11 @@ class Engine:
         self._new: list[Entry] = []
         self._joined = False
         self._progress = True  # did the last round complete anything or take new work?
+        self._deferred: list[Entry] = []  # submitted with defer=True, held until a caller waits
+        self._deferred_since = 0.0
         # Speed knobs, read afresh every round/batch (an autotuner changes them at run time).
-        self.tunables = Tunables.from_config(config)
+        local_size = hostnames.count(hostnames[self.rank]) if hostnames else 1
+        self.tunables = Tunables.from_config(config, local_size)
         self._last_round = 0.0  # when the engine thread last started a round (perf_counter)
         # With only the global process set, a rank with nothing pending cannot help any
         # operation finish (each needs this rank's own submission, which wakes it at once), so it
@@ -149,11 +157,15 @@ class Engine:
             self._coordinator.reserve_process_set_ids(max(self.groups) + 1)
         self._thread.start()
 
-    def submit(self, entry: Entry, wake: bool = True) -> None:
+    def submit(self, entry: Entry, wake: bool = True, defer: bool = False) -> None:
         """Queue an entry for the engine thread (any thread may call this).
 
         With ``wake=False`` the engine thread is not woken: the caller is about to wait on the
         handle and will drive the round itself (the engine thread's tick is the fallback).
+        With ``defer=True`` and ``tunables.overlap`` off, the entry is held back until a caller
+        waits on any handle (or ``DEFER_LIMIT_S`` passes): gradients submitted from hooks during
+        the backward pass are then reduced when the optimizer waits, on otherwise idle cores,
+        instead of competing with the backward pass for them.
 
         Raises:
             ValueError: an operation with the same name is still in flight on this rank.
@@ -168,6 +180,11 @@ class Engine:
             self._in_flight.add(name)
             entry.handle.helper = self.help_until
             entry.t_submit = self._clock()
+            if defer and not self.tunables.overlap:
+                if not self._deferred:
+                    self._deferred_since = time.perf_counter()
+                self._deferred.append(entry)
+                return
             self._queue.append(entry)
             if wake:
                 self._cv.notify()
@@ -218,6 +235,8 @@ class Engine:
     def _run(self) -> None:
         _low_timer_slack()
         while not self._stopped:
+            if self._deferred and time.perf_counter() - self._deferred_since >= DEFER_LIMIT_S:
+                self._release_deferred()  # nobody waited: reduce them in the background after all
             with self._cv:
                 # Idle, or waiting for other ranks after a round that completed nothing: sleep
                 # until new local work arrives or one cycle passes. Rounds that cannot finish
@@ -266,8 +285,17 @@ class Engine:
         if stop:
             self._finish(None)
 
+    def _release_deferred(self) -> None:
+        with self._cv:
+            if self._deferred:
+                self._queue.extend(self._deferred)
+                self._deferred = []
+                self._cv.notify()
+
     def help_until(self, handle: Any) -> None:
         """Drive rounds from a waiting caller's thread until ``handle`` completes."""
+        if self._deferred:
+            self._release_deferred()
         while not handle.done():
             if self._stopped:
                 return
@@ -291,7 +319,8 @@ class Engine:
                 self._stop_reason = f"{SHUT_DOWN_MESSAGE} Cause on rank {self.rank}: {failure}"
             elif self._stall_shutdown:
                 self._stop_reason = f"{SHUT_DOWN_MESSAGE}\n{self._stall_shutdown}"
-            leftover = list(self._pending.values()) + self._queue
+            leftover = list(self._pending.values()) + self._queue + self._deferred
+            self._deferred = []
             self._pending.clear()
             self._queue = []
             self._in_flight.clear()

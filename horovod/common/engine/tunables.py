@@ -29,10 +29,16 @@ Fields:
         the executor every batch.
     hierarchical_allgather: gather within each host, allgather across hosts, broadcast within the
         host (``HOROVOD_HIERARCHICAL_ALLGATHER``). Read by the executor every operation.
+    overlap: whether gradients submitted by the optimizers' hooks (``submit(defer=True)``) start in
+        the background during the backward pass (True), or wait until the optimizer waits for them
+        (False: they are then reduced on cores the backward pass no longer uses)
+        (``HOROVOD_OVERLAP_GRADIENTS``; auto: True when the host has two cores per local rank).
+        Read at every submission.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -54,11 +60,24 @@ class Tunables:
     cache_enabled: bool = True
     hierarchical_allreduce: bool = False
     hierarchical_allgather: bool = False
+    overlap: bool = True
 
     @classmethod
-    def from_config(cls, config: Any) -> Tunables:
-        """The initial values, from an ``EngineConfig`` (missing fields keep their defaults)."""
+    def from_config(cls, config: Any, local_size: int = 1, cores: int | None = None) -> Tunables:
+        """The initial values, from an ``EngineConfig`` (missing fields keep their defaults).
+
+        ``local_size`` (ranks on this host) and ``cores`` (usable by this process; default: its
+        CPU affinity) decide ``overlap`` when the setting is auto.
+        """
+        choice = getattr(config, "overlap_gradients", "")
+        if choice == "":
+            if cores is None:
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            overlap = cores >= 2 * max(local_size, 1)
+        else:
+            overlap = choice == "1"
         return cls(
+            overlap=overlap,
             fusion_threshold=int(config.fusion_threshold),
             max_tensor_bytes=int(config.fusion_max_tensor_bytes),
             chunk_bytes=int(getattr(config, "chunk_bytes", DEFAULT_CHUNK_BYTES)),

@@ -146,3 +146,15 @@ def test_host_layout() -> None:
     assert host_layout([0, 2], hosts) is None  # one rank per host
     assert host_layout([0, 1], hosts) is None  # one host
     assert host_layout([0, 1, 2], hosts) is None  # uneven hosts
+
+
+def test_overlap_setting_auto_and_explicit() -> None:
+    from horovod.common.config import EngineConfig
+
+    auto = EngineConfig.from_env({})
+    assert Tunables.from_config(auto, local_size=2, cores=2).overlap is False
+    assert Tunables.from_config(auto, local_size=2, cores=4).overlap is True
+    on = EngineConfig.from_env({"HOROVOD_OVERLAP_GRADIENTS": "1", "HOROVOD_CHUNK_BYTES": "4096"})
+    tun = Tunables.from_config(on, local_size=8, cores=1)
+    assert tun.overlap is True and tun.chunk_bytes == 4096
+    assert Tunables.from_config(EngineConfig.from_env({"HOROVOD_OVERLAP_GRADIENTS": "off"}), cores=64).overlap is False
