@@ -125,8 +125,9 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
 
     Raises:
         WorkerFailedError: a rank raised (the first rank that raised is named; the error carries
-            ``rank``, ``host``, ``exception``, ``ranks``; the root-cause rank of the exit
-            records first, else the lowest), or a rank ended without a result.
+            ``rank``, ``host``, ``exception``, ``ranks``; a rank's own error before one that only
+            says a peer left, then the root cause of the exit records, then the lowest rank), or a
+            rank ended without a result.
     """
     import cloudpickle
 
@@ -145,9 +146,13 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
             errors.append((rank, item[1], item[2]))
     hosts_by_rank = {e.rank: e.host for e in result.exits}
     if errors:
-        # The rank whose failure caused the others' (from the exit records) is named first.
+        # Named first: a rank whose error is its own rather than "a peer left" (HorovodShutdownError,
+        # a transport failure), then the root cause of the exit records, then the lowest rank.
+        from horovod.common.lifecycle import classify
+
         root = result.first_failure
-        errors.sort(key=lambda e: e[0] != (root.rank if root is not None else None))
+        errors.sort(key=lambda e: (classify(e[1]) == "consequence",
+                                   e[0] != (root.rank if root is not None else None)))
         rank, exc, tb = errors[0]
         others = f" (ranks {[r for r, _, _ in errors]} raised)" if len(errors) > 1 else ""
         raise WorkerFailedError(

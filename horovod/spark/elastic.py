@@ -31,10 +31,22 @@ __all__ = ["run_elastic", "SparkAgents"]
 
 log = logging.getLogger("horovod.spark")
 
-# An agent whose heartbeat has not changed for this long is taken as lost (its executor died).
+# An agent whose heartbeat has not changed for this long is taken as lost (its executor died);
+# HOROVOD_SPARK_AGENT_TIMEOUT sets it (raise it on clusters whose executors stall for GC).
 AGENT_STALE_SECONDS = 5.0
 # Spark task attempts looked for per partition (spark.task.maxFailures is 4 by default).
 MAX_ATTEMPTS = 16
+
+
+def agent_timeout() -> float:
+    """``HOROVOD_SPARK_AGENT_TIMEOUT`` seconds, else 5."""
+    import os
+
+    raw = os.environ.get("HOROVOD_SPARK_AGENT_TIMEOUT")
+    try:
+        return float(raw) if raw else AGENT_STALE_SECONDS
+    except ValueError as exc:
+        raise ConfigError(f"HOROVOD_SPARK_AGENT_TIMEOUT={raw!r} is not a number of seconds.") from exc
 
 
 class SparkAgents:
@@ -132,7 +144,7 @@ class _ElasticJob:
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, executable=executable, timestamp=timestamp,
                             start_timeout=start_timeout)
-        self.agents = SparkAgents(self.server.get, self.num_tasks)
+        self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())
         self.driver = ElasticDriver(HostManager(self.agents, None), num_proc, min_np, max_np,
                                     self.start_worker, put_kv=self.job.put,
                                     timeout=elastic_timeout, reset_limit=reset_limit,
@@ -251,10 +263,33 @@ class _ElasticJob:
                 spark.join(10)
             self.job.stop()
         if result.error is not None:
-            raise WorkerFailedError(f"horovod.spark.run_elastic: the elastic job failed: "
-                                    f"{result.error}\n({result.rounds} round(s), {result.resets} "
-                                    "reset(s))", events=result.events, resets=result.resets)
+            raise self._failure(result)
         return self._results(result.final_ranks)
+
+    def _failure(self, result: Any) -> WorkerFailedError:
+        """The driver's reason, and the first worker that raised with its traceback."""
+        import cloudpickle
+
+        from horovod.runner.run_task import RESULT_SCOPE
+
+        raised = []
+        for key in self.driver.workers:
+            raw = self.server.get(RESULT_SCOPE, key_name(key))
+            if raw is not None:
+                item = cloudpickle.loads(raw)
+                if item[0] == "error":
+                    raised.append((key, item[1], item[2]))
+        text = (f"horovod.spark.run_elastic: the elastic job failed: {result.error}\n"
+                f"({result.rounds} round(s), {result.resets} reset(s))")
+        if not raised:
+            return WorkerFailedError(text, events=result.events, resets=result.resets)
+        key, exc, tb = raised[0]
+        others = f" (also raised: {', '.join(key_name(k) for k, _, _ in raised[1:])})" if raised[1:] else ""
+        err = WorkerFailedError(f"{text}\nworker {key_name(key)} raised {type(exc).__name__}: {exc}"
+                                f"{others}\n{tb}", events=result.events, resets=result.resets,
+                                exception=exc, host=key[0])
+        err.__cause__ = exc
+        return err
 
     def _results(self, final_ranks: dict[Key, int]) -> list[Any]:
         import cloudpickle

@@ -114,6 +114,21 @@ def _elastic_train(steps: int, marker: str) -> tuple:
     return loop(state)
 
 
+def _elastic_raise() -> None:
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    state = hvd.elastic.TorchState(torch.nn.Linear(1, 1), step=0)
+
+    @hvd.elastic.run
+    def loop(state: hvd.elastic.TorchState) -> None:
+        raise ValueError("elastic boom")
+
+    loop(state)
+
+
 def test_run_results_in_rank_order_topology_and_output(spark):
     out, err = io.StringIO(), io.StringIO()
     results = horovod.spark.run(_topology, args=("x",), num_proc=2, stdout=out, stderr=err,
@@ -176,16 +191,33 @@ def test_run_killed_executor_fails_clearly(spark):
     assert "run_elastic" in text
 
 
-def test_run_elastic_survives_a_killed_executor(spark, tmp_path, capsys):
+def test_run_elastic_raising_worker_fails_with_its_traceback(spark):
+    with pytest.raises(WorkerFailedError) as info:
+        horovod.spark.run_elastic(_elastic_raise, num_proc=2, elastic_timeout=60,
+                                  stdout=io.StringIO(), stderr=io.StringIO())
+    assert isinstance(info.value.exception, ValueError)
+    assert "elastic boom" in str(info.value) and "_elastic_raise" in str(info.value)
+
+
+def test_run_elastic_survives_a_killed_executor(spark, tmp_path):
+    import logging
+
     marker = str(tmp_path / "killed")
-    results = horovod.spark.run_elastic(_elastic_train, args=(120, marker), num_proc=2,
-                                        min_num_proc=1, max_num_proc=2, elastic_timeout=60,
-                                        stdout=io.StringIO())
+    events = io.StringIO()
+    handler = logging.StreamHandler(events)
+    logging.getLogger("horovod.runner.elastic").addHandler(handler)
+    try:
+        results = horovod.spark.run_elastic(_elastic_train, args=(120, marker), num_proc=2,
+                                            min_num_proc=1, max_num_proc=2, elastic_timeout=60,
+                                            stdout=io.StringIO(), stderr=io.StringIO())
+    finally:
+        logging.getLogger("horovod.runner.elastic").removeHandler(handler)
     assert os.path.exists(marker)  # rank 1 did kill its executor
     assert results and [r[0] for r in results] == list(range(len(results)))
     assert all(r[2] == 120 for r in results)
     for r in results[1:]:
         np.testing.assert_array_equal(r[3], results[0][3])
-    log = capsys.readouterr().err
-    assert "its executor is lost" in log or "failed (killed by signal 9" in log
-    assert "training resumes with 1 workers" in log
+    log = events.getvalue()
+    # the lost executor's worker counted as killed; the job went on after a reset
+    assert "failed (killed by signal 9 (SIGKILL))" in log
+    assert "(reset 1; state synced from rank 0)" in log

@@ -111,14 +111,14 @@ def test_run_refuses_mpi_with_a_clear_error():
         horovod.spark.run(lambda: 0, num_proc=2, use_mpi=True, use_gloo=True)
 
 
-def test_run_without_spark_context_says_so():
+def test_run_without_spark_context_says_so(monkeypatch):
     pytest.importorskip("pyspark")
     from pyspark import SparkContext
 
     import horovod.spark
 
-    if SparkContext._active_spark_context is not None:
-        pytest.skip("a SparkContext is active in this process")
+    # (the Spark tests' session may be active in this process: hide it)
+    monkeypatch.setattr(SparkContext, "_active_spark_context", None)
     with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
         horovod.spark.run(lambda: 0, num_proc=2)
     with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
