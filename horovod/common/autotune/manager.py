@@ -174,7 +174,7 @@ class ParameterManager:
         self.applied.append((self._observed, params))
         if self._on_change is not None and params != old:
             self._on_change(old, params)
-        self._seen.clear()
+        # self._seen is kept: it holds the names of the step now under way.
         self._steps = 0
         self._bytes = 0
         self._step_times.clear()

@@ -136,6 +136,13 @@ def test_steps_are_counted_by_repeated_names(tmp_path):
     assert len(m.history) == 1
 
 
+def test_every_step_counts_when_a_sample_ends_inside_a_round(tmp_path):
+    m, t, step, _ = _manager(tmp_path, lambda t: 1.0, warmup_samples=0, steps_per_sample=1, max_samples=50)
+    for _ in range(6):  # each round holds a whole step: the repeat of "a" ends the previous one
+        m.observe([_resp("a"), _resp("b")])
+    assert len(m.history) == 5
+
+
 def test_explicit_settings_and_one_host_keep_knobs_fixed():
     cfg = EngineConfig.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "3"})
     m = from_config(cfg, Tunables.from_config(cfg), 1, lambda x: x, {"HOROVOD_CYCLE_TIME": "3"}, False)
