@@ -78,6 +78,17 @@ def _client(spec: JobSpec) -> Any:
     return RendezvousClient(spec.addr, spec.port, spec.secret)
 
 
+def _worker_command(spec: JobSpec, env: dict[str, str], ranks: tuple[int, ...], host: str) -> Any:
+    """The worker shim running ``python -m horovod.runner.run_task`` with this executor's
+    environment plus ``env``; stdin is its life line (the rank dies with this task)."""
+    from horovod.runner.launchers.base import Command, shim_argv
+
+    python = spec.executable or sys.executable
+    return Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"], python=python,
+                                  watch_stdin=True),
+                   env={**os.environ, **env}, ranks=ranks, host=host, lifeline=True)
+
+
 def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str, str],
              ) -> dict[str, Any]:
     """Start rank ``rank`` here under the worker shim, forward its output, wait for its end.
@@ -89,13 +100,9 @@ def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str
     ``signal``, ``time``, ``record``, ``stderr_tail``).
     """
     from horovod.runner.elastic.workers import WorkerProcess
-    from horovod.runner.launchers.base import Command, shim_argv
     from horovod.spark.output import RemoteOutput
 
-    python = spec.executable or sys.executable
-    cmd = Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"], python=python,
-                                 watch_stdin=True),
-                  env={**os.environ, **env}, ranks=(rank,), host=host, lifeline=True)
+    cmd = _worker_command(spec, env, (rank,), host)
     client = _client(spec)
     output = RemoteOutput(client.put, rank)
     tail: list[str] = []
@@ -197,7 +204,6 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     from pyspark import TaskContext
 
     from horovod.runner.elastic.workers import WorkerProcess
-    from horovod.runner.launchers.base import Command, shim_argv
     from horovod.spark.output import RemoteOutput
 
     ctx = TaskContext.get()
@@ -220,7 +226,6 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
                     stop.set()
 
     threading.Thread(target=heartbeat, daemon=True, name="hvd-spark-heartbeat").start()
-    python = spec.executable or sys.executable
     proc: WorkerProcess | None = None
     output = RemoteOutput(client.put, agent)
     n = 0
@@ -243,11 +248,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
                     client.put(EXIT_SCOPE, f"{agent}.{seq}",
                                json.dumps({"code": code, "signal": sig}).encode())
 
-                command = Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"],
-                                                 python=python, watch_stdin=True),
-                                  env={**os.environ, **cmd["env"]}, ranks=(), host=agent,
-                                  lifeline=True)
-                proc = WorkerProcess(command, agent, lambda: None, on_exit,
+                proc = WorkerProcess(_worker_command(spec, cmd["env"], (), agent), agent, lambda: None, on_exit,
                                      stdout=output.stdout, stderr=output.stderr)  # type: ignore[arg-type]
             elif cmd["op"] == "stop" and proc is not None:
                 proc.stop(grace=float(cmd.get("grace", 5.0)))
