@@ -173,6 +173,16 @@ def test_device_plane_collectives_on_cpu_twin(np_):
     assert results == [[]] * np_, "\n".join(x for res in results for x in res)
 
 
+def test_device_plane_collectives_under_the_gloo_launcher():
+    """Under horovodrun --gloo the job's transport is itself torch.distributed: the plane's own
+    process groups and stores must live beside it."""
+    import sys
+
+    gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", "2"]
+    results = run_ranks(_collective_cases, np=2, timeout=180, env=TWIN, launcher=gloo)
+    assert results == [[]] * 2, "\n".join(x for res in results for x in res)
+
+
 def _mixed_join_and_errors():
     import numpy as np
     import torch
