@@ -124,7 +124,7 @@ class _ElasticJob:
                  kwargs: dict[str, Any], num_proc: int, min_np: int, max_np: int,
                  start_timeout: float, elastic_timeout: float, reset_limit: int | None,
                  env: dict[str, str] | None, stdout: IO[str] | None, stderr: IO[str] | None,
-                 nics: list[str], timestamp: bool, executable: str | None) -> None:
+                 nics: list[str], timestamp: bool) -> None:
         import cloudpickle
 
         from horovod.runner.elastic.discovery import HostManager
@@ -142,8 +142,7 @@ class _ElasticJob:
         self.server = self.job.server
         self.server.put(FUNC_SCOPE, "func", cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
-                            num_proc=num_proc, executable=executable, timestamp=timestamp,
-                            start_timeout=start_timeout)
+                            num_proc=num_proc, timestamp=timestamp, start_timeout=start_timeout)
         self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())
         self.driver = ElasticDriver(HostManager(self.agents, None), num_proc, min_np, max_np,
                                     self.start_worker, put_kv=self.job.put,
@@ -163,7 +162,6 @@ class _ElasticJob:
 
         self.pump = OutputPump(self.server.get, self.server.pop, stdout, stderr, fmt)
         self.group = f"horovod.spark.run_elastic.{uuid.uuid4().hex[:12]}"
-        self.spark_error: BaseException | None = None
         self.done = threading.Event()
 
     def command(self, agent: str, cmd: dict[str, Any]) -> None:
@@ -228,8 +226,7 @@ class _ElasticJob:
                                 "processes", interruptOnCancel=True)
             rdd = self.sc.parallelize(range(self.num_tasks), self.num_tasks)
             rdd.mapPartitions(lambda it: elastic_agent(spec, it)).collect()
-        except BaseException as exc:  # noqa: BLE001 - reported on the calling thread
-            self.spark_error = exc
+        except BaseException as exc:  # noqa: BLE001 - ends the driver, which reports it
             if not self.done.is_set():
                 from horovod.spark.runner import spark_failure_reason
 
@@ -366,5 +363,5 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
                       max_num_proc, float(start_timeout or default_start_timeout()),
                       float(elastic_timeout), reset_limit, env, stdout, stderr,
                       sorted(nics) if isinstance(nics, set) else list(nics or []),
-                      prefix_output_with_timestamp, None)
+                      prefix_output_with_timestamp)
     return job.run()
