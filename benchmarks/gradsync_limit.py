@@ -11,6 +11,8 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
   raw-chunk-<k>MiB  mpi4py: the flat buffer cut into k MiB pieces, each reduced in place and divided
                     while hot in cache (k = 1, 2, 4, 8, 16, 32); the best of these is "the limit"
   numpy             horovod.numpy allreduce_async of each array (op=Average), then synchronize each
+  numpy-unchunked   the same with HOROVOD_CHUNK_BYTES=0 (one transport call per fusion buffer and per
+                    large tensor: the engine before piecewise reductions)
   torch-async       horovod.torch allreduce_async_ of each tensor (op=Average), then synchronize each
                     (what DistributedOptimizer does)
   torch-grouped     horovod.torch grouped_allreduce_ of all tensors (op=Average)
@@ -113,6 +115,18 @@ def main() -> None:
                 for h in hs:
                     hvd.synchronize(h)
         modes["numpy"] = hvd_numpy
+        if not latency:
+            from horovod.common.context import get_context
+
+            tunables = get_context().engine.tunables
+
+            def hvd_numpy_unchunked() -> None:
+                saved, tunables.chunk_bytes = tunables.chunk_bytes, 0  # every rank, between barriers
+                try:
+                    hvd_numpy()
+                finally:
+                    tunables.chunk_bytes = saved
+            modes["numpy-unchunked"] = hvd_numpy_unchunked
 
     if "torch" in frameworks:
         import torch

@@ -21,6 +21,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+SUPERSEDED = ("> The gradient-set comparison below is against raw *one flat buffer* / *one call per tensor*, "
+              "not the best raw schedule; since piecewise reductions (HOROVOD_CHUNK_BYTES) the comparison that "
+              "counts is [limit.md](limit.md) (`benchmarks/run_limit.py`: every binding vs the best raw "
+              "schedule, same run).\n\n")
+
 
 def run(np_: int, suite: str, reps: int, models: str) -> list[dict]:
     sys.path.insert(0, ROOT)
@@ -137,7 +142,7 @@ def main() -> None:
         with open(os.path.join(a.out, "core.json"), "w") as f:
             json.dump({"when": stamp, "host": platform.node(), "cpus": os.cpu_count(), "rows": rows}, f,
                       indent=1)
-    md = (f"# Core engine vs raw mpi4py\n\nMeasured {stamp} on {os.cpu_count()} CPU cores "
+    md = (f"# Core engine vs raw mpi4py\n\n{SUPERSEDED}Measured {stamp} on {os.cpu_count()} CPU cores "
           f"({platform.machine()}), Open MPI via mpi4py, `python benchmarks/run_core.py --np {a.np}`.\n\n"
           + table(rows) + "\n![core benchmark](core.png)\n")
     with open(os.path.join(a.out, "core.md"), "w") as f:
