@@ -161,12 +161,16 @@ class _Job:
                 self.pump.pump(list(range(self.num_proc)))
                 if len(started) < self.num_proc:
                     started = self.started()
+                    if len(started) == self.num_proc:
+                        log.debug("all %d tasks started after %.2f s", self.num_proc,
+                                  time.monotonic() - t0)
                 self.assign(started)
                 if time.monotonic() - t0 > self.start_timeout:
                     if len(started) < self.num_proc:
                         self._cancel()
                         raise self._start_timeout_error(len(started))
             self.pump.pump(list(range(self.num_proc)))
+            log.debug("the Spark job ended after %.2f s", time.monotonic() - t0)
             started = self.started()
             if self.spark_error is not None:
                 raise self._spark_failure(started)

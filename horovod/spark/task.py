@@ -78,15 +78,24 @@ def _client(spec: JobSpec) -> Any:
     return RendezvousClient(spec.addr, spec.port, spec.secret)
 
 
+def task_pythonpath() -> str:
+    """The import path this task has beyond the interpreter's own: what Spark added (``--py-files``
+    and ``addPyFile`` files, the executor's ``PYTHONPATH``), so the rank imports what the task can."""
+    own = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    return os.pathsep.join(dict.fromkeys(p for p in sys.path if p and not p.startswith(own)))
+
+
 def _worker_command(spec: JobSpec, env: dict[str, str], ranks: tuple[int, ...], host: str) -> Any:
     """The worker shim running ``python -m horovod.runner.run_task`` with this executor's
-    environment plus ``env``; stdin is its life line (the rank dies with this task)."""
+    environment, this task's import path, and ``env``; stdin is its life line (the rank dies with
+    this task)."""
     from horovod.runner.launchers.base import Command, shim_argv
 
     python = spec.executable or sys.executable
     return Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"], python=python,
                                   watch_stdin=True),
-                   env={**os.environ, **env}, ranks=ranks, host=host, lifeline=True)
+                   env={**os.environ, "PYTHONPATH": task_pythonpath(), **env}, ranks=ranks,
+                   host=host, lifeline=True)
 
 
 def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str, str],

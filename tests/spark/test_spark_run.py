@@ -30,6 +30,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "spark"
 
 
 def _topology(tag: str) -> tuple:
+    import hvd_spark_shipped  # shipped with SparkContext.addPyFile: on the task's path only
     import numpy as np
 
     import horovod.numpy as hvd
@@ -38,7 +39,8 @@ def _topology(tag: str) -> tuple:
     total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)
     print(f"hello from rank {hvd.rank()}", flush=True)
     out = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
-           hvd.cross_size(), float(total[0]), tag, os.environ.get("MY_SPARK_TEST_VAR"))
+           hvd.cross_size(), float(total[0]), tag, os.environ.get("MY_SPARK_TEST_VAR"),
+           hvd_spark_shipped.VALUE)
     hvd.shutdown()
     return out
 
@@ -129,12 +131,16 @@ def _elastic_raise() -> None:
     loop(state)
 
 
-def test_run_results_in_rank_order_topology_and_output(spark):
+def test_run_results_in_rank_order_topology_and_output(spark, tmp_path):
+    shipped = tmp_path / "hvd_spark_shipped.py"
+    shipped.write_text("VALUE = 'shipped'\n")
+    spark.sparkContext.addPyFile(str(shipped))
     out, err = io.StringIO(), io.StringIO()
     results = horovod.spark.run(_topology, args=("x",), num_proc=2, stdout=out, stderr=err,
                                 env={"MY_SPARK_TEST_VAR": "42"}, start_timeout=60)
     # both executors are on this machine: one host, local ranks 0 and 1
-    assert results == [(0, 2, 0, 2, 0, 1, 3.0, "x", "42"), (1, 2, 1, 2, 0, 1, 3.0, "x", "42")]
+    assert results == [(0, 2, 0, 2, 0, 1, 3.0, "x", "42", "shipped"),
+                       (1, 2, 1, 2, 0, 1, 3.0, "x", "42", "shipped")]
     lines = out.getvalue().splitlines()
     assert "[0]<stdout>:hello from rank 0" in lines
     assert "[1]<stdout>:hello from rank 1" in lines
@@ -170,7 +176,7 @@ def test_run_raising_rank_fails_with_its_traceback(spark):
 def test_run_too_few_slots_is_an_error_within_start_timeout(spark):
     t0 = time.monotonic()
     with pytest.raises(SparkStartTimeoutError) as info:
-        horovod.spark.run(_topology, args=("x",), num_proc=3, start_timeout=3,
+        horovod.spark.run(_raise_on_rank_1, num_proc=3, start_timeout=3,
                           stderr=io.StringIO())
     elapsed = time.monotonic() - t0
     assert elapsed < 15
