@@ -256,3 +256,12 @@ def test_notify_when_ready_lets_members_train_while_new_workers_start() -> None:
     h.ready(("a", 0), reason="added")
     h.step()
     assert h.d.round == 1 and h.ranks() == {("a", 0): 0, ("b", 0): 1}
+
+
+def test_abort_ends_the_job_with_the_launchers_reason() -> None:
+    h = Harness({"a": 2}, np=2, min_np=1)
+    h.d.abort("the Spark job of the elastic agents failed: executor lost")
+    result = h.d.run()
+    assert result.error == "the Spark job of the elastic agents failed: executor lost"
+    h.d.abort("a second reason")  # once over, the first reason stays
+    assert h.d.error == "the Spark job of the elastic agents failed: executor lost"
