@@ -499,6 +499,12 @@ class TorchPlane:
         entry.outputs = outputs
 
     # ------------------------------------------------------------------ teardown
+    def free_group(self, group: Group) -> None:
+        for key in [k for k in self._groups if k[0] is group]:
+            with contextlib.suppress(Exception):
+                self._groups.pop(key).pg.shutdown()
+        self._stores.pop(group, None)
+
     def close(self) -> None:
         groups, self._groups = self._groups, {}
         for g in groups.values():

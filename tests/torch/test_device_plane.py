@@ -157,6 +157,15 @@ def _collective_cases():
         got = hvd.broadcast(torch.full((2,), float(r)), n - 1, name="ps.bc", process_set=ps)
         check("broadcast(process set)", got, torch.full((2,), n - 1.0))
     hvd.barrier()
+    from horovod.common.context import get_context
+
+    plane = get_context().engine._executor.planes._planes["torch"]
+    had = any(k[0].ranks == members for k in plane._groups)
+    hvd.remove_process_set(ps)
+    if r in members and not had:
+        bad.append(f"rank {r}: the process set's operations did not make a plane process group")
+    if any(k[0].ranks == members for k in plane._groups):
+        bad.append(f"rank {r}: the plane kept the removed process set's process group")
     # differentiable ops keep working on the plane
     w = torch.full((3,), float(r + 1), requires_grad=True)
     hvd.allreduce(w, op=hvd.Sum, name="grad.ar").sum().backward()

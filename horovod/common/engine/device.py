@@ -50,6 +50,9 @@ class DevicePlane(Protocol):
         every member of ``group``.
         """
 
+    def free_group(self, group: Group) -> None:
+        """Release what the plane made for ``group`` (its process set was removed on every rank)."""
+
     def close(self) -> None:
         """Release process groups and buffers (the engine has stopped)."""
 
@@ -86,6 +89,10 @@ class Planes:
         if plane is None:
             plane = self._planes[name] = _FACTORIES[name](self._executor)
         plane.run(batch, entries, group)
+
+    def free_group(self, group: Group) -> None:
+        for plane in self._planes.values():
+            plane.free_group(group)
 
     def close(self) -> None:
         planes, self._planes = self._planes, {}

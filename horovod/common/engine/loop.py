@@ -531,6 +531,7 @@ class Engine:
             ps_id = int(first.request.payload)
             g = self.groups.pop(ps_id, None)
             if g is not None:
+                self._executor.planes.free_group(g)
                 self.backend.free_group(g)
             if self._on_ps_removed is not None:
                 self._on_ps_removed(ps_id)

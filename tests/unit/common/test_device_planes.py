@@ -31,6 +31,9 @@ class _Plane:
         for e in entries:
             e.outputs = ["from the plane"]
 
+    def free_group(self, group):
+        self.freed = group
+
     def close(self):
         self.closed = True
 
@@ -54,6 +57,9 @@ def test_executor_sends_plane_batches_to_their_plane_and_host_batches_to_the_bac
     resp, entry = _entry("allreduce.c", "fakeplane:gpu")
     ex.run([resp], [entry], False)
     assert len(made) == 1 and len(made[0].batches) == 2  # one plane per executor, made once
+    g = Group([0], 0, None)
+    ex.planes.free_group(g)
+    assert made[0].freed is g
     ex.planes.close()
     assert made[0].closed
 
