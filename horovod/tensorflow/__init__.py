@@ -58,6 +58,7 @@ from horovod.common.basics import (
     start_timeline,
     stop_timeline,
 )
+from horovod.common.collectives import check_adasum
 from horovod.common.collectives import resolve_op as _resolve_op
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.process_sets import (
@@ -142,6 +143,14 @@ def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
     return ext_base_name == "torch" and bool(cuda_built())
 
 
+def _check_adasum(op: ReduceOp, process_set: ProcessSet | None) -> None:
+    """Upstream's Adasum preconditions, raised in Python (at trace time inside ``tf.function``)."""
+    if op == ReduceOp.ADASUM:
+        ps_id = 0 if process_set is None else process_set.process_set_id
+        if ps_id is not None:
+            check_adasum(ps_id, "float32")
+
+
 def _check_sparse(op: ReduceOp, prescale_factor: float, postscale_factor: float) -> None:
     if op == ReduceOp.ADASUM:
         raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
@@ -175,6 +184,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
         with tf.device(device_sparse):
             return _sparse_allreduce([tensor], op, process_set, name=name,
                                      ignore_name_scope=ignore_name_scope)[0]
+    _check_adasum(op, process_set)
     with tf.device(device_dense):
         compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
         reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
@@ -209,6 +219,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
         for i, r in zip(sparse, res):
             out[i] = r
     if dense:
+        _check_adasum(op, process_set)
         with tf.device(device_dense):
             pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
             reduced = _grouped_allreduce([p[0] for p in pairs], name=name, op=op,

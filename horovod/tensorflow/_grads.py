@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from horovod.common.collectives import check_adasum
 from horovod.common.elastic import worker as _elastic_worker
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import ReduceOp
@@ -151,6 +152,8 @@ def make_allreduce_grads_fn(name: str | None, device_dense: str, device_sparse: 
         if sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         ps = process_set if process_set is not None else global_process_set
+        if op == ReduceOp.ADASUM and ps.process_set_id is not None:  # at trace time, as upstream
+            check_adasum(ps.process_set_id, "float32")
         # An elastic job may grow after a function is traced at size 1: keep the allreduce.
         if not ps.included() or (ps.size() == 1 and not _elastic_worker.is_elastic()):
             return grads

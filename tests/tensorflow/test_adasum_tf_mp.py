@@ -84,3 +84,32 @@ def _cases():
 def test_adasum_tensorflow_np2():
     for bad in run_ranks(_cases, np=2, timeout=240):
         assert bad == []
+
+
+def _rules_np3():
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    bad = []
+    cases = {
+        "eager": lambda: hvd.allreduce(tf.ones(3), op=hvd.Adasum),
+        "tf.function": lambda: tf.function(lambda x: hvd.allreduce(x, op=hvd.Adasum))(tf.ones(3)),
+        "grouped": lambda: hvd.grouped_allreduce([tf.ones(3)], op=hvd.Adasum),
+    }
+    for label, fn in cases.items():
+        try:
+            fn()
+            bad.append(f"rank {hvd.rank()}: {label} Adasum on 3 ranks did not raise")
+        except NotImplementedError as exc:  # as upstream: a Python error, also while tracing
+            if "non-power of 2 ranks" not in str(exc):
+                bad.append(f"rank {hvd.rank()}: {label}: {exc}")
+    if hvd.allreduce(tf.ones(2), op=hvd.Sum).numpy().tolist() != [3.0, 3.0]:
+        bad.append(f"rank {hvd.rank()}: engine broken after the refused calls")
+    return bad
+
+
+def test_adasum_tensorflow_non_power_of_two_np3():
+    for bad in run_ranks(_rules_np3, np=3, timeout=180):
+        assert bad == []
