@@ -6,8 +6,10 @@ import ast
 from pathlib import Path
 
 RUNNER = Path(__file__).resolve().parents[3] / "horovod" / "runner"
+# lifecycle: the launcher classifies a rank's exception chain ("its own" or "a peer left") with the same
+# rules the rank used; the module imports only exceptions at top level.
 ALLOWED_COMMON = {"horovod.common.config", "horovod.common.exceptions", "horovod.common.types",
-                  "horovod.common.rendezvous"}
+                  "horovod.common.rendezvous", "horovod.common.lifecycle"}
 
 
 def imported_modules(path: Path) -> list[tuple[str, bool]]:
