@@ -7,7 +7,8 @@ Run under mpirun or horovodrun; rank 0 prints one JSON line per mode:
 
 Modes, each with its own copy of the same model and batch (every iteration runs each mode for
 ``--batches`` steps, in turn, so machine noise hits them alike):
-  hvd    hvd.DistributedOptimizer (allreduce from gradient hooks during backward)
+  hvd    hvd.DistributedOptimizer (allreduce from gradient hooks during backward), default settings
+  hvd-overlap / hvd-held  the same with Tunables.overlap forced on / off (HOROVOD_OVERLAP_GRADIENTS=1 / 0)
   ddp    torch.nn.parallel.DistributedDataParallel on a Gloo process group
   local  the same step without any communication (each rank's compute-only speed)
 
@@ -104,6 +105,31 @@ def main() -> None:
             F.cross_entropy(m_hvd(data), target).backward()
             opt.step()
         steps["hvd"] = hvd_step
+    if "hvd-overlap" in modes or "hvd-held" in modes:
+        from horovod.common.context import get_context
+
+        tunables = get_context().engine.tunables
+        torch.manual_seed(0)
+        m_ov = build_model(args)
+        opt_ov = hvd.DistributedOptimizer(torch.optim.SGD(m_ov.parameters(), lr=0.01),
+                                          named_parameters=m_ov.named_parameters())
+        hvd.broadcast_parameters(m_ov.state_dict(), 0)
+
+        def forced_step(overlap: bool):
+            def step() -> None:
+                # Every rank switches at the same point (the timing loop's barrier precedes the mode).
+                saved, tunables.overlap = tunables.overlap, overlap
+                try:
+                    opt_ov.zero_grad()
+                    F.cross_entropy(m_ov(data), target).backward()
+                    opt_ov.step()
+                finally:
+                    tunables.overlap = saved
+            return step
+        if "hvd-overlap" in modes:
+            steps["hvd-overlap"] = forced_step(True)
+        if "hvd-held" in modes:
+            steps["hvd-held"] = forced_step(False)
     if "ddp" in modes:
         import torch.distributed as dist
 

@@ -69,6 +69,24 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
+_HUGE_PAGE = 2 * 1024 * 1024
+
+
+def huge_page_empty(nbytes: int) -> np.ndarray:
+    """Uninitialised bytes starting on a 2 MiB boundary, backed by transparent huge pages where the
+    kernel allows them.
+
+    NumPy asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) for allocations of 4 MiB and
+    more; the aligned start lets whole 2 MiB pieces sit on one huge page each. A reduction piece on
+    huge pages is up to twice as fast as one on 4 KiB pages (Open MPI's single-copy transfer pins
+    every page; measured with ResNet-50 gradients at np=2: 13 ms packed on huge pages vs 20 ms on
+    4 KiB pages vs 27 ms in the tensors' own memory, raw flat buffer 10.5 ms).
+    """
+    raw = np.empty(max(nbytes + _HUGE_PAGE, 2 * _HUGE_PAGE), np.uint8)
+    off = (-raw.__array_interface__["data"][0]) % _HUGE_PAGE
+    return raw[off:off + nbytes]
+
+
 def reducescatter_rows(n: int, parts: int) -> list[int]:
     """Rows per member when ``n`` rows are split over ``parts`` members (first ones get one more)."""
     base, extra = divmod(n, parts)
@@ -174,7 +192,7 @@ class Executor:
     def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
         buf = self._buffers.get(dtype.str)
         if buf is None or buf.size < n:
-            buf = np.empty(max(n, 1024), dtype)
+            buf = huge_page_empty(max(n, 1024) * dtype.itemsize).view(dtype)
             self._buffers[dtype.str] = buf
         return buf[:n]
 

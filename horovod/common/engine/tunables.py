@@ -54,7 +54,7 @@ class Tunables:
     """The knobs an autotuner may change at run time (see the module docstring)."""
 
     fusion_threshold: int = 128 * 1024 * 1024
-    max_tensor_bytes: int = 256 * 1024
+    max_tensor_bytes: int = 128 * 1024 * 1024
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     cycle_time_ms: float = 1.0
     cache_enabled: bool = True
