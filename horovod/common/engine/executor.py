@@ -1,8 +1,8 @@
 """Run planned batches of responses on the data transport and fill in each entry's outputs.
 
-Called only from the engine thread. Tensors of at most ``max_tensor_bytes`` in a batch are packed
-into one reusable fusion buffer per dtype; larger ones are reduced straight into their outputs (in
-place when the output is the input; else MPI reads the input and writes the output).
+Called only from the engine thread. Reductions run piece by piece (``Tunables.chunk_bytes``):
+tensors of at most ``max_tensor_bytes`` in a batch are packed into one reusable, huge-page-backed
+fusion buffer per dtype, a piece at a time; larger ones are reduced in their own memory.
 Dtypes the transport cannot reduce (float16) are widened to float32 for the reduction. For data
 movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned integers of
 the same width.

@@ -1,9 +1,9 @@
 """Fusion planning: group this round's responses into batches that share one transport call. PURE.
 
 Every rank plans the same response list with the same settings, so every rank gets the same
-batches in the same order. Inside a batch the executor packs tensors of at most
-``max_tensor_bytes`` into the fusion buffer and sends larger ones in place (copying a large
-tensor twice costs more than one more transport call).
+batches in the same order. Inside a batch the executor reduces the tensors piece by piece
+(``chunk_bytes``), packing tensors of at most ``max_tensor_bytes`` into the fusion buffer and
+reducing larger ones in their own memory (see ``executor.py``).
 """
 
 from __future__ import annotations
