@@ -35,9 +35,9 @@ class GaussianProcess:
     def __init__(self, length_scale: float = 0.3, noise: float = 0.8) -> None:
         self.length_scale = length_scale
         self.noise = max(noise, 1e-6)
-        self._x = np.zeros((0, 0))
+        self._x: np.ndarray = np.zeros((0, 0))
         self._alpha = np.zeros(0)
-        self._chol = np.zeros((0, 0))
+        self._chol: np.ndarray = np.zeros((0, 0))
         self._mean = 0.0
         self._std = 1.0
 

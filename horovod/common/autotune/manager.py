@@ -188,7 +188,7 @@ class ParameterManager:
             self.history.append({**params, "score": score, "phase": "warmup"})
             return params, True
         assert self._bo is not None
-        self._bo.add(self._current, score)
+        self._bo.add([float(v) for v in self._current], score)
         self.history.append({**params, "score": score, "phase": "sample"})
         self._write(params, score)
         if len(self._bo.ys) >= self.max_samples:

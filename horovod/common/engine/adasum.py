@@ -88,9 +88,9 @@ def combine(a: np.ndarray, b: np.ndarray, acoeff: float, bcoeff: float) -> None:
         (np.float64, acoeff, bcoeff)
     for i in range(0, a.size, _PIECE):
         x = a[i:i + _PIECE]
-        t = x.astype(work)
+        t: np.ndarray = x.astype(work)
         t *= ca
-        u = b[i:i + _PIECE].astype(work)
+        u: np.ndarray = b[i:i + _PIECE].astype(work)
         u *= cb
         t += u
         np.copyto(x, t, casting="unsafe")

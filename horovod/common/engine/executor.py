@@ -384,9 +384,10 @@ class Executor:
         """The set's local and cross groups, made on first use (by all of the set's members, which
         run the same batch); None when the hierarchy does not apply (see ``hierarchy.host_layout``)."""
         key = tuple(group.ranks)
-        cached = self._hierarchies.get(key, False)
-        if cached is not False and (cached is None or cached.group is group):
-            return cached
+        if key in self._hierarchies:
+            cached = self._hierarchies[key]
+            if cached is None or cached.group is group:
+                return cached
         layout = None
         if self.hostnames is not None and hasattr(self.backend, "split_group"):
             layout = host_layout(group.ranks, self.hostnames)
