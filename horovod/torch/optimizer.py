@@ -400,9 +400,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         if groups is None:
             groups = num_groups
     if op == Adasum and size() > 1:  # upstream's delta optimizer (one rank: the plain wrapper)
-        if process_set != global_process_set:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
-        check_adasum(0, "float32", "DistributedOptimizer")
+        check_adasum(process_set.process_set_id, "float32", "DistributedOptimizer")
         cls = type(optimizer.__class__.__name__, (DistributedAdasumOptimizer, optimizer.__class__), {})
         names = _DistributedOptimizer._names(_ParamGroups(optimizer.param_groups), named_parameters)
         return cls(optimizer.param_groups, names, compression, backward_passes_per_step)
