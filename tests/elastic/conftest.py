@@ -22,6 +22,15 @@ sys.path.insert(0, str(WORKER.parent))
 from elastic_worker import reference  # noqa: E402
 
 
+def write_hosts(hosts_file: Path, content: str) -> None:
+    """Replace the discovery file atomically: the driver runs the discovery script on its own
+    schedule, and a plain rewrite lets it read an empty file in between, which removes every
+    host (the job then rightly stops)."""
+    tmp = hosts_file.with_name(hosts_file.name + ".tmp")
+    tmp.write_text(content)
+    os.replace(tmp, hosts_file)
+
+
 def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str],
                 timeout: float = 150, on_log: dict[str, str] | None = None,
                 popen: Callable[..., Any] | None = None,
@@ -54,7 +63,7 @@ def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str]
             err_lines.append(line)
             for text in list(pending):
                 if line.startswith("horovodrun:") and text in line:
-                    hosts_file.write_text(pending.pop(text))
+                    write_hosts(hosts_file, pending.pop(text))
 
     out_chunks: list[str] = []
 

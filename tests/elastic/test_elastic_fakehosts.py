@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from horovod.testing.fakehosts import FakeHosts
-from tests.elastic.conftest import check_training, driver_log, run_elastic
+from tests.elastic.conftest import check_training, driver_log, run_elastic, write_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts]
 
@@ -34,7 +34,7 @@ def test_host_killed_survivors_on_other_hosts_go_on(fakehosts_factory: Factory,
         m = re.search(r"COMMIT (\{.*\})", line)
         if m and json.loads(m.group(1))["step"] >= 8 and not killed.is_set():
             killed.set()
-            (tmp_path / "hosts").write_text(f"{h1}:1\n{h2}:1\n")
+            write_hosts(tmp_path / "hosts", f"{h1}:1\n{h2}:1\n")
             fh.kill_host_processes(h3, signal.SIGKILL)
 
     res, _ = run_elastic(tmp_path, f"{h1}:1\n{h2}:1\n{h3}:1\n", ["-np", "3", "--min-np", "2"],

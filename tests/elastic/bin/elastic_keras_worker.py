@@ -59,8 +59,9 @@ def main() -> None:
             content = hosts_at.get(str(step))
             marker = f"{os.environ.get('HOSTS_FILE', '')}.done{step}"
             if hvd.rank() == 0 and content is not None and not os.path.exists(marker):
-                with open(os.environ["HOSTS_FILE"], "w") as fh:
+                with open(os.environ["HOSTS_FILE"] + ".tmp", "w") as fh:
                     fh.write(content)
+                os.replace(os.environ["HOSTS_FILE"] + ".tmp", os.environ["HOSTS_FILE"])
                 open(marker, "w").close()
             if wait_for:
                 n, _, at = wait_for.partition("@")
