@@ -20,6 +20,7 @@ Two dtypes need a translation:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.distributed as _dist
 
 from horovod.common.context import peek_context
 from horovod.common.engine.device import gpu_transport
+from horovod.common.engine.pages import register_owner
 from horovod.common.types import ReduceOp, RequestType
 
 if _dist.is_available():
@@ -44,6 +46,20 @@ __all__ = ["reduce_input", "move_input", "reduce_output", "move_output", "check_
            "REDUCE_TORCH_DTYPES", "MOVE_TORCH_DTYPES", "DIRECT_DTYPES", "HOST_CUDA", "set_join_device"]
 
 HOST_CUDA = "host:cuda"
+# PyTorch's CPU allocator puts blocks of 2 MiB or more on transparent huge pages when this was set
+# as torch loaded (horovodrun sets it for its workers); see horovod.common.engine.pages.
+_THP_SETTING = os.environ.get("THP_MEM_ALLOC_ENABLE", "0").strip()
+_TORCH_THP = _THP_SETTING.isdigit() and int(_THP_SETTING) != 0  # as torch's atoi reads it
+_THP_MIN_BYTES = 2 * 1024 * 1024
+
+
+def _torch_memory_on_huge_pages(owner: Any) -> bool | None:
+    if not isinstance(owner, torch.Tensor):
+        return None
+    return _TORCH_THP and owner.untyped_storage().nbytes() >= _THP_MIN_BYTES
+
+
+register_owner(_torch_memory_on_huge_pages)
 
 # dtypes whose memory NumPy can view directly
 _DIRECT = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,

@@ -229,3 +229,49 @@ def test_average_rounds_like_upstream(np_):
     results = run_ranks(_average_rounding_cases, np=np_, timeout=120)
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
+
+
+def _mixed_memory_cases():
+    import numpy as np
+
+    import horovod.numpy as hvd
+    from horovod.common.engine.pages import huge_page_backed
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    # Large tensors (several 2 MiB pieces plus a tail) next to small ones. Even ranks own NumPy
+    # memory (huge pages: reduced in place), odd ranks hand in memory nobody vouches for (copied
+    # through the fusion buffer); the pieces must still pair up.
+    sizes = [7, (5 << 20) // 4 + 13, 1000, (3 << 20) // 4, 1]
+
+    def make(k: int, size: int) -> np.ndarray:
+        if r % 2 == 0:
+            return np.full(size, float(r + k), np.float32)
+        a = np.frombuffer(bytearray(size * 4), np.float32)
+        a[:] = r + k
+        return a
+
+    for in_place in (True, False):
+        xs = [make(k, s) for k, s in enumerate(sizes)]
+        if r % 2 and any(huge_page_backed(x) for x in xs):
+            bad.append(f"rank {r}: a bytearray was taken for huge-page memory")
+        if r % 2 == 0 and not huge_page_backed(xs[1]):
+            continue  # no huge pages on this kernel: nothing to mix
+        if in_place:
+            hs = [hvd.allreduce_async_(x, name=f"mixed.ip.{k}", op=hvd.Sum) for k, x in enumerate(xs)]
+        else:
+            hs = [hvd.allreduce_async(x, name=f"mixed.oop.{k}", op=hvd.Average) for k, x in enumerate(xs)]
+        for k, h in enumerate(hs):
+            got = hvd.synchronize(h)
+            want = sum(q + k for q in range(n)) / (1 if in_place else n)
+            if got.shape != (sizes[k],) or not np.all(got == np.float32(want)):
+                bad.append(f"rank {r}: {'in place' if in_place else 'out of place'} tensor {k} "
+                           f"({sizes[k]} floats): {np.unique(got)[:5]}, expected {want}")
+    return bad
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_ranks_holding_large_tensors_in_different_memory(np_):
+    results = run_ranks(_mixed_memory_cases, np=np_, timeout=120)
+    assert results == [[]] * np_, results

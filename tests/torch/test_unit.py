@@ -171,3 +171,17 @@ def test_sync_batch_norm_single_process_equals_batch_norm(hv):
     assert torch.allclose(sbn(x), bn(x))
     with pytest.raises(ValueError, match="expected at least 2D input"):
         sbn(torch.ones(3))
+
+
+def test_torch_memory_counts_as_huge_pages_only_with_thp_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from horovod.common.engine import pages
+    from horovod.torch import _convert
+
+    monkeypatch.setattr(pages, "_mode", "madvise")
+    big, small = torch.ones(1 << 20), torch.ones(1000)  # 4 MiB, 4 KB
+    monkeypatch.setattr(_convert, "_TORCH_THP", True)
+    assert pages.huge_page_backed(big.reshape(-1).numpy())
+    assert pages.huge_page_backed(big[5:].numpy())  # a view: the storage decides
+    assert not pages.huge_page_backed(small.numpy())
+    monkeypatch.setattr(_convert, "_TORCH_THP", False)
+    assert not pages.huge_page_backed(big.numpy())

@@ -1,8 +1,10 @@
 """Run planned batches of responses on the data transport and fill in each entry's outputs.
 
-Called only from the engine thread. Reductions run piece by piece (``Tunables.chunk_bytes``):
-tensors of at most ``max_tensor_bytes`` in a batch are packed into one reusable, huge-page-backed
-fusion buffer per dtype, a piece at a time; larger ones are reduced in their own memory.
+Called only from the engine thread. Reductions run piece by piece (``Tunables.chunk_bytes``): the
+whole pieces of large tensors are reduced one by one, in the tensor's own memory when that memory
+is on huge pages (``pages``), else copied through a reusable huge-page buffer; small tensors and
+the tails of large ones are packed together into the fusion buffer, a piece at a time. The pieces
+follow from the agreed shapes alone, so every rank makes the same transport calls.
 Dtypes the transport cannot reduce (float16) are widened to float32 for the reduction. For data
 movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned integers of
 the same width.
@@ -21,6 +23,7 @@ from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.device import Planes, is_plane
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.outputs import OutputPool
+from horovod.common.engine.pages import huge_page_backed
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
@@ -143,7 +146,7 @@ class Executor:
         self.hostnames = list(hostnames) if hostnames is not None else None
         self._timeline = timeline
         self._native = backend.reduce_dtypes()
-        self._buffers: dict[str, np.ndarray] = {}
+        self._buffers: dict[tuple[str, int], np.ndarray] = {}
         self._work: dict[str, np.dtype] = {}
         self._dtype_info: dict[str, tuple[np.dtype, np.dtype, bool]] = {}
         self._act = backend.name.upper() + "_"
@@ -189,11 +192,12 @@ class Executor:
         self.tunables.hierarchical_allgather = bool(value)
 
     # ------------------------------------------------------------------ helpers
-    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
-        buf = self._buffers.get(dtype.str)
+    def _fusion_buffer(self, dtype: np.dtype, n: int, slot: int = 0) -> np.ndarray:
+        key = (dtype.str, slot)
+        buf = self._buffers.get(key)
         if buf is None or buf.size < n:
             buf = huge_page_empty(max(n, 1024) * dtype.itemsize).view(dtype)
-            self._buffers[dtype.str] = buf
+            self._buffers[key] = buf
         return buf[:n]
 
     def _work_dtype(self, name: str) -> np.dtype:
@@ -268,11 +272,13 @@ class Executor:
                    tl: Timeline | None) -> None:
         """Reduce a batch piece by piece, each piece scaled and copied while it is hot in cache.
 
-        The batch's tensors, in order, form one virtual flat buffer. Small tensors (at most
-        ``max_tensor_bytes``), the tails of large ones and every piece that must be widened are
-        packed into a reusable buffer of ``chunk_bytes``, reduced when it is full; the full
-        ``chunk_bytes`` pieces of large tensors are reduced in their own memory. Every rank derives
-        the same pieces from the agreed shapes, so the transport calls pair up.
+        Tensors of at least ``chunk_bytes`` (or above ``max_tensor_bytes``) are cut into whole
+        pieces, each reduced alone: in the tensor's own memory when it is on huge pages or larger
+        than ``max_tensor_bytes``, else copied through a second huge-page buffer (a local choice:
+        the transport call is the same). Small tensors and the short tails of large ones fill the
+        packed buffer of ``chunk_bytes``, reduced when it is full. Every rank derives the same
+        pieces from the agreed shapes, so the transport calls pair up. With ``chunk_bytes`` 0,
+        tensors of at most ``max_tensor_bytes`` share one packed call and larger ones get one each.
         """
         req = batch[0].request
         op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
@@ -292,7 +298,7 @@ class Executor:
             for x, o in zip(entry.inputs, entry.outputs):
                 items.append((x.reshape(-1), o.reshape(-1), o is x, resp.name))
         reduce = self._reducer(group, op)
-        fuse = self.fusion_enabled and len(items) > 1
+        fuse = self.fusion_enabled
         cut = self.max_tensor_bytes
         chunk = self.chunk_bytes // work.itemsize if self.chunk_bytes > 0 else 0
         if chunk > 0:
@@ -300,40 +306,36 @@ class Executor:
         else:  # one call for all packed tensors, one per large tensor
             cap = sum(x.size for x, *_ in items if widen or (fuse and x.nbytes <= cut))
         cap = max(cap, 1)
-        scaled = post != 1.0 or div != 1
         exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post / div)
         pack: list[tuple[int, int, int, int]] = []  # (item, start, stop, offset in the buffer)
         fill = 0
         for idx, (x, o, inplace, name) in enumerate(items):
             n = x.size
             start = 0
-            if not widen and not (fuse and x.nbytes <= cut):
-                step = chunk if chunk > 0 else max(n, 1)
-                # Whole pieces in the tensor's own memory; a short tail joins the packed buffer.
-                stop = n - n % step if fuse and n % step and (n % step) * x.itemsize <= cut else n
-                if tl is not None and stop > 0:
-                    tl.begin(name, self._act + "ALLREDUCE")
-                for s in range(0, stop, step):
-                    e = min(s + step, stop)
-                    xs, os_ = x[s:e], o[s:e]
-                    if pre != 1.0:
-                        _scale(os_, xs, pre)
-                        reduce(os_)
-                    elif inplace:
-                        reduce(os_)
-                    elif scaled and exact_post:
-                        # Scale during the copy, then reduce in place: one pass instead of two,
-                        # bit-identical because the factor is a power of two.
-                        _scale(os_, xs, post, div)
-                        reduce(os_)
-                        continue
-                    else:
-                        np.copyto(os_, xs)
-                        reduce(os_)
-                    if scaled:
-                        _scale(os_, os_, post, div)
-                if tl is not None and stop > 0:
-                    tl.end(name)
+            if chunk > 0:
+                # Whole pieces of large tensors go alone: the same transport calls on every rank,
+                # whichever memory each rank reduces them in. A short tail joins the packed buffer.
+                if not fuse:
+                    stop = n
+                elif n >= chunk or x.nbytes > cut:
+                    stop = n - n % chunk if n % chunk and (n % chunk) * x.itemsize <= cut else n
+                else:
+                    stop = 0
+                step = chunk
+            elif not widen and not (fuse and x.nbytes <= cut):
+                stop = step = max(n, 1)  # one call per large tensor, in its own memory
+            else:
+                stop = step = 0
+            if stop > 0:
+                if chunk > 0 and (widen or (x.nbytes <= cut and not self._own_memory(o))):
+                    # Copied piece by piece through the huge-page buffer.
+                    for s in range(0, stop, step):
+                        e = min(s + step, stop)
+                        self._reduce_packed(items, [(idx, s, e, 0)], e - s, work, widen, pre, post, div,
+                                            reduce, tl, slot=1)
+                else:
+                    self._reduce_own(x[:stop], o[:stop], step, inplace, pre, post, div, exact_post,
+                                     reduce, tl, name)
                 start = stop
             while start < n:
                 take = min(n - start, cap - fill)
@@ -346,12 +348,50 @@ class Executor:
         if pack:
             self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
 
+    @staticmethod
+    def _own_memory(out: np.ndarray) -> bool:
+        """Whether a large tensor's whole pieces are reduced in its own memory rather than copied
+        through the huge-page buffer: when the memory the transport works on (the output) is on
+        huge pages (see ``pages``). On 4 KiB pages the copy costs less than the transport's walk
+        over the pages. A local choice: the transport calls are the same either way."""
+        return huge_page_backed(out)
+
+    def _reduce_own(self, x: np.ndarray, o: np.ndarray, step: int, inplace: bool, pre: float,
+                    post: float, div: int, exact_post: bool, reduce: Callable[[np.ndarray], None],
+                    tl: Timeline | None, name: str) -> None:
+        """Reduce ``x`` into ``o`` piece by piece in ``o``'s memory, each piece scaled while hot."""
+        scaled = post != 1.0 or div != 1
+        if tl is not None:
+            tl.begin(name, self._act + "ALLREDUCE")
+        for s in range(0, x.size, step):
+            xs, os_ = x[s:s + step], o[s:s + step]
+            if pre != 1.0:
+                _scale(os_, xs, pre)
+                reduce(os_)
+            elif inplace:
+                reduce(os_)
+            elif scaled and exact_post:
+                # Scale during the copy, then reduce in place: one pass instead of two,
+                # bit-identical because the factor is a power of two.
+                _scale(os_, xs, post, div)
+                reduce(os_)
+                continue
+            else:
+                np.copyto(os_, xs)
+                reduce(os_)
+            if scaled:
+                _scale(os_, os_, post, div)
+        if tl is not None:
+            tl.end(name)
+
     def _reduce_packed(self, items: Sequence[tuple[np.ndarray, np.ndarray, bool, str]],
                        pack: Sequence[tuple[int, int, int, int]], fill: int, work: np.dtype, widen: bool,
                        pre: float, post: float, div: int, reduce: Callable[[np.ndarray], None],
-                       tl: Timeline | None) -> None:
-        """Copy (prescaled, widened) pieces into the fusion buffer, reduce it, copy them out scaled."""
-        buf = self._fusion_buffer(work, fill)
+                       tl: Timeline | None, slot: int = 0) -> None:
+        """Copy (prescaled, widened) pieces into the fusion buffer, reduce it, copy them out scaled.
+
+        ``slot`` 1 is a second buffer, for a large tensor's piece while small ones fill slot 0."""
+        buf = self._fusion_buffer(work, fill, slot)
         names = list(dict.fromkeys(items[i][3] for i, *_ in pack)) if tl is not None else []
         self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", True)
         for i, s, e, b in pack:

@@ -158,3 +158,61 @@ def test_overlap_setting_auto_and_explicit() -> None:
     tun = Tunables.from_config(on, local_size=8, cores=1)
     assert tun.overlap is True and tun.chunk_bytes == 4096
     assert Tunables.from_config(EngineConfig.from_env({"HOROVOD_OVERLAP_GRADIENTS": "off"}), cores=64).overlap is False
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_schedule_does_not_depend_on_where_a_rank_reduces_large_tensors(
+        in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reducing a large tensor's pieces in its own memory (huge pages) or through the fusion buffer
+    # (4 KiB pages) is each rank's local choice: the transport calls must pair up either way.
+    shapes = [(3,), (2000,), (5, 7), (700,), (1,), (1030,)]
+    schedules = []
+    for own in (True, False):
+        monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out, own=own: own))
+        for max_tensor in (256, 1 << 20):
+            backend, entries, inputs = _run(shapes, in_place=in_place, chunk=1024, max_tensor=max_tensor)
+            for e, x in zip(entries, inputs):
+                np.testing.assert_array_equal(e.outputs[0], x)
+            schedules.append(backend.calls)
+            if max_tensor > 8000:
+                # 256 floats a piece. Whole pieces go alone (7 of t1, 2 of t3, 4 of t5); the small
+                # tensors and the tails (3 + 208 + 35 + 188 + 1 + 6 floats) fill the packed buffer,
+                # which is reduced when full (after t3's tail) and at the end.
+                assert backend.calls == [1024] * 7 + [1024] * 2 + [1024] + [1024] * 4 + [185 * 4], \
+                    backend.calls
+    assert all(s == schedules[1] for s in schedules[1::2]), schedules
+
+
+def test_pages_know_numpy_and_registered_owners(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from horovod.common.engine import pages
+
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                       ("always madvise [never]", "never")):
+        (tmp_path / "enabled").write_text(text)
+        monkeypatch.setattr(pages, "_mode", None)
+        assert pages.thp_mode(str(tmp_path / "enabled")) == mode
+    monkeypatch.setattr(pages, "_mode", None)
+    assert pages.thp_mode(str(tmp_path / "missing")) == "never"
+
+    monkeypatch.setattr(pages, "_mode", "madvise")
+    monkeypatch.setattr(pages, "_numpy_madvise", True)
+    big = np.ones(pages.NUMPY_HUGE_MIN_BYTES // 4, np.float32)
+    assert pages.huge_page_backed(big) and pages.huge_page_backed(big[10:].reshape(-1))
+    assert not pages.huge_page_backed(np.ones(1000, np.float32))
+    foreign = np.frombuffer(bytearray(pages.NUMPY_HUGE_MIN_BYTES), np.float32)
+    assert not pages.huge_page_backed(foreign)  # nobody vouches for a bytearray's pages
+
+    class Owner:
+        pass
+
+    owner_buf = bytearray(64)
+    monkeypatch.setattr(pages, "_owners", [])
+    pages.register_owner(lambda o: True if isinstance(o, bytearray) and len(o) == 64 else None)
+    assert pages.huge_page_backed(np.frombuffer(owner_buf, np.uint8))
+    assert not pages.huge_page_backed(foreign)
+    monkeypatch.setattr(pages, "_numpy_madvise", False)
+    assert not pages.huge_page_backed(big)  # NumPy's madvise switched off
+    monkeypatch.setattr(pages, "_mode", "always")
+    assert pages.huge_page_backed(big) and pages.huge_page_backed(foreign)
+    monkeypatch.setattr(pages, "_mode", "never")
+    assert not pages.huge_page_backed(big) and not pages.huge_page_backed(np.frombuffer(owner_buf, np.uint8))

@@ -79,3 +79,13 @@ def test_cidr_network_interface_is_not_a_gloo_interface() -> None:
     plan = plan_for(nics=["10.200.0.0/24"])
     assert "HOROVOD_GLOO_IFACE" not in plan.job_env
     assert plan.job_env["NCCL_SOCKET_IFNAME"] == "10.200.0.0/24"
+
+
+@pytest.mark.parametrize("mode", ["gloo", "mpi"])
+def test_workers_get_torch_huge_pages_unless_the_user_chose(mode: str) -> None:
+    assert plan_for(mode).job_env["THP_MEM_ALLOC_ENABLE"] == "1"
+    s = LaunchSettings(command=["python", "train.py"], np=2)
+    plan = build_plan(s, parse_hosts("a:2"), {**ENV, "THP_MEM_ALLOC_ENABLE": "0"}, {"a"}, mode,
+                      ("10.0.0.1", "4242") if mode == "gloo" else None)
+    assert "THP_MEM_ALLOC_ENABLE" not in plan.job_env
+    assert plan.forward_env.get("THP_MEM_ALLOC_ENABLE") == "0"
