@@ -10,6 +10,12 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
   raw-flat          mpi4py: one in-place Allreduce of a flat float32 buffer of the same size, then /size
   raw-chunk-<k>MiB  mpi4py: the flat buffer cut into k MiB pieces, each reduced in place and divided
                     while hot in cache (k = 1, 2, 4, 8, 16, 32); the best of these is "the limit"
+  schedule          the engine's piece schedule written directly in mpi4py, on separately allocated
+                    arrays of the gradient set's shapes (in place): small arrays and the tails of
+                    large ones packed into one 2 MiB huge-page buffer, whole 2 MiB pieces of large
+                    arrays reduced in place (or copied through a buffer when not on huge pages).
+                    What the engine could reach with no overhead of its own; not a "raw" schedule
+                    (a flat buffer needs no packing at all)
   numpy             horovod.numpy allreduce_async of each array (op=Average), then synchronize each
   numpy-unchunked   the same with HOROVOD_CHUNK_BYTES=0 (one transport call per fusion buffer and per
                     large tensor: the engine before piecewise reductions)
@@ -41,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import MODELS  # noqa: E402
 
 CHUNKS_MIB = (1, 2, 4, 8, 16, 32)
+DEFAULT_CHUNK = 2 * 1024 * 1024  # the engine's piece size (HOROVOD_CHUNK_BYTES default)
 LATENCY_CALLS = 200
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,6 +111,52 @@ def main() -> None:
         for mib in CHUNKS_MIB:
             if (mib << 20) < numel * 4 * 2 or mib == CHUNKS_MIB[0]:
                 modes[f"raw-chunk-{mib}MiB"] = raw_chunked(mib << 20)
+
+    if not latency:
+        # The engine's own piece schedule, written directly in mpi4py, on separately allocated
+        # in-place arrays like a gradient set's: what the engine could do with zero overhead.
+        from horovod.common.engine.executor import huge_page_empty
+        from horovod.common.engine.pages import huge_page_backed
+
+        sched_arrs = [np.ones(s, np.float32).reshape(-1) for s in shapes]
+        piece = DEFAULT_CHUNK // 4
+        packbuf = huge_page_empty(DEFAULT_CHUNK).view(np.float32)
+        solobuf = huge_page_empty(DEFAULT_CHUNK).view(np.float32)
+        own = [huge_page_backed(a) for a in sched_arrs]
+
+        def flush(pending: list, fill: int) -> None:
+            v = packbuf[:fill]
+            comm.Allreduce(MPI.IN_PLACE, v)
+            for a, s0, e, b in pending:
+                np.divide(packbuf[b:b + e - s0], size, out=a[s0:e])
+
+        def schedule() -> None:
+            pending: list = []
+            fill = 0
+            for a, in_own in zip(sched_arrs, own):
+                stop = a.size - a.size % piece if a.size >= piece else 0
+                for o in range(0, stop, piece):
+                    if in_own:
+                        v = a[o:o + piece]
+                        comm.Allreduce(MPI.IN_PLACE, v)
+                        np.divide(v, size, out=v)
+                    else:
+                        np.copyto(solobuf, a[o:o + piece])
+                        comm.Allreduce(MPI.IN_PLACE, solobuf)
+                        np.divide(solobuf, size, out=a[o:o + piece])
+                start = stop
+                while start < a.size:
+                    take = min(a.size - start, piece - fill)
+                    np.copyto(packbuf[fill:fill + take], a[start:start + take])
+                    pending.append((a, start, start + take, fill))
+                    fill += take
+                    start += take
+                    if fill == piece:
+                        flush(pending, fill)
+                        pending, fill = [], 0
+            if pending:
+                flush(pending, fill)
+        modes["schedule"] = schedule
 
     if "numpy" in frameworks:
         arrs = [np.ones(s, np.float32) for s in shapes]
