@@ -23,7 +23,9 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
                     (what DistributedOptimizer does)
   torch-grouped     horovod.torch grouped_allreduce_ of all tensors (op=Average)
   tf-local          a tf.function step with a plain GradientTape over variables of these shapes
-                    (loss = sum of reduce_sum, so every gradient is a tensor of ones)
+                    (loss = sum of reduce_sum(v * v): every gradient, 2 * v, is computed in full as
+                    in training; with reduce_sum(v) TF folds the gradients of ones away and the local
+                    step never materialises them, which charged that cost to the tape)
   tf-tape           the same step with hvd.DistributedGradientTape (gradients + averaging)
   tf-sync           tf-tape - tf-local: what averaging adds to the step (derived, not timed)
 
@@ -74,6 +76,9 @@ def main() -> None:
         import tensorflow as tf
 
         import horovod.tensorflow as hvd_tf
+        # One compute thread per rank, as torch below: the ranks share the machine's cores.
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
         hvd_tf.init()
     import horovod.numpy as hvd
 
@@ -211,7 +216,7 @@ def main() -> None:
             @tf.function
             def step():
                 with tf.GradientTape() as tape:
-                    loss = tf.add_n([tf.reduce_sum(v) for v in variables])
+                    loss = tf.add_n([tf.reduce_sum(v * v) for v in variables])
                 if distributed:
                     tape = hvd_tf.DistributedGradientTape(tape)
                 grads = tape.gradient(loss, variables)
