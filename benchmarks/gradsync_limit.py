@@ -4,7 +4,9 @@
     mpirun -np 3 --oversubscribe python benchmarks/gradsync_limit.py --case bert_base
 
 Cases: ``resnet50`` / ``bert_base`` (the model's gradient set, ``shapes.py``), ``single64`` (one 64 MiB
-float32 tensor), ``latency`` (a 4-byte allreduce, blocking, timed over 200 calls per repetition).
+float32 tensor), ``latency`` (a 4-byte allreduce timed over 200 calls per repetition: ``numpy`` is the
+blocking ``hvd.allreduce``, ``numpy-async`` ``allreduce_async`` + ``synchronize``, which also wakes
+the engine thread; ``torch-grouped`` is the blocking ``grouped_allreduce_``).
 
 Modes (every repetition runs each mode once, in turn, after a barrier, so noise hits all alike):
   raw-flat          mpi4py: one in-place Allreduce of a flat float32 buffer of the same size, then /size
@@ -172,7 +174,14 @@ def main() -> None:
                 hs = [hvd.allreduce_async(x, name=n, op=hvd.Average) for x, n in zip(arrs, names)]
                 for h in hs:
                     hvd.synchronize(h)
-        modes["numpy"] = hvd_numpy
+
+        def hvd_numpy_blocking() -> None:
+            for _ in range(calls):
+                hvd.allreduce(arrs[0], name=names[0], op=hvd.Average)
+        # Latency is a blocking call's; the async mode adds the wake-up of the engine thread.
+        modes["numpy"] = hvd_numpy_blocking if latency else hvd_numpy
+        if latency:
+            modes["numpy-async"] = hvd_numpy
         if not latency:
             from horovod.common.context import get_context
 

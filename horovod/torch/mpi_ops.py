@@ -65,7 +65,8 @@ def _tensors(tensors: Any, what: str, allowed: frozenset[torch.dtype]) -> list[t
 # ---------------------------------------------------------------------------- allreduce
 def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: str | None,
                       prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
-                      inplace: bool, grouped: bool, what: str) -> tuple[Any, list[Callable[[Any], Any]]]:
+                      inplace: bool, grouped: bool, what: str, wake: bool = True
+                      ) -> tuple[Any, list[Callable[[Any], Any]]]:
     try:
         ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
         rop = _C.resolve_op(average, op)
@@ -80,13 +81,13 @@ def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: 
     # In place on the working arrays: either the tensors' own memory or private copies.
     h = _C.allreduce_async(arrays, name=name, op=rop, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor, process_set=process_set,
-                           inplace=inplace, grouped=grouped, device=dev)
+                           inplace=inplace, grouped=grouped, device=dev, wake=wake)
     return h, backs
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start reducing ``tensor`` over the ranks of ``process_set`` into a new tensor.
 
     The input is not modified. All ranks of the set must call it (same name, dtype, shape, op and
@@ -99,20 +100,20 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             non-power-of-two world or a non-global process set.
     """
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
-                                 process_set, False, False, "allreduce_async")
+                                 process_set, False, False, "allreduce_async", _wake)
     return _register(h, lambda r: backs[0](r[0]))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:
+                     process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start reducing ``tensor`` in place; ``synchronize`` returns the same tensor.
 
     Raises:
         ValueError, NotImplementedError: as ``allreduce_async``.
     """
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
-                                 process_set, True, False, "allreduce_async_")
+                                 process_set, True, False, "allreduce_async_", _wake)
     return _register(h, lambda r: backs[0](r[0]))
 
 
@@ -121,7 +122,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` in place over the set (default Average) and return it. Blocks."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+                                        process_set, _wake=False))
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -131,12 +132,14 @@ class HorovodAllreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
                 postscale: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set,
+                                           _wake=False))
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        grad = synchronize(allreduce_async(grad_output.contiguous(), None, None, op, pre, post, ps))
+        grad = synchronize(allreduce_async(grad_output.contiguous(), None, None, op, pre, post, ps,
+                                           _wake=False))
         return grad, None, None, None, None, None
 
 
@@ -165,20 +168,20 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: int | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
+                            process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an allreduce of a list of tensors, negotiated and fused as one unit (new outputs)."""
     h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
-                                 process_set, False, True, "grouped_allreduce_async")
+                                 process_set, False, True, "grouped_allreduce_async", _wake)
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: int | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:
+                             process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start an in-place grouped allreduce; ``synchronize`` returns the same tensors."""
     h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
-                                 process_set, True, True, "grouped_allreduce_async_")
+                                 process_set, True, True, "grouped_allreduce_async_", _wake)
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 
@@ -188,7 +191,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce every tensor of the list in place (per list position) and return them. Blocks."""
     return list(synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                     postscale_factor, process_set)))
+                                                     postscale_factor, process_set, _wake=False)))
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -199,13 +202,13 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, prescale, postscale, process_set)
         return synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale,
-                                                   process_set))
+                                                   process_set, _wake=False))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
         out = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre,
-                                                  post, ps))
+                                                  post, ps, _wake=False))
         return (None, None, None, None, None) + tuple(out)
 
 
@@ -349,7 +352,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
 # ---------------------------------------------------------------------------- broadcast
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start copying the root rank's ``tensor`` into a new tensor on every rank of the set.
 
     ``root_rank`` is a global rank. The input is not modified.
@@ -363,7 +366,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
         _fail(_BROADCAST, name, process_set, exc)
     dev = _cv.route(t, _BROADCAST)
     arr, back = _cv.move_input(t, False, dev)
-    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, device=dev)
+    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, device=dev, wake=_wake)
 
     def post(r: list[Any]) -> torch.Tensor:
         # On the root the host path hands back the input buffer itself: copy it out.
@@ -373,7 +376,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
+                     process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start overwriting ``tensor`` with the root rank's values; ``synchronize`` returns it."""
     try:
         t = _cv.check_tensor(tensor, "broadcast_async_", _MOVE)
@@ -381,14 +384,15 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         _fail(_BROADCAST, name, process_set, exc)
     dev = _cv.route(t, _BROADCAST)
     arr, back = _cv.move_input(t, True, dev)
-    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True, device=dev)
+    h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True, device=dev,
+                           wake=_wake)
     return _register(h, lambda r: back(r[0]))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with the root rank's values and return it. Blocks."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, _wake=False))
 
 
 class HorovodBroadcast(torch.autograd.Function):
@@ -399,7 +403,7 @@ class HorovodBroadcast(torch.autograd.Function):
                 process_set: ProcessSet) -> torch.Tensor:
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set, _wake=False))
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
