@@ -6,7 +6,8 @@
 Cases: ``resnet50`` / ``bert_base`` (the model's gradient set, ``shapes.py``), ``single64`` (one 64 MiB
 float32 tensor), ``latency`` (a 4-byte allreduce timed over 200 calls per repetition: ``numpy`` is the
 blocking ``hvd.allreduce``, ``numpy-async`` ``allreduce_async`` + ``synchronize``, which also wakes
-the engine thread; ``torch-grouped`` is the blocking ``grouped_allreduce_``).
+the engine thread; ``torch-blocking`` is the blocking ``allreduce_``, ``torch-grouped`` the blocking
+``grouped_allreduce_``).
 
 Modes (every repetition runs each mode once, in turn, after a barrier, so noise hits all alike):
   raw-flat          mpi4py: one in-place Allreduce of a flat float32 buffer of the same size, then /size
@@ -217,6 +218,11 @@ def main() -> None:
                 hvd_torch.grouped_allreduce_(gts, name="grouped", op=hvd_torch.Average)
         modes["torch-async"] = torch_async
         modes["torch-grouped"] = torch_grouped
+        if latency:
+            def torch_blocking() -> None:
+                for _ in range(calls):
+                    hvd_torch.allreduce_(tts[0], name=tnames[0], op=hvd_torch.Average)
+            modes["torch-blocking"] = torch_blocking
 
     if "tf" in frameworks:
         variables = [tf.Variable(tf.ones(s)) for s in shapes]

@@ -210,7 +210,7 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
     return ctx.submit(req, list(arrays), outputs, splits, wake=wake)
 
 
-def submit_again(request: Request, arrays: list[np.ndarray], defer: bool = False) -> Handle:
+def submit_again(request: Request, arrays: list[np.ndarray], defer: bool = False, wake: bool = True) -> Handle:
     """Submit ``request`` once more, in place on new buffers: the fast path for an operation
     repeated every step (a gradient's allreduce_), skipping the argument checks and the request's
     construction.
@@ -218,11 +218,12 @@ def submit_again(request: Request, arrays: list[np.ndarray], defer: bool = False
     The caller guarantees what the checks established the first time: ``request`` came from a
     ``*_async`` call of this context (``handle.request``) and ``arrays`` have its dtype and shapes
     and are C-contiguous. With ``defer=True`` (gradient hooks, whose handles the optimizer always
-    waits for) the engine may hold the operation until a caller waits (``Engine.submit``).
+    waits for) the engine may hold the operation until a caller waits (``Engine.submit``);
+    ``wake=False`` as for the other calls (the caller waits at once).
     """
     ctx = get_context()
     hid = ctx.counter.next()
-    return ctx.submit(request, arrays, arrays, handle_id=hid, defer=defer)
+    return ctx.submit(request, arrays, arrays, handle_id=hid, wake=wake, defer=defer)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

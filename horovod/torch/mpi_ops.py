@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from horovod.common import collectives as _C
-from horovod.common.context import get_context
+from horovod.common.context import get_context, peek_context
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp, RequestType, Sum
 from horovod.torch import _convert as _cv
@@ -104,6 +104,40 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     return _register(h, lambda r: backs[0](r[0]))
 
 
+class _Same:
+    """A handle's post step that returns the tensor reduced in place (and keeps it alive)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __call__(self, _result: Any) -> torch.Tensor:
+        return self.tensor
+
+
+# Named in-place allreduces repeated with the same arguments (a metric averaged every step, a
+# gradient reduced by hand): (name, op, factors, process set) -> (context, request, dtype, shape,
+# group). A repeat whose tensor still matches resubmits the checked request as it is
+# (``collectives.submit_again``), skipping the checks and conversions; anything else takes the
+# checked path. Bounded: cleared when full (names made fresh every step would only grow it).
+_REPEAT: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_REPEAT_MAX = 4096
+
+
+def _resubmit(tensor: Any, key: tuple[Any, ...], wake: bool) -> int | None:
+    fast = _REPEAT.get(key)
+    if fast is None:
+        return None
+    ctx, req, dtype, shape, group = fast
+    if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
+            and ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
+            and not tensor.requires_grad and tensor.layout is torch.strided
+            and tensor.device.type == "cpu" and tensor.is_contiguous()):
+        return _register(_C.submit_again(req, [tensor.numpy()], wake=wake), _Same(tensor))
+    return None
+
+
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
@@ -112,8 +146,21 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     Raises:
         ValueError, NotImplementedError: as ``allreduce_async``.
     """
+    key = None
+    if name is not None and average is None:
+        key = (name, op, prescale_factor, postscale_factor, process_set.process_set_id)
+        handle = _resubmit(tensor, key, _wake)
+        if handle is not None:
+            return handle
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
                                  process_set, True, False, "allreduce_async_", _wake)
+    req = h.request
+    if (key is not None and req.device == "cpu" and req.reduce_op != ReduceOp.ADASUM
+            and tensor.dtype in _cv.DIRECT_DTYPES and tensor.is_contiguous() and not tensor.requires_grad):
+        if len(_REPEAT) >= _REPEAT_MAX:
+            _REPEAT.clear()
+        ctx = get_context()
+        _REPEAT[key] = (ctx, req, tensor.dtype, tensor.shape, ctx.groups.get(req.process_set_id))
     return _register(h, lambda r: backs[0](r[0]))
 
 

@@ -27,6 +27,7 @@ from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
 from horovod.torch._convert import DIRECT_DTYPES
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
+    _Same,
     allreduce_async_,
     grouped_allreduce_async_,
     sparse_allreduce_async,
@@ -49,18 +50,6 @@ def _unhooked(fn: Any) -> Any:
     # torch wraps every Optimizer subclass's step() once to run step hooks; our subclass's step()
     # is wrapped too, so call the base step without its wrapper or the hooks would run twice.
     return fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
-
-
-class _Same:
-    """A handle's post step that returns the tensor reduced in place (and keeps it alive)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def __call__(self, _result: Any) -> torch.Tensor:
-        return self.tensor
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

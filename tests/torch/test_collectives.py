@@ -357,3 +357,65 @@ def test_autograd_gradients(np_):
 def test_error_paths(np_):
     fails = run_ranks(_error_cases, np=np_, timeout=120)
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
+
+
+def _repeat_cases():
+    import torch
+
+    import horovod.common.collectives as C
+    import horovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    fails = []
+    fast = []
+    real = C.submit_again
+
+    def spy(*args, **kwargs):
+        fast.append(args[0].name)
+        return real(*args, **kwargs)
+
+    C.submit_again = spy
+    total = sum(range(n))
+
+    def check(what, got, want):
+        if not torch.equal(got, want):
+            fails.append(f"rank {r}: {what}: {got.tolist()} != {want.tolist()}")
+
+    # The same name, op and tensor signature every step: from the second call on the checked
+    # request is resubmitted as it is.
+    for step in range(4):
+        t = torch.full((4,), float(r + step))
+        out = hvd.allreduce_(t, name="rep", op=hvd.Sum)
+        check(f"step {step}", out, torch.full((4,), float(total + n * step)))
+        if out is not t:
+            fails.append(f"rank {r}: allreduce_ returned another tensor")
+    h = hvd.allreduce_async_(torch.full((4,), float(r)), name="rep", op=hvd.Sum)
+    check("async", hvd.synchronize(h), torch.full((4,), float(total)))
+    if fast.count("allreduce.rep") != 4:
+        fails.append(f"rank {r}: repeats resubmitted {fast.count('allreduce.rep')} times, expected 4")
+    # Anything different takes the checked path, with the right result or error.
+    check("new shape", hvd.allreduce_(torch.full((5,), float(r)), name="rep", op=hvd.Sum),
+          torch.full((5,), float(total)))
+    check("new dtype", hvd.allreduce_(torch.full((5,), float(r), dtype=torch.float64), name="rep",
+                                      op=hvd.Sum), torch.full((5,), float(total), dtype=torch.float64))
+    nc = torch.zeros(4, 2)[:, 0]
+    nc += r
+    check("non-contiguous", hvd.allreduce_(nc, name="rep", op=hvd.Sum), torch.full((4,), float(total)))
+    check("average", hvd.allreduce_(torch.full((5,), float(r), dtype=torch.float64), name="rep"),
+          torch.full((5,), total / n, dtype=torch.float64))
+    try:
+        hvd.allreduce_(torch.ones(5, dtype=torch.float64) if r == 0 else torch.ones(6, dtype=torch.float64),
+                       name="rep", op=hvd.Sum)
+        fails.append(f"rank {r}: a shape mismatch on a repeated name did not raise")
+    except Exception as exc:  # noqa: BLE001 - any Horovod error naming the mismatch
+        if "shape" not in str(exc).lower():
+            fails.append(f"rank {r}: mismatch error does not name the shapes: {exc}")
+    C.submit_again = real
+    return fails
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_repeated_named_allreduce_resubmits_and_falls_back(np_):
+    fails = run_ranks(_repeat_cases, np=np_, timeout=120)
+    assert fails == [[]] * np_, fails
