@@ -221,15 +221,39 @@ class _Job:
         reason = spark_failure_reason(str(exc)) or type(exc).__name__
         partition_of = {r: p for p, r in enumerate(self.ranks)}
         addresses = next(iter(started.values()))["addresses"] if started else []
-        where = [f"rank {r} (partition {partition_of[r]}, executor {addresses[partition_of[r]]})"
-                 for r in lost if r in partition_of and partition_of[r] < len(addresses)]
-        head = (f"horovod.spark.run: {', '.join(where)} ended without a result: its Spark task or "
-                f"executor was lost" if where else "horovod.spark.run: the Spark job failed")
+
+        def where(ranks: list[int]) -> str:
+            return ", ".join(f"rank {r} (partition {partition_of[r]}, executor {addresses[partition_of[r]]})"
+                             for r in ranks if r in partition_of and partition_of[r] < len(addresses))
+
+        # Spark names the task that failed; the other ranks may also have ended without a result
+        # (their tasks were cancelled with the stage before they could report "a peer left").
+        failed = [self.ranks[p] for p in failed_partitions(str(exc)) if p < len(self.ranks)]
+        culprits = [r for r in failed if r in lost] or lost
+        others = [r for r in lost if r not in culprits]
+        if where(culprits):
+            head = (f"horovod.spark.run: {where(culprits)} ended without a result: its Spark task or "
+                    "executor was lost")
+            if where(others):
+                head += f" ({where(others)} stopped with it)"
+        else:
+            head = "horovod.spark.run: the Spark job failed"
         return WorkerFailedError(
             f"{head}. Spark says: {reason[:800]}. The other ranks stopped because a peer left. "
             "A static job cannot survive a lost task or executor; use "
             "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000],
-            rank=lost[0] if lost else None, ranks=lost)
+            rank=culprits[0] if culprits else None, ranks=culprits + others)
+
+
+def failed_partitions(text: str) -> list[int]:
+    """The partitions of the tasks a Spark job failure names, in order of first mention
+    (``barrier task ResultTask(3, 1) finished unsuccessfully``, ``Lost task 1.0 in stage 3.0``)."""
+    import re
+
+    found: dict[int, None] = {}
+    for m in re.finditer(r"ResultTask\(\d+, (\d+)\)|[Ll]ost task (\d+)\.\d+ in stage", text):
+        found.setdefault(int(m.group(1) or m.group(2)), None)
+    return list(found)
 
 
 def spark_failure_reason(text: str) -> str:

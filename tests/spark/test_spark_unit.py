@@ -51,6 +51,50 @@ def test_spark_failure_reason_keeps_reason_and_python_error():
     assert "Foo.scala" not in reason
 
 
+_LOST_EXECUTOR = (
+    "An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.\n"
+    ": org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover from a "
+    "failed barrier ResultStage. Most recent failure reason: Stage failed because barrier task "
+    "ResultTask(3, 1) finished unsuccessfully.\nExecutorLostFailure (executor 1 exited caused by one "
+    "of the running tasks) Reason: Command exited with code 137\n")
+
+
+def test_failed_partitions_from_spark_messages():
+    from horovod.spark.runner import failed_partitions
+
+    assert failed_partitions(_LOST_EXECUTOR) == [1]
+    assert failed_partitions("Task 2 in stage 4.0 failed 1 times, most recent failure: Lost task 2.0 in "
+                             "stage 4.0 (TID 9) (10.0.0.2 executor 3): ... ResultTask(4, 0)") == [2, 0]
+    assert failed_partitions("Job aborted: something else") == []
+
+
+@pytest.mark.parametrize("reported", [[], [0]])
+def test_lost_executor_names_the_rank_spark_names(reported):
+    # The killed executor ran partition 1 (rank 1). Rank 0 may have reported its own "a peer
+    # left" result in time, or its task may have been cancelled with the stage first: either
+    # way the error is rank 1's, and rank 0 is named only as stopping with it.
+    from horovod.runner.run_task import RESULT_SCOPE
+    from horovod.spark.runner import _Job
+
+    class Store:
+        def get(self, scope, key):
+            assert scope == RESULT_SCOPE
+            return b"x" if int(key) in reported else None
+
+    job = object.__new__(_Job)
+    job.spark_error = RuntimeError(_LOST_EXECUTOR)
+    job.server = Store()
+    job.num_proc = 2
+    job.ranks = [0, 1]
+    err = job._spark_failure({0: {"addresses": ["10.0.0.1:1", "10.0.0.2:2"]}})
+    assert err.rank == 1
+    text = str(err)
+    assert text.startswith("horovod.spark.run: rank 1 (partition 1, executor 10.0.0.2:2) ended without a "
+                           "result: its Spark task or executor was lost"), text
+    assert ("rank 0 (partition 0, executor 10.0.0.1:1) stopped with it" in text) == (reported == [])
+    assert "Command exited with code 137" in text and "run_elastic" in text
+
+
 def test_output_relay_keeps_order_per_rank_and_streams():
     store: dict[tuple[str, str], bytes] = {}
     out, err = io.StringIO(), io.StringIO()
