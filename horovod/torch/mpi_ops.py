@@ -148,7 +148,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """
     key = None
     if name is not None and average is None:
-        key = (name, op, prescale_factor, postscale_factor, process_set.process_set_id)
+        key = (name, op, prescale_factor, postscale_factor, getattr(process_set, "process_set_id", None))
         handle = _resubmit(tensor, key, _wake)
         if handle is not None:
             return handle
