@@ -85,9 +85,10 @@ class EngineConfig:
         "0 disables fusion.", _parse_int, minimum=0)
     fusion_max_tensor_bytes: int = _setting(
         "HOROVOD_FUSION_MAX_TENSOR_BYTES", 128 * 1024 * 1024,
-        "Tensors larger than this many bytes are reduced in their own memory; smaller ones pass, piece "
-        "by piece, through the fusion buffer (2 MiB-aligned, on huge pages: faster to reduce than the "
-        "tensors' own 4 KiB pages even with the copies).", _parse_int, minimum=0)
+        "Tensors larger than this many bytes are always reduced in their own memory; smaller ones are "
+        "reduced there when it is on transparent huge pages, else copied piece by piece through the "
+        "engine's huge-page buffers (faster than the transport's walk over 4 KiB pages even with the "
+        "copies).", _parse_int, minimum=0)
     chunk_bytes: int = _setting(
         "HOROVOD_CHUNK_BYTES", 2 * 1024 * 1024,
         "Piece size in bytes of CPU reductions: the fusion buffer and large tensors are reduced in "

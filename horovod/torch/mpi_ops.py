@@ -117,24 +117,35 @@ class _Same:
 
 
 # Named in-place allreduces repeated with the same arguments (a metric averaged every step, a
-# gradient reduced by hand): (name, op, factors, process set) -> (context, request, dtype, shape,
-# group). A repeat whose tensor still matches resubmits the checked request as it is
-# (``collectives.submit_again``), skipping the checks and conversions; anything else takes the
-# checked path. Bounded: cleared when full (names made fresh every step would only grow it).
+# gradient reduced by hand): (name, op, factors, process set) -> ``_repeat_signature``. A repeat
+# whose tensor still matches resubmits the checked request as it is (``_resubmit``), skipping the
+# checks and conversions; anything else takes the checked path. Bounded: cleared when full (names
+# made fresh every step would only grow it). The optimizer's gradient hooks keep their own
+# per-parameter signatures.
 _REPEAT: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _REPEAT_MAX = 4096
 
 
-def _resubmit(tensor: Any, key: tuple[Any, ...], wake: bool) -> int | None:
-    fast = _REPEAT.get(key)
-    if fast is None:
+def _repeat_signature(tensor: torch.Tensor, req: Any) -> tuple[Any, ...] | None:
+    """What a later resubmission of ``req`` checks its tensor against, or None when ``req`` (just
+    submitted with ``tensor``, in place) may not be resubmitted unchecked: only host-path,
+    non-Adasum reductions of contiguous tensors NumPy views directly."""
+    if (req.device != "cpu" or req.reduce_op == ReduceOp.ADASUM or tensor.dtype not in _cv.DIRECT_DTYPES
+            or not tensor.is_contiguous() or tensor.requires_grad):
         return None
-    ctx, req, dtype, shape, group = fast
+    ctx = get_context()
+    return (ctx, req, tensor.dtype, tensor.shape, ctx.groups.get(req.process_set_id))
+
+
+def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer: bool = False) -> int | None:
+    """Resubmit the request of ``signature`` on ``tensor`` in place when the tensor still matches
+    it (dtype, shape, context, process set, a plain dense CPU tensor); None when it does not."""
+    ctx, req, dtype, shape, group = signature
     if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
             and ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
             and not tensor.requires_grad and tensor.layout is torch.strided
             and tensor.device.type == "cpu" and tensor.is_contiguous()):
-        return _register(_C.submit_again(req, [tensor.numpy()], wake=wake), _Same(tensor))
+        return _register(_C.submit_again(req, [tensor.numpy()], defer=defer, wake=wake), _Same(tensor))
     return None
 
 
@@ -149,18 +160,19 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     key = None
     if name is not None and average is None:
         key = (name, op, prescale_factor, postscale_factor, getattr(process_set, "process_set_id", None))
-        handle = _resubmit(tensor, key, _wake)
-        if handle is not None:
-            return handle
+        signature = _REPEAT.get(key)
+        if signature is not None:
+            handle = _resubmit(tensor, signature, _wake)
+            if handle is not None:
+                return handle
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
                                  process_set, True, False, "allreduce_async_", _wake)
-    req = h.request
-    if (key is not None and req.device == "cpu" and req.reduce_op != ReduceOp.ADASUM
-            and tensor.dtype in _cv.DIRECT_DTYPES and tensor.is_contiguous() and not tensor.requires_grad):
-        if len(_REPEAT) >= _REPEAT_MAX:
-            _REPEAT.clear()
-        ctx = get_context()
-        _REPEAT[key] = (ctx, req, tensor.dtype, tensor.shape, ctx.groups.get(req.process_set_id))
+    if key is not None:
+        signature = _repeat_signature(tensor, h.request)
+        if signature is not None:
+            if len(_REPEAT) >= _REPEAT_MAX:
+                _REPEAT.clear()
+            _REPEAT[key] = signature
     return _register(h, lambda r: backs[0](r[0]))
 
 

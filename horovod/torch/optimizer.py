@@ -18,16 +18,16 @@ from typing import Any
 import torch
 
 from horovod.common.basics import size
-from horovod.common.collectives import check_adasum, register_handle, submit_again
+from horovod.common.collectives import check_adasum
 from horovod.common.context import get_context
 from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
 from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
-from horovod.torch._convert import DIRECT_DTYPES
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
-    _Same,
+    _repeat_signature,
+    _resubmit,
     allreduce_async_,
     grouped_allreduce_async_,
     sparse_allreduce_async,
@@ -69,7 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {p: backward_passes_per_step for _, p in self._all_params()}
         self._handles: dict[Any, tuple[Any, Any]] = {}
-        self._fast: dict[torch.Tensor, tuple[Any, Any, torch.dtype, torch.Size]] = {}
+        self._fast: dict[torch.Tensor, tuple[Any, ...]] = {}  # parameter -> _repeat_signature
         self._hook_handles: list[Any] = []
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
@@ -194,17 +194,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
         name = self._parameter_names.get(p)
         tensor = self._grad_for(p)
-        fast = self._fast.get(p)
-        if fast is not None:
+        signature = self._fast.get(p)
+        if signature is not None:
             # The same gradient as last step (dtype, shape, context, process set): resubmit its
             # request without the checks (a hook runs ~60 times per backward, on its critical path).
-            ctx, req, dtype, shape = fast
-            if (tensor.dtype is dtype and tensor.shape == shape and ctx is get_context()
-                    and req.process_set_id in ctx.groups and not tensor.requires_grad
-                    and tensor.layout is torch.strided and tensor.device.type == "cpu" and req.device == "cpu"
-                    and tensor.is_contiguous()):
-                h = submit_again(req, [tensor.numpy()], defer=True)  # step() waits for it
-                return register_handle(h, _Same(tensor)), (None, tensor)
+            fast = _resubmit(tensor, signature, defer=True)  # step() waits for it
+            if fast is not None:
+                return fast, (None, tensor)
         if tensor.is_sparse:
             if self.sparse_as_dense:
                 tensor = tensor.to_dense()
@@ -215,9 +211,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pre, post = self._scale_factors()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
-        if compressed is tensor and tensor.dtype in DIRECT_DTYPES and tensor.is_contiguous():
-            context = get_context()
-            self._fast[p] = (context, context.handles[handle][0].request, tensor.dtype, tensor.shape)
+        if compressed is tensor:
+            signature = _repeat_signature(tensor, get_context().handles[handle][0].request)
+            if signature is not None:
+                self._fast[p] = signature
         return handle, (ctx, compressed)
 
     def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
