@@ -25,6 +25,9 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
   torch-async       horovod.torch allreduce_async_ of each tensor (op=Average), then synchronize each
                     (what DistributedOptimizer does)
   torch-grouped     horovod.torch grouped_allreduce_ of all tensors (op=Average)
+  torch-flat        the same on a gradient set kept as views of one flat tensor (as DDP's
+                    gradient_as_bucket_view, apex and DeepSpeed keep gradients): the packed runs
+                    are then spans of that tensor, reduced where they lie
   tf-local          a tf.function step with a plain GradientTape over variables of these shapes
                     (loss = sum of reduce_sum(v * v): every gradient, 2 * v, is computed in full as
                     in training; with reduce_sum(v) TF folds the gradients of ones away and the local
@@ -218,6 +221,13 @@ def main() -> None:
                 hvd_torch.grouped_allreduce_(gts, name="grouped", op=hvd_torch.Average)
         modes["torch-async"] = torch_async
         modes["torch-grouped"] = torch_grouped
+        if not latency:
+            flat_t = torch.ones(numel)
+            fviews = [v.view(s) for v, s in zip(torch.split(flat_t, [math.prod(s) for s in shapes]), shapes)]
+
+            def torch_flat() -> None:
+                hvd_torch.grouped_allreduce_(fviews, name="grouped.flat", op=hvd_torch.Average)
+            modes["torch-flat"] = torch_flat
         if latency:
             def torch_blocking() -> None:
                 for _ in range(calls):

@@ -100,9 +100,10 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
 
     job_env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     if "THP_MEM_ALLOC_ENABLE" not in environ:
-        # PyTorch then puts CPU blocks of 2 MiB or more on transparent huge pages (read when torch
-        # loads): the engine reduces such tensors in place instead of copying them through its
-        # own huge-page buffer (horovod/common/engine/pages.py). Set it to 0 to keep torch's default.
+        # PyTorch then asks for transparent huge pages for CPU blocks of 2 MiB or more (read when
+        # torch loads): the engine reduces large tensors in place instead of copying them through
+        # its own huge-page buffer (horovod/common/engine/pages.py). Set it to 0 to keep torch's
+        # default.
         job_env["THP_MEM_ALLOC_ENABLE"] = "1"
     for name, value in settings.extra_env.items():
         if value is None:

@@ -140,13 +140,24 @@ def _repeat_signature(tensor: torch.Tensor, req: Any) -> tuple[Any, ...] | None:
 def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer: bool = False) -> int | None:
     """Resubmit the request of ``signature`` on ``tensor`` in place when the tensor still matches
     it (dtype, shape, context, process set, a plain dense CPU tensor); None when it does not."""
+    if _matches(tensor, signature):
+        return _register(_C.submit_again(signature[1], [tensor.numpy()], defer=defer, wake=wake),
+                         _Same(tensor))
+    return None
+
+
+def _matches(tensor: Any, signature: tuple[Any, ...]) -> bool:
     ctx, req, dtype, shape, group = signature
-    if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
+    return (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
             and ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
             and not tensor.requires_grad and tensor.layout is torch.strided
-            and tensor.device.type == "cpu" and tensor.is_contiguous()):
-        return _register(_C.submit_again(req, [tensor.numpy()], defer=defer, wake=wake), _Same(tensor))
-    return None
+            and tensor.device.type == "cpu" and tensor.is_contiguous())
+
+
+def _remember(key: tuple[Any, ...], signature: Any) -> None:
+    if len(_REPEAT) >= _REPEAT_MAX:
+        _REPEAT.clear()
+    _REPEAT[key] = signature
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -170,9 +181,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if key is not None:
         signature = _repeat_signature(tensor, h.request)
         if signature is not None:
-            if len(_REPEAT) >= _REPEAT_MAX:
-                _REPEAT.clear()
-            _REPEAT[key] = signature
+            _remember(key, signature)
     return _register(h, lambda r: backs[0](r[0]))
 
 
@@ -238,9 +247,26 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              name: str | None = None, op: int | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
-    """Start an in-place grouped allreduce; ``synchronize`` returns the same tensors."""
+    """Start an in-place grouped allreduce; ``synchronize`` returns the same tensors.
+
+    Repeated with the same name and arguments on tensors of the same dtypes and shapes (a gradient
+    set reduced every step), the checked request is resubmitted as ``allreduce_async_`` does."""
+    key = None
+    if name is not None and average is None:
+        key = ("grouped", name, op, prescale_factor, postscale_factor,
+               getattr(process_set, "process_set_id", None))
+        signatures = _REPEAT.get(key)
+        if signatures is not None and len(signatures) == len(tensors) and all(
+                _matches(t, sig) for t, sig in zip(tensors, signatures)):
+            group = tuple(tensors)
+            return _register(_C.submit_again(signatures[0][1], [t.numpy() for t in group], wake=_wake),
+                             lambda _r: group)
     h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
                                  process_set, True, True, "grouped_allreduce_async_", _wake)
+    if key is not None and tensors:
+        signatures = tuple(_repeat_signature(t, h.request) for t in tensors)
+        if all(sig is not None for sig in signatures):
+            _remember(key, signatures)
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 

@@ -275,3 +275,46 @@ def _mixed_memory_cases():
 def test_ranks_holding_large_tensors_in_different_memory(np_):
     results = run_ranks(_mixed_memory_cases, np=np_, timeout=120)
     assert results == [[]] * np_, results
+
+
+def _flat_view_cases():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    # A gradient set kept as views of one flat buffer (as flattened optimizers keep it) on some
+    # ranks and as separate arrays on others: the packed runs are reduced in the flat buffer
+    # where it is one span, copied elsewhere; the transport calls must pair up either way.
+    sizes = [3, (5 << 20) // 4 + 13, 1000, 77, (3 << 20) // 4 + 5, 1, 4096, (2 << 20) // 4, 9]
+    for step, layout in enumerate(("flat", "separate", "flat" if r % 2 else "separate")):
+        flat = np.empty(sum(sizes), np.float32)
+        views, o = [], 0
+        for k, size in enumerate(sizes):
+            flat[o:o + size] = r + k + step
+            views.append(flat[o:o + size] if layout == "flat" else flat[o:o + size].copy())
+            o += size
+        grouped = step == 1
+        if grouped:
+            hvd.grouped_allreduce_(views, name=f"flat.{step}", op=hvd.Sum, prescale_factor=2.0)
+        else:
+            hs = [hvd.allreduce_async_(v, name=f"flat.{step}.{k}", op=hvd.Sum, prescale_factor=2.0)
+                  for k, v in enumerate(views)]
+            for h in hs:
+                hvd.synchronize(h)
+        for k, v in enumerate(views):
+            want = 2.0 * sum(q + k + step for q in range(n))
+            if not np.all(v == np.float32(want)):
+                bad.append(f"rank {r}: step {step} ({layout}) tensor {k} ({sizes[k]} floats): "
+                           f"{np.unique(v)[:5]}, expected {want}")
+        if layout == "flat" and not np.shares_memory(views[0], flat):
+            bad.append(f"rank {r}: views lost their buffer")
+    return bad
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_ranks_holding_a_flat_gradient_set_or_separate_tensors(np_):
+    results = run_ranks(_flat_view_cases, np=np_, timeout=120)
+    assert results == [[]] * np_, results

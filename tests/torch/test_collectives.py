@@ -411,6 +411,33 @@ def _repeat_cases():
     except Exception as exc:  # noqa: BLE001 - any Horovod error naming the mismatch
         if "shape" not in str(exc).lower():
             fails.append(f"rank {r}: mismatch error does not name the shapes: {exc}")
+    # A named grouped_allreduce_ repeated on a gradient set of the same signature is resubmitted
+    # too; the tensors come back reduced in place.
+    fast.clear()
+    for step in range(3):
+        ts = [torch.full((3,), float(r + step)), torch.full((2, 2), float(r))]
+        outs = hvd.grouped_allreduce_(ts, name="grep", op=hvd.Sum)
+        check(f"grouped step {step}", outs[0], torch.full((3,), float(total + n * step)))
+        check(f"grouped step {step}", outs[1], torch.full((2, 2), float(total)))
+        if outs[0] is not ts[0] or outs[1] is not ts[1]:
+            fails.append(f"rank {r}: grouped_allreduce_ returned other tensors")
+    if len(fast) != 2:
+        fails.append(f"rank {r}: grouped repeats resubmitted {len(fast)} times, expected 2")
+    fast.clear()
+    check("grouped, one new shape", hvd.grouped_allreduce_(
+        [torch.full((3,), float(r)), torch.full((5,), float(r))], name="grep", op=hvd.Sum)[1],
+        torch.full((5,), float(total)))
+    check("grouped, one tensor fewer", hvd.grouped_allreduce_(
+        [torch.full((3,), float(r))], name="grep", op=hvd.Sum)[0], torch.full((3,), float(total)))
+    if fast:
+        fails.append(f"rank {r}: a changed gradient set was resubmitted unchecked")
+    hvd.grouped_allreduce_([torch.ones(3), torch.ones(2)], name="grep", op=hvd.Sum)
+    try:  # rank 0 resubmits unchecked, the others' shapes differ: still an error on every rank
+        hvd.grouped_allreduce_([torch.ones(3), torch.ones(2 if r == 0 else 4)], name="grep", op=hvd.Sum)
+        fails.append(f"rank {r}: a grouped shape mismatch on a repeated name did not raise")
+    except Exception as exc:  # noqa: BLE001 - any Horovod error naming the mismatch
+        if "shape" not in str(exc).lower():
+            fails.append(f"rank {r}: grouped mismatch error does not name the shapes: {exc}")
     C.submit_again = real
     return fails
 
@@ -418,4 +445,37 @@ def _repeat_cases():
 @pytest.mark.parametrize("np_", [2, 3])
 def test_repeated_named_allreduce_resubmits_and_falls_back(np_):
     fails = run_ranks(_repeat_cases, np=np_, timeout=120)
+    assert fails == [[]] * np_, fails
+
+
+def _flat_gradient_cases():
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.torch import _convert
+
+    _convert._TORCH_THP = True  # the flat buffer counts as huge pages: its runs are reduced in place
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    fails = []
+    sizes = [5, (3 << 20) // 4 + 7, 300, 1, (2 << 20) // 4, 64]
+    flat = torch.empty(sum(sizes))
+    for step in range(3):
+        # views of one flat tensor on even ranks (every step), separate tensors on odd ranks
+        views = list(torch.split(flat, sizes)) if r % 2 == 0 else [torch.empty(s) for s in sizes]
+        for k, v in enumerate(views):
+            v.fill_(float(r + k + step))
+        outs = hvd.grouped_allreduce_(views, name="flatgrads", op=hvd.Average)
+        for k, (v, o) in enumerate(zip(views, outs)):
+            want = torch.full((sizes[k],), sum(q + k + step for q in range(n)) / n)
+            if o is not v or not torch.allclose(v, want):
+                fails.append(f"rank {r} step {step} tensor {k}: {v.unique()[:4].tolist()} != {want[0].item()}")
+        if r % 2 == 0 and not torch.allclose(flat[:sizes[0]], outs[0]):
+            fails.append(f"rank {r}: the flat buffer does not hold the result")
+    return fails
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_gradients_in_one_flat_tensor_on_some_ranks(np_):
+    fails = run_ranks(_flat_gradient_cases, np=np_, timeout=120)
     assert fails == [[]] * np_, fails

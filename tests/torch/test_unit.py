@@ -211,3 +211,20 @@ def test_blocking_calls_drive_the_engine_themselves(hv, monkeypatch: pytest.Monk
     wakes = {name.split(".")[-1]: wake for name, wake in seen}
     assert wakes == {"b1": False, "b2": False, "b3": False, "b4": False, "b5": False,
                      "a1": True, "a2": True}, seen
+
+
+def test_torch_memory_counts_as_huge_pages_from_4_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's THP blocks are not 2 MiB-aligned: only blocks of 4 MiB or more are mostly huge pages.
+    import torch
+
+    from horovod.common.engine.pages import huge_page_backed
+    from horovod.torch import _convert
+
+    monkeypatch.setattr("horovod.common.engine.pages._mode", "madvise")
+    small, big = torch.ones((3 << 20) // 4), torch.ones((4 << 20) // 4)
+    for thp in (True, False):
+        monkeypatch.setattr(_convert, "_TORCH_THP", thp)
+        assert not huge_page_backed(small.numpy())
+        assert huge_page_backed(big.numpy()) is thp
+        # a view of a flat gradient buffer counts by its whole storage
+        assert huge_page_backed(big[:100].numpy()) is thp

@@ -3,8 +3,11 @@
 Called only from the engine thread. Reductions run piece by piece (``Tunables.chunk_bytes``): the
 whole pieces of large tensors are reduced one by one, in the tensor's own memory when that memory
 is on huge pages (``pages``), else copied through a reusable huge-page buffer; small tensors and
-the tails of large ones are packed together into the fusion buffer, a piece at a time. The pieces
-follow from the agreed shapes alone, so every rank makes the same transport calls.
+the tails of large ones are packed together into the fusion buffer, a piece at a time, and the
+packed run is reduced before the next large tensor's pieces. Tensors that lie end to end in one
+buffer (views of a flattened gradient set) make each packed run one span of memory, which is
+reduced where it lies instead of through the buffer. The pieces follow from the agreed shapes
+alone, so every rank makes the same transport calls, whichever memory it reduces them in.
 Dtypes the transport cannot reduce (float16) are widened to float32 for the reduction. For data
 movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned integers of
 the same width.
@@ -276,7 +279,9 @@ class Executor:
         pieces, each reduced alone: in the tensor's own memory when it is on huge pages or larger
         than ``max_tensor_bytes``, else copied through a second huge-page buffer (a local choice:
         the transport call is the same). Small tensors and the short tails of large ones fill the
-        packed buffer of ``chunk_bytes``, reduced when it is full. Every rank derives the same
+        packed buffer of ``chunk_bytes``, reduced when it is full and before the next large
+        tensor's pieces (so that views of one flat buffer form runs that are reduced in place,
+        see ``_reduce_packed``). Every rank derives the same
         pieces from the agreed shapes, so the transport calls pair up. With ``chunk_bytes`` 0,
         tensors of at most ``max_tensor_bytes`` share one packed call and larger ones get one each.
         """
@@ -327,6 +332,12 @@ class Executor:
             else:
                 stop = step = 0
             if stop > 0:
+                if chunk > 0 and pack:
+                    # The packed run ends where a large tensor's pieces begin: gradients that sit
+                    # side by side in one buffer (views of a flat allocation) then form runs that
+                    # are contiguous in memory and are reduced where they lie (_reduce_packed).
+                    self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
+                    pack, fill = [], 0
                 if chunk > 0 and (widen or (x.nbytes <= cut and not self._own_memory(o))):
                     # Copied piece by piece through the huge-page buffer.
                     for s in range(0, stop, step):
@@ -390,9 +401,23 @@ class Executor:
                        tl: Timeline | None, slot: int = 0) -> None:
         """Copy (prescaled, widened) pieces into the fusion buffer, reduce it, copy them out scaled.
 
-        ``slot`` 1 is a second buffer, for a large tensor's piece while small ones fill slot 0."""
-        buf = self._fusion_buffer(work, fill, slot)
+        ``slot`` 1 is a second buffer, for a large tensor's piece while small ones fill slot 0.
+        When the pieces already lie end to end in memory (in-place views of one flat buffer, as
+        a flattened gradient set is), in huge-page memory, that span is reduced where it lies: the
+        same transport call, without the two copies."""
         names = list(dict.fromkeys(items[i][3] for i, *_ in pack)) if tl is not None else []
+        if not widen and slot == 0:
+            span = self._contiguous_span(items, pack, fill)
+            if span is not None:
+                self._activity(tl, names, self._act + "ALLREDUCE", True)
+                if pre != 1.0:
+                    _scale(span, span, pre)
+                reduce(span)
+                if post != 1.0 or div != 1:
+                    _scale(span, span, post, div)
+                self._activity(tl, names, self._act + "ALLREDUCE", False)
+                return
+        buf = self._fusion_buffer(work, fill, slot)
         self._activity(tl, names, "MEMCPY_IN_FUSION_BUFFER", True)
         for i, s, e, b in pack:
             dst, src = buf[b:b + e - s], items[i][0][s:e]
@@ -410,6 +435,23 @@ class Executor:
         for i, s, e, b in pack:
             _scale(items[i][1][s:e], buf[b:b + e - s], post, div)
         self._activity(tl, names, "MEMCPY_OUT_FUSION_BUFFER", False)
+
+    def _contiguous_span(self, items: Sequence[tuple[np.ndarray, np.ndarray, bool, str]],
+                         pack: Sequence[tuple[int, int, int, int]], fill: int) -> np.ndarray | None:
+        """One in-place view over the packed pieces if they lie end to end in huge-page memory,
+        else None. A local choice: the transport call is the same either way."""
+        first = items[pack[0][0]][1]
+        if not items[pack[0][0]][2] or not self._own_memory(first):
+            return None
+        size = first.itemsize
+        start = first.__array_interface__["data"][0] + pack[0][1] * size
+        at = start
+        for i, s, e, _ in pack:
+            x, o, inplace, _name = items[i]
+            if not inplace or o.__array_interface__["data"][0] + s * size != at:
+                return None
+            at += (e - s) * size
+        return np.lib.stride_tricks.as_strided(first[pack[0][1]:], shape=(fill,), strides=(size,))
 
     def _reducer(self, group: Group, op: ReduceOp) -> Callable[[np.ndarray], None]:
         """In-place reduction of a flat buffer over ``group``: flat, or hierarchical when enabled."""

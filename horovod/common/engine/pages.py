@@ -14,9 +14,10 @@ Which memory is on huge pages is known from who allocated it, not asked of the k
 - NumPy asks for huge pages (``madvise(MADV_HUGEPAGE)``) on every allocation of 4 MiB or more,
   unless ``np._core.multiarray._set_madvise_hugepage(False)`` turned it off;
 - a framework binding registers a test for the objects that own its tensors' memory
-  (``register_owner``): PyTorch's CPU allocator uses huge pages for blocks of 2 MiB or more when
-  ``THP_MEM_ALLOC_ENABLE=1`` was set before ``import torch`` (``horovodrun`` sets it for its
-  workers);
+  (``register_owner``): PyTorch's CPU allocator asks for huge pages for blocks of 2 MiB or more
+  when ``THP_MEM_ALLOC_ENABLE=1`` was set before ``import torch`` (``horovodrun`` sets it for its
+  workers), but does not align them to 2 MiB, so the torch test vouches only for blocks of 4 MiB
+  or more (at least half huge pages);
 - with the kernel's THP mode ``always`` every large anonymous block may be on huge pages.
 
 PURE apart from reading the THP mode once; framework-free.

@@ -176,10 +176,10 @@ def test_schedule_does_not_depend_on_where_a_rank_reduces_large_tensors(
             schedules.append(backend.calls)
             if max_tensor > 8000:
                 # 256 floats a piece. Whole pieces go alone (7 of t1, 2 of t3, 4 of t5); the small
-                # tensors and the tails (3 + 208 + 35 + 188 + 1 + 6 floats) fill the packed buffer,
-                # which is reduced when full (after t3's tail) and at the end.
-                assert backend.calls == [1024] * 7 + [1024] * 2 + [1024] + [1024] * 4 + [185 * 4], \
-                    backend.calls
+                # tensors and the tails pack up until the next large tensor's pieces begin: [3],
+                # [208 + 35], [188 + 1] and [6] floats.
+                assert backend.calls == ([12] + [1024] * 7 + [243 * 4] + [1024] * 2 + [189 * 4]
+                                         + [1024] * 4 + [24]), backend.calls
     assert all(s == schedules[1] for s in schedules[1::2]), schedules
 
 
@@ -216,3 +216,71 @@ def test_pages_know_numpy_and_registered_owners(monkeypatch: pytest.MonkeyPatch,
     assert pages.huge_page_backed(big) and pages.huge_page_backed(foreign)
     monkeypatch.setattr(pages, "_mode", "never")
     assert not pages.huge_page_backed(big) and not pages.huge_page_backed(np.frombuffer(owner_buf, np.uint8))
+
+
+class SpanBackend(FakeBackend):
+    """Records, for each transport call, whether it worked in ``flat``'s memory."""
+
+    def __init__(self, n: int, flat: np.ndarray) -> None:
+        super().__init__(n)
+        self.flat = flat
+        self.in_flat: list[bool] = []
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:
+        self.in_flat.append(bool(np.shares_memory(buf, self.flat)))
+        super().allreduce(buf, op, group, src)
+
+
+def _run_views(views, flat, n=3, pre=1.0, post=1.0, in_place=True, chunk=1024):
+    backend = SpanBackend(n, flat)
+    tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=chunk)
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)
+    reqs = [Request(f"t{i}", RequestType.ALLREDUCE, "float32", (v.shape,), ReduceOp.AVERAGE, pre, post)
+            for i, v in enumerate(views)]
+    entries = [Entry(r, [v], [v] if in_place else None, None) for r, v in zip(reqs, views)]
+    ex.run([Response(r) for r in reqs], entries, False)
+    return backend, entries
+
+
+@pytest.mark.parametrize("pre,post", [(1.0, 1.0), (0.5, 3.0)])
+def test_views_of_one_flat_buffer_are_reduced_where_they_lie(pre: float, post: float,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A flattened gradient set: every tensor a view of one buffer, end to end. Each packed run
+    # (small tensors and tails between two large tensors' pieces) is then one span of the buffer
+    # and is reduced there, with exactly the transport calls of separately allocated tensors.
+    shapes = [(3,), (2000,), (5, 7), (700,), (1,), (9, 3), (1030,), (4,)]
+    sizes = [int(np.prod(s)) for s in shapes]
+    monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out: True))
+    schedules = {}
+    for layout in ("flat", "separate", "flat, one tensor elsewhere"):
+        flat = (np.arange(sum(sizes)) % 13 + 1).astype(np.float32)
+        want = flat * np.float32(pre) * 3 * np.float32(post) / 3
+        views, o = [], 0
+        for size, shape in zip(sizes, shapes):
+            view = flat[o:o + size].reshape(shape)
+            views.append(view.copy() if layout == "separate" else view)
+            o += size
+        if layout == "flat, one tensor elsewhere":
+            views[4] = views[4].copy()  # breaks the run of t3's tail, t4 and t5
+        backend, _ = _run_views(views, flat, pre=pre, post=post)
+        got = np.concatenate([v.reshape(-1) for v in views])
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        schedules[layout] = backend.calls
+        if layout == "flat":
+            assert all(backend.in_flat), backend.in_flat  # no call went through the fusion buffer
+        elif layout == "separate":
+            assert not any(backend.in_flat), backend.in_flat
+        else:
+            assert backend.in_flat.count(False) == 1, backend.in_flat
+    assert schedules["flat"] == schedules["separate"] == schedules["flat, one tensor elsewhere"], schedules
+
+
+def test_flat_views_on_small_pages_or_out_of_place_are_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    for own, in_place in ((False, True), (True, False)):
+        flat = np.ones(300, np.float32)
+        views = [flat[:100], flat[100:300]]
+        monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out, own=own: own))
+        backend, entries = _run_views(views, flat, n=2, in_place=in_place, chunk=4096)
+        assert backend.in_flat == [False] and backend.calls == [1200]
+        assert all(np.all(e.outputs[0] == 1) for e in entries)  # Average of 2 identical ranks
+        assert np.all(flat == 1) or in_place
