@@ -277,7 +277,10 @@ def main() -> None:
             values["tf-sync"] = values["tf-tape"] - values["tf-local"]
         raw = {k: v for k, v in values.items() if k.startswith("raw")}
         best[stat] = min(raw, key=raw.get)
+    from horovod.common.engine.pages import malloc_thp
+
     print(f"case={args.case} np={size} tensors={len(shapes)} MiB={numel * 4 / 2**20:.1f} "
+          f"malloc={'jemalloc thp' if malloc_thp() else 'default'} "
           f"reps={args.reps} unit={unit}   (median | fastest rep; ratio to the best raw schedule)")
     for k in stats["median"]:
         row = f"  {k:18s}"
@@ -291,6 +294,7 @@ def main() -> None:
         with open(args.json, "a") as fh:
             fh.write(json.dumps({"case": args.case, "np": size, "unit": unit, "tensors": len(shapes),
                                  "mib": numel * 4 / 2**20, "reps": args.reps, **stats,
+                                 "malloc": "jemalloc thp" if malloc_thp() else "default",
                                  "best_raw": best, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                          time.gmtime())}) + "\n")
 

@@ -30,18 +30,31 @@ parser.add_argument("--reps", type=int, default=15)
 parser.add_argument("--frameworks", default="numpy,torch,tf")
 parser.add_argument("--timeout", type=int, default=900)
 parser.add_argument("--report-only", action="store_true")
+parser.add_argument("--jemalloc", default="", metavar="LIB",
+                    help="also run the gradient-set cases with this libjemalloc.so preloaded and "
+                         "MALLOC_CONF=thp:always (e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)")
 
 
-def run(case: str, np_: int, reps: int, frameworks: str, timeout: int) -> None:
+def run(case: str, np_: int, reps: int, frameworks: str, timeout: int, jemalloc: str = "") -> None:
     env = dict(os.environ)
+    exports = ["THP_MEM_ALLOC_ENABLE"]
+    if jemalloc:
+        env["LD_PRELOAD"] = jemalloc
+        env["MALLOC_CONF"] = "thp:always,metadata_thp:auto"
+        exports += ["LD_PRELOAD", "MALLOC_CONF"]
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as horovodrun sets it for its workers
     env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none", sys.executable,
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
+    for name in exports:
+        cmd += ["-x", name]
+    cmd += [sys.executable,
            os.path.join(HERE, "gradsync_limit.py"), "--case", case, "--reps", str(reps),
            "--frameworks", frameworks, "--json", JSON]
-    print("$", " ".join(cmd[:6] + ["python", "benchmarks/gradsync_limit.py"] + cmd[8:-2]), flush=True)
+    start = cmd.index(sys.executable)
+    print("$", " ".join([f"{k}={env[k]}" for k in exports] + cmd[:start] + ["python", "benchmarks/gradsync_limit.py"]
+                        + cmd[start + 2:-2]), flush=True)
     res = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     print("\n".join(line for line in res.stdout.splitlines() if not line.startswith("[")), flush=True)
     if res.returncode != 0:
@@ -49,13 +62,13 @@ def run(case: str, np_: int, reps: int, frameworks: str, timeout: int) -> None:
         raise SystemExit(f"{case} np={np_} failed with {res.returncode}")
 
 
-def latest() -> dict[tuple[str, int], dict]:
-    runs: dict[tuple[str, int], dict] = {}
+def latest() -> dict[tuple[str, int, str], dict]:
+    runs: dict[tuple[str, int, str], dict] = {}
     with open(JSON) as fh:
         for line in fh:
             if line.strip():
                 r = json.loads(line)
-                runs[(r["case"], r["np"])] = r
+                runs[(r["case"], r["np"], r.get("malloc", "default"))] = r
     return runs
 
 
@@ -70,7 +83,7 @@ def _cell(r: dict, k: str) -> str:
 def report() -> None:
     runs = latest()
     order = ["resnet50", "bert_base", "single64", "latency"]
-    keys = sorted(runs, key=lambda k: (order.index(k[0]) if k[0] in order else 9, k[1]))
+    keys = sorted(runs, key=lambda k: (k[2] != "default", order.index(k[0]) if k[0] in order else 9, k[1]))
     lines = [
         "# Gradient sync against the machine's limit",
         "",
@@ -88,8 +101,13 @@ def report() -> None:
         "*Schedule* is no binding: it is the engine's piece schedule written directly in mpi4py on "
         "separately allocated arrays (small ones packed into a 2 MiB buffer, large ones in 2 MiB "
         "pieces in place), so binding / schedule is what the engine itself adds, and schedule / best "
-        "raw what a gradient set of separate tensors costs against one flat buffer. Torch runs with "
-        "`THP_MEM_ALLOC_ENABLE=1`, as `horovodrun` sets it.",
+        "raw what a gradient set of separate tensors costs against one flat buffer. *Torch grouped, "
+        "one flat tensor* is `grouped_allreduce_` on a gradient set kept as views of one flat tensor "
+        "(as DDP's `gradient_as_bucket_view`, apex and DeepSpeed keep gradients). Torch runs with "
+        "`THP_MEM_ALLOC_ENABLE=1`, as `horovodrun` sets it. Rows marked *jemalloc thp* ran with "
+        "jemalloc preloaded and `MALLOC_CONF=thp:always` (`--jemalloc`): every block of 2 MiB or more, "
+        "NumPy's and torch's alike, then lies on huge pages, where glibc gives each its own unaligned "
+        "mapping whose ends are 4 KiB pages.",
         "",
         "| case | np | MiB | raw flat | best raw | schedule (no engine) | numpy | torch async "
         "| torch grouped | torch grouped, one flat tensor | TF tape | numpy, HOROVOD_CHUNK_BYTES=0 | measured |",
@@ -100,7 +118,8 @@ def report() -> None:
         med, bm, unit = r["median"], r["best_raw"]["median"], r["unit"]
         best_name = bm.replace("raw-chunk-", "").replace("raw-", "")
         cells = " | ".join(_cell(r, k) for k in BINDINGS)
-        lines.append(f"| {r['case']} | {r['np']} | {r['mib']:.1f} | {med['raw-flat']:.1f} {unit} | "
+        label = r["case"] if key[2] == "default" else f"{r['case']}, {key[2]}"
+        lines.append(f"| {label} | {r['np']} | {r['mib']:.1f} | {med['raw-flat']:.1f} {unit} | "
                      f"{med[bm]:.1f} {unit} ({best_name}) | {cells} | {r['time'][:16]} |")
     lines += ["", "![horovod vs best raw](limit.png)", ""]
     with open(os.path.join(RESULTS, "limit.md"), "w") as fh:
@@ -116,7 +135,7 @@ def plot(runs: dict[tuple[str, int], dict], keys: list[tuple[str, int]]) -> None
     import numpy as np
 
     keys = [k for k in keys if k[0] != "latency"]
-    labels = [f"{c}\nnp={n}" for c, n in keys]
+    labels = [f"{c}\nnp={n}" + ("" if m == "default" else f"\n{m}") for c, n, m in keys]
     series = ["raw-flat", "best raw"] + BINDINGS
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(keys)), 4.5))
     width = 0.8 / len(series)
@@ -145,6 +164,11 @@ def main() -> None:
         for np_ in (int(n) for n in args.nps.split(",")):
             for case in args.cases.split(","):
                 run(case, np_, args.reps, args.frameworks, args.timeout)
+        if args.jemalloc:
+            for np_ in (int(n) for n in args.nps.split(",")):
+                for case in args.cases.split(","):
+                    if case in ("resnet50", "bert_base"):
+                        run(case, np_, args.reps, args.frameworks, args.timeout, args.jemalloc)
     report()
     print(f"wrote {RESULTS}/limit.md and limit.png ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)")
 

@@ -30,7 +30,7 @@ import torch.distributed as _dist
 
 from horovod.common.context import peek_context
 from horovod.common.engine.device import gpu_transport
-from horovod.common.engine.pages import register_owner
+from horovod.common.engine.pages import HUGE_PAGE_BYTES, malloc_thp, register_owner
 from horovod.common.types import ReduceOp, RequestType
 
 if _dist.is_available():
@@ -60,7 +60,10 @@ _THP_MIN_BYTES = 4 * 1024 * 1024
 def _torch_memory_on_huge_pages(owner: Any) -> bool | None:
     if not isinstance(owner, torch.Tensor):
         return None
-    return _TORCH_THP and owner.untyped_storage().nbytes() >= _THP_MIN_BYTES
+    nbytes = owner.untyped_storage().nbytes()
+    if malloc_thp():  # jemalloc with thp:always: every large block is on huge pages
+        return nbytes >= HUGE_PAGE_BYTES
+    return _TORCH_THP and nbytes >= _THP_MIN_BYTES
 
 
 register_owner(_torch_memory_on_huge_pages)

@@ -221,6 +221,7 @@ def test_torch_memory_counts_as_huge_pages_from_4_mib(monkeypatch: pytest.Monkey
     from horovod.torch import _convert
 
     monkeypatch.setattr("horovod.common.engine.pages._mode", "madvise")
+    monkeypatch.setattr("horovod.common.engine.pages._malloc_thp", False)
     small, big = torch.ones((3 << 20) // 4), torch.ones((4 << 20) // 4)
     for thp in (True, False):
         monkeypatch.setattr(_convert, "_TORCH_THP", thp)
@@ -228,3 +229,6 @@ def test_torch_memory_counts_as_huge_pages_from_4_mib(monkeypatch: pytest.Monkey
         assert huge_page_backed(big.numpy()) is thp
         # a view of a flat gradient buffer counts by its whole storage
         assert huge_page_backed(big[:100].numpy()) is thp
+    # under jemalloc with thp:always every block from 2 MiB is on huge pages
+    monkeypatch.setattr("horovod.common.engine.pages._malloc_thp", True)
+    assert huge_page_backed(small.numpy()) and not huge_page_backed(torch.ones(1000).numpy())

@@ -18,26 +18,35 @@ Which memory is on huge pages is known from who allocated it, not asked of the k
   when ``THP_MEM_ALLOC_ENABLE=1`` was set before ``import torch`` (``horovodrun`` sets it for its
   workers), but does not align them to 2 MiB, so the torch test vouches only for blocks of 4 MiB
   or more (at least half huge pages);
-- with the kernel's THP mode ``always`` every large anonymous block may be on huge pages.
+- with the kernel's THP mode ``always`` every large anonymous block may be on huge pages;
+- a process whose malloc is jemalloc configured with ``thp:always`` (``LD_PRELOAD`` plus
+  ``MALLOC_CONF``, as CPU tuning guides recommend for PyTorch and TensorFlow) keeps its heap in a
+  few large regions on huge pages, so every block of 2 MiB or more lies on huge pages whoever
+  allocated it (``malloc_thp``).
 
 PURE apart from reading the THP mode once; framework-free.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["huge_page_backed", "register_owner", "thp_mode", "NUMPY_HUGE_MIN_BYTES"]
+__all__ = ["huge_page_backed", "register_owner", "thp_mode", "malloc_thp", "NUMPY_HUGE_MIN_BYTES",
+           "HUGE_PAGE_BYTES"]
 
 # NumPy madvises allocations of at least this many bytes (numpy/_core/src/multiarray/alloc.c).
 NUMPY_HUGE_MIN_BYTES = 4 * 1024 * 1024
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+_MAPS = "/proc/self/maps"
 
 _owners: list[Callable[[Any], bool | None]] = []
 _mode: str | None = None
+_malloc_thp: bool | None = None
 _numpy_madvise: bool | None = None
 
 
@@ -54,6 +63,28 @@ def thp_mode(path: str = _THP_ENABLED) -> str:
         except (OSError, ValueError):
             _mode = "never"
     return _mode
+
+
+def malloc_thp(maps: str = _MAPS, conf: str | None = None) -> bool:
+    """Whether this process's malloc is jemalloc with ``thp:always`` in ``MALLOC_CONF`` (read once).
+
+    jemalloc then backs its few large regions with transparent huge pages, so a block of 2 MiB or
+    more lies on huge pages except at most its two ends, where glibc gives each such block its own
+    unaligned mapping whose ends cannot be huge pages.
+    """
+    global _malloc_thp
+    if _malloc_thp is None:
+        text = os.environ.get("MALLOC_CONF", "") if conf is None else conf
+        options = dict(o.split(":", 1) for o in text.replace(" ", "").split(",") if ":" in o)
+        found = False
+        if options.get("thp") == "always":
+            try:
+                with open(maps) as fh:
+                    found = any("jemalloc" in line for line in fh)
+            except OSError:
+                found = False
+        _malloc_thp = found
+    return _malloc_thp
 
 
 def _numpy_madvises() -> bool:
@@ -86,8 +117,8 @@ def huge_page_backed(arr: np.ndarray) -> bool:
         if isinstance(owner, memoryview):  # np.frombuffer: the exporter owns the memory
             owner = owner.obj
     if isinstance(owner, np.ndarray):
-        if mode == "always":
-            return owner.nbytes >= 2 * 1024 * 1024
+        if mode == "always" or malloc_thp():
+            return owner.nbytes >= HUGE_PAGE_BYTES
         return owner.flags.owndata and owner.nbytes >= NUMPY_HUGE_MIN_BYTES and _numpy_madvises()
     for test in _owners:
         verdict = test(owner)

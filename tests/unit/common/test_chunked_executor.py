@@ -284,3 +284,25 @@ def test_flat_views_on_small_pages_or_out_of_place_are_copied(monkeypatch: pytes
         assert backend.in_flat == [False] and backend.calls == [1200]
         assert all(np.all(e.outputs[0] == 1) for e in entries)  # Average of 2 identical ranks
         assert np.all(flat == 1) or in_place
+
+
+def test_jemalloc_with_thp_puts_every_large_block_on_huge_pages(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from horovod.common.engine import pages
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n")
+    plain = tmp_path / "plain"
+    plain.write_text("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    for path, conf, want in ((maps, "thp:always,metadata_thp:auto", True), (maps, "thp:default", False),
+                             (plain, "thp:always", False), (maps, "", False)):
+        monkeypatch.setattr(pages, "_malloc_thp", None)
+        assert pages.malloc_thp(str(path), conf) is want, (path, conf)
+    monkeypatch.setattr(pages, "_mode", "madvise")
+    monkeypatch.setattr(pages, "_numpy_madvise", True)
+    mid = np.ones(pages.HUGE_PAGE_BYTES // 4 + 1, np.float32)  # 2 MiB: NumPy does not madvise it
+    monkeypatch.setattr(pages, "_malloc_thp", False)
+    assert not pages.huge_page_backed(mid)
+    monkeypatch.setattr(pages, "_malloc_thp", True)
+    assert pages.huge_page_backed(mid) and not pages.huge_page_backed(np.ones(1000, np.float32))
+    monkeypatch.setattr(pages, "_mode", "never")
+    assert not pages.huge_page_backed(mid)  # the kernel has the last word
