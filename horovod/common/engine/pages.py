@@ -20,11 +20,12 @@ Which memory is on huge pages is known from who allocated it, not asked of the k
   or more (at least half huge pages);
 - with the kernel's THP mode ``always`` every large anonymous block may be on huge pages;
 - a process whose malloc is jemalloc configured with ``thp:always`` (``LD_PRELOAD`` plus
-  ``MALLOC_CONF``, as CPU tuning guides recommend for PyTorch and TensorFlow) keeps its heap in a
-  few large regions on huge pages, so every block of 2 MiB or more lies on huge pages whoever
+  ``MALLOC_CONF``; PyTorch's CPU tuning guide suggests jemalloc) keeps its heap in a few large
+  regions on huge pages, so every block of 2 MiB or more lies on huge pages whoever
   allocated it (``malloc_thp``).
 
-PURE apart from reading the THP mode once; framework-free.
+PURE apart from reading the THP mode and the allocator (``MALLOC_CONF``, ``/proc/self/maps``)
+once; framework-free.
 """
 
 from __future__ import annotations
