@@ -20,14 +20,22 @@ import numpy as np
 __all__ = ["OutputPool", "ALIGN"]
 
 ALIGN = 64
+# Results of at least one huge page start on a huge-page boundary (NumPy madvises the block, see
+# ``pages``): every whole 2 MiB piece of the result is then one huge page, where the executor
+# reduces it (an unaligned block has 4 KiB pages at both ends).
+HUGE = 2 * 1024 * 1024
+
+
+def _align(nbytes: int) -> int:
+    return HUGE if nbytes >= HUGE else ALIGN
 
 
 def _raw(nbytes: int) -> np.ndarray:
-    return np.empty(nbytes + ALIGN, np.uint8)
+    return np.empty(nbytes + _align(nbytes), np.uint8)
 
 
 def _view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
-    off = (-raw.__array_interface__["data"][0]) % ALIGN
+    off = (-raw.__array_interface__["data"][0]) % _align(nbytes)
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 

@@ -139,6 +139,21 @@ def test_output_pool_reuses_only_dropped_buffers() -> None:
     assert small.shape == (3,) and pool.tracked_bytes == 3 * 4000
 
 
+def test_large_outputs_start_on_a_huge_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    from horovod.common.engine import pages
+
+    monkeypatch.setattr(pages, "_mode", "madvise")
+    monkeypatch.setattr(pages, "_numpy_madvise", True)
+    monkeypatch.setattr(pages, "_malloc_thp", False)
+    pool = OutputPool(min_bytes=1024)
+    for shape in ((1 << 19,), ((3 << 20) // 4 + 3,), (1000, 1000)):  # 2 MiB, 3 MiB + 12 B, 4 MB
+        out = pool.empty(shape, np.float32)
+        assert out.shape == shape and out.__array_interface__["data"][0] % (2 << 20) == 0
+        assert pages.huge_page_backed(out.reshape(-1))
+    small = pool.empty((1000,), np.float32)
+    assert small.__array_interface__["data"][0] % 64 == 0
+
+
 def test_host_layout() -> None:
     hosts = ["a", "a", "b", "b"]
     assert host_layout([0, 1, 2, 3], hosts) == ([0, 0, 1, 1], [0, 1, 0, 1])
