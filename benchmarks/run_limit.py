@@ -21,6 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSON = os.path.join(RESULTS, "limit.json")
+YMAX = 3.0  # taller bars (raw flat, unchunked) are clipped and labelled
 BINDINGS = ["schedule", "numpy", "torch-async", "torch-grouped", "torch-flat", "tf-sync", "numpy-unchunked"]
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,12 +148,17 @@ def plot(runs: dict[tuple[str, int], dict], keys: list[tuple[str, int]]) -> None
             ref = r["median"][r["best_raw"]["median"]]
             name = r["best_raw"]["median"] if s == "best raw" else s
             vals.append(r["median"].get(name, float("nan")) / ref)
-        ax.bar(x + (i - len(series) / 2 + 0.5) * width, vals, width, label=s)
+        pos = x + (i - len(series) / 2 + 0.5) * width
+        ax.bar(pos, [min(v, YMAX) for v in vals], width, label=s)
+        for p, v in zip(pos, vals):
+            if v > YMAX:  # clipped: the value is written on top of the bar
+                ax.text(p, YMAX, f"{v:.1f}", ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.set_ylim(0, YMAX * 1.12)
     ax.axhline(1.15, color="k", linestyle="--", linewidth=0.8, label="goal 1.15x")
     ax.set_xticks(x, labels)
     ax.set_ylabel("time / best raw schedule (median)")
     ax.set_title("Gradient sync: horovod bindings vs the best raw mpi4py schedule, same run")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "limit.png"), dpi=110)
 
