@@ -439,18 +439,18 @@ class Executor:
     def _contiguous_span(self, items: Sequence[tuple[np.ndarray, np.ndarray, bool, str]],
                          pack: Sequence[tuple[int, int, int, int]], fill: int) -> np.ndarray | None:
         """One in-place view over the packed pieces if they lie end to end in huge-page memory,
-        else None. A local choice: the transport call is the same either way."""
+        else None. A local choice: the transport call is the same either way. Separate tensors
+        fail at the second piece, before the (costlier) page check."""
         first = items[pack[0][0]][1]
-        if not items[pack[0][0]][2] or not self._own_memory(first):
-            return None
         size = first.itemsize
-        start = first.__array_interface__["data"][0] + pack[0][1] * size
-        at = start
+        at = first.__array_interface__["data"][0] + pack[0][1] * size
         for i, s, e, _ in pack:
-            x, o, inplace, _name = items[i]
+            _x, o, inplace, _name = items[i]
             if not inplace or o.__array_interface__["data"][0] + s * size != at:
                 return None
             at += (e - s) * size
+        if not self._own_memory(first):
+            return None
         return np.lib.stride_tricks.as_strided(first[pack[0][1]:], shape=(fill,), strides=(size,))
 
     def _reducer(self, group: Group, op: ReduceOp) -> Callable[[np.ndarray], None]:
