@@ -147,9 +147,19 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
 
 
 def _matches(tensor: Any, signature: tuple[Any, ...]) -> bool:
-    ctx, req, dtype, shape, group = signature
+    return _same_context(signature) and _same_tensor(tensor, signature)
+
+
+def _same_context(signature: tuple[Any, ...]) -> bool:
+    """The context and process set the signature's request was checked in are still current."""
+    ctx, req, _dtype, _shape, group = signature
+    return ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
+
+
+def _same_tensor(tensor: Any, signature: tuple[Any, ...]) -> bool:
+    """``tensor`` is a plain dense contiguous CPU tensor of the signature's dtype and shape."""
+    _ctx, _req, dtype, shape, _group = signature
     return (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
-            and ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
             and not tensor.requires_grad and tensor.layout is torch.strided
             and tensor.device.type == "cpu" and tensor.is_contiguous())
 
@@ -256,8 +266,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         key = ("grouped", name, op, prescale_factor, postscale_factor,
                getattr(process_set, "process_set_id", None))
         signatures = _REPEAT.get(key)
-        if signatures is not None and len(signatures) == len(tensors) and all(
-                _matches(t, sig) for t, sig in zip(tensors, signatures)):
+        # One context/process-set check for the set (all signatures share them), then per tensor.
+        if (signatures is not None and len(signatures) == len(tensors) and _same_context(signatures[0])
+                and all(_same_tensor(t, sig) for t, sig in zip(tensors, signatures))):
             group = tuple(tensors)
             return _register(_C.submit_again(signatures[0][1], [t.numpy() for t in group], wake=_wake),
                              lambda _r: group)
