@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from horovod.common.context import get_context
+from horovod.common.engine.executor import end_to_end
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.negotiation import ArgumentError
 from horovod.common.exceptions import HorovodError
@@ -254,9 +255,13 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
             outputs = _check_out(arrays, out, what, inplace)
     except ARGUMENT_ERRORS as exc:
         fail_everywhere(RequestType.ALLREDUCE, name, ps_id, exc, grouped)
+    # In place on views of one flat buffer (a flattened gradient set): a hint that lets every rank
+    # reduce the group as one span if every rank's tensors lie so (see ``Request.flat``).
+    flat = (inplace and grouped and device == "cpu" and len(arrays) > 1 and op != ReduceOp.ADASUM
+            and end_to_end(arrays))
     return _submit(RequestType.ALLREDUCE, arrays, outputs, name, grouped,
                    ps_id, dtype, device, wake=wake, reduce_op=op, prescale=float(prescale_factor),
-                   postscale=float(postscale_factor))
+                   postscale=float(postscale_factor), flat=flat)
 
 
 def allgather_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

@@ -94,6 +94,11 @@ class Request:
     device: str = "cpu"
     payload: Any = None
     rank: int = -1
+    # A layout hint, not an argument (so not in the signature, and ranks may differ): this rank's
+    # tensors of an in-place grouped allreduce lie end to end in one buffer (views of a flattened
+    # gradient set). The coordinator keeps it only when every rank's tensors do, and then every
+    # rank reduces the group as one span (``executor``), whatever its own memory looks like.
+    flat: bool = False
     _sig: Any = None
 
     def signature(self) -> tuple[Any, ...]:

@@ -318,3 +318,59 @@ def _flat_view_cases():
 def test_ranks_holding_a_flat_gradient_set_or_separate_tensors(np_):
     results = run_ranks(_flat_view_cases, np=np_, timeout=120)
     assert results == [[]] * np_, results
+
+
+def _flat_group_cases():
+    import numpy as np
+
+    import horovod.numpy as hvd
+    from horovod.common.context import get_context
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    backend = get_context().engine._executor.backend
+    calls: list[int] = []
+    real = backend.allreduce
+
+    def counted(buf, *args, **kwargs):
+        calls.append(buf.nbytes)
+        return real(buf, *args, **kwargs)
+
+    backend.allreduce = counted
+    bad = []
+    piece = get_context().engine.tunables.chunk_bytes // 4
+    sizes = [3, (5 << 20) // 4 + 13, 1000, 77, (3 << 20) // 4 + 5, 1, 4096, (2 << 20) // 4, 9]
+    total = sum(sizes)
+    one_span = total // piece + (1 if total % piece else 0)  # the raw schedule of one flat buffer
+    # (name, layout of this rank): a grouped in-place allreduce on views of one flat buffer on every
+    # rank is negotiated as flat and reduced as one span; the hint stays with the cached name when
+    # a rank later holds separate arrays (gathered through the buffer, same calls); ranks that
+    # differ at negotiation get the per-tensor schedule.
+    steps = [("g", "flat"), ("g", "flat"), ("g", "separate" if r == 1 else "flat"), ("g", "separate"),
+             ("mixed", "flat" if r % 2 == 0 else "separate")]
+    for step, (name, layout) in enumerate(steps):
+        flat = np.empty(total, np.float32)
+        views, o = [], 0
+        for k, size in enumerate(sizes):
+            flat[o:o + size] = r + k + step
+            views.append(flat[o:o + size] if layout == "flat" else flat[o:o + size].copy())
+            o += size
+        calls.clear()
+        hvd.grouped_allreduce_(views, name=name, op=hvd.Average, prescale_factor=2.0)
+        for k, v in enumerate(views):
+            want = np.float32(2.0 * sum(q + k + step for q in range(n)) / n)
+            if not np.allclose(v, want, rtol=1e-6):
+                bad.append(f"rank {r}: step {step} ({name}, {layout}) tensor {k}: {np.unique(v)[:5]}, "
+                           f"expected {want}")
+        if sum(calls) != total * 4:
+            bad.append(f"rank {r}: step {step}: the calls moved {sum(calls)} bytes, not {total * 4}")
+        if (len(calls) == one_span) != (name == "g"):
+            bad.append(f"rank {r}: step {step} ({name}): {len(calls)} transport calls (one span: {one_span})")
+    backend.allreduce = real
+    return bad
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_grouped_views_of_one_flat_buffer_are_reduced_as_one_span(np_):
+    results = run_ranks(_flat_group_cases, np=np_, timeout=120)
+    assert results == [[]] * np_, results

@@ -479,3 +479,45 @@ def _flat_gradient_cases():
 def test_gradients_in_one_flat_tensor_on_some_ranks(np_):
     fails = run_ranks(_flat_gradient_cases, np=np_, timeout=120)
     assert fails == [[]] * np_, fails
+
+
+def _flat_hint_cases():
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.common.context import get_context
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    backend = get_context().engine._executor.backend
+    calls: list[int] = []
+    real = backend.allreduce
+    backend.allreduce = lambda buf, *a, **k: (calls.append(buf.nbytes), real(buf, *a, **k))[1]
+    fails = []
+    sizes = [5, (3 << 20) // 4 + 7, 300, 1, (2 << 20) // 4, 64]
+    piece = get_context().engine.tunables.chunk_bytes // 4
+    one_span = sum(sizes) // piece + (1 if sum(sizes) % piece else 0)
+    flat = torch.empty(sum(sizes))
+    # Views of one flat tensor on every rank: negotiated flat, then resubmitted unchecked (the
+    # repeat path keeps the hint); at step 2 rank 1 holds separate tensors of the same shapes.
+    for step in range(3):
+        separate = step == 2 and r == 1
+        views = [torch.empty(s) for s in sizes] if separate else list(torch.split(flat, sizes))
+        for k, v in enumerate(views):
+            v.fill_(float(r + k + step))
+        calls.clear()
+        outs = hvd.grouped_allreduce_(views, name="flathint", op=hvd.Average)
+        for k, (v, o) in enumerate(zip(views, outs)):
+            want = torch.full((sizes[k],), sum(q + k + step for q in range(n)) / n)
+            if o is not v or not torch.allclose(v, want):
+                fails.append(f"rank {r} step {step} tensor {k}: {v.unique()[:4].tolist()} != {want[0].item()}")
+        if len(calls) != one_span:
+            fails.append(f"rank {r} step {step}: {len(calls)} transport calls, one span takes {one_span}")
+    backend.allreduce = real
+    return fails
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_flat_gradient_set_on_every_rank_is_one_span(np_):
+    fails = run_ranks(_flat_hint_cases, np=np_, timeout=120)
+    assert fails == [[]] * np_, fails

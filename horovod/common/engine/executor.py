@@ -15,6 +15,7 @@ the same width.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
 
-__all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "SMALL_OUTPUT_BYTES"]
+__all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "end_to_end", "SMALL_OUTPUT_BYTES"]
 
 _MOVE_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -99,6 +100,45 @@ def reducescatter_rows(n: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def end_to_end(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether C-contiguous ``arrays`` lie end to end in memory, in order (views of one flat
+    buffer, as a flattened gradient set is)."""
+    at = -1
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            return False
+        start = a.__array_interface__["data"][0]
+        if at >= 0 and start != at:
+            return False
+        at = start + a.nbytes
+    return True
+
+
+def _span(items: Sequence[tuple[np.ndarray, np.ndarray, bool, str]]) -> np.ndarray | None:
+    """One in-place view over the items' memory if they are in place and lie end to end, else None."""
+    outs = [o for _x, o, inplace, _name in items if inplace]
+    if len(outs) < len(items) or not end_to_end(outs):
+        return None
+    first = outs[0]
+    return np.lib.stride_tricks.as_strided(first, shape=(sum(o.size for o in outs),), strides=(first.itemsize,))
+
+
+def _pieces(first: int, offsets: list[int], a: int, b: int, at: int) -> list[tuple[int, int, int, int]]:
+    """Elements ``[a, b)`` of a span held as separate arrays ``first, first + 1, ...`` (array ``i``
+    holds span elements ``offsets[i - first]`` onwards), as (array, start, stop, buffer offset)
+    pieces for ``_reduce_packed``, placed from buffer offset ``at``."""
+    out = []
+    k = bisect.bisect_right(offsets, a) - 1
+    while a < b:
+        stop = min(b, offsets[k + 1])
+        if stop > a:
+            out.append((first + k, a - offsets[k], stop - offsets[k], at))
+            at += stop - a
+            a = stop
+        k += 1
+    return out
+
+
 def _move_view(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(_MOVE_DTYPES[a.dtype.itemsize])
 
@@ -156,6 +196,7 @@ class Executor:
         self.planes = Planes(self)
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
+        self._span_owner: dict[int, np.ndarray] = {}  # id(span of a flat group) -> its first array
 
     # ------------------------------------------------------------------ tunables (read every batch)
     @property
@@ -290,22 +331,35 @@ class Executor:
         post, div = _post_factors(req, group)
         pre = req.prescale
         work, dtype, widen = self._dtypes(req.dtype)
+        chunk = self.chunk_bytes // work.itemsize if self.chunk_bytes > 0 else 0
         # (input, output, in_place, name) of flat views.
         items: list[tuple[np.ndarray, np.ndarray, bool, str]] = []
+        # A response whose tensors every rank holds end to end (``Request.flat``) is reduced as one
+        # span of their total size: first item -> item count where this rank's memory is not one
+        # span (its pieces are gathered through the buffer: the same transport calls).
+        virtual: dict[int, int] = {}
+        self._span_owner.clear()
         for resp, entry in zip(batch, entries):
+            first = len(items)
             if entry is None:  # this rank joined: contribute zeros of the agreed shapes
                 for shape in resp.request.shapes:
                     z = np.zeros(int(np.prod(shape)), dtype)
                     items.append((z, z, True, resp.name))
-                continue
-            if entry.outputs is None:
-                entry.outputs = [self._outputs.empty(x.shape, x.dtype) for x in entry.inputs]
-            for x, o in zip(entry.inputs, entry.outputs):
-                items.append((x.reshape(-1), o.reshape(-1), o is x, resp.name))
+            else:
+                if entry.outputs is None:
+                    entry.outputs = [self._outputs.empty(x.shape, x.dtype) for x in entry.inputs]
+                for x, o in zip(entry.inputs, entry.outputs):
+                    items.append((x.reshape(-1), o.reshape(-1), o is x, resp.name))
+            if resp.request.flat and chunk > 0 and len(items) - first > 1:
+                span = _span(items[first:])
+                if span is None:
+                    virtual[first] = len(items) - first
+                else:
+                    self._span_owner[id(span)] = items[first][1]
+                    items[first:] = [(span, span, True, resp.name)]
         reduce = self._reducer(group, op)
         fuse = self.fusion_enabled
         cut = self.max_tensor_bytes
-        chunk = self.chunk_bytes // work.itemsize if self.chunk_bytes > 0 else 0
         if chunk > 0:
             cap = chunk
         else:  # one call for all packed tensors, one per large tensor
@@ -314,20 +368,28 @@ class Executor:
         exact_post = dtype.kind == "f" and op == ReduceOp.SUM and _power_of_two(post / div)
         pack: list[tuple[int, int, int, int]] = []  # (item, start, stop, offset in the buffer)
         fill = 0
-        for idx, (x, o, inplace, name) in enumerate(items):
-            n = x.size
+        idx = 0
+        while idx < len(items):
+            x, o, inplace, name = items[idx]
+            count = virtual.get(idx, 1) if virtual else 1
+            if count > 1:  # one span, spread over several arrays on this rank
+                offsets = np.cumsum([0] + [items[i][0].size for i in range(idx, idx + count)]).tolist()
+                n = offsets[-1]
+            else:
+                n = x.size
+            nbytes = n * x.itemsize
             start = 0
             if chunk > 0:
                 # Whole pieces of large tensors go alone: the same transport calls on every rank,
                 # whichever memory each rank reduces them in. A short tail joins the packed buffer.
                 if not fuse:
                     stop = n
-                elif n >= chunk or x.nbytes > cut:
+                elif n >= chunk or nbytes > cut:
                     stop = n - n % chunk if n % chunk and (n % chunk) * x.itemsize <= cut else n
                 else:
                     stop = 0
                 step = chunk
-            elif not widen and not (fuse and x.nbytes <= cut):
+            elif not widen and not (fuse and nbytes <= cut):
                 stop = step = max(n, 1)  # one call per large tensor, in its own memory
             else:
                 stop = step = 0
@@ -338,7 +400,13 @@ class Executor:
                     # are contiguous in memory and are reduced where they lie (_reduce_packed).
                     self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
                     pack, fill = [], 0
-                if chunk > 0 and (widen or (x.nbytes <= cut and not self._own_memory(o))):
+                if count > 1:  # each piece gathered from its arrays into the buffer
+                    for s in range(0, stop, step):
+                        e = min(s + step, stop)
+                        self._reduce_packed(items, _pieces(idx, offsets, s, e, 0), e - s, work, widen, pre,
+                                            post, div, reduce, tl, slot=1)
+                elif chunk > 0 and (widen or (nbytes <= cut and not self._own_memory(
+                        self._span_owner.get(id(o), o)))):
                     # Copied piece by piece through the huge-page buffer.
                     for s in range(0, stop, step):
                         e = min(s + step, stop)
@@ -350,12 +418,16 @@ class Executor:
                 start = stop
             while start < n:
                 take = min(n - start, cap - fill)
-                pack.append((idx, start, start + take, fill))
+                if count > 1:
+                    pack.extend(_pieces(idx, offsets, start, start + take, fill))
+                else:
+                    pack.append((idx, start, start + take, fill))
                 fill += take
                 start += take
                 if fill == cap:
                     self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
                     pack, fill = [], 0
+            idx += count
         if pack:
             self._reduce_packed(items, pack, fill, work, widen, pre, post, div, reduce, tl)
 
@@ -449,7 +521,7 @@ class Executor:
             if not inplace or o.__array_interface__["data"][0] + s * size != at:
                 return None
             at += (e - s) * size
-        if not self._own_memory(first):
+        if not self._own_memory(self._span_owner.get(id(first), first)):
             return None
         return np.lib.stride_tricks.as_strided(first[pack[0][1]:], shape=(fill,), strides=(size,))
 

@@ -8,6 +8,7 @@ validated; a disagreement becomes an error response that every rank raises for t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -270,6 +271,8 @@ class Coordinator:
             new_id = self._next_process_set_id
             self._next_process_set_id += 1
             return Response(first, result=new_id)
+        if first.flat and not all(r.flat for r in reqs.values()):
+            first = dataclasses.replace(first, flat=False)  # one schedule for all: flat only if all are
         return Response(first, joined=member_joined)
 
     def stalled(self, older_than: float) -> list[tuple[str, list[int], list[int], float]]:
