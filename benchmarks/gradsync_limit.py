@@ -13,6 +13,10 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
   raw-flat          mpi4py: one in-place Allreduce of a flat float32 buffer of the same size, then /size
   raw-chunk-<k>MiB  mpi4py: the flat buffer cut into k MiB pieces, each reduced in place and divided
                     while hot in cache (k = 1, 2, 4, 8, 16, 32); the best of these is "the limit"
+  oop-floor         mpi4py out of place: the flat buffer reduced into a second flat buffer, 2 MiB pieces
+                    (Allreduce(sendbuf, recvbuf), then /size in the output while hot): the floor of
+                    an out-of-place binding, whose every result is new memory (not a "raw" schedule:
+                    it does another operation)
   schedule          the engine's piece schedule written directly in mpi4py, on separately allocated
                     arrays of the gradient set's shapes (in place): small arrays and the tails of
                     large ones packed into one 2 MiB huge-page buffer, whole 2 MiB pieces of large
@@ -124,6 +128,19 @@ def main() -> None:
                 modes[f"raw-chunk-{mib}MiB"] = raw_chunked(mib << 20)
 
     if not latency:
+        # Raw mpi4py out of place: the flat buffer reduced into a second flat buffer (MPI's own
+        # out-of-place Allreduce in 2 MiB pieces, each divided in the output while hot). An
+        # out-of-place binding (numpy, TF: every result is new memory) cannot beat it.
+        flat_out = np.zeros_like(flat)
+
+        def oop_floor() -> None:
+            n = DEFAULT_CHUNK // 4
+            for o in range(0, numel, n):
+                out = flat_out[o:o + n]
+                comm.Allreduce(flat[o:o + n], out)
+                np.divide(out, size, out=out)
+        modes["oop-floor"] = oop_floor
+
         # The engine's own piece schedule, written directly in mpi4py, on separately allocated
         # in-place arrays like a gradient set's: what the engine could do with zero overhead.
         from horovod.common.engine.executor import huge_page_empty

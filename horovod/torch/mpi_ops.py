@@ -161,7 +161,7 @@ def _same_tensor(tensor: Any, signature: tuple[Any, ...]) -> bool:
     _ctx, _req, dtype, shape, _group = signature
     return (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
             and not tensor.requires_grad and tensor.layout is torch.strided
-            and tensor.device.type == "cpu" and tensor.is_contiguous())
+            and tensor.is_cpu and tensor.is_contiguous())
 
 
 def _remember(key: tuple[Any, ...], signature: Any) -> None:
