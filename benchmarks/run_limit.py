@@ -22,7 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JSON = os.path.join(RESULTS, "limit.json")
 YMAX = 3.0  # taller bars (raw flat, unchunked) are clipped and labelled
-BINDINGS = ["schedule", "oop-floor", "numpy", "torch-async", "torch-grouped", "torch-flat", "tf-sync", "numpy-unchunked"]
+BINDINGS = ["schedule", "oop-floor", "numpy", "torch-async", "torch-grouped", "torch-flat", "tf-sync",
+            "numpy-unchunked"]
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--nps", default="2,3")
