@@ -405,8 +405,7 @@ class Executor:
                         e = min(s + step, stop)
                         self._reduce_packed(items, _pieces(idx, offsets, s, e, 0), e - s, work, widen, pre,
                                             post, div, reduce, tl, slot=1)
-                elif chunk > 0 and (widen or (nbytes <= cut and not self._own_memory(
-                        self._span_owner.get(id(o), o)))):
+                elif chunk > 0 and (widen or (nbytes <= cut and not self._in_own_memory(o))):
                     # Copied piece by piece through the huge-page buffer.
                     for s in range(0, stop, step):
                         e = min(s + step, stop)
@@ -438,6 +437,10 @@ class Executor:
         huge pages (see ``pages``). On 4 KiB pages the copy costs less than the transport's walk
         over the pages. A local choice: the transport calls are the same either way."""
         return huge_page_backed(out)
+
+    def _in_own_memory(self, out: np.ndarray) -> bool:
+        """``_own_memory`` of ``out``, judged by its first array when ``out`` spans a flat group."""
+        return self._own_memory(self._span_owner.get(id(out), out))
 
     def _reduce_own(self, x: np.ndarray, o: np.ndarray, step: int, inplace: bool, pre: float,
                     post: float, div: int, exact_post: bool, reduce: Callable[[np.ndarray], None],
@@ -521,7 +524,7 @@ class Executor:
             if not inplace or o.__array_interface__["data"][0] + s * size != at:
                 return None
             at += (e - s) * size
-        if not self._own_memory(self._span_owner.get(id(first), first)):
+        if not self._in_own_memory(first):
             return None
         return np.lib.stride_tricks.as_strided(first[pack[0][1]:], shape=(fill,), strides=(size,))
 

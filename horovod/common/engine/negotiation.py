@@ -8,10 +8,9 @@ validated; a disagreement becomes an error response that every rank raises for t
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from horovod.common.types import (
@@ -272,7 +271,7 @@ class Coordinator:
             self._next_process_set_id += 1
             return Response(first, result=new_id)
         if first.flat and not all(r.flat for r in reqs.values()):
-            first = dataclasses.replace(first, flat=False)  # one schedule for all: flat only if all are
+            first = replace(first, flat=False)  # one schedule for all: flat only if all are
         return Response(first, joined=member_joined)
 
     def stalled(self, older_than: float) -> list[tuple[str, list[int], list[int], float]]:
