@@ -51,15 +51,19 @@ class UpdateBatchStateCallbackImpl:
         self.backend = backend
         self.state = state
         self.steps_per_epoch: int | None = None
+        self._initial_epoch = 0
+        self._epoch = 0
         self._offset = 0
         self._limit: int | None = None
         self._stopped = False
 
     def on_train_begin(self, logs: Any = None) -> None:
         self.steps_per_epoch = None
+        self._initial_epoch = int(self.state.epoch)  # as UpdateEpochStateCallback counts epochs
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         params = getattr(self, "params", None) or {}
+        self._epoch = epoch
         self._offset, self._limit = 0, None
         if params.get("steps"):
             if self.steps_per_epoch is None:
@@ -71,7 +75,16 @@ class UpdateBatchStateCallbackImpl:
     def on_batch_end(self, batch: int, logs: Any = None) -> None:
         # Batches done in this epoch, counting those done before a reset (upstream stored the
         # batch index, so a reset after a commit ran the committed batch a second time).
-        self.state.batch = self._offset + batch + 1
+        done = self._offset + batch + 1
+        if self.steps_per_epoch is not None and done >= self.steps_per_epoch:
+            # The epoch's last batch: the epoch counts as finished from now on, so that the commit
+            # of this batch (CommitStateCallback runs before any on_epoch_end) resumes after a
+            # reset at the next epoch's start. Committed as "this epoch, every batch done", the
+            # resumed fit would run one more batch of it before this callback could end it.
+            self.state.batch = 0
+            self.state.epoch = self._initial_epoch + self._epoch + 1
+        else:
+            self.state.batch = done
         model = getattr(self, "model", None)
         if self._limit is not None and batch + 1 >= self._limit and model is not None \
                 and self._offset > 0:
