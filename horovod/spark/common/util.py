@@ -1,0 +1,260 @@
+"""Data preparation: a DataFrame's feature, label and weight columns written as Parquet into the
+store, with the metadata (kind, shape, dtype of every column) the readers and models need.
+
+Column kinds: Spark ML vectors (dense or sparse; stored as ``array<double>``, or as
+``(indices, values)`` with ``compress_sparse_cols=True``), arrays of numbers, and numeric or boolean
+scalars. Anything else (strings, maps, nested arrays, rows of different lengths) is refused here,
+before any training starts, with the column's name and type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from horovod.spark.common.store import METADATA_FILE, AbstractFilesystemStore
+
+__all__ = ["prepare_data", "get_dataset_properties", "check_columns", "column_metadata",
+           "read_data_metadata", "DataPreparationError"]
+
+_NUMERIC = {"ByteType": "int8", "ShortType": "int16", "IntegerType": "int32", "LongType": "int64",
+            "FloatType": "float32", "DoubleType": "float64", "BooleanType": "bool"}
+_SPARSE_SUFFIX = ("__sparse_indices", "__sparse_values")
+
+# Prepared datasets of this process: key of (DataFrame plan, columns, options) -> dataset index.
+_PREPARED: dict[str, str] = {}
+
+
+class DataPreparationError(ValueError):
+    """A column is missing or has a type, shape or content the estimators cannot train on."""
+
+
+def check_columns(df: Any, columns: list[str], role: dict[str, str]) -> None:
+    """Every name in ``columns`` is a column of ``df``; else an error naming the missing ones."""
+    have = list(df.columns)
+    missing = [c for c in columns if c not in have]
+    if missing:
+        roles = ", ".join(f"{c!r} ({role.get(c, 'column')})" for c in missing)
+        raise DataPreparationError(
+            f"Column(s) {roles} not found in the DataFrame, whose columns are {have}. "
+            "Check feature_cols / label_cols / sample_weight_col / validation.")
+
+
+def column_metadata(df: Any, columns: list[str], compress_sparse: bool = False) -> dict[str, Any]:
+    """Kind, element dtype and shape of each column; one Spark pass measures vector/array sizes
+    (every row of a column must have the same size)."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    meta: dict[str, Any] = {}
+    sized: list[str] = []
+    for c in columns:
+        dt = fields[c]
+        kind = type(dt).__name__
+        if isinstance(dt, VectorUDT):
+            meta[c] = {"kind": "vector", "dtype": "float64", "spark_data_type": "Vector"}
+            sized.append(c)
+        elif isinstance(dt, ArrayType):
+            elem = type(dt.elementType).__name__
+            if elem not in _NUMERIC:
+                raise DataPreparationError(
+                    f"Column {c!r} is {dt.simpleString()}: arrays must hold numbers or booleans "
+                    "(nested arrays: flatten them and give the model's input_shapes).")
+            meta[c] = {"kind": "array", "dtype": _NUMERIC[elem], "spark_data_type": dt.simpleString()}
+            sized.append(c)
+        elif kind in _NUMERIC:
+            meta[c] = {"kind": "scalar", "dtype": _NUMERIC[kind], "shape": [],
+                       "spark_data_type": dt.simpleString()}
+        else:
+            raise DataPreparationError(
+                f"Column {c!r} is {dt.simpleString()}, which the estimators cannot feed to a model: "
+                "use numbers, booleans, arrays of numbers or Spark ML vectors (encode strings "
+                "with StringIndexer/OneHotEncoder first).")
+    if sized:
+        from pyspark.ml.functions import vector_to_array
+
+        aggs = []
+        for c in sized:
+            arr = vector_to_array(F.col(c)) if meta[c]["kind"] == "vector" else F.col(c)
+            aggs += [F.min(F.size(arr)).alias(f"{c}__min"), F.max(F.size(arr)).alias(f"{c}__max")]
+        row = df.agg(*aggs).collect()[0].asDict()
+        for c in sized:
+            lo, hi = row[f"{c}__min"], row[f"{c}__max"]
+            if lo is None or hi is None or lo < 0:
+                raise DataPreparationError(f"Column {c!r} has null values or no rows.")
+            if lo != hi:
+                raise DataPreparationError(
+                    f"Column {c!r} has rows of different lengths ({lo} to {hi}); every row of a "
+                    "feature or label must have the same shape.")
+            meta[c]["shape"] = [int(lo)]
+    for c in columns:
+        if meta[c]["kind"] == "vector":
+            meta[c]["sparse"] = bool(compress_sparse)
+    return meta
+
+
+def _dataset_key(df: Any, columns: list[str], options: dict[str, Any]) -> str:
+    try:
+        plan = df._jdf.queryExecution().analyzed()
+        fingerprint = f"{plan.semanticHash()}:{plan.toString()}"
+    except Exception:  # noqa: BLE001 - Spark Connect: no JVM plan; reuse by object identity
+        fingerprint = f"id:{id(df)}"
+    blob = json.dumps([fingerprint, df.schema.json(), columns, options], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def prepare_data(num_processes: int, store: AbstractFilesystemStore, df: Any,
+                 label_columns: list[str], feature_columns: list[str],
+                 validation: float | str | None = None, sample_weight_col: str | None = None,
+                 compress_sparse: bool = False, partitions_per_process: int = 10,
+                 verbose: int = 0) -> str:
+    """Write ``df``'s columns as Parquet into ``store`` (train and validation sets) and return the
+    dataset index (``store.get_train_data_path(idx)``). The same DataFrame with the same options
+    in the same process reuses the data already written."""
+    roles = {**{c: "feature" for c in feature_columns}, **{c: "label" for c in label_columns}}
+    columns = list(dict.fromkeys(feature_columns + label_columns))
+    if sample_weight_col:
+        roles[sample_weight_col] = "sample weight"
+        columns.append(sample_weight_col)
+    val_col = validation if isinstance(validation, str) else None
+    if val_col:
+        roles[val_col] = "validation"
+    check_columns(df, columns + ([val_col] if val_col else []), roles)
+    if validation is not None and not isinstance(validation, str):
+        if not 0 <= float(validation) < 1:
+            raise DataPreparationError(f"validation={validation}: a fraction must be in [0, 1).")
+    options = {"validation": validation, "compress_sparse": compress_sparse,
+               "partitions": num_processes * partitions_per_process, "store": store.prefix_path}
+    key = _dataset_key(df, columns, options)
+    idx = _PREPARED.get(key)
+    if idx is not None and store.is_complete(store.get_train_data_path(idx)):
+        if verbose:
+            print(f"horovod.spark: reusing prepared data {store.get_train_data_path(idx)}")
+        return idx
+    idx = key
+    meta = column_metadata(df, columns, compress_sparse)
+    _write(store, df, idx, columns, meta, validation, num_processes * partitions_per_process)
+    _PREPARED[key] = idx
+    return idx
+
+
+def _write(store: AbstractFilesystemStore, df: Any, idx: str, columns: list[str],
+           meta: dict[str, Any], validation: float | str | None, partitions: int) -> None:
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    def converted(frame: Any) -> Any:
+        out = []
+        for c in columns:
+            m = meta[c]
+            if m["kind"] == "vector" and m.get("sparse"):
+                out += _sparse_parts(c)
+            elif m["kind"] == "vector":
+                out.append(vector_to_array(F.col(c)).alias(c))
+            else:
+                out.append(F.col(c))
+        return frame.select(*out)
+
+    train_path, val_path = store.get_train_data_path(idx), store.get_val_data_path(idx)
+    for p in (train_path, val_path):
+        store.rmtree(p)
+    if isinstance(validation, str):
+        flag = F.col(validation).cast("double")
+        train_df, val_df = df.where((flag == 0) | flag.isNull()), df.where(flag > 0)
+    elif validation:
+        train_df, val_df = df.randomSplit([1.0 - float(validation), float(validation)], seed=17)
+    else:
+        train_df, val_df = df, None
+    train_df = converted(train_df).repartition(partitions)
+    writer = train_df.write.mode("overwrite").option("parquet.block.size", 8 << 20)
+    writer.parquet(store.spark_path(train_path))
+    train_rows = _rows(store, train_path)
+    val_rows = 0
+    if val_df is not None:
+        val_part = max(1, math.ceil(partitions * float(validation)) if not isinstance(validation, str)
+                       else partitions // 4 or 1)
+        converted(val_df).repartition(val_part).write.mode("overwrite") \
+            .option("parquet.block.size", 8 << 20).parquet(store.spark_path(val_path))
+        val_rows = _rows(store, val_path)
+    if train_rows == 0:
+        raise DataPreparationError("No training rows: the DataFrame is empty, or every row is "
+                                   f"marked for validation ({validation!r}).")
+    info = {"metadata": meta, "train_rows": train_rows, "val_rows": val_rows, "columns": columns}
+    if val_rows:
+        store.write_json(store.join(val_path, METADATA_FILE), info)
+    store.write_json(store.join(train_path, METADATA_FILE), info)  # last: marks it complete
+
+
+def _sparse_parts(c: str) -> list[Any]:
+    from pyspark.sql import functions as F
+
+    @F.udf("struct<i:array<int>,v:array<double>>")
+    def parts(v: Any) -> Any:
+        from pyspark.ml.linalg import SparseVector
+
+        if isinstance(v, SparseVector):
+            return (v.indices.tolist(), v.values.tolist())
+        nz = [i for i, x in enumerate(v) if x != 0]
+        return (nz, [float(v[i]) for i in nz])
+
+    s = parts(F.col(c))
+    return [s["i"].alias(c + _SPARSE_SUFFIX[0]), s["v"].alias(c + _SPARSE_SUFFIX[1])]
+
+
+def _rows(store: AbstractFilesystemStore, path: str) -> int:
+    import pyarrow.parquet as pq
+
+    total = 0
+    for f in store.list_parquet_files(path):
+        with store.fs.open_input_file(f) as fh:
+            total += pq.ParquetFile(fh).metadata.num_rows
+    return total
+
+
+def read_data_metadata(store: AbstractFilesystemStore, idx: Any) -> dict[str, Any]:
+    """The metadata of prepared data; Parquet written by other means gets it from its schema."""
+    path = store.get_train_data_path(idx)
+    if store.is_complete(path):
+        return dict(store.read_json(store.join(path, METADATA_FILE)))
+    files = store.list_parquet_files(path) if store.exists(path) else []
+    if not files:
+        raise DataPreparationError(
+            f"No prepared data at {path}: it was never written, or its writing did not finish "
+            f"(no {METADATA_FILE}). Call fit(df) to prepare it, or write Parquet files there.")
+    return _metadata_from_parquet(store, path, files)
+
+
+def _metadata_from_parquet(store: AbstractFilesystemStore, path: str,
+                           files: list[str]) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with store.fs.open_input_file(files[0]) as fh:
+        pf = pq.ParquetFile(fh)
+        schema = pf.schema_arrow
+        first = pf.read_row_group(0) if pf.num_row_groups else None
+    meta: dict[str, Any] = {}
+    for field in schema:
+        t = field.type
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            n = len(first.column(field.name)[0]) if first is not None and first.num_rows else 0
+            meta[field.name] = {"kind": "array", "dtype": t.value_type.to_pandas_dtype().__name__,
+                                "shape": [n], "spark_data_type": str(t)}
+        else:
+            meta[field.name] = {"kind": "scalar", "dtype": t.to_pandas_dtype().__name__,
+                                "shape": [], "spark_data_type": str(t)}
+    train_rows = _rows(store, path)
+    val_path = path.replace(store.get_train_data_path(), store.get_val_data_path(), 1)
+    val_rows = _rows(store, val_path) if store.exists(val_path) else 0
+    return {"metadata": meta, "train_rows": train_rows, "val_rows": val_rows,
+            "columns": list(meta)}
+
+
+def get_dataset_properties(store: AbstractFilesystemStore, idx: Any) -> tuple[int, int, dict]:
+    info = read_data_metadata(store, idx)
+    return info["train_rows"], info["val_rows"], info["metadata"]

@@ -1,0 +1,183 @@
+"""``TorchEstimator`` and ``TorchModel`` (upstream's names and parameters)."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
+from horovod.spark.common.params import declare_params
+from horovod.spark.common.util import DataPreparationError
+
+__all__ = ["TorchEstimator", "TorchModel"]
+
+
+def _module_bytes(module: Any) -> bytes:
+    import cloudpickle
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(module, buf, pickle_module=cloudpickle)
+    return buf.getvalue()
+
+
+def _module_from_bytes(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def check_input_shapes(metadata: dict[str, Any], feature_cols: list[str],
+                       input_shapes: list[list[int]] | None) -> None:
+    """Each feature's element count matches its ``input_shapes`` entry (before training)."""
+    if input_shapes is None:
+        return
+    if len(input_shapes) != len(feature_cols):
+        raise DataPreparationError(f"input_shapes has {len(input_shapes)} shape(s) for "
+                                   f"{len(feature_cols)} feature column(s) {feature_cols}.")
+    for col, shape in zip(feature_cols, input_shapes):
+        have = int(np.prod(metadata[col]["shape"])) if metadata[col]["shape"] else 1
+        want = int(np.prod([d for d in shape if d not in (-1, None)]))
+        if want != have:
+            raise DataPreparationError(
+                f"Feature column {col!r} has {have} value(s) per row, but input_shapes gives it "
+                f"shape {list(shape)} ({want} values per row). Fix input_shapes or the column.")
+
+
+class TorchEstimator(HorovodEstimator):
+    """Trains a ``torch.nn.Module`` with Horovod on the rows of a DataFrame.
+
+    ``optimizer`` is an optimizer built on ``model.parameters()`` (its class and defaults are used
+    on every rank); ``loss`` a function ``loss(outputs, labels)`` (or one per output, weighted by
+    ``loss_weights``), or ``loss_constructors`` functions returning them; ``input_shapes`` the
+    shape each feature column is reshaped to (``-1`` for the batch), default ``[-1, n]``."""
+
+    def _check_model(self) -> None:
+        import torch
+
+        super()._check_model()
+        if not isinstance(self.getModel(), torch.nn.Module):
+            raise TypeError(f"TorchEstimator: model must be a torch.nn.Module, got "
+                            f"{type(self.getModel()).__name__}.")
+        if self.getOptimizer() is None:
+            raise ValueError("TorchEstimator: no optimizer given (optimizer=torch.optim.X(model."
+                             "parameters(), ...)).")
+        if self.getLoss() is None and not self.getLossConstructors():
+            raise ValueError("TorchEstimator: no loss given (loss=torch.nn.functional.X, or "
+                             "loss_constructors=[...]).")
+
+    def _check_shapes(self, metadata: dict[str, Any]) -> None:
+        check_input_shapes(metadata, list(self.getFeatureCols()), self.getInputShapes())
+
+    def _train_fn(self, spec: TrainingSpec) -> Callable[[], Any]:
+        from horovod.spark.torch.remote import make_train_fn
+
+        opt = self.getOptimizer()
+        spec.update(model_bytes=_module_bytes(self.getModel()),
+                    optimizer_cls=type(opt), optimizer_defaults=dict(opt.defaults),
+                    loss=self.getLoss(), loss_weights=self.getLossWeights(),
+                    loss_constructors=self.getLossConstructors(), metrics=self.getMetrics(),
+                    input_shapes=self.getInputShapes(), use_gpu=self.getUseGpu(),
+                    train_minibatch_fn=self.getTrainMinibatchFn(),
+                    callbacks=self.getCallbacks())
+        return make_train_fn(spec)
+
+    def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> TorchModel:
+        import torch
+
+        model = copy.deepcopy(self.getModel())
+        model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
+        model.eval()
+        return TorchModel(history=result["history"], model=model,
+                          feature_columns=spec["feature_cols"], label_columns=spec["label_cols"],
+                          input_shapes=self.getInputShapes(), run_id=spec["run_id"],
+                          _metadata=spec["metadata"])
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if out.get("model") is not None:
+            out["model"] = _module_bytes(out["model"])
+        opt = out.get("optimizer")
+        if opt is not None:  # an optimizer refers to the model's tensors: keep its recipe
+            out["optimizer"] = ("__optimizer__", type(opt), dict(opt.defaults))
+        out.pop("backend", None)
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if isinstance(out.get("model"), bytes):
+            out["model"] = _module_from_bytes(out["model"])
+        opt = out.get("optimizer")
+        if isinstance(opt, tuple) and opt and opt[0] == "__optimizer__" and out.get("model") is not None:
+            out["optimizer"] = opt[1](out["model"].parameters(), **opt[2])
+        return out
+
+
+declare_params(TorchEstimator, [
+    ("input_shapes", None, "shape of each feature column's tensor, -1 for the batch"),
+    ("loss_constructors", None, "functions returning the loss function(s)"),
+    ("train_minibatch_fn", None, "a function returning train_minibatch(model, optimizer, "
+                                 "transform_outputs, loss_fn, inputs, labels, sample_weights)"),
+])
+
+
+def _to_tensor(x: np.ndarray, shape: list[int] | None = None) -> Any:
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if t.dtype == torch.float64:
+        t = t.float()
+    if shape is not None:
+        t = t.reshape([-1 if d is None else d for d in shape])
+    elif t.dim() == 1:
+        t = t.reshape(-1, 1)
+    return t
+
+
+class TorchModel(HorovodModel):
+    """A trained ``torch.nn.Module``; ``transform(df)`` adds its predictions (a double for a
+    single value per row, else a dense vector)."""
+
+    def _predict_factory(self) -> Callable[[], Callable[[list[Any]], list[Any]]]:
+        blob = _module_bytes(self.getModel())
+        shapes = self.getInputShapes()
+
+        def factory() -> Callable[[list[Any]], list[Any]]:
+            import torch
+
+            torch.set_num_threads(1)
+            model = _module_from_bytes(blob)
+            model.eval()
+
+            def predict(features: list[Any]) -> list[Any]:
+                inputs = [_to_tensor(f, shapes[i] if shapes else None)
+                          for i, f in enumerate(features)]
+                with torch.no_grad():
+                    out = model(*inputs)
+                outs = list(out) if isinstance(out, (list, tuple)) else [out]
+                return [o.detach().cpu().double().numpy().reshape(len(features[0]), -1) for o in outs]
+            return predict
+        return factory
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if out.get("model") is not None:
+            out["model"] = _module_bytes(out["model"])
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if isinstance(out.get("model"), bytes):
+            out["model"] = _module_from_bytes(out["model"])
+        return out
+
+
+declare_params(TorchModel, [("input_shapes", None, "shape of each feature column's tensor")])

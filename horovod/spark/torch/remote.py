@@ -1,0 +1,164 @@
+"""What every rank of a ``TorchEstimator.fit`` runs (shipped to the Spark tasks)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from horovod.spark.common.estimator import TrainingSpec
+
+__all__ = ["make_train_fn", "load_checkpoint", "save_checkpoint"]
+
+
+def load_checkpoint(spec: TrainingSpec) -> dict[str, Any] | None:
+    """The run's last completed epoch (written atomically by rank 0), or None."""
+    import torch
+
+    store, path = spec["store"], spec["checkpoint_path"]
+    if not store.exists(path):
+        return None
+    return dict(torch.load(io.BytesIO(store.read_bytes(path)), weights_only=False))
+
+
+def save_checkpoint(spec: TrainingSpec, state: dict[str, Any]) -> None:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    store = spec["store"]
+    store.write_bytes(spec["checkpoint_path"], buf.getvalue())
+    store.write_json(store.join(store.get_logs_path(spec["run_id"]), "history.json"),
+                     state["history"])
+
+
+def _losses(spec: TrainingSpec) -> list[Callable[..., Any]]:
+    if spec["loss_constructors"]:
+        return [c() for c in spec["loss_constructors"]]
+    loss = spec["loss"]
+    return list(loss) if isinstance(loss, (list, tuple)) else [loss]
+
+
+def _tensors(batch: dict[str, np.ndarray], spec: TrainingSpec, device: Any) -> tuple[Any, Any, Any]:
+    import torch
+
+    from horovod.spark.torch.estimator import _to_tensor
+
+    shapes = spec["input_shapes"]
+    inputs = [_to_tensor(batch[c], shapes[i] if shapes else None).to(device)
+              for i, c in enumerate(spec["feature_cols"])]
+    labels = []
+    for c in spec["label_cols"]:
+        t = torch.from_numpy(np.ascontiguousarray(batch[c]))
+        if t.dtype == torch.float64 or t.dtype == torch.bool:
+            t = t.float()
+        elif t.dtype in (torch.int32, torch.int16, torch.int8):
+            t = t.long()
+        labels.append(t.to(device))
+    weights = None
+    if spec["sample_weight_col"]:
+        weights = torch.from_numpy(np.ascontiguousarray(batch[spec["sample_weight_col"]])).float()
+    return inputs, labels, weights
+
+
+def _loss(loss_fns: list[Any], weights: list[float] | None, outputs: list[Any], labels: list[Any],
+          sample_weights: Any) -> Any:
+    total = 0
+    for i, (fn, out, lab) in enumerate(zip(loss_fns, outputs, labels)):
+        if out.dim() == lab.dim() + 1 and out.shape[-1] == 1 and lab.is_floating_point():
+            out = out.squeeze(-1)
+        value = fn(out, lab)
+        if sample_weights is not None and value.dim() > 0:
+            value = (value * sample_weights).sum() / sample_weights.sum()
+        total = total + (weights[i] if weights else 1.0) * value
+    return total
+
+
+def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
+    def train() -> dict[str, Any] | None:
+        import torch
+
+        import horovod.torch as hvd
+        from horovod.spark.common.estimator import data_module_for
+        from horovod.spark.torch.estimator import _module_from_bytes
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        torch.set_num_threads(1)
+        if spec["random_seed"] is not None:
+            torch.manual_seed(spec["random_seed"])
+        use_cuda = spec["use_gpu"] and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda" if use_cuda else "cpu")
+        model = _module_from_bytes(spec["model_bytes"]).to(device)
+        opt = spec["optimizer_cls"](model.parameters(), **spec["optimizer_defaults"])
+        history: dict[str, list[float]] = {}
+        start = 0
+        ckpt = load_checkpoint(spec)
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            history, start = ckpt["history"], ckpt["epoch"] + 1
+            if rank == 0 and spec["verbose"]:
+                print(f"resuming run {spec['run_id']} after epoch {ckpt['epoch']}", flush=True)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        compression = spec["gradient_compression"] or hvd.Compression.none
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression,
+                                       backward_passes_per_step=spec["backward_passes_per_step"])
+        loss_fns, metrics = _losses(spec), list(spec["metrics"] or [])
+        minibatch = spec["train_minibatch_fn"]() if spec["train_minibatch_fn"] else None
+
+        def run_epoch(reader: Any, steps: int, train: bool) -> dict[str, float]:
+            model.train(train)
+            sums = np.zeros(1 + len(metrics))
+            for _ in range(steps):
+                inputs, labels, sw = _tensors(next(reader), spec, device)
+                with torch.set_grad_enabled(train):
+                    if train and minibatch is not None:
+                        outputs, loss = minibatch(model, opt, lambda o: o, loss_fns, inputs,
+                                                  labels, sw)
+                    else:
+                        if train:
+                            opt.zero_grad()
+                        out = model(*inputs)
+                        outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+                        loss = _loss(loss_fns, spec["loss_weights"], outputs, labels, sw)
+                        if train:
+                            loss.backward()
+                            opt.step()
+                sums[0] += float(loss.detach())
+                for j, m in enumerate(metrics):
+                    sums[1 + j] += float(m(outputs[0], labels[0]))
+            avg = hvd.allreduce(torch.tensor(sums / max(steps, 1)), name=f"metrics.{train}")
+            names = ["loss"] + [getattr(m, "__name__", f"metric{j}") for j, m in enumerate(metrics)]
+            return {n: float(v) for n, v in zip(names, avg.tolist())}
+
+        with data_module_for(spec, rank, size) as dm:
+            train_reader = iter(dm.train_data())
+            val_reader = iter(dm.val_data()) if spec["val_path"] else None
+            for epoch in range(start, spec["epochs"]):
+                logs = run_epoch(train_reader, spec["train_steps"], True)
+                if val_reader is not None:
+                    logs.update({f"val_{k}": v for k, v in
+                                 run_epoch(val_reader, spec["val_steps"], False).items()})
+                for k, v in logs.items():
+                    history.setdefault(k, []).append(v)
+                for cb in spec["callbacks"] or []:
+                    cb(epoch, logs) if callable(cb) else None
+                if rank == 0:
+                    if spec["verbose"]:
+                        print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4f}" for k, v in logs.items()),
+                              flush=True)
+                    save_checkpoint(spec, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                           "epoch": epoch, "history": history})
+        if rank != 0:
+            return None
+        buf = io.BytesIO()
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, buf)
+        return {"state": buf.getvalue(), "history": history}
+    return train
