@@ -1,0 +1,209 @@
+"""``KerasEstimator`` and ``KerasModel`` (upstream's names and parameters).
+
+Models of Keras 3 (``import keras``) and of Keras 2 (``import tf_keras``) both work: the flavour
+is read from the model's class, and the ranks import ``horovod.tensorflow.keras`` with
+``TF_USE_LEGACY_KERAS=1`` for a ``tf_keras`` model.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
+from horovod.spark.common.params import declare_params
+from horovod.spark.common.util import DataPreparationError
+
+__all__ = ["KerasEstimator", "KerasModel"]
+
+
+def keras_flavour(model: Any) -> str:
+    """``"tf_keras"`` for a Keras 2 (``tf_keras``) model, else ``"keras"``."""
+    return "tf_keras" if type(model).__module__.startswith("tf_keras") or any(
+        c.__module__.startswith("tf_keras") for c in type(model).__mro__) else "keras"
+
+
+def keras_module(flavour: str) -> Any:
+    if flavour == "tf_keras":
+        import tf_keras
+
+        return tf_keras
+    import keras
+
+    return keras
+
+
+def model_to_bytes(model: Any) -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.keras")
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def model_from_bytes(data: bytes, flavour: str, custom_objects: dict[str, Any] | None = None,
+                     compile: bool = False) -> Any:
+    k = keras_module(flavour)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.keras")
+        with open(path, "wb") as f:
+            f.write(data)
+        return k.models.load_model(path, custom_objects=custom_objects, compile=compile)
+
+
+def input_shapes_of(model: Any) -> list[list[int]] | None:
+    try:
+        return [[int(d) if d is not None else -1 for d in t.shape] for t in model.inputs]
+    except (AttributeError, ValueError, TypeError):
+        return None  # a subclassed model that was never built: no shapes to check
+
+
+class KerasEstimator(HorovodEstimator):
+    """Trains a compiled-on-each-rank Keras model with Horovod on the rows of a DataFrame.
+
+    ``optimizer`` a Keras optimizer (wrapped in ``hvd.DistributedOptimizer`` on every rank),
+    ``loss`` / ``metrics`` / ``loss_weights`` as ``model.compile`` takes them, ``custom_objects``
+    for loading custom layers, ``checkpoint_callback`` a Keras callback run on rank 0."""
+
+    def _check_model(self) -> None:
+        super()._check_model()
+        if not hasattr(self.getModel(), "fit"):
+            raise TypeError(f"KerasEstimator: model must be a Keras model, got "
+                            f"{type(self.getModel()).__name__}.")
+        if self.getOptimizer() is None or self.getLoss() is None:
+            raise ValueError("KerasEstimator: give optimizer= and loss= (as model.compile takes).")
+
+    def _check_shapes(self, metadata: dict[str, Any]) -> None:
+        shapes = input_shapes_of(self.getModel())
+        feats = list(self.getFeatureCols())
+        if shapes is None:
+            return
+        if len(shapes) != len(feats):
+            raise DataPreparationError(f"The model has {len(shapes)} input(s) but feature_cols "
+                                       f"names {len(feats)}: {feats}.")
+        for col, shape in zip(feats, shapes):
+            have = int(np.prod(metadata[col]["shape"])) if metadata[col]["shape"] else 1
+            want = int(np.prod([d for d in shape[1:] if d != -1]))
+            if want != have:
+                raise DataPreparationError(
+                    f"Feature column {col!r} has {have} value(s) per row, but the model's input "
+                    f"takes shape {shape[1:]} ({want} values). Fix the model's input or the column.")
+
+    def _train_fn(self, spec: TrainingSpec) -> Callable[[], Any]:
+        from horovod.spark.keras.remote import make_train_fn
+
+        model = self.getModel()
+        flavour = keras_flavour(model)
+        k = keras_module(flavour)
+        spec.update(flavour=flavour, model_bytes=model_to_bytes(model),
+                    optimizer_config=k.optimizers.serialize(self.getOptimizer()),
+                    loss=self.getLoss(), loss_weights=self.getLossWeights(),
+                    metrics=self.getMetrics(), custom_objects=self.getCustomObjects(),
+                    callbacks=self.getCallbacks(), checkpoint_callback=self.getCheckpointCallback(),
+                    input_shapes=input_shapes_of(model),
+                    prefetch=self.getTensorflowDatasetPrefetchBufferSize())
+        return make_train_fn(spec)
+
+    def _fit_on_prepared_data(self, backend: Any, store: Any, idx: Any) -> Any:
+        if keras_flavour(self.getModel()) == "tf_keras":
+            from horovod.spark.common.backend import SparkBackend
+
+            if isinstance(backend, SparkBackend):
+                backend._env.setdefault("TF_USE_LEGACY_KERAS", "1")
+        return super()._fit_on_prepared_data(backend, store, idx)
+
+    def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> KerasModel:
+        model = model_from_bytes(spec["model_bytes"], spec["flavour"], spec["custom_objects"])
+        model.set_weights(result["weights"])
+        return KerasModel(history=result["history"], model=model,
+                          feature_columns=spec["feature_cols"], label_columns=spec["label_cols"],
+                          custom_objects=spec["custom_objects"], run_id=spec["run_id"],
+                          _metadata=spec["metadata"], _floatx="float32")
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        model = out.get("model")
+        if model is not None:
+            flavour = keras_flavour(model)
+            out["model"] = ("__keras__", flavour, model_to_bytes(model))
+            if out.get("optimizer") is not None:
+                out["optimizer"] = ("__keras_opt__", flavour,
+                                    keras_module(flavour).optimizers.serialize(out["optimizer"]))
+        out.pop("backend", None)
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        m = out.get("model")
+        if isinstance(m, tuple) and m and m[0] == "__keras__":
+            out["model"] = model_from_bytes(m[2], m[1], out.get("custom_objects"))
+        o = out.get("optimizer")
+        if isinstance(o, tuple) and o and o[0] == "__keras_opt__":
+            out["optimizer"] = keras_module(o[1]).optimizers.deserialize(o[2])
+        return out
+
+
+declare_params(KerasEstimator, [
+    ("custom_objects", {}, "custom objects for loading the model"),
+    ("checkpoint_callback", None, "a Keras callback run on rank 0 (e.g. ModelCheckpoint)"),
+    ("backend_env", {}, "environment variables of the training processes"),
+])
+
+
+class KerasModel(HorovodModel):
+    """A trained Keras model; ``transform(df)`` adds its predictions (a double for a single value
+    per row, else a dense vector)."""
+
+    def _predict_factory(self) -> Callable[[], Callable[[list[Any]], list[Any]]]:
+        model = self.getModel()
+        flavour = keras_flavour(model)
+        blob = model_to_bytes(model)
+        custom = self.getCustomObjects()
+        shapes = input_shapes_of(model)
+
+        def factory() -> Callable[[list[Any]], list[Any]]:
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            net = model_from_bytes(blob, flavour, custom)
+
+            def predict(features: list[Any]) -> list[Any]:
+                xs = [_shaped(f, shapes[i] if shapes else None) for i, f in enumerate(features)]
+                out = net(xs[0] if len(xs) == 1 else xs, training=False)
+                outs = list(out) if isinstance(out, (list, tuple)) else [out]
+                return [np.asarray(o).reshape(len(features[0]), -1) for o in outs]
+            return predict
+        return factory
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if out.get("model") is not None:
+            out["model"] = ("__keras__", keras_flavour(out["model"]), model_to_bytes(out["model"]))
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        m = out.get("model")
+        if isinstance(m, tuple) and m and m[0] == "__keras__":
+            out["model"] = model_from_bytes(m[2], m[1], out.get("custom_objects"))
+        return out
+
+
+declare_params(KerasModel, [("custom_objects", {}, "custom objects for loading the model"),
+                            ("_floatx", "float32", "Keras floatx of the trained model")])
+
+
+def _shaped(x: np.ndarray, shape: list[int] | None) -> np.ndarray:
+    if x.dtype == np.float64:
+        x = x.astype(np.float32)
+    if shape is not None and len(shape) > 1 and x.ndim >= 1:
+        x = x.reshape([len(x), *[d for d in shape[1:]]])
+    elif x.ndim == 1:
+        x = x.reshape(-1, 1)
+    return x
