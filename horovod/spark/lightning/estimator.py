@@ -1,0 +1,98 @@
+"""The Lightning ``TorchEstimator`` and its ``TorchModel`` (upstream's names and parameters).
+
+The model is a ``LightningModule`` whose ``training_step``/``validation_step`` receive a batch as
+a dict ``{column name: tensor}`` (floating columns as float32), as upstream's. Its
+``configure_optimizers`` gives the optimizer; ``loss``/``optimizer`` parameters are not used.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+from horovod.spark.common.estimator import HorovodEstimator, TrainingSpec
+from horovod.spark.common.params import declare_params
+from horovod.spark.torch.estimator import TorchModel as _TorchModel
+from horovod.spark.torch.estimator import _module_bytes, _module_from_bytes, check_input_shapes
+
+__all__ = ["TorchEstimator", "TorchModel", "lightning_package"]
+
+
+def lightning_package(model: Any) -> str:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package ``model`` subclasses."""
+    for c in type(model).__mro__:
+        if c.__module__.startswith("pytorch_lightning"):
+            return "pytorch_lightning"
+        if c.__module__.startswith("lightning.pytorch"):
+            return "lightning.pytorch"
+    raise TypeError(f"The Lightning TorchEstimator needs a LightningModule (lightning.pytorch or "
+                    f"pytorch_lightning), got {type(model).__name__}.")
+
+
+class TorchModel(_TorchModel):
+    """A trained LightningModule; ``transform(df)`` calls its ``forward`` on batches of rows."""
+
+
+class TorchEstimator(HorovodEstimator):
+    """Trains a ``LightningModule`` with ``Trainer(strategy=HorovodStrategy())`` on every rank."""
+
+    def _check_model(self) -> None:
+        super()._check_model()
+        lightning_package(self.getModel())
+
+    def _check_shapes(self, metadata: dict[str, Any]) -> None:
+        check_input_shapes(metadata, list(self.getFeatureCols()), self.getInputShapes())
+
+    def _train_fn(self, spec: TrainingSpec) -> Callable[[], Any]:
+        from horovod.spark.lightning.remote import make_train_fn
+
+        spec.update(model_bytes=_module_bytes(self.getModel()),
+                    package=lightning_package(self.getModel()), callbacks=self.getCallbacks(),
+                    logger=self.getLogger(), log_every_n_steps=self.getLogEveryNSteps(),
+                    profiler=self.getProfiler(), trainer_args=dict(self.getTrainerArgs() or {}),
+                    num_gpus=self.getNumGpus(), use_gpu=self.getUseGpu(),
+                    terminate_on_nan=self.getTerminateOnNan())
+        return make_train_fn(spec)
+
+    def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> TorchModel:
+        import torch
+
+        model = copy.deepcopy(self.getModel())
+        model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
+        model.eval()
+        return TorchModel(history=result["history"], model=model,
+                          feature_columns=spec["feature_cols"], label_columns=spec["label_cols"],
+                          input_shapes=self.getInputShapes(), run_id=spec["run_id"],
+                          _metadata=spec["metadata"])
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if out.get("model") is not None:
+            out["model"] = _module_bytes(out["model"])
+        out.pop("backend", None)
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if isinstance(out.get("model"), bytes):
+            out["model"] = _module_from_bytes(out["model"])
+        return out
+
+
+declare_params(TorchEstimator, [
+    ("input_shapes", None, "shape of each feature column's tensor, -1 for the batch"),
+    ("num_gpus", None, "GPUs per process (None: one when use_gpu and CUDA is there)"),
+    ("logger", None, "a Lightning logger (default: none)"),
+    ("log_every_n_steps", 50, "Trainer's log_every_n_steps"),
+    ("loader_num_epochs", None, "unused: the reader streams endlessly"),
+    ("terminate_on_nan", False, "stop training when the loss becomes NaN"),
+    ("profiler", None, "Trainer's profiler"),
+    ("trainer_args", None, "a dict merged into the Trainer's arguments"),
+    ("debug_data_loader", False, "print the data loader's progress"),
+    ("train_async_data_loader_queue_size", None, "batches queued by the training reader"),
+    ("val_async_data_loader_queue_size", None, "batches queued by the validation reader"),
+])

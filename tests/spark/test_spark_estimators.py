@@ -1,0 +1,265 @@
+"""Spark ML estimators on a real local-cluster: the three examples fit the digits to >= 0.85 test
+accuracy through transform(); save/load round trips; resume by run_id; sparse vectors and a
+validation column; a raising rank; bad columns, types and shapes before training."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "spark"
+
+
+def _example(name: str) -> Any:
+    """Load an example as a module outside sys.modules (its classes ship by value)."""
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"_ex_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _predictions(model: Any, df: Any, col: str) -> np.ndarray:
+    from pyspark.ml.functions import vector_to_array
+
+    rows = model.transform(df).select(vector_to_array(col).alias("p")).toPandas()
+    return np.stack(rows["p"].to_numpy())
+
+
+@pytest.fixture(scope="module")
+def torch_fit(spark_session: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    ex = _example("pytorch_spark_mnist")
+    work = str(tmp_path_factory.mktemp("torch_store"))
+    model, acc = ex.train_and_evaluate(spark_session, work, num_proc=2, epochs=3,
+                                       run_id="torch-run")
+    return {"ex": ex, "work": work, "model": model, "acc": acc}
+
+
+def test_torch_example_fits_digits(torch_fit: dict[str, Any]) -> None:
+    assert torch_fit["acc"] >= 0.85, torch_fit["acc"]
+    history = torch_fit["model"].getHistory()
+    assert len(history["loss"]) == 3 and len(history["val_loss"]) == 3
+    assert history["loss"][-1] < history["loss"][0]
+
+
+def test_torch_save_load_and_resume(spark: Any, torch_fit: dict[str, Any], tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator, TorchModel
+
+    ex, model = torch_fit["ex"], torch_fit["model"]
+    _, test_df = ex.digits_dataframes(spark)
+    model.write().overwrite().save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.uid == model.uid and loaded.getOutputCols() == ["label_prob"]
+    np.testing.assert_allclose(_predictions(loaded, test_df, "label_prob"),
+                               _predictions(model, test_df, "label_prob"), rtol=1e-5, atol=1e-6)
+    with pytest.raises(FileExistsError):
+        model.save(str(tmp_path / "model"))
+
+    # Resume run "torch-run" (3 epochs done) to 4 epochs: one more epoch, history continues.
+    net = ex.Net()
+    est = TorchEstimator(num_proc=2, store=Store.create(torch_fit["work"]), model=net,
+                         optimizer=torch.optim.Adam(net.parameters(), lr=0.01), loss=F.nll_loss,
+                         input_shapes=[[-1, 1, 8, 8]], feature_cols=["features"],
+                         label_cols=["label"], batch_size=32, epochs=4, validation=0.1,
+                         random_seed=1, run_id="torch-run", verbose=0)
+    est.save(str(tmp_path / "est"))
+    est2 = TorchEstimator.load(str(tmp_path / "est"))
+    assert est2.getEpochs() == 4 and est2.getRunId() == "torch-run"
+    assert isinstance(est2.getModel(), torch.nn.Module)
+    assert type(est2.getOptimizer()) is torch.optim.Adam
+    train_df, _ = ex.digits_dataframes(spark)
+    resumed = est2.fit(train_df)
+    before, after = model.getHistory(), resumed.getHistory()
+    assert len(after["loss"]) == 4
+    assert after["loss"][:3] == pytest.approx(before["loss"])
+    acc = ex.accuracy(resumed.setOutputCols(["p"]).transform(test_df), "p")
+    assert acc >= 0.85
+
+
+def _sparse_digits(spark: Any) -> Any:
+    from pyspark.ml.linalg import Vectors
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    rows = []
+    for i, (x, y) in enumerate(zip(d.data, d.target)):
+        nz = np.nonzero(x)[0]
+        rows.append((Vectors.sparse(64, nz.tolist(), (x[nz] / 16.0).tolist()), int(y),
+                     1 if i % 10 == 0 else 0, float(i % 7 != 0)))
+    return spark.createDataFrame(rows, ["features", "label", "is_val", "weight"])
+
+
+def _mlp() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.common import util
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator
+
+    df = _sparse_digits(spark)
+    store = Store.create(str(tmp_path / "store"))
+    net = _mlp()
+    est = TorchEstimator(num_proc=2, store=store, model=net,
+                         optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
+                         loss=F.cross_entropy, feature_cols=["features"], label_cols=["label"],
+                         validation="is_val", compress_sparse_cols=True, batch_size=32,
+                         epochs=3, random_seed=3, verbose=0)
+    model = est.fit(df)
+    idx = next(p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
+               if p.name.startswith("intermediate_train_data."))
+    train_rows, val_rows, meta = util.get_dataset_properties(store, idx)
+    assert (train_rows, val_rows) == (1797 - 180, 180)  # is_val marks every 10th row
+    assert meta["features"]["kind"] == "vector" and meta["features"]["sparse"]
+    assert meta["features"]["shape"] == [64]
+    assert len(model.getHistory()["val_loss"]) == 3
+    pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
+    labels = df.where("is_val = 1").select("label").toPandas()["label"].to_numpy()
+    assert (pred == labels).mean() >= 0.85
+
+
+class _RaisesOnRank1:
+    """A loss that raises on rank 1 at its first call."""
+
+    def __call__(self, out: Any, label: Any) -> Any:
+        import torch.nn.functional as F
+
+        import horovod.torch as hvd
+
+        if hvd.rank() == 1:
+            raise ValueError("bad batch on rank 1")
+        return F.cross_entropy(out, label)
+
+
+def test_raising_rank_fails_fit(spark: Any, tmp_path: Path) -> None:
+    import torch
+
+    from horovod.common.exceptions import WorkerFailedError
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator
+
+    df = _sparse_digits(spark).limit(400)
+    store = Store.create(str(tmp_path / "store"))
+    net = _mlp()
+    est = TorchEstimator(num_proc=2, store=store, model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                         loss=_RaisesOnRank1(), feature_cols=["features"], label_cols=["label"],
+                         epochs=1, run_id="raising", verbose=0)
+    with pytest.raises(WorkerFailedError, match="bad batch on rank 1") as info:
+        est.fit(df)
+    assert info.value.rank == 1
+    assert not store.exists(store.get_checkpoint_path("raising"))  # no epoch was completed
+
+
+def test_bad_columns_fail_before_training(spark: Any, tmp_path: Path) -> None:
+    import torch
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.common.util import DataPreparationError
+    from horovod.spark.torch import TorchEstimator
+
+    df = _sparse_digits(spark).limit(200)
+    from pyspark.sql import functions as F
+    df = df.withColumn("name", F.lit("x"))
+    store = Store.create(str(tmp_path / "store"))
+    net = _mlp()
+
+    def est(**kw: Any) -> Any:
+        base = dict(num_proc=2, store=store, model=net, loss=torch.nn.functional.cross_entropy,
+                    optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    feature_cols=["features"], label_cols=["label"], verbose=0)
+        return TorchEstimator(**{**base, **kw})
+
+    jobs_before = len(spark.sparkContext.statusTracker().getJobIdsForGroup())
+    with pytest.raises(DataPreparationError, match=r"'featurez' \(feature\) not found.*features"):
+        est(feature_cols=["featurez"]).fit(df)
+    with pytest.raises(DataPreparationError, match="'name' is string"):
+        est(feature_cols=["name"]).fit(df)
+    assert len(spark.sparkContext.statusTracker().getJobIdsForGroup()) == jobs_before
+    with pytest.raises(DataPreparationError, match=r"'features' has 64 value.*\[-1, 1, 7, 7\]"):
+        est(input_shapes=[[-1, 1, 7, 7]]).fit(df)
+    with pytest.raises(ValueError, match="num_proc or backend"):
+        from horovod.spark.common.backend import SparkBackend
+        est(backend=SparkBackend(2)).fit(df)
+    with pytest.raises(TypeError, match="unknown parameter"):
+        est(epochz=3)
+
+
+@pytest.fixture(scope="module")
+def keras_fit(spark_session: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    ex = _example("keras_spark_mnist")
+    work = str(tmp_path_factory.mktemp("keras_store"))
+    model, acc = ex.train_and_evaluate(spark_session, work, num_proc=2, epochs=3,
+                                       run_id="keras-run")
+    return {"ex": ex, "work": work, "model": model, "acc": acc}
+
+
+def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[str, Any],
+                                                     tmp_path: Path) -> None:
+    import keras
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.keras import KerasEstimator, KerasModel
+
+    assert keras_fit["acc"] >= 0.85, keras_fit["acc"]
+    ex, model = keras_fit["ex"], keras_fit["model"]
+    assert len(model.getHistory()["val_loss"]) == 3
+    _, test_df = ex.digits_dataframes(spark)
+    model.save(str(tmp_path / "kmodel"))
+    loaded = KerasModel.load(str(tmp_path / "kmodel"))
+    np.testing.assert_allclose(_predictions(loaded, test_df, "label_prob"),
+                               _predictions(model, test_df, "label_prob"), rtol=1e-5, atol=1e-6)
+    # Resume by run_id: epochs 3 -> 4 trains one epoch from the checkpoint.
+    est = KerasEstimator(num_proc=2, store=Store.create(keras_fit["work"]), model=ex.build_model(),
+                         optimizer=keras.optimizers.Adam(0.005), loss="categorical_crossentropy",
+                         metrics=["accuracy"], feature_cols=["features"], label_cols=["label_vec"],
+                         batch_size=32, epochs=4, validation=0.1, random_seed=1,
+                         run_id="keras-run", verbose=0)
+    est.save(str(tmp_path / "kest"))
+    est2 = KerasEstimator.load(str(tmp_path / "kest"))
+    assert est2.getRunId() == "keras-run" and est2.getLoss() == "categorical_crossentropy"
+    from pyspark.ml.feature import OneHotEncoder
+    train_df, _ = ex.digits_dataframes(spark)
+    train_df = OneHotEncoder(inputCols=["label"], outputCols=["label_vec"],
+                             dropLast=False).fit(train_df).transform(train_df)
+    resumed = est2.fit(train_df)
+    hist = resumed.getHistory()
+    assert len(hist["loss"]) == 4
+    assert hist["loss"][:3] == pytest.approx(model.getHistory()["loss"])
+
+
+def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> None:
+    from horovod.spark.lightning import TorchModel
+
+    ex = _example("pytorch_lightning_spark_mnist")
+    model, acc = ex.train_and_evaluate(spark, str(tmp_path / "store"), num_proc=2, epochs=3)
+    assert acc >= 0.85, acc
+    assert len(model.getHistory()["val_loss"]) == 3
+    model.save(str(tmp_path / "lmodel"))
+    loaded = TorchModel.load(str(tmp_path / "lmodel"))
+    _, test_df = ex.digits_dataframes(spark)
+    np.testing.assert_allclose(_predictions(loaded, test_df.limit(50), "label_prob"),
+                               _predictions(model, test_df.limit(50), "label_prob"), rtol=1e-5)
