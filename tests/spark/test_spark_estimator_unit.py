@@ -1,0 +1,208 @@
+"""Estimator parts without a Spark cluster: the store, the pyarrow reader, the parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.unit
+
+pytest.importorskip("pyspark")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def test_store_create_and_layout(tmp_path: Path) -> None:
+    from horovod.spark.common.store import (DBFSLocalStore, FilesystemStore, HDFSStore,
+                                            LocalStore, Store)
+
+    local = Store.create(str(tmp_path / "s"))
+    assert type(local) is LocalStore and local.prefix_path == str(tmp_path / "s")
+    assert local.get_train_data_path(3) == f"{tmp_path}/s/intermediate_train_data.3"
+    assert local.get_val_data_path() == f"{tmp_path}/s/intermediate_val_data"
+    assert local.get_test_data_path(0) == f"{tmp_path}/s/intermediate_test_data.0"
+    assert local.get_checkpoint_path("r1") == f"{tmp_path}/s/runs/r1/checkpoint"
+    assert local.get_logs_path("r1") == f"{tmp_path}/s/runs/r1/logs"
+    hdfs = Store.create("hdfs://nn:8020/user/x")
+    assert type(hdfs) is HDFSStore and hdfs.get_runs_path() == "hdfs://nn:8020/user/x/runs"
+    assert type(Store.create("dbfs:/ml/x")) is DBFSLocalStore
+    assert Store.create("dbfs:/ml/x").prefix_path == "/dbfs/ml/x"
+    assert type(Store.create("memory://bucket/x")) is FilesystemStore
+
+
+@pytest.mark.parametrize("prefix", ["local", "memory://hvd-test-store"])
+def test_store_atomic_writes(tmp_path: Path, prefix: str) -> None:
+    pytest.importorskip("fsspec")
+    from horovod.spark.common.store import METADATA_FILE, Store
+
+    store = Store.create(str(tmp_path) if prefix == "local" else prefix)
+    path = store.join(store.get_run_path("r"), "checkpoint")
+    assert not store.exists(path)
+    store.write_bytes(path, b"one")
+    store.write_bytes(path, b"two")
+    assert store.read_bytes(path) == b"two"
+    data = store.get_train_data_path("k")
+    store.makedirs(data)
+    assert not store.is_complete(data)
+    store.write_json(store.join(data, METADATA_FILE), {"a": 1})
+    assert store.is_complete(data) and store.read_json(store.join(data, METADATA_FILE)) == {"a": 1}
+    leftovers = [i.path for i in store.fs.get_file_info(
+        __import__("pyarrow.fs").fs.FileSelector(store.fs_path(store.prefix_path), recursive=True))
+        if ".tmp-" in i.path]
+    assert leftovers == []
+
+
+def _dataset(tmp_path: Path, groups: int = 10, rows: int = 50) -> tuple[list[str], dict[str, Any]]:
+    files = []
+    for g in range(groups):
+        ids = np.arange(g * rows, (g + 1) * rows)
+        x = pa.array([[float(i)] * 4 for i in ids], type=pa.list_(pa.float64()))
+        table = pa.table({"id": pa.array(ids), "x": x})
+        f = str(tmp_path / f"part-{g:03d}.parquet")
+        pq.write_table(table, f, row_group_size=rows)
+        files.append(f)
+    meta = {"id": {"kind": "scalar", "shape": []}, "x": {"kind": "array", "shape": [4]}}
+    return files, meta
+
+
+def _take(reader: Any, rows: int) -> np.ndarray:
+    out = []
+    while sum(len(b) for b in out) < rows:
+        out.append(next(reader)["id"])
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_reader_shards_cover_every_row_once(tmp_path: Path, size: int) -> None:
+    import pyarrow.fs as pafs
+
+    from horovod.spark.common.reader import ParquetReader
+
+    files, meta = _dataset(tmp_path)
+    seen = []
+    for rank in range(size):
+        with ParquetReader(pafs.LocalFileSystem(), files, ["id", "x"], meta, batch_size=10,
+                           rank=rank, size=size, seed=5) as r:
+            ids = _take(iter(r), r.rows)
+            assert len(ids) == r.rows
+            batch = next(r)
+            assert batch["x"].shape == (10, 4)
+            np.testing.assert_array_equal(batch["x"][:, 0], batch["id"].astype(float))
+            seen.append(ids)
+    allids = np.concatenate(seen)
+    assert sorted(allids.tolist()) == list(range(500))
+
+
+def test_reader_shuffles_per_epoch_by_seed(tmp_path: Path) -> None:
+    import pyarrow.fs as pafs
+
+    from horovod.spark.common.reader import ParquetReader
+
+    files, meta = _dataset(tmp_path)
+
+    def epochs(seed: int | None, shuffle: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        with ParquetReader(pafs.LocalFileSystem(), files, ["id"], meta, batch_size=25,
+                           seed=seed, shuffle=shuffle) as r:
+            it = iter(r)
+            return _take(it, 500), _take(it, 500)
+
+    a1, a2 = epochs(1)
+    b1, b2 = epochs(1)
+    c1, _ = epochs(2)
+    np.testing.assert_array_equal(a1, b1)
+    np.testing.assert_array_equal(a2, b2)
+    assert sorted(a1) == sorted(a2) == list(range(500))
+    assert not np.array_equal(a1, a2) and not np.array_equal(a1, c1)
+    plain, _ = epochs(None, shuffle=False)
+    assert plain.tolist() == list(range(500))
+
+
+def test_reader_memory_is_bounded_by_row_groups_not_dataset(tmp_path: Path) -> None:
+    import pyarrow.fs as pafs
+
+    from horovod.spark.common.reader import ParquetReader
+
+    files, meta = _dataset(tmp_path, groups=40, rows=50)  # 2000 rows, 40 row groups
+    with ParquetReader(pafs.LocalFileSystem(), files, ["id", "x"], meta, batch_size=32,
+                       num_workers=2, queue_size=2) as r:
+        _take(iter(r), 3 * 2000)  # three passes
+        # decoded rows held at once: one row group plus the carried remainder of a batch
+        assert r.peak_decoded_rows <= 50 + 32
+        assert r._queue.maxsize == 2
+
+
+def test_reader_transformation_fn_and_sparse(tmp_path: Path) -> None:
+    import pyarrow.fs as pafs
+
+    from horovod.spark.common.reader import ParquetReader
+
+    files, meta = _dataset(tmp_path, groups=2)
+
+    def double(df: Any) -> Any:
+        df["id"] = df["id"] * 2
+        return df
+
+    with ParquetReader(pafs.LocalFileSystem(), files, ["id", "x"], meta, batch_size=100,
+                       shuffle=False, transformation_fn=double) as r:
+        batch = next(iter(r))
+    assert batch["id"].tolist() == [2 * i for i in range(100)] and batch["x"].shape == (100, 4)
+
+    idx = pa.array([[0, 3], [], [1]], type=pa.list_(pa.int32()))
+    val = pa.array([[1.0, 2.0], [], [5.0]], type=pa.list_(pa.float64()))
+    f = str(tmp_path / "sparse.parquet")
+    pq.write_table(pa.table({"v__sparse_indices": idx, "v__sparse_values": val}), f)
+    smeta = {"v": {"kind": "vector", "sparse": True, "shape": [4]}}
+    with ParquetReader(pafs.LocalFileSystem(), [f], ["v"], smeta, batch_size=3,
+                       shuffle=False) as r:
+        dense = next(iter(r))["v"]
+    np.testing.assert_array_equal(dense, [[1, 0, 0, 2], [0, 0, 0, 0], [0, 5, 0, 0]])
+
+
+def test_reader_error_reaches_the_consumer(tmp_path: Path) -> None:
+    import pyarrow.fs as pafs
+
+    from horovod.spark.common.reader import ParquetReader
+
+    files, meta = _dataset(tmp_path, groups=2)
+
+    def broken(df: Any) -> Any:
+        raise KeyError("no such field")
+
+    with ParquetReader(pafs.LocalFileSystem(), files, ["id"], meta, batch_size=10,
+                       transformation_fn=broken) as r:
+        with pytest.raises(RuntimeError, match="rank 0.*no such field"):
+            next(iter(r))
+
+
+def test_estimator_params_follow_upstream() -> None:
+    torch = pytest.importorskip("torch")
+    from horovod.spark.torch import TorchEstimator
+
+    est = TorchEstimator(num_proc=2, feature_cols=["f"], label_cols=["y"])
+    assert (est.getBatchSize(), est.getEpochs(), est.getPartitionsPerProcess()) == (32, 1, 10)
+    assert est.getShuffle() is True and est.getValidation() is None and est.getMetrics() == []
+    assert (est.getTrainReaderNumWorkers(), est.getReaderPoolType()) == (2, "thread")
+    est.setBatchSize(8).setEpochs(3)
+    assert (est.getBatchSize(), est.getEpochs()) == (8, 3)
+    assert est.getInputShapes() is None and est.getFeatureCols() == ["f"]
+    with pytest.raises(TypeError, match="unknown parameter"):
+        TorchEstimator(batchsize=3)
+    with pytest.raises(ValueError, match="no optimizer"):
+        TorchEstimator(model=torch.nn.Linear(2, 2), loss=lambda a, b: a)._check_model()
+
+
+def test_keras_flavours_serialize(tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    import keras
+    tf_keras = pytest.importorskip("tf_keras")
+    from horovod.spark.keras.estimator import keras_flavour, model_from_bytes, model_to_bytes
+
+    for k, flavour in ((keras, "keras"), (tf_keras, "tf_keras")):
+        m = k.Sequential([k.Input((3,)), k.layers.Dense(2)])
+        assert keras_flavour(m) == flavour
+        m2 = model_from_bytes(model_to_bytes(m), flavour)
+        x = np.ones((1, 3), np.float32)
+        np.testing.assert_allclose(m2.predict(x, verbose=0), m.predict(x, verbose=0), rtol=1e-6)
