@@ -16,8 +16,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 
 def test_store_create_and_layout(tmp_path: Path) -> None:
-    from horovod.spark.common.store import (DBFSLocalStore, FilesystemStore, HDFSStore,
-                                            LocalStore, Store)
+    from horovod.spark.common.store import DBFSLocalStore, FilesystemStore, HDFSStore, LocalStore, Store
 
     local = Store.create(str(tmp_path / "s"))
     assert type(local) is LocalStore and local.prefix_path == str(tmp_path / "s")

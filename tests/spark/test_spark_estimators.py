@@ -5,7 +5,6 @@ validation column; a raising rank; bad columns, types and shapes before training
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Any
