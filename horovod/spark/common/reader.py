@@ -131,23 +131,40 @@ class ParquetReader:
     def _batches(self) -> None:
         rng = np.random.default_rng([self.seed, 1 << 20, self.rank])
         carry: dict[str, np.ndarray] | None = None
+        b = self.batch_size
         try:
             for chunk in self._passes():
                 n = len(next(iter(chunk.values())))
-                if self.shuffle and n > 1:
-                    perm = rng.permutation(n)
-                    chunk = {k: v[perm] for k, v in chunk.items()}
-                if carry is not None:
-                    chunk = {k: np.concatenate([carry[k], chunk[k]]) for k in chunk}
-                    n = len(next(iter(chunk.values())))
-                self.peak_decoded_rows = max(self.peak_decoded_rows, n)
+                # Shuffled rows are gathered batch by batch (one copy of the data in all);
+                # unshuffled batches are views of the decoded row group.
+                perm = rng.permutation(n) if self.shuffle and n > 1 else None
+
+                def take(lo: int, hi: int) -> dict[str, np.ndarray]:
+                    if perm is None:
+                        return {k: v[lo:hi] for k, v in chunk.items()}
+                    sel = perm[lo:hi]
+                    return {k: v[sel] for k, v in chunk.items()}
+
+                held = len(next(iter(carry.values()))) if carry is not None else 0
+                self.peak_decoded_rows = max(self.peak_decoded_rows, n + held)
                 start = 0
-                while n - start >= self.batch_size:
-                    batch = {k: v[start:start + self.batch_size] for k, v in chunk.items()}
-                    start += self.batch_size
-                    if not self._put(batch):
+                if carry is not None:
+                    k = min(b - held, n)
+                    head = take(0, k)
+                    carry = {key: np.concatenate([carry[key], head[key]]) for key in head}
+                    start = k
+                    if held + k < b:
+                        continue
+                    if not self._put(carry):
                         return
-                carry = {k: v[start:] for k, v in chunk.items()} if start < n else None
+                    carry = None
+                while n - start >= b:
+                    if not self._put(take(start, start + b)):
+                        return
+                    start += b
+                if start < n:
+                    rest = take(start, n)
+                    carry = {k: np.array(v) for k, v in rest.items()}
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(exc)
 
