@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 
 import cloudpickle  # noqa: E402
 
@@ -42,7 +42,7 @@ def torch_fit(spark_session: Any, tmp_path_factory: Any) -> dict[str, Any]:
     ex = _example("pytorch_spark_mnist")
     work = str(tmp_path_factory.mktemp("torch_store"))
     model, acc = ex.train_and_evaluate(spark_session, work, num_proc=2, epochs=3,
-                                       run_id="torch-run")
+                                       run_id="torch-run", partitions_per_process=2)
     return {"ex": ex, "work": work, "model": model, "acc": acc}
 
 
@@ -76,14 +76,17 @@ def test_torch_save_load_and_resume(spark: Any, torch_fit: dict[str, Any], tmp_p
                          optimizer=torch.optim.Adam(net.parameters(), lr=0.01), loss=F.nll_loss,
                          input_shapes=[[-1, 1, 8, 8]], feature_cols=["features"],
                          label_cols=["label"], batch_size=32, epochs=4, validation=0.1,
-                         random_seed=1, run_id="torch-run", verbose=0)
+                         random_seed=1, run_id="torch-run", verbose=0, partitions_per_process=2)
     est.save(str(tmp_path / "est"))
     est2 = TorchEstimator.load(str(tmp_path / "est"))
     assert est2.getEpochs() == 4 and est2.getRunId() == "torch-run"
     assert isinstance(est2.getModel(), torch.nn.Module)
     assert type(est2.getOptimizer()) is torch.optim.Adam
-    train_df, _ = ex.digits_dataframes(spark)
-    resumed = est2.fit(train_df)
+    # Train on the data the first fit prepared (fit_on_parquet), resuming the run.
+    work = Path(torch_fit["work"])
+    (idx,) = [p.name.split(".", 1)[1] for p in work.iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    resumed = est2.fit_on_parquet(dataset_idx=idx)
     before, after = model.getHistory(), resumed.getHistory()
     assert len(after["loss"]) == 4
     assert after["loss"][:3] == pytest.approx(before["loss"])
@@ -126,7 +129,7 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
                          optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
                          loss=F.cross_entropy, feature_cols=["features"], label_cols=["label"],
                          validation="is_val", compress_sparse_cols=True, batch_size=32,
-                         epochs=3, random_seed=3, verbose=0)
+                         epochs=3, random_seed=3, verbose=0, partitions_per_process=2)
     model = est.fit(df)
     idx = next(p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
                if p.name.startswith("intermediate_train_data."))
@@ -166,7 +169,7 @@ def test_raising_rank_fails_fit(spark: Any, tmp_path: Path) -> None:
     est = TorchEstimator(num_proc=2, store=store, model=net,
                          optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
                          loss=_RaisesOnRank1(), feature_cols=["features"], label_cols=["label"],
-                         epochs=1, run_id="raising", verbose=0)
+                         epochs=1, run_id="raising", verbose=0, partitions_per_process=2)
     with pytest.raises(WorkerFailedError, match="bad batch on rank 1") as info:
         est.fit(df)
     assert info.value.rank == 1
@@ -212,7 +215,7 @@ def keras_fit(spark_session: Any, tmp_path_factory: Any) -> dict[str, Any]:
     ex = _example("keras_spark_mnist")
     work = str(tmp_path_factory.mktemp("keras_store"))
     model, acc = ex.train_and_evaluate(spark_session, work, num_proc=2, epochs=3,
-                                       run_id="keras-run")
+                                       run_id="keras-run", partitions_per_process=2)
     return {"ex": ex, "work": work, "model": model, "acc": acc}
 
 
@@ -236,7 +239,7 @@ def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[
                          optimizer=keras.optimizers.Adam(0.005), loss="categorical_crossentropy",
                          metrics=["accuracy"], feature_cols=["features"], label_cols=["label_vec"],
                          batch_size=32, epochs=4, validation=0.1, random_seed=1,
-                         run_id="keras-run", verbose=0)
+                         run_id="keras-run", verbose=0, partitions_per_process=2)
     est.save(str(tmp_path / "kest"))
     est2 = KerasEstimator.load(str(tmp_path / "kest"))
     assert est2.getRunId() == "keras-run" and est2.getLoss() == "categorical_crossentropy"
@@ -245,6 +248,9 @@ def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[
     train_df = OneHotEncoder(inputCols=["label"], outputCols=["label_vec"],
                              dropLast=False).fit(train_df).transform(train_df)
     resumed = est2.fit(train_df)
+    prepared = [p for p in Path(keras_fit["work"]).iterdir()
+                if p.name.startswith("intermediate_train_data.")]
+    assert len(prepared) == 1  # the same DataFrame: its prepared data was reused
     hist = resumed.getHistory()
     assert len(hist["loss"]) == 4
     assert hist["loss"][:3] == pytest.approx(model.getHistory()["loss"])
@@ -254,7 +260,8 @@ def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> 
     from horovod.spark.lightning import TorchModel
 
     ex = _example("pytorch_lightning_spark_mnist")
-    model, acc = ex.train_and_evaluate(spark, str(tmp_path / "store"), num_proc=2, epochs=3)
+    model, acc = ex.train_and_evaluate(spark, str(tmp_path / "store"), num_proc=2, epochs=3,
+                                       partitions_per_process=2)
     assert acc >= 0.85, acc
     assert len(model.getHistory()["val_loss"]) == 3
     model.save(str(tmp_path / "lmodel"))
