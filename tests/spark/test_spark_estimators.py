@@ -257,6 +257,7 @@ def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[
 
 
 def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
     from horovod.spark.lightning import TorchModel
 
     ex = _example("pytorch_lightning_spark_mnist")

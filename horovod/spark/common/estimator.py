@@ -50,6 +50,10 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
     def _check_shapes(self, metadata: dict[str, Any]) -> None:
         """Framework checks of the columns' shapes against the model (before training)."""
 
+    def _backend_env(self) -> dict[str, str]:
+        """Environment variables the training processes need (beyond the backend's own)."""
+        return {}
+
     # -- Spark ML persistence ------------------------------------------------------------------
     def write(self) -> HorovodWriter:
         return HorovodWriter(self)
@@ -136,7 +140,8 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
             inmemory_cache_all=self.getInmemoryCacheAll(), data_module=self.getDataModule(),
             gradient_compression=self.getGradientCompression(),
             backward_passes_per_step=self.getBackwardPassesPerStep())
-        results = backend.run(self._train_fn(spec), env={"HOROVOD_SPARK_RUN_ID": run_id})
+        results = backend.run(self._train_fn(spec),
+                              env={**self._backend_env(), "HOROVOD_SPARK_RUN_ID": run_id})
         result = next(r for r in results if r)
         return self._make_model(result, spec)
 

@@ -108,13 +108,11 @@ class KerasEstimator(HorovodEstimator):
                     prefetch=self.getTensorflowDatasetPrefetchBufferSize())
         return make_train_fn(spec)
 
-    def _fit_on_prepared_data(self, backend: Any, store: Any, idx: Any) -> Any:
+    def _backend_env(self) -> dict[str, str]:
+        env = {k: str(v) for k, v in (self.getBackendEnv() or {}).items()}
         if keras_flavour(self.getModel()) == "tf_keras":
-            from horovod.spark.common.backend import SparkBackend
-
-            if isinstance(backend, SparkBackend):
-                backend._env.setdefault("TF_USE_LEGACY_KERAS", "1")
-        return super()._fit_on_prepared_data(backend, store, idx)
+            env.setdefault("TF_USE_LEGACY_KERAS", "1")
+        return env
 
     def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> KerasModel:
         model = model_from_bytes(spec["model_bytes"], spec["flavour"], spec["custom_objects"])
