@@ -139,18 +139,12 @@ class ParquetReader:
                 # unshuffled batches are views of the decoded row group.
                 perm = rng.permutation(n) if self.shuffle and n > 1 else None
 
-                def take(lo: int, hi: int) -> dict[str, np.ndarray]:
-                    if perm is None:
-                        return {k: v[lo:hi] for k, v in chunk.items()}
-                    sel = perm[lo:hi]
-                    return {k: v[sel] for k, v in chunk.items()}
-
                 held = len(next(iter(carry.values()))) if carry is not None else 0
                 self.peak_decoded_rows = max(self.peak_decoded_rows, n + held)
                 start = 0
                 if carry is not None:
                     k = min(b - held, n)
-                    head = take(0, k)
+                    head = _take(chunk, perm, 0, k)
                     carry = {key: np.concatenate([carry[key], head[key]]) for key in head}
                     start = k
                     if held + k < b:
@@ -159,11 +153,11 @@ class ParquetReader:
                         return
                     carry = None
                 while n - start >= b:
-                    if not self._put(take(start, start + b)):
+                    if not self._put(_take(chunk, perm, start, start + b)):
                         return
                     start += b
                 if start < n:
-                    rest = take(start, n)
+                    rest = _take(chunk, perm, start, n)
                     carry = {k: np.array(v) for k, v in rest.items()}
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(exc)
@@ -207,6 +201,15 @@ class ParquetReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _take(chunk: dict[str, np.ndarray], perm: np.ndarray | None, lo: int,
+          hi: int) -> dict[str, np.ndarray]:
+    """Rows ``lo:hi`` of a decoded row group: views in order, or gathered through ``perm``."""
+    if perm is None:
+        return {k: v[lo:hi] for k, v in chunk.items()}
+    sel = perm[lo:hi]
+    return {k: v[sel] for k, v in chunk.items()}
 
 
 def _column(col: Any, n: int) -> np.ndarray:
