@@ -355,11 +355,14 @@ def _raise_on_rank_1() -> None:
 def test_one_rank_raising_ends_the_job():
     start = time.monotonic()
     with pytest.raises(RanksFailed) as info:
-        run_ranks(_raise_on_rank_1, np=2, timeout=120)
+        run_ranks(_raise_on_rank_1, np=2, timeout=120,
+                  launcher=[sys.executable, "-m", "horovod.runner", "-np", "2"])  # horovodrun
     msg = str(info.value)
     assert "did not finish" not in msg, "the job hung instead of ending"
     assert "rank 1 raised" in msg and "boom on rank 1 at batch 2" in msg, msg[-3000:]
     assert "rank 0 raised" not in msg, "rank 0 is not the culprit"
+    # horovodrun's failure report names the culprit
+    assert "The first process to do so was:\n  rank 1 (host" in msg, msg[-3000:]
     assert time.monotonic() - start < 120
 
 
