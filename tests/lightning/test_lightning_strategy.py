@@ -256,6 +256,12 @@ def _all_checks(package: str, tmp: str) -> dict:
     out["accumulated"] = flat(model).tolist()
     out["passes"] = trainer.strategy.optimizers[0].backward_passes_per_step
     out["acc_steps"] = trainer.global_step
+    sched_cls = importlib.import_module(package + ".callbacks").GradientAccumulationScheduler
+    model = seeded_model(scheduler=False)
+    trainer = quiet(strategy="horovod", max_epochs=2, callbacks=[sched_cls({0: 1, 1: 2})])
+    trainer.fit(model, DataLoader(acc_data, batch_size=B))
+    out["acc_scheduled"] = flat(model).tolist()
+    out["acc_scheduled_steps"] = (trainer.global_step, trainer.strategy.optimizers[0].backward_passes_per_step)
 
     # 8. bf16-mixed on CPU.
     model = seeded_model(scheduler=False)
@@ -274,7 +280,7 @@ def _check(results: list[dict], size: int) -> None:
     for r in results:
         rank = r["rank"]
         # identical weights everywhere, after every kind of run
-        for key in ("weights", "resumed", "two_opt", "accumulated", "bf16"):
+        for key in ("weights", "resumed", "two_opt", "accumulated", "acc_scheduled", "bf16"):
             assert r[key] == r0[key], f"{key}: rank {rank} differs from rank 0"
         assert r["equivalence_max_err"] < 1e-5
         # sampler: shuffled per epoch, rank r takes every size-th sample of the order; validation
@@ -310,6 +316,7 @@ def _check(results: list[dict], size: int) -> None:
                                       [f"b.{k}" for k in ("0.bias", "0.weight", "2.bias", "2.weight")]]
         # accumulation: backward_passes_per_step = accumulate_grad_batches, 2 steps of 2 micro-batches
         assert r["passes"] == 2 and r["acc_steps"] == 2
+        assert r["acc_scheduled_steps"] == (4 + 2, 2)  # GradientAccumulationScheduler: 1, then 2
         assert r["bf16_finite"]
 
 
