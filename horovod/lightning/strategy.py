@@ -297,6 +297,17 @@ def _build(package: str) -> type:
             finally:
                 self._blocked = False
 
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            # GradientAccumulationScheduler changes accumulate_grad_batches at an epoch's start (a
+            # window boundary): the optimizers' pass counters follow.
+            if self._skip_sync is None or self.lightning_module is None:
+                return
+            passes = self.lightning_module.trainer.accumulate_grad_batches
+            for opt in self.optimizers:
+                opt = _unwrap(opt, LightningOptimizer)
+                if opt.backward_passes_per_step != passes:
+                    opt.set_backward_passes_per_step(passes)
+
         def post_backward(self, closure_loss: torch.Tensor) -> None:
             if self._blocked or self._skip_sync is None:
                 return  # accumulating, or manual optimization (step() synchronizes)
