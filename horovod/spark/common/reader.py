@@ -4,8 +4,9 @@ Each rank reads its own share of the row groups (every ``size``-th of the sorted
 at its rank). Every pass over them uses a new order (``random_seed``, the pass and the rank seed
 it) and shuffles the rows of each row group. ``num_workers`` threads read and decode row groups
 ahead of the consumer; a batching thread cuts the decoded rows into batches and hands them over a
-bounded queue, so at most ``num_workers + 1`` row groups and ``queue_size`` batches are in memory
-whatever the size of the dataset.
+bounded queue (one hand-over per row group), so at most ``num_workers + 1`` row groups being
+decoded and ``queue_size + 1`` row groups' worth of batches are in memory whatever the size of
+the dataset.
 
 The stream is endless (one pass after another): the training loop takes a fixed number of steps
 per epoch on every rank, which keeps the ranks' collectives in step even when their shares of
@@ -46,7 +47,7 @@ class ParquetReader:
 
     def __init__(self, fs: Any, files: list[str], columns: list[str], metadata: dict[str, Any],
                  batch_size: int, rank: int = 0, size: int = 1, shuffle: bool = True,
-                 seed: int | None = None, num_workers: int = 2, queue_size: int = 4,
+                 seed: int | None = None, num_workers: int = 2, queue_size: int = 2,
                  transformation_fn: Callable[[Any], Any] | None = None,
                  cache_in_memory: bool = False, drop_remainder: bool = False) -> None:
         groups = row_groups(fs, files)
@@ -62,6 +63,7 @@ class ParquetReader:
         self.cache: list[dict[str, np.ndarray]] | None = [] if cache_in_memory else None
         self.drop_remainder = drop_remainder
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_size))
+        self._ready: collections.deque[dict[str, np.ndarray]] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.peak_decoded_rows = 0  # the most rows held decoded at once (a memory bound check)
@@ -141,7 +143,7 @@ class ParquetReader:
 
                 held = len(next(iter(carry.values()))) if carry is not None else 0
                 self.peak_decoded_rows = max(self.peak_decoded_rows, n + held)
-                start = 0
+                start, ready = 0, []
                 if carry is not None:
                     k = min(b - held, n)
                     head = _take(chunk, perm, 0, k)
@@ -149,13 +151,15 @@ class ParquetReader:
                     start = k
                     if held + k < b:
                         continue
-                    if not self._put(carry):
-                        return
+                    ready.append(carry)
                     carry = None
                 while n - start >= b:
-                    if not self._put(_take(chunk, perm, start, start + b)):
-                        return
+                    ready.append(_take(chunk, perm, start, start + b))
                     start += b
+                # One hand-over per row group (not per batch): the queue's cost stays off the
+                # training step.
+                if ready and not self._put(ready):
+                    return
                 if start < n:
                     rest = _take(chunk, perm, start, n)
                     carry = {k: np.array(v) for k, v in rest.items()}
@@ -180,12 +184,15 @@ class ParquetReader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
+        if self._ready:
+            return self._ready.popleft()
         if self._thread is None:
             iter(self)
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise RuntimeError(f"horovod.spark reader (rank {self.rank}) failed: {item}") from item
-        return item
+        self._ready.extend(item)
+        return self._ready.popleft()
 
     def close(self) -> None:
         self._stop.set()
