@@ -99,8 +99,8 @@ def column_metadata(df: Any, columns: list[str], compress_sparse: bool = False) 
 
 def _dataset_key(df: Any, columns: list[str], options: dict[str, Any]) -> str:
     try:
-        plan = df._jdf.queryExecution().analyzed()
-        fingerprint = f"{plan.semanticHash()}:{plan.toString()}"
+        # semanticHash ignores expression ids: the same data and query built again match
+        fingerprint = str(df._jdf.queryExecution().analyzed().semanticHash())
     except Exception:  # noqa: BLE001 - Spark Connect: no JVM plan; reuse by object identity
         fingerprint = f"id:{id(df)}"
     blob = json.dumps([fingerprint, df.schema.json(), columns, options], sort_keys=True,
