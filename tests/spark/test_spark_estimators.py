@@ -137,6 +137,11 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     assert (train_rows, val_rows) == (1797 - 180, 180)  # is_val marks every 10th row
     assert meta["features"]["kind"] == "vector" and meta["features"]["sparse"]
     assert meta["features"]["shape"] == [64]
+    # The same DataFrame with the same options: the prepared data is reused, not rewritten.
+    mtime = (tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json").stat().st_mtime_ns
+    assert util.prepare_data(2, store, df, ["label"], ["features"], validation="is_val",
+                             compress_sparse=True, partitions_per_process=2) == idx
+    assert (tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json").stat().st_mtime_ns == mtime
     assert len(model.getHistory()["val_loss"]) == 3
     pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
     labels = df.where("is_val = 1").select("label").toPandas()["label"].to_numpy()
@@ -248,9 +253,6 @@ def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[
     train_df = OneHotEncoder(inputCols=["label"], outputCols=["label_vec"],
                              dropLast=False).fit(train_df).transform(train_df)
     resumed = est2.fit(train_df)
-    prepared = [p for p in Path(keras_fit["work"]).iterdir()
-                if p.name.startswith("intermediate_train_data.")]
-    assert len(prepared) == 1  # the same DataFrame: its prepared data was reused
     hist = resumed.getHistory()
     assert len(hist["loss"]) == 4
     assert hist["loss"][:3] == pytest.approx(model.getHistory()["loss"])
