@@ -138,10 +138,11 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     assert meta["features"]["kind"] == "vector" and meta["features"]["sparse"]
     assert meta["features"]["shape"] == [64]
     # The same DataFrame with the same options: the prepared data is reused, not rewritten.
-    mtime = (tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json").stat().st_mtime_ns
+    marker = tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json"
+    mtime = marker.stat().st_mtime_ns
     assert util.prepare_data(2, store, df, ["label"], ["features"], validation="is_val",
                              compress_sparse=True, partitions_per_process=2) == idx
-    assert (tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json").stat().st_mtime_ns == mtime
+    assert marker.stat().st_mtime_ns == mtime
     assert len(model.getHistory()["val_loss"]) == 3
     pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
     labels = df.where("is_val = 1").select("label").toPandas()["label"].to_numpy()
