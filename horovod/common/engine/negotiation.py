@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
+from horovod.common.engine.wire import FLAG_ARGUMENT_ERROR, FLAG_FLAT, KINDS, Message, encode_requests
 from horovod.common.types import (
     RAGGED_KINDS,
     REDUCE_OP_NAMES,
+    ArgumentError,
     Request,
     RequestType,
     Response,
@@ -31,21 +34,6 @@ _JOIN_UNSUPPORTED = {
     RequestType.ALLTOALL: "Alltoall is not supported with Join at this time.",
     RequestType.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
 }
-
-
-@dataclass(frozen=True)
-class ArgumentError:
-    """The payload of a request whose call failed its argument checks on the submitting rank.
-
-    The rank still submits the operation's name, so that the coordinator can fail the name on
-    every rank of the set instead of leaving the others waiting for a rank that raised locally.
-    """
-
-    error_type: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.error_type}: {self.message}"
 
 
 def _argument_errors(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
@@ -164,17 +152,54 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-@dataclass
 class PendingName:
-    """Requests seen so far for one name, with when the coordinator first saw it."""
+    """One name the coordinator has seen and not yet answered.
 
-    first_seen: float
-    seq: int
-    requests: dict[int, Request] = field(default_factory=dict)
+    ``row`` indexes the coordinator's per-name arrays (which ranks submitted it, their digest,
+    whether they disagree). ``groups`` says where each submitting rank's request is: one entry
+    per distinct message that held the name, with the ranks that sent that message.
+    """
+
+    __slots__ = ("name", "row", "first_seen", "seq", "kind", "process_set_id", "groups")
+
+    def __init__(self, name: str, row: int, first_seen: float, seq: int, kind: RequestType,
+                 process_set_id: int) -> None:
+        self.name = name
+        self.row = row
+        self.first_seen = first_seen
+        self.seq = seq
+        self.kind = kind
+        self.process_set_id = process_set_id
+        # (message, index in it, ranks that sent it (sorted), each rank's ragged tail or None)
+        self.groups: list[tuple[Message, int, np.ndarray, list[bytes] | None]] = []
+
+    def request_of(self, rank: int) -> Request | None:
+        for msg, i, ranks, tails in self.groups:
+            at = int(np.searchsorted(ranks, rank))
+            if at < len(ranks) and ranks[at] == rank:
+                return msg.request(i, rank, tails[at] if tails is not None else b"")
+        return None
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        """Every submitted request by rank, decoded (for error texts and reports; not per round)."""
+        out = {}
+        for msg, i, ranks, tails in self.groups:
+            for at, rank in enumerate(ranks.tolist()):
+                out[rank] = msg.request(i, rank, tails[at] if tails is not None else b"")
+        return dict(sorted(out.items()))
+
+    def lowest_rank(self) -> int:
+        return min(int(ranks[0]) for _, _, ranks, _ in self.groups)
 
 
 class Coordinator:
-    """Message table of the coordinator rank.
+    """Message table of the coordinator rank, kept as arrays over (pending name, rank).
+
+    ``submit_encoded`` takes every rank's message of a round (``wire.encode_requests``), parses
+    each distinct message once, and marks the ranks that sent it in one array operation per
+    message; validation compares signature digests per name, and decodes requests only to build
+    a response (the lowest rank's) or an error text (every rank's, when digests differ).
 
     Args:
         size: number of ranks in the world.
@@ -193,71 +218,165 @@ class Coordinator:
         self.joined: list[int] = []
         self._seq = itertools.count()
         self._next_process_set_id = 1
+        self._member_index: dict[int, tuple[Sequence[int], np.ndarray]] = {}
+        self._rows = 0
+        self._free: list[int] = []
+        self._grow(64)
+
+    def _grow(self, rows: int) -> None:
+        old = self._rows
+        seen = np.zeros((rows, self.size), np.bool_)
+        digest = np.zeros(rows, np.uint64)
+        bad = np.zeros(rows, np.bool_)
+        flat = np.ones(rows, np.bool_)
+        count = np.zeros(rows, np.int64)
+        if old:
+            seen[:old] = self._seen
+            digest[:old] = self._digest
+            bad[:old] = self._bad
+            flat[:old] = self._flat
+            count[:old] = self._count
+        self._seen, self._digest, self._bad, self._flat, self._count = seen, digest, bad, flat, count
+        self._free.extend(range(rows - 1, old - 1, -1))
+        self._rows = rows
 
     def reserve_process_set_ids(self, next_id: int) -> None:
         self._next_process_set_id = max(self._next_process_set_id, next_id)
 
     def submit(self, requests: Sequence[Request]) -> list[str]:
         """Record requests (each carries its ``rank``); return names seen for the first time."""
-        new_names = []
-        now = self._clock()
+        by_rank: dict[int, list[Request]] = {}
         for req in requests:
-            entry = self.table.get(req.name)
-            if entry is None:
-                entry = self.table[req.name] = PendingName(now, next(self._seq))
-                new_names.append(req.name)
-            entry.requests[req.rank] = req
-            if req.kind == RequestType.JOIN and req.rank not in self.joined:
-                self.joined.append(req.rank)
+            by_rank.setdefault(req.rank, []).append(req)
+        messages = [b""] * self.size
+        for rank, reqs in by_rank.items():
+            messages[rank] = encode_requests(reqs)
+        return self.submit_encoded(messages)
+
+    def submit_encoded(self, messages: Sequence[bytes | None]) -> list[str]:
+        """Record one round's messages (``messages[rank]``); return names seen for the first time."""
+        # Ranks that sent the same operations sent the same key: parse one copy per key.
+        distinct: dict[bytes, tuple[bytes, list[int], list[bytes]]] = {}
+        for rank, data in enumerate(messages):
+            if not data:
+                continue
+            cut = Message.key_length(data)
+            key = data[:cut] if cut < len(data) else data
+            group = distinct.get(key)
+            if group is None:
+                group = distinct[key] = (data, [], [])
+            group[1].append(rank)
+            group[2].append(data[cut:])
+        new_names: list[str] = []
+        now = self._clock()
+        joiners: list[int] = []
+        table = self.table
+        join_code = KINDS.index(RequestType.JOIN)
+        for data, rank_list, tail_list in distinct.values():
+            msg = Message(data)
+            ranks = np.asarray(rank_list, np.int64)
+            tails = tail_list if any(tail_list) else None
+            rows = np.empty(msg.n, np.int64)
+            records = msg.records
+            for i, name in enumerate(msg.names):
+                entry = table.get(name)
+                if entry is None:
+                    if not self._free:
+                        self._grow(2 * self._rows)
+                    rec = records[i]
+                    entry = table[name] = PendingName(name, self._free.pop(), now, next(self._seq),
+                                                      KINDS[int(rec["kind"])], int(rec["ps"]))
+                    new_names.append(name)
+                entry.groups.append((msg, i, ranks, tails))
+                rows[i] = entry.row
+            self._seen[np.ix_(rows, ranks)] = True
+            self._count[rows] += len(ranks)
+            digests = records["digest"]
+            known = self._digest[rows]
+            unset = known == 0
+            known[unset] = digests[unset]
+            self._digest[rows] = known
+            flags = records["flags"]
+            self._bad[rows] |= (known != digests) | ((flags & FLAG_ARGUMENT_ERROR) != 0)
+            self._flat[rows] &= (flags & FLAG_FLAT) != 0
+            self._candidates.update(msg.names)
+            if (records["kind"] == join_code).any():
+                joiners.extend(rank_list)
+        for rank in sorted(joiners):
+            if rank not in self.joined:
+                self.joined.append(rank)
                 # A new joiner may complete any waiting allreduce.
-                self._candidates.update(self.table)
-            members = self._expected(req)
-            if members is None or len(entry.requests) + len(self.joined) >= len(members):
-                self._candidates.add(req.name)
+                self._candidates.update(table)
         return new_names
 
-    def _expected(self, req: Request) -> Sequence[int] | None:
-        if req.kind == RequestType.JOIN:
-            return range(self.size)
-        return self._members(req.process_set_id)
+    def _expected(self, kind: RequestType, process_set_id: int) -> np.ndarray | None:
+        """Global ranks that must submit a name of this kind and set, as an index array."""
+        members = range(self.size) if kind == RequestType.JOIN else self._members(process_set_id)
+        if members is None:
+            return None
+        key = -1 if kind == RequestType.JOIN else process_set_id
+        cached = self._member_index.get(key)
+        if cached is None or cached[0] is not members and list(cached[0]) != list(members):
+            cached = self._member_index[key] = (members, np.asarray(members, np.int64))
+        return cached[1]
 
     def ready(self) -> list[Response]:
         """Return responses for every name now submitted by all ranks that must submit it."""
         out: list[tuple[int, Response]] = []
-        joined = set(self.joined)
+        joined = np.asarray(self.joined, np.int64)
         candidates, self._candidates = self._candidates, set()
         for name in candidates:
             entry = self.table.get(name)
             if entry is None:
                 continue
-            any_req = next(iter(entry.requests.values()))
-            members = self._expected(any_req)
+            members = self._expected(entry.kind, entry.process_set_id)
             if members is None:
+                any_req = entry.request_of(entry.lowest_rank())
+                assert any_req is not None
                 response = Response(any_req, error=(
-                    f"{any_req.kind.value} {name!r}: process set {any_req.process_set_id} does not "
+                    f"{entry.kind.value} {name!r}: process set {entry.process_set_id} does not "
                     "exist, or has not been registered."),
-                    error_fields={"tensor_name": name, "process_set_id": any_req.process_set_id})
+                    error_fields={"tensor_name": name, "process_set_id": entry.process_set_id})
                 out.append((entry.seq, response))
-                del self.table[name]
+                self._release(entry)
                 continue
-            missing = [r for r in members if r not in entry.requests]
-            if any_req.kind != RequestType.JOIN and joined:
-                missing = [r for r in missing if r not in joined]
-            if missing:
+            count = int(self._count[entry.row])
+            if entry.kind != RequestType.JOIN and len(joined):
+                if count + len(joined) < len(members):
+                    continue
+                seen = self._seen[entry.row]
+                if not (seen[members] | np.isin(members, joined)).all():
+                    continue
+            elif count < len(members) or not self._seen[entry.row][members].all():
                 continue
-            del self.table[name]
-            out.append((entry.seq, self._respond(entry, members, joined)))
+            out.append((entry.seq, self._respond(entry, members)))
+            self._release(entry)
         out.sort(key=lambda x: x[0])
         return [r for _, r in out]
 
-    def _respond(self, entry: PendingName, members: Sequence[int], joined: set[int]) -> Response:
-        reqs = entry.requests
-        first = reqs[min(reqs)]
-        problem = validate(reqs)
-        if problem is not None:
-            return Response(first, error=problem[0], error_fields=problem[1])
-        kind = first.kind
-        member_joined = tuple(r for r in members if r in joined)
+    def _release(self, entry: PendingName) -> None:
+        del self.table[entry.name]
+        row = entry.row
+        self._seen[row] = False
+        self._digest[row] = 0
+        self._bad[row] = False
+        self._flat[row] = True
+        self._count[row] = 0
+        self._free.append(row)
+
+    def _respond(self, entry: PendingName, members: np.ndarray) -> Response:
+        row = entry.row
+        if self._bad[row]:  # the rare case: decode every rank's request and say what differs
+            problem = validate(entry.requests)
+            if problem is not None:
+                first = entry.request_of(entry.lowest_rank())
+                assert first is not None
+                return Response(first, error=problem[0], error_fields=problem[1])
+        first = entry.request_of(entry.lowest_rank())
+        assert first is not None
+        kind = entry.kind
+        joined = set(self.joined)
+        member_joined = tuple(r for r in members.tolist() if r in joined) if joined else ()
         if kind == RequestType.JOIN:
             last = self.joined[-1]
             self.joined = []
@@ -270,8 +389,8 @@ class Coordinator:
             new_id = self._next_process_set_id
             self._next_process_set_id += 1
             return Response(first, result=new_id)
-        if first.flat and not all(r.flat for r in reqs.values()):
-            first = replace(first, flat=False)  # one schedule for all: flat only if all are
+        # One schedule for all: the flat hint holds only if every rank's request had it.
+        first.flat = bool(self._flat[row])
         return Response(first, joined=member_joined)
 
     def stalled(self, older_than: float) -> list[tuple[str, list[int], list[int], float]]:
@@ -283,8 +402,10 @@ class Coordinator:
             age = now - entry.first_seen
             if age < older_than:
                 continue
-            any_req = next(iter(entry.requests.values()))
-            members = self._expected(any_req) or []
-            missing = [r for r in members if r not in entry.requests and r not in joined]
-            out.append((name, sorted(entry.requests), missing, age))
+            members = self._expected(entry.kind, entry.process_set_id)
+            seen = self._seen[entry.row]
+            submitted = np.flatnonzero(seen).tolist()
+            missing = [] if members is None else [
+                r for r in members[~seen[members]].tolist() if r not in joined]
+            out.append((name, submitted, missing, age))
         return out
