@@ -153,53 +153,50 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
 
 
 class PendingName:
-    """One name the coordinator has seen and not yet answered.
+    """One name the coordinator has seen and not yet answered (``row`` indexes its arrays)."""
 
-    ``row`` indexes the coordinator's per-name arrays (which ranks submitted it, their digest,
-    whether they disagree). ``groups`` says where each submitting rank's request is: one entry
-    per distinct message that held the name, with the ranks that sent that message.
-    """
+    __slots__ = ("name", "row", "first_seen", "seq", "kind", "process_set_id", "_coord")
 
-    __slots__ = ("name", "row", "first_seen", "seq", "kind", "process_set_id", "groups")
-
-    def __init__(self, name: str, row: int, first_seen: float, seq: int, kind: RequestType,
-                 process_set_id: int) -> None:
+    def __init__(self, coord: Coordinator, name: str, row: int, first_seen: float, seq: int,
+                 kind: RequestType, process_set_id: int) -> None:
+        self._coord = coord
         self.name = name
         self.row = row
         self.first_seen = first_seen
         self.seq = seq
         self.kind = kind
         self.process_set_id = process_set_id
-        # (message, index in it, ranks that sent it (sorted), each rank's ragged tail or None)
-        self.groups: list[tuple[Message, int, np.ndarray, list[bytes] | None]] = []
-
-    def request_of(self, rank: int) -> Request | None:
-        for msg, i, ranks, tails in self.groups:
-            at = int(np.searchsorted(ranks, rank))
-            if at < len(ranks) and ranks[at] == rank:
-                return msg.request(i, rank, tails[at] if tails is not None else b"")
-        return None
 
     @property
     def requests(self) -> dict[int, Request]:
         """Every submitted request by rank, decoded (for error texts and reports; not per round)."""
-        out = {}
-        for msg, i, ranks, tails in self.groups:
-            for at, rank in enumerate(ranks.tolist()):
-                out[rank] = msg.request(i, rank, tails[at] if tails is not None else b"")
-        return dict(sorted(out.items()))
+        return self._coord._requests_of(self.row)
 
-    def lowest_rank(self) -> int:
-        return min(int(ranks[0]) for _, _, ranks, _ in self.groups)
+
+class _Sent:
+    """One distinct message of a round: the ranks that sent it, and the rows of its names."""
+
+    __slots__ = ("msg", "ranks", "tails", "rows", "gens")
+
+    def __init__(self, msg: Message, ranks: np.ndarray, tails: list[bytes] | None, rows: np.ndarray,
+                 gens: np.ndarray) -> None:
+        self.msg, self.ranks, self.tails, self.rows, self.gens = msg, ranks, tails, rows, gens
+
+    def request(self, i: int, rank: int) -> Request | None:
+        at = int(np.searchsorted(self.ranks, rank))
+        if at == len(self.ranks) or self.ranks[at] != rank:
+            return None
+        return self.msg.request(i, rank, self.tails[at] if self.tails is not None else b"")
 
 
 class Coordinator:
     """Message table of the coordinator rank, kept as arrays over (pending name, rank).
 
     ``submit_encoded`` takes every rank's message of a round (``wire.encode_requests``), parses
-    each distinct message once, and marks the ranks that sent it in one array operation per
-    message; validation compares signature digests per name, and decodes requests only to build
-    a response (the lowest rank's) or an error text (every rank's, when digests differ).
+    each distinct message once, maps its names to rows in one pass, and records the ranks that
+    sent it with a few array operations; validation compares signature digests per name. Requests
+    are decoded only to build a response (the lowest rank's) or an error text (every rank's, when
+    digests differ). Per (name, rank) the coordinator keeps one byte (``seen``).
 
     Args:
         size: number of ranks in the world.
@@ -213,30 +210,37 @@ class Coordinator:
         self._members = members
         self._clock = clock
         self.table: dict[str, PendingName] = {}
-        # Names that may be complete; ready() only looks at these (not the whole table).
-        self._candidates: set[str] = set()
+        self._row_of: dict[str, int] = {}
+        self._by_row: list[PendingName | None] = []
         self.joined: list[int] = []
         self._seq = itertools.count()
         self._next_process_set_id = 1
         self._member_index: dict[int, tuple[Sequence[int], np.ndarray]] = {}
+        self._sent: list[_Sent] = []  # messages that may still hold a pending name
+        self._sweep_at = 64
         self._rows = 0
         self._free: list[int] = []
         self._grow(64)
 
     def _grow(self, rows: int) -> None:
         old = self._rows
-        seen = np.zeros((rows, self.size), np.bool_)
-        digest = np.zeros(rows, np.uint64)
-        bad = np.zeros(rows, np.bool_)
-        flat = np.ones(rows, np.bool_)
-        count = np.zeros(rows, np.int64)
-        if old:
-            seen[:old] = self._seen
-            digest[:old] = self._digest
-            bad[:old] = self._bad
-            flat[:old] = self._flat
-            count[:old] = self._count
-        self._seen, self._digest, self._bad, self._flat, self._count = seen, digest, bad, flat, count
+        fresh = {
+            "_seen": np.zeros((rows, self.size), np.bool_),  # rank submitted this row's name
+            "_count": np.zeros(rows, np.int64),  # how many ranks did
+            "_digest": np.zeros(rows, np.uint64),  # the first signature digest seen (0: none)
+            "_bad": np.zeros(rows, np.bool_),  # digests differ, or some rank's arguments failed
+            "_flat": np.ones(rows, np.bool_),  # every rank's request had the flat hint
+            "_src_rank": np.full(rows, np.iinfo(np.int64).max, np.int64),  # lowest rank seen,
+            "_src_sent": np.zeros(rows, np.int64),  # in which _Sent (index into self._sent)
+            "_src_index": np.zeros(rows, np.int64),  # at which record
+            "_gen": np.zeros(rows, np.int64),  # bumped when a row is released
+            "_candidate": np.zeros(rows, np.bool_),  # may be complete: ready() looks at these
+        }
+        for attr, arr in fresh.items():
+            if old:
+                arr[:old] = getattr(self, attr)
+            setattr(self, attr, arr)
+        self._by_row.extend([None] * (rows - old))
         self._free.extend(range(rows - 1, old - 1, -1))
         self._rows = rows
 
@@ -268,29 +272,24 @@ class Coordinator:
             group[1].append(rank)
             group[2].append(data[cut:])
         new_names: list[str] = []
-        now = self._clock()
         joiners: list[int] = []
-        table = self.table
+        row_of = self._row_of
         join_code = KINDS.index(RequestType.JOIN)
         for data, rank_list, tail_list in distinct.values():
             msg = Message(data)
             ranks = np.asarray(rank_list, np.int64)
-            tails = tail_list if any(tail_list) else None
-            rows = np.empty(msg.n, np.int64)
+            rows = np.fromiter(map(row_of.get, msg.names, itertools.repeat(-1)), np.int64, msg.n)
             records = msg.records
-            for i, name in enumerate(msg.names):
-                entry = table.get(name)
-                if entry is None:
-                    if not self._free:
-                        self._grow(2 * self._rows)
-                    rec = records[i]
-                    entry = table[name] = PendingName(name, self._free.pop(), now, next(self._seq),
-                                                      KINDS[int(rec["kind"])], int(rec["ps"]))
-                    new_names.append(name)
-                entry.groups.append((msg, i, ranks, tails))
-                rows[i] = entry.row
+            if (rows < 0).any():
+                for i in np.flatnonzero(rows < 0).tolist():
+                    rows[i] = self._new_row(msg.names[i], records[i])
+                    new_names.append(msg.names[i])
+            sent = len(self._sent)
+            self._sent.append(_Sent(msg, ranks, tail_list if any(tail_list) else None, rows,
+                                    self._gen[rows]))
             self._seen[np.ix_(rows, ranks)] = True
             self._count[rows] += len(ranks)
+            self._candidate[rows] = True
             digests = records["digest"]
             known = self._digest[rows]
             unset = known == 0
@@ -299,15 +298,54 @@ class Coordinator:
             flags = records["flags"]
             self._bad[rows] |= (known != digests) | ((flags & FLAG_ARGUMENT_ERROR) != 0)
             self._flat[rows] &= (flags & FLAG_FLAT) != 0
-            self._candidates.update(msg.names)
+            lower = self._src_rank[rows] > ranks[0]
+            if lower.any():
+                at = rows[lower]
+                self._src_rank[at] = ranks[0]
+                self._src_sent[at] = sent
+                self._src_index[at] = np.flatnonzero(lower)
             if (records["kind"] == join_code).any():
                 joiners.extend(rank_list)
         for rank in sorted(joiners):
             if rank not in self.joined:
                 self.joined.append(rank)
                 # A new joiner may complete any waiting allreduce.
-                self._candidates.update(table)
+                self._candidate[list(self._row_of.values())] = True
         return new_names
+
+    def _new_row(self, name: str, record: Any) -> int:
+        if not self._free:
+            self._grow(2 * self._rows)
+        row = self._free.pop()
+        entry = PendingName(self, name, row, self._clock(), next(self._seq),
+                            KINDS[int(record["kind"])], int(record["ps"]))
+        self.table[name] = entry
+        self._row_of[name] = row
+        self._by_row[row] = entry
+        return row
+
+    def _request_of(self, row: int, rank: int) -> Request:
+        """The request ``rank`` sent for the name of ``row``."""
+        if rank == self._src_rank[row]:
+            sent = self._sent[int(self._src_sent[row])]
+            req = sent.request(int(self._src_index[row]), rank)
+            if req is not None:
+                return req
+        got = self._requests_of(row).get(rank)
+        assert got is not None, (row, rank)
+        return got
+
+    def _requests_of(self, row: int) -> dict[int, Request]:
+        out: dict[int, Request] = {}
+        gen = self._gen[row]
+        for sent in self._sent:
+            hit = np.flatnonzero((sent.rows == row) & (sent.gens == gen))
+            for i in hit.tolist():
+                for rank in sent.ranks.tolist():
+                    req = sent.request(i, rank)
+                    assert req is not None
+                    out[rank] = req
+        return dict(sorted(out.items()))
 
     def _expected(self, kind: RequestType, process_set_id: int) -> np.ndarray | None:
         """Global ranks that must submit a name of this kind and set, as an index array."""
@@ -324,56 +362,69 @@ class Coordinator:
         """Return responses for every name now submitted by all ranks that must submit it."""
         out: list[tuple[int, Response]] = []
         joined = np.asarray(self.joined, np.int64)
-        candidates, self._candidates = self._candidates, set()
-        for name in candidates:
-            entry = self.table.get(name)
+        rows = np.flatnonzero(self._candidate)
+        self._candidate[rows] = False
+        counts = self._count[rows].tolist()
+        for row, count in zip(rows.tolist(), counts):
+            entry = self._by_row[row]
             if entry is None:
                 continue
             members = self._expected(entry.kind, entry.process_set_id)
             if members is None:
-                any_req = entry.request_of(entry.lowest_rank())
-                assert any_req is not None
+                any_req = self._request_of(row, int(self._src_rank[row]))
                 response = Response(any_req, error=(
-                    f"{entry.kind.value} {name!r}: process set {entry.process_set_id} does not "
-                    "exist, or has not been registered."),
-                    error_fields={"tensor_name": name, "process_set_id": entry.process_set_id})
+                    f"{entry.kind.value} {entry.name!r}: process set {entry.process_set_id} does "
+                    "not exist, or has not been registered."),
+                    error_fields={"tensor_name": entry.name, "process_set_id": entry.process_set_id})
                 out.append((entry.seq, response))
                 self._release(entry)
                 continue
-            count = int(self._count[entry.row])
             if entry.kind != RequestType.JOIN and len(joined):
                 if count + len(joined) < len(members):
                     continue
-                seen = self._seen[entry.row]
-                if not (seen[members] | np.isin(members, joined)).all():
+                if not (self._seen[row][members] | np.isin(members, joined)).all():
                     continue
-            elif count < len(members) or not self._seen[entry.row][members].all():
+            elif count < len(members) or not self._seen[row][members].all():
                 continue
             out.append((entry.seq, self._respond(entry, members)))
             self._release(entry)
         out.sort(key=lambda x: x[0])
+        if len(self._sent) >= self._sweep_at:
+            self._sweep()
         return [r for _, r in out]
 
     def _release(self, entry: PendingName) -> None:
         del self.table[entry.name]
+        del self._row_of[entry.name]
         row = entry.row
+        self._by_row[row] = None
         self._seen[row] = False
+        self._count[row] = 0
         self._digest[row] = 0
         self._bad[row] = False
         self._flat[row] = True
-        self._count[row] = 0
+        self._src_rank[row] = np.iinfo(np.int64).max
+        self._gen[row] += 1
         self._free.append(row)
+
+    def _sweep(self) -> None:
+        """Forget messages none of whose names is still pending (renumbering the sources)."""
+        keep = [s for s in self._sent if (self._gen[s.rows] == s.gens).any()]
+        if len(keep) < len(self._sent):
+            where = {id(s): i for i, s in enumerate(keep)}
+            live = np.flatnonzero(self._src_rank != np.iinfo(np.int64).max)
+            for row in live.tolist():
+                self._src_sent[row] = where[id(self._sent[int(self._src_sent[row])])]
+            self._sent = keep
+        self._sweep_at = max(64, 2 * len(self._sent))
 
     def _respond(self, entry: PendingName, members: np.ndarray) -> Response:
         row = entry.row
+        first = self._request_of(row, int(self._src_rank[row]))
         if self._bad[row]:  # the rare case: decode every rank's request and say what differs
-            problem = validate(entry.requests)
+            problem = validate(self._requests_of(row))
             if problem is not None:
-                first = entry.request_of(entry.lowest_rank())
-                assert first is not None
                 return Response(first, error=problem[0], error_fields=problem[1])
-        first = entry.request_of(entry.lowest_rank())
-        assert first is not None
         kind = entry.kind
         joined = set(self.joined)
         member_joined = tuple(r for r in members.tolist() if r in joined) if joined else ()
