@@ -152,6 +152,9 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+_NO_RANK = np.iinfo(np.int64).max
+
+
 class PendingName:
     """One name the coordinator has seen and not yet answered (``row`` indexes its arrays)."""
 
@@ -204,6 +207,17 @@ class Coordinator:
         clock: monotonic clock, injectable for tests.
     """
 
+    _seen: np.ndarray
+    _count: np.ndarray
+    _digest: np.ndarray
+    _bad: np.ndarray
+    _flat: np.ndarray
+    _src_rank: np.ndarray
+    _src_sent: np.ndarray
+    _src_index: np.ndarray
+    _gen: np.ndarray
+    _candidate: np.ndarray
+
     def __init__(self, size: int, members: Callable[[int], Sequence[int] | None],
                  clock: Callable[[], float]) -> None:
         self.size = size
@@ -224,22 +238,27 @@ class Coordinator:
 
     def _grow(self, rows: int) -> None:
         old = self._rows
-        fresh = {
-            "_seen": np.zeros((rows, self.size), np.bool_),  # rank submitted this row's name
-            "_count": np.zeros(rows, np.int64),  # how many ranks did
-            "_digest": np.zeros(rows, np.uint64),  # the first signature digest seen (0: none)
-            "_bad": np.zeros(rows, np.bool_),  # digests differ, or some rank's arguments failed
-            "_flat": np.ones(rows, np.bool_),  # every rank's request had the flat hint
-            "_src_rank": np.full(rows, np.iinfo(np.int64).max, np.int64),  # lowest rank seen,
-            "_src_sent": np.zeros(rows, np.int64),  # in which _Sent (index into self._sent)
-            "_src_index": np.zeros(rows, np.int64),  # at which record
-            "_gen": np.zeros(rows, np.int64),  # bumped when a row is released
-            "_candidate": np.zeros(rows, np.bool_),  # may be complete: ready() looks at these
-        }
-        for attr, arr in fresh.items():
-            if old:
-                arr[:old] = getattr(self, attr)
-            setattr(self, attr, arr)
+
+        def grown(arr: np.ndarray | None, fill: Any, dtype: Any, width: int = 0) -> np.ndarray:
+            new = np.full((rows, width) if width else rows, fill, dtype)
+            if arr is not None:
+                new[:old] = arr
+            return new
+
+        first = old == 0
+        self._seen = grown(None if first else self._seen, False, np.bool_, self.size)  # rank sent it
+        self._count = grown(None if first else self._count, 0, np.int64)  # how many ranks did
+        self._digest = grown(None if first else self._digest, 0, np.uint64)  # first digest (0: none)
+        # Digests differ, or some rank's arguments failed: decode and validate before answering.
+        self._bad = grown(None if first else self._bad, False, np.bool_)
+        self._flat = grown(None if first else self._flat, True, np.bool_)  # every rank had the hint
+        # The lowest rank seen so far, in which _Sent (index into self._sent), at which record.
+        self._src_rank = grown(None if first else self._src_rank, _NO_RANK, np.int64)
+        self._src_sent = grown(None if first else self._src_sent, 0, np.int64)
+        self._src_index = grown(None if first else self._src_index, 0, np.int64)
+        self._gen = grown(None if first else self._gen, 0, np.int64)  # bumped when released
+        # May be complete: ready() looks at these rows only.
+        self._candidate = grown(None if first else self._candidate, False, np.bool_)
         self._by_row.extend([None] * (rows - old))
         self._free.extend(range(rows - 1, old - 1, -1))
         self._rows = rows
@@ -403,7 +422,7 @@ class Coordinator:
         self._digest[row] = 0
         self._bad[row] = False
         self._flat[row] = True
-        self._src_rank[row] = np.iinfo(np.int64).max
+        self._src_rank[row] = _NO_RANK
         self._gen[row] += 1
         self._free.append(row)
 
@@ -412,7 +431,7 @@ class Coordinator:
         keep = [s for s in self._sent if (self._gen[s.rows] == s.gens).any()]
         if len(keep) < len(self._sent):
             where = {id(s): i for i, s in enumerate(keep)}
-            live = np.flatnonzero(self._src_rank != np.iinfo(np.int64).max)
+            live = np.flatnonzero(self._src_rank != _NO_RANK)
             for row in live.tolist():
                 self._src_sent[row] = where[id(self._sent[int(self._src_sent[row])])]
             self._sent = keep
