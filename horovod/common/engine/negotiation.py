@@ -153,6 +153,7 @@ def validate(requests: dict[int, Request]) -> tuple[str, dict[str, Any]] | None:
 
 
 _NO_RANK = np.iinfo(np.int64).max
+_JOIN_CODE = KINDS.index(RequestType.JOIN)
 
 
 class PendingName:
@@ -292,38 +293,13 @@ class Coordinator:
             group[2].append(data[cut:])
         new_names: list[str] = []
         joiners: list[int] = []
-        row_of = self._row_of
-        join_code = KINDS.index(RequestType.JOIN)
         for data, rank_list, tail_list in distinct.values():
             msg = Message(data)
-            ranks = np.asarray(rank_list, np.int64)
-            rows = np.fromiter(map(row_of.get, msg.names, itertools.repeat(-1)), np.int64, msg.n)
-            records = msg.records
-            if (rows < 0).any():
-                for i in np.flatnonzero(rows < 0).tolist():
-                    rows[i] = self._new_row(msg.names[i], records[i])
-                    new_names.append(msg.names[i])
-            sent = len(self._sent)
-            self._sent.append(_Sent(msg, ranks, tail_list if any(tail_list) else None, rows,
-                                    self._gen[rows]))
-            self._seen[np.ix_(rows, ranks)] = True
-            self._count[rows] += len(ranks)
-            self._candidate[rows] = True
-            digests = records["digest"]
-            known = self._digest[rows]
-            unset = known == 0
-            known[unset] = digests[unset]
-            self._digest[rows] = known
-            flags = records["flags"]
-            self._bad[rows] |= (known != digests) | ((flags & FLAG_ARGUMENT_ERROR) != 0)
-            self._flat[rows] &= (flags & FLAG_FLAT) != 0
-            lower = self._src_rank[rows] > ranks[0]
-            if lower.any():
-                at = rows[lower]
-                self._src_rank[at] = ranks[0]
-                self._src_sent[at] = sent
-                self._src_index[at] = np.flatnonzero(lower)
-            if (records["kind"] == join_code).any():
+            tails = tail_list if any(tail_list) else None
+            # Array operations cost a few microseconds each whatever their size: a small message
+            # (a few requests from a few ranks, as hooks trickle in) is cheaper element by element.
+            record = self._record_few if msg.n * (10 + len(rank_list)) <= 300 else self._record_many
+            if record(msg, rank_list, tails, new_names):
                 joiners.extend(rank_list)
         for rank in sorted(joiners):
             if rank not in self.joined:
@@ -332,12 +308,80 @@ class Coordinator:
                 self._candidate[list(self._row_of.values())] = True
         return new_names
 
-    def _new_row(self, name: str, record: Any) -> int:
+    def _record_many(self, msg: Message, rank_list: list[int], tails: list[bytes] | None,
+                     new_names: list[str]) -> bool:
+        """Record one distinct message sent by ``rank_list`` with array operations over its
+        names x ranks; True if it holds a join."""
+        ranks = np.asarray(rank_list, np.int64)
+        rows = np.fromiter(map(self._row_of.get, msg.names, itertools.repeat(-1)), np.int64, msg.n)
+        records = msg.records
+        if (rows < 0).any():
+            for i in np.flatnonzero(rows < 0).tolist():
+                rows[i] = self._new_row(msg.names[i], int(records[i]["kind"]), int(records[i]["ps"]))
+                new_names.append(msg.names[i])
+        sent = len(self._sent)
+        self._sent.append(_Sent(msg, ranks, tails, rows, self._gen[rows]))
+        self._seen[np.ix_(rows, ranks)] = True
+        self._count[rows] += len(ranks)
+        self._candidate[rows] = True
+        digests = records["digest"]
+        known = self._digest[rows]
+        unset = known == 0
+        known[unset] = digests[unset]
+        self._digest[rows] = known
+        flags = records["flags"]
+        self._bad[rows] |= (known != digests) | ((flags & FLAG_ARGUMENT_ERROR) != 0)
+        self._flat[rows] &= (flags & FLAG_FLAT) != 0
+        lower = self._src_rank[rows] > ranks[0]
+        if lower.any():
+            at = rows[lower]
+            self._src_rank[at] = ranks[0]
+            self._src_sent[at] = sent
+            self._src_index[at] = np.flatnonzero(lower)
+        return bool((records["kind"] == _JOIN_CODE).any())
+
+    def _record_few(self, msg: Message, rank_list: list[int], tails: list[bytes] | None,
+                    new_names: list[str]) -> bool:
+        """``_record_many`` element by element, for small messages (the same effects)."""
+        sent = len(self._sent)
+        rows = []
+        low = rank_list[0]
+        join = False
+        for i, (name, (dig, ps, kind, flags, _)) in enumerate(zip(msg.names, msg.records.tolist())):
+            row = self._row_of.get(name)
+            if row is None:
+                row = self._new_row(name, kind, ps)
+                new_names.append(name)
+            rows.append(row)
+            seen = self._seen  # (after _new_row, which may have grown the arrays)
+            for rank in rank_list:
+                seen[row, rank] = True
+            self._count[row] += len(rank_list)
+            self._candidate[row] = True
+            known = int(self._digest[row])
+            if known == 0:
+                self._digest[row] = dig
+            elif known != dig:
+                self._bad[row] = True
+            if flags & FLAG_ARGUMENT_ERROR:
+                self._bad[row] = True
+            if not flags & FLAG_FLAT:
+                self._flat[row] = False
+            if low < self._src_rank[row]:
+                self._src_rank[row] = low
+                self._src_sent[row] = sent
+                self._src_index[row] = i
+            join = join or kind == _JOIN_CODE
+        at = np.asarray(rows, np.int64)
+        self._sent.append(_Sent(msg, np.asarray(rank_list, np.int64), tails, at, self._gen[at]))
+        return join
+
+    def _new_row(self, name: str, kind: int, process_set_id: int) -> int:
         if not self._free:
             self._grow(2 * self._rows)
         row = self._free.pop()
-        entry = PendingName(self, name, row, self._clock(), next(self._seq),
-                            KINDS[int(record["kind"])], int(record["ps"]))
+        entry = PendingName(self, name, row, self._clock(), next(self._seq), KINDS[kind],
+                            process_set_id)
         self.table[name] = entry
         self._row_of[name] = row
         self._by_row[row] = entry

@@ -82,6 +82,17 @@ def test_a_nul_in_a_name_is_refused():
         encode_requests([Request("a\0b", A)])
 
 
+@pytest.fixture(params=["auto", "few", "many"])
+def path(request, monkeypatch):
+    """Run a coordinator test with small messages recorded element by element or by arrays, or
+    each path forced for every message: all three must give the same answers."""
+    if request.param == "few":
+        monkeypatch.setattr(Coordinator, "_record_many", Coordinator._record_few)
+    elif request.param == "many":
+        monkeypatch.setattr(Coordinator, "_record_few", Coordinator._record_many)
+    return request.param
+
+
 def _coord(size, sets=None, now=None):
     return Coordinator(size, (sets or {0: list(range(size))}).get, now or (lambda: 0.0))
 
@@ -91,7 +102,7 @@ def _req(rank, name, **kw):
     return Request(name, kw.pop("kind", A), kw.pop("dtype", "float32"), rank=rank, **kw)
 
 
-def test_many_ranks_many_names_in_different_orders_and_rounds():
+def test_many_ranks_many_names_in_different_orders_and_rounds(path):
     size, names = 97, [f"t{i}" for i in range(150)]  # more names than the first array rows
     c = _coord(size)
     rng = np.random.default_rng(0)
@@ -118,7 +129,7 @@ def test_many_ranks_many_names_in_different_orders_and_rounds():
     ({"dtype": "float64"}, "dtype"), ({"shapes": ((5,),)}, "shape"), ({"reduce_op": ReduceOp.MAX}, "reduce_op"),
     ({"prescale": 3.0}, "scale"), ({"kind": G, "shapes": ((4,),)}, "op"), ({"device": "cuda"}, "device"),
 ])
-def test_mismatch_text_at_many_ranks_is_the_one_validate_gives(change, field):
+def test_mismatch_text_at_many_ranks_is_the_one_validate_gives(change, field, path):
     size = 40
     odd = {7, 31}
     reqs = [_req(r, "w", **(change if r in odd else {})) for r in range(size)]
@@ -132,7 +143,7 @@ def test_mismatch_text_at_many_ranks_is_the_one_validate_gives(change, field):
     assert [7, 31] in resp.error_fields["values"].values()
 
 
-def test_allgather_counts_may_differ_and_the_response_keeps_the_lowest_ranks():
+def test_allgather_counts_may_differ_and_the_response_keeps_the_lowest_ranks(path):
     c = _coord(5)
     c.submit([_req(r, "g", kind=G, shapes=((r + 1, 3),)) for r in (4, 2, 3)])
     c.submit([_req(r, "g", kind=G, shapes=((r + 1, 3),)) for r in (1, 0)])
@@ -145,7 +156,7 @@ def test_allgather_counts_may_differ_and_the_response_keeps_the_lowest_ranks():
                                            "(4, 3)": [4]}
 
 
-def test_join_process_sets_stalls_and_argument_errors_at_many_ranks():
+def test_join_process_sets_stalls_and_argument_errors_at_many_ranks(path):
     t = [0.0]
     size = 33
     c = _coord(size, sets={0: list(range(size)), 1: list(range(0, size, 2))}, now=lambda: t[0])
