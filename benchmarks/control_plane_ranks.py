@@ -7,7 +7,10 @@ set through ``horovod.numpy``, at several rank counts, for two code trees, inter
 Each (tree, np) pair is one ``mpirun --oversubscribe`` of this file in worker mode; the pairs run
 in turn, ``--reps`` times, so machine noise hits both trees alike. Tensors hold 4 floats, so the
 transport costs almost nothing and the steps measure negotiation. Rank 0 of each launch reports the
-first step (every name negotiated through the coordinator) and the median of the cached steps.
+first step (every name negotiated through the coordinator): its wall time, the time rank 0 spent
+in the coordinator, and in whole negotiations (gather, coordinator, broadcast, encoding); and the
+median of the cached steps. With more ranks than cores the wall times mostly measure the
+scheduler (a rank waits for peers that are not running); the coordinator's share does not.
 """
 
 from __future__ import annotations
@@ -29,24 +32,51 @@ parser.add_argument("--reps", type=int, default=2)
 parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
+def _timed(cls: type, attr: str, acc: dict[str, float]) -> None:
+    """Add the time spent in ``cls.attr`` to ``acc[attr]`` (rank 0's share of a step)."""
+    fn = getattr(cls, attr)
+
+    def timed(*a: object, **k: object) -> object:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[attr] = acc.get(attr, 0.0) + time.perf_counter() - t0
+
+    setattr(cls, attr, timed)
+
+
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     import horovod.numpy as hvd
+    from horovod.common.engine import loop, negotiation
 
+    acc: dict[str, float] = {}
+    for attr in ("submit_encoded", "submit", "ready"):  # the coordinator, in either tree
+        if attr in vars(negotiation.Coordinator):
+            _timed(negotiation.Coordinator, attr, acc)
+    _timed(loop.Engine, "_negotiate", acc)  # gather + coordinator + broadcast, encode/decode
     hvd.init()
     grads = [np.full(4, float(hvd.rank()), np.float32) for _ in range(args.tensors)]
     names = [f"grad.module.layer{i // 12}.block{i % 12}.conv.weight" for i in range(args.tensors)]
     times = []
-    for _ in range(args.steps):
+    first: dict[str, float] = {}
+    for step in range(args.steps):
         hvd.barrier()
+        if step == 1:
+            first = dict(acc)
+        acc.clear()
         t0 = time.perf_counter()
         handles = [hvd.allreduce_async_(g, name=n, op=hvd.Sum) for g, n in zip(grads, names)]
         for h in handles:
             hvd.synchronize(h)
         times.append(time.perf_counter() - t0)
     if hvd.rank() == 0:
+        coord = sum(v for k, v in first.items() if k != "_negotiate")
         print("RESULT " + json.dumps({"first_ms": times[0] * 1e3,
+                                      "first_coordinator_ms": coord * 1e3,
+                                      "first_negotiate_ms": first.get("_negotiate", 0.0) * 1e3,
                                       "cached_ms": statistics.median(times[1:]) * 1e3}), flush=True)
     hvd.shutdown()
 
@@ -79,7 +109,8 @@ def main() -> None:
         for label in trees:
             runs = got[(label, np_)]
             row[f"{label}_first_ms"] = round(statistics.median(r["first_ms"] for r in runs), 2)
-            row[f"{label}_cached_ms"] = round(statistics.median(r["cached_ms"] for r in runs), 2)
+            for key in ("first_coordinator_ms", "first_negotiate_ms", "cached_ms"):
+                row[f"{label}_{key}"] = round(statistics.median(r[key] for r in runs), 2)
         print(json.dumps({"np": np_, "tensors": args.tensors, **row}), flush=True)
 
 
