@@ -273,3 +273,26 @@ def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> 
     _, test_df = ex.digits_dataframes(spark)
     np.testing.assert_allclose(_predictions(loaded, test_df, "label_prob"),
                                _predictions(model, test_df, "label_prob"), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> None:
+    """A Keras 2 (tf_keras) model: the ranks train it with TF_USE_LEGACY_KERAS=1."""
+    tf_keras = pytest.importorskip("tf_keras")
+    from horovod.spark.common.store import Store
+    from horovod.spark.keras import KerasEstimator, KerasModel
+
+    df = _sparse_digits(spark)
+    model = tf_keras.Sequential([tf_keras.Input((64,)),
+                                 tf_keras.layers.Dense(32, activation="relu"),
+                                 tf_keras.layers.Dense(10, activation="softmax")])
+    est = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
+                         optimizer=tf_keras.optimizers.Adam(0.01),
+                         loss="sparse_categorical_crossentropy", feature_cols=["features"],
+                         label_cols=["label"], batch_size=32, epochs=3, verbose=0,
+                         partitions_per_process=2)
+    trained = est.fit(df)
+    loss = trained.getHistory()["loss"]
+    assert len(loss) == 3 and loss[-1] < loss[0] / 2
+    assert type(trained.getModel()).__module__.startswith("tf_keras")
+    trained.save(str(tmp_path / "m"))
+    assert type(KerasModel.load(str(tmp_path / "m")).getModel()).__module__.startswith("tf_keras")
