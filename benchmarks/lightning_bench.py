@@ -34,6 +34,7 @@ parser.add_argument("--batch-size", type=int, default=64, help="samples per rank
 parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of every fit")
 parser.add_argument("--steps", type=int, default=30, help="timed steps per fit")
 parser.add_argument("--rounds", type=int, default=5, help="fits per strategy")
+parser.add_argument("--modes", default="horovod,ddp", help="horovod, horovod-flat (flat_gradients=True), ddp")
 
 
 def make_module(args: argparse.Namespace, pl):
@@ -98,8 +99,8 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
     def fit(mode: str) -> float:
-        if mode == "horovod":
-            strategy, devices = horovod.lightning.HorovodStrategy(), 1
+        if mode.startswith("horovod"):
+            strategy, devices = horovod.lightning.HorovodStrategy(flat_gradients=mode == "horovod-flat"), 1
         else:
             strategy = DDPStrategy(cluster_environment=LightningEnvironment(), process_group_backend="gloo")
             devices = size
@@ -112,9 +113,10 @@ def main() -> None:
         seconds = hvd.allreduce(torch.tensor(timer.end - timer.start), op=hvd.Max, name="bench.time").item()
         return args.steps * args.batch_size * size / seconds
 
-    results: dict[str, list[float]] = {"horovod": [], "ddp": []}
+    modes = args.modes.split(",")
+    results: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in ("horovod", "ddp") if r % 2 == 0 else ("ddp", "horovod"):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             results[mode].append(fit(mode))
         if rank == 0:
             print(json.dumps({"round": r, **{m: round(v[-1], 1) for m, v in results.items()}}), flush=True)
