@@ -6,7 +6,7 @@
 
 Every round fits the model once with each strategy (``--steps`` timed optimizer steps after
 ``--warmup`` untimed ones), so machine noise hits both alike; rank 0 prints one JSON line per
-round and a summary line with the median samples/s of each and their ratio (horovod / ddp).
+round and a summary line with the median samples/s of each and their ratios to ddp.
 The processes are Horovod's: DDP is given them through Lightning's environment variables
 (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), as torchrun would.
 """
@@ -123,11 +123,11 @@ def main() -> None:
     if rank == 0:
         params = sum(p.numel() for p in make_module(args, pl).parameters())
         med = {m: statistics.median(v) for m, v in results.items()}
-        print(json.dumps({"np": size, "params": params, "batch_per_rank": args.batch_size,
-                          "horovod_samples_per_s": round(med["horovod"], 1),
-                          "ddp_samples_per_s": round(med["ddp"], 1),
-                          "ratio": round(med["horovod"] / med["ddp"], 3)}), flush=True)
-
+        summary = {"np": size, "params": params, "batch_per_rank": args.batch_size}
+        summary.update({f"{m}_samples_per_s": round(v, 1) for m, v in med.items()})
+        if "ddp" in med:
+            summary.update({f"{m}/ddp": round(v / med["ddp"], 3) for m, v in med.items() if m != "ddp"})
+        print(json.dumps(summary), flush=True)
 
 if __name__ == "__main__":
     main()
