@@ -276,3 +276,19 @@ def test_jax_bindings_on_real_ranks(np_):
     results = run_ranks(_all_checks, np=np_, timeout=240, env={"JAX_PLATFORMS": "cpu"})
     problems = [p for rank_bad in results for p in rank_bad]
     assert not problems, "\n".join(problems)
+
+
+def test_jax_mnist_example_trains_on_two_ranks():
+    import os
+    import re
+    import sys
+
+    from horovod.testing import run_mpi_script
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = run_mpi_script([sys.executable, os.path.join(root, "examples", "jax", "jax_mnist.py"), "--epochs", "3"],
+                         np=2, timeout=240, env={"JAX_PLATFORMS": "cpu"})
+    losses = [float(v) for v in re.findall(r"Epoch \d+: average training loss ([0-9.]+)", res.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout[-3000:]
+    acc = re.search(r"Final test accuracy: ([0-9.]+)%", res.stdout)
+    assert acc and float(acc.group(1)) > 85.0, res.stdout[-3000:]
