@@ -4,7 +4,8 @@ A JAX array is one more kind of buffer for the NumPy path (``horovod.numpy``); t
 executor. Eagerly, an array becomes a NumPy view (free on the CPU, a device-to-host copy on a GPU),
 the NumPy collective runs, and the result becomes a JAX array again. Under a trace (``jax.jit``,
 ``jax.grad`` of a jitted function, ``lax.scan``...) the same host function runs as an ordered
-``jax.experimental.io_callback``: the compiled program calls its collectives in program order, so
+host callback (``horovod.jax._callback``, ``io_callback``'s
+lowering without its extra copy): the compiled program calls its collectives in program order, so
 ranks running the same program submit them in the same order; a program that differs between
 ranks (other shapes, dtypes or names) gets the engine's mismatch error on every rank, raised from
 the jitted call as ``jax.errors.JaxRuntimeError`` whose message carries Horovod's error
@@ -25,13 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 import horovod.numpy as _np_ops
 from horovod.common.basics import rank as _rank
 from horovod.common.collectives import resolve_op
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp
+from horovod.jax._callback import host_call
 from horovod.jax.compression import Compression
 
 __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
@@ -73,7 +74,7 @@ def _run(fn: Callable[[list[np.ndarray]], list[np.ndarray]], arrays: Sequence[An
     """Run ``fn`` (NumPy arrays in, NumPy arrays out) on JAX arrays: at once, or as an ordered
     host callback of the program being traced. ``specs()`` gives the outputs' static shapes."""
     if is_traced(*arrays):
-        return list(io_callback(_host(fn), specs(), *arrays, ordered=True))
+        return host_call(_host(fn), specs(), arrays)
     return [jnp.asarray(r) for r in _host(fn)(*arrays)]
 
 
