@@ -1,6 +1,7 @@
 """Keras implementation shared by ``horovod.tensorflow.keras`` (tf.keras) and ``horovod.keras``.
 
-Works with Keras 3 (TensorFlow backend) and with Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``),
+Works with Keras 3 on its TensorFlow, PyTorch and JAX backends (``KERAS_BACKEND``; the latter two
+through ``horovod._keras.backends``) and with Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``),
 both the current and the ``legacy`` optimizers. The distributed optimizer is an instance of a
 subclass of the user's optimizer class with the same class name (saved models load without
 Horovod), made by ``from_config`` (hyper-parameters copied, no slot state).
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from horovod._keras.backends import KERAS3_BACKENDS, make_reduce
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
 from horovod.tensorflow.compression import Compression
@@ -33,14 +35,21 @@ class _HvdConfig:
     def __init__(self, device_dense: str, device_sparse: str, compression: Any, sparse_as_dense: bool,
                  gradient_predivide_factor: float, op: int, backward_passes_per_step: int,
                  average_aggregated_gradients: bool, groups: Any, process_set: ProcessSet,
-                 scale_local_gradients: bool, name: str) -> None:
+                 scale_local_gradients: bool, name: str, backend: str = "tensorflow") -> None:
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self.local_vars: set[Any] = set()
+        self.backend = backend
+        self.agg = None
+        if backend != "tensorflow":
+            # Keras accumulates (gradient_accumulation_steps) and hands us the mean; upstream sums.
+            post = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
+            self.reduce_native = make_reduce(backend, op, compression, 1.0 / gradient_predivide_factor,
+                                             gradient_predivide_factor * post, process_set, name + "_Allreduce")
+            return
         self.allreduce_grads = make_allreduce_grads_fn(
             name, device_dense, device_sparse, compression, sparse_as_dense, op, gradient_predivide_factor,
             groups, process_set, default_name=name + "_Allreduce")
-        self.agg = None
         if backward_passes_per_step > 1:
             self.agg = LocalGradientAggregationHelper(backward_passes_per_step, self.reduce, sparse_as_dense,
                                                       average_aggregated_gradients)
@@ -89,9 +98,22 @@ def _disable_jit_on_calling_model(opt: Any) -> None:
         frame = frame.f_back
 
 
+def _keras3_native_methods(base: type) -> dict[str, Any]:
+    # torch and JAX backends: reduce where Keras hands the step's gradients to the update (see
+    # horovod._keras.backends); the train step stays compiled on JAX.
+    def _clip_gradients(self: Any, grads: Any) -> Any:
+        cfg = _hvd(self)
+        if cfg.local_vars:
+            raise NotImplementedError("PartialDistributedOptimizer (local layers) needs the TensorFlow "
+                                      "backend of Keras.")
+        return base._clip_gradients(self, cfg.reduce_native(list(grads)))
+
+    return {"_clip_gradients": _clip_gradients}
+
+
 def _keras3_methods(base: type) -> dict[str, Any]:
     def build(self: Any, variables: Any) -> Any:
-        _disable_jit_on_calling_model(self)
+        _disable_jit_on_calling_model(self)  # TensorFlow backend: XLA cannot run Horovod's ops
         return base.build(self, variables)
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
@@ -169,18 +191,28 @@ def distributed_class(base: type, cfg: _HvdConfig) -> type:
     if getattr(base, "_hvd_distributed", False):
         base = base.__mro__[1]
     keras3 = hasattr(base, "stateless_apply")
-    methods = _keras3_methods(base) if keras3 else _keras2_methods(base)
+    if keras3 and cfg.backend != "tensorflow":
+        methods = _keras3_native_methods(base)
+    else:
+        methods = _keras3_methods(base) if keras3 else _keras2_methods(base)
     methods.update(register_local_var=_register_local_var, _hvd_distributed=True,
                    _hvd_class_config=cfg, __module__=base.__module__,
                    _agg_helper=property(lambda self: _hvd(self).agg))
     return type(base.__name__, (base,), methods)
 
 
-def _check_backend(keras: Any) -> None:
+def keras_backend(keras: Any) -> str:
+    """The Keras backend in use: ``tensorflow`` (also for Keras 2), ``torch`` or ``jax``.
+
+    Raises:
+        ValueError: a backend Horovod does not support (``numpy``, ``openvino``).
+    """
     backend = getattr(getattr(keras, "backend", None), "backend", None)
-    if callable(backend) and backend() != "tensorflow":
-        raise ValueError(f"horovod.keras needs the TensorFlow backend of Keras, but KERAS_BACKEND is "
-                         f"{backend()!r}. Set KERAS_BACKEND=tensorflow, or use horovod.torch for PyTorch.")
+    name = backend() if callable(backend) else "tensorflow"
+    if name not in KERAS3_BACKENDS:
+        raise ValueError(f"horovod.keras supports the Keras backends {', '.join(KERAS3_BACKENDS)}, but "
+                         f"KERAS_BACKEND is {name!r} (it cannot train).")
+    return name
 
 
 def create_distributed_optimizer(keras: Any, optimizer: Any, name: str | None, device_dense: str,
@@ -195,7 +227,7 @@ def create_distributed_optimizer(keras: Any, optimizer: Any, name: str | None, d
         ValueError: ``op`` other than Average/Sum; predivide with Sum; bad ``groups``; a Keras
             backend other than TensorFlow.
     """
-    _check_backend(keras)
+    backend = keras_backend(keras)
     op = check_op_args(op, gradient_predivide_factor, average_aggregated_gradients, keras=True)
     groups = normalize_groups(num_groups, groups)
     base = type(optimizer)
@@ -204,9 +236,11 @@ def create_distributed_optimizer(keras: Any, optimizer: Any, name: str | None, d
     dist_name = name or f"Distributed{base.__name__}"
     cfg = _HvdConfig(device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor, op,
                      backward_passes_per_step, average_aggregated_gradients, groups, process_set,
-                     scale_local_gradients, dist_name)
+                     scale_local_gradients, dist_name, backend)
     cls = distributed_class(base, cfg)
     config = optimizer.get_config()
+    if backend != "tensorflow" and backward_passes_per_step > 1:
+        config["gradient_accumulation_steps"] = int(backward_passes_per_step)
     if name is not None or "name" in config:
         config["name"] = dist_name
     new = cls.from_config(config)

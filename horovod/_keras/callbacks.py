@@ -28,10 +28,28 @@ log = logging.getLogger("horovod")
 def fix_jit(model: Any) -> None:
     """If the model would XLA-compile a step that runs Horovod ops, recompile its train function."""
     opt = getattr(model, "optimizer", None)
-    if opt is None or not is_distributed(opt):
+    if opt is None or not is_distributed(opt) or _backend_name(opt) != "tensorflow":
         return
     if disable_jit_for(model) and hasattr(model, "make_train_function"):
         model.make_train_function(force=True)
+
+
+def _backend_name(opt: Any) -> str:
+    cfg = opt.__dict__.get("_hvd_config") or getattr(type(opt), "_hvd_class_config", None)
+    return getattr(cfg, "backend", "tensorflow")
+
+
+def _broadcast_keras_variables(variables: list[Any], root_rank: int) -> None:
+    """Broadcast Keras variables of any backend through NumPy: one grouped broadcast per dtype."""
+    values = [np.array(v.numpy(), order="C", copy=True) for v in variables]
+    groups: dict[str, list[int]] = {}
+    for i, val in enumerate(values):
+        groups.setdefault(val.dtype.name, []).append(i)
+    for dtype, idx in sorted(groups.items()):
+        C.broadcast_async([values[i] for i in idx], root_rank, name=f"BroadcastGlobalVariables.{dtype}",
+                          inplace=True, grouped=True, wake=False).wait()
+    for v, val in zip(variables, values):
+        v.assign(val)
 
 
 def _optimizer_variables(opt: Any) -> list[Any]:
@@ -65,6 +83,15 @@ class BroadcastGlobalVariablesCallbackImpl:
             return
         import horovod.tensorflow as hvd
 
+        backend = self.backend.backend() if callable(getattr(self.backend, "backend", None)) else "tensorflow"
+        if backend != "tensorflow":  # Keras 3 on torch or JAX (self.model syncs JAX's state first)
+            model = self.model
+            opt = model.optimizer
+            _broadcast_keras_variables(
+                [v for v in model.weights if _var_key(v) not in self.local_variables]
+                + (_optimizer_variables(opt) if opt is not None else []), self.root_rank)
+            self.broadcast_done = True
+            return
         with tf.device(self.device):
             if tf.executing_eagerly():
                 model_vars = [v for v in self.model.weights if _var_key(v) not in self.local_variables]

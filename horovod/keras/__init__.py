@@ -60,16 +60,23 @@ __all__ = [
 def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
                          device_sparse: str = "", compression: Any = Compression.none,
                          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                         op: int = Average, num_groups: int = 0, groups: Any = None) -> Any:
+                         op: int = Average, num_groups: int = 0, groups: Any = None,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False) -> Any:
     """Return a copy of ``optimizer`` that averages gradients across ranks before applying them.
+
+    Works on Keras 3's TensorFlow, PyTorch and JAX backends (``KERAS_BACKEND``). With
+    ``backward_passes_per_step=k`` (an addition to upstream's signature, as in
+    ``horovod.tensorflow.keras``) gradients of k batches are accumulated locally, then reduced
+    and applied (summed, or averaged with ``average_aggregated_gradients=True``).
 
     Raises:
         ValueError: ``op`` other than Average/Sum, predivide with Sum, bad ``groups``, or a
-            Keras backend other than TensorFlow.
+            Keras backend that cannot train (numpy, openvino).
     """
     return _impl.create_distributed_optimizer(
         keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
-        gradient_predivide_factor, op, groups=groups, num_groups=num_groups)
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        groups=groups, num_groups=num_groups)
 
 
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
@@ -137,7 +144,7 @@ def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any
 
     def wrap(cls: type) -> type:
         cfg = _impl._HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
-                               True, f"Distributed{cls.__name__}")
+                               True, f"Distributed{cls.__name__}", _impl.keras_backend(keras))
         return _impl.distributed_class(cls, cfg)
 
     return _impl.load_model(keras, wrap, ("keras.src.optimizers", "keras.optimizers"), filepath,

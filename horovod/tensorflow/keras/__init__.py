@@ -150,7 +150,7 @@ def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any
 def _wrapper(compression: Any) -> Any:
     def wrap(cls: type) -> type:
         cfg = _impl._HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
-                               True, f"Distributed{cls.__name__}")
+                               True, f"Distributed{cls.__name__}", _impl.keras_backend(keras))
         return _impl.distributed_class(cls, cfg)
 
     return wrap

