@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+import horovod.tensorflow as _hvd_tf
+from horovod._keras.helpers import get_lr, set_lr
 from horovod.common import basics as _basics
 from horovod.common import collectives as C
 from horovod.common.types import ReduceOp
 from horovod.tensorflow._grads import _var_key
-
-from . import disable_jit_for, get_lr, is_distributed, set_lr
+from horovod.tensorflow._keras_optimizer import disable_jit_for, is_distributed, optimizer_backend
 
 __all__ = ["BroadcastGlobalVariablesCallbackImpl", "MetricAverageCallbackImpl",
            "LearningRateScheduleCallbackImpl", "LearningRateWarmupCallbackImpl", "fix_jit"]
@@ -28,15 +29,10 @@ log = logging.getLogger("horovod")
 def fix_jit(model: Any) -> None:
     """If the model would XLA-compile a step that runs Horovod ops, recompile its train function."""
     opt = getattr(model, "optimizer", None)
-    if opt is None or not is_distributed(opt) or _backend_name(opt) != "tensorflow":
+    if opt is None or not is_distributed(opt) or optimizer_backend(opt) != "tensorflow":
         return
     if disable_jit_for(model) and hasattr(model, "make_train_function"):
         model.make_train_function(force=True)
-
-
-def _backend_name(opt: Any) -> str:
-    cfg = opt.__dict__.get("_hvd_config") or getattr(type(opt), "_hvd_class_config", None)
-    return getattr(cfg, "backend", "tensorflow")
 
 
 def _broadcast_keras_variables(variables: list[Any], root_rank: int) -> None:
@@ -81,7 +77,6 @@ class BroadcastGlobalVariablesCallbackImpl:
     def on_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.broadcast_done:
             return
-        import horovod.tensorflow as hvd
 
         backend = self.backend.backend() if callable(getattr(self.backend, "backend", None)) else "tensorflow"
         if backend != "tensorflow":  # Keras 3 on torch or JAX (self.model syncs JAX's state first)
@@ -97,9 +92,9 @@ class BroadcastGlobalVariablesCallbackImpl:
                 model_vars = [v for v in self.model.weights if _var_key(v) not in self.local_variables]
                 opt = self.model.optimizer
                 opt_vars = _optimizer_variables(opt) if opt is not None else []
-                hvd.broadcast_variables(model_vars + opt_vars, root_rank=self.root_rank)
+                _hvd_tf.broadcast_variables(model_vars + opt_vars, root_rank=self.root_rank)
             else:
-                bcast = hvd.broadcast_global_variables(self.root_rank)
+                bcast = _hvd_tf.broadcast_global_variables(self.root_rank)
                 tf.compat.v1.keras.backend.get_session().run(bcast)
         self.broadcast_done = True
 
