@@ -104,3 +104,21 @@ def test_keras3_fit_on_every_backend(backend, np_):
     results = run_ranks(_keras_checks, np=np_, timeout=240, env={"KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"})
     problems = [p for rank_bad in results for p in rank_bad]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_seed_keras_recipe_runs_unchanged_on_backend(backend, tmp_path):
+    """examples/keras/keras_mnist.py (the seed recipe with today's spellings) under KERAS_BACKEND."""
+    import os
+    import re
+    import sys
+
+    from horovod.testing import run_mpi_script
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = run_mpi_script([sys.executable, os.path.join(root, "examples", "keras", "keras_mnist.py"), "--epochs", "1",
+                          "--steps-per-epoch", "40", "--checkpoint-dir", str(tmp_path / "ck{rank}")],
+                         np=2, timeout=300, env={"KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"})
+    found = dict(re.findall(r"RESULT rank=(\d+) accuracy=[\d.]+ weights=(\w+)", res.stdout))
+    assert sorted(found) == ["0", "1"] and len(set(found.values())) == 1, res.stdout[-3000:]
