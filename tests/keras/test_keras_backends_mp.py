@@ -4,8 +4,9 @@ For each backend (KERAS_BACKEND is fixed per process) one launch at np=2 and one
 ``fit`` with ``hvd.DistributedOptimizer`` (SGD, mean loss) gives the same weights on every rank and
 the same weights as one process trained on the whole batch, compiled (jit) and eager
 (``run_eagerly=True``), with ``backward_passes_per_step=2``; ``BroadcastGlobalVariablesCallback``
-makes differently initialised ranks equal; ``MetricAverageCallback``; the value helpers; and on
-JAX a rank-dependent compiled program raises on every rank.
+makes differently initialised ranks equal; ``MetricAverageCallback``; elastic ``KerasState``
+(sync, commit, restore); the value helpers; a model that differs between ranks raises on every
+rank (compiled step included), never hangs.
 """
 
 from __future__ import annotations
@@ -88,6 +89,22 @@ def _keras_checks():
     every = hnp.allgather_object(weights(model))
     if not all(all(np.array_equal(a, b) for a, b in zip(e, every[0])) for e in every):
         bad.append(f"{backend} rank {r}: BroadcastGlobalVariablesCallback left different weights")
+    # elastic KerasState: sync takes rank 0's weights and values, restore goes back to the commit
+    model = make(200 + r)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    model.fit(x_all[r][:B], y_all[r][:B], batch_size=B, epochs=1, verbose=0)
+    state = hvd.elastic.KerasState(model, epoch=r, batch=0)
+    state.sync()
+    synced = weights(model)
+    every = hnp.allgather_object(synced)
+    if state.epoch != 0 or not all(all(np.array_equal(a, b) for a, b in zip(e, every[0])) for e in every):
+        bad.append(f"{backend} rank {r}: KerasState.sync did not take rank 0's state (epoch {state.epoch})")
+    state.commit()
+    model.fit(x_all[r][:B], y_all[r][:B], batch_size=B, epochs=1, verbose=0)
+    state.epoch = 9
+    state.restore()
+    if state.epoch != 0 or not all(np.array_equal(a, b) for a, b in zip(weights(model), synced)):
+        bad.append(f"{backend} rank {r}: KerasState.restore did not return to the commit")
     # value helpers
     if not np.allclose(hvd.allreduce(np.full(3, float(r)), op=hvd.Sum), sum(range(n))):
         bad.append(f"{backend} rank {r}: allreduce helper")
@@ -95,6 +112,16 @@ def _keras_checks():
         bad.append(f"{backend} rank {r}: allgather helper")
     if not np.allclose(hvd.broadcast(np.full(2, float(r)), 0), 0.0):
         bad.append(f"{backend} rank {r}: broadcast helper")
+    # a rank-dependent model (other gradient shapes on rank 0), compiled: raises on every rank
+    keras.utils.set_random_seed(0)
+    odd = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3 + (r == 0)), keras.layers.Dense(2)])
+    odd.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    try:
+        odd.fit(x_all[r][:B], y_all[r][:B], batch_size=B, epochs=1, verbose=0)
+        bad.append(f"{backend} rank {r}: a rank-dependent model trained without an error")
+    except Exception as exc:  # noqa: BLE001 - each backend wraps Horovod's error in its own type
+        if "shape" not in str(exc).lower():
+            bad.append(f"{backend} rank {r}: rank-dependent model raised {type(exc).__name__}: {str(exc)[-300:]}")
     return bad
 
 
