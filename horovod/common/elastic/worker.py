@@ -24,18 +24,26 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from horovod.common.exceptions import HorovodError, HorovodInternalError
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
 __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedError", "is_elastic",
            "join_round", "current_round", "NotificationManager", "notification_manager",
-           "set_ready_reason"]
+           "set_ready_reason", "form_round", "ABANDONED_KEY", "round_scope"]
+
+# The elastic driver writes this key in a round's rendezvous scope (``round_scope``) when it gives
+# the round up (one of its members died or left): every member still forming the round (waiting
+# for the store, creating the Gloo device or the process group) notices it within
+# ``ABANDON_POLL_SECONDS`` and asks for the next round, instead of waiting for a timeout.
+ABANDONED_KEY = "abandoned"
+ABANDON_POLL_SECONDS = 0.25
 
 log = logging.getLogger("horovod")
+T = TypeVar("T")
 
 ELASTIC_ENV = "HOROVOD_ELASTIC"
 
@@ -92,6 +100,67 @@ def set_ready_reason(reason: str) -> None:
     """Why this worker asks for the next round: 'error', 'added', 'removed' (sent to the driver)."""
     global _reason
     _reason = reason
+
+
+def round_scope(round_number: int) -> str:
+    """The rendezvous scope a round's members meet under (its store address, its abandon key)."""
+    return f"elastic.{round_number}"
+
+
+def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo,
+               close: Callable[[T], None] | None = None,
+               poll: float = ABANDON_POLL_SECONDS) -> T:
+    """Run ``build()`` (connect to the round's members) unless the driver abandons the round.
+
+    ``build`` runs in a helper thread; this thread checks the round's abandon key every ``poll``
+    seconds. When the driver gives the round up first, ``HorovodInternalError`` is raised at once
+    and whatever ``build`` still makes is closed (``close``) when it ends (it is left to its own
+    timeout: Gloo's waits cannot be interrupted from outside).
+
+    Raises:
+        HorovodInternalError: the round was abandoned, or ``build`` raised it.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def runner() -> None:
+        try:
+            result = build()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        else:
+            with lock:
+                box["result"] = result
+                orphan = box.get("abandoned", False)
+            if orphan and close is not None:
+                try:
+                    close(result)
+                except Exception:  # noqa: BLE001 - best effort on an abandoned round
+                    log.debug("elastic: closing the abandoned round's backend failed", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=runner, name=f"horovod-elastic-round-{info.round}", daemon=True).start()
+    scope = round_scope(info.round)
+    while not done.wait(poll):
+        try:
+            why = client.get(scope, ABANDONED_KEY)
+        except RendezvousError:
+            why = None  # the driver may be busy; the build's own timeout still bounds the wait
+        if why is None:
+            continue
+        with lock:
+            if "result" not in box and "error" not in box:
+                box["abandoned"] = True
+                raise HorovodInternalError(
+                    f"elastic: round {info.round} was abandoned by the driver while rank "
+                    f"{info.rank} was joining it ({why.decode(errors='replace')})", rank=info.rank)
+        break
+    done.wait()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]  # type: ignore[no-any-return]
 
 
 def _identity(environ: Mapping[str, str]) -> tuple[str, int]:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from horovod.common.elastic.worker import ABANDONED_KEY, round_scope
 from horovod.runner.elastic.discovery import HostManager, order_hosts
 from horovod.runner.failures import describe_status
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
@@ -132,6 +133,7 @@ class ElasticDriver:
         self._discovery_ok = False
         self._discovery_error: str | None = None
         self._discovery_failing_since: float | None = None
+        self._abandoned: set[int] = set()
 
     # ------------------------------------------------------------------ logging
     def _event(self, text: str, level: int = logging.INFO) -> None:
@@ -357,11 +359,8 @@ class ElasticDriver:
                      "(--blacklist-cooldown-range)")
             self._event(f"{who} failed ({status}); blacklisting host {host} {until}",
                         logging.WARNING)
-            if w.key in self.members and self.put_kv is not None:
-                try:
-                    self.put_kv(f"elastic.{self.round}", "store", b"abandoned")
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
+            if w.key in self.members:
+                self._abandon(f"{who} failed ({status})")
             for other in self.workers.values():
                 if other.key[0] == host and other.alive and not other.removed:
                     self._event(f"stopping worker {key_name(other.key)}: its host {host} is "
@@ -373,6 +372,19 @@ class ElasticDriver:
                 and any(not w.removed for w in self.workers.values()):
             self._fail(f"all {len(self.workers)} workers failed before training started; "
                        "stopping the job (see their output above)")
+
+    def _abandon(self, why: str) -> None:
+        """Give the current round up: its members still forming it stop waiting for each other
+        (store, Gloo device, process group) within a fraction of a second and ask for the next."""
+        if self.put_kv is None or self.round < 0 or self.round in self._abandoned:
+            return
+        self._abandoned.add(self.round)
+        scope = round_scope(self.round)
+        try:
+            self.put_kv(scope, ABANDONED_KEY, why.encode())
+            self.put_kv(scope, "store", b"abandoned")  # a member still waiting for rank 0's address
+        except Exception:  # noqa: BLE001 - best effort: the members' own timeouts remain
+            log.debug("elastic: could not mark round %d abandoned", self.round, exc_info=True)
 
     def _drop_unavailable(self) -> None:
         """Stop non-member workers on hosts that are gone; notify members about removals."""

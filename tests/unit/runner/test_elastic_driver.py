@@ -240,7 +240,50 @@ def test_member_death_abandons_the_current_round() -> None:
     first_round(h)
     h.exit(("b", 0), 1)
     h.step()
-    assert put == [("elastic.0", "store", b"abandoned")]
+    assert [(scope, key) for scope, key, _ in put] == [("elastic.0", "abandoned"),
+                                                       ("elastic.0", "store")]
+    assert b"b[0]" in put[0][2] and b"exit code 1" in put[0][2]
+    h.exit(("a", 0), 1)  # once per round
+    h.step()
+    assert len(put) == 2
+
+
+def test_a_member_forming_an_abandoned_round_stops_waiting_within_a_second() -> None:
+    # A member blocked in the round's formation (here: a build that would wait for 60 s, as
+    # Gloo's process group waits for a dead peer's address) gives up as soon as the driver
+    # writes the round's abandon key; what the build makes later is closed.
+    import threading
+    import time
+
+    from horovod.common.elastic.worker import ABANDONED_KEY, RoundInfo, form_round
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.rendezvous import RendezvousClient
+    from horovod.runner.rendezvous import RendezvousServer, make_secret
+
+    info = RoundInfo(round=4, rank=1, size=3, local_rank=0, local_size=1, cross_rank=1,
+                     cross_size=3, hostname="h", skip_sync=False, notice=0)
+    secret = make_secret()
+    release = threading.Event()
+    closed: list[str] = []
+    with RendezvousServer(secret) as server:
+        client = RendezvousClient("127.0.0.1", server.port, secret)
+        assert form_round(lambda: "built", client, info) == "built"
+
+        def slow_build() -> str:
+            t0.append(time.monotonic())  # the driver gives the round up while this member waits
+            server.put("elastic.4", ABANDONED_KEY, b"b[0] died")
+            release.wait(60)
+            return "late"
+
+        t0: list[float] = []
+        with pytest.raises(HorovodInternalError, match="round 4 was abandoned.*b\\[0\\] died"):
+            form_round(slow_build, client, info, close=closed.append)
+        assert time.monotonic() - t0[0] < 1.0
+        release.set()
+        deadline = time.monotonic() + 5
+        while not closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed == ["late"]
 
 
 def test_notify_when_ready_lets_members_train_while_new_workers_start() -> None:
