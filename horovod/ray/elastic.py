@@ -28,6 +28,8 @@ from horovod.runner import errors
 from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
+from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT
+from horovod.runner.elastic.settings import ElasticSettings as SessionSettings
 from horovod.runner.hosts import SlotInfo
 
 __all__ = ["RayHostDiscovery", "ElasticAdapter", "ElasticRayExecutor", "ElasticSettings"]
@@ -196,11 +198,10 @@ class ElasticAdapter:
             procs.append(proc)
             return proc
 
-        driver = ElasticDriver(manager, ex.min_workers, ex.min_workers, ex.max_workers, start_worker,
-                               put_kv=self.job.put, timeout=float(ex.elastic_timeout),
-                               reset_limit=ex.reset_limit,
-                               notify_when_ready=os.environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY",
-                                                                "0") not in ("", "0"))
+        settings = SessionSettings.from_env(os.environ, timeout=float(ex.elastic_timeout),
+                                            reset_limit=ex.reset_limit)
+        driver = ElasticDriver.from_settings(settings, manager, ex.min_workers, ex.min_workers,
+                                             ex.max_workers, start_worker, put_kv=self.job.put)
         self.driver = driver
         self.job.set_elastic_handler(driver.handle)
         configure_logging()
@@ -272,7 +273,7 @@ class ElasticSettings:
     min_num_proc: int = 1
     max_num_proc: int | None = None
     reset_limit: int | None = None
-    elastic_timeout: int = 600
+    elastic_timeout: int = int(DEFAULT_ELASTIC_TIMEOUT)
     timeout_s: int = 30
     ssh_identity_file: str | None = None
     nics: set[str] | None = None
@@ -294,7 +295,7 @@ class ElasticRayExecutor:
 
     @staticmethod
     def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None,
-                        reset_limit: int | None = None, elastic_timeout: int = 600,
+                        reset_limit: int | None = None, elastic_timeout: int = int(DEFAULT_ELASTIC_TIMEOUT),
                         timeout_s: int = 30, ssh_identity_file: str | None = None,
                         nics: set[str] | None = None, min_np: int | None = None,
                         max_np: int | None = None, **kwargs: Any) -> ElasticSettings:

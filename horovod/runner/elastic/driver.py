@@ -34,6 +34,7 @@ from typing import Any
 
 from horovod.common.elastic.worker import ABANDONED_KEY, round_scope
 from horovod.runner.elastic.discovery import HostManager, order_hosts
+from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
 from horovod.runner.failures import describe_status
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
@@ -101,7 +102,7 @@ class ElasticDriver:
     def __init__(self, hosts: HostManager, np: int, min_np: int, max_np: int | None,
                  start_worker: Callable[[Key, SlotInfo], Any],
                  put_kv: Callable[[str, str, bytes], None] | None = None,
-                 timeout: float = 600.0, reset_limit: int | None = None,
+                 timeout: float = DEFAULT_ELASTIC_TIMEOUT, reset_limit: int | None = None,
                  discovery_interval: float = 1.0, stuck_seconds: float = 90.0,
                  finish_grace: float = 30.0, notify_when_ready: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -134,6 +135,18 @@ class ElasticDriver:
         self._discovery_error: str | None = None
         self._discovery_failing_since: float | None = None
         self._abandoned: set[int] = set()
+
+    @classmethod
+    def from_settings(cls, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
+                      max_np: int | None, start_worker: Callable[[Key, SlotInfo], Any],
+                      put_kv: Callable[[str, str, bytes], None] | None = None,
+                      discovery_interval: float = 1.0) -> ElasticDriver:
+        """The driver of every launcher (horovodrun, Spark, Ray): settings from one place."""
+        return cls(hosts, np, min_np, max_np, start_worker, put_kv=put_kv,
+                   timeout=settings.timeout, reset_limit=settings.reset_limit,
+                   discovery_interval=discovery_interval, stuck_seconds=settings.rejoin_timeout,
+                   finish_grace=settings.finish_grace,
+                   notify_when_ready=settings.notify_when_ready)
 
     # ------------------------------------------------------------------ logging
     def _event(self, text: str, level: int = logging.INFO) -> None:
@@ -315,7 +328,9 @@ class ElasticDriver:
             if stuck and now - self._reset_since > self.stuck_seconds:
                 for w in stuck:
                     self._event(f"worker {key_name(w.key)} (rank {w.rank}) did not rejoin within "
-                                f"{self.stuck_seconds:g} s of the others; stopping it",
+                                f"{self.stuck_seconds:g} s of the others (hung or stopped? "
+                                "HOROVOD_ELASTIC_REJOIN_TIMEOUT); the job goes on without it; "
+                                "stopping it",
                                 logging.WARNING)
                     w.removed = True
                     if w.proc is not None:

@@ -308,3 +308,20 @@ def test_abort_ends_the_job_with_the_launchers_reason() -> None:
     assert result.error == "the Spark job of the elastic agents failed: executor lost"
     h.d.abort("a second reason")  # once over, the first reason stays
     assert h.d.error == "the Spark job of the elastic agents failed: executor lost"
+
+
+def test_elastic_settings_are_read_in_one_place() -> None:
+    from horovod.runner.elastic.settings import ElasticSettings
+
+    d = ElasticSettings.from_env({})
+    assert (d.timeout, d.notify_when_ready, d.rejoin_timeout, d.reset_limit) == (600, False, 90, None)
+    env = {"HOROVOD_ELASTIC_TIMEOUT": "50", "HOROVOD_ELASTIC_NOTIFY_WHEN_READY": "1",
+           "HOROVOD_ELASTIC_REJOIN_TIMEOUT": "7"}
+    s = ElasticSettings.from_env(env, reset_limit=3)
+    assert (s.timeout, s.notify_when_ready, s.rejoin_timeout, s.reset_limit) == (50, True, 7, 3)
+    assert ElasticSettings.from_env(env, timeout=9).timeout == 9  # the launcher's argument wins
+    with pytest.raises(ConfigError, match="HOROVOD_ELASTIC_REJOIN_TIMEOUT"):
+        ElasticSettings.from_env({"HOROVOD_ELASTIC_REJOIN_TIMEOUT": "soon"})
+    h = Harness({"a": 1}, np=1, min_np=1)
+    drv = ElasticDriver.from_settings(s, h.d.hosts, 1, 1, None, h.d.start_worker)
+    assert (drv.timeout, drv.stuck_seconds, drv.notify_when_ready, drv.reset_limit) == (50, 7, True, 3)
