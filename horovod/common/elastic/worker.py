@@ -7,8 +7,8 @@ everything:
 
 * ``ready`` ``{host, slot, after, reason}``: "I am ready for the next round after round
   ``after``". The driver holds the request for a moment and answers ``{"status": "wait"}``
-  (ask again), ``{"status": "round", "round", "rank", "size", "skip_sync", "notice", ...}`` (this
-  worker's place in the new round), ``{"status": "removed", "message"}`` (the job goes on
+  (ask again), ``RoundInfo.to_wire()`` (``{"status": "round", "round", "rank", "size", ...}``:
+  this worker's place in the new round), ``{"status": "removed", "message"}`` (the job goes on
   without this worker) or ``{"status": "stop", "message"}`` (the job is over).
 * ``notice`` ``{after}``: the driver holds the request until a host-change notice newer than
   ``after`` exists (or a few seconds pass) and answers ``{"version", "update"}``.
@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from horovod.common.exceptions import HorovodError, HorovodInternalError
@@ -79,6 +79,28 @@ class RoundInfo:
     hostname: str
     skip_sync: bool
     notice: int
+
+    def to_wire(self) -> dict[str, Any]:
+        """The driver's answer to ``ready`` that places a worker in this round (JSON object)."""
+        return {"status": "round", **asdict(self)}
+
+    @classmethod
+    def from_wire(cls, answer: Mapping[str, Any]) -> RoundInfo:
+        """Read the driver's ``round`` answer (``to_wire``).
+
+        Raises:
+            HorovodInternalError: a field is missing or of the wrong type.
+        """
+        try:
+            return cls(**{f.name: _FIELD_TYPES[f.type](answer[f.name])  # type: ignore[index]
+                          for f in fields(cls)})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HorovodInternalError(f"elastic driver's round answer {dict(answer)!r} is "
+                                       f"malformed ({exc!r}): the launcher and this worker run "
+                                       "different horovod-py versions?") from exc
+
+
+_FIELD_TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "str": str, "bool": bool}
 
 
 _lock = threading.Lock()
@@ -209,11 +231,7 @@ def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | Non
             raise JobStoppedError(ans.get("message") or "the elastic job has stopped")
         if status != "round":
             raise HorovodInternalError(f"elastic driver answered {ans!r} to {host}[{slot}]")
-        info = RoundInfo(round=int(ans["round"]), rank=int(ans["rank"]), size=int(ans["size"]),
-                         local_rank=int(ans["local_rank"]), local_size=int(ans["local_size"]),
-                         cross_rank=int(ans["cross_rank"]), cross_size=int(ans["cross_size"]),
-                         hostname=str(ans.get("hostname") or host),
-                         skip_sync=bool(ans.get("skip_sync")), notice=int(ans.get("notice", 0)))
+        info = RoundInfo.from_wire(ans)
         environ.update({
             "HOROVOD_HOSTNAME": info.hostname, "HOROVOD_RANK": str(info.rank),
             "HOROVOD_SIZE": str(info.size), "HOROVOD_LOCAL_RANK": str(info.local_rank),

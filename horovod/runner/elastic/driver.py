@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from horovod.common.elastic.worker import ABANDONED_KEY, round_scope
+from horovod.common.elastic.worker import ABANDONED_KEY, RoundInfo, round_scope
 from horovod.runner.elastic.discovery import HostManager, order_hosts
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
 from horovod.runner.failures import describe_status
@@ -119,7 +119,7 @@ class ElasticDriver:
         self.workers: dict[Key, Worker] = {}
         self.round = -1
         self.members: list[Key] = []
-        self.answers: dict[Key, dict[str, Any]] = {}
+        self.answers: dict[Key, RoundInfo] = {}
         self.notice_version = 0
         self.notice_update = 0
         self._notified_added: frozenset[Key] = frozenset()
@@ -223,9 +223,9 @@ class ElasticDriver:
                     return {"status": "removed", "message": f"{key_name(key)} has been removed "
                             "from the elastic job"}
                 ans = self.answers.get(key)
-                if ans is not None and ans["round"] > after:
+                if ans is not None and ans.round > after:
                     w.state = "running"
-                    return ans
+                    return ans.to_wire()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return {"status": "wait"}
@@ -265,8 +265,8 @@ class ElasticDriver:
                 self.done = True
                 self.cv.notify_all()
         return ElasticResult(self.error, self.round + 1, self.resets, list(self.events),
-                             {k: a["rank"] for k, a in self.answers.items()
-                              if a["round"] == self.round})
+                             {k: a.rank for k, a in self.answers.items()
+                              if a.round == self.round})
 
     def stop_all(self, grace: float = 5.0) -> None:
         with self.cv:
@@ -324,6 +324,10 @@ class ElasticDriver:
         if resetting:
             if self._reset_since is None:
                 self._reset_since = now
+                # A member left the round (it failed, or asks for the next one): the others
+                # must not wait for it in the round's formation either.
+                gone = [w for w in member_states if w.state in ("ready", "exited")]
+                self._abandon(f"{', '.join(key_name(w.key) for w in gone)} left round {self.round}")
             stuck = [w for w in member_states if w.state in ("running", "starting")]
             if stuck and now - self._reset_since > self.stuck_seconds:
                 for w in stuck:
@@ -337,6 +341,7 @@ class ElasticDriver:
                         w.proc.stop()
                     w.state = "exited"
                     w.exit_handled = True
+                    self._blacklist(w.key[0], f"worker {key_name(w.key)} hung")
                 stuck = []
             if not stuck:
                 self._form_round(first=False)
@@ -368,25 +373,27 @@ class ElasticDriver:
                         if other.proc is not None:
                             other.proc.stop()
                 continue
-            host = w.key[0]
-            cooldown = self.hosts.blacklist_host(host)
-            until = ("for good" if cooldown is None else f"for {cooldown:.0f} s "
-                     "(--blacklist-cooldown-range)")
-            self._event(f"{who} failed ({status}); blacklisting host {host} {until}",
-                        logging.WARNING)
             if w.key in self.members:
                 self._abandon(f"{who} failed ({status})")
-            for other in self.workers.values():
-                if other.key[0] == host and other.alive and not other.removed:
-                    self._event(f"stopping worker {key_name(other.key)}: its host {host} is "
-                                "blacklisted")
-                    other.removed = True
-                    if other.proc is not None:
-                        other.proc.stop()
+            self._blacklist(w.key[0], f"{who} failed ({status})")
         if self.round < 0 and self.workers and not any(w.alive for w in self.workers.values()) \
                 and any(not w.removed for w in self.workers.values()):
             self._fail(f"all {len(self.workers)} workers failed before training started; "
                        "stopping the job (see their output above)")
+
+    def _blacklist(self, host: str, why: str) -> None:
+        """Blacklist ``host`` after a failure there, and stop the other workers on it."""
+        cooldown = self.hosts.blacklist_host(host)
+        until = ("for good" if cooldown is None else f"for {cooldown:.0f} s "
+                 "(--blacklist-cooldown-range)")
+        self._event(f"{why}; blacklisting host {host} {until}", logging.WARNING)
+        for other in self.workers.values():
+            if other.key[0] == host and other.alive and not other.removed:
+                self._event(f"stopping worker {key_name(other.key)}: its host {host} is "
+                            "blacklisted")
+                other.removed = True
+                if other.proc is not None:
+                    other.proc.stop()
 
     def _abandon(self, why: str) -> None:
         """Give the current round up: its members still forming it stop waiting for each other
@@ -589,11 +596,10 @@ class ElasticDriver:
             key = (s.hostname, s.local_rank)
             w = self.workers[key]
             w.rank = s.rank
-            self.answers[key] = {"status": "round", "round": self.round, "rank": s.rank,
-                                 "size": s.size, "local_rank": s.local_rank,
-                                 "local_size": s.local_size, "cross_rank": s.cross_rank,
-                                 "cross_size": s.cross_size, "hostname": s.hostname,
-                                 "skip_sync": skip_sync, "notice": self.notice_version}
+            self.answers[key] = RoundInfo(
+                round=self.round, rank=s.rank, size=s.size, local_rank=s.local_rank,
+                local_size=s.local_size, cross_rank=s.cross_rank, cross_size=s.cross_size,
+                hostname=s.hostname, skip_sync=skip_sync, notice=self.notice_version)
         # Workers that were ready but are not in the round (beyond --max-np) go.
         for w in self.workers.values():
             if w.alive and not w.removed and w.key not in keys and w.key in old:

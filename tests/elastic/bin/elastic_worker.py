@@ -13,7 +13,8 @@ Environment:
                   point "hang") at a chosen point of the elastic protocol:
                     step@<n>    in training, before step n
                     commit@<n>  inside the commit of step n (state saved, host check not made)
-                    sync@<n>    after its n-th reset, just before the state sync
+                    sync@<n>    at its n-th state sync (the first is at the start, before
+                                training; the others after each reset), before it
                     join@<n>    when the driver has placed it in round n, before it connects
                     notice@<n>  when the n-th host notice reaches it
                     hang@<n>    stops (SIGSTOP) before step n instead of dying
@@ -116,7 +117,7 @@ def main() -> None:
     me = f"{os.environ['HOROVOD_ELASTIC_HOST']}[{os.environ['HOROVOD_ELASTIC_SLOT']}]"
     hosts_at = json.loads(os.environ.get("HOSTS_AT", "{}"))
     wait_for = os.environ.get("WAIT_FOR_SIZE", "")
-    resets = [0]
+    syncs = [0]
     _install_protocol_hooks(me)
 
     hvd.init()
@@ -124,8 +125,6 @@ def main() -> None:
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 
     def on_reset() -> None:
-        resets[0] += 1
-        _kill_at(me, "sync", resets[0])
         print(f"RESET {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size()})}",
               flush=True)
 
@@ -156,8 +155,9 @@ def main() -> None:
             train_step(model, opt, state.step)
             state.step += 1
             state.commit()
-            print(f"COMMIT {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step})}",
-                  flush=True)
+            commit = {'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step,
+                      'pid': os.getpid()}
+            print(f"COMMIT {json.dumps(commit)}", flush=True)
             time.sleep(pause)
 
     state = hvd.elastic.TorchState(model, opt, step=0)
@@ -168,6 +168,14 @@ def main() -> None:
         check_host_updates()
 
     state.check_host_updates = commit_hook  # type: ignore[method-assign]
+    sync = state.sync
+
+    def sync_hook() -> None:
+        syncs[0] += 1
+        _kill_at(me, "sync", syncs[0])
+        sync()
+
+    state.sync = sync_hook  # type: ignore[method-assign]
     state.register_reset_callbacks([on_reset])
     train(state)
     momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()

@@ -89,7 +89,7 @@ class Harness:
             self.d._step()
 
     def ranks(self) -> dict[tuple[str, int], int]:
-        return {k: self.d.answers[k]["rank"] for k in self.d.members}
+        return {k: self.d.answers[k].rank for k in self.d.members}
 
 
 def test_first_round_waits_for_every_started_worker() -> None:
@@ -102,7 +102,7 @@ def test_first_round_waits_for_every_started_worker() -> None:
     h.ready(("b", 0), reason="start")
     h.step()
     assert h.d.round == 0 and h.ranks() == {("a", 0): 0, ("a", 1): 1, ("b", 0): 2}
-    assert h.d.answers[("b", 0)]["local_size"] == 1 and h.d.answers[("a", 1)]["local_rank"] == 1
+    assert h.d.answers[("b", 0)].local_size == 1 and h.d.answers[("a", 1)].local_rank == 1
 
 
 def first_round(h: Harness) -> None:
@@ -122,7 +122,7 @@ def test_failure_blacklists_host_and_survivors_form_the_next_round_with_sync() -
     h.ready(("b", 0), ("c", 0))
     h.step()
     assert h.d.round == 1 and h.ranks() == {("b", 0): 0, ("c", 0): 1}
-    assert h.d.answers[("b", 0)]["skip_sync"] is False
+    assert h.d.answers[("b", 0)].skip_sync is False
     assert any("failed (killed by signal 9 (SIGKILL)); blacklisting host a" in e for e in h.d.events)
 
 
@@ -136,7 +136,7 @@ def test_removal_only_round_skips_sync_but_not_when_a_newcomer_joins() -> None:
     assert h.d.notice_version == 1 and h.d.notice_update == 1  # removed
     h.ready(("a", 0), ("b", 0), ("c", 0), reason="removed")
     h.step()
-    assert h.d.round == 1 and h.d.answers[("a", 0)]["skip_sync"] is True
+    assert h.d.round == 1 and h.d.answers[("a", 0)].skip_sync is True
     assert h.d.workers[("c", 0)].removed
     h.running()
 
@@ -156,7 +156,7 @@ def test_removal_only_round_skips_sync_but_not_when_a_newcomer_joins() -> None:
     h2.now += 1
     h2.step()
     assert h2.d.round == 1 and set(h2.ranks()) == {("a", 0), ("b", 0), ("d", 0)}
-    assert all(h2.d.answers[k]["skip_sync"] is False for k in h2.d.members)
+    assert all(h2.d.answers[k].skip_sync is False for k in h2.d.members)
 
 
 def test_new_host_is_started_members_notified_once_and_the_round_waits_for_it() -> None:
@@ -325,3 +325,18 @@ def test_elastic_settings_are_read_in_one_place() -> None:
     h = Harness({"a": 1}, np=1, min_np=1)
     drv = ElasticDriver.from_settings(s, h.d.hosts, 1, 1, None, h.d.start_worker)
     assert (drv.timeout, drv.stuck_seconds, drv.notify_when_ready, drv.reset_limit) == (50, 7, True, 3)
+
+
+def test_round_answer_is_one_dataclass_on_both_sides() -> None:
+    import json
+
+    from horovod.common.elastic.worker import RoundInfo
+    from horovod.common.exceptions import HorovodInternalError
+
+    h = Harness({"a": 2, "b": 1}, np=3, min_np=1)
+    first_round(h)
+    info = h.d.answers[("b", 0)]
+    wire = json.loads(json.dumps(info.to_wire()))
+    assert wire["status"] == "round" and RoundInfo.from_wire(wire) == info
+    with pytest.raises(HorovodInternalError, match="malformed"):
+        RoundInfo.from_wire({k: v for k, v in wire.items() if k != "rank"})
