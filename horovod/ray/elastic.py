@@ -216,8 +216,10 @@ class ElasticAdapter:
             self.driver = None
         if result.error is not None:
             ranks = {k: w.rank for k, w in driver.workers.items()}
-            failed = [(k, o) for k, o in self.outcomes.items() if o[0] in ("died", "error")]
-            root = failed[0] if failed else None
+            failed = {k: o for k, o in self.outcomes.items() if o[0] in ("died", "error")}
+            cause = result.root_cause(failed)
+            root = (cause.key, failed[cause.key]) if cause is not None and cause.key in failed \
+                else next(iter(failed.items()), None)
             raise errors.WorkerFailedError(
                 self._failure_text(what, result.error, ranks), events=result.events,
                 resets=result.resets, rank=ranks.get(root[0]) if root else None,

@@ -285,6 +285,8 @@ class _ElasticJob:
                 f"({result.rounds} round(s), {result.resets} reset(s))")
         if not raised:
             return WorkerFailedError(text, events=result.events, resets=result.resets)
+        root = result.root_cause(k for k, _, _ in raised)
+        raised.sort(key=lambda r: 0 if root is not None and r[0] == root.key else 1)
         key, exc, tb = raised[0]
         others = f" (also raised: {', '.join(key_name(k) for k, _, _ in raised[1:])})" if raised[1:] else ""
         err = WorkerFailedError(f"{text}\nworker {key_name(key)} raised {type(exc).__name__}: {exc}"

@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSett
 from horovod.runner.failures import describe_status
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
-__all__ = ["ElasticDriver", "Worker", "ElasticResult"]
+__all__ = ["ElasticDriver", "Worker", "ElasticResult", "WorkerFailure"]
 
 log = logging.getLogger("horovod.runner.elastic")
 
@@ -73,15 +73,35 @@ class Worker:
         return self.state != "exited"
 
 
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker failure as the driver saw it (in ``ElasticResult.failures``, in order)."""
+
+    key: Key
+    rank: int | None
+    status: str  # "exit code 1", "killed by signal 9 (SIGKILL)", "hung"
+
+
 @dataclass
 class ElasticResult:
-    """How the job ended: ``error`` is None on success."""
+    """How the job ended (the outcome every launcher reports): ``error`` is None on success."""
 
     error: str | None
     rounds: int
     resets: int
     events: list[str] = field(default_factory=list)
     final_ranks: dict[Key, int] = field(default_factory=dict)
+    failures: list[WorkerFailure] = field(default_factory=list)
+
+    def root_cause(self, detailed: Iterable[Key] = ()) -> WorkerFailure | None:
+        """The failure to report first: the earliest the driver saw among the workers the
+        launcher has details for (``detailed``: an exception, a traceback), else the earliest.
+        (The one rule for horovodrun, Spark and Ray.)"""
+        known = set(detailed)
+        for f in self.failures:
+            if f.key in known:
+                return f
+        return self.failures[0] if self.failures else None
 
 
 class ElasticDriver:
@@ -126,6 +146,7 @@ class ElasticDriver:
         self._notified_removed: frozenset[Key] = frozenset()
         self.resets = 0
         self.events: list[str] = []
+        self.failures: list[WorkerFailure] = []
         self.error: str | None = None
         self.done = False
         self._finishing_since: float | None = None
@@ -266,7 +287,7 @@ class ElasticDriver:
                 self.cv.notify_all()
         return ElasticResult(self.error, self.round + 1, self.resets, list(self.events),
                              {k: a.rank for k, a in self.answers.items()
-                              if a.round == self.round})
+                              if a.round == self.round}, list(self.failures))
 
     def stop_all(self, grace: float = 5.0) -> None:
         with self.cv:
@@ -341,6 +362,7 @@ class ElasticDriver:
                         w.proc.stop()
                     w.state = "exited"
                     w.exit_handled = True
+                    self.failures.append(WorkerFailure(w.key, w.rank, "hung"))
                     self._blacklist(w.key[0], f"worker {key_name(w.key)} hung")
                 stuck = []
             if not stuck:
@@ -373,6 +395,7 @@ class ElasticDriver:
                         if other.proc is not None:
                             other.proc.stop()
                 continue
+            self.failures.append(WorkerFailure(w.key, w.rank, status))
             if w.key in self.members:
                 self._abandon(f"{who} failed ({status})")
             self._blacklist(w.key[0], f"{who} failed ({status})")

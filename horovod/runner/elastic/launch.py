@@ -40,8 +40,12 @@ class ElasticJobResult:
     def report(self) -> str:
         if self.error is None:
             return ""
+        root = self.result.root_cause()
+        first = ("" if root is None else
+                 f"; first failure: worker {key_name(root.key)}"
+                 f"{'' if root.rank is None else f' (rank {root.rank})'} {root.status}")
         return (f"horovodrun: elastic job failed: {self.error}\n"
-                f"({self.result.rounds} round(s), {self.result.resets} reset(s))")
+                f"({self.result.rounds} round(s), {self.result.resets} reset(s){first})")
 
 
 def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:

@@ -340,3 +340,20 @@ def test_round_answer_is_one_dataclass_on_both_sides() -> None:
     assert wire["status"] == "round" and RoundInfo.from_wire(wire) == info
     with pytest.raises(HorovodInternalError, match="malformed"):
         RoundInfo.from_wire({k: v for k, v in wire.items() if k != "rank"})
+
+
+def test_failures_are_kept_in_order_and_one_rule_names_the_root_cause() -> None:
+    h = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=1)
+    first_round(h)
+    h.exit(("c", 0), None, 9)
+    h.step()
+    h.exit(("a", 0), 1)
+    h.step()
+    from horovod.runner.elastic.driver import ElasticResult
+
+    res = ElasticResult("x", 1, 0, failures=list(h.d.failures))
+    assert [(f.key, f.status) for f in res.failures] == [
+        (("c", 0), "killed by signal 9 (SIGKILL)"), (("a", 0), "exit code 1")]
+    assert res.root_cause().key == ("c", 0)  # the earliest
+    assert res.root_cause([("a", 0)]).key == ("a", 0)  # the earliest the launcher has details for
+    assert ElasticResult(None, 1, 0).root_cause() is None
