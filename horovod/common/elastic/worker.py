@@ -25,9 +25,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
+from horovod.common.elastic_rounds import (
+    ABANDON_POLL_SECONDS,
+    ABANDONED_KEY,
+    RoundInfo,
+    round_scope,
+)
 from horovod.common.exceptions import HorovodError, HorovodInternalError
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
@@ -35,12 +40,6 @@ __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedErr
            "join_round", "current_round", "NotificationManager", "notification_manager",
            "set_ready_reason", "form_round", "ABANDONED_KEY", "round_scope"]
 
-# The elastic driver writes this key in a round's rendezvous scope (``round_scope``) when it gives
-# the round up (one of its members died or left): every member still forming the round (waiting
-# for the store, creating the Gloo device or the process group) notices it within
-# ``ABANDON_POLL_SECONDS`` and asks for the next round, instead of waiting for a timeout.
-ABANDONED_KEY = "abandoned"
-ABANDON_POLL_SECONDS = 0.25
 
 log = logging.getLogger("horovod")
 T = TypeVar("T")
@@ -65,44 +64,6 @@ class JobStoppedError(HorovodInternalError):
     """The elastic driver ended the job while this worker waited for a new round."""
 
 
-@dataclass(frozen=True)
-class RoundInfo:
-    """This worker's place in one round of an elastic job."""
-
-    round: int
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
-    skip_sync: bool
-    notice: int
-
-    def to_wire(self) -> dict[str, Any]:
-        """The driver's answer to ``ready`` that places a worker in this round (JSON object)."""
-        return {"status": "round", **asdict(self)}
-
-    @classmethod
-    def from_wire(cls, answer: Mapping[str, Any]) -> RoundInfo:
-        """Read the driver's ``round`` answer (``to_wire``).
-
-        Raises:
-            HorovodInternalError: a field is missing or of the wrong type.
-        """
-        try:
-            return cls(**{f.name: _FIELD_TYPES[f.type](answer[f.name])  # type: ignore[index]
-                          for f in fields(cls)})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HorovodInternalError(f"elastic driver's round answer {dict(answer)!r} is "
-                                       f"malformed ({exc!r}): the launcher and this worker run "
-                                       "different horovod-py versions?") from exc
-
-
-_FIELD_TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "str": str, "bool": bool}
-
-
 _lock = threading.Lock()
 _current: RoundInfo | None = None
 _reason = "start"
@@ -122,11 +83,6 @@ def set_ready_reason(reason: str) -> None:
     """Why this worker asks for the next round: 'error', 'added', 'removed' (sent to the driver)."""
     global _reason
     _reason = reason
-
-
-def round_scope(round_number: int) -> str:
-    """The rendezvous scope a round's members meet under (its store address, its abandon key)."""
-    return f"elastic.{round_number}"
 
 
 def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo,

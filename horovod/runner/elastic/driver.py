@@ -30,15 +30,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from horovod.common.elastic.worker import ABANDONED_KEY, RoundInfo, round_scope
 from horovod.runner.elastic.discovery import HostManager, order_hosts
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
 from horovod.runner.failures import describe_status
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
-__all__ = ["ElasticDriver", "Worker", "ElasticResult", "WorkerFailure"]
+if TYPE_CHECKING:
+    from horovod.common.elastic_rounds import RoundInfo
+
+__all__ = ["ElasticDriver", "Worker", "WorkerHandle", "ElasticResult", "WorkerFailure"]
 
 log = logging.getLogger("horovod.runner.elastic")
 
@@ -53,12 +55,25 @@ def key_name(key: Key) -> str:
     return f"{key[0]}[{key[1]}]"
 
 
+class WorkerHandle(Protocol):
+    """What the driver holds of a worker it started, whatever started it (a process through
+    ssh or locally, a Spark task's agent, a Ray actor). The launcher reports the worker's end
+    with ``driver.worker_exited(key, code, signal)``."""
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask the worker to end (SIGTERM or the launcher's equivalent), killing it after
+        ``grace`` seconds."""
+
+    def kill(self) -> None:
+        """End the worker now."""
+
+
 @dataclass
 class Worker:
     """The driver's record of one worker process."""
 
     key: Key
-    proc: Any = None
+    proc: WorkerHandle | None = None
     state: str = "starting"  # starting | ready | running | exited
     after: int = -1  # the last round it was a member of, as it reported
     reason: str = "start"
@@ -110,8 +125,9 @@ class ElasticDriver:
     Args:
         hosts: the discovery (script or fixed hosts) and the blacklist.
         np / min_np / max_np: processes to start with, fewest to go on with, most to use.
-        start_worker: ``f(key, slot_info) -> process`` (a ``WorkerProcess``); the process must
-            call ``driver.worker_exited(key, code, signal)`` when it ends.
+        start_worker: ``f(key, slot_info) -> WorkerHandle`` (how the launcher starts a worker:
+            a ``WorkerProcess``, a Spark agent's task, a Ray actor); the launcher must call
+            ``driver.worker_exited(key, code, signal)`` when it ends.
         put_kv: ``f(scope, key, value)`` on the rendezvous store (to abandon a round).
         timeout: ``--elastic-timeout`` seconds; reset_limit: ``--reset-limit``.
         discovery_interval: seconds between discovery runs.
@@ -120,7 +136,7 @@ class ElasticDriver:
     """
 
     def __init__(self, hosts: HostManager, np: int, min_np: int, max_np: int | None,
-                 start_worker: Callable[[Key, SlotInfo], Any],
+                 start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                  put_kv: Callable[[str, str, bytes], None] | None = None,
                  timeout: float = DEFAULT_ELASTIC_TIMEOUT, reset_limit: int | None = None,
                  discovery_interval: float = 1.0, stuck_seconds: float = 90.0,
@@ -159,7 +175,7 @@ class ElasticDriver:
 
     @classmethod
     def from_settings(cls, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
-                      max_np: int | None, start_worker: Callable[[Key, SlotInfo], Any],
+                      max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                       put_kv: Callable[[str, str, bytes], None] | None = None,
                       discovery_interval: float = 1.0) -> ElasticDriver:
         """The driver of every launcher (horovodrun, Spark, Ray): settings from one place."""
@@ -423,6 +439,8 @@ class ElasticDriver:
         (store, Gloo device, process group) within a fraction of a second and ask for the next."""
         if self.put_kv is None or self.round < 0 or self.round in self._abandoned:
             return
+        from horovod.common.elastic_rounds import ABANDONED_KEY, round_scope
+
         self._abandoned.add(self.round)
         scope = round_scope(self.round)
         try:
@@ -600,6 +618,7 @@ class ElasticDriver:
         return assign_slots(specs, n) if n else []
 
     def _publish(self, plan: list[SlotInfo], first: bool) -> None:
+        from horovod.common.elastic_rounds import RoundInfo
         keys = [(s.hostname, s.local_rank) for s in plan]
         if not first:
             self.resets += 1
