@@ -132,7 +132,8 @@ class ElasticDriver:
         timeout: ``--elastic-timeout`` seconds; reset_limit: ``--reset-limit``.
         discovery_interval: seconds between discovery runs.
         notify_when_ready: tell members about new workers only once these are up (see _scale).
-        clock: the time source (tests inject one).
+        clock: the one time source of the elastic session: request holds, the rejoin and
+            elastic timeouts, the finish grace, discovery failures (tests inject one).
     """
 
     def __init__(self, hosts: HostManager, np: int, min_np: int, max_np: int | None,
@@ -242,7 +243,7 @@ class ElasticDriver:
         return 200, json.dumps(ans).encode()
 
     def _ready(self, key: Key, after: int, reason: str) -> dict[str, Any]:
-        deadline = time.monotonic() + HOLD_SECONDS
+        deadline = self.clock() + HOLD_SECONDS
         with self.cv:
             w = self.workers.get(key)
             if w is None or w.removed:
@@ -263,16 +264,16 @@ class ElasticDriver:
                 if ans is not None and ans.round > after:
                     w.state = "running"
                     return ans.to_wire()
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     return {"status": "wait"}
                 self.cv.wait(left)
 
     def _notice(self, after: int) -> dict[str, Any]:
-        deadline = time.monotonic() + HOLD_SECONDS * 5
+        deadline = self.clock() + HOLD_SECONDS * 5
         with self.cv:
             while self.notice_version <= after and not self.done:
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     break
                 self.cv.wait(left)
