@@ -6,7 +6,7 @@
 
 Every round fits the model once with each strategy (``--steps`` timed optimizer steps after
 ``--warmup`` untimed ones), so machine noise hits both alike; rank 0 prints one JSON line per
-round and a summary line with the median samples/s of each and their ratio (horovod / ddp).
+round and a summary line with the median samples/s of each and their ratios to ddp.
 The processes are Horovod's: DDP is given them through Lightning's environment variables
 (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), as torchrun would.
 """
@@ -34,6 +34,7 @@ parser.add_argument("--batch-size", type=int, default=64, help="samples per rank
 parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of every fit")
 parser.add_argument("--steps", type=int, default=30, help="timed steps per fit")
 parser.add_argument("--rounds", type=int, default=5, help="fits per strategy")
+parser.add_argument("--modes", default="horovod,ddp", help="horovod, horovod-flat (flat_gradients=True), ddp")
 
 
 def make_module(args: argparse.Namespace, pl):
@@ -98,8 +99,8 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
     def fit(mode: str) -> float:
-        if mode == "horovod":
-            strategy, devices = horovod.lightning.HorovodStrategy(), 1
+        if mode.startswith("horovod"):
+            strategy, devices = horovod.lightning.HorovodStrategy(flat_gradients=mode == "horovod-flat"), 1
         else:
             strategy = DDPStrategy(cluster_environment=LightningEnvironment(), process_group_backend="gloo")
             devices = size
@@ -112,20 +113,21 @@ def main() -> None:
         seconds = hvd.allreduce(torch.tensor(timer.end - timer.start), op=hvd.Max, name="bench.time").item()
         return args.steps * args.batch_size * size / seconds
 
-    results: dict[str, list[float]] = {"horovod": [], "ddp": []}
+    modes = args.modes.split(",")
+    results: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in ("horovod", "ddp") if r % 2 == 0 else ("ddp", "horovod"):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             results[mode].append(fit(mode))
         if rank == 0:
             print(json.dumps({"round": r, **{m: round(v[-1], 1) for m, v in results.items()}}), flush=True)
     if rank == 0:
         params = sum(p.numel() for p in make_module(args, pl).parameters())
         med = {m: statistics.median(v) for m, v in results.items()}
-        print(json.dumps({"np": size, "params": params, "batch_per_rank": args.batch_size,
-                          "horovod_samples_per_s": round(med["horovod"], 1),
-                          "ddp_samples_per_s": round(med["ddp"], 1),
-                          "ratio": round(med["horovod"] / med["ddp"], 3)}), flush=True)
-
+        summary = {"np": size, "params": params, "batch_per_rank": args.batch_size}
+        summary.update({f"{m}_samples_per_s": round(v, 1) for m, v in med.items()})
+        if "ddp" in med:
+            summary.update({f"{m}/ddp": round(v / med["ddp"], 3) for m, v in med.items() if m != "ddp"})
+        print(json.dumps(summary), flush=True)
 
 if __name__ == "__main__":
     main()

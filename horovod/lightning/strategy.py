@@ -84,6 +84,41 @@ def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = tracked  # type: ignore[method-assign]
 
 
+def _flat_gradients(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One flat gradient buffer for the optimizer's parameters: ``[(parameter, its view)]`` (as DDP's
+    ``gradient_as_bucket_view``), or ``[]`` where the parameters differ in dtype/device or are sparse."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or len({(p.dtype, p.device) for p in params}) != 1 or any(p.is_sparse for p in params):
+        return []
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    views, offset = [], 0
+    for p in params:
+        views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+        offset += p.numel()
+    _restore_views(views)
+    return views
+
+
+def _restore_views(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give a parameter whose gradient was set to None (``zero_grad(set_to_none=True)`` from
+    anywhere) its view back, zeroed."""
+    for p, view in views:
+        if p.grad is None:
+            view.zero_()
+            p.grad = view
+
+
+def _keep_gradient_views(optimizer: torch.optim.Optimizer) -> None:
+    """``zero_grad()`` zeroes in place, so the gradients stay views of the flat buffer (a class
+    attribute: Lightning's optimizer wrapper takes its methods from the optimizer's class)."""
+    cls = type(optimizer)
+
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        cls.zero_grad(self, set_to_none=False)
+
+    optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad})
+
+
 def _unwrap(optimizer: Any, lightning_optimizer_cls: type) -> Any:
     return optimizer._optimizer if isinstance(optimizer, lightning_optimizer_cls) else optimizer
 
@@ -156,7 +191,8 @@ def _build(package: str) -> type:
         def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                      checkpoint_io: Any = None, precision_plugin: Any = None,
                      compression: Any = hvd.Compression.none, op: Any = hvd.Average,
-                     gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False) -> None:
+                     gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                     flat_gradients: bool = False) -> None:
             hvd.init()
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                              cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
@@ -165,6 +201,8 @@ def _build(package: str) -> type:
             self._op = op
             self._gradient_predivide_factor = gradient_predivide_factor
             self._sparse_as_dense = sparse_as_dense
+            self._flat_gradients = flat_gradients
+            self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
             self._skip_sync: contextlib.ExitStack | None = None
             self._blocked = False
             self._set_rank_zero()
@@ -244,11 +282,16 @@ def _build(package: str) -> type:
                     out.append(opt)  # the user wrapped it already
                     continue
                 mine = {id(p) for group in opt.param_groups for p in group["params"]}
+                views = _flat_gradients(opt) if self._flat_gradients else []
+                self._views += views
                 wrapped = hvd.DistributedOptimizer(
                     opt, named_parameters=[(n, p) for n, p in named if id(p) in mine],
                     compression=self._compression, backward_passes_per_step=passes, op=self._op,
                     gradient_predivide_factor=self._gradient_predivide_factor,
-                    sparse_as_dense=self._sparse_as_dense)
+                    sparse_as_dense=self._sparse_as_dense,
+                    groups=[[p for p, _ in views]] if views else None)
+                if views:
+                    _keep_gradient_views(wrapped)
                 wrapped.state.update(opt.state)  # normally empty: nothing has stepped yet
                 wrapped_for[id(opt)] = wrapped
                 out.append(wrapped)
@@ -274,6 +317,7 @@ def _build(package: str) -> type:
                 group.update(values)
 
         def teardown(self) -> None:
+            self._views = []
             if self._skip_sync is not None:
                 self._skip_sync.close()
                 self._skip_sync = None
@@ -302,6 +346,7 @@ def _build(package: str) -> type:
             # window boundary): the optimizers' pass counters follow.
             if self._skip_sync is None or self.lightning_module is None:
                 return
+            _restore_views(self._views)
             passes = self.lightning_module.trainer.accumulate_grad_batches
             for opt in self.optimizers:
                 opt = _unwrap(opt, LightningOptimizer)

@@ -255,6 +255,13 @@ def _all_checks(package: str, tmp: str) -> dict:
     torch.testing.assert_close(flat(model), acc_expected, **TOL)
     out["accumulated"] = flat(model).tolist()
     out["passes"] = trainer.strategy.optimizers[0].backward_passes_per_step
+    model = seeded_model(scheduler=False)  # the same with the gradients as views of one flat buffer
+    trainer = quiet(strategy=HorovodStrategy(flat_gradients=True), max_epochs=1, accumulate_grad_batches=2)
+    trainer.fit(model, DataLoader(acc_data, batch_size=B))
+    torch.testing.assert_close(flat(model), acc_expected, **TOL)
+    grads = [p.grad for p in model.parameters()]
+    out["flat_views"] = all(g is not None and g.untyped_storage().data_ptr() == grads[0].untyped_storage().data_ptr()
+                            for g in grads)
     out["acc_steps"] = trainer.global_step
     sched_cls = importlib.import_module(package + ".callbacks").GradientAccumulationScheduler
     model = seeded_model(scheduler=False)
@@ -316,6 +323,7 @@ def _check(results: list[dict], size: int) -> None:
                                       [f"b.{k}" for k in ("0.bias", "0.weight", "2.bias", "2.weight")]]
         # accumulation: backward_passes_per_step = accumulate_grad_batches, 2 steps of 2 micro-batches
         assert r["passes"] == 2 and r["acc_steps"] == 2
+        assert r["flat_views"], "flat_gradients=True: every gradient must stay a view of one buffer"
         assert r["acc_scheduled_steps"] == (4 + 2, 2)  # GradientAccumulationScheduler: 1, then 2
         assert r["bf16_finite"]
 
