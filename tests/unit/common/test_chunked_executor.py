@@ -13,6 +13,7 @@ from horovod.common.backends.base import Group
 from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.hierarchy import host_layout
 from horovod.common.engine.outputs import OutputPool
+from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 
@@ -183,7 +184,7 @@ def test_schedule_does_not_depend_on_where_a_rank_reduces_large_tensors(
     shapes = [(3,), (2000,), (5, 7), (700,), (1,), (1030,)]
     schedules = []
     for own in (True, False):
-        monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out, own=own: own))
+        monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out, own=own: own))
         for max_tensor in (256, 1 << 20):
             backend, entries, inputs = _run(shapes, in_place=in_place, chunk=1024, max_tensor=max_tensor)
             for e, x in zip(entries, inputs):
@@ -265,7 +266,7 @@ def test_views_of_one_flat_buffer_are_reduced_where_they_lie(pre: float, post: f
     # and is reduced there, with exactly the transport calls of separately allocated tensors.
     shapes = [(3,), (2000,), (5, 7), (700,), (1,), (9, 3), (1030,), (4,)]
     sizes = [int(np.prod(s)) for s in shapes]
-    monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out: True))
+    monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out: True))
     schedules = {}
     for layout in ("flat", "separate", "flat, one tensor elsewhere"):
         flat = (np.arange(sum(sizes)) % 13 + 1).astype(np.float32)
@@ -294,7 +295,7 @@ def test_flat_views_on_small_pages_or_out_of_place_are_copied(monkeypatch: pytes
     for own, in_place in ((False, True), (True, False)):
         flat = np.ones(300, np.float32)
         views = [flat[:100], flat[100:300]]
-        monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out, own=own: own))
+        monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out, own=own: own))
         backend, entries = _run_views(views, flat, n=2, in_place=in_place, chunk=4096)
         assert backend.in_flat == [False] and backend.calls == [1200]
         assert all(np.all(e.outputs[0] == 1) for e in entries)  # Average of 2 identical ranks
