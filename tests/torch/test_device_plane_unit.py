@@ -11,10 +11,12 @@ from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
 from horovod.common.engine.device import (
     DevicePlaneError,
+    PlaneServices,
     check_gpu_settings,
     gpu_transport,
     is_plane,
 )
+from horovod.common.engine.tunables import Tunables
 from horovod.common.exceptions import ConfigError
 from horovod.common.types import RequestType
 from horovod.torch import _convert as cv
@@ -112,18 +114,17 @@ class _FakeBackend:
         return np.array(self.rows, np.int64)
 
 
-class _FakeExecutor:
-    def __init__(self, rows):
-        self.backend = _FakeBackend(rows)
+def _services(rows):
+    return PlaneServices(_FakeBackend(rows), Tunables(), lambda: None)
 
 
 def test_two_ranks_on_one_gpu_are_named_before_nccl_runs():
-    plane = dp.TorchPlane(_FakeExecutor([[7, 0], [7, 0], [7, 1]]))
+    plane = dp.TorchPlane(_services([[7, 0], [7, 0], [7, 1]]))
     group = Group([0, 1, 2], 0, None)
     with pytest.raises(DevicePlaneError) as err:
         plane._check_distinct_gpus(group, torch.device("cuda", 0))
     assert err.value.ranks == [0, 1]
     assert "torch.cuda.set_device(hvd.local_rank())" in str(err.value)
     assert "HOROVOD_GPU_OPERATIONS=MPI" in str(err.value)
-    ok = dp.TorchPlane(_FakeExecutor([[7, 0], [7, 1], [8, 0]]))
+    ok = dp.TorchPlane(_services([[7, 0], [7, 1], [8, 0]]))
     ok._check_distinct_gpus(group, torch.device("cuda", 0))

@@ -23,7 +23,7 @@ import numpy as np
 from horovod.common.backends.base import Group
 from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.buffers import Item, NumpyBuffers, Reduction, power_of_two, run_reduction, scale_array
-from horovod.common.engine.device import Planes, is_plane
+from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
@@ -142,7 +142,7 @@ class Executor:
         self._work: dict[str, np.dtype] = {}
         self._dtype_info: dict[str, tuple[np.dtype, np.dtype, bool]] = {}
         self._act = backend.name.upper() + "_"
-        self.planes = Planes(self)
+        self.planes = Planes(PlaneServices(backend, tunables, timeline))
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
         self._ops = NumpyBuffers(huge_page_empty)
