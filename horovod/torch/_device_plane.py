@@ -152,6 +152,19 @@ def wait_done(wrappers: Sequence[DeviceTensor], outputs: Sequence[torch.Tensor])
         return
 
 
+def _latest_ready(wrappers: Sequence[DeviceTensor]) -> list[Any]:
+    """The ready events the plane's stream must wait for: events recorded on one stream complete
+    in order, so the latest one submitted on each producer stream covers the others (one wait per
+    stream, not one per tensor)."""
+    latest: dict[Any, tuple[int, Any]] = {}
+    for w in wrappers:
+        if w.ready is not None:
+            seen = latest.get(w.stream)
+            if seen is None or seen[0] < w.seq:
+                latest[w.stream] = (w.seq, w.ready)
+    return [ready for _, ready in latest.values()]
+
+
 def _unwrap(x: Any) -> torch.Tensor:
     return x.tensor if isinstance(x, DeviceTensor) else x
 
@@ -192,6 +205,9 @@ class TorchBuffers:
     """
 
     defer_scale = True
+    #: scale a fused buffer in one pass before unpacking (None: on CUDA; on the CPU twin a pass over
+    #: the whole buffer wakes torch's thread pool, which costs more than it saves on a busy host)
+    scale_once: bool | None = None
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -245,14 +261,22 @@ class TorchBuffers:
 
     def unpack(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment], post: float,
                div: int) -> None:
-        if post != 1.0 or div != 1:
-            _scale_into(buf, buf, post, div)  # once for the whole buffer
+        scaled = post != 1.0 or div != 1
+        if scaled and (buf.is_cuda if self.scale_once is None else self.scale_once):
+            _scale_into(buf, buf, post, div)  # one kernel for the whole buffer
+            scaled = False
         if _whole(items, segs):
             dsts = [items[i].o for i, *_ in segs]
-            torch._foreach_copy_(dsts, torch._C._nn.unflatten_dense_tensors(buf, dsts))
+            pieces = torch._C._nn.unflatten_dense_tensors(buf, dsts)
+            if not scaled:
+                torch._foreach_copy_(dsts, pieces)
+                return
+            for o, piece in zip(dsts, pieces):
+                _scale_into(o, piece, post, div)
         else:
             for i, st, e, b in segs:
-                _flat(items[i].o, st, e).copy_(buf[b:b + e - st])
+                _scale_into(_flat(items[i].o, st, e), buf[b:b + e - st], post if scaled else 1.0,
+                            div if scaled else 1)
 
     def scale_all(self, regions: Sequence[torch.Tensor], post: float, div: int) -> None:
         if regions[0].is_floating_point():
@@ -458,15 +482,7 @@ class TorchPlane:
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            # Events recorded on one stream complete in order: waiting for the latest one submitted
-            # on each producer stream covers the others (one wait per stream, not per tensor).
-            latest: dict[Any, tuple[int, Any]] = {}
-            for w in wrappers:
-                if w.ready is not None:
-                    seen = latest.get(w.stream)
-                    if seen is None or seen[0] < w.seq:
-                        latest[w.stream] = (w.seq, w.ready)
-            for _, ready in latest.values():
+            for ready in _latest_ready(wrappers):
                 stream.wait_event(ready)
             yield stream
 
