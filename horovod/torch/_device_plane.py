@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from horovod.common.backends.base import Group
 from horovod.common.context import peek_context
-from horovod.common.engine.buffers import Item, Reduction, Segment, power_of_two, run_reduction
+from horovod.common.engine.buffers import Item, Reduction, Segment, batch_items, power_of_two, run_reduction
 from horovod.common.engine.device import DevicePlaneError, PlaneServices, register_plane
 from horovod.common.engine.executor import reducescatter_rows
 from horovod.common.engine.placement import DevicePlacement
@@ -234,6 +234,17 @@ class TorchBuffers:
             at += (e - st) * size
             total += e - st
         return first.as_strided((total,), (1,), first.storage_offset() + segs[0][1])
+
+    def outputs(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        return [torch.empty_like(_unwrap(x)) for x in inputs]
+
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
+        out = []
+        for x, o in zip(inputs, outputs):
+            t = _unwrap(x)
+            o = _unwrap(o)
+            out.append(Item(t, o, o is t, name, t.numel()))
+        return out
 
     def buffer(self, work: torch.dtype, n: int) -> torch.Tensor:
         key = (self.device, work)
@@ -503,24 +514,8 @@ class TorchPlane:
         post, div = post_factors(req.reduce_op, req.postscale, group.size)
         ops = self._ops
         ops.device = device
-        items: list[Item] = []
-        dtype: torch.dtype | None = None
-        for resp, entry in zip(batch, entries):
-            name = resp.name
-            if entry is None:  # this rank joined: contribute zeros of the agreed shapes
-                for shape in resp.request.shapes:
-                    z = ops.zeros(int(np.prod(shape)), resp.request.dtype)
-                    items.append(Item(z, z, True, name, z.numel()))
-                    dtype = z.dtype
-                continue
-            xs = [_unwrap(w) for w in entry.inputs]
-            if entry.outputs is None:
-                outs = entry.outputs = [torch.empty_like(x) for x in xs]
-            else:
-                outs = entry.outputs = [_unwrap(o) for o in entry.outputs]
-            items.extend(Item(x, o, o is x, name, x.numel()) for x, o in zip(xs, outs))
-            dtype = xs[0].dtype
-        assert dtype is not None
+        items, _ = batch_items(batch, entries, ops)
+        dtype = items[0].x.dtype if items else getattr(torch, req.dtype)
         work = _WORK.get(dtype, dtype)
         if dtype == torch.bool:
             op = _BOOL_OPS[op]

@@ -27,7 +27,7 @@ import numpy as np
 
 from horovod.common.engine.plan import Call
 
-__all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "run_reduction", "scale_array", "span_of",
+__all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "scale_array", "span_of",
            "Placement"]
 
 Segment = tuple[int, int, int, int]
@@ -82,6 +82,12 @@ class BufferOps(Protocol):
     def buffer(self, work: Any, n: int) -> Any:
         """A reusable fusion buffer of ``n`` elements of ``work`` (allocate)."""
 
+    def outputs(self, inputs: Sequence[Any]) -> list[Any]:
+        """New outputs for an out-of-place operation on ``inputs`` (allocate)."""
+
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
+        """The items of one response's tensors."""
+
     def zeros(self, n: int, dtype: str) -> Any:
         """A joined rank's contribution: ``n`` zeros of the batch's dtype."""
 
@@ -104,6 +110,30 @@ class Placement(Protocol):
 
     def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
         ...
+
+
+def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
+                ) -> tuple[list[Item], list[int]]:
+    """The items of a batch on this rank, and where each response's items start.
+
+    Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
+    agreed shapes."""
+    items: list[Item] = []
+    starts: list[int] = []
+    for resp, entry in zip(batch, entries):
+        starts.append(len(items))
+        if entry is None:
+            for shape in resp.request.shapes:
+                n = 1
+                for d in shape:
+                    n *= d
+                z = ops.zeros(n, resp.request.dtype)
+                items.append(Item(z, z, True, resp.name, n))
+            continue
+        if entry.outputs is None:
+            entry.outputs = ops.outputs(entry.inputs)
+        items.extend(ops.items(resp.name, entry.inputs, entry.outputs))
+    return items, starts
 
 
 def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, red: Reduction,
@@ -242,9 +272,21 @@ class NumpyBuffers:
 
     defer_scale = False
 
-    def __init__(self, empty: Callable[[int], np.ndarray]) -> None:
+    def __init__(self, empty: Callable[[int], np.ndarray],
+                 output: Callable[[tuple[int, ...], Any], np.ndarray] = np.empty) -> None:
         self._empty = empty  # bytes -> uint8 array (huge-page aligned)
+        self._output = output  # (shape, dtype) -> a result array (warm, from the output pool)
         self._buffers: dict[str, np.ndarray] = {}
+
+    def outputs(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [self._output(x.shape, x.dtype) for x in inputs]
+
+    def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
+        out = []
+        for x, o in zip(inputs, outputs):
+            xf = x.reshape(-1)
+            out.append(Item(xf, o.reshape(-1), o is x, name, xf.size))
+        return out
 
     def piece(self, a: np.ndarray, start: int, stop: int) -> np.ndarray:
         return a[start:stop]

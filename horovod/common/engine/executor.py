@@ -1,16 +1,19 @@
 """Run planned batches of responses on the data transport and fill in each entry's outputs.
 
-Called only from the engine thread. Reductions run piece by piece (``Tunables.chunk_bytes``): the
-whole pieces of large tensors are reduced one by one, in the tensor's own memory when that memory
-is on huge pages (``pages``), else copied through a reusable huge-page buffer; small tensors and
-the tails of large ones are packed together into the fusion buffer, a piece at a time, and the
-packed run is reduced before the next large tensor's pieces. Tensors that lie end to end in one
-buffer (views of a flattened gradient set) make each packed run one span of memory, which is
-reduced where it lies instead of through the buffer. The pieces follow from the agreed shapes
-alone, so every rank makes the same transport calls, whichever memory it reduces them in.
-Dtypes the transport cannot reduce (float16) are widened to float32 for the reduction. For data
-movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned integers of
-the same width.
+Called only from the engine thread. A reduction is three separate steps:
+
+* ``plan.plan_reduction`` (pure) turns the agreed sizes into the ordered transport calls, piece by
+  piece (``Tunables.chunk_bytes``): whole pieces of large tensors alone, small tensors and tails
+  packed together a piece at a time. It never looks at memory, so every rank makes the same calls;
+* ``placement.HostPlacement`` decides, on this rank, whether each call is reduced where its
+  tensors lie (a large tensor's piece, or a run of views of one flat buffer, on huge pages) or
+  copied through the reusable huge-page fusion buffer;
+* ``buffers.run_reduction`` carries it out with ``NumpyBuffers`` (scaling, widening of dtypes the
+  transport cannot reduce, float16 to float32, and join zeros live there once; a device plane runs
+  the same runner with its own buffer operations).
+
+For data movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned
+integers of the same width; broadcast fuses with the same planner.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ import numpy as np
 
 from horovod.common.backends.base import Group
 from horovod.common.engine.adasum import AdasumRunner
-from horovod.common.engine.buffers import Item, NumpyBuffers, Reduction, power_of_two, run_reduction, scale_array
+from horovod.common.engine.buffers import (
+    Item,
+    NumpyBuffers,
+    Reduction,
+    batch_items,
+    power_of_two,
+    run_reduction,
+    scale_array,
+)
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
-from horovod.common.engine.plan import plan_reduction, post_factors, work_op
+from horovod.common.engine.plan import PACKED, plan_reduction, post_factors, work_op
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
@@ -145,7 +156,7 @@ class Executor:
         self.planes = Planes(PlaneServices(backend, tunables, timeline))
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
-        self._ops = NumpyBuffers(huge_page_empty)
+        self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes)
 
     # ------------------------------------------------------------------ tunables (read every batch)
@@ -275,39 +286,38 @@ class Executor:
         req = batch[0].request
         red = self._reduction(req, group)
         chunk = self.chunk_bytes
-        items: list[Item] = []
+        items, starts = batch_items(batch, entries, self._ops)
         sizes: list[int] = []
         groups: dict[int, tuple[int, list[int]]] = {}
         index: list[int] = []
         placement = self.placement
         placement.owners.clear()
-        for resp, entry in zip(batch, entries):
-            first = len(items)
-            if entry is None:  # this rank joined: contribute zeros of the agreed shapes
-                for shape in resp.request.shapes:
-                    z = np.zeros(int(np.prod(shape)), req.dtype)
-                    items.append(Item(z, z, True, resp.name, z.size))
-            else:
-                if entry.outputs is None:
-                    entry.outputs = [self._outputs.empty(x.shape, x.dtype) for x in entry.inputs]
-                for x, o in zip(entry.inputs, entry.outputs):
-                    xf = x.reshape(-1)
-                    items.append(Item(xf, o.reshape(-1), o is x, resp.name, xf.size))
-            if resp.request.flat and chunk > 0 and len(items) - first > 1:
-                span = _span(items[first:])
-                if span is None:  # planned as one item, held here as several
-                    offsets = [0]
-                    for it in items[first:]:
-                        offsets.append(offsets[-1] + it.n)
-                    groups[len(sizes)] = (first, offsets)
-                    index.append(first)
-                    sizes.append(offsets[-1])
-                    continue
-                placement.owners[id(span)] = items[first].o
-                items[first:] = [Item(span, span, True, resp.name, span.size)]
-            for k in range(first, len(items)):
-                index.append(k)
-                sizes.append(items[k].n)
+        if not (chunk > 0 and any(r.request.flat for r in batch)):
+            sizes = [it.n for it in items]
+        else:
+            starts.append(len(items))
+            spans: list[Item] = []
+            for r, resp in enumerate(batch):
+                first, stop = starts[r], starts[r + 1]
+                mine = items[first:stop]
+                if resp.request.flat and stop - first > 1:
+                    span = _span(mine)
+                    if span is None:  # planned as one item, held here as several
+                        offsets = [0]
+                        for it in mine:
+                            offsets.append(offsets[-1] + it.n)
+                        groups[len(sizes)] = (len(spans), offsets)
+                        index.append(len(spans))
+                        sizes.append(offsets[-1])
+                        spans.extend(mine)
+                        continue
+                    placement.owners[id(span)] = mine[0].o
+                    mine = [Item(span, span, True, resp.name, span.size)]
+                for it in mine:
+                    index.append(len(spans))
+                    sizes.append(it.n)
+                    spans.append(it)
+            items = spans
         calls = plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes, self.fusion_enabled,
                                red.widen)
         activity = None
@@ -316,11 +326,6 @@ class Executor:
                 self._activity(tl, names, name, begin)
         run_reduction(calls, items, self._ops, red, self._reducer(group, red.op), placement, activity,
                       self._act + "ALLREDUCE", index if groups else None, groups)
-
-    @staticmethod
-    def _own_memory(out: np.ndarray) -> bool:
-        """Whether ``out``'s memory is on huge pages (the host placement's test)."""
-        return HostPlacement.own_memory(out)
 
     def _reducer(self, group: Group, op: ReduceOp) -> Callable[[np.ndarray], None]:
         """In-place reduction of a flat buffer over ``group``: flat, or hierarchical when enabled."""
@@ -359,28 +364,26 @@ class Executor:
             for x, o in zip(entry.inputs, entry.outputs):
                 pairs.append((_move_view(x), _move_view(o)))
         names = [r.name for r in batch] if tl is not None else []
-        small = [p for p in pairs if p[0].nbytes <= self.max_tensor_bytes] if (
-            self.fusion_enabled and len(pairs) > 1) else []
-        if len(small) > 1:
-            large = [p for p in pairs if p[0].nbytes > self.max_tensor_bytes]
-            total = sum(x.nbytes for x, _ in small)
-            fbuf = self._ops.buffer(np.dtype(np.uint8), total)
-            if is_root:
-                off = 0
-                for x, _ in small:
-                    fbuf[off:off + x.nbytes] = x.view(np.uint8)
-                    off += x.nbytes
-            self._activity(tl, names, self._act + "BCAST", True)
-            self.backend.broadcast(fbuf, root, group)
-            self._activity(tl, names, self._act + "BCAST", False)
-            off = 0
-            for x, o in small:
-                if not (is_root and o is x):
-                    o.view(np.uint8)[:] = fbuf[off:off + x.nbytes]
-                off += x.nbytes
-        else:
-            large = pairs
-        for x, o in large:
+        # The same plan as a reduction's, unchunked, in bytes: tensors above max_tensor_bytes alone,
+        # the others fused into one call.
+        calls = plan_reduction([x.nbytes for x, _ in pairs], 1, 0, self.max_tensor_bytes, self.fusion_enabled)
+        for call in calls:
+            segs = call.segments
+            if call.kind == PACKED and len(segs) > 1:
+                fbuf = self._ops.buffer(np.dtype(np.uint8), call.size)
+                if is_root:
+                    for i, _s, _e, off in segs:
+                        x = pairs[i][0]
+                        fbuf[off:off + x.nbytes] = x.view(np.uint8)
+                self._activity(tl, names, self._act + "BCAST", True)
+                self.backend.broadcast(fbuf, root, group)
+                self._activity(tl, names, self._act + "BCAST", False)
+                if not is_root:
+                    for i, _s, _e, off in segs:
+                        o = pairs[i][1]
+                        o.view(np.uint8)[:] = fbuf[off:off + o.nbytes]
+                continue
+            x, o = pairs[segs[0][0]]
             if is_root and not np.shares_memory(o, x):
                 np.copyto(o, x)
             self.backend.broadcast(o, root, group)
