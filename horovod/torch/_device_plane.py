@@ -235,7 +235,9 @@ class TorchBuffers:
             total += e - st
         return first.as_strided((total,), (1,), first.storage_offset() + segs[0][1])
 
-    def outputs(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    def outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None) -> list[torch.Tensor]:
+        if given is not None:
+            return [_unwrap(o) for o in given]
         return [torch.empty_like(_unwrap(x)) for x in inputs]
 
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:

@@ -82,8 +82,9 @@ class BufferOps(Protocol):
     def buffer(self, work: Any, n: int) -> Any:
         """A reusable fusion buffer of ``n`` elements of ``work`` (allocate)."""
 
-    def outputs(self, inputs: Sequence[Any]) -> list[Any]:
-        """New outputs for an out-of-place operation on ``inputs`` (allocate)."""
+    def outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None) -> list[Any]:
+        """The outputs an entry's caller gets: ``given`` (the caller's, or its inputs when in
+        place) as this kind's objects, else new ones for an out-of-place operation (allocate)."""
 
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
         """The items of one response's tensors."""
@@ -130,8 +131,7 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
                 z = ops.zeros(n, resp.request.dtype)
                 items.append(Item(z, z, True, resp.name, n))
             continue
-        if entry.outputs is None:
-            entry.outputs = ops.outputs(entry.inputs)
+        entry.outputs = ops.outputs(entry.inputs, entry.outputs)
         items.extend(ops.items(resp.name, entry.inputs, entry.outputs))
     return items, starts
 
@@ -278,7 +278,9 @@ class NumpyBuffers:
         self._output = output  # (shape, dtype) -> a result array (warm, from the output pool)
         self._buffers: dict[str, np.ndarray] = {}
 
-    def outputs(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+        if given is not None:
+            return list(given)
         return [self._output(x.shape, x.dtype) for x in inputs]
 
     def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
