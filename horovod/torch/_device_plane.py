@@ -241,11 +241,12 @@ class TorchBuffers:
         return [torch.empty_like(_unwrap(x)) for x in inputs]
 
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
+        new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
         for x, o in zip(inputs, outputs):
             t = _unwrap(x)
             o = _unwrap(o)
-            out.append(Item(t, o, o is t, name, t.numel()))
+            out.append(new(Item, (t, o, o is t, name, t.numel())))
         return out
 
     def buffer(self, work: torch.dtype, n: int) -> torch.Tensor:

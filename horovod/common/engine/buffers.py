@@ -284,10 +284,11 @@ class NumpyBuffers:
         return [self._output(x.shape, x.dtype) for x in inputs]
 
     def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
+        new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
         for x, o in zip(inputs, outputs):
             xf = x.reshape(-1)
-            out.append(Item(xf, o.reshape(-1), o is x, name, xf.size))
+            out.append(new(Item, (xf, xf if o is x else o.reshape(-1), o is x, name, xf.size)))
         return out
 
     def piece(self, a: np.ndarray, start: int, stop: int) -> np.ndarray:

@@ -85,7 +85,9 @@ def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: i
                 calls.append(Call(kind, e - s, ((idx, s, e, 0),)))
             start = stop
         while start < n:
-            take = min(n - start, cap - fill)
+            take = n - start
+            if take > cap - fill:
+                take = cap - fill
             pack.append((idx, start, start + take, fill))
             fill += take
             start += take
