@@ -72,6 +72,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             ctx = _ctx.Context(comm=comm, start=False)
             _ctx.set_context(ctx)
             _configure_logging(ctx.config.log_level, ctx.config.log_hide_time)
+            _log.info("started by %s; local rank %d of %d, cross rank %d of %d",
+                      ctx.launch.describe(), ctx.topology.local_rank, ctx.topology.local_size,
+                      ctx.topology.cross_rank, ctx.topology.cross_size)
             _lifecycle.install()
             if ctx.topology.size > 1:
                 _lifecycle.note_multi_rank()

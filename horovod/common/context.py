@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from horovod.common.backends.registry import create_backend, select_backend_name
+from horovod.common.backends.registry import create_backend, detect_launch
 from horovod.common.config import EngineConfig
 from horovod.common.engine.device import check_gpu_settings
 from horovod.common.engine.executor import Entry
@@ -84,7 +84,8 @@ class Context:
         environ = os.environ if environ is None else environ
         self.config = EngineConfig.from_env(environ)
         check_gpu_settings(self.config, _nccl_version)  # HOROVOD_GPU_OPERATIONS=NCCL without CUDA
-        self.backend_name = select_backend_name(self.config, environ, comm)
+        self.launch = detect_launch(self.config, environ, comm)  # logged by init() at info level
+        self.backend_name = self.launch.transport
         self.backend = create_backend(self.backend_name, self.config, environ, comm)
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         hostnames = self.backend.allgather_object(host)
