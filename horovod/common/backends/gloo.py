@@ -248,6 +248,8 @@ class GlooBackend:
                 f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
                 "of SLURM_STEP_NODELIST) and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
                 "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
+        # A Python store lives only while its Python object does: keep it beside the prefix store.
+        self._joined_store = store
         return dist.PrefixStore(prefix, store), my_addr
 
     def _make_pg(self, prefix: str, rank: int, size: int) -> Any:
@@ -517,9 +519,10 @@ class GlooBackend:
         self._pgs.clear()
         self._world = None
         self._device = None
-        if isinstance(self._store, authstore.torch_store_type()):
-            self._store.close()
-        self._store = None
+        for store in (self._store, getattr(self, "_joined_store", None)):
+            if isinstance(store, authstore.torch_store_type()):
+                store.close()
+        self._store = self._joined_store = None
 
 
 def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> GlooBackend:
