@@ -6,6 +6,7 @@ test_launchers_spark_ray.py.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -193,7 +194,8 @@ def test_slurm_tasks(np_):
     """Real `srun -n N` where a Slurm controller runs here; else exactly the variables srun sets."""
     node = socket.gethostname()
     if _srun_available():
-        res = _run(["srun", "--overcommit", "-n", str(np_), sys.executable, str(BIN / "bindings.py"), "torch"], timeout=120)
+        res = _run(["srun", "--overcommit", "-n", str(np_), sys.executable, str(BIN / "bindings.py"), "torch"],
+                   timeout=120)
         out = res.stdout
         assert res.returncode == 0, out[-3000:]
     else:
@@ -223,3 +225,27 @@ def test_horovod_variables_take_precedence_over_torchrun_variables():
     stale = {"RANK": "5", "WORLD_SIZE": "9", "MASTER_ADDR": "10.255.255.1", "MASTER_PORT": "1",
              "SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "x"}
     assert run_ranks(_detected, np=2, timeout=90, env=stale) == ["mpi", "mpi"]
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_spark_torch_distributor_local_mode():
+    """TorchDistributor(num_processes=2, local_mode=True) on a local Spark runs torchrun: hvd joins it."""
+    pytest.importorskip("pyspark")
+    res = _run([sys.executable, str(BIN / "torch_distributor.py"), "2"], timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:]
+    line = next((x for x in res.stdout.splitlines() if x.startswith("DISTRIBUTOR ")), None)
+    assert line is not None, res.stdout[-3000:]
+    assert json.loads(line[len("DISTRIBUTOR "):]) == [[r, 2, r, 2, "torchrun", 3.0] for r in range(2)]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_train_torch_trainer_two_workers():
+    """Ray Train's TorchTrainer initialises torch.distributed; hvd.init() uses that group's store."""
+    pytest.importorskip("ray.train.torch")
+    res = _run([sys.executable, str(BIN / "ray_torch_trainer.py"), "2"], timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:]
+    found = {int(m.group(1)): json.loads(m.group(2)) for m in re.finditer(r"TRAINER (\d) (\[.*\])", res.stdout)}
+    want = [[r, 2, r, 2, "torch-group", 3.0] for r in range(2)]
+    assert found == {0: want, 1: want}, res.stdout[-3000:]
