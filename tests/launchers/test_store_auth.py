@@ -133,9 +133,15 @@ def test_running_gloo_job_refuses_outsiders(tmp_path, twin):
     proc = subprocess.Popen([sys.executable, "-m", "horovod.runner", "--gloo", "-np", "2", sys.executable, str(JOB)],
                             env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(tmp_path / "ready", proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    secrets = {p.environ().get("HOROVOD_SECRET_KEY") for p in tree} - {None}
+    assert len(secrets) == 1, "the workers share one job secret"
+    secret = secrets.pop()
+    assert all(secret not in " ".join(p.cmdline()) for p in [psutil.Process(proc.pid), *tree]), "secret in ps"
     results = probe(proc.pid)
     out = _finish(proc, tmp_path, 2)
     _check(results, out)
+    assert secret not in out, "secret in the job's output"
     stores = {int(p) for _, p, _ in re.findall(r"store (\S+):(\d+) refused a connection from (\S+):", out)}
     assert len(stores) == (2 if twin else 1), out[-3000:]  # the twin adds the device plane's store
 
