@@ -1,8 +1,10 @@
 """Gloo through ``torch.distributed``: negotiation and CPU collectives on NumPy buffers.
 
 Workers started by ``horovodrun --gloo`` (or ``horovod.run(..., use_gloo=True)``) find each other
-like this: rank 0 opens a ``torch.distributed.TCPStore`` on a free port and publishes its address
-through the launcher's rendezvous service; the other ranks read it there. Requests to that service
+like this: rank 0 opens an authenticated store (``horovod.common.backends.authstore``: every
+connection and request HMAC-checked with a key derived from the job secret, listening on the
+job's interface only) on a free port and publishes its address through the launcher's rendezvous
+service; the other ranks read it there. Requests to that service
 are HMAC-signed with the job secret (``HOROVOD_SECRET_KEY``) and its answers are checked the same
 way (protocol: ``horovod.common.rendezvous``), so a worker never connects to an address it did not
 get from its own launcher. In an elastic job (``HOROVOD_ELASTIC=1``) every ``init()`` first asks
@@ -10,6 +12,10 @@ the elastic driver for this worker's place in the next round (``horovod.common.e
 and meets the round's other members under that round's scope. Process groups are ``ProcessGroupGloo`` objects made
 directly on that store, without torch's global default group, so ``hvd.init(); hvd.shutdown();
 hvd.init()`` works and nothing leaks into a user's own ``torch.distributed`` use.
+
+Workers started by another launcher (``horovod.common.launcher``: torchrun, an initialised torch
+group, srun) meet on that launcher's store instead, under a ``horovod/...`` key prefix; under srun
+task 0 opens the authenticated store on the step's first node (docs/launcher.md).
 
 Buffers are handed to Gloo through ``torch.from_numpy`` (no copy). Data-movement collectives
 (allgather, broadcast, alltoall) run on a byte view of the buffer, so every dtype works; reductions

@@ -1,0 +1,95 @@
+"""Cost of the authenticated store: start-up and elastic re-formation against another checkout.
+
+Runs, interleaved (A, B, A, B ...) so that the machine's load hits both alike:
+
+* ``startup``: ``horovodrun --gloo -np 2 python -c 'hvd.init(); hvd.shutdown()'``: the command's
+  wall time and the slowest rank's ``hvd.init()`` (transport, store, topology, engine).
+* ``reform``: ``benchmarks/elastic_bench.py``'s ``recovery`` scenario of each checkout
+  (``-np 3 --min-np 2``, a worker SIGKILLs itself at step 20): from its death to the survivors'
+  first step in the re-formed round (the new round's store is opened and joined in between).
+
+``--baseline`` is a checkout of the version to compare with, e.g. the commit before the
+authenticated store::
+
+    mkdir /tmp/base && git archive 425b2ee | tar -x -C /tmp/base
+    python benchmarks/store_bench.py --baseline /tmp/base --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+INIT = ("import time; t0 = time.perf_counter(); import horovod.torch as hvd; t1 = time.perf_counter(); "
+        "hvd.init(); t2 = time.perf_counter(); print('INIT', hvd.rank(), t2 - t1, flush=True); hvd.shutdown()")
+
+REFORM = ("import json, sys, tempfile; sys.path.insert(0, sys.argv[1] + '/benchmarks'); import elastic_bench; "
+          "print('REFORM ' + json.dumps(elastic_bench.recovery(tempfile.mkdtemp())), flush=True)")
+
+
+def _env(tree: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env["PYTHONPATH"] = tree
+    return env
+
+
+def startup(tree: str) -> dict[str, float]:
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "horovod.runner", "--gloo", "-np", "2", sys.executable, "-c", INIT],
+                         env=_env(tree), capture_output=True, text=True, timeout=300, cwd=tree)
+    wall = time.perf_counter() - t0
+    inits = [float(x) for x in re.findall(r"INIT \d ([\d.e-]+)", res.stdout)]
+    if res.returncode != 0 or len(inits) != 2:
+        raise SystemExit(f"startup run in {tree} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return {"wall_s": wall, "init_s": max(inits)}
+
+
+def reform(tree: str) -> dict[str, float]:
+    res = subprocess.run([sys.executable, "-c", REFORM, tree], env=_env(tree), capture_output=True, text=True,
+                         timeout=600, cwd=tree)
+    m = re.search(r"REFORM (\{.*\})", res.stdout)
+    if res.returncode != 0 or m is None:
+        raise SystemExit(f"reform run in {tree} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return {"reform_s": float(json.loads(m.group(1))["death_to_first_step_s"])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="checkout to compare with (its PYTHONPATH root)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", choices=["startup", "reform"])
+    ap.add_argument("--json", help="write the figures here as JSON")
+    args = ap.parse_args()
+    trees = {"authenticated": REPO, "baseline": os.path.abspath(args.baseline)}
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    for _ in range(args.repeats):
+        for name, tree in trees.items():
+            figures: dict[str, float] = {}
+            if args.only in (None, "startup"):
+                figures.update(startup(tree))
+            if args.only in (None, "reform"):
+                figures.update(reform(tree))
+            for k, v in figures.items():
+                samples[name].setdefault(k, []).append(v)
+            print(name, {k: round(v, 3) for k, v in figures.items()}, flush=True)
+    out = {name: {k: {"median": statistics.median(v), "samples": v} for k, v in s.items()}
+           for name, s in samples.items()}
+    out["delta_median_s"] = {k: out["authenticated"][k]["median"] - out["baseline"][k]["median"]
+                             for k in out["authenticated"]}
+    print(json.dumps(out["delta_median_s"], indent=2))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
