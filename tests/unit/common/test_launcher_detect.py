@@ -117,3 +117,18 @@ def test_explicit_controller_keeps_the_launcher():
 
 def test_torch_group_of_one_is_local():
     assert detect({}, torch_group=(0, 1)).transport == "local"
+
+
+def test_diagnose_command_reports_the_launcher(monkeypatch, capsys):
+    from horovod import diagnose
+
+    for k in list(__import__("os").environ):
+        if k.startswith(("HOROVOD_", "OMPI_", "PMI", "SLURM_", "TORCHELASTIC")) or k in TORCHRUN:
+            monkeypatch.delenv(k, raising=False)
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    assert diagnose.main([]) == 0
+    assert "launcher torchrun (transport gloo) rank 1 of 2" in capsys.readouterr().out
+    monkeypatch.delenv("MASTER_ADDR")
+    assert diagnose.main([]) == 1
+    assert "Missing: MASTER_ADDR" in capsys.readouterr().out

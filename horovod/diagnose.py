@@ -1,7 +1,7 @@
-"""``python -m horovod.runner.diagnose``: which launcher started this process and how Horovod joins it.
+"""``python -m horovod.diagnose``: which launcher started this process and how Horovod joins it.
 
-Run it the way the training script is run (``torchrun ... -m horovod.runner.diagnose``, ``srun -n 2
-python -m horovod.runner.diagnose``, ``horovodrun -np 2 python -m horovod.runner.diagnose``): each
+Run it the way the training script is run (``torchrun ... -m horovod.diagnose``, ``srun -n 2
+python -m horovod.diagnose``, ``horovodrun -np 2 python -m horovod.diagnose``): each
 process prints the launcher Horovod detects, the transport it will use, the launcher variables it
 read and what is missing, without starting Horovod. ``--init`` also runs ``hvd.init()`` and prints
 the ranks it got. Exit status 1 when the launcher cannot be joined. Secrets are never printed.
@@ -20,7 +20,7 @@ from horovod.common.launcher import LauncherError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m horovod.runner.diagnose", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m horovod.diagnose", description=__doc__)
     parser.add_argument("--init", action="store_true", help="also run hvd.init() and print the ranks")
     args = parser.parse_args(argv)
     print(f"torch (Gloo transport): {'yes' if importlib.util.find_spec('torch') else 'no'}; "
