@@ -8,11 +8,17 @@ Runs, interleaved (A, B, A, B ...) so that the machine's load hits both alike:
   (``-np 3 --min-np 2``, a worker SIGKILLs itself at step 20): from its death to the survivors'
   first step in the re-formed round (the new round's store is opened and joined in between).
 
+* ``formation`` (no baseline needed): in two long-lived processes, rank 0 opens a store, rank 1
+  connects, both build a ``ProcessGroupGloo`` on it and run one allreduce; the time on rank 0 from
+  opening the store to the allreduce's end, Horovod's authenticated store against torch's
+  ``TCPStore``, alternating, many times (no process start or import in the figure).
+
 ``--baseline`` is a checkout of the version to compare with, e.g. the commit before the
 authenticated store::
 
     mkdir /tmp/base && git archive 425b2ee | tar -x -C /tmp/base
     python benchmarks/store_bench.py --baseline /tmp/base --repeats 5
+    python benchmarks/store_bench.py --only formation --repeats 40
 """
 
 from __future__ import annotations
@@ -61,13 +67,74 @@ def reform(tree: str) -> dict[str, float]:
     return {"reform_s": float(json.loads(m.group(1))["death_to_first_step_s"])}
 
 
+def _formation_rank(rank: int, conn, repeats: int, out) -> None:  # noqa: ANN001
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from horovod.common.backends import authstore
+
+    key = authstore.derive_key("ab" * 32)
+    timeout = datetime.timedelta(seconds=60)
+    times: dict[str, list[float]] = {"authenticated": [], "tcpstore": []}
+    for i in range(2 * repeats):
+        kind = "authenticated" if i % 2 == 0 else "tcpstore"
+        t0 = time.perf_counter()
+        if rank == 0:
+            if kind == "authenticated":
+                store = authstore.open_store("127.0.0.1", key, 60)
+                port = store.server.port
+            else:
+                store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timeout, wait_for_workers=False)
+                port = store.port
+            conn.send(port)
+        else:
+            port = conn.recv()
+            store = (authstore.connect_store("127.0.0.1", port, key, 60) if kind == "authenticated"
+                     else dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout))
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"r{i}", store), rank, 2, opts)
+        pg.allreduce([torch.ones(4)]).wait()
+        times[kind].append(time.perf_counter() - t0)
+        conn.send("done")
+        conn.recv()  # both finished this repetition before either tears down
+        pg.shutdown()
+        if kind == "authenticated":
+            store.close()
+        del pg, store
+    if rank == 0:
+        out.put(times)
+
+
+def formation(repeats: int) -> dict[str, float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_formation_rank, args=(r, c, repeats, q)) for r, c in ((0, a), (1, b))]
+    for p in procs:
+        p.start()
+    times = q.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return {f"formation_{k}_median_s": statistics.median(v) for k, v in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", required=True, help="checkout to compare with (its PYTHONPATH root)")
+    ap.add_argument("--baseline", help="checkout to compare with (its PYTHONPATH root)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--only", choices=["startup", "reform"])
+    ap.add_argument("--only", choices=["startup", "reform", "formation"])
     ap.add_argument("--json", help="write the figures here as JSON")
     args = ap.parse_args()
+    if args.only in (None, "formation"):
+        print(json.dumps(formation(max(args.repeats, 20)), indent=2), flush=True)
+    if args.only == "formation" or args.baseline is None:
+        return 0
     trees = {"authenticated": REPO, "baseline": os.path.abspath(args.baseline)}
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     for _ in range(args.repeats):
