@@ -70,6 +70,15 @@ def _set_key(ranks: list[int]) -> tuple[int, ...]:
     return tuple(ranks)
 
 
+def _node_names(pairs: list[tuple[str, int | None]]) -> list[str]:
+    """Every rank's host name; ``name#node<k>`` where a launcher's node ranks (torchrun's
+    ``GROUP_RANK``, Slurm's ``SLURM_NODEID``) split ranks that share a host name (containers, or
+    two agents on one machine), so that local and cross ranks follow the launcher's nodes."""
+    if len(set(pairs)) == len({h for h, _ in pairs}):
+        return [h for h, _ in pairs]
+    return [h if n is None else f"{h}#node{n}" for h, n in pairs]
+
+
 class Context:
     """Everything ``init()`` creates: config, transport, topology, process sets, engine, handles.
 
@@ -88,7 +97,7 @@ class Context:
         self.backend_name = self.launch.transport
         self.backend = create_backend(self.backend_name, self.config, environ, comm)
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-        hostnames = self.backend.allgather_object(host)
+        hostnames = _node_names(self.backend.allgather_object((host, self.launch.node_rank)))
         self.hostnames: list[str] = list(hostnames)
         self.topology: Topology = topology_from_hostnames(hostnames, self.backend.rank)
         self.counter = HandleCounter()

@@ -249,3 +249,20 @@ def test_ray_train_torch_trainer_two_workers():
     found = {int(m.group(1)): json.loads(m.group(2)) for m in re.finditer(r"TRAINER (\d) (\[.*\])", res.stdout)}
     want = [[r, 2, r, 2, "torch-group", 3.0] for r in range(2)]
     assert found == {0: want, 1: want}, res.stdout[-3000:]
+
+
+def test_torchrun_two_nodes_local_and_cross_ranks():
+    """Two torchrun agents (--nnodes=2, static rendezvous) of 2 workers each on this machine:
+    local ranks follow torchrun's nodes (GROUP_RANK), cross ranks join the nodes."""
+    port = str(_free_port())
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--tee", "3",
+            "--master_addr=127.0.0.1", f"--master_port={port}"]
+    procs = [subprocess.Popen([*argv, f"--node_rank={n}", str(BIN / "bindings.py"), "torch"], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)[-3000:]
+    lines = sorted(BINDING_LINE.findall("\n".join(outs)), key=lambda x: int(x[1]))
+    got = [tuple(int(v) for v in x[1:7]) for x in lines]
+    # (rank, size, local rank, local size, cross rank, cross size)
+    assert got == [(0, 4, 0, 2, 0, 2), (1, 4, 1, 2, 0, 2), (2, 4, 0, 2, 1, 2), (3, 4, 1, 2, 1, 2)], outs
+    assert all(float(x[7]) == 10 and float(x[8]) == 3 for x in lines)
