@@ -31,17 +31,17 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
+from horovod.common import wire
 from horovod.common.exceptions import HorovodInternalError, HorovodShutdownError
 
 __all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "note_mpi_initialized",
            "note_multi_rank", "record_failure", "end_process"]
 
-EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
+EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
 # The same record, as one stderr line the launcher removes from the output: it travels with the
 # rank's output at once, so the launcher has it even when mpirun stops the rank before its shim
 # can report (mpirun stops forwarding a job's output once it terminates it).
-ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+ERROR_MARKER = wire.ERROR_MARKER
 
 log = logging.getLogger("horovod")
 
@@ -143,9 +143,9 @@ def record_failure(code: int, kind: str, error: str) -> None:
         with contextlib.suppress(OSError):
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(asdict(_failure), fh)
-        rank = next((os.environ[v] for v in _RANK_VARS if v in os.environ), "")
+        rank = wire.env_rank() or ""
         if rank.isdigit():
-            line = ERROR_MARKER + json.dumps(dict(asdict(_failure), rank=int(rank))) + "\n"
+            line = wire.error_line(dict(asdict(_failure), rank=int(rank)))
             with contextlib.suppress(Exception):
                 sys.stderr.flush()
             with contextlib.suppress(OSError):

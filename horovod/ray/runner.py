@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 
 __all__ = ["RayExecutor", "MiniSettings"]
 

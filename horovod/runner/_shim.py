@@ -1,6 +1,6 @@
 """Worker shim: run one rank's command, stop its process tree on demand, and report how it ended.
 
-Run by file path (standard library only, nothing from ``horovod`` is imported) as::
+Run by file path (standard library only; the package ``horovod`` is not imported) as::
 
     python -u _shim.py [--watch-stdin] [--stdin-env] -- command args...
 
@@ -12,7 +12,8 @@ Run by file path (standard library only, nothing from ``horovod`` is imported) a
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
 on to that group. When the command ends, the rest of its group is stopped and one line
-``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr: rank, host, pid, exit code or signal, time, and
+``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr (spelled in ``horovod/common/wire.py``, which the
+shim loads by its path): rank, host, pid, exit code or signal, time, and
 why the shim stopped it, if it did. The command finds a file name in ``HOROVOD_EXIT_RECORD``;
 Horovod writes there, the moment a rank fails, whether its error is a cause of its own or only
 the consequence of a peer leaving (``horovod/common/lifecycle.py``), and the shim passes that on
@@ -20,6 +21,7 @@ as ``"error"``. The launcher removes that line from the output and uses it
 for the failure report. The shim exits with the command's code, or 128 + the signal number.
 """
 
+import importlib.util
 import json
 import os
 import signal
@@ -29,10 +31,21 @@ import sys
 import threading
 import time
 
-MARKER = "__HOROVOD_RUNNER_EXIT__ "
-EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
+
+def _load_wire():
+    """``horovod/common/wire.py`` (the protocol, standard library only), loaded by its path."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "wire.py")
+    spec = importlib.util.spec_from_file_location("_horovod_wire", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses looks the module up while building its classes
+    spec.loader.exec_module(module)
+    return module
+
+
+wire = _load_wire()
+MARKER = wire.EXIT_MARKER
+EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
 GRACE_SECONDS = 3.0
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
 def _set_parent_death_signal():
@@ -78,9 +91,8 @@ def _watch_stdin(stopper):
     # The launcher may send "signal <N>" lines (Ctrl-C reaching remote workers) before closing.
     try:
         for line in sys.stdin.buffer:
-            words = line.split()
-            if len(words) == 2 and words[0] == b"signal" and words[1].isdigit():
-                signum = int(words[1])
+            signum = wire.parse_signal_line(line)
+            if signum is not None:
                 stopper.stop(f"horovodrun sent {signal.Signals(signum).name}", signum)
     except (OSError, ValueError):
         pass
@@ -118,7 +130,7 @@ def main(argv):
         except (ValueError, KeyError) as exc:
             sys.stderr.write(f"horovod shim: bad environment line from the launcher: {exc}\n")
             return 2
-    rank = next((env[v] for v in _RANK_VARS if v in env), "?")
+    rank = wire.env_rank(env) or "?"
     host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
     record_path = os.path.join(os.environ.get("TMPDIR") or "/tmp",
@@ -149,7 +161,7 @@ def main(argv):
                 "signame": signal.Signals(signum).name if signum else None,
                 "time": time.time(), "stopped_by": reason, "error": read_record()}
         sys.stdout.flush()
-        sys.stderr.write(MARKER + json.dumps(info) + "\n")
+        sys.stderr.write(wire.exit_line(info))
         sys.stderr.flush()
 
     child_pid = None

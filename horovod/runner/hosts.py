@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 
 __all__ = ["HostSpec", "SlotInfo", "parse_hosts", "parse_hostfile", "assign_slots", "hosts_text"]
 

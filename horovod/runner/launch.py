@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 from horovod.runner.execute import Executor, JobResult
 from horovod.runner.hosts import HostSpec, parse_hostfile, parse_hosts
 from horovod.runner.launchers.base import Command

@@ -11,7 +11,7 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots, used_hosts
 from horovod.runner.settings import LaunchSettings
 

@@ -17,10 +17,9 @@ RESULT_KEY_ENV = "HOROVOD_RUN_TASK_RESULT_KEY"
 
 
 def _rank() -> int:
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+    from horovod.common.wire import env_rank
+
+    return int(env_rank() or 0)
 
 
 def main() -> int:

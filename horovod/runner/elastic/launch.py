@@ -54,7 +54,7 @@ def _elastic_timeout(settings: LaunchSettings, environ: Mapping[str, str]) -> fl
 def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
     if settings.host_discovery_script:
         script = os.path.abspath(settings.host_discovery_script)
-        from horovod.runner import errors
+        from horovod.common import exceptions as errors
 
         if not (os.path.isfile(script) and os.access(script, os.X_OK)):
             raise errors.ConfigError(f"--host-discovery-script {settings.host_discovery_script}: "
