@@ -72,7 +72,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             ctx = _ctx.Context(comm=comm, start=False)
             _ctx.set_context(ctx)
             _configure_logging(ctx.config.log_level, ctx.config.log_hide_time)
-            _lifecycle.install()
+            if _lifecycle.wanted(ctx.topology.size):  # a launched worker; HOROVOD_FAIL_FAST=0: never
+                _lifecycle.install()
             if ctx.topology.size > 1:
                 _lifecycle.note_multi_rank()
             if not _atexit_registered:

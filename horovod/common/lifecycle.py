@@ -9,6 +9,14 @@
   ``hvd.init()`` in a job of more than one rank, such a rank leaves at once with its exit code
   (``os._exit`` after flushing output and logging), skipping finalize; mpirun or horovodrun see
   a non-zero exit and stop the job.
+* Python tells no one how a process ends (an uncaught ``SystemExit`` leaves no trace an ``atexit``
+  function could read), so this takes one process-wide hook, **the fail-fast hook**: it wraps
+  ``sys.excepthook`` (the previous hook still runs) and makes ``sys.exit``/``exit``/``quit`` raise
+  a ``SystemExit`` subclass that notices when it ends the process. ``hvd.init()`` installs it only
+  in a worker of a launched job (more than one rank, or started by ``horovodrun``), never in a
+  single process of its own (a notebook, ``python train.py``, a unit test), and not at all when
+  ``HOROVOD_FAIL_FAST=0``: a failed rank then takes the normal exit path (MPI's finalize may
+  wait for its peers until the launcher stops them).
 * The failure is classified: a ``HorovodShutdownError`` or a plain ``HorovodInternalError``
   (raised because a peer left) is a *consequence*; anything else is a *cause*. When the launcher
   names a file in ``HOROVOD_EXIT_RECORD`` the record ``{"code", "kind", "error", "time"}`` is
@@ -34,7 +42,8 @@ from typing import Any, NoReturn
 from horovod.common import wire
 from horovod.common.exceptions import HorovodInternalError, HorovodShutdownError
 
-__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "note_mpi_initialized",
+__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "installed", "wanted",
+           "note_mpi_initialized",
            "note_multi_rank", "record_failure", "end_process"]
 
 EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
@@ -202,8 +211,19 @@ def _excepthook(orig: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
+def wanted(size: int) -> bool:
+    """Whether ``hvd.init()`` installs the fail-fast hook in a job of ``size`` ranks (see above)."""
+    if os.environ.get(wire.LIFECYCLE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return size > 1 or wire.EXIT_RECORD_ENV in os.environ
+
+
+def installed() -> bool:
+    return _installed
+
+
 def install() -> None:
-    """Watch how the process ends (called by ``hvd.init()``; idempotent)."""
+    """Install the fail-fast hook (called by ``hvd.init()`` when :func:`wanted`; idempotent)."""
     global _installed
     if _installed:
         return

@@ -32,8 +32,8 @@ __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_
 ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
 EXIT_MARKER = "__HOROVOD_RUNNER_EXIT__ "
 EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
-# Set to 0 in a worker's environment: a failed rank does not leave at once (see
-# horovod.common.lifecycle); the launcher still stops the job when the rank's process ends.
+# 0 in a worker's environment: no fail-fast hook (see horovod.common.lifecycle); a failed rank
+# takes the normal exit path, and the launcher stops the job when the rank's process ends.
 LIFECYCLE_ENV = "HOROVOD_FAIL_FAST"
 
 # horovodrun / Open MPI / PMIx / PMI (MPICH, Intel MPI): the first one set names the rank.
