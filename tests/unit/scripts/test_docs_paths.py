@@ -10,7 +10,8 @@ import pytest
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
-OUTSIDE = re.compile(r"\.\./shared|(?<![\w.])/work/|(?<![\w/.])shared/(?:API|DESIGN|STYLE|BENCHMARKS|upstream|tools|bench)")
+OUTSIDE = re.compile(r"\.\./shared|(?<![\w.])/work/"
+                     r"|(?<![\w/.])shared/(?:API|DESIGN|STYLE|BENCHMARKS|upstream|tools|bench)")
 
 
 def test_docs_and_packaging_name_no_path_outside_the_repository() -> None:
