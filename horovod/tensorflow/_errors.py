@@ -16,7 +16,13 @@ message), and :func:`install` makes ``tf.errors.InvalidArgumentError(...)`` buil
 ``FailedPreconditionError`` (same arguments, same message) when the message carries that name.
 Every way TF turns a status into a Python exception (``session.run``, ``tf.function`` calls,
 ``tf.data`` iterators) constructs the class it looks up for the status code, so this one hook
-covers them all; any other InvalidArgumentError is built as before.
+covers them all.
+
+The mapping is limited to Horovod's ops: only a message that one of them wrote (the
+``HorovodFailedPrecondition:`` mark) is changed, every other InvalidArgumentError of TensorFlow is
+built as before; and it is installed when the first Horovod op is put into a graph
+(``_bridge``), not when ``horovod.tensorflow`` is imported, so a program that imports Horovod but
+runs its ops eagerly (or not at all) keeps TensorFlow's class untouched.
 """
 
 from __future__ import annotations

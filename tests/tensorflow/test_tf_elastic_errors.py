@@ -16,6 +16,7 @@ from horovod.common.exceptions import (  # noqa: E402
     HorovodShutdownError,
 )
 from horovod.tensorflow import _errors  # noqa: E402
+from horovod.tensorflow._bridge import engine_call  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -34,12 +35,12 @@ def _eager(exc: BaseException) -> Callable[[], None]:
 
 
 def _graph(exc: BaseException) -> Callable[[], None]:
-    def boom() -> None:
-        raise _errors.graph_error("HorovodAllreduce", "grads", exc)
+    def boom(_key: object, _arrays: object) -> None:
+        raise exc
 
     @tf.function
     def step() -> tf.Tensor:
-        return tf.numpy_function(boom, [], tf.float32)
+        return engine_call("HorovodAllreduce", boom, [tf.ones([1])], [tf.float32], name="grads")[0]
 
     return lambda: step()  # noqa: PLW0108 - a fresh call each time
 
