@@ -54,3 +54,14 @@ def test_shim_uses_only_the_standard_library() -> None:
     mods = {m.split(".")[0] for m, _ in imported_modules(RUNNER / "_shim.py")}
     assert mods <= {"json", "os", "signal", "socket", "subprocess", "sys", "threading", "time",
                     "ctypes", "importlib"}, mods
+
+
+def test_the_package_ships_no_test_fixture_that_installs_software() -> None:
+    # tests/_fakehosts.py runs apt-get; it stays out of the wheel (horovod/). (Error messages may
+    # still suggest "apt-get install ..." to the user.)
+    import re
+
+    runs = re.compile(r"""["']apt-get["']|["']apt["'],|["']dpkg["']""")
+    bad = [str(p.relative_to(RUNNER.parents[1])) for p in RUNNER.parent.rglob("*.py")
+           if runs.search(p.read_text())]
+    assert not bad, f"modules of the package that run a package manager: {bad}"
