@@ -7,7 +7,7 @@ from typing import Any
 
 from horovod.common import exceptions as errors
 from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve, shared_visible_devices
-from horovod.ray.runner import failure_error, wait_all
+from horovod.ray.waiting import failure_error, wait_all
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.hosts import HostSpec
 

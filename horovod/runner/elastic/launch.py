@@ -60,7 +60,7 @@ def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
             raise errors.ConfigError(f"--host-discovery-script {settings.host_discovery_script}: "
                                      "not an executable file (chmod +x it).")
         return HostDiscoveryScript(script, settings.slots_per_host)
-    from horovod.runner.launch import resolve_hosts
+    from horovod.runner.hosts import resolve_hosts
 
     return FixedHosts({h.name: h.slots for h in resolve_hosts(settings)})
 
