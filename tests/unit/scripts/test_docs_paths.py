@@ -20,3 +20,12 @@ def test_docs_and_packaging_name_no_path_outside_the_repository() -> None:
     bad = [f"{f.relative_to(REPO)}:{n}: {line.strip()[:120]}" for f in files if f.exists()
            for n, line in enumerate(f.read_text().splitlines(), 1) if OUTSIDE.search(line)]
     assert not bad, "paths outside the repository:\n" + "\n".join(bad)
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    index = (REPO / "docs" / "README.md").read_text()
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md") if p.name != "README.md")
+    missing = [p for p in pages if f"]({p})" not in index]
+    assert not missing, f"docs/README.md does not list {missing}"
+    linked = re.findall(r"\]\(([\w.-]+\.md)\)", index)
+    assert all((REPO / "docs" / p).exists() for p in linked), linked
