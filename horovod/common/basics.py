@@ -105,7 +105,7 @@ def is_initialized() -> bool:
     return _ctx.peek_context() is not None
 
 
-def _topo():  # noqa: ANN202
+def _topo() -> Any:
     return _ctx.get_context().topology
 
 

@@ -21,6 +21,8 @@ as ``"error"``. The launcher removes that line from the output and uses it
 for the failure report. The shim exits with the command's code, or 128 + the signal number.
 """
 
+from __future__ import annotations
+
 import importlib.util
 import json
 import os
@@ -30,12 +32,15 @@ import subprocess
 import sys
 import threading
 import time
+from types import FrameType, ModuleType
+from typing import Any
 
 
-def _load_wire():
+def _load_wire() -> ModuleType:
     """``horovod/common/wire.py`` (the protocol, standard library only), loaded by its path."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "wire.py")
     spec = importlib.util.spec_from_file_location("_horovod_wire", path)
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses looks the module up while building its classes
     spec.loader.exec_module(module)
@@ -48,7 +53,7 @@ EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
 GRACE_SECONDS = 3.0
 
 
-def _set_parent_death_signal():
+def _set_parent_death_signal() -> None:
     """Have the kernel SIGKILL the command if this shim dies first (Linux only)."""
     try:
         import ctypes
@@ -60,18 +65,18 @@ def _set_parent_death_signal():
 
 
 class _Stopper:
-    def __init__(self, pgid):
+    def __init__(self, pgid: int) -> None:
         self.pgid = pgid
-        self.reason = None
+        self.reason: str | None = None
         self.lock = threading.Lock()
 
-    def signal_group(self, signum):
+    def signal_group(self, signum: int) -> None:
         try:
             os.killpg(self.pgid, signum)
         except (ProcessLookupError, PermissionError):
             pass
 
-    def stop(self, reason, signum=signal.SIGTERM):
+    def stop(self, reason: str, signum: int = signal.SIGTERM) -> None:
         """Send ``signum`` to the worker's group once; SIGKILL follows after the grace period.
 
         Only the first request counts: a life line closing right after a forwarded SIGINT must
@@ -87,7 +92,7 @@ class _Stopper:
         t.start()
 
 
-def _watch_stdin(stopper):
+def _watch_stdin(stopper: _Stopper) -> None:
     # The launcher may send "signal <N>" lines (Ctrl-C reaching remote workers) before closing.
     try:
         for line in sys.stdin.buffer:
@@ -99,7 +104,7 @@ def _watch_stdin(stopper):
     stopper.stop("horovodrun closed the connection (job stopping)")
 
 
-def _watch_parent(stopper, parent):
+def _watch_parent(stopper: _Stopper, parent: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
@@ -107,7 +112,7 @@ def _watch_parent(stopper, parent):
             return
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     watch_stdin = stdin_env = False
     while argv and argv[0] != "--":
         flag = argv.pop(0)
@@ -141,7 +146,7 @@ def main(argv):
     except OSError:  # no record then; the rank's error marker on stderr still reaches the launcher
         pass
 
-    def read_record():
+    def read_record() -> Any:
         try:
             with open(record_path, encoding="utf-8") as fh:
                 text = fh.read()
@@ -154,7 +159,7 @@ def main(argv):
             except OSError:
                 pass
 
-    def report(code, signum, reason):
+    def report(code: int | None, signum: int | None, reason: str | None) -> None:
         info = {"rank": int(rank) if rank.isdigit() else rank, "host": host,
                 "real_host": socket.gethostname(), "pid": child_pid, "code": code,
                 "signal": signum,
@@ -177,7 +182,7 @@ def main(argv):
     child_pid = child.pid
     stopper = _Stopper(child.pid)
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         if signum in (signal.SIGUSR1, signal.SIGUSR2):
             stopper.signal_group(signum)
         else:
