@@ -5,8 +5,11 @@ Both sides import this module: the worker (``horovod.common.lifecycle``), the wo
 launchers that read their workers' output (``horovodrun``'s static and elastic jobs, Spark).
 
 * **Variables**: where a process finds its rank (:data:`RANK_VARS`, in the order every reader
-  checks them; :data:`RANK_SIZE_VARS` pairs each with its size variable), the file named by
-  :data:`EXIT_RECORD_ENV` that a failing rank writes its failure record to.
+  checks them; :data:`RANK_SIZE_VARS` pairs each with its size variable), the identity of a
+  worker's slot (:func:`slot_env`), where ``horovod.run()``'s workers find the launcher
+  (:data:`RUNNER_ADDR_ENV`, :data:`RUNNER_PORT_ENV`, :data:`SECRET_ENV`), the file named by
+  :data:`EXIT_RECORD_ENV` that a failing rank writes its failure record to, the fail-fast switch
+  (:data:`LIFECYCLE_ENV`).
 * **Markers**: two stderr lines a launcher removes from the output it shows.
   ``__HOROVOD_RANK_ERROR__ {json}`` is written by a failing Horovod rank the moment it fails
   (``{"code", "kind", "error", "time", "rank"}``: whether its error is its own or the consequence of
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_SIZE_VARS",
-           "LIFECYCLE_ENV", "Markers", "env_rank", "error_line", "exit_line", "parse_signal_line",
-           "signal_line", "strip_markers"]
+           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV", "Markers", "env_rank",
+           "error_line", "exit_line", "parse_signal_line", "signal_line", "slot_env", "strip_markers"]
 
 ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
 EXIT_MARKER = "__HOROVOD_RUNNER_EXIT__ "
@@ -41,6 +44,18 @@ RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 # (rank variable, size variable) per launcher, in the order upstream's helper checks them.
 RANK_SIZE_VARS = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                   ("PMI_RANK", "PMI_SIZE"))
+# Where horovod.run()'s workers (horovod.runner.run_task) find the launcher's service, and its key.
+RUNNER_ADDR_ENV = "HOROVOD_RUNNER_ADDR"
+RUNNER_PORT_ENV = "HOROVOD_RUNNER_PORT"
+SECRET_ENV = "HOROVOD_SECRET_KEY"
+
+
+def slot_env(hostname: str, rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,
+             cross_size: int) -> dict[str, str]:
+    """The identity variables a launcher gives the worker of one slot (upstream's names)."""
+    return {"HOROVOD_HOSTNAME": hostname, "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
+            "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(local_size),
+            "HOROVOD_CROSS_RANK": str(cross_rank), "HOROVOD_CROSS_SIZE": str(cross_size)}
 
 
 def env_rank(env: Mapping[str, str] | None = None) -> str | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from horovod.common import exceptions as errors
+from horovod.common import wire
 
 if TYPE_CHECKING:
     from horovod.runner.settings import LaunchSettings
@@ -48,15 +49,8 @@ class SlotInfo:
 
     def env(self) -> dict[str, str]:
         """The identity variables a worker of this slot reads (upstream names)."""
-        return {
-            "HOROVOD_HOSTNAME": self.hostname,
-            "HOROVOD_RANK": str(self.rank),
-            "HOROVOD_SIZE": str(self.size),
-            "HOROVOD_LOCAL_RANK": str(self.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(self.local_size),
-            "HOROVOD_CROSS_RANK": str(self.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(self.cross_size),
-        }
+        return wire.slot_env(self.hostname, self.rank, self.size, self.local_rank, self.local_size,
+                             self.cross_rank, self.cross_size)
 
 
 def parse_hosts(text: str) -> list[HostSpec]:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from horovod.common import exceptions as errors
+from horovod.common import wire
 from horovod.runner.execute import Executor, JobResult
 from horovod.runner.hosts import resolve_hosts
 from horovod.runner.launchers.base import Command
@@ -159,8 +160,8 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
         if server is not None:
             # Where run_task workers of horovod.run() find the launcher, in both modes (the
             # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).
-            plan.job_env.update({"HOROVOD_RUNNER_ADDR": rdv_addr[0],
-                                 "HOROVOD_RUNNER_PORT": rdv_addr[1]})
+            plan.job_env.update({wire.RUNNER_ADDR_ENV: rdv_addr[0],
+                                 wire.RUNNER_PORT_ENV: rdv_addr[1]})
         if on_rendezvous is not None and server is not None:
             on_rendezvous(server)
         cmds = _commands(plan, settings, environ, impl, secret)

@@ -25,10 +25,11 @@ def _rank() -> int:
 def main() -> int:
     import cloudpickle
 
+    from horovod.common import wire
     from horovod.runner.rendezvous import RendezvousClient
 
-    client = RendezvousClient(os.environ["HOROVOD_RUNNER_ADDR"], int(os.environ["HOROVOD_RUNNER_PORT"]),
-                              os.environ["HOROVOD_SECRET_KEY"])
+    client = RendezvousClient(os.environ[wire.RUNNER_ADDR_ENV], int(os.environ[wire.RUNNER_PORT_ENV]),
+                              os.environ[wire.SECRET_ENV])
     # The key the result is stored under: the rank, or a name the launcher chose (an elastic
     # worker of horovod.spark.run_elastic changes rank between rounds; its slot name does not).
     key = os.environ.get(RESULT_KEY_ENV) or str(_rank())

@@ -83,3 +83,17 @@ def test_elastic_worker_output_hides_both_markers(tmp_path: Path) -> None:
     assert wire.ERROR_MARKER.strip() not in text and wire.EXIT_MARKER.strip() not in text, text
     assert proc.exit_info is not None and proc.exit_info["error"]["error"] == "RuntimeError: boom"
     assert proc.error_record is not None and proc.error_record["rank"] == 0
+
+
+def test_slot_identity_is_what_the_worker_side_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from horovod.runner.common.util.env import get_env_rank_and_size
+    from horovod.runner.hosts import SlotInfo
+
+    slot = SlotInfo(hostname="h1", rank=3, local_rank=1, cross_rank=1, size=4, local_size=2, cross_size=2)
+    env = slot.env()
+    assert env == wire.slot_env("h1", 3, 4, 1, 2, 1, 2) and env["HOROVOD_CROSS_SIZE"] == "2"
+    for key in [k for k in os.environ if k.endswith(("_RANK", "_SIZE"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert get_env_rank_and_size() == (3, 4) and wire.env_rank() == "3"
