@@ -162,8 +162,12 @@ class ElasticAdapter:
     def node_of(self, host: str) -> str:
         """The Ray node id of a discovered host.
 
+        A host is a node's id, IP or name, or (as upstream places workers, with a ``node:<host>``
+        resource) any name for which a node holds the resource ``node:<host>``: Ray gives every
+        node ``node:<ip>``, and a cluster may add names of its own (``ray start --resources``).
+
         Raises:
-            LaunchError: no alive Ray node has that name, id or IP.
+            LaunchError: no alive Ray node has that name, id, IP or ``node:`` resource.
         """
         if host in self.ray_discovery.node_ids:
             return self.ray_discovery.node_ids[host]
@@ -174,11 +178,15 @@ class ElasticAdapter:
             for node in alive:
                 if node.get(key) == host:
                     return str(node["NodeID"])
+        for node in alive:
+            if f"node:{host}" in (node.get("Resources") or {}):
+                return str(node["NodeID"])
         self.ray_discovery.find_available_hosts_and_slots()
         if host in self.ray_discovery.node_ids:
             return self.ray_discovery.node_ids[host]
         raise errors.LaunchError(f"RayExecutor: discovered host {host!r} is no alive Ray node (give "
-                                 "node IPs, node ids or '<ip>-<node id prefix>' names).", host=host)
+                                 "node IPs, node ids, '<ip>-<node id prefix>' names, or names a node "
+                                 f"holds as a resource 'node:{host}').", host=host)
 
     def record(self, key: Key, outcome: tuple[Any, ...]) -> None:
         with self.lock:

@@ -14,10 +14,17 @@ from typing import Any
 
 from horovod.common import exceptions as errors
 
-__all__ = ["NodeInfo", "reserve", "group_by_node", "node_labels", "resources_text",
+__all__ = ["NodeInfo", "PlacementTimeoutError", "reserve", "group_by_node", "node_labels", "resources_text",
            "shared_visible_devices"]
 
 log = logging.getLogger("horovod.ray")
+
+
+class PlacementTimeoutError(errors.LaunchError, TimeoutError):
+    """The cluster could not give the workers' resources within ``placement_group_timeout_s``.
+
+    A ``TimeoutError``, as upstream raises, and a ``LaunchError`` like every other start failure.
+    """
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,8 @@ def reserve(bundles: list[dict[str, float]], strategy: str, timeout_s: float, wh
     """Create a placement group and wait until it is placed.
 
     Raises:
-        LaunchError: it could not be placed within ``timeout_s`` (the group is removed again; the
-            message says what was asked for and what the cluster has).
+        PlacementTimeoutError: it could not be placed within ``timeout_s`` (the group is removed
+            again; the message says what was asked for and what the cluster has).
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -63,7 +70,7 @@ def reserve(bundles: list[dict[str, float]], strategy: str, timeout_s: float, wh
         for k, v in b.items():
             need[k] = need.get(k, 0) + v
     need_text = ", ".join(f"{v:g} {k}" for k, v in need.items() if v)
-    raise errors.LaunchError(
+    raise PlacementTimeoutError(
         f"RayExecutor: could not reserve {what} ({need_text} in {len(bundles)} bundle(s), "
         f"strategy {strategy}) within placement_group_timeout_s={timeout_s:g} s; the cluster has "
         f"{have}. Lower num_workers or cpus_per_worker, add nodes to the cluster, or raise "

@@ -88,7 +88,7 @@ class RayExecutor:
                             placement_group_timeout_s=placement_group_timeout_s, nics=nics)
 
     def __init__(self, settings: MiniSettings, num_workers: int | None = None,
-                 num_hosts: int | None = None, num_workers_per_host: int = 1,
+                 num_hosts: int | None = None, num_workers_per_host: int | None = 1,
                  cpus_per_worker: int = 1, use_gpu: bool = False,
                  gpus_per_worker: int | None = None, use_current_placement_group: bool = True,
                  min_workers: int | None = None, max_workers: int | None = None,
@@ -107,6 +107,8 @@ class RayExecutor:
             raise ValueError(f"RayExecutor: gpus_per_worker must be >= 1, got {gpus_per_worker}.")
         if cpus_per_worker <= 0:
             raise ValueError(f"RayExecutor: cpus_per_worker must be > 0, got {cpus_per_worker}.")
+        if num_workers_per_host is None:  # upstream accepts an explicit None: one worker per host
+            num_workers_per_host = 1
         if min_workers is None:
             if num_workers is None and num_hosts is None:
                 raise ValueError("RayExecutor: give num_workers (or num_hosts and "
@@ -149,8 +151,9 @@ class RayExecutor:
             extra_env_vars: variables set in every worker before anything runs.
 
         Raises:
-            LaunchError: the resources could not be reserved within
-                ``placement_group_timeout_s``, or the workers did not start within ``timeout_s``.
+            TimeoutError: (``horovod.ray.placement.PlacementTimeoutError``, also a ``LaunchError``)
+                the resources could not be reserved within ``placement_group_timeout_s``.
+            LaunchError: the workers did not start within ``timeout_s``.
         """
         import ray
 

@@ -131,6 +131,7 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
     """
     import cloudpickle
 
+    from horovod.runner.failures import with_upstream_sentence
     from horovod.runner.run_task import RESULT_SCOPE
 
     values: list[Any] = []
@@ -155,15 +156,15 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
                                    e[0] != (root.rank if root is not None else None)))
         rank, exc, tb = errors[0]
         others = f" (ranks {[r for r, _, _ in errors]} raised)" if len(errors) > 1 else ""
-        raise WorkerFailedError(
+        raise WorkerFailedError(with_upstream_sentence(
             f"{caller}: rank {rank} on host {hosts_by_rank.get(rank, '?')} raised "
-            f"{type(exc).__name__}: {exc}{others}\n{tb}", rank=rank,
+            f"{type(exc).__name__}: {exc}{others}\n{tb}"), rank=rank,
             host=hosts_by_rank.get(rank), exception=exc,
             ranks=[r for r, _, _ in errors]) from exc
     if result.returncode != 0 or len(values) != num_proc:
         first = result.first_failure
-        raise WorkerFailedError(
-            f"{caller}: the job failed before every rank returned a result.\n" + result.report(),
+        raise WorkerFailedError(with_upstream_sentence(
+            f"{caller}: the job failed before every rank returned a result.\n" + result.report()),
             rank=first.rank if first else None, host=first.host if first else None,
             exits=result.exits)
     return values

@@ -15,7 +15,19 @@ from __future__ import annotations
 import signal as _signal
 from dataclasses import dataclass, field
 
-__all__ = ["RankExit", "root_cause", "format_report", "describe_status"]
+__all__ = ["RankExit", "root_cause", "format_report", "describe_status", "EXITED_NON_ZERO",
+           "RESET_LIMIT_EXCEEDED", "with_upstream_sentence"]
+
+# Upstream Horovod's sentences, which log-scraping tools and upstream's tests look for: every failed
+# job's report keeps them, after our own more precise text.
+EXITED_NON_ZERO = ("Horovod detected that one or more processes exited with non-zero status, "
+                   "thus causing the job to be terminated.")
+RESET_LIMIT_EXCEEDED = "Horovod was shutdown because number of resets during elastic job exceeded limit: {}"
+
+
+def with_upstream_sentence(text: str) -> str:
+    """``text`` followed by upstream's "exited with non-zero status" sentence, unless it has it."""
+    return text if EXITED_NON_ZERO[:60] in text else f"{text}\n{EXITED_NON_ZERO}"
 
 
 def describe_status(code: int | None, signum: int | None) -> str:
@@ -158,8 +170,7 @@ def format_report(exits: list[RankExit], interrupted: str | None = None,
     if interrupted and (first is None or first.stopped_by):
         lines.append(f"horovodrun: the job was interrupted ({interrupted}); all workers were stopped.")
     elif first is not None:
-        lines.append("Horovod detected that one or more processes exited with non-zero status, "
-                     "thus causing the job to be terminated. The first process to do so was:")
+        lines.append(f"{EXITED_NON_ZERO} The first process to do so was:")
         lines.append(f"  {first.where()}: {first.status}"
                      + (f" ({first.note})" if first.note else ""))
         if first.error:

@@ -62,9 +62,13 @@ def test_run_raises_naming_the_failing_rank(use_gloo: bool) -> None:
         except WorkerFailedError as exc:
             print("CAUGHT", exc.rank, type(exc.exception).__name__, isinstance(exc, RuntimeError))
             print("MESSAGE", str(exc).splitlines()[0])
+            print("LAST", str(exc).splitlines()[-1])
     """)
     assert res.returncode == 0, res.stderr
     assert "CAUGHT 1 KeyError True" in res.stdout, res.stdout + res.stderr
+    # upstream's sentence, after our report (upstream's tests and log scrapers match it)
+    assert ("LAST Horovod detected that one or more processes exited with non-zero status, thus causing "
+            "the job to be terminated.") in res.stdout
     assert "MESSAGE horovod.run: rank 1 on host localhost raised KeyError" in res.stdout
     assert "[1]<stderr>:User function raise error: KeyError" in res.stdout + res.stderr
 

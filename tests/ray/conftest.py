@@ -27,8 +27,8 @@ class RayCluster:
     head_id: str
     second_id: str
 
-    def add_node(self, num_cpus: int = 1) -> Any:
-        node = self.cluster.add_node(num_cpus=num_cpus, object_store_memory=_STORE)
+    def add_node(self, num_cpus: int = 1, **kwargs: Any) -> Any:
+        node = self.cluster.add_node(num_cpus=num_cpus, object_store_memory=_STORE, **kwargs)
         self.cluster.wait_for_nodes()
         return node
 

@@ -198,3 +198,42 @@ def test_upstream_elastic_ray_executor_api_with_own_discovery(free_cluster):
         assert ex.run(_rank_and_size) == [(0, 1, free_cluster.second_id)]
     finally:
         ex.executor.shutdown()
+
+
+class _NamedHosts:
+    """A user's discovery naming hosts as upstream's tests do: names the cluster holds as
+    ``node:<name>`` resources, not Ray node ids or IPs."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def find_available_hosts_and_slots(self):
+        return dict(self.hosts)
+
+
+def test_discovery_by_host_names_places_workers_on_the_nodes_holding_node_resources(free_cluster):
+    named = free_cluster.add_node(num_cpus=1, resources={"node:hvd-host-a": 1})
+    try:
+        settings = RayExecutor.create_settings(timeout_s=20)
+        settings.discovery = _NamedHosts({"hvd-host-a": 1})
+        ex = RayExecutor(settings, min_workers=1, max_workers=1, cpus_per_worker=1, elastic_timeout=30,
+                         override_discovery=False)
+        ex.start()
+        try:
+            assert ex.run(_rank_and_size) == [(0, 1, named.node_id)]
+        finally:
+            ex.shutdown()
+    finally:
+        free_cluster.remove_node(named)
+
+
+def test_discovery_of_an_unknown_host_name_says_what_names_are_accepted(free_cluster):
+    settings = RayExecutor.create_settings(timeout_s=20)
+    settings.discovery = _NamedHosts({"no-such-host": 1})
+    ex = RayExecutor(settings, min_workers=1, max_workers=1, elastic_timeout=10, override_discovery=False)
+    ex.start()
+    try:
+        with pytest.raises(errors.LaunchError, match="node:no-such-host"):
+            ex.run(_rank_and_size)
+    finally:
+        ex.shutdown()

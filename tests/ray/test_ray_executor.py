@@ -131,18 +131,34 @@ def test_killed_actor_is_a_clear_error(free_cluster):
         ex.shutdown()
 
 
-def test_too_few_cpus_is_a_clear_error_within_the_placement_timeout(free_cluster):
-    ex = RayExecutor(_settings(placement_group_timeout_s=3), num_workers=5)
+@pytest.mark.parametrize("num_workers,num_hosts,num_workers_per_host,what", [
+    (5, None, None, "5 worker(s)"),  # upstream's tests pass num_workers_per_host=None explicitly
+    (None, 1, 5, "1 node(s) with 5 worker(s) each"),
+])
+def test_too_few_cpus_is_a_timeout_error_within_the_placement_timeout(free_cluster, num_workers, num_hosts,
+                                                                      num_workers_per_host, what):
+    ex = RayExecutor(_settings(placement_group_timeout_s=3), num_workers=num_workers, num_hosts=num_hosts,
+                     num_workers_per_host=num_workers_per_host)
     t0 = time.monotonic()
-    with pytest.raises(errors.LaunchError) as info:
+    with pytest.raises(TimeoutError) as info:  # upstream's type; also our LaunchError
         ex.start()
     elapsed = time.monotonic() - t0
+    assert isinstance(info.value, errors.LaunchError)
     text = str(info.value)
-    assert "could not reserve 5 worker(s)" in text and "3 CPU(s) in total" in text, text
+    assert f"could not reserve {what}" in text and "3 CPU(s) in total" in text, text
     assert "placement_group_timeout_s=3" in text, text
     assert elapsed < 15, elapsed
     with pytest.raises(errors.LaunchError, match="call start"):
         ex.run(_identity, args=["never"])
+
+
+def test_num_workers_per_host_none_with_num_workers_places_num_workers(free_cluster):
+    ex = RayExecutor(_settings(), num_workers=2, num_hosts=None, num_workers_per_host=None)
+    ex.start()
+    try:
+        assert [r["rank"] for r in ex.run(_identity, args=["x"])] == [0, 1]
+    finally:
+        ex.shutdown()
 
 
 def test_argument_errors():

@@ -4,7 +4,7 @@
 ``hostname:slots`` or ``hostname`` (then ``--slots-per-host``); blank lines and duplicates are
 ignored. ``HostManager`` keeps the discovered hosts in first-seen order and the blacklist of
 hosts whose worker failed, with upstream's cooldown: a blacklisted host may come back after
-``clamp(MIN * 2^(failures-1) + U(0,1) * MIN, MIN, MAX)`` seconds with
+``clamp(MIN * 2^failures + U(0,1) * MIN, MIN, MAX)`` (upstream's rule) seconds with
 ``--blacklist-cooldown-range MIN MAX``; without it, never. All time comes from ``clock``.
 """
 
@@ -84,11 +84,15 @@ class FixedHosts:
 
 def cooldown_seconds(failures: int, cooldown_range: tuple[float, float] | None,
                      rand: Callable[[], float] = random.random) -> float | None:
-    """How long a host stays blacklisted after its ``failures``-th failure (None: for ever)."""
+    """How long a host stays blacklisted after its ``failures``-th failure (None: for ever).
+
+    Upstream's rule: ``lo * 2**failures`` plus up to ``lo`` of jitter, within ``[lo, hi]``, counting
+    from the first failure (so the first cooldown is ``2 * lo`` to ``3 * lo``).
+    """
     if cooldown_range is None:
         return None
     lo, hi = cooldown_range
-    delay = lo * (2 ** max(failures - 1, 0)) + rand() * lo
+    delay = lo * (2 ** max(failures, 1)) + rand() * lo
     return float(min(max(delay, lo), hi))
 
 

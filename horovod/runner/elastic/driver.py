@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horovod.runner.elastic.discovery import HostManager, order_hosts
-from horovod.runner.failures import describe_status
+from horovod.runner.failures import RESET_LIMIT_EXCEEDED, describe_status, with_upstream_sentence
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
 __all__ = ["ElasticDriver", "Worker", "ElasticResult"]
@@ -268,6 +268,8 @@ class ElasticDriver:
                 self._fail(message)
 
     def _fail(self, message: str) -> None:
+        if any(w.exit is not None and (w.exit[0] != 0 or w.exit[1]) for w in self.workers.values()):
+            message = with_upstream_sentence(message)
         self.error = message
         self._event(message, logging.ERROR)
         self.done = True
@@ -547,8 +549,8 @@ class ElasticDriver:
         if not first:
             self.resets += 1
             if self.reset_limit is not None and self.resets > self.reset_limit:
-                self._fail(f"stopping: this would be reset number {self.resets}, more than "
-                           f"--reset-limit {self.reset_limit}")
+                self._fail(f"{RESET_LIMIT_EXCEEDED.format(self.reset_limit)} (stopping: this would be "
+                           f"reset number {self.resets}, more than --reset-limit {self.reset_limit})")
                 return
         old = set(self.members)
         newcomers = [k for k in keys if k not in old]

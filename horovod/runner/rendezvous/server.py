@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -129,8 +130,14 @@ class _Server(ThreadingHTTPServer):
         self._nonces: dict[str, float] = {}
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client gone mid-answer (a worker killed while it long-polls) is no error of ours.
-        log.debug("rendezvous: connection from %s ended abnormally", client_address, exc_info=True)
+        # A client gone mid-answer (a departing worker, one killed while it long-polls) is expected:
+        # one line, no traceback. Anything else is a fault of ours and keeps its traceback.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            log.debug("rendezvous: %s closed its connection before the answer (%s)", client_address[0],
+                      type(exc).__name__)
+        else:
+            log.warning("rendezvous: a request from %s failed", client_address[0], exc_info=True)
 
     def fresh_nonce(self, nonce: str) -> bool:
         """Accept each nonce once (within the skew window), so a captured request cannot replay."""

@@ -1,5 +1,9 @@
 """The seed PyTorch recipe, as written (GPU pinned by local rank, model.cuda()), on synthetic data.
 
+The one change: the GPU is ``local_rank % device_count``, which is the seed's ``local_rank`` whenever
+each local rank has a GPU of its own; it lets the GPU tier run two ranks on a one-GPU machine
+(host-staged, since NCCL refuses two ranks on one GPU), where ``set_device(1)`` would not exist.
+
 Prints one line per rank: ``rank <r> device <d> loss <first> -> <last> params_hash <h>``.
 Runs on the CPU too (no CUDA): then it trains on CPU tensors.
 """
@@ -15,7 +19,7 @@ hvd.init()
 
 # Pin GPU to be used to process local rank (one GPU per process)
 if torch.cuda.is_available():
-    torch.cuda.set_device(hvd.local_rank())
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
 
 # Define dataset...
 g = torch.Generator().manual_seed(0)

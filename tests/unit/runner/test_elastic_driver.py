@@ -27,8 +27,12 @@ def test_discovery_output_parsing() -> None:
 
 def test_cooldown_grows_and_is_clamped() -> None:
     assert cooldown_seconds(1, None) is None
-    assert cooldown_seconds(1, (10, 100), rand=lambda: 0.0) == 10
-    assert cooldown_seconds(2, (10, 100), rand=lambda: 0.5) == 25
+    # upstream's lo * 2**count + jitter, counting from the first failure, within [lo, hi]
+    assert cooldown_seconds(1, (10, 100), rand=lambda: 0.0) == 20
+    assert cooldown_seconds(1, (10, 100), rand=lambda: 0.99) == 29.9
+    assert cooldown_seconds(2, (10, 100), rand=lambda: 0.5) == 45
+    assert cooldown_seconds(3, (10, 100), rand=lambda: 0.0) == 80
+    assert cooldown_seconds(1, (10, 15), rand=lambda: 0.0) == 15
     assert cooldown_seconds(8, (10, 100), rand=lambda: 0.0) == 100
 
 
@@ -37,9 +41,11 @@ def test_blacklisted_host_comes_back_after_its_cooldown() -> None:
     hm = HostManager(FixedHosts({"a": 1, "b": 2}), (10, 100), clock=lambda: now[0],
                      rand=lambda: 0.0)
     hm.update()
-    assert hm.blacklist_host("b") == 10
+    assert hm.blacklist_host("b") == 20
     assert hm.available() == {"a": 1}
-    now[0] = 10.5
+    now[0] = 19.5
+    assert hm.available() == {"a": 1}
+    now[0] = 20.5
     assert hm.available() == {"a": 1, "b": 2}
     permanent = HostManager(FixedHosts({"a": 1}))
     permanent.update()
@@ -189,6 +195,26 @@ def test_too_few_slots_for_longer_than_the_timeout_fails() -> None:
     h.now += 31
     h.step()
     assert h.d.done and "too few hosts" in (h.d.error or "")
+    # a worker exited non-zero: upstream's sentence follows ours (log scrapers look for it)
+    assert "Horovod detected that one or more processes exited with non-zero status" in h.d.error
+
+
+def test_all_workers_failing_keeps_upstreams_sentence() -> None:
+    h = Harness({"a": 1, "b": 1}, np=2, min_np=1)
+    first_round(h)
+    h.exit(("a", 0), 1)
+    h.exit(("b", 0), None, 9)
+    h.step()
+    assert h.d.done and h.d.error.startswith("all workers of the last round failed or left")
+    assert h.d.error.endswith("Horovod detected that one or more processes exited with non-zero status, "
+                              "thus causing the job to be terminated.")
+
+
+def test_failure_without_a_failed_worker_has_no_exit_sentence() -> None:
+    h = Harness({"a": 1}, np=1, min_np=1)
+    h.step()
+    h.d.abort("the cluster went away")
+    assert h.d.error == "the cluster went away"
 
 
 def test_reset_limit() -> None:
@@ -205,6 +231,9 @@ def test_reset_limit() -> None:
     h.ready(("a", 0))
     h.step()
     assert h.d.done and "more than --reset-limit 1" in (h.d.error or "")
+    # upstream's wording first (constants.RESET_LIMIT_EXCEEDED_MESSAGE), then ours
+    assert h.d.error.startswith("Horovod was shutdown because number of resets during elastic job "
+                                "exceeded limit: 1 (stopping: this would be reset number 2")
 
 
 def test_member_exit_zero_completes_the_job() -> None:

@@ -92,3 +92,25 @@ def test_gloo_backend_client_round_trip(server: RendezvousServer) -> None:
     bad = gloo_backend._Rendezvous("127.0.0.1", server.port, make_secret(), rank=1)
     with pytest.raises(Exception, match="refused rank 1"):
         bad.wait("gloo.7", "store", timeout=1)
+
+
+def test_a_client_gone_mid_answer_is_one_debug_line_other_faults_keep_their_traceback(
+        server: RendezvousServer, caplog: pytest.LogCaptureFixture) -> None:
+    # What socketserver calls, inside its except block, when a request's handler raised.
+    caplog.set_level("DEBUG", logger="horovod.runner.rendezvous.server")
+    for exc in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset")):
+        try:
+            raise exc
+        except ConnectionError:
+            server._server.handle_error(None, ("10.1.2.3", 4567))
+    gone = [r for r in caplog.records if "closed its connection" in r.getMessage()]
+    assert [r.levelname for r in gone] == ["DEBUG", "DEBUG"]
+    assert all(r.exc_info is None and "10.1.2.3" in r.getMessage() for r in gone)
+    assert "BrokenPipeError" in gone[0].getMessage()
+    caplog.clear()
+    try:
+        raise ValueError("a bug of ours")
+    except ValueError:
+        server._server.handle_error(None, ("10.1.2.3", 4567))
+    [fault] = caplog.records
+    assert fault.levelname == "WARNING" and fault.exc_info is not None
