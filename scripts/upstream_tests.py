@@ -19,8 +19,9 @@ Options: ``--ref`` (a tag or commit of github.com/horovod/horovod, default the p
 printed directory. Exit status: 0 when nothing failed.
 
 Upstream's files import three test helpers of upstream's own package (``in_thread``,
-``is_version_greater_equal_than``, ``_executing_eagerly``); a small pytest plugin written next to
-the copied tests supplies them when the installed package lacks them.
+``is_version_greater_equal_than``, ``_executing_eagerly``) and the ``mock`` backport; a small
+pytest plugin written next to the copied tests supplies them when the installed packages lack them
+(``mock`` as the standard library's ``unittest.mock``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def executing_eagerly():
 
 
 def pytest_configure(config):
+    try:
+        import mock  # noqa: F401 - upstream's tests import the PyPI backport of unittest.mock
+    except ImportError:
+        import unittest.mock
+        sys.modules["mock"] = unittest.mock
     _supply("horovod.runner.util")
     _supply("horovod.runner.util.threads", in_thread=in_thread)
     _supply("horovod.common.util", is_version_greater_equal_than=is_version_greater_equal_than, env=env)
