@@ -38,6 +38,11 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
                     step never materialises them, which charged that cost to the tape)
   tf-tape           the same step with hvd.DistributedGradientTape (gradients + averaging)
   tf-sync           tf-tape - tf-local: what averaging adds to the step (derived, not timed)
+  torch-bf16        torch-async with hvd.Compression.bf16 (compress, allreduce_async_, synchronize,
+                    decompress into the gradient: DistributedOptimizer's path with compression)
+  tf-tape-bf16      tf-tape with compression=hvd.Compression.bf16; tf-sync-bf16 = it - tf-local
+                    (on the host path bfloat16 is reduced in float32: the bytes sent do not shrink,
+                    the rows show what the casts cost; a device plane sends 2 bytes per value)
 
 Rank 0 prints the medians and each binding's ratio to the best raw schedule, and with --json
 appends one JSON object per run to the file.
@@ -239,6 +244,17 @@ def main() -> None:
         modes["torch-async"] = torch_async
         modes["torch-grouped"] = torch_grouped
         if not latency:
+            bts = [torch.ones(s) for s in shapes]
+            bf16 = hvd_torch.Compression.bf16
+
+            def torch_bf16() -> None:  # DistributedOptimizer's path with compression=Compression.bf16
+                packed = [bf16.compress(t) for t in bts]
+                hs = [hvd_torch.allreduce_async_(c, name=f"bf16.{i}", op=hvd_torch.Average)
+                      for i, (c, _) in enumerate(packed)]
+                for t, (_, ctx), h in zip(bts, packed, hs):
+                    t.copy_(bf16.decompress(hvd_torch.synchronize(h), ctx))
+            modes["torch-bf16"] = torch_bf16
+        if not latency:
             flat_t = torch.ones(numel)
             fviews = [v.view(s) for v, s in zip(torch.split(flat_t, [math.prod(s) for s in shapes]), shapes)]
 
@@ -254,13 +270,14 @@ def main() -> None:
     if "tf" in frameworks:
         variables = [tf.Variable(tf.ones(s)) for s in shapes]
 
-        def make_step(distributed: bool):
+        def make_step(distributed: bool, compression: str = "none"):
             @tf.function
             def step():
                 with tf.GradientTape() as tape:
                     loss = tf.add_n([tf.reduce_sum(v * v) for v in variables])
                 if distributed:
-                    tape = hvd_tf.DistributedGradientTape(tape)
+                    tape = hvd_tf.DistributedGradientTape(
+                        tape, compression=getattr(hvd_tf.Compression, compression))
                 grads = tape.gradient(loss, variables)
                 return tf.add_n([g[(0,) * len(g.shape)] for g in grads])  # consume every gradient
 
@@ -270,6 +287,8 @@ def main() -> None:
             return run
         modes["tf-local"] = make_step(False)
         modes["tf-tape"] = make_step(True)
+        if not latency:
+            modes["tf-tape-bf16"] = make_step(True, "bf16")
 
     times: dict[str, list[float]] = {k: [] for k in modes}
     for _ in range(args.warmup):
@@ -292,6 +311,8 @@ def main() -> None:
     for stat, values in stats.items():
         if "tf-tape" in values:
             values["tf-sync"] = values["tf-tape"] - values["tf-local"]
+        if "tf-tape-bf16" in values:
+            values["tf-sync-bf16"] = values["tf-tape-bf16"] - values["tf-local"]
         raw = {k: v for k, v in values.items() if k.startswith("raw")}
         best[stat] = min(raw, key=raw.get)
     from horovod.common.engine.pages import malloc_thp

@@ -23,7 +23,7 @@ RESULTS = os.path.join(HERE, "results")
 JSON = os.path.join(RESULTS, "limit.json")
 YMAX = 3.0  # taller bars (raw flat, unchunked) are clipped and labelled
 BINDINGS = ["schedule", "oop-floor", "numpy", "torch-async", "torch-grouped", "torch-flat", "tf-sync",
-            "numpy-unchunked"]
+            "numpy-unchunked", "torch-bf16", "tf-sync-bf16"]
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--nps", default="2,3")

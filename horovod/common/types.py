@@ -10,7 +10,7 @@ import numpy as np
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "ReduceOp", "RequestType", "Request", "Response", "REDUCE_OP_NAMES",
+    "ArgumentError", "ReduceOp", "RequestType", "Request", "Response", "REDUCE_OP_NAMES",
     "dtype_name", "shape_text",
 ]
 
@@ -73,6 +73,21 @@ def shape_text(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+@dataclass(frozen=True)
+class ArgumentError:
+    """The payload of a request whose call failed its argument checks on the submitting rank.
+
+    The rank still submits the operation's name, so that the coordinator can fail the name on
+    every rank of the set instead of leaving the others waiting for a rank that raised locally.
+    """
+
+    error_type: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One named operation as a rank submits it: a single tensor, or a group of tensors.
@@ -100,6 +115,7 @@ class Request:
     # rank reduces the group as one span (``executor``), whatever its own memory looks like.
     flat: bool = False
     _sig: Any = None
+    _digest: int = 0  # wire.digest(self), computed once
 
     def signature(self) -> tuple[Any, ...]:
         """What must stay the same for a cached negotiation of this name to be reused."""

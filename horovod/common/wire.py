@@ -1,5 +1,8 @@
 """What the launcher and its workers say to each other, spelled once (standard library only).
 
+(The messages the ranks' engines exchange during negotiation are another protocol:
+``horovod/common/engine/wire.py``.)
+
 Both sides import this module: the worker (``horovod.common.lifecycle``), the worker shim
 (``horovod/runner/_shim.py``, which runs by file path and loads this file by path too), and the
 launchers that read their workers' output (``horovodrun``'s static and elastic jobs, Spark).

@@ -54,6 +54,7 @@ from horovod.common.process_sets import (
     remove_process_set,
 )
 from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, RequestType, Sum
+from horovod.numpy.compression import Compression
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -61,7 +62,7 @@ __all__ = [
     "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
-    "HorovodInternalError", "HostsUpdatedInterrupt",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "Compression",
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
@@ -130,14 +131,18 @@ def allreduce_async(tensor: np.ndarray, average: bool | None = None, name: str |
 
 def allreduce(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
+              process_set: ProcessSet = global_process_set,
+              compression: Any = Compression.none) -> np.ndarray:
     """Reduce ``tensor`` over all ranks of the set (default: Average) and return the result.
 
     Must be called by every rank of ``process_set`` with the same name, dtype and shape; a
-    mismatch raises on every rank and the engine keeps working.
+    mismatch raises on every rank and the engine keeps working. ``compression``
+    (``Compression.bf16``, ``Compression.fp16``) reduces at lower precision and restores the dtype.
     """
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                       process_set, _wake=False))
+    sent, ctx = compression.compress(tensor)
+    out = synchronize(allreduce_async(sent, average, name, op, prescale_factor, postscale_factor,
+                                      process_set, _wake=False))
+    return compression.decompress(out, ctx)
 
 
 def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
@@ -174,10 +179,13 @@ def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: bool | None 
 
 def grouped_allreduce(tensors: Sequence[np.ndarray], average: bool | None = None, name: str | None = None,
                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+                      process_set: ProcessSet = global_process_set,
+                      compression: Any = Compression.none) -> list[np.ndarray]:
     """Allreduce every array of the list (reduction per list position); returns new arrays."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+    packed = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_allreduce_async([p[0] for p in packed], average, name, op, prescale_factor,
                                                postscale_factor, process_set, _wake=False))
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, packed)]
 
 
 def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None = None,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
 
 class Compressor:
@@ -52,8 +52,27 @@ class FP16Compressor(Compressor):
         return tensor
 
 
+class BF16Compressor(Compressor):
+    """Send floating-point tensors as bfloat16 (float32's range, 8 bits of mantissa) and cast them
+    back; other dtypes pass unchanged. Unlike fp16, large gradients cannot overflow."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dtype = tensor.dtype
+        if dtype.is_floating_point and dtype != torch.bfloat16:
+            return tensor.to(torch.bfloat16), dtype
+        return tensor, dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
+            return tensor.to(ctx)
+        return tensor
+
+
 class Compression:
-    """Available compressors: ``Compression.none`` and ``Compression.fp16``."""
+    """Available compressors: ``Compression.none``, ``Compression.fp16`` and ``Compression.bf16``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = BF16Compressor

@@ -183,6 +183,17 @@ def test_compression_fp16_round_trip():
     assert out.dtype == tf.float32
 
 
+def test_compression_bf16_round_trip():
+    x = tf.constant([1.0 + 2.0**-12, 3.0], dtype=tf.float32)
+    c, ctx = hvd.Compression.bf16.compress(x)
+    assert c.dtype == tf.bfloat16
+    back = hvd.Compression.bf16.decompress(c, ctx)
+    assert back.dtype == tf.float32 and back.numpy().tolist() == [1.0, 3.0]
+    assert hvd.Compression.bf16.compress(tf.constant([1, 2]))[0].dtype == tf.int32
+    out = hvd.allreduce(x, compression=hvd.Compression.bf16)
+    assert out.dtype == tf.float32 and out.numpy().tolist() == [1.0, 3.0]
+
+
 def test_learning_rate_callbacks_at_size_one():
     with pytest.raises(ValueError, match="initial_lr"):
         hvdk.callbacks.LearningRateScheduleCallback(initial_lr=None, multiplier=0.5)

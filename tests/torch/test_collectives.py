@@ -89,6 +89,24 @@ def _allreduce_cases():
                         compression=hvd.Compression.fp16)
     if got.dtype != torch.float64 or not torch.allclose(got, torch.tensor((n - 1) / 2 + 0.5, dtype=torch.float64)):
         bad.append(f"rank {r}: fp16-compressed allreduce -> {got}")
+    # bf16: each rank's values rounded to bfloat16, reduced, rounded again, restored to float32 (and
+    # NumPy's Compression.bf16 gives the same values in the same processes)
+    import numpy as np
+
+    import horovod.numpy as hnp
+
+    fine = [1.0 + q / 3.0 + torch.arange(6, dtype=torch.float32) * 1e-3 for q in range(n)]
+    want = (sum(x.to(torch.bfloat16).float() for x in fine) / n).to(torch.bfloat16).float()
+    got = hvd.allreduce(fine[r], name="bf16", compression=hvd.Compression.bf16)
+    exact = sum(fine) / n
+    if got.dtype != torch.float32 or not torch.equal(got, want) or torch.equal(got, exact):
+        bad.append(f"rank {r}: bf16-compressed allreduce -> {got}, want {want}")
+    got_np = hnp.allreduce(fine[r].numpy().astype(np.float64), name="bf16.np", compression=hnp.Compression.bf16)
+    if got_np.dtype != np.float64 or not np.array_equal(got_np, want.double().numpy()):
+        bad.append(f"rank {r}: NumPy bf16-compressed allreduce -> {got_np}, want {want}")
+    (got_g,) = hnp.grouped_allreduce([fine[r].numpy()], name="bf16.np.g", compression=hnp.Compression.bf16)
+    if not np.array_equal(got_g, want.numpy()):
+        bad.append(f"rank {r}: NumPy bf16 grouped allreduce -> {got_g}, want {want}")
     # grouped, all four variants
     g = [torch.full((k + 1, 2), float(r + k)) for k in range(5)]
     want = [torch.full((k + 1, 2), float(sum(q + k for q in range(n)))) for k in range(5)]

@@ -38,6 +38,7 @@ def _equivalence_cases():
         ("SGD groups=2", lambda p: torch.optim.SGD(p, lr=0.1), {"groups": 2}),
         ("SGD predivide", lambda p: torch.optim.SGD(p, lr=0.1), {"gradient_predivide_factor": 2.0}),
         ("SGD fp16", lambda p: torch.optim.SGD(p, lr=0.1), {"compression": hvd.Compression.fp16}),
+        ("Adam bf16", lambda p: torch.optim.Adam(p, lr=0.01), {"compression": hvd.Compression.bf16}),
         ("SGD noname", lambda p: torch.optim.SGD(p, lr=0.1), {"named": False}),
     ]
     for label, make_opt, kw in configs:
@@ -56,10 +57,10 @@ def _equivalence_cases():
             opt.zero_grad()
             F.cross_entropy(model(xs), ys).backward()
             opt.step()
-        if "fp16" not in label and "groups" not in label and len(opt._fast) != len(list(model.parameters())):
+        if "16" not in label and "groups" not in label and len(opt._fast) != len(list(model.parameters())):
             bad.append(f"rank {r}: {label}: the repeat-submission fast path was not taken "
                        f"({len(opt._fast)} parameters)")
-        tol = 2e-3 if "fp16" in label else 1e-5
+        tol = 1e-2 if "bf16" in label else 2e-3 if "fp16" in label else 1e-5
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             if not torch.allclose(p, q, atol=tol):
                 bad.append(f"rank {r}: {label}: {name} differs from one-process training by "

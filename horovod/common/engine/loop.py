@@ -36,6 +36,7 @@ from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
 from horovod.common.engine.stall import StallInspector
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
+from horovod.common.engine.wire import decode_requests, decode_responses, encode_requests, encode_responses
 from horovod.common.exceptions import (
     SHUT_DOWN_MESSAGE,
     CollectiveMismatchError,
@@ -433,27 +434,28 @@ class Engine:
         for e in fresh:
             e.state = _SENT
         self._new = []
-        gathered = self.backend.gather_to_root(mine)
+        gathered = self.backend.gather_to_root(encode_requests(mine))
         responses: list[Response] | None = None
         coord = self._coordinator
         if coord is not None:
             assert gathered is not None
             tl = self.timeline
-            requests = [r for per_rank in gathered for r in per_rank]
-            first_time = coord.submit(requests)
+            first_time = coord.submit_encoded(gathered)
             if tl is not None:
                 for name in first_time:
-                    kind = coord.table[name].requests
-                    tl.begin(name, "NEGOTIATE_" + next(iter(kind.values())).kind.upper)
-                for r in requests:
-                    tl.tick(r.name, str(r.rank))
+                    tl.begin(name, "NEGOTIATE_" + coord.table[name].kind.upper)
+                for rank, data in enumerate(gathered):
+                    for r in decode_requests(data, rank):
+                        tl.tick(r.name, str(rank))
             responses = coord.ready()
             if tl is not None:
                 for resp in responses:
                     tl.end(resp.name)
             if self._stall is not None and self._stall.due():
                 self._check_stalls()
-        return self.backend.bcast_from_root(responses)
+            self.backend.bcast_from_root(encode_responses(responses))
+            return responses
+        return decode_responses(self.backend.bcast_from_root(None))
 
     def _check_stalls(self) -> None:
         assert self._coordinator is not None and self._stall is not None

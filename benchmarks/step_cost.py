@@ -1,0 +1,145 @@
+"""The engine's fixed cost of one training step: 161 tiny tensors, so the transport costs nothing.
+
+    mpirun -np 2 python benchmarks/step_cost.py                  # torch (DistributedOptimizer's path)
+    mpirun -np 2 python benchmarks/step_cost.py --profile step.prof   # rank 0 profiles one mode
+    mpirun -np 2 python benchmarks/step_cost.py --phases    # rank 0: time per phase of a step
+
+Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as JSON):
+  async_sync   ``hvd.allreduce_async_`` per tensor, then ``hvd.synchronize`` per handle (what
+               ``DistributedOptimizer`` does in its hooks and ``step()``)
+  grouped      one ``hvd.grouped_allreduce_`` of the 161 tensors
+  raw          ``torch.distributed``-free floor: one mpi4py ``Allreduce`` per tensor (the transport)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import horovod.torch as hvd
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--tensors", type=int, default=161)
+parser.add_argument("--elements", type=int, default=4)
+parser.add_argument("--reps", type=int, default=300)
+parser.add_argument("--profile", default="", help="write a cProfile of --profile-mode on rank 0")
+parser.add_argument("--profile-mode", default="async_sync")
+parser.add_argument("--phases", action="store_true",
+                    help="also time each phase of a step (submission, AND, fusion plan, execution, "
+                         "completion) for async_sync and grouped, with timers around engine methods")
+
+
+def _wrap(obj: Any, attr: str, label: str, acc: dict[str, float]) -> None:
+    fn = getattr(obj, attr)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[label] += time.perf_counter() - t0
+
+    setattr(obj, attr, timed)
+
+
+def phases(modes: dict[str, Callable[[], None]], tensors: list[Any], names: list[str], reps: int,
+           barrier: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Per-step milliseconds of each phase (this rank), for the async_sync and grouped modes."""
+    from horovod.common.context import get_context
+    from horovod.common.engine import loop
+
+    eng = get_context().engine
+    acc: dict[str, float] = collections.defaultdict(float)
+    _wrap(eng.backend, "and_bits", "negotiation AND (incl. waiting for peers)", acc)
+    _wrap(eng._executor, "run", "execution (pack, reduce, unpack)", acc)
+    _wrap(eng, "_complete", "completion (results, wake waiters)", acc)
+    _wrap(loop, "plan_batches", "fusion plan", acc)
+    out = {}
+    for label in ("async_sync", "grouped"):
+        per_rep: dict[str, list[float]] = collections.defaultdict(list)
+        for _ in range(reps):
+            acc.clear()
+            barrier()
+            t0 = time.perf_counter()
+            if label == "async_sync":
+                handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average) for t, n in zip(tensors, names)]
+            else:
+                handles = [hvd.grouped_allreduce_async_(tensors, name="grouped.grads", op=hvd.Average)]
+            acc["submission"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            for h in handles:
+                hvd.synchronize(h)
+            acc["synchronize (everything after submission)"] += time.perf_counter() - t1
+            for k, v in acc.items():
+                per_rep[k].append(v)
+        # Medians per phase (a rep's phases need not be that rep's median step).
+        out[label] = {k: round(statistics.median(v + [0.0] * (reps - len(v))) * 1e3, 3)
+                      for k, v in per_rep.items()}
+    return out
+
+
+def main() -> None:
+    args = parser.parse_args()
+    hvd.init()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    tensors = [torch.ones(args.elements) for _ in range(args.tensors)]
+    names = [f"grad.{i}" for i in range(args.tensors)]
+
+    def async_sync() -> None:
+        handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average) for t, n in zip(tensors, names)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    def grouped() -> None:
+        hvd.grouped_allreduce_(tensors, name="grouped.grads", op=hvd.Average)
+
+    arrays = [t.numpy() for t in tensors]
+
+    def raw() -> None:
+        for a in arrays:
+            comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+
+    modes = {"async_sync": async_sync, "grouped": grouped, "raw": raw}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for rep in range(args.reps + 20):
+        for label, fn in modes.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rep >= 20:
+                times[label].append(time.perf_counter() - t0)
+    if args.profile:
+        prof = cProfile.Profile()
+        fn = modes[args.profile_mode]
+        for _ in range(50):
+            comm.Barrier()
+            if hvd.rank() == 0:
+                prof.enable()
+            fn()
+            if hvd.rank() == 0:
+                prof.disable()
+        if hvd.rank() == 0:
+            prof.dump_stats(args.profile)
+    if hvd.rank() == 0:
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
+                          **{f"{k}_ms": round(v, 3) for k, v in med.items()}}), flush=True)
+    if args.phases:
+        split = phases(modes, tensors, names, args.reps, comm.Barrier)
+        if hvd.rank() == 0:
+            print(json.dumps({"phases_ms_per_step": split}), flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
