@@ -28,6 +28,8 @@ from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
+from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT
+from horovod.runner.elastic.settings import ElasticSettings as SessionSettings
 from horovod.runner.hosts import SlotInfo
 
 __all__ = ["RayHostDiscovery", "ElasticAdapter", "ElasticRayExecutor", "ElasticSettings"]
@@ -204,11 +206,10 @@ class ElasticAdapter:
             procs.append(proc)
             return proc
 
-        driver = ElasticDriver(manager, ex.min_workers, ex.min_workers, ex.max_workers, start_worker,
-                               put_kv=self.job.put, timeout=float(ex.elastic_timeout),
-                               reset_limit=ex.reset_limit,
-                               notify_when_ready=os.environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY",
-                                                                "0") not in ("", "0"))
+        settings = SessionSettings.from_env(os.environ, timeout=float(ex.elastic_timeout),
+                                            reset_limit=ex.reset_limit)
+        driver = ElasticDriver.from_settings(settings, manager, ex.min_workers, ex.min_workers,
+                                             ex.max_workers, start_worker, put_kv=self.job.put)
         self.driver = driver
         self.job.set_elastic_handler(driver.handle)
         configure_logging()
@@ -223,8 +224,10 @@ class ElasticAdapter:
             self.driver = None
         if result.error is not None:
             ranks = {k: w.rank for k, w in driver.workers.items()}
-            failed = [(k, o) for k, o in self.outcomes.items() if o[0] in ("died", "error")]
-            root = failed[0] if failed else None
+            failed = {k: o for k, o in self.outcomes.items() if o[0] in ("died", "error")}
+            cause = result.root_cause(failed)
+            root = (cause.key, failed[cause.key]) if cause is not None and cause.key in failed \
+                else next(iter(failed.items()), None)
             raise errors.WorkerFailedError(
                 self._failure_text(what, result.error, ranks), events=result.events,
                 resets=result.resets, rank=ranks.get(root[0]) if root else None,
@@ -280,7 +283,7 @@ class ElasticSettings:
     min_num_proc: int = 1
     max_num_proc: int | None = None
     reset_limit: int | None = None
-    elastic_timeout: int = 600
+    elastic_timeout: int = int(DEFAULT_ELASTIC_TIMEOUT)
     timeout_s: int = 30
     ssh_identity_file: str | None = None
     nics: set[str] | None = None
@@ -302,7 +305,7 @@ class ElasticRayExecutor:
 
     @staticmethod
     def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None,
-                        reset_limit: int | None = None, elastic_timeout: int = 600,
+                        reset_limit: int | None = None, elastic_timeout: int = int(DEFAULT_ELASTIC_TIMEOUT),
                         timeout_s: int = 30, ssh_identity_file: str | None = None,
                         nics: set[str] | None = None, min_np: int | None = None,
                         max_np: int | None = None, **kwargs: Any) -> ElasticSettings:

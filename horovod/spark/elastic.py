@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
+from horovod.runner.elastic.settings import ElasticSettings
 from horovod.runner.hosts import SlotInfo
 from horovod.spark.task import AGENT_SCOPE, COMMAND_SCOPE, EXIT_SCOPE, HEARTBEAT_SCOPE, JobSpec
 
@@ -122,7 +124,7 @@ class _AgentWorker:
 class _ElasticJob:
     def __init__(self, sc: Any, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], num_proc: int, min_np: int, max_np: int,
-                 start_timeout: float, elastic_timeout: float, reset_limit: int | None,
+                 start_timeout: float, elastic_timeout: float | None, reset_limit: int | None,
                  env: dict[str, str] | None, stdout: IO[str] | None, stderr: IO[str] | None,
                  nics: list[str], timestamp: bool) -> None:
         import cloudpickle
@@ -144,10 +146,13 @@ class _ElasticJob:
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, timestamp=timestamp, start_timeout=start_timeout)
         self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())
-        self.driver = ElasticDriver(HostManager(self.agents, None), num_proc, min_np, max_np,
-                                    self.start_worker, put_kv=self.job.put,
-                                    timeout=elastic_timeout, reset_limit=reset_limit,
-                                    discovery_interval=0.5)
+        # The job's env= reaches the workers; the elastic settings come from the driver's
+        # environment with env= over it (HOROVOD_ELASTIC_NOTIFY_WHEN_READY used to be ignored).
+        settings = ElasticSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
+                                            reset_limit=reset_limit)
+        self.driver = ElasticDriver.from_settings(settings, HostManager(self.agents, None),
+                                                  num_proc, min_np, max_np, self.start_worker,
+                                                  put_kv=self.job.put, discovery_interval=0.5)
         self.job.set_elastic_handler(self.driver.handle)
         self.procs: dict[str, _AgentWorker] = {}  # agent -> its current worker
         self.key_of: dict[str, Key] = {}
@@ -280,6 +285,8 @@ class _ElasticJob:
                 f"({result.rounds} round(s), {result.resets} reset(s))")
         if not raised:
             return WorkerFailedError(text, events=result.events, resets=result.resets)
+        root = result.root_cause(k for k, _, _ in raised)
+        raised.sort(key=lambda r: 0 if root is not None and r[0] == root.key else 1)
         key, exc, tb = raised[0]
         others = f" (also raised: {', '.join(key_name(k) for k, _, _ in raised[1:])})" if raised[1:] else ""
         err = WorkerFailedError(f"{text}\nworker {key_name(key)} raised {type(exc).__name__}: {exc}"
@@ -338,7 +345,6 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
         WorkerFailedError: the job failed (every worker failed, too few workers for longer than
             ``elastic_timeout``, more than ``reset_limit`` resets, or the Spark job failed).
     """
-    import os
     import sys
 
     from horovod.spark.driver import _configure_logging, _spark_context, default_start_timeout
@@ -353,15 +359,13 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
     if not 1 <= min_num_proc <= num_proc <= max_num_proc:
         raise ConfigError(f"run_elastic needs 1 <= min_num_proc ({min_num_proc}) <= num_proc "
                           f"({num_proc}) <= max_num_proc ({max_num_proc}).")
-    if elastic_timeout is None:
-        elastic_timeout = float(os.environ.get("HOROVOD_ELASTIC_TIMEOUT", 600))
     _configure_logging(verbose)
     if verbose >= 1:
         print(f"Running elastic job: {num_proc} processes (at least {min_num_proc}, at most "
               f"{max_num_proc})...", file=stderr or sys.stderr, flush=True)
     job = _ElasticJob(sc, fn, tuple(args), dict(kwargs or {}), num_proc, min_num_proc,
                       max_num_proc, float(start_timeout or default_start_timeout()),
-                      float(elastic_timeout), reset_limit, env, stdout, stderr,
+                      elastic_timeout, reset_limit, env, stdout, stderr,
                       sorted(nics) if isinstance(nics, set) else list(nics or []),
                       prefix_output_with_timestamp)
     return job.run()

@@ -36,6 +36,7 @@ def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str]
                 popen: Callable[..., Any] | None = None,
                 on_stdout: Callable[[str], None] | None = None, worker: Path = WORKER,
                 worker_args: list[str] | None = None,
+                on_stderr: Callable[[str], None] | None = None,
                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Run horovodrun in elastic mode; ``on_log`` maps a driver log text to the hosts-file
     content written as soon as the driver logs it (once); ``on_stdout`` sees every output line;
@@ -61,6 +62,8 @@ def run_elastic(tmp_path: Path, hosts: str, args: list[str], env: dict[str, str]
         assert proc.stderr is not None
         for line in proc.stderr:
             err_lines.append(line)
+            if on_stderr is not None:
+                on_stderr(line)
             for text in list(pending):
                 if line.startswith("horovodrun:") and text in line:
                     write_hosts(hosts_file, pending.pop(text))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -486,7 +487,10 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
     while True:
         info = elastic_worker.join_round(client, environ)  # type: ignore[arg-type]
         try:
-            return GlooBackend(config, environ, info)
+            # Waits on the round's members (store, Gloo device, process group) end within a
+            # fraction of a second when the driver abandons the round (a member died or left).
+            return elastic_worker.form_round(functools.partial(GlooBackend, config, environ, info), client,
+                                             info, close=GlooBackend.close)
         except HorovodInternalError as exc:
             log.warning("elastic: round %d did not form (%s); asking the driver for the next one",
                         info.round, exc)

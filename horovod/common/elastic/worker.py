@@ -7,8 +7,8 @@ everything:
 
 * ``ready`` ``{host, slot, after, reason}``: "I am ready for the next round after round
   ``after``". The driver holds the request for a moment and answers ``{"status": "wait"}``
-  (ask again), ``{"status": "round", "round", "rank", "size", "skip_sync", "notice", ...}`` (this
-  worker's place in the new round), ``{"status": "removed", "message"}`` (the job goes on
+  (ask again), ``RoundInfo.to_wire()`` (``{"status": "round", "round", "rank", "size", ...}``:
+  this worker's place in the new round), ``{"status": "removed", "message"}`` (the job goes on
   without this worker) or ``{"status": "stop", "message"}`` (the job is over).
 * ``notice`` ``{after}``: the driver holds the request until a host-change notice newer than
   ``after`` exists (or a few seconds pass) and answers ``{"version", "update"}``.
@@ -24,18 +24,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
 
+from horovod.common.elastic_rounds import (
+    ABANDON_POLL_SECONDS,
+    ABANDONED_KEY,
+    RoundInfo,
+    round_scope,
+)
 from horovod.common.exceptions import HorovodError, HorovodInternalError
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
 __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedError", "is_elastic",
            "join_round", "current_round", "NotificationManager", "notification_manager",
-           "set_ready_reason"]
+           "set_ready_reason", "form_round", "ABANDONED_KEY", "round_scope"]
+
 
 log = logging.getLogger("horovod")
+T = TypeVar("T")
 
 ELASTIC_ENV = "HOROVOD_ELASTIC"
 
@@ -57,22 +64,6 @@ class JobStoppedError(HorovodInternalError):
     """The elastic driver ended the job while this worker waited for a new round."""
 
 
-@dataclass(frozen=True)
-class RoundInfo:
-    """This worker's place in one round of an elastic job."""
-
-    round: int
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
-    skip_sync: bool
-    notice: int
-
-
 _lock = threading.Lock()
 _current: RoundInfo | None = None
 _reason = "start"
@@ -92,6 +83,62 @@ def set_ready_reason(reason: str) -> None:
     """Why this worker asks for the next round: 'error', 'added', 'removed' (sent to the driver)."""
     global _reason
     _reason = reason
+
+
+def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo,
+               close: Callable[[T], None] | None = None,
+               poll: float = ABANDON_POLL_SECONDS) -> T:
+    """Run ``build()`` (connect to the round's members) unless the driver abandons the round.
+
+    ``build`` runs in a helper thread; this thread checks the round's abandon key every ``poll``
+    seconds. When the driver gives the round up first, ``HorovodInternalError`` is raised at once
+    and whatever ``build`` still makes is closed (``close``) when it ends (it is left to its own
+    timeout: Gloo's waits cannot be interrupted from outside).
+
+    Raises:
+        HorovodInternalError: the round was abandoned, or ``build`` raised it.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def runner() -> None:
+        try:
+            result = build()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        else:
+            with lock:
+                box["result"] = result
+                orphan = box.get("abandoned", False)
+            if orphan and close is not None:
+                try:
+                    close(result)
+                except Exception:  # noqa: BLE001 - best effort on an abandoned round
+                    log.debug("elastic: closing the abandoned round's backend failed", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=runner, name=f"horovod-elastic-round-{info.round}", daemon=True).start()
+    scope = round_scope(info.round)
+    while not done.wait(poll):
+        try:
+            why = client.get(scope, ABANDONED_KEY)
+        except RendezvousError:
+            why = None  # the driver may be busy; the build's own timeout still bounds the wait
+        if why is None:
+            continue
+        with lock:
+            if "result" not in box and "error" not in box:
+                box["abandoned"] = True
+                raise HorovodInternalError(
+                    f"elastic: round {info.round} was abandoned by the driver while rank "
+                    f"{info.rank} was joining it ({why.decode(errors='replace')})", rank=info.rank)
+        break
+    done.wait()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]  # type: ignore[no-any-return]
 
 
 def _identity(environ: Mapping[str, str]) -> tuple[str, int]:
@@ -140,11 +187,7 @@ def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | Non
             raise JobStoppedError(ans.get("message") or "the elastic job has stopped")
         if status != "round":
             raise HorovodInternalError(f"elastic driver answered {ans!r} to {host}[{slot}]")
-        info = RoundInfo(round=int(ans["round"]), rank=int(ans["rank"]), size=int(ans["size"]),
-                         local_rank=int(ans["local_rank"]), local_size=int(ans["local_size"]),
-                         cross_rank=int(ans["cross_rank"]), cross_size=int(ans["cross_size"]),
-                         hostname=str(ans.get("hostname") or host),
-                         skip_sync=bool(ans.get("skip_sync")), notice=int(ans.get("notice", 0)))
+        info = RoundInfo.from_wire(ans)
         environ.update({
             "HOROVOD_HOSTNAME": info.hostname, "HOROVOD_RANK": str(info.rank),
             "HOROVOD_SIZE": str(info.size), "HOROVOD_LOCAL_RANK": str(info.local_rank),

@@ -105,7 +105,9 @@ class Engine:
         # blocking operation). Rounds are serialized, so MPI sees one caller at a time.
         self._driver = threading.Lock()
         self._queue: list[Entry] = []
-        self._in_flight: set[str] = set()
+        # Every submitted entry whose handle is not yet completed, by name: when the engine stops,
+        # each of them is failed (whether it was queued, pending, or in the batch that broke).
+        self._in_flight: dict[str, Entry] = {}
         self._shutdown_requested = False
         self._stopped = False
         self._stop_reason = SHUT_DOWN_MESSAGE
@@ -182,7 +184,7 @@ class Engine:
                 raise HorovodShutdownError(self._stop_reason)
             if name in self._in_flight:
                 raise ValueError(DUPLICATE_NAME_MESSAGE.format(name=name))
-            self._in_flight.add(name)
+            self._in_flight[name] = entry
             entry.handle.helper = self.help_until
             entry.t_submit = self._clock()
             if defer and not self.tunables.overlap:
@@ -328,12 +330,14 @@ class Engine:
                 self._stop_reason = f"{SHUT_DOWN_MESSAGE} Cause on rank {self.rank}: {failure}"
             elif self._stall_shutdown:
                 self._stop_reason = f"{SHUT_DOWN_MESSAGE}\n{self._stall_shutdown}"
-            leftover = list(self._pending.values()) + self._queue + self._deferred
+            leftover = list(self._in_flight.values())
             self._deferred = []
             self._pending.clear()
             self._queue = []
             self._in_flight.clear()
         for e in leftover:
+            if e.handle.done():
+                continue
             err = HorovodShutdownError(self._stop_reason, rank=self.rank, tensor_name=e.request.name)
             if failure is not None:
                 err.__cause__ = failure
@@ -511,7 +515,7 @@ class Engine:
         done = [e for e in entries if e is not None]
         with self._cv:
             for e in done:
-                self._in_flight.discard(e.request.name)
+                self._in_flight.pop(e.request.name, None)
         for e in done:
             e.handle.set_result(e.outputs)
 
@@ -524,7 +528,7 @@ class Engine:
             e = self._take(first.name)
             if e is not None:
                 with self._cv:
-                    self._in_flight.discard(first.name)
+                    self._in_flight.pop(first.name, None)
                 e.handle.set_error(CollectiveMismatchError(first.error, **first.error_fields))
             return
         if kind == RequestType.ADD_PROCESS_SET:
@@ -575,7 +579,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     with self._cv:
-                        self._in_flight.discard(e.request.name)
+                        self._in_flight.pop(e.request.name, None)
                     e.handle.set_error(HorovodInternalError(f"{kind.value} {e.request.name!r}: {exc}"))
             return
         self._complete(entries)

@@ -28,15 +28,19 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from horovod.runner.elastic.discovery import HostManager, order_hosts
+from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
 from horovod.runner.failures import RESET_LIMIT_EXCEEDED, describe_status, with_upstream_sentence
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
-__all__ = ["ElasticDriver", "Worker", "ElasticResult"]
+if TYPE_CHECKING:
+    from horovod.common.elastic_rounds import RoundInfo
+
+__all__ = ["ElasticDriver", "Worker", "WorkerHandle", "ElasticResult", "WorkerFailure"]
 
 log = logging.getLogger("horovod.runner.elastic")
 
@@ -51,12 +55,25 @@ def key_name(key: Key) -> str:
     return f"{key[0]}[{key[1]}]"
 
 
+class WorkerHandle(Protocol):
+    """What the driver holds of a worker it started, whatever started it (a process through
+    ssh or locally, a Spark task's agent, a Ray actor). The launcher reports the worker's end
+    with ``driver.worker_exited(key, code, signal)``."""
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask the worker to end (SIGTERM or the launcher's equivalent), killing it after
+        ``grace`` seconds."""
+
+    def kill(self) -> None:
+        """End the worker now."""
+
+
 @dataclass
 class Worker:
     """The driver's record of one worker process."""
 
     key: Key
-    proc: Any = None
+    proc: WorkerHandle | None = None
     state: str = "starting"  # starting | ready | running | exited
     after: int = -1  # the last round it was a member of, as it reported
     reason: str = "start"
@@ -71,15 +88,35 @@ class Worker:
         return self.state != "exited"
 
 
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker failure as the driver saw it (in ``ElasticResult.failures``, in order)."""
+
+    key: Key
+    rank: int | None
+    status: str  # "exit code 1", "killed by signal 9 (SIGKILL)", "hung"
+
+
 @dataclass
 class ElasticResult:
-    """How the job ended: ``error`` is None on success."""
+    """How the job ended (the outcome every launcher reports): ``error`` is None on success."""
 
     error: str | None
     rounds: int
     resets: int
     events: list[str] = field(default_factory=list)
     final_ranks: dict[Key, int] = field(default_factory=dict)
+    failures: list[WorkerFailure] = field(default_factory=list)
+
+    def root_cause(self, detailed: Iterable[Key] = ()) -> WorkerFailure | None:
+        """The failure to report first: the earliest the driver saw among the workers the
+        launcher has details for (``detailed``: an exception, a traceback), else the earliest.
+        (The one rule for horovodrun, Spark and Ray.)"""
+        known = set(detailed)
+        for f in self.failures:
+            if f.key in known:
+                return f
+        return self.failures[0] if self.failures else None
 
 
 class ElasticDriver:
@@ -88,19 +125,21 @@ class ElasticDriver:
     Args:
         hosts: the discovery (script or fixed hosts) and the blacklist.
         np / min_np / max_np: processes to start with, fewest to go on with, most to use.
-        start_worker: ``f(key, slot_info) -> process`` (a ``WorkerProcess``); the process must
-            call ``driver.worker_exited(key, code, signal)`` when it ends.
+        start_worker: ``f(key, slot_info) -> WorkerHandle`` (how the launcher starts a worker:
+            a ``WorkerProcess``, a Spark agent's task, a Ray actor); the launcher must call
+            ``driver.worker_exited(key, code, signal)`` when it ends.
         put_kv: ``f(scope, key, value)`` on the rendezvous store (to abandon a round).
         timeout: ``--elastic-timeout`` seconds; reset_limit: ``--reset-limit``.
         discovery_interval: seconds between discovery runs.
         notify_when_ready: tell members about new workers only once these are up (see _scale).
-        clock: the time source (tests inject one).
+        clock: the one time source of the elastic session: request holds, the rejoin and
+            elastic timeouts, the finish grace, discovery failures (tests inject one).
     """
 
     def __init__(self, hosts: HostManager, np: int, min_np: int, max_np: int | None,
-                 start_worker: Callable[[Key, SlotInfo], Any],
+                 start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                  put_kv: Callable[[str, str, bytes], None] | None = None,
-                 timeout: float = 600.0, reset_limit: int | None = None,
+                 timeout: float = DEFAULT_ELASTIC_TIMEOUT, reset_limit: int | None = None,
                  discovery_interval: float = 1.0, stuck_seconds: float = 90.0,
                  finish_grace: float = 30.0, notify_when_ready: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -117,13 +156,14 @@ class ElasticDriver:
         self.workers: dict[Key, Worker] = {}
         self.round = -1
         self.members: list[Key] = []
-        self.answers: dict[Key, dict[str, Any]] = {}
+        self.answers: dict[Key, RoundInfo] = {}
         self.notice_version = 0
         self.notice_update = 0
         self._notified_added: frozenset[Key] = frozenset()
         self._notified_removed: frozenset[Key] = frozenset()
         self.resets = 0
         self.events: list[str] = []
+        self.failures: list[WorkerFailure] = []
         self.error: str | None = None
         self.done = False
         self._finishing_since: float | None = None
@@ -132,6 +172,19 @@ class ElasticDriver:
         self._discovery_ok = False
         self._discovery_error: str | None = None
         self._discovery_failing_since: float | None = None
+        self._abandoned: set[int] = set()
+
+    @classmethod
+    def from_settings(cls, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
+                      max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
+                      put_kv: Callable[[str, str, bytes], None] | None = None,
+                      discovery_interval: float = 1.0) -> ElasticDriver:
+        """The driver of every launcher (horovodrun, Spark, Ray): settings from one place."""
+        return cls(hosts, np, min_np, max_np, start_worker, put_kv=put_kv,
+                   timeout=settings.timeout, reset_limit=settings.reset_limit,
+                   discovery_interval=discovery_interval, stuck_seconds=settings.rejoin_timeout,
+                   finish_grace=settings.finish_grace,
+                   notify_when_ready=settings.notify_when_ready)
 
     # ------------------------------------------------------------------ logging
     def _event(self, text: str, level: int = logging.INFO) -> None:
@@ -190,7 +243,7 @@ class ElasticDriver:
         return 200, json.dumps(ans).encode()
 
     def _ready(self, key: Key, after: int, reason: str) -> dict[str, Any]:
-        deadline = time.monotonic() + HOLD_SECONDS
+        deadline = self.clock() + HOLD_SECONDS
         with self.cv:
             w = self.workers.get(key)
             if w is None or w.removed:
@@ -208,19 +261,19 @@ class ElasticDriver:
                     return {"status": "removed", "message": f"{key_name(key)} has been removed "
                             "from the elastic job"}
                 ans = self.answers.get(key)
-                if ans is not None and ans["round"] > after:
+                if ans is not None and ans.round > after:
                     w.state = "running"
-                    return ans
-                left = deadline - time.monotonic()
+                    return ans.to_wire()
+                left = deadline - self.clock()
                 if left <= 0:
                     return {"status": "wait"}
                 self.cv.wait(left)
 
     def _notice(self, after: int) -> dict[str, Any]:
-        deadline = time.monotonic() + HOLD_SECONDS * 5
+        deadline = self.clock() + HOLD_SECONDS * 5
         with self.cv:
             while self.notice_version <= after and not self.done:
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     break
                 self.cv.wait(left)
@@ -250,8 +303,8 @@ class ElasticDriver:
                 self.done = True
                 self.cv.notify_all()
         return ElasticResult(self.error, self.round + 1, self.resets, list(self.events),
-                             {k: a["rank"] for k, a in self.answers.items()
-                              if a["round"] == self.round})
+                             {k: a.rank for k, a in self.answers.items()
+                              if a.round == self.round}, list(self.failures))
 
     def stop_all(self, grace: float = 5.0) -> None:
         with self.cv:
@@ -311,17 +364,25 @@ class ElasticDriver:
         if resetting:
             if self._reset_since is None:
                 self._reset_since = now
+                # A member left the round (it failed, or asks for the next one): the others
+                # must not wait for it in the round's formation either.
+                gone = [w for w in member_states if w.state in ("ready", "exited")]
+                self._abandon(f"{', '.join(key_name(w.key) for w in gone)} left round {self.round}")
             stuck = [w for w in member_states if w.state in ("running", "starting")]
             if stuck and now - self._reset_since > self.stuck_seconds:
                 for w in stuck:
                     self._event(f"worker {key_name(w.key)} (rank {w.rank}) did not rejoin within "
-                                f"{self.stuck_seconds:g} s of the others; stopping it",
+                                f"{self.stuck_seconds:g} s of the others (hung or stopped? "
+                                "HOROVOD_ELASTIC_REJOIN_TIMEOUT); the job goes on without it; "
+                                "stopping it",
                                 logging.WARNING)
                     w.removed = True
                     if w.proc is not None:
                         w.proc.stop()
                     w.state = "exited"
                     w.exit_handled = True
+                    self.failures.append(WorkerFailure(w.key, w.rank, "hung"))
+                    self._blacklist(w.key[0], f"worker {key_name(w.key)} hung")
                 stuck = []
             if not stuck:
                 self._form_round(first=False)
@@ -353,28 +414,43 @@ class ElasticDriver:
                         if other.proc is not None:
                             other.proc.stop()
                 continue
-            host = w.key[0]
-            cooldown = self.hosts.blacklist_host(host)
-            until = ("for good" if cooldown is None else f"for {cooldown:.0f} s "
-                     "(--blacklist-cooldown-range)")
-            self._event(f"{who} failed ({status}); blacklisting host {host} {until}",
-                        logging.WARNING)
-            if w.key in self.members and self.put_kv is not None:
-                try:
-                    self.put_kv(f"elastic.{self.round}", "store", b"abandoned")
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
-            for other in self.workers.values():
-                if other.key[0] == host and other.alive and not other.removed:
-                    self._event(f"stopping worker {key_name(other.key)}: its host {host} is "
-                                "blacklisted")
-                    other.removed = True
-                    if other.proc is not None:
-                        other.proc.stop()
+            self.failures.append(WorkerFailure(w.key, w.rank, status))
+            if w.key in self.members:
+                self._abandon(f"{who} failed ({status})")
+            self._blacklist(w.key[0], f"{who} failed ({status})")
         if self.round < 0 and self.workers and not any(w.alive for w in self.workers.values()) \
                 and any(not w.removed for w in self.workers.values()):
             self._fail(f"all {len(self.workers)} workers failed before training started; "
                        "stopping the job (see their output above)")
+
+    def _blacklist(self, host: str, why: str) -> None:
+        """Blacklist ``host`` after a failure there, and stop the other workers on it."""
+        cooldown = self.hosts.blacklist_host(host)
+        until = ("for good" if cooldown is None else f"for {cooldown:.0f} s "
+                 "(--blacklist-cooldown-range)")
+        self._event(f"{why}; blacklisting host {host} {until}", logging.WARNING)
+        for other in self.workers.values():
+            if other.key[0] == host and other.alive and not other.removed:
+                self._event(f"stopping worker {key_name(other.key)}: its host {host} is "
+                            "blacklisted")
+                other.removed = True
+                if other.proc is not None:
+                    other.proc.stop()
+
+    def _abandon(self, why: str) -> None:
+        """Give the current round up: its members still forming it stop waiting for each other
+        (store, Gloo device, process group) within a fraction of a second and ask for the next."""
+        if self.put_kv is None or self.round < 0 or self.round in self._abandoned:
+            return
+        from horovod.common.elastic_rounds import ABANDONED_KEY, round_scope
+
+        self._abandoned.add(self.round)
+        scope = round_scope(self.round)
+        try:
+            self.put_kv(scope, ABANDONED_KEY, why.encode())
+            self.put_kv(scope, "store", b"abandoned")  # a member still waiting for rank 0's address
+        except Exception:  # noqa: BLE001 - best effort: the members' own timeouts remain
+            log.debug("elastic: could not mark round %d abandoned", self.round, exc_info=True)
 
     def _drop_unavailable(self) -> None:
         """Stop non-member workers on hosts that are gone; notify members about removals."""
@@ -545,6 +621,7 @@ class ElasticDriver:
         return assign_slots(specs, n) if n else []
 
     def _publish(self, plan: list[SlotInfo], first: bool) -> None:
+        from horovod.common.elastic_rounds import RoundInfo
         keys = [(s.hostname, s.local_rank) for s in plan]
         if not first:
             self.resets += 1
@@ -564,11 +641,10 @@ class ElasticDriver:
             key = (s.hostname, s.local_rank)
             w = self.workers[key]
             w.rank = s.rank
-            self.answers[key] = {"status": "round", "round": self.round, "rank": s.rank,
-                                 "size": s.size, "local_rank": s.local_rank,
-                                 "local_size": s.local_size, "cross_rank": s.cross_rank,
-                                 "cross_size": s.cross_size, "hostname": s.hostname,
-                                 "skip_sync": skip_sync, "notice": self.notice_version}
+            self.answers[key] = RoundInfo(
+                round=self.round, rank=s.rank, size=s.size, local_rank=s.local_rank,
+                local_size=s.local_size, cross_rank=s.cross_rank, cross_size=s.cross_size,
+                hostname=s.hostname, skip_sync=skip_sync, notice=self.notice_version)
         # Workers that were ready but are not in the round (beyond --max-np) go.
         for w in self.workers.values():
             if w.alive and not w.removed and w.key not in keys and w.key in old:

@@ -13,6 +13,7 @@ from typing import IO, Any
 
 from horovod.runner.elastic.discovery import FixedHosts, HostDiscoveryScript, HostManager
 from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key_name
+from horovod.runner.elastic.settings import ElasticSettings
 from horovod.runner.elastic.workers import WorkerProcess
 from horovod.runner.hosts import HostSpec, SlotInfo
 from horovod.runner.plan import RankPlan, build_plan
@@ -21,8 +22,6 @@ from horovod.runner.settings import LaunchSettings
 __all__ = ["launch_elastic", "ElasticJobResult", "configure_logging"]
 
 log = logging.getLogger("horovod.runner.elastic")
-
-DEFAULT_ELASTIC_TIMEOUT = 600.0
 
 
 @dataclass
@@ -41,14 +40,12 @@ class ElasticJobResult:
     def report(self) -> str:
         if self.error is None:
             return ""
+        root = self.result.root_cause()
+        first = ("" if root is None else
+                 f"; first failure: worker {key_name(root.key)}"
+                 f"{'' if root.rank is None else f' (rank {root.rank})'} {root.status}")
         return (f"horovodrun: elastic job failed: {self.error}\n"
-                f"({self.result.rounds} round(s), {self.result.resets} reset(s))")
-
-
-def _elastic_timeout(settings: LaunchSettings, environ: Mapping[str, str]) -> float:
-    if settings.elastic_timeout is not None:
-        return float(settings.elastic_timeout)
-    return float(environ.get("HOROVOD_ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT))
+                f"({self.result.rounds} round(s), {self.result.resets} reset(s){first})")
 
 
 def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
@@ -130,12 +127,12 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                              stdout=stdout, stderr=stderr, timestamp=settings.prefix_timestamp,
                              write_lock=write_lock)
 
-    driver = ElasticDriver(manager, settings.np, settings.min_np, settings.max_np, start_worker,
-                           put_kv=server.put, timeout=_elastic_timeout(settings, environ),
-                           reset_limit=settings.reset_limit,
-                           discovery_interval=discovery_interval,
-                           notify_when_ready=environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY", "0")
-                           not in ("", "0"))
+    elastic = ElasticSettings.from_env(environ, timeout=settings.elastic_timeout,
+                                       reset_limit=settings.reset_limit,
+                                       cooldown_range=settings.blacklist_cooldown_range)
+    driver = ElasticDriver.from_settings(elastic, manager, settings.np, settings.min_np,
+                                         settings.max_np, start_worker, put_kv=server.put,
+                                         discovery_interval=discovery_interval)
     server.set_elastic_handler(driver.handle)
     if on_rendezvous is not None:
         on_rendezvous(server)

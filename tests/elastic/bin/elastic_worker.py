@@ -9,6 +9,16 @@ Environment:
   STEP_SLEEP      seconds per step (default 0.1)
   KILL / RAISE    "<host>[<slot>]@<step>": that worker SIGKILLs itself / raises at that step
                   ("*@<step>": every worker)
+  KILL_AT         "<host>[<slot>]@<point>@<n>": that worker SIGKILLs itself (SIGSTOPs itself for
+                  point "hang") at a chosen point of the elastic protocol:
+                    step@<n>    in training, before step n
+                    commit@<n>  inside the commit of step n (state saved, host check not made)
+                    sync@<n>    at its n-th state sync (the first is at the start, before
+                                training; the others after each reset), before it
+                    join@<n>    when the driver has placed it in round n, before it connects
+                    notice@<n>  when the n-th host notice reaches it
+                    hang@<n>    stops (SIGSTOP) before step n instead of dying
+                  It prints "KILLING <point>" first (the test times the recovery from there).
   HOSTS_FILE, HOSTS_AT   JSON {"<step>": "<file content>"}: rank 0 writes the discovery file
                   when it first reaches that step
   WAIT_FOR_SIZE   "<n>@<step>": the workers wait at that step (at most 90 s) until the job
@@ -68,12 +78,47 @@ def _matches(spec: str, me: str, step: int) -> bool:
     return (who in ("*", me)) and int(at) == step
 
 
+def _kill_at(me: str, point: str, n: int) -> None:
+    spec = os.environ.get("KILL_AT", "")
+    if not spec:
+        return
+    who, p, at = spec.split("@")
+    if who == me and p == point and int(at) == n:
+        print(f"KILLING {point}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP if point == "hang" else signal.SIGKILL)
+
+
+def _install_protocol_hooks(me: str) -> None:
+    """KILL_AT's join and notice points: wrap the elastic worker's calls (the test's hook)."""
+    from horovod.common.elastic import worker as elastic_worker
+
+    join_round = elastic_worker.join_round
+
+    def joining(*args, **kwargs):  # type: ignore[no-untyped-def]
+        info = join_round(*args, **kwargs)
+        _kill_at(me, "join", info.round)
+        return info
+
+    elastic_worker.join_round = joining  # type: ignore[assignment]
+    handle_notice = elastic_worker.notification_manager.handle_notice
+    seen = [0]
+
+    def noticed(version: int, update: int) -> None:
+        seen[0] += 1
+        _kill_at(me, "notice", seen[0])
+        handle_notice(version, update)
+
+    elastic_worker.notification_manager.handle_notice = noticed  # type: ignore[method-assign]
+
+
 def main() -> None:
     steps = int(os.environ.get("STEPS", "30"))
     pause = float(os.environ.get("STEP_SLEEP", "0.1"))
     me = f"{os.environ['HOROVOD_ELASTIC_HOST']}[{os.environ['HOROVOD_ELASTIC_SLOT']}]"
     hosts_at = json.loads(os.environ.get("HOSTS_AT", "{}"))
     wait_for = os.environ.get("WAIT_FOR_SIZE", "")
+    syncs = [0]
+    _install_protocol_hooks(me)
 
     hvd.init()
     model, opt = make_model()
@@ -86,6 +131,8 @@ def main() -> None:
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         while state.step < steps:
+            _kill_at(me, "step", state.step)
+            _kill_at(me, "hang", state.step)
             if _matches(os.environ.get("KILL", ""), me, state.step):
                 os.kill(os.getpid(), signal.SIGKILL)
             if _matches(os.environ.get("RAISE", ""), me, state.step):
@@ -108,11 +155,27 @@ def main() -> None:
             train_step(model, opt, state.step)
             state.step += 1
             state.commit()
-            print(f"COMMIT {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step})}",
-                  flush=True)
+            commit = {'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step,
+                      'pid': os.getpid()}
+            print(f"COMMIT {json.dumps(commit)}", flush=True)
             time.sleep(pause)
 
     state = hvd.elastic.TorchState(model, opt, step=0)
+    check_host_updates = state.check_host_updates
+
+    def commit_hook() -> None:  # commit() = save(), then check_host_updates(): die in between
+        _kill_at(me, "commit", state.step)
+        check_host_updates()
+
+    state.check_host_updates = commit_hook  # type: ignore[method-assign]
+    sync = state.sync
+
+    def sync_hook() -> None:
+        syncs[0] += 1
+        _kill_at(me, "sync", syncs[0])
+        sync()
+
+    state.sync = sync_hook  # type: ignore[method-assign]
     state.register_reset_callbacks([on_reset])
     train(state)
     momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()

@@ -95,7 +95,7 @@ class Harness:
             self.d._step()
 
     def ranks(self) -> dict[tuple[str, int], int]:
-        return {k: self.d.answers[k]["rank"] for k in self.d.members}
+        return {k: self.d.answers[k].rank for k in self.d.members}
 
 
 def test_first_round_waits_for_every_started_worker() -> None:
@@ -108,7 +108,7 @@ def test_first_round_waits_for_every_started_worker() -> None:
     h.ready(("b", 0), reason="start")
     h.step()
     assert h.d.round == 0 and h.ranks() == {("a", 0): 0, ("a", 1): 1, ("b", 0): 2}
-    assert h.d.answers[("b", 0)]["local_size"] == 1 and h.d.answers[("a", 1)]["local_rank"] == 1
+    assert h.d.answers[("b", 0)].local_size == 1 and h.d.answers[("a", 1)].local_rank == 1
 
 
 def first_round(h: Harness) -> None:
@@ -128,7 +128,7 @@ def test_failure_blacklists_host_and_survivors_form_the_next_round_with_sync() -
     h.ready(("b", 0), ("c", 0))
     h.step()
     assert h.d.round == 1 and h.ranks() == {("b", 0): 0, ("c", 0): 1}
-    assert h.d.answers[("b", 0)]["skip_sync"] is False
+    assert h.d.answers[("b", 0)].skip_sync is False
     assert any("failed (killed by signal 9 (SIGKILL)); blacklisting host a" in e for e in h.d.events)
 
 
@@ -142,7 +142,7 @@ def test_removal_only_round_skips_sync_but_not_when_a_newcomer_joins() -> None:
     assert h.d.notice_version == 1 and h.d.notice_update == 1  # removed
     h.ready(("a", 0), ("b", 0), ("c", 0), reason="removed")
     h.step()
-    assert h.d.round == 1 and h.d.answers[("a", 0)]["skip_sync"] is True
+    assert h.d.round == 1 and h.d.answers[("a", 0)].skip_sync is True
     assert h.d.workers[("c", 0)].removed
     h.running()
 
@@ -162,7 +162,7 @@ def test_removal_only_round_skips_sync_but_not_when_a_newcomer_joins() -> None:
     h2.now += 1
     h2.step()
     assert h2.d.round == 1 and set(h2.ranks()) == {("a", 0), ("b", 0), ("d", 0)}
-    assert all(h2.d.answers[k]["skip_sync"] is False for k in h2.d.members)
+    assert all(h2.d.answers[k].skip_sync is False for k in h2.d.members)
 
 
 def test_new_host_is_started_members_notified_once_and_the_round_waits_for_it() -> None:
@@ -269,7 +269,50 @@ def test_member_death_abandons_the_current_round() -> None:
     first_round(h)
     h.exit(("b", 0), 1)
     h.step()
-    assert put == [("elastic.0", "store", b"abandoned")]
+    assert [(scope, key) for scope, key, _ in put] == [("elastic.0", "abandoned"),
+                                                       ("elastic.0", "store")]
+    assert b"b[0]" in put[0][2] and b"exit code 1" in put[0][2]
+    h.exit(("a", 0), 1)  # once per round
+    h.step()
+    assert len(put) == 2
+
+
+def test_a_member_forming_an_abandoned_round_stops_waiting_within_a_second() -> None:
+    # A member blocked in the round's formation (here: a build that would wait for 60 s, as
+    # Gloo's process group waits for a dead peer's address) gives up as soon as the driver
+    # writes the round's abandon key; what the build makes later is closed.
+    import threading
+    import time
+
+    from horovod.common.elastic.worker import ABANDONED_KEY, RoundInfo, form_round
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.rendezvous import RendezvousClient
+    from horovod.runner.rendezvous import RendezvousServer, make_secret
+
+    info = RoundInfo(round=4, rank=1, size=3, local_rank=0, local_size=1, cross_rank=1,
+                     cross_size=3, hostname="h", skip_sync=False, notice=0)
+    secret = make_secret()
+    release = threading.Event()
+    closed: list[str] = []
+    with RendezvousServer(secret) as server:
+        client = RendezvousClient("127.0.0.1", server.port, secret)
+        assert form_round(lambda: "built", client, info) == "built"
+
+        def slow_build() -> str:
+            t0.append(time.monotonic())  # the driver gives the round up while this member waits
+            server.put("elastic.4", ABANDONED_KEY, b"b[0] died")
+            release.wait(60)
+            return "late"
+
+        t0: list[float] = []
+        with pytest.raises(HorovodInternalError, match="round 4 was abandoned.*b\\[0\\] died"):
+            form_round(slow_build, client, info, close=closed.append)
+        assert time.monotonic() - t0[0] < 1.0
+        release.set()
+        deadline = time.monotonic() + 5
+        while not closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closed == ["late"]
 
 
 def test_notify_when_ready_lets_members_train_while_new_workers_start() -> None:
@@ -294,3 +337,52 @@ def test_abort_ends_the_job_with_the_launchers_reason() -> None:
     assert result.error == "the Spark job of the elastic agents failed: executor lost"
     h.d.abort("a second reason")  # once over, the first reason stays
     assert h.d.error == "the Spark job of the elastic agents failed: executor lost"
+
+
+def test_elastic_settings_are_read_in_one_place() -> None:
+    from horovod.runner.elastic.settings import ElasticSettings
+
+    d = ElasticSettings.from_env({})
+    assert (d.timeout, d.notify_when_ready, d.rejoin_timeout, d.reset_limit) == (600, False, 90, None)
+    env = {"HOROVOD_ELASTIC_TIMEOUT": "50", "HOROVOD_ELASTIC_NOTIFY_WHEN_READY": "1",
+           "HOROVOD_ELASTIC_REJOIN_TIMEOUT": "7"}
+    s = ElasticSettings.from_env(env, reset_limit=3)
+    assert (s.timeout, s.notify_when_ready, s.rejoin_timeout, s.reset_limit) == (50, True, 7, 3)
+    assert ElasticSettings.from_env(env, timeout=9).timeout == 9  # the launcher's argument wins
+    with pytest.raises(ConfigError, match="HOROVOD_ELASTIC_REJOIN_TIMEOUT"):
+        ElasticSettings.from_env({"HOROVOD_ELASTIC_REJOIN_TIMEOUT": "soon"})
+    h = Harness({"a": 1}, np=1, min_np=1)
+    drv = ElasticDriver.from_settings(s, h.d.hosts, 1, 1, None, h.d.start_worker)
+    assert (drv.timeout, drv.stuck_seconds, drv.notify_when_ready, drv.reset_limit) == (50, 7, True, 3)
+
+
+def test_round_answer_is_one_dataclass_on_both_sides() -> None:
+    import json
+
+    from horovod.common.elastic.worker import RoundInfo
+    from horovod.common.exceptions import HorovodInternalError
+
+    h = Harness({"a": 2, "b": 1}, np=3, min_np=1)
+    first_round(h)
+    info = h.d.answers[("b", 0)]
+    wire = json.loads(json.dumps(info.to_wire()))
+    assert wire["status"] == "round" and RoundInfo.from_wire(wire) == info
+    with pytest.raises(HorovodInternalError, match="malformed"):
+        RoundInfo.from_wire({k: v for k, v in wire.items() if k != "rank"})
+
+
+def test_failures_are_kept_in_order_and_one_rule_names_the_root_cause() -> None:
+    h = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=1)
+    first_round(h)
+    h.exit(("c", 0), None, 9)
+    h.step()
+    h.exit(("a", 0), 1)
+    h.step()
+    from horovod.runner.elastic.driver import ElasticResult
+
+    res = ElasticResult("x", 1, 0, failures=list(h.d.failures))
+    assert [(f.key, f.status) for f in res.failures] == [
+        (("c", 0), "killed by signal 9 (SIGKILL)"), (("a", 0), "exit code 1")]
+    assert res.root_cause().key == ("c", 0)  # the earliest
+    assert res.root_cause([("a", 0)]).key == ("a", 0)  # the earliest the launcher has details for
+    assert ElasticResult(None, 1, 0).root_cause() is None
