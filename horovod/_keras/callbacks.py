@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+import horovod.tensorflow as _hvd_tf
+from horovod._keras.helpers import get_lr, set_lr
 from horovod.common import basics as _basics
 from horovod.common import collectives as C
 from horovod.common.types import ReduceOp
 from horovod.tensorflow._grads import _var_key
-
-from . import disable_jit_for, get_lr, is_distributed, set_lr
+from horovod.tensorflow._keras_optimizer import disable_jit_for, is_distributed, optimizer_backend
 
 __all__ = ["BroadcastGlobalVariablesCallbackImpl", "MetricAverageCallbackImpl",
            "LearningRateScheduleCallbackImpl", "LearningRateWarmupCallbackImpl", "fix_jit"]
@@ -28,10 +29,23 @@ log = logging.getLogger("horovod")
 def fix_jit(model: Any) -> None:
     """If the model would XLA-compile a step that runs Horovod ops, recompile its train function."""
     opt = getattr(model, "optimizer", None)
-    if opt is None or not is_distributed(opt):
+    if opt is None or not is_distributed(opt) or optimizer_backend(opt) != "tensorflow":
         return
     if disable_jit_for(model) and hasattr(model, "make_train_function"):
         model.make_train_function(force=True)
+
+
+def _broadcast_keras_variables(variables: list[Any], root_rank: int) -> None:
+    """Broadcast Keras variables of any backend through NumPy: one grouped broadcast per dtype."""
+    values = [np.array(v.numpy(), order="C", copy=True) for v in variables]
+    groups: dict[str, list[int]] = {}
+    for i, val in enumerate(values):
+        groups.setdefault(val.dtype.name, []).append(i)
+    for dtype, idx in sorted(groups.items()):
+        C.broadcast_async([values[i] for i in idx], root_rank, name=f"BroadcastGlobalVariables.{dtype}",
+                          inplace=True, grouped=True, wake=False).wait()
+    for v, val in zip(variables, values):
+        v.assign(val)
 
 
 def _optimizer_variables(opt: Any) -> list[Any]:
@@ -63,16 +77,24 @@ class BroadcastGlobalVariablesCallbackImpl:
     def on_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.broadcast_done:
             return
-        import horovod.tensorflow as hvd
 
+        backend = self.backend.backend() if callable(getattr(self.backend, "backend", None)) else "tensorflow"
+        if backend != "tensorflow":  # Keras 3 on torch or JAX (self.model syncs JAX's state first)
+            model = self.model
+            opt = model.optimizer
+            _broadcast_keras_variables(
+                [v for v in model.weights if _var_key(v) not in self.local_variables]
+                + (_optimizer_variables(opt) if opt is not None else []), self.root_rank)
+            self.broadcast_done = True
+            return
         with tf.device(self.device):
             if tf.executing_eagerly():
                 model_vars = [v for v in self.model.weights if _var_key(v) not in self.local_variables]
                 opt = self.model.optimizer
                 opt_vars = _optimizer_variables(opt) if opt is not None else []
-                hvd.broadcast_variables(model_vars + opt_vars, root_rank=self.root_rank)
+                _hvd_tf.broadcast_variables(model_vars + opt_vars, root_rank=self.root_rank)
             else:
-                bcast = hvd.broadcast_global_variables(self.root_rank)
+                bcast = _hvd_tf.broadcast_global_variables(self.root_rank)
                 tf.compat.v1.keras.backend.get_session().run(bcast)
         self.broadcast_done = True
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import keras
 
-from horovod import _keras as _impl
+from horovod._keras import helpers as _impl
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -44,6 +44,7 @@ from horovod.common.basics import (
 from horovod.common.process_sets import global_process_set
 from horovod.common.types import Adasum, Average, Sum
 from horovod.keras import callbacks, elastic
+from horovod.tensorflow import _keras_optimizer as _opt
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_tape import _is_keras_layer
 
@@ -60,16 +61,23 @@ __all__ = [
 def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
                          device_sparse: str = "", compression: Any = Compression.none,
                          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                         op: int = Average, num_groups: int = 0, groups: Any = None) -> Any:
+                         op: int = Average, num_groups: int = 0, groups: Any = None,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False) -> Any:
     """Return a copy of ``optimizer`` that averages gradients across ranks before applying them.
+
+    Works on Keras 3's TensorFlow, PyTorch and JAX backends (``KERAS_BACKEND``). With
+    ``backward_passes_per_step=k`` (an addition to upstream's signature, as in
+    ``horovod.tensorflow.keras``) gradients of k batches are accumulated locally, then reduced
+    and applied (summed, or averaged with ``average_aggregated_gradients=True``).
 
     Raises:
         ValueError: ``op`` other than Average/Sum, predivide with Sum, bad ``groups``, or a
-            Keras backend other than TensorFlow.
+            Keras backend that cannot train (numpy, openvino).
     """
-    return _impl.create_distributed_optimizer(
+    return _opt.create_distributed_optimizer(
         keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
-        gradient_predivide_factor, op, groups=groups, num_groups=num_groups)
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        groups=groups, num_groups=num_groups)
 
 
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
@@ -84,7 +92,7 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_
     Raises:
         ValueError: an entry of ``local_layers`` is not a Keras layer.
     """
-    opt = _impl.create_distributed_optimizer(
+    opt = _opt.create_distributed_optimizer(
         keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
         process_set, scale_local_gradients)
@@ -136,9 +144,9 @@ def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any
     """Load a saved model whose optimizer is re-created as a Horovod distributed optimizer."""
 
     def wrap(cls: type) -> type:
-        cfg = _impl._HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
-                               True, f"Distributed{cls.__name__}")
-        return _impl.distributed_class(cls, cfg)
+        cfg = _opt.HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
+                               True, f"Distributed{cls.__name__}", _opt.keras_backend(keras))
+        return _opt.distributed_class(cls, cfg)
 
     return _impl.load_model(keras, wrap, ("keras.src.optimizers", "keras.optimizers"), filepath,
                             custom_optimizers, custom_objects)

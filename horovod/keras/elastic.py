@@ -8,10 +8,21 @@ import keras
 
 from horovod._keras import elastic as _impl
 from horovod.common.elastic import ObjectState, State
-from horovod.tensorflow.elastic import TensorFlowKerasState, run
+from horovod.tensorflow.elastic import TensorFlowKerasState
+from horovod.tensorflow.elastic import run as _tf_run
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "State", "ObjectState"]
+
+
+def run(func: Any) -> Any:
+    """Decorator: run ``func(state, ...)`` in the elastic retry loop, for the Keras backend in use
+    (on JAX, a collective failing inside the compiled train step resets the job too)."""
+    if keras.backend.backend() == "jax":
+        from horovod.jax.elastic import run as jax_run  # imports JAX only on its backend
+
+        return jax_run(func)
+    return _tf_run(func)
 
 
 class KerasState(TensorFlowKerasState):

@@ -9,6 +9,7 @@ import tensorflow as tf
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp
 from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
+from horovod.tensorflow._keras_optimizer import create_distributed_optimizer
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
@@ -116,7 +117,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
 
     ``tf.compat.v1.train`` optimizers get a wrapper whose ``compute_gradients`` averages (use
     ``minimize`` or ``compute_gradients``/``apply_gradients`` as usual); Keras optimizers are
-    delegated to ``horovod.tensorflow.keras.DistributedOptimizer``.
+    wrapped as ``horovod.tensorflow.keras.DistributedOptimizer`` does (``_keras_optimizer``).
 
     Raises:
         ValueError: predivide with an op other than Average; Adasum with Keras; bad ``groups``;
@@ -137,15 +138,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                                      sparse_as_dense, op, gradient_predivide_factor, groups,
                                      backward_passes_per_step, average_aggregated_gradients, process_set,
                                      scale_local_gradients)
-    if keras_opt:
-        from horovod.tensorflow import keras as hvd_k
-
-        return hvd_k.DistributedOptimizer(
-            optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-            compression=compression, sparse_as_dense=sparse_as_dense,
-            gradient_predivide_factor=gradient_predivide_factor, op=op,
-            backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-            process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if keras_opt:  # what horovod.tensorflow.keras.DistributedOptimizer returns
+        return create_distributed_optimizer(
+            tf.keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+            gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
+            process_set, scale_local_gradients)
     raise ValueError(f"Provided optimizer doesn't inherit from either legacy TensorFlow or Keras "
                      f"optimizer: {type(optimizer).__name__}")

@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from horovod import _keras as _impl
+from horovod._keras import helpers as _impl
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -51,6 +51,7 @@ from horovod.common.process_sets import (
     remove_process_set,
 )
 from horovod.common.types import Average, Sum
+from horovod.tensorflow import _keras_optimizer as _opt
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_tape import _is_keras_layer
 from horovod.tensorflow.keras import callbacks, elastic
@@ -84,7 +85,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     Raises:
         ValueError: ``op`` other than Average/Sum, predivide with Sum, bad ``groups``.
     """
-    return _impl.create_distributed_optimizer(
+    return _opt.create_distributed_optimizer(
         keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
         process_set, scale_local_gradients, num_groups)
@@ -149,9 +150,9 @@ def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any
 
 def _wrapper(compression: Any) -> Any:
     def wrap(cls: type) -> type:
-        cfg = _impl._HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
-                               True, f"Distributed{cls.__name__}")
-        return _impl.distributed_class(cls, cfg)
+        cfg = _opt.HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
+                               True, f"Distributed{cls.__name__}", _opt.keras_backend(keras))
+        return _opt.distributed_class(cls, cfg)
 
     return wrap
 

@@ -1,0 +1,406 @@
+"""The Horovod strategy for one Lightning 2 package (``lightning.pytorch`` or ``pytorch_lightning``).
+
+Each Lightning distribution has its own ``Strategy`` base classes and strategy registry, so the
+strategy class is built once per package by :func:`strategy_class` (same code, that package's base
+classes). What the strategy does, in Lightning's hook order:
+
+- ``__init__``: ``hvd.init()``; ranks, sizes and the node come from Horovod (``HorovodEnvironment``),
+  processes are started by the launcher (horovodrun, mpirun, ``horovod.run``, Spark, Ray), never by
+  Lightning.
+- ``setup`` (fit): the optimizers from ``configure_optimizers`` are wrapped in
+  ``hvd.DistributedOptimizer`` (named parameters, ``accumulate_grad_batches`` as
+  ``backward_passes_per_step``), LR schedulers are re-pointed at the wrapped optimizers, and the
+  parameters (and any optimizer state) are broadcast from rank 0. Validate/test/predict broadcast
+  the parameters only.
+- automatic optimization: gradients are averaged in ``post_backward`` (``synchronize()``) and the
+  optimizer steps inside ``skip_synchronize()``, so Lightning's gradient clipping and AMP unscaling
+  see averaged gradients; micro-batches of an accumulation window skip the synchronization.
+  Manual optimization: ``optimizer.step()`` synchronizes, as in a plain Horovod script.
+- ``reduce`` / ``all_gather`` / ``broadcast`` / ``barrier`` / ``reduce_boolean_decision`` are
+  Horovod collectives (``self.log(..., sync_dist=True)``, early stopping, checkpoint names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import socket
+from typing import Any
+
+import torch
+
+import horovod.torch as hvd
+
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+_FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
+_built: dict[str, type] = {}
+
+
+def strategy_class(package: str) -> type:
+    """``HorovodStrategy`` for ``package`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``)."""
+    if package not in PACKAGES:
+        raise ValueError(f"unknown Lightning package {package!r}; expected one of {', '.join(PACKAGES)}")
+    cls = _built.get(package)
+    if cls is None:
+        cls = _built[package] = _build(package)
+    return cls
+
+
+def _hvd_op(reduce_op: Any) -> Any:
+    """Horovod's op for Lightning's ``reduce_op`` (a string, or torch.distributed's ReduceOp)."""
+    if reduce_op is None:
+        return hvd.Average
+    if isinstance(reduce_op, str):
+        key = reduce_op.lower()
+    else:
+        from torch.distributed import ReduceOp
+
+        names = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product",
+                 ReduceOp.AVG: "avg"}
+        key = next((name for op, name in names.items() if reduce_op == op), repr(reduce_op))
+    ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min,
+           "product": hvd.Product, "prod": hvd.Product}
+    if key not in ops:
+        raise ValueError(f"HorovodStrategy.reduce: unsupported reduce_op {reduce_op!r}; "
+                         "use 'mean', 'sum', 'max', 'min' or 'product'")
+    return ops[key]
+
+
+def _track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way torch's LR schedulers do, so that a scheduler re-pointed at
+    the wrapped optimizer does not warn that ``step()`` was overridden or not called."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]
+
+
+def _flat_gradients(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One flat gradient buffer for the optimizer's parameters: ``[(parameter, its view)]`` (as DDP's
+    ``gradient_as_bucket_view``), or ``[]`` where the parameters differ in dtype/device or are sparse."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or len({(p.dtype, p.device) for p in params}) != 1 or any(p.is_sparse for p in params):
+        return []
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    views, offset = [], 0
+    for p in params:
+        views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+        offset += p.numel()
+    _restore_views(views)
+    return views
+
+
+def _restore_views(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give a parameter whose gradient was set to None (``zero_grad(set_to_none=True)`` from
+    anywhere) its view back, zeroed."""
+    for p, view in views:
+        if p.grad is None:
+            view.zero_()
+            p.grad = view
+
+
+def _keep_gradient_views(optimizer: torch.optim.Optimizer) -> None:
+    """``zero_grad()`` zeroes in place, so the gradients stay views of the flat buffer (a class
+    attribute: Lightning's optimizer wrapper takes its methods from the optimizer's class)."""
+    cls = type(optimizer)
+
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        cls.zero_grad(self, set_to_none=False)
+
+    optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad})
+
+
+def _unwrap(optimizer: Any, lightning_optimizer_cls: type) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, lightning_optimizer_cls) else optimizer
+
+
+def _build(package: str) -> type:
+    pl = importlib.import_module(package)
+    fabric_envs = importlib.import_module(_FABRIC[package] + ".plugins.environments")
+    strategies = importlib.import_module(package + ".strategies")
+    states = importlib.import_module(package + ".trainer.states")
+    core_optimizer = importlib.import_module(package + ".core.optimizer")
+    pl_rank_zero = importlib.import_module(package + ".utilities.rank_zero")
+    from lightning_utilities.core import rank_zero as utils_rank_zero
+
+    LightningOptimizer = core_optimizer.LightningOptimizer  # noqa: N806
+    TrainerFn = states.TrainerFn  # noqa: N806
+
+    class HorovodEnvironment(fabric_envs.ClusterEnvironment):
+        """Ranks and sizes from Horovod; the launcher (not Lightning) starts the processes."""
+
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True
+
+        @property
+        def main_address(self) -> str:
+            return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+        @property
+        def main_port(self) -> int:
+            return 0  # Horovod's own rendezvous; Lightning opens no process group
+
+        @staticmethod
+        def detect() -> bool:
+            return False  # chosen by HorovodStrategy only, never auto-detected for another strategy
+
+        def world_size(self) -> int:
+            return hvd.size()
+
+        def set_world_size(self, size: int) -> None:
+            pass  # fixed by the launcher
+
+        def global_rank(self) -> int:
+            return hvd.rank()
+
+        def set_global_rank(self, rank: int) -> None:
+            pass  # fixed by the launcher
+
+        def local_rank(self) -> int:
+            return hvd.local_rank()
+
+        def node_rank(self) -> int:
+            return hvd.cross_rank()
+
+    class HorovodStrategy(strategies.ParallelStrategy):
+        """Lightning on Horovod: one process per device, started by a Horovod launcher.
+
+        ``Trainer(strategy="horovod")`` or ``Trainer(strategy=HorovodStrategy(...))``.
+
+        Args:
+            accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning
+                strategy (usually left to the Trainer's ``accelerator=``/``precision=``).
+            compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
+            op: gradient reduction, ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
+            gradient_predivide_factor: as for ``hvd.DistributedOptimizer``.
+            sparse_as_dense: as for ``hvd.DistributedOptimizer``.
+        """
+
+        strategy_name = "horovod"
+
+        def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                     checkpoint_io: Any = None, precision_plugin: Any = None,
+                     compression: Any = hvd.Compression.none, op: Any = hvd.Average,
+                     gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                     flat_gradients: bool = False) -> None:
+            hvd.init()
+            super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                             cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
+                             precision_plugin=precision_plugin)
+            self._compression = compression
+            self._op = op
+            self._gradient_predivide_factor = gradient_predivide_factor
+            self._sparse_as_dense = sparse_as_dense
+            self._flat_gradients = flat_gradients
+            self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self._skip_sync: contextlib.ExitStack | None = None
+            self._blocked = False
+            self._set_rank_zero()
+
+        # ---------------------------------------------------------------- ranks and devices
+        @property
+        def global_rank(self) -> int:
+            return hvd.rank()
+
+        @property
+        def local_rank(self) -> int:
+            return hvd.local_rank()
+
+        @property
+        def node_rank(self) -> int:
+            return hvd.cross_rank()
+
+        @property
+        def world_size(self) -> int:
+            return hvd.size()
+
+        @property
+        def is_distributed(self) -> bool:
+            return True  # Lightning inserts the DistributedSampler for strategies that say so
+
+        @property
+        def root_device(self) -> torch.device:
+            devices = self.parallel_devices or [torch.device("cpu")]
+            if devices[0].type == "cuda":
+                # One process per GPU, pinned by local rank as in every Horovod recipe; a process
+                # that sees a single GPU (Spark/Ray assign one per task) uses that one.
+                count = torch.cuda.device_count()
+                return torch.device("cuda", 0 if count == 1 else self.local_rank)
+            return devices[0]
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+        def _set_rank_zero(self) -> None:
+            pl_rank_zero.rank_zero_only.rank = self.global_rank
+            utils_rank_zero.rank_zero_only.rank = self.global_rank
+
+        def set_world_ranks(self) -> None:
+            self._set_rank_zero()
+
+        def model_to_device(self) -> None:
+            assert self.model is not None
+            self.model.to(self.root_device)
+
+        # ---------------------------------------------------------------- setup / teardown
+        def setup(self, trainer: Any) -> None:
+            super().setup(trainer)  # accelerator, precision, model to device, optimizers
+            assert self.lightning_module is not None
+            hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
+            if trainer.state.fn != TrainerFn.FITTING:
+                return
+            automatic = self.lightning_module.automatic_optimization
+            passes = trainer.accumulate_grad_batches if automatic else 1
+            self.optimizers = self._wrap_optimizers(self.optimizers, passes)
+            for opt in self.optimizers:
+                self._broadcast_optimizer_state(_unwrap(opt, LightningOptimizer))
+            if automatic:
+                # Gradients are synchronized in post_backward; step() must not do it again.
+                self._skip_sync = contextlib.ExitStack()
+                for opt in self.optimizers:
+                    self._skip_sync.enter_context(_unwrap(opt, LightningOptimizer).skip_synchronize())
+
+        def _wrap_optimizers(self, optimizers: list[Any], passes: int) -> list[Any]:
+            assert self.lightning_module is not None
+            named = list(self.lightning_module.named_parameters())
+            wrapped_for: dict[int, Any] = {}
+            out = []
+            for opt in optimizers:
+                opt = _unwrap(opt, LightningOptimizer)
+                if isinstance(opt, hvd.optimizer._DistributedOptimizer):
+                    out.append(opt)  # the user wrapped it already
+                    continue
+                mine = {id(p) for group in opt.param_groups for p in group["params"]}
+                views = _flat_gradients(opt) if self._flat_gradients else []
+                self._views += views
+                wrapped = hvd.DistributedOptimizer(
+                    opt, named_parameters=[(n, p) for n, p in named if id(p) in mine],
+                    compression=self._compression, backward_passes_per_step=passes, op=self._op,
+                    gradient_predivide_factor=self._gradient_predivide_factor,
+                    sparse_as_dense=self._sparse_as_dense,
+                    groups=[[p for p, _ in views]] if views else None)
+                if views:
+                    _keep_gradient_views(wrapped)
+                wrapped.state.update(opt.state)  # normally empty: nothing has stepped yet
+                wrapped_for[id(opt)] = wrapped
+                out.append(wrapped)
+            for config in self.lr_scheduler_configs:
+                scheduler = config.scheduler
+                target = wrapped_for.get(id(getattr(scheduler, "optimizer", None)))
+                if target is not None:
+                    scheduler.optimizer = target
+                    _track_step_for_schedulers(target)
+            return out
+
+        @staticmethod
+        def _broadcast_optimizer_state(opt: torch.optim.Optimizer) -> None:
+            # A fresh optimizer has no state: broadcasting it would take a step on zero gradients
+            # to create some (which moves weights under decoupled weight decay). Then only the
+            # hyper-parameters travel.
+            if hvd.broadcast_object(len(opt.state) > 0, root_rank=0, name="HorovodStrategy.has_state"):
+                hvd.broadcast_optimizer_state(opt, root_rank=0)
+                return
+            options = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+            options = hvd.broadcast_object(options, root_rank=0, name="HorovodStrategy.param_groups")
+            for group, values in zip(opt.param_groups, options):
+                group.update(values)
+
+        def teardown(self) -> None:
+            self._views = []
+            if self._skip_sync is not None:
+                self._skip_sync.close()
+                self._skip_sync = None
+            for opt in self.optimizers:
+                opt = _unwrap(opt, LightningOptimizer)
+                # A later fit() builds new optimizers: this one's gradient hooks must go.
+                for handle in getattr(opt, "_hook_handles", ()):
+                    handle.remove()
+                if hasattr(opt, "_hook_handles"):
+                    opt._hook_handles = []
+            super().teardown()
+
+        # ---------------------------------------------------------------- gradients
+        @contextlib.contextmanager
+        def block_backward_sync(self) -> Any:
+            """Lightning's accumulation micro-batches: no synchronization (the optimizer's own
+            ``backward_passes_per_step`` counter holds the allreduces back)."""
+            self._blocked = True
+            try:
+                yield None
+            finally:
+                self._blocked = False
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            # GradientAccumulationScheduler changes accumulate_grad_batches at an epoch's start (a
+            # window boundary): the optimizers' pass counters follow.
+            if self._skip_sync is None or self.lightning_module is None:
+                return
+            _restore_views(self._views)
+            passes = self.lightning_module.trainer.accumulate_grad_batches
+            for opt in self.optimizers:
+                opt = _unwrap(opt, LightningOptimizer)
+                if opt.backward_passes_per_step != passes:
+                    opt.set_backward_passes_per_step(passes)
+
+        def post_backward(self, closure_loss: torch.Tensor) -> None:
+            if self._blocked or self._skip_sync is None:
+                return  # accumulating, or manual optimization (step() synchronizes)
+            for opt in self.optimizers:
+                _unwrap(opt, LightningOptimizer).synchronize()
+
+        # ---------------------------------------------------------------- collectives
+        def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+            """Allreduce ``tensor`` over all ranks (``'mean'`` by default, or ``'sum'``/``'max'``/...)."""
+            if group is not None:
+                raise ValueError("HorovodStrategy.reduce: process groups are not supported; leave `group` unset")
+            if not isinstance(tensor, torch.Tensor):
+                return tensor
+            op = _hvd_op(reduce_op)
+            if op == hvd.Average and not tensor.is_floating_point():
+                tensor = tensor.float()
+            return hvd.allreduce(tensor, op=op)
+
+        def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+            """Every rank's ``tensor`` stacked along a new first dimension of size ``world_size``."""
+            if group is not None and group is not getattr(torch.distributed.group, "WORLD", None):
+                raise ValueError("HorovodStrategy.all_gather: process groups are not supported; "
+                                 "leave `group` unset")
+            if not sync_grads:
+                tensor = tensor.detach()
+            return hvd.allgather(tensor.unsqueeze(0))
+
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002
+            votes = hvd.allreduce(torch.tensor([int(bool(decision))]), op=hvd.Sum,
+                                  name="HorovodStrategy.reduce_boolean_decision")
+            return int(votes.item()) == self.world_size if all else int(votes.item()) > 0
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            return hvd.broadcast_object(obj, root_rank=src)
+
+        def barrier(self, *args: Any, **kwargs: Any) -> None:
+            if hvd.size() > 1:
+                hvd.barrier()
+
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            strategy_registry.register(cls.strategy_name, cls, description="Horovod (horovod.lightning)",
+                                       override=True)
+
+    HorovodStrategy.__module__ = HorovodEnvironment.__module__ = "horovod.lightning"
+    HorovodStrategy.__qualname__ = "HorovodStrategy"
+    HorovodEnvironment.__qualname__ = "HorovodEnvironment"
+    HorovodStrategy.lightning_package = package  # type: ignore[attr-defined]
+    HorovodStrategy.Environment = HorovodEnvironment  # type: ignore[attr-defined]
+    del pl
+    return HorovodStrategy
