@@ -21,10 +21,6 @@ PACKAGE = ROOT / "horovod"
 # Cycles still allowed, each with its owner and why. A cycle found that is not listed here (or a
 # listed one that grew) fails the test; a listed one that is gone fails too, so the list shrinks.
 ALLOWED = {
-    # The TensorFlow/Keras layering (tensorflow <-> _keras <-> tensorflow.keras): being layered
-    # one way under issue 19 by its owner (engineer jax-keras).
-    frozenset({"horovod._keras", "horovod._keras.callbacks", "horovod.tensorflow", "horovod.tensorflow.keras",
-               "horovod.tensorflow.keras.callbacks", "horovod.tensorflow.optimizer"}),
     # ray.elastic's deprecated ElasticRayExecutor wraps RayExecutor, which starts ray.elastic's
     # ElasticAdapter: part of the elastic session's rewrite (engineer elastic).
     frozenset({"horovod.ray.elastic", "horovod.ray.runner"}),
