@@ -5,17 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from horovod.common.backends.registry import create_backend, detect_launch
 from horovod.common.config import EngineConfig
+from horovod.common.current import _lock, get_context, peek_context, set_context  # noqa: F401 - re-exported
 from horovod.common.engine.device import check_gpu_settings
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.handles import Handle, HandleCounter
 from horovod.common.engine.loop import Engine
-from horovod.common.exceptions import NotInitializedError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.topology import Topology, topology_from_hostnames
 from horovod.common.types import Request, RequestType
@@ -24,29 +23,6 @@ __all__ = ["Context", "get_context", "set_context", "peek_context"]
 
 log = logging.getLogger("horovod")
 
-_context: Context | None = None
-_lock = threading.Lock()
-
-
-def get_context() -> Context:
-    """Return the live context.
-
-    Raises:
-        NotInitializedError: ``hvd.init()`` has not been called (or ``shutdown()`` was).
-    """
-    ctx = _context
-    if ctx is None:
-        raise NotInitializedError()
-    return ctx
-
-
-def peek_context() -> Context | None:
-    return _context
-
-
-def set_context(ctx: Context | None) -> None:
-    global _context
-    _context = ctx
 
 
 def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
@@ -61,7 +37,7 @@ def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
 
 
 def _nccl_version() -> int:
-    from horovod.common.basics import nccl_built  # basics imports this module
+    from horovod.common.probes import nccl_built
 
     return nccl_built()
 
