@@ -9,9 +9,10 @@ host tensors; this module only executes a planned batch (``TorchPlane.run``, on 
   packed into one fusion buffer per (device, dtype), kept across batches and grown when needed;
   larger tensors are reduced in place in their output.
 * **Process groups.** One per Horovod process set and device kind, made when the set first runs a
-  plane batch (all of its members run the same batch, so they make it together). Its store is a
-  ``TCPStore`` opened by the set's first member, whose address travels over the job's CPU
-  transport; no ``torch.distributed`` default group is created, so a user's own use is untouched.
+  plane batch (all of its members run the same batch, so they make it together). Its store is an
+  authenticated store (``horovod.common.backends.authstore``) opened by the set's first member,
+  whose address (and key, where the job has no secret) travels over the job's CPU transport; no
+  ``torch.distributed`` default group is created, so a user's own use is untouched.
 * **Stream ordering (CUDA).** The caller records an event on its current stream when it submits
   (``DeviceTensor.ready``); the plane's communication stream waits for it, runs the fusion copies
   and the collective, and records ``DeviceTensor.done``; the caller's stream waits for that in
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import os
 import socket
 import zlib
 from collections.abc import Iterator, Sequence
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from horovod.common.backends import authstore
 from horovod.common.backends.base import Group
 from horovod.common.context import peek_context
 from horovod.common.engine.buffers import Item, Reduction, Segment, batch_items, power_of_two, run_reduction
@@ -357,16 +360,16 @@ class TorchPlane:
         else:
             # The set's first member opens the store; its address travels over the CPU transport.
             msg = np.zeros(256, np.uint8)
+            # An authenticated store (horovod.common.backends.authstore), not torch's TCPStore.
+            secret = os.environ.get("HOROVOD_SECRET_KEY")
             if group.rank == 0:
-                host = self._address(group)
-                store = dist.TCPStore(host, 0, group.size, True, timeout=self._timeout(),
-                                      wait_for_workers=False)
-                text = f"{host}:{store.port}".encode()
+                store, text = authstore.open_for_members(self._address(group),
+                                                         self._timeout().total_seconds(), secret)
                 msg[:len(text)] = np.frombuffer(text, np.uint8)
             self._backend.broadcast(msg, 0, group)
             if group.rank != 0:
-                host, _, port = msg.tobytes().rstrip(b"\0").decode().rpartition(":")
-                store = dist.TCPStore(host, int(port), group.size, False, timeout=self._timeout())
+                store = authstore.join_members(msg.tobytes().rstrip(b"\0"),
+                                               self._timeout().total_seconds(), secret)
         self._stores[group] = store
         return store
 
