@@ -2,7 +2,7 @@
 
     python benchmarks/run_hierarchical.py [--modes mpi,gloo] [--reps 7]
 
-Needs what ``horovod.testing.fakehosts`` needs (root, network namespaces, OpenSSH). The hosts are
+Needs what ``tests/_fakehosts.py`` needs (root, network namespaces, OpenSSH). The hosts are
 network namespaces of this machine joined by a Linux bridge: traffic between them goes through
 the kernel's TCP stack (as between machines, minus the wire), traffic inside a host through
 shared memory (MPI) or loopback TCP (Gloo).
@@ -28,7 +28,7 @@ parser.add_argument("--reps", type=int, default=7)
 def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, REPO)
-    from horovod.testing.fakehosts import FakeHosts, unavailable_reason
+    from tests._fakehosts import FakeHosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

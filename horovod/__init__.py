@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.30.0"
+from horovod._version import __version__
 
 __all__ = ["__version__", "run"]
 

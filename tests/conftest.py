@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from horovod.testing.fakehosts import FakeHosts
+    from tests._fakehosts import FakeHosts
 
 # Open MPI refuses to run as root without these; CI runs as root.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -30,12 +30,12 @@ def _horovod_shutdown():
 
 @pytest.fixture
 def fakehosts_factory() -> Iterator[Callable[..., FakeHosts]]:
-    """``make(n, **kwargs)`` -> a ``horovod.testing.fakehosts.FakeHosts``, closed after the test.
+    """``make(n, **kwargs)`` -> a ``tests/_fakehosts.py``'s ``FakeHosts``, closed after the test.
 
     Skips the test, with the reason, where this machine cannot make fake hosts (not root, no
     network namespaces, OpenSSH not installable).
     """
-    from horovod.testing import fakehosts
+    from tests import _fakehosts as fakehosts
 
     reason = fakehosts.unavailable_reason()
     if reason:

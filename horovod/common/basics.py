@@ -12,6 +12,7 @@ from typing import Any
 from horovod.common import context as _ctx
 from horovod.common import lifecycle as _lifecycle
 from horovod.common.exceptions import NotInitializedError
+from horovod.common.probes import nccl_built
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -72,7 +73,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             ctx = _ctx.Context(comm=comm, start=False)
             _ctx.set_context(ctx)
             _configure_logging(ctx.config.log_level, ctx.config.log_hide_time)
-            _lifecycle.install()
+            _log.info("started by %s; local rank %d of %d, cross rank %d of %d",
+                      ctx.launch.describe(), ctx.topology.local_rank, ctx.topology.local_size,
+                      ctx.topology.cross_rank, ctx.topology.cross_size)
+            if _lifecycle.wanted(ctx.topology.size):  # a launched worker; HOROVOD_FAIL_FAST=0: never
+                _lifecycle.install()
             if ctx.topology.size > 1:
                 _lifecycle.note_multi_rank()
             if not _atexit_registered:
@@ -103,7 +108,7 @@ def is_initialized() -> bool:
     return _ctx.peek_context() is not None
 
 
-def _topo():  # noqa: ANN202
+def _topo() -> Any:
     return _ctx.get_context().topology
 
 
@@ -176,21 +181,6 @@ def gloo_built() -> bool:
 def gloo_enabled() -> bool:
     """Whether this job runs on Gloo."""
     return _ctx.get_context().backend_name == "gloo"
-
-
-def nccl_built() -> int:
-    """NCCL version code (e.g. 22105) if PyTorch with CUDA and NCCL is installed, else 0."""
-    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
-        return 0
-    try:
-        import torch
-
-        if not torch.cuda.is_available() or not torch.distributed.is_nccl_available():
-            return 0
-        major, minor, patch = torch.cuda.nccl.version()
-        return major * 10000 + minor * 100 + patch
-    except Exception:  # noqa: BLE001 - probing only
-        return 0
 
 
 def cuda_built() -> bool:

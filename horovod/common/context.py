@@ -5,17 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from horovod.common.backends.registry import create_backend, select_backend_name
+from horovod.common.backends.registry import create_backend, detect_launch
 from horovod.common.config import EngineConfig
+from horovod.common.current import _lock, get_context, peek_context, set_context  # noqa: F401 - re-exported
 from horovod.common.engine.device import check_gpu_settings
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.handles import Handle, HandleCounter
 from horovod.common.engine.loop import Engine
-from horovod.common.exceptions import NotInitializedError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.topology import Topology, topology_from_hostnames
 from horovod.common.types import Request, RequestType
@@ -24,29 +23,6 @@ __all__ = ["Context", "get_context", "set_context", "peek_context"]
 
 log = logging.getLogger("horovod")
 
-_context: Context | None = None
-_lock = threading.Lock()
-
-
-def get_context() -> Context:
-    """Return the live context.
-
-    Raises:
-        NotInitializedError: ``hvd.init()`` has not been called (or ``shutdown()`` was).
-    """
-    ctx = _context
-    if ctx is None:
-        raise NotInitializedError()
-    return ctx
-
-
-def peek_context() -> Context | None:
-    return _context
-
-
-def set_context(ctx: Context | None) -> None:
-    global _context
-    _context = ctx
 
 
 def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
@@ -61,13 +37,22 @@ def _ranks_of_comm(backend: Any, comm: Any) -> list[int]:
 
 
 def _nccl_version() -> int:
-    from horovod.common.basics import nccl_built  # basics imports this module
+    from horovod.common.probes import nccl_built
 
     return nccl_built()
 
 
 def _set_key(ranks: list[int]) -> tuple[int, ...]:
     return tuple(ranks)
+
+
+def _node_names(pairs: list[tuple[str, int | None]]) -> list[str]:
+    """Every rank's host name; ``name#node<k>`` where a launcher's node ranks (torchrun's
+    ``GROUP_RANK``, Slurm's ``SLURM_NODEID``) split ranks that share a host name (containers, or
+    two agents on one machine), so that local and cross ranks follow the launcher's nodes."""
+    if len(set(pairs)) == len({h for h, _ in pairs}):
+        return [h for h, _ in pairs]
+    return [h if n is None else f"{h}#node{n}" for h, n in pairs]
 
 
 class Context:
@@ -84,10 +69,11 @@ class Context:
         environ = os.environ if environ is None else environ
         self.config = EngineConfig.from_env(environ)
         check_gpu_settings(self.config, _nccl_version)  # HOROVOD_GPU_OPERATIONS=NCCL without CUDA
-        self.backend_name = select_backend_name(self.config, environ, comm)
+        self.launch = detect_launch(self.config, environ, comm)  # logged by init() at info level
+        self.backend_name = self.launch.transport
         self.backend = create_backend(self.backend_name, self.config, environ, comm)
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-        hostnames = self.backend.allgather_object(host)
+        hostnames = _node_names(self.backend.allgather_object((host, self.launch.node_rank)))
         self.hostnames: list[str] = list(hostnames)
         self.topology: Topology = topology_from_hostnames(hostnames, self.backend.rank)
         self.counter = HandleCounter()

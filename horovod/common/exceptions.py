@@ -22,6 +22,7 @@ __all__ = [
     "NotInitializedError",
     "ConfigError",
     "WorkerFailedError",
+    "LaunchError",
     "NOT_INITIALIZED_MESSAGE",
     "SHUT_DOWN_MESSAGE",
 ]
@@ -106,3 +107,7 @@ class HorovodVersionMismatchError(HorovodError, ImportError):
 
 class WorkerFailedError(HorovodError, RuntimeError):
     """One or more workers of a job exited with a non-zero status (raised by the launcher)."""
+
+
+class LaunchError(HorovodError, RuntimeError):
+    """A check before launch failed (unreachable host, missing program, missing PyTorch)."""

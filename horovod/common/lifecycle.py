@@ -9,6 +9,14 @@
   ``hvd.init()`` in a job of more than one rank, such a rank leaves at once with its exit code
   (``os._exit`` after flushing output and logging), skipping finalize; mpirun or horovodrun see
   a non-zero exit and stop the job.
+* Python tells no one how a process ends (an uncaught ``SystemExit`` leaves no trace an ``atexit``
+  function could read), so this takes one process-wide hook, **the fail-fast hook**: it wraps
+  ``sys.excepthook`` (the previous hook still runs) and makes ``sys.exit``/``exit``/``quit`` raise
+  a ``SystemExit`` subclass that notices when it ends the process. ``hvd.init()`` installs it only
+  in a worker of a launched job (more than one rank, or started by ``horovodrun``), never in a
+  single process of its own (a notebook, ``python train.py``, a unit test), and not at all when
+  ``HOROVOD_FAIL_FAST=0``: a failed rank then takes the normal exit path (MPI's finalize may
+  wait for its peers until the launcher stops them).
 * The failure is classified: a ``HorovodShutdownError`` or a plain ``HorovodInternalError``
   (raised because a peer left) is a *consequence*; anything else is a *cause*. When the launcher
   names a file in ``HOROVOD_EXIT_RECORD`` the record ``{"code", "kind", "error", "time"}`` is
@@ -31,17 +39,18 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
+from horovod.common import wire
 from horovod.common.exceptions import HorovodInternalError, HorovodShutdownError
 
-__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "note_mpi_initialized",
+__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "installed", "wanted",
+           "note_mpi_initialized",
            "note_multi_rank", "record_failure", "end_process"]
 
-EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
+EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
 # The same record, as one stderr line the launcher removes from the output: it travels with the
 # rank's output at once, so the launcher has it even when mpirun stops the rank before its shim
 # can report (mpirun stops forwarding a job's output once it terminates it).
-ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+ERROR_MARKER = wire.ERROR_MARKER
 
 log = logging.getLogger("horovod")
 
@@ -143,9 +152,9 @@ def record_failure(code: int, kind: str, error: str) -> None:
         with contextlib.suppress(OSError):
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(asdict(_failure), fh)
-        rank = next((os.environ[v] for v in _RANK_VARS if v in os.environ), "")
+        rank = wire.env_rank() or ""
         if rank.isdigit():
-            line = ERROR_MARKER + json.dumps(dict(asdict(_failure), rank=int(rank))) + "\n"
+            line = wire.error_line(dict(asdict(_failure), rank=int(rank)))
             with contextlib.suppress(Exception):
                 sys.stderr.flush()
             with contextlib.suppress(OSError):
@@ -202,8 +211,19 @@ def _excepthook(orig: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
+def wanted(size: int) -> bool:
+    """Whether ``hvd.init()`` installs the fail-fast hook in a job of ``size`` ranks (see above)."""
+    if os.environ.get(wire.LIFECYCLE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return size > 1 or wire.EXIT_RECORD_ENV in os.environ
+
+
+def installed() -> bool:
+    return _installed
+
+
 def install() -> None:
-    """Watch how the process ends (called by ``hvd.init()``; idempotent)."""
+    """Install the fail-fast hook (called by ``hvd.init()`` when :func:`wanted`; idempotent)."""
     global _installed
     if _installed:
         return

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from horovod.common.current import get_context
+
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
@@ -50,7 +52,6 @@ class ProcessSet:
         """
         if self.process_set_id is None or self.ranks is None:
             return None
-        from horovod.common.context import get_context
 
         me = get_context().topology.rank
         if me not in self.ranks:
@@ -61,7 +62,6 @@ class ProcessSet:
         """Whether this process is a member (None if the ranks are not known yet)."""
         if self.ranks is None:
             return None
-        from horovod.common.context import get_context
 
         return get_context().topology.rank in self.ranks
 
@@ -92,13 +92,11 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         ValueError: dynamic process sets are off, or the same ranks are already a registered set.
         NotImplementedError: the set is given as an MPI communicator.
     """
-    from horovod.common.context import get_context
 
     return get_context().add_process_set(process_set)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank; returns False for the global or an unknown set."""
-    from horovod.common.context import get_context
 
     return get_context().remove_process_set(process_set)

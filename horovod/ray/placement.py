@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 
 __all__ = ["NodeInfo", "PlacementTimeoutError", "reserve", "group_by_node", "node_labels", "resources_text",
            "shared_visible_devices"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from horovod.common import exceptions as errors
 from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve, shared_visible_devices
-from horovod.ray.runner import failure_error, wait_all
+from horovod.ray.waiting import failure_error, wait_all
 from horovod.ray.worker import BaseHorovodWorker
-from horovod.runner import errors
 from horovod.runner.hosts import HostSpec
 
 __all__ = ["StaticAdapter"]

@@ -1,6 +1,6 @@
 """Worker shim: run one rank's command, stop its process tree on demand, and report how it ended.
 
-Run by file path (standard library only, nothing from ``horovod`` is imported) as::
+Run by file path (standard library only; the package ``horovod`` is not imported) as::
 
     python -u _shim.py [--watch-stdin] [--stdin-env] -- command args...
 
@@ -12,7 +12,8 @@ Run by file path (standard library only, nothing from ``horovod`` is imported) a
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
 on to that group. When the command ends, the rest of its group is stopped and one line
-``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr: rank, host, pid, exit code or signal, time, and
+``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr (spelled in ``horovod/common/wire.py``, which the
+shim loads by its path): rank, host, pid, exit code or signal, time, and
 why the shim stopped it, if it did. The command finds a file name in ``HOROVOD_EXIT_RECORD``;
 Horovod writes there, the moment a rank fails, whether its error is a cause of its own or only
 the consequence of a peer leaving (``horovod/common/lifecycle.py``), and the shim passes that on
@@ -20,6 +21,9 @@ as ``"error"``. The launcher removes that line from the output and uses it
 for the failure report. The shim exits with the command's code, or 128 + the signal number.
 """
 
+from __future__ import annotations
+
+import importlib.util
 import json
 import os
 import signal
@@ -28,14 +32,28 @@ import subprocess
 import sys
 import threading
 import time
+from types import FrameType, ModuleType
+from typing import Any
 
-MARKER = "__HOROVOD_RUNNER_EXIT__ "
-EXIT_RECORD_ENV = "HOROVOD_EXIT_RECORD"
+
+def _load_wire() -> ModuleType:
+    """``horovod/common/wire.py`` (the protocol, standard library only), loaded by its path."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "wire.py")
+    spec = importlib.util.spec_from_file_location("_horovod_wire", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses looks the module up while building its classes
+    spec.loader.exec_module(module)
+    return module
+
+
+wire = _load_wire()
+MARKER = wire.EXIT_MARKER
+EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
 GRACE_SECONDS = 3.0
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
-def _set_parent_death_signal():
+def _set_parent_death_signal() -> None:
     """Have the kernel SIGKILL the command if this shim dies first (Linux only)."""
     try:
         import ctypes
@@ -47,18 +65,18 @@ def _set_parent_death_signal():
 
 
 class _Stopper:
-    def __init__(self, pgid):
+    def __init__(self, pgid: int) -> None:
         self.pgid = pgid
-        self.reason = None
+        self.reason: str | None = None
         self.lock = threading.Lock()
 
-    def signal_group(self, signum):
+    def signal_group(self, signum: int) -> None:
         try:
             os.killpg(self.pgid, signum)
         except (ProcessLookupError, PermissionError):
             pass
 
-    def stop(self, reason, signum=signal.SIGTERM):
+    def stop(self, reason: str, signum: int = signal.SIGTERM) -> None:
         """Send ``signum`` to the worker's group once; SIGKILL follows after the grace period.
 
         Only the first request counts: a life line closing right after a forwarded SIGINT must
@@ -74,20 +92,19 @@ class _Stopper:
         t.start()
 
 
-def _watch_stdin(stopper):
+def _watch_stdin(stopper: _Stopper) -> None:
     # The launcher may send "signal <N>" lines (Ctrl-C reaching remote workers) before closing.
     try:
         for line in sys.stdin.buffer:
-            words = line.split()
-            if len(words) == 2 and words[0] == b"signal" and words[1].isdigit():
-                signum = int(words[1])
+            signum = wire.parse_signal_line(line)
+            if signum is not None:
                 stopper.stop(f"horovodrun sent {signal.Signals(signum).name}", signum)
     except (OSError, ValueError):
         pass
     stopper.stop("horovodrun closed the connection (job stopping)")
 
 
-def _watch_parent(stopper, parent):
+def _watch_parent(stopper: _Stopper, parent: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
@@ -95,7 +112,7 @@ def _watch_parent(stopper, parent):
             return
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     watch_stdin = stdin_env = False
     while argv and argv[0] != "--":
         flag = argv.pop(0)
@@ -118,7 +135,7 @@ def main(argv):
         except (ValueError, KeyError) as exc:
             sys.stderr.write(f"horovod shim: bad environment line from the launcher: {exc}\n")
             return 2
-    rank = next((env[v] for v in _RANK_VARS if v in env), "?")
+    rank = wire.env_rank(env) or "?"
     host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
     record_path = os.path.join(os.environ.get("TMPDIR") or "/tmp",
@@ -129,7 +146,7 @@ def main(argv):
     except OSError:  # no record then; the rank's error marker on stderr still reaches the launcher
         pass
 
-    def read_record():
+    def read_record() -> Any:
         try:
             with open(record_path, encoding="utf-8") as fh:
                 text = fh.read()
@@ -142,14 +159,14 @@ def main(argv):
             except OSError:
                 pass
 
-    def report(code, signum, reason):
+    def report(code: int | None, signum: int | None, reason: str | None) -> None:
         info = {"rank": int(rank) if rank.isdigit() else rank, "host": host,
                 "real_host": socket.gethostname(), "pid": child_pid, "code": code,
                 "signal": signum,
                 "signame": signal.Signals(signum).name if signum else None,
                 "time": time.time(), "stopped_by": reason, "error": read_record()}
         sys.stdout.flush()
-        sys.stderr.write(MARKER + json.dumps(info) + "\n")
+        sys.stderr.write(wire.exit_line(info))
         sys.stderr.flush()
 
     child_pid = None
@@ -165,7 +182,7 @@ def main(argv):
     child_pid = child.pid
     stopper = _Stopper(child.pid)
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         if signum in (signal.SIGUSR1, signal.SIGUSR2):
             stopper.signal_group(signum)
         else:

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 from horovod.runner.settings import (
     LOG_LEVEL_CHOICES,
     TUNABLES,

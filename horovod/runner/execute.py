@@ -7,7 +7,6 @@ Every launcher's commands run through here alike: local shims, ssh clients, or o
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import queue
@@ -20,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from horovod.common import wire
 from horovod.runner.failures import RankExit, format_report, root_cause
 from horovod.runner.launchers.base import Command
-from horovod.runner.output import ERROR_MARKER, MARKER, LineSplitter, TagParser, prefix_line
+from horovod.runner.output import LineSplitter, TagParser, prefix_line
 
 __all__ = ["Executor", "JobResult"]
 
@@ -118,7 +118,7 @@ class Executor:
         self._write_lock = threading.Lock()
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._markers: dict[int, dict[str, Any]] = {}
-        self._errors: dict[int, dict[str, Any]] = {}  # ERROR_MARKER records, by rank
+        self._errors: dict[int, dict[str, Any]] = {}  # wire.ERROR_MARKER records, by rank
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
         self._files: dict[tuple[int, str], IO[str]] = {}
@@ -129,31 +129,16 @@ class Executor:
 
     # ----------------------------------------------------------------- output
     def _emit(self, rank: int | None, stream: str, text: str, term: str) -> None:
-        err_at = text.find(ERROR_MARKER)
-        if err_at >= 0:
-            try:
-                record = json.loads(text[err_at + len(ERROR_MARKER):])
-                if isinstance(record.get("rank"), int):
-                    self._errors.setdefault(record["rank"], record)
-                text, term = text[:err_at], "\n"
-                if not text:
-                    return
-            except ValueError:
-                pass
-        idx = text.find(MARKER)
-        if idx >= 0:
-            try:
-                info = json.loads(text[idx + len(MARKER):])
-                r = info.get("rank")
-                if isinstance(r, int):
-                    self._markers[r] = info
-                    self._events.put(("marker", r, info))
-            except ValueError:
-                idx = -1
-            if idx >= 0:
-                text, term = text[:idx], "\n"
-                if not text:
-                    return
+        found = wire.strip_markers(text, term)
+        if found.error is not None and isinstance(found.error.get("rank"), int):
+            self._errors.setdefault(found.error["rank"], found.error)
+        if found.exit is not None and isinstance(found.exit.get("rank"), int):
+            r = found.exit["rank"]
+            self._markers[r] = found.exit
+            self._events.put(("marker", r, found.exit))
+        if found.empty:
+            return
+        text, term = found.text, found.terminator
         if stream == "stderr":
             self._tails[rank].append(text)
         if self.line_hook is not None:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
+from horovod.common import wire
 
-__all__ = ["HostSpec", "SlotInfo", "parse_hosts", "parse_hostfile", "assign_slots", "hosts_text"]
+if TYPE_CHECKING:
+    from horovod.runner.settings import LaunchSettings
+
+__all__ = ["HostSpec", "SlotInfo", "parse_hosts", "parse_hostfile", "assign_slots", "hosts_text", "resolve_hosts"]
 
 _HOST_ENTRY = re.compile(r"^[\w.-]+:[0-9]+$")
 _HOSTFILE_LINE = re.compile(r"^(?P<host>[\w.-]+)(?:\s+slots\s*=\s*(?P<slots>[0-9]+))?\s*$")
@@ -44,15 +49,8 @@ class SlotInfo:
 
     def env(self) -> dict[str, str]:
         """The identity variables a worker of this slot reads (upstream names)."""
-        return {
-            "HOROVOD_HOSTNAME": self.hostname,
-            "HOROVOD_RANK": str(self.rank),
-            "HOROVOD_SIZE": str(self.size),
-            "HOROVOD_LOCAL_RANK": str(self.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(self.local_size),
-            "HOROVOD_CROSS_RANK": str(self.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(self.cross_size),
-        }
+        return wire.slot_env(self.hostname, self.rank, self.size, self.local_rank, self.local_size,
+                             self.cross_rank, self.cross_size)
 
 
 def parse_hosts(text: str) -> list[HostSpec]:
@@ -157,3 +155,24 @@ def assign_slots(hosts: list[HostSpec], np: int) -> list[SlotInfo]:
                                   cross_size=cross_sizes[local_rank]))
             rank += 1
     return slots
+
+
+def resolve_hosts(settings: LaunchSettings) -> list[HostSpec]:
+    """Hosts from ``-H``, ``--hostfile`` or ``localhost:<np>``.
+
+    Raises:
+        ConfigError: a malformed entry or line, an unreadable hostfile.
+    """
+    if settings.hosts:
+        return parse_hosts(settings.hosts)
+    if settings.hostfile:
+        try:
+            with open(settings.hostfile, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise errors.ConfigError(f"--hostfile {settings.hostfile}: cannot read it: {exc}",
+                              path=settings.hostfile) from exc
+        return parse_hostfile(text, settings.hostfile)
+    if settings.np is None:
+        raise errors.ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
+    return [HostSpec("localhost", max(settings.np, 1))]

@@ -20,9 +20,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
+from horovod.common import wire
 from horovod.runner.execute import Executor, JobResult
-from horovod.runner.hosts import HostSpec, parse_hostfile, parse_hosts
+from horovod.runner.hosts import resolve_hosts
 from horovod.runner.launchers.base import Command
 from horovod.runner.plan import LaunchPlan, build_plan, format_plan
 from horovod.runner.settings import LaunchSettings
@@ -30,27 +31,6 @@ from horovod.runner.settings import LaunchSettings
 __all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text"]
 
 log = logging.getLogger("horovod.runner")
-
-
-def resolve_hosts(settings: LaunchSettings) -> list[HostSpec]:
-    """Hosts from ``-H``, ``--hostfile`` or ``localhost:<np>``.
-
-    Raises:
-        ConfigError: a malformed entry or line, an unreadable hostfile.
-    """
-    if settings.hosts:
-        return parse_hosts(settings.hosts)
-    if settings.hostfile:
-        try:
-            with open(settings.hostfile, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as exc:
-            raise errors.ConfigError(f"--hostfile {settings.hostfile}: cannot read it: {exc}",
-                              path=settings.hostfile) from exc
-        return parse_hostfile(text, settings.hostfile)
-    if settings.np is None:
-        raise errors.ConfigError("-np is required: give the total number of processes, e.g. -np 4.")
-    return [HostSpec("localhost", max(settings.np, 1))]
 
 
 def choose_mode(settings: LaunchSettings, environ: Mapping[str, str]) -> str:
@@ -180,8 +160,8 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
         if server is not None:
             # Where run_task workers of horovod.run() find the launcher, in both modes (the
             # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).
-            plan.job_env.update({"HOROVOD_RUNNER_ADDR": rdv_addr[0],
-                                 "HOROVOD_RUNNER_PORT": rdv_addr[1]})
+            plan.job_env.update({wire.RUNNER_ADDR_ENV: rdv_addr[0],
+                                 wire.RUNNER_PORT_ENV: rdv_addr[1]})
         if on_rendezvous is not None and server is not None:
             on_rendezvous(server)
         cmds = _commands(plan, settings, environ, impl, secret)
@@ -236,7 +216,7 @@ def check_build_text() -> str:
     """What ``horovodrun --check-build`` prints (upstream's checkbox layout)."""
     import importlib.util
 
-    from horovod import __version__
+    from horovod._version import __version__
 
     def has(mod: str) -> bool:
         try:
@@ -289,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     if getattr(args, "version", False):
-        from horovod import __version__
+        from horovod._version import __version__
 
         print(__version__)
         return 0

@@ -6,7 +6,7 @@ import functools
 import ipaddress
 import socket
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 
 __all__ = ["is_local_host", "local_addresses", "route_address", "interface_address",
            "resolve", "free_port"]

@@ -7,13 +7,13 @@ import codecs
 import re
 import time
 
+from horovod.common.wire import ERROR_MARKER, EXIT_MARKER
+
 __all__ = ["LineSplitter", "TagParser", "prefix_line", "MARKER", "ERROR_MARKER"]
 
-# Written by the worker shim as the last stderr line of a rank; see _shim.py.
-MARKER = "__HOROVOD_RUNNER_EXIT__ "
-# Written by a failing Horovod rank the moment it fails (horovod/common/lifecycle.py, same text):
-# whether its error is its own or a consequence of a peer leaving.
-ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
+# The markers are spelled in horovod.common.wire (with strip_markers, the one reader); kept here
+# under their former names.
+MARKER = EXIT_MARKER
 
 _SPLIT = re.compile(r"(\r\n|\n|\r)")
 

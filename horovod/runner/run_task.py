@@ -17,19 +17,19 @@ RESULT_KEY_ENV = "HOROVOD_RUN_TASK_RESULT_KEY"
 
 
 def _rank() -> int:
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+    from horovod.common.wire import env_rank
+
+    return int(env_rank() or 0)
 
 
 def main() -> int:
     import cloudpickle
 
+    from horovod.common import wire
     from horovod.runner.rendezvous import RendezvousClient
 
-    client = RendezvousClient(os.environ["HOROVOD_RUNNER_ADDR"], int(os.environ["HOROVOD_RUNNER_PORT"]),
-                              os.environ["HOROVOD_SECRET_KEY"])
+    client = RendezvousClient(os.environ[wire.RUNNER_ADDR_ENV], int(os.environ[wire.RUNNER_PORT_ENV]),
+                              os.environ[wire.SECRET_ENV])
     # The key the result is stored under: the rank, or a name the launcher chose (an elastic
     # worker of horovod.spark.run_elastic changes rank between rounds; its slot name does not).
     key = os.environ.get(RESULT_KEY_ENV) or str(_rank())

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 
 __all__ = ["LaunchSettings", "Tunable", "TUNABLES", "tunables_to_env", "engine_help",
            "default_start_timeout"]

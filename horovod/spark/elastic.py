@@ -133,8 +133,8 @@ class _ElasticJob:
         from horovod.runner.function_job import FunctionJob
         from horovod.runner.output import prefix_line
         from horovod.runner.run_task import FUNC_SCOPE
+        from horovod.spark.driver import _driver_address
         from horovod.spark.output import OutputPump
-        from horovod.spark.runner import _driver_address
 
         self.sc, self.num_tasks = sc, max_np
         self.env = {k: str(v) for k, v in (env or {}).items()}
@@ -233,7 +233,7 @@ class _ElasticJob:
             rdd.mapPartitions(lambda it: elastic_agent(spec, it)).collect()
         except BaseException as exc:  # noqa: BLE001 - ends the driver, which reports it
             if not self.done.is_set():
-                from horovod.spark.runner import spark_failure_reason
+                from horovod.spark.driver import spark_failure_reason
 
                 self.driver.abort("the Spark job of the elastic agents failed: "
                                   f"{spark_failure_reason(str(exc)) or exc}")
@@ -347,7 +347,7 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
     """
     import sys
 
-    from horovod.spark.runner import _configure_logging, _spark_context, default_start_timeout
+    from horovod.spark.driver import _configure_logging, _spark_context, default_start_timeout
 
     sc = _spark_context()
     min_num_proc = min_num_proc if min_num_proc is not None else min_np

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -21,41 +20,22 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.spark.driver import (
+    _configure_logging,
+    _driver_address,
+    _spark_context,
+    default_start_timeout,
+    spark_failure_reason,
+)
+from horovod.spark.elastic import run_elastic  # upstream's home of both
 from horovod.spark.task import TASK_SCOPE, JobSpec
 
 __all__ = ["run", "run_elastic", "SparkStartTimeoutError", "default_start_timeout"]
 
 log = logging.getLogger("horovod.spark")
 
-DEFAULT_START_TIMEOUT = 600.0
-
-
 class SparkStartTimeoutError(WorkerFailedError, TimeoutError):
     """Not every Spark task of the job started within ``start_timeout``."""
-
-
-def default_start_timeout() -> float:
-    """``HOROVOD_SPARK_START_TIMEOUT`` seconds, else 600 (upstream's default)."""
-    raw = os.environ.get("HOROVOD_SPARK_START_TIMEOUT")
-    if not raw:
-        return DEFAULT_START_TIMEOUT
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"HOROVOD_SPARK_START_TIMEOUT={raw!r} is not a number of seconds.") from exc
-
-
-def _spark_context() -> Any:
-    try:
-        from pyspark import SparkContext
-    except ImportError as exc:
-        raise ImportError("horovod.spark needs PySpark: pip install 'horovod-py[spark]' "
-                          f"(import failed: {exc}).") from exc
-    sc = SparkContext._active_spark_context
-    if sc is None:
-        raise RuntimeError("Could not find an active SparkContext, are you running in a PySpark "
-                           "session? Create one first (SparkSession.builder.getOrCreate()).")
-    return sc
 
 
 def free_task_slots(sc: Any) -> int | None:
@@ -66,17 +46,6 @@ def free_task_slots(sc: Any) -> int | None:
         return int(jsc.maxNumConcurrentTasks(profile))
     except Exception:  # noqa: BLE001 - a private Spark API; without it only the timeout applies
         return None
-
-
-def _driver_address(sc: Any, nics: list[str] | None) -> tuple[str, str]:
-    """(bind address, address the executors use) for the rendezvous service."""
-    if nics and "/" not in nics[0]:
-        from horovod.runner.network import interface_address
-
-        addr = interface_address(nics[0])
-        return addr, addr
-    host = sc.getConf().get("spark.driver.host") or "127.0.0.1"
-    return "0.0.0.0", host
 
 
 class _Job:
@@ -256,26 +225,6 @@ def failed_partitions(text: str) -> list[int]:
     return list(found)
 
 
-def spark_failure_reason(text: str) -> str:
-    """The useful lines of a Spark job failure: Spark's reason and the task's Python error."""
-    import re
-
-    picked: list[str] = []
-    for line in text.splitlines():
-        line = line.strip()
-        m = re.search(r"(Most recent failure reason|Reason): (.*)", line)
-        if m:
-            picked.append(m.group(2))
-        elif re.match(r"^[\w.]+(Error|Exception|Failure|Interrupt)\b.*:", line) and "SparkException" not in line:
-            picked.append(line)
-        elif "ExecutorLostFailure" in line or "Lost executor" in line:
-            picked.append(line)
-    seen: dict[str, None] = {}
-    for p in picked:
-        seen.setdefault(p[:300], None)
-    return " | ".join(seen)
-
-
 def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
         num_proc: int | None = None, start_timeout: float | None = None,
         use_mpi: bool | None = None, use_gloo: bool | None = None,
@@ -334,14 +283,3 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, An
                sorted(nics) if isinstance(nics, set) else list(nics or []),
                prefix_output_with_timestamp, executable)
     return job.run()
-
-
-def _configure_logging(verbose: int) -> None:
-    if verbose >= 2 and not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("horovod.spark: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.DEBUG)
-
-
-from horovod.spark.elastic import run_elastic  # noqa: E402 - upstream's home of both

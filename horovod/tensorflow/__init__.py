@@ -68,7 +68,6 @@ from horovod.common.process_sets import (
     remove_process_set,
 )
 from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from horovod.tensorflow import _errors
 from horovod.tensorflow._grads import sparse_allreduce as _sparse_allreduce
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.functions import (
@@ -113,7 +112,6 @@ def _exclude_from_autograph() -> None:
 
 
 _exclude_from_autograph()
-_errors.install()  # ranks disagreeing inside graphs: FailedPreconditionError, as upstream
 
 __all__ = [
     # process-level names (horovod.common.BASICS)

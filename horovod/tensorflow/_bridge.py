@@ -108,6 +108,7 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
         return [tf.convert_to_tensor(o) for o in outs]
 
     check_not_xla(op_type)
+    _errors.install()  # a mismatch in this graph op surfaces as FailedPreconditionError (upstream's)
     inputs = [tf.convert_to_tensor(t) for t in inputs]
     if name is None:
         base = f"{op_type}_{normalize_name(inputs[0].name)}" if inputs else op_type

@@ -16,7 +16,13 @@ message), and :func:`install` makes ``tf.errors.InvalidArgumentError(...)`` buil
 ``FailedPreconditionError`` (same arguments, same message) when the message carries that name.
 Every way TF turns a status into a Python exception (``session.run``, ``tf.function`` calls,
 ``tf.data`` iterators) constructs the class it looks up for the status code, so this one hook
-covers them all; any other InvalidArgumentError is built as before.
+covers them all.
+
+The mapping is limited to Horovod's ops: only a message that one of them wrote (the
+``HorovodFailedPrecondition:`` mark) is changed, every other InvalidArgumentError of TensorFlow is
+built as before; and it is installed when the first Horovod op is put into a graph
+(``_bridge``), not when ``horovod.tensorflow`` is imported, so a program that imports Horovod but
+runs its ops eagerly (or not at all) keeps TensorFlow's class untouched.
 """
 
 from __future__ import annotations
@@ -28,13 +34,20 @@ import tensorflow as tf
 
 from horovod.common.exceptions import CollectiveMismatchError, HorovodInternalError, NotInitializedError
 
-__all__ = ["HorovodFailedPrecondition", "eager_error", "graph_error", "install"]
+__all__ = ["HorovodEngineFailed", "HorovodFailedPrecondition", "eager_error", "graph_error", "install",
+           "is_peer_loss"]
 
 _MARK = re.compile(r"\bHorovodFailedPrecondition: ")
+_ENGINE_MARK = re.compile(r"\bHorovodEngineFailed: ")
 
 
 class HorovodFailedPrecondition(ValueError):
     """Ranks disagree about a collective inside a graph op; surfaces as ``FailedPreconditionError``."""
+
+
+class HorovodEngineFailed(RuntimeError):
+    """The engine failed or shut down under a graph op (a peer left); surfaces as ``UnknownError``
+    whose message carries this class name, which :func:`is_peer_loss` looks for."""
 
 
 def eager_error(op_type: str, key: Any, exc: BaseException) -> BaseException:
@@ -60,8 +73,28 @@ def graph_error(op_type: str, key: Any, exc: BaseException) -> BaseException:
     if isinstance(exc, NotInitializedError | ValueError):
         return ValueError(msg)  # InvalidArgumentError
     if isinstance(exc, HorovodInternalError):
-        return RuntimeError(msg)  # UnknownError
+        return HorovodEngineFailed(msg)  # UnknownError
     return exc
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether a TF error of one of Horovod's ops says that the engine failed under it (a peer
+    left, the transport broke) rather than that the program is wrong (ranks disagree, a bad
+    argument): only the former may be retried by an elastic reset.
+
+    Eager ops raise the TF error *from* Horovod's exception; in graphs only the status message
+    survives, marked by :class:`HorovodEngineFailed`.
+    """
+    seen: set[int] = set()
+    below: BaseException | None = exc
+    while below is not None and id(below) not in seen:
+        seen.add(id(below))
+        if isinstance(below, CollectiveMismatchError):
+            return False
+        if isinstance(below, HorovodInternalError):
+            return True
+        below = below.__cause__ or below.__context__
+    return isinstance(exc, tf.errors.UnknownError) and bool(_ENGINE_MARK.search(str(exc)))
 
 
 _BASE_NEW = BaseException.__new__

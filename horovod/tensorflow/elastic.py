@@ -25,13 +25,10 @@ from horovod.common.basics import rank
 from horovod.common.elastic import ObjectState, State, run_fn
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.objects import broadcast_object
+from horovod.tensorflow import _errors
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowKerasState", "TensorFlowState",
            "HorovodInternalError", "HostsUpdatedInterrupt"]
-
-_HOROVOD_MARKERS = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast",
-                    "HorovodInternalError", "Horovod has been shut down", "Gloo ")
-
 
 def _reset() -> None:
     from horovod.common import basics
@@ -43,8 +40,10 @@ def _reset() -> None:
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: run ``func(state, ...)`` in the elastic retry loop.
 
-    TensorFlow errors raised by a failed Horovod op (``tf.errors.OpError`` whose message names a
-    Horovod op or the shut-down engine) count as ``HorovodInternalError``.
+    A TensorFlow error of a Horovod op whose engine failed under it (a peer left: upstream's
+    ``UnknownError`` of a shut-down engine) counts as ``HorovodInternalError`` and resets; every
+    other error is raised, among them ranks disagreeing about a collective
+    (``FailedPreconditionError``), which a reset would only repeat.
     """
 
     @functools.wraps(func)
@@ -52,9 +51,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as exc:
-            text = str(exc)
-            if any(m in text for m in _HOROVOD_MARKERS):
-                raise HorovodInternalError(text) from exc
+            if _errors.is_peer_loss(exc):
+                raise HorovodInternalError(str(exc)) from exc
             raise
 
     return run_fn(wrapped, _reset)

@@ -9,10 +9,9 @@ import traceback
 
 
 def _rank() -> int:
-    for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
+    from horovod.common.wire import env_rank
+
+    return int(env_rank() or 0)
 
 
 def main() -> None:

@@ -9,9 +9,10 @@ host tensors; this module only executes a planned batch (``TorchPlane.run``, on 
   packed into one fusion buffer per (device, dtype), kept across batches and grown when needed;
   larger tensors are reduced in place in their output.
 * **Process groups.** One per Horovod process set and device kind, made when the set first runs a
-  plane batch (all of its members run the same batch, so they make it together). Its store is a
-  ``TCPStore`` opened by the set's first member, whose address travels over the job's CPU
-  transport; no ``torch.distributed`` default group is created, so a user's own use is untouched.
+  plane batch (all of its members run the same batch, so they make it together). Its store is an
+  authenticated store (``horovod.common.backends.authstore``) opened by the set's first member,
+  whose address (and key, where the job has no secret) travels over the job's CPU transport; no
+  ``torch.distributed`` default group is created, so a user's own use is untouched.
 * **Stream ordering (CUDA).** The caller records an event on its current stream when it submits
   (``DeviceTensor.ready``); the plane's communication stream waits for it, runs the fusion copies
   and the collective, and records ``DeviceTensor.done``; the caller's stream waits for that in
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
+import os
 import socket
 import zlib
 from collections.abc import Iterator, Sequence
@@ -33,13 +36,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from horovod.common.backends import authstore
 from horovod.common.backends.base import Group
 from horovod.common.context import peek_context
-from horovod.common.engine.device import DevicePlaneError, register_plane
-from horovod.common.engine.executor import _post_factors, reducescatter_rows
+from horovod.common.engine.buffers import Item, Reduction, Segment, batch_items, power_of_two, run_reduction
+from horovod.common.engine.device import DevicePlaneError, PlaneServices, register_plane
+from horovod.common.engine.executor import reducescatter_rows
+from horovod.common.engine.placement import DevicePlacement
+from horovod.common.engine.plan import PACKED, plan_reduction, post_factors, work_op
 from horovod.common.types import ReduceOp, RequestType, Response
 
-__all__ = ["DeviceTensor", "TorchPlane", "PLANE_CPU", "PLANE_CUDA", "set_join_device", "wait_done"]
+__all__ = ["DeviceTensor", "TorchBuffers", "TorchPlane", "PLANE_CPU", "PLANE_CUDA", "set_join_device",
+           "wait_done"]
 
 PLANE_CPU = "torch:cpu"
 PLANE_CUDA = "torch:cuda"
@@ -63,50 +71,101 @@ def set_join_device(device: int) -> None:
     _join_device[0] = torch.device("cuda", device) if device >= 0 else None
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_SEQ = itertools.count(1)
+_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+_STREAMS: dict[tuple[int, int, int], Any] = {}
+
+
+def _current_stream(device_index: int) -> Any:
+    """The caller's current CUDA stream on a device, one ``Stream`` object per stream (building one
+    per call, as ``torch.cuda.current_stream`` does, was most of a submission's cost on an H100)."""
+    if _get_stream is None:  # pragma: no cover - a torch without the private accessor
+        return torch.cuda.current_stream(device_index)
+    key = _get_stream(device_index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) > 256:  # streams a script made and dropped
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    return stream
+
+
 class DeviceTensor:
     """A torch tensor handed to the engine for the plane, with its ordering events.
 
     Carries what the engine's checks read (``shape``, ``dtype`` name, ``ndim``) so that the core
-    treats it like an array without knowing torch.
+    treats it like an array without knowing torch. ``ready`` is an event recorded on ``stream``,
+    the caller's stream at submission.
     """
 
-    __slots__ = ("tensor", "shape", "dtype", "ndim", "ready", "done", "parent")
+    __slots__ = ("tensor", "shape", "dtype", "ndim", "ready", "stream", "seq", "done", "parent")
 
-    def __init__(self, tensor: torch.Tensor, ready: Any = None, parent: DeviceTensor | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, ready: Any = None, parent: DeviceTensor | None = None,
+                 stream: Any = None, seq: int = 0) -> None:
         self.tensor = tensor
+        self.seq = seq  # submission order of ``ready`` events
         self.parent = parent  # the wrapper this one slices (the caller waits on that one)
         self.shape = tuple(tensor.shape)
-        self.dtype = str(tensor.dtype).rpartition(".")[2]
+        name = _DTYPE_NAMES.get(tensor.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).rpartition(".")[2]
+        self.dtype = name
         self.ndim = tensor.dim()
         self.ready = ready
+        self.stream = stream
         self.done: Any = None
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> DeviceTensor:
         """Wrap ``tensor``; on CUDA, mark the point of the caller's stream where it is ready."""
-        ready = None
-        if tensor.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))
-        return cls(tensor, ready)
+        if not tensor.is_cuda:
+            return cls(tensor)
+        stream = _current_stream(tensor.get_device())
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        return cls(tensor, ready, None, stream, next(_SEQ))
 
     def __getitem__(self, index: Any) -> DeviceTensor:
-        return DeviceTensor(self.tensor[index], self.ready, self)
+        return DeviceTensor(self.tensor[index], self.ready, self, self.stream, self.seq)
+
+
+# (stream, done event) the caller's stream last waited for: every handle of a batch shares one
+# "done" event, so synchronizing a batch's handles makes one wait, not one per handle.
+_waited: list[Any] = [None, None]
 
 
 def wait_done(wrappers: Sequence[DeviceTensor], outputs: Sequence[torch.Tensor]) -> None:
     """In the caller's thread: make its current stream wait for the plane's work on ``wrappers``.
 
-    Outputs the plane allocated are marked as used on the caller's stream.
+    Outputs the plane allocated (on its own stream) are marked as used on the caller's stream.
     """
     for w in wrappers:
-        if w.done is not None:
-            stream = torch.cuda.current_stream(w.tensor.device)
-            stream.wait_event(w.done)
-            for o in outputs:
-                if o.is_cuda:
-                    o.record_stream(stream)
-            return
+        done = w.done
+        if done is None:
+            continue
+        t = w.tensor
+        stream = _current_stream(t.get_device())
+        if _waited[1] is not done or _waited[0] is not stream:
+            stream.wait_event(done)
+            _waited[0], _waited[1] = stream, done
+        for o in outputs:
+            if o is not t and o.is_cuda and (w.parent is None or o is not w.parent.tensor):
+                o.record_stream(stream)
+        return
+
+
+def _latest_ready(wrappers: Sequence[DeviceTensor]) -> list[Any]:
+    """The ready events the plane's stream must wait for: events recorded on one stream complete
+    in order, so the latest one submitted on each producer stream covers the others (one wait per
+    stream, not one per tensor)."""
+    latest: dict[Any, tuple[int, Any]] = {}
+    for w in wrappers:
+        if w.ready is not None:
+            seen = latest.get(w.stream)
+            if seen is None or seen[0] < w.seq:
+                latest[w.stream] = (w.seq, w.ready)
+    return [ready for _, ready in latest.values()]
 
 
 def _unwrap(x: Any) -> torch.Tensor:
@@ -129,6 +188,127 @@ def _scale_into(dst: torch.Tensor, src: torch.Tensor, factor: float, divisor: in
         torch.mul(src, factor, out=dst)
 
 
+def _whole(items: Sequence[Item], segs: Sequence[Segment]) -> bool:
+    for i, st, e, _ in segs:
+        if st != 0 or e != items[i].n:
+            return False
+    return True
+
+
+def _flat(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t if start == 0 and stop == t.numel() else t.reshape(-1)[start:stop]
+
+
+class TorchBuffers:
+    """``BufferOps`` on torch tensors where they live (CUDA memory; CPU on the twin).
+
+    Whole tensors are packed and unpacked with one ``torch._foreach_copy_`` each way (a few fused
+    kernels, one Python call for any number of tensors), a fused buffer is scaled once, and
+    tensors reduced in place are scaled together at the end of the batch (``defer_scale``).
+    """
+
+    defer_scale = True
+    #: scale a fused buffer in one pass before unpacking (None: on CUDA; on the CPU twin a pass over
+    #: the whole buffer wakes torch's thread pool, which costs more than it saves on a busy host)
+    scale_once: bool | None = None
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def piece(self, a: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return _flat(a, start, stop)
+
+    def span(self, items: Sequence[Item], segs: Sequence[Segment], inplace_only: bool) -> torch.Tensor | None:
+        i, st, e, _ = segs[0]
+        item = items[i]
+        if len(segs) == 1:
+            if inplace_only and not item.inplace:
+                return None
+            return _flat(item.o, st, e)
+        first = item.o
+        size = first.element_size()
+        at = first.data_ptr() + st * size
+        total = 0
+        for i, st, e, _ in segs:
+            item = items[i]
+            if not item.inplace or item.o.data_ptr() + st * size != at:
+                return None
+            at += (e - st) * size
+            total += e - st
+        return first.as_strided((total,), (1,), first.storage_offset() + segs[0][1])
+
+    def outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None) -> list[torch.Tensor]:
+        if given is not None:
+            return [_unwrap(o) for o in given]
+        return [torch.empty_like(_unwrap(x)) for x in inputs]
+
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
+        new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
+        out = []
+        for x, o in zip(inputs, outputs):
+            t = _unwrap(x)
+            o = _unwrap(o)
+            out.append(new(Item, (t, o, o is t, name, t.numel())))
+        return out
+
+    def buffer(self, work: torch.dtype, n: int) -> torch.Tensor:
+        key = (self.device, work)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1024), dtype=work, device=self.device)
+            self._buffers[key] = buf
+        return buf[:n]
+
+    def zeros(self, n: int, dtype: str) -> torch.Tensor:
+        return torch.zeros(n, dtype=getattr(torch, dtype), device=self.device)
+
+    scale = staticmethod(lambda dst, src, factor, divisor=1: _scale_into(dst, src, factor, divisor))
+
+    def pack(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment], pre: float,
+             widen: bool) -> None:
+        if _whole(items, segs):
+            srcs = [items[i].x for i, *_ in segs]
+            torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(buf, srcs), srcs)
+        else:
+            for i, st, e, b in segs:
+                buf[b:b + e - st].copy_(_flat(items[i].x, st, e))
+        if pre != 1.0:
+            _scale_into(buf, buf, pre)
+
+    def unpack(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment], post: float,
+               div: int) -> None:
+        scaled = post != 1.0 or div != 1
+        if scaled and (buf.is_cuda if self.scale_once is None else self.scale_once):
+            _scale_into(buf, buf, post, div)  # one kernel for the whole buffer
+            scaled = False
+        if _whole(items, segs):
+            dsts = [items[i].o for i, *_ in segs]
+            pieces = torch._C._nn.unflatten_dense_tensors(buf, dsts)
+            if not scaled:
+                torch._foreach_copy_(dsts, pieces)
+                return
+            for o, piece in zip(dsts, pieces):
+                _scale_into(o, piece, post, div)
+        else:
+            for i, st, e, b in segs:
+                _scale_into(_flat(items[i].o, st, e), buf[b:b + e - st], post if scaled else 1.0,
+                            div if scaled else 1)
+
+    def scale_all(self, regions: Sequence[torch.Tensor], post: float, div: int) -> None:
+        if regions[0].is_floating_point():
+            if div != 1:
+                torch._foreach_div_(list(regions), div)
+            else:
+                torch._foreach_mul_(list(regions), post)
+            return
+        for r in regions:  # integers: scaled in float64 and truncated, as the host path
+            _scale_into(r, r, post, div)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
 class _Group:
     """A process set's torch process group on one device kind."""
 
@@ -141,12 +321,14 @@ class _Group:
 class TorchPlane:
     """Runs the engine's planned batches on torch tensors (see the module docstring)."""
 
-    def __init__(self, executor: Any) -> None:
-        self._executor = executor
-        self._backend = executor.backend
+    def __init__(self, services: PlaneServices) -> None:
+        self._services = services
+        self._tunables = services.tunables
+        self._backend = services.backend
+        self._ops = TorchBuffers()
+        self._placement = DevicePlacement()
         self._stores: dict[Group, Any] = {}
         self._groups: dict[tuple[Group, bool], _Group] = {}
-        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._streams: dict[torch.device, Any] = {}
         self._seq = 0
         self._last_cuda: torch.device | None = None
@@ -178,16 +360,16 @@ class TorchPlane:
         else:
             # The set's first member opens the store; its address travels over the CPU transport.
             msg = np.zeros(256, np.uint8)
+            # An authenticated store (horovod.common.backends.authstore), not torch's TCPStore.
+            secret = os.environ.get("HOROVOD_SECRET_KEY")
             if group.rank == 0:
-                host = self._address(group)
-                store = dist.TCPStore(host, 0, group.size, True, timeout=self._timeout(),
-                                      wait_for_workers=False)
-                text = f"{host}:{store.port}".encode()
+                store, text = authstore.open_for_members(self._address(group),
+                                                         self._timeout().total_seconds(), secret)
                 msg[:len(text)] = np.frombuffer(text, np.uint8)
             self._backend.broadcast(msg, 0, group)
             if group.rank != 0:
-                host, _, port = msg.tobytes().rstrip(b"\0").decode().rpartition(":")
-                store = dist.TCPStore(host, int(port), group.size, False, timeout=self._timeout())
+                store = authstore.join_members(msg.tobytes().rstrip(b"\0"),
+                                               self._timeout().total_seconds(), secret)
         self._stores[group] = store
         return store
 
@@ -244,13 +426,6 @@ class TorchPlane:
             raise DevicePlaneError(f"torch.distributed {what} failed on rank {rank}: {exc}",
                                    rank=rank, op=what) from exc
 
-    def _buffer(self, device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
-        buf = self._buffers.get((device, dtype))
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 1024), dtype=dtype, device=device)
-            self._buffers[(device, dtype)] = buf
-        return buf[:n]
-
     # ------------------------------------------------------------------ entry point
     def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
         req = batch[0].request
@@ -259,7 +434,7 @@ class TorchPlane:
         with self._on_stream(device, wrappers) as stream:
             g = self._group(group, device)  # with the GPU current, as NCCL binds it on first use
             kind = req.kind
-            tl = self._executor._timeline()
+            tl = self._services.timeline()
             activity = ("NCCL_" if g.nccl else "GLOO_") + _ACTIVITY.get(kind, kind.upper)
             if tl is not None:
                 for r in batch:
@@ -324,9 +499,8 @@ class TorchPlane:
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            for w in wrappers:
-                if w.ready is not None:
-                    stream.wait_event(w.ready)
+            for ready in _latest_ready(wrappers):
+                stream.wait_event(ready)
             yield stream
 
     # ------------------------------------------------------------------ allreduce
@@ -339,65 +513,24 @@ class TorchPlane:
 
     def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], g: _Group, group: Group,
                    device: torch.device) -> None:
+        """The engine's plan (unchunked: tensors above ``max_tensor_bytes`` alone, the others in one
+        fused buffer) carried out by ``TorchBuffers``."""
         req = batch[0].request
-        op: ReduceOp = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
-        post, div = _post_factors(req, group)
-        pre = req.prescale
-        items: list[tuple[torch.Tensor, torch.Tensor]] = []
-        dtype: torch.dtype | None = None
-        for resp, entry in zip(batch, entries):
-            if entry is None:  # this rank joined: contribute zeros of the agreed shapes
-                zdt = getattr(torch, resp.request.dtype)
-                for shape in resp.request.shapes:
-                    z = torch.zeros(int(np.prod(shape)), dtype=zdt, device=device)
-                    items.append((z, z))
-                dtype = zdt
-                continue
-            xs = [_unwrap(x) for x in entry.inputs]
-            outs = [_unwrap(o) for o in entry.outputs] if entry.outputs is not None else [
-                torch.empty_like(x) for x in xs]
-            entry.outputs = outs
-            items.extend((x.reshape(-1), o.view(-1)) for x, o in zip(xs, outs))
-            dtype = xs[0].dtype
-        assert dtype is not None
+        op = work_op(req.reduce_op)
+        post, div = post_factors(req.reduce_op, req.postscale, group.size)
+        ops = self._ops
+        ops.device = device
+        items, _ = batch_items(batch, entries, ops)
+        dtype = items[0].x.dtype if items else getattr(torch, req.dtype)
         work = _WORK.get(dtype, dtype)
         if dtype == torch.bool:
             op = _BOOL_OPS[op]
-        item = torch.empty((), dtype=work).element_size()
-        small: list[tuple[torch.Tensor, torch.Tensor]] = []
-        large = items
-        if self._executor.fusion_enabled and len(items) > 1:
-            cut = self._executor.max_tensor_bytes
-            small = [p for p in items if p[0].numel() * item <= cut]
-            if len(small) > 1:
-                large = [p for p in items if p[0].numel() * item > cut]
-            else:
-                small = []
-        if small:
-            sizes = [x.numel() for x, _ in small]
-            buf = self._buffer(device, work, sum(sizes))
-            if work == dtype:
-                torch.cat([x for x, _ in small], out=buf)
-            else:
-                for (x, _), piece in zip(small, buf.split(sizes)):
-                    piece.copy_(x)
-            if pre != 1.0:
-                _scale_into(buf, buf, pre)
-            self._reduce(g, buf, op)
-            for (_, o), piece in zip(small, buf.split(sizes)):
-                _scale_into(o, piece, post, div)
-        for x, o in large:
-            if work != dtype:
-                w = x.to(work)
-                if pre != 1.0:
-                    _scale_into(w, w, pre)
-                self._reduce(g, w, op)
-                _scale_into(o, w, post, div)
-                continue
-            _scale_into(o, x, pre)
-            self._reduce(g, o, op)
-            if post != 1.0 or div != 1:
-                _scale_into(o, o, post, div)
+        tun = self._tunables
+        calls = plan_reduction([it.n for it in items], work.itemsize, 0, tun.max_tensor_bytes,
+                               tun.fusion_threshold > 0, work != dtype)
+        exact = dtype.is_floating_point and op == ReduceOp.SUM and power_of_two(post / div)
+        red = Reduction(op, req.prescale, post, div, work, work != dtype, exact)
+        run_reduction(calls, items, ops, red, lambda t: self._reduce(g, t, op), self._placement)
 
     # ------------------------------------------------------------------ data movement
     def _broadcast(self, entries: Sequence[Any], g: _Group, group: Group) -> None:
@@ -414,20 +547,22 @@ class TorchPlane:
             flat.extend(o.view(-1).view(torch.uint8) for o in entry.outputs if o.numel())
         o = dist.BroadcastOptions()
         o.rootRank, o.rootTensor = root, 0
-        cut = self._executor.max_tensor_bytes
-        small = [b for b in flat if b.numel() <= cut] if self._executor.fusion_enabled else []
-        if len(small) > 1:
-            sizes = [b.numel() for b in small]
-            buf = self._buffer(small[0].device, torch.uint8, sum(sizes))
-            if is_root:
-                torch.cat(small, out=buf)
-            g.pg.broadcast([buf], o).wait()
-            if not is_root:
-                for b, piece in zip(small, buf.split(sizes)):
-                    b.copy_(piece)
-            flat = [b for b in flat if b.numel() > cut]
-        for b in flat:
-            g.pg.broadcast([b], o).wait()
+        tun = self._tunables
+        ops = self._ops
+        ops.device = flat[0].device if flat else torch.device("cpu")
+        items = [Item(b, b, True, "", b.numel()) for b in flat]
+        for call in plan_reduction([b.numel() for b in flat], 1, 0, tun.max_tensor_bytes,
+                                   tun.fusion_threshold > 0):
+            segs = call.segments
+            if call.kind == PACKED and len(segs) > 1:
+                buf = ops.buffer(torch.uint8, call.size)
+                if is_root:
+                    ops.pack(buf, items, segs, 1.0, False)
+                g.pg.broadcast([buf], o).wait()
+                if not is_root:
+                    ops.unpack(buf, items, segs, 1.0, 1)
+            else:
+                g.pg.broadcast([flat[segs[0][0]]], o).wait()
 
     def _allgather(self, entry: Any, g: _Group, group: Group) -> None:
         xs = [_unwrap(x) for x in entry.inputs]
@@ -472,8 +607,8 @@ class TorchPlane:
 
     def _reducescatter(self, entry: Any, g: _Group, group: Group) -> None:
         req = entry.request
-        op = ReduceOp.SUM if req.reduce_op == ReduceOp.AVERAGE else req.reduce_op
-        post, div = _post_factors(req, group)
+        op = work_op(req.reduce_op)
+        post, div = post_factors(req.reduce_op, req.postscale, group.size)
         outputs = []
         for x in (_unwrap(v) for v in entry.inputs):
             work = _WORK.get(x.dtype, x.dtype)
@@ -511,7 +646,7 @@ class TorchPlane:
             with contextlib.suppress(Exception):
                 g.pg.shutdown()
         self._stores.clear()
-        self._buffers.clear()
+        self._ops.clear()
         self._streams.clear()
 
 

@@ -261,6 +261,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
     Repeated with the same name and arguments on tensors of the same dtypes and shapes (a gradient
     set reduced every step), the checked request is resubmitted as ``allreduce_async_`` does."""
+    if not isinstance(tensors, list | tuple):
+        tensors = list(tensors)  # an iterator is read once: below, the tensors are walked twice
     key = None
     if name is not None and average is None:
         key = ("grouped", name, op, prescale_factor, postscale_factor,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod.testing.fakehosts import FakeHosts
+from tests._fakehosts import FakeHosts
 from tests.elastic.conftest import check_training, driver_log, run_elastic
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts, pytest.mark.slow]

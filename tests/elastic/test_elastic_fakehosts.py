@@ -1,5 +1,5 @@
 """Elastic training across separate hosts (network namespaces with their own address, host name
-and sshd: ``horovod.testing.fakehosts``). horovodrun runs inside the first host and starts the
+and sshd: ``tests/_fakehosts.py``). horovodrun runs inside the first host and starts the
 workers of the others over ssh, as across real machines; a host "dies" when every process in it
 is killed."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod.testing.fakehosts import FakeHosts
+from tests._fakehosts import FakeHosts
 from tests.elastic.conftest import check_training, driver_log, run_elastic, write_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts]

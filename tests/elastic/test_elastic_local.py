@@ -43,6 +43,9 @@ def test_raising_worker_job_continues_on_remaining_host(tmp_path: Path) -> None:
     log = driver_log(res)
     assert "worker localhost[0] (rank 0) failed (exit code 1); blacklisting host localhost for " \
            "good" in log, log
+    # the raising rank's traceback reaches the user, its internal failure record does not
+    assert "[0]<stderr>:" in res.stderr and "__HOROVOD_RANK_ERROR__" not in res.stderr + res.stdout, (
+        res.stderr[-3000:])
 
 
 def test_host_added_mid_training_joins_with_the_state(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Multi-host launching on real separate hosts made by ``horovod.testing.fakehosts``.
+"""Multi-host launching on real separate hosts made by ``tests/_fakehosts.py``.
 
 Each fake host is a network namespace with its own address, host name and sshd; horovodrun runs
 inside the first host and reaches the second over ssh (Gloo) or through mpirun (MPI), exactly as
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod.testing.fakehosts import ETC_HOSTS, SSH_DROPIN_DIR, FakeHosts
+from tests._fakehosts import ETC_HOSTS, SSH_DROPIN_DIR, FakeHosts
 from tests.integration.conftest import REPO, WORKER, launcher_env, tagged_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts]
@@ -90,7 +90,7 @@ def test_kill_host_processes_and_close_leave_nothing(fakehosts_factory: Factory)
 
 
 def test_close_after_a_failing_body_removes_everything() -> None:
-    from horovod.testing.fakehosts import unavailable_reason
+    from tests._fakehosts import unavailable_reason
 
     reason = unavailable_reason()
     if reason:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod.testing.fakehosts import FakeHosts
+from tests._fakehosts import FakeHosts
 from tests.integration.conftest import REPO, launcher_env, tagged_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts]

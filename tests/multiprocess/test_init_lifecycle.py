@@ -149,3 +149,23 @@ def test_communicator_sets_differing_per_rank_get_the_same_ids_everywhere(np_):
         assert out["table"] == want, f"rank {r}: {out['table']}, expected {want}"
         assert out["id"] == (1 if r % 2 == 0 else 2), out
         assert out["global_comm"], out
+
+
+def _fail_fast_hook_state():
+    import sys
+
+    import horovod.numpy as hvd
+    from horovod.common import lifecycle
+
+    original = sys.exit
+    hvd.init()
+    state = (lifecycle.installed(), sys.exit is not original, hvd.size())
+    hvd.shutdown()
+    return state
+
+
+@pytest.mark.parametrize(("np_", "switch", "hooked"), [(3, None, True), (2, "0", False)])
+def test_fail_fast_hook_in_workers_of_a_job_unless_switched_off(np_, switch, hooked):
+    env = {"HOROVOD_FAIL_FAST": switch} if switch is not None else None
+    res = run_ranks(_fail_fast_hook_state, np=np_, timeout=120, env=env)
+    assert res == [(hooked, hooked, np_)] * np_, res

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from horovod.common import exceptions as errors
 from horovod.ray import RayExecutor
-from horovod.runner import errors
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

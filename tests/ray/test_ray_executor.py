@@ -9,8 +9,8 @@ import time
 import pytest
 from ray_jobs import identity as _identity
 
+from horovod.common import exceptions as errors
 from horovod.ray import RayExecutor
-from horovod.runner import errors
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

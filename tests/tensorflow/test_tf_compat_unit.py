@@ -16,7 +16,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import horovod.tensorflow as hvd  # noqa: E402
-from horovod.tensorflow._errors import HorovodFailedPrecondition  # noqa: E402
+from horovod.common.exceptions import CollectiveMismatchError  # noqa: E402
+from horovod.tensorflow._bridge import engine_call  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -26,15 +27,16 @@ def _init():
 
 
 def _mismatch(x):
-    raise HorovodFailedPrecondition("HorovodAllreduce ('w'): Mismatched shapes: rank 0: (2,); rank 1: (3,)")
+    raise CollectiveMismatchError("Mismatched shapes: rank 0: (2,); rank 1: (3,)")
 
 
 def _bad_argument(x):
-    raise ValueError("HorovodAlltoall ('a'): splits must sum to the first dimension")
+    raise ValueError("splits must sum to the first dimension")
 
 
 def _graph_op(fn, x):
-    return tf.numpy_function(fn, [x], tf.float32, stateful=True)
+    """A Horovod graph op (built as the bindings build theirs) whose engine call raises ``fn``'s error."""
+    return engine_call("HorovodAllreduce", lambda _key, arrays: fn(arrays[0]), [x], [tf.float32])[0]
 
 
 def test_mismatch_in_tf_function_is_failed_precondition():
@@ -97,3 +99,29 @@ def test_unregistered_process_set_raises_value_error_when_built():
     with tf.Graph().as_default(), pytest.raises(ValueError, match="not been registered"):
         hvd.broadcast(tf.ones([2]), 0, process_set=fake)
     np.testing.assert_allclose(hvd.allreduce(tf.ones([2])).numpy(), np.ones(2))
+
+
+def test_graph_error_mapping_is_installed_by_the_first_graph_op_and_only_maps_horovods():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import tensorflow as tf
+        import horovod.tensorflow as hvd
+        from horovod.tensorflow import _errors
+        cls = tf.errors.InvalidArgumentError
+        untouched = "__new__" not in cls.__dict__
+        hvd.init()
+        hvd.allreduce(tf.ones([2]))  # eager: nothing to map
+        eager_untouched = "__new__" not in cls.__dict__
+        tf.function(lambda t: hvd.allreduce(t, name="g"))(tf.ones([2]))
+        installed = "__new__" in cls.__dict__
+        other = cls(None, None, "a shape is wrong in the user's own op")
+        ours = cls(None, None, "HorovodFailedPrecondition: HorovodAllreduce ('g'): Mismatched shapes")
+        print(untouched, eager_untouched, installed, type(other).__name__, type(ours).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True", "InvalidArgumentError",
+                                  "FailedPreconditionError"], out.stdout

@@ -11,12 +11,14 @@ from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
 from horovod.common.engine.device import (
     DevicePlaneError,
+    PlaneServices,
     check_gpu_settings,
     gpu_transport,
     is_plane,
 )
+from horovod.common.engine.tunables import Tunables
 from horovod.common.exceptions import ConfigError
-from horovod.common.types import RequestType
+from horovod.common.types import ReduceOp, RequestType
 from horovod.torch import _convert as cv
 from horovod.torch import _device_plane as dp
 
@@ -112,18 +114,65 @@ class _FakeBackend:
         return np.array(self.rows, np.int64)
 
 
-class _FakeExecutor:
-    def __init__(self, rows):
-        self.backend = _FakeBackend(rows)
+def _services(rows):
+    return PlaneServices(_FakeBackend(rows), Tunables(), lambda: None)
 
 
 def test_two_ranks_on_one_gpu_are_named_before_nccl_runs():
-    plane = dp.TorchPlane(_FakeExecutor([[7, 0], [7, 0], [7, 1]]))
+    plane = dp.TorchPlane(_services([[7, 0], [7, 0], [7, 1]]))
     group = Group([0, 1, 2], 0, None)
     with pytest.raises(DevicePlaneError) as err:
         plane._check_distinct_gpus(group, torch.device("cuda", 0))
     assert err.value.ranks == [0, 1]
     assert "torch.cuda.set_device(hvd.local_rank())" in str(err.value)
     assert "HOROVOD_GPU_OPERATIONS=MPI" in str(err.value)
-    ok = dp.TorchPlane(_FakeExecutor([[7, 0], [7, 1], [8, 0]]))
+    ok = dp.TorchPlane(_services([[7, 0], [7, 1], [8, 0]]))
     ok._check_distinct_gpus(group, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("scale_once", [True, False])
+def test_torch_buffers_pack_scale_and_unpack_as_the_host_path(scale_once: bool) -> None:
+    """The plane's buffer operations under the engine's runner: a fused buffer scaled once (the
+    CUDA choice) or piece by piece (the twin's) gives the host path's values, widened dtypes too."""
+    from horovod.common.engine.buffers import Item, Reduction, run_reduction
+    from horovod.common.engine.placement import DevicePlacement
+    from horovod.common.engine.plan import plan_reduction
+
+    ops = dp.TorchBuffers()
+    ops.scale_once = scale_once
+    for dtype, work in ((torch.float32, torch.float32), (torch.int16, torch.int32), (torch.int64, torch.int64)):
+        xs = [torch.arange(n, dtype=dtype).reshape(shape) * 3 + 1 for n, shape in ((6, (2, 3)), (5, (5,)), (40, (40,)))]
+        outs = [torch.empty_like(x) for x in xs]
+        items = [Item(x, o, False, "t", x.numel()) for x, o in zip(xs, outs)]
+        calls = plan_reduction([it.n for it in items], work.itemsize, 0, 100, True, work != dtype)
+        red = Reduction(ReduceOp.SUM, 1.0, 1.0, 3, work, work != dtype, False)
+        run_reduction(calls, items, ops, red, lambda t: t.mul_(2), DevicePlacement())  # 2 ranks, Average over 3
+        for x, o in zip(xs, outs):
+            want = x.to(torch.float64) * 2 / 3
+            want = want if dtype.is_floating_point else want.trunc()
+            assert o.dtype == dtype and torch.equal(o, want.to(dtype)), (dtype, o, x)
+        assert calls[-1].size == 40 or len(calls) == 1  # 40 elements above the cut go alone unless widened
+
+
+def test_streams_wait_once_per_producer_stream_and_done_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    s1, s2 = object(), object()
+    ws = [dp.DeviceTensor(torch.zeros(1), ready=f"e{i}", stream=s1 if i % 2 else s2, seq=i) for i in range(1, 7)]
+    assert sorted(dp._latest_ready(ws)) == ["e5", "e6"]  # the latest event of each stream
+
+    class Stream:
+        waits: list = []
+
+        def wait_event(self, e):
+            self.waits.append(e)
+
+    stream = Stream()
+    monkeypatch.setattr(dp, "_current_stream", lambda device: stream)
+    monkeypatch.setattr(dp, "_waited", [None, None])
+    done = object()
+    for w in ws:
+        w.done = done
+        dp.wait_done([w], [w.tensor])
+    assert stream.waits == [done]  # a batch's handles share one "done" event: one wait
+    ws[0].done = other = object()
+    dp.wait_done([ws[0]], [ws[0].tensor])
+    assert stream.waits == [done, other]

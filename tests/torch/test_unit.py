@@ -232,3 +232,13 @@ def test_torch_memory_counts_as_huge_pages_from_4_mib(monkeypatch: pytest.Monkey
     # under jemalloc with thp:always every block from 2 MiB is on huge pages
     monkeypatch.setattr("horovod.common.engine.pages._malloc_thp", True)
     assert huge_page_backed(small.numpy()) and not huge_page_backed(torch.ones(1000).numpy())
+
+
+def test_grouped_allreduce_inplace_accepts_a_generator_every_time(hv):
+    # A generator is consumed by the first submission: the repeat cache must not store an empty
+    # signature for the name (the next call with that name then raised TypeError on len()).
+    ts = [torch.ones(3), torch.full((2,), 2.0)]
+    for step in range(3):
+        out = hv.synchronize(hv.grouped_allreduce_async_((t for t in ts), name="gen.group", op=hv.Sum))
+        assert [o.tolist() for o in out] == [[1.0] * 3, [2.0] * 2], step
+        assert all(o is t for o, t in zip(out, ts)), step

@@ -1,8 +1,10 @@
 """Gloo through ``torch.distributed``: negotiation and CPU collectives on NumPy buffers.
 
 Workers started by ``horovodrun --gloo`` (or ``horovod.run(..., use_gloo=True)``) find each other
-like this: rank 0 opens a ``torch.distributed.TCPStore`` on a free port and publishes its address
-through the launcher's rendezvous service; the other ranks read it there. Requests to that service
+like this: rank 0 opens an authenticated store (``horovod.common.backends.authstore``: every
+connection and request HMAC-checked with a key derived from the job secret, listening on the
+job's interface only) on a free port and publishes its address through the launcher's rendezvous
+service; the other ranks read it there. Requests to that service
 are HMAC-signed with the job secret (``HOROVOD_SECRET_KEY``) and its answers are checked the same
 way (protocol: ``horovod.common.rendezvous``), so a worker never connects to an address it did not
 get from its own launcher. In an elastic job (``HOROVOD_ELASTIC=1``) every ``init()`` first asks
@@ -10,6 +12,10 @@ the elastic driver for this worker's place in the next round (``horovod.common.e
 and meets the round's other members under that round's scope. Process groups are ``ProcessGroupGloo`` objects made
 directly on that store, without torch's global default group, so ``hvd.init(); hvd.shutdown();
 hvd.init()`` works and nothing leaks into a user's own ``torch.distributed`` use.
+
+Workers started by another launcher (``horovod.common.launcher``: torchrun, an initialised torch
+group, srun) meet on that launcher's store instead, under a ``horovod/...`` key prefix; under srun
+task 0 opens the authenticated store on the step's first node (docs/launcher.md).
 
 Buffers are handed to Gloo through ``torch.from_numpy`` (no copy). Data-movement collectives
 (allgather, broadcast, alltoall) run on a byte view of the buffer, so every dtype works; reductions
@@ -34,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from horovod.common import launcher as _launcher
+from horovod.common.backends import authstore
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
 from horovod.common.elastic import worker as elastic_worker
@@ -48,6 +56,8 @@ log = logging.getLogger("horovod")
 # One rendezvous scope per backend created in this process: every rank creates its backends in
 # the same order (init, shutdown, init ...), so the n-th init of every rank meets the others'.
 _INIT_SEQUENCE = itertools.count()
+# Likewise for the stores of jobs Horovod did not start (every rank counts its inits alike).
+_JOIN_SEQUENCE = itertools.count()
 
 
 # --------------------------------------------------------------------- rendezvous client
@@ -121,7 +131,8 @@ class GlooBackend:
     name = "gloo"
 
     def __init__(self, config: EngineConfig, environ: Mapping[str, str],
-                 round_info: elastic_worker.RoundInfo | None = None) -> None:
+                 round_info: elastic_worker.RoundInfo | None = None,
+                 launch: _launcher.Launch | None = None) -> None:
         try:
             import torch
             import torch.distributed as dist
@@ -138,9 +149,12 @@ class GlooBackend:
         # writes to them, so torch's warning about non-writable arrays is noise here.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
                                 category=UserWarning)
+        self._launch = launch or _launcher.Launch("horovod", "gloo")
         try:
             self.rank = int(environ.get("HOROVOD_RANK", "0"))
             self.size = int(environ.get("HOROVOD_SIZE", "1"))
+            if self._launch.launcher != "horovod":
+                self.rank, self.size = self._launch.rank or 0, self._launch.size or 1
             if round_info is not None:
                 self.rank, self.size = round_info.rank, round_info.size
         except ValueError as exc:
@@ -162,18 +176,20 @@ class GlooBackend:
         if self.size == 1:
             self._store: Any = dist.HashStore()
             my_addr = "127.0.0.1"
-        else:
+        elif self._launch.launcher == "horovod":
             self._store, my_addr = self._connect_store(environ, scope)
+        else:
+            self._store, my_addr = self._join_store(environ, self._launch)
         iface = environ.get("HOROVOD_GLOO_IFACE")
         with self._translate("creating the Gloo device"):
             self._device: Any = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
-                            else dist.ProcessGroupGloo.create_device(hostname=my_addr))
+                                 else dist.ProcessGroupGloo.create_device(hostname=my_addr) if my_addr
+                                 else dist.ProcessGroupGloo.create_default_device())
             self._world = self._make_pg("world", self.rank, self.size)
         self._world_group = Group(list(range(self.size)), self.rank, self._world)
         self._groups.append(self._world_group)
 
     def _connect_store(self, environ: Mapping[str, str], scope: str) -> tuple[Any, str]:
-        dist = self._dist
         try:
             addr = environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
             port = int(environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
@@ -186,15 +202,62 @@ class GlooBackend:
         rdv = _Rendezvous(addr, port, secret, self.rank)
         my_addr = _local_address(environ, addr)
         wait = self._timeout.total_seconds()
-        with self._translate("connecting to the TCP store"):
+        key = authstore.derive_key(secret)
+        with self._translate("connecting to the job's store"):
             if self.rank == 0:
-                store = dist.TCPStore(my_addr, 0, self.size, True, timeout=self._timeout,
-                                      wait_for_workers=False)
-                rdv.put(scope, "store", f"{my_addr}:{store.port}".encode())
+                store = authstore.open_store(my_addr, key, wait)
+                rdv.put(scope, "store", f"{my_addr}:{store.server.port}".encode())
             else:
                 host, _, p = rdv.wait(scope, "store", wait).decode().rpartition(":")
-                store = dist.TCPStore(host, int(p), self.size, False, timeout=self._timeout)
+                store = authstore.connect_store(host, int(p), key, wait)
         return store, my_addr
+
+    def _join_store(self, environ: Mapping[str, str], launch: _launcher.Launch) -> tuple[Any, str]:
+        """The store of a job Horovod did not start (torchrun, a torch group, srun): see docs/launcher.md."""
+        dist = self._dist
+        wait = self._timeout.total_seconds()
+        seen = ", ".join(f"{k}={v}" for k, v in launch.seen.items())
+        prefix = f"horovod/{launch.scope}/{next(_JOIN_SEQUENCE)}"
+        try:
+            if launch.launcher == "torch-group":
+                store = dist.distributed_c10d._get_default_store()
+                addr = launch.master_addr or environ.get("MASTER_ADDR")
+                my_addr = _local_address(environ, addr) if addr else ""
+            elif launch.launcher == "torchrun":
+                assert launch.master_addr and launch.master_port
+                my_addr = _local_address(environ, launch.master_addr)
+                # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE); a plain
+                # RANK/WORLD_SIZE environment means rank 0 opens it, as torch's env:// does.
+                master = self.rank == 0 and not launch.master_is_store
+                store = dist.TCPStore(launch.master_addr, launch.master_port, self.size, master,
+                                      timeout=self._timeout, wait_for_workers=False)
+            else:  # slurm: task 0 opens an authenticated store on the step's first node
+                assert launch.master_addr and launch.master_port
+                my_addr = _local_address(environ, launch.master_addr)
+                secret = environ.get("HOROVOD_SECRET_KEY")
+                if not secret:
+                    if self.rank == 0:
+                        log.warning("srun: HOROVOD_SECRET_KEY is not set, so the job's store is "
+                                    "keyed by the Slurm job id only, which others can guess; export "
+                                    "HOROVOD_SECRET_KEY=$(python -m horovod.runner.secret) before srun "
+                                    "(docs/security.md)")
+                    secret = f"slurm:{environ.get('SLURM_JOB_ID', '')}:{launch.scope}"
+                key = authstore.derive_key(secret)
+                if self.rank == 0:
+                    host = socket.gethostbyname(launch.master_addr)
+                    store = authstore.open_store(host, key, wait, port=launch.master_port)
+                else:
+                    store = authstore.connect_store(launch.master_addr, launch.master_port, key, wait)
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses, OSError...
+            raise _launcher.LauncherError(
+                f"Rank {self.rank} of a job started by {launch.launcher} cannot reach the job's "
+                f"store at {launch.master_addr}:{launch.master_port} within {wait:g} s ({exc}). "
+                f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
+                "of SLURM_STEP_NODELIST) and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
+                "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
+        # A Python store lives only while its Python object does: keep it beside the prefix store.
+        self._joined_store = store
+        return dist.PrefixStore(prefix, store), my_addr
 
     def _make_pg(self, prefix: str, rank: int, size: int) -> Any:
         dist = self._dist
@@ -463,7 +526,10 @@ class GlooBackend:
         self._pgs.clear()
         self._world = None
         self._device = None
-        self._store = None
+        for store in (self._store, getattr(self, "_joined_store", None)):
+            if isinstance(store, authstore.torch_store_type()):
+                store.close()
+        self._store = self._joined_store = None
 
 
 def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> GlooBackend:
@@ -479,6 +545,9 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
         raise ValueError("hvd.init(comm=...) needs MPI; under Gloo every started process joins the "
                          "job (use process sets for subsets).")
     environ = os.environ if environ is None else environ
+    launch = _launcher.detect(environ, _launcher.torch_default_group())
+    if launch.launcher in ("torchrun", "torch-group", "slurm") and (launch.size or 1) > 1:
+        return GlooBackend(config, environ, launch=launch)
     if not elastic_worker.is_elastic(environ):
         return GlooBackend(config, environ)
     # Elastic: join the driver's next round; a round that fails to form (a member died while it

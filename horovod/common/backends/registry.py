@@ -12,10 +12,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from horovod.common import launcher as _launcher
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError
 
-__all__ = ["BACKENDS", "create_backend", "select_backend_name", "launched_by_mpi"]
+__all__ = ["BACKENDS", "create_backend", "select_backend_name", "detect_launch", "launched_by_mpi"]
 
 BACKENDS: dict[str, str] = {
     "mpi": "horovod.common.backends.mpi:create",
@@ -23,7 +24,7 @@ BACKENDS: dict[str, str] = {
     "local": "horovod.common.backends.local:create",
 }
 
-_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_RANK")
+_MPI_ENV = _launcher.MPI_VARIABLES
 
 
 def launched_by_mpi(environ: Mapping[str, str]) -> bool:
@@ -31,23 +32,25 @@ def launched_by_mpi(environ: Mapping[str, str]) -> bool:
     return any(k in environ for k in _MPI_ENV)
 
 
+def detect_launch(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> _launcher.Launch:
+    """The launcher that started this process and the transport to use (``horovod.common.launcher``).
+
+    Raises:
+        LauncherError: a launcher says the job is larger than one process and cannot be joined.
+    """
+    explicit = (config.controller or config.cpu_operations).lower()
+    return _launcher.detect(environ, _launcher.torch_default_group(), explicit, comm)
+
+
 def select_backend_name(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> str:
     """Choose the transport: explicit settings first, then how the process was started.
 
     Order: ``HOROVOD_CONTROLLER``/``HOROVOD_CPU_OPERATIONS``; an MPI communicator passed to init;
-    the Gloo launcher's rendezvous variables; an MPI launcher's variables; otherwise a job of one
-    process without any transport.
+    the Gloo launcher's rendezvous variables; an MPI launcher's variables; an initialised
+    ``torch.distributed`` group, torchrun, Slurm (``horovod.common.launcher``); otherwise a job of
+    one process without any transport.
     """
-    chosen = config.controller or config.cpu_operations
-    if chosen:
-        return chosen.lower()
-    if comm is not None and not isinstance(comm, (list, tuple)):
-        return "mpi"
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ:
-        return "gloo"
-    if launched_by_mpi(environ) or (comm is not None):
-        return "mpi"
-    return "local"
+    return detect_launch(config, environ, comm).transport
 
 
 def create_backend(name: str, config: EngineConfig, environ: Mapping[str, str] | None = None,

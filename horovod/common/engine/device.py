@@ -22,13 +22,14 @@ with ``register_plane`` when it is imported.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from horovod.common.backends.base import Group
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.types import RequestType, Response
 
-__all__ = ["DevicePlane", "DevicePlaneError", "Planes", "register_plane", "is_plane", "plane_name",
+__all__ = ["DevicePlane", "DevicePlaneError", "PlaneServices", "Planes", "register_plane", "is_plane", "plane_name",
            "GPU_OP_SETTINGS", "gpu_transport", "check_gpu_settings"]
 
 
@@ -57,11 +58,27 @@ class DevicePlane(Protocol):
         """Release process groups and buffers (the engine has stopped)."""
 
 
-# plane name -> factory(executor) -> DevicePlane; the executor gives the backend and tunables.
-_FACTORIES: dict[str, Callable[[Any], DevicePlane]] = {}
+@dataclass(frozen=True)
+class PlaneServices:
+    """What the engine lends a plane: no more (a plane plans with ``plan``, scales and packs with
+    ``buffers``, and never reaches into the executor).
+
+    Attributes:
+        backend: the job's CPU transport (small exchanges: store addresses, sizes, splits).
+        tunables: the engine's tunables (``max_tensor_bytes``, ``fusion_threshold``), read per batch.
+        timeline: returns the active timeline or None.
+    """
+
+    backend: Any
+    tunables: Any
+    timeline: Callable[[], Any]
 
 
-def register_plane(name: str, factory: Callable[[Any], DevicePlane]) -> None:
+# plane name -> factory(PlaneServices) -> DevicePlane
+_FACTORIES: dict[str, Callable[[PlaneServices], DevicePlane]] = {}
+
+
+def register_plane(name: str, factory: Callable[[PlaneServices], DevicePlane]) -> None:
     """Register the plane that runs requests whose device is ``"<name>:<kind>"``."""
     _FACTORIES[name] = factory
 
@@ -78,8 +95,8 @@ def is_plane(device: str) -> bool:
 class Planes:
     """The planes of one executor, created on first use."""
 
-    def __init__(self, executor: Any) -> None:
-        self._executor = executor
+    def __init__(self, services: PlaneServices) -> None:
+        self.services = services
         self._planes: dict[str, DevicePlane] = {}
 
     def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
@@ -87,7 +104,7 @@ class Planes:
         name = plane_name(device)
         plane = self._planes.get(name)
         if plane is None:
-            plane = self._planes[name] = _FACTORIES[name](self._executor)
+            plane = self._planes[name] = _FACTORIES[name](self.services)
         plane.run(batch, entries, group)
 
     def free_group(self, group: Group) -> None:

@@ -4,15 +4,22 @@ An out-of-place allreduce returns new memory every call. Fresh memory from the a
 usually fresh pages from the kernel (large blocks are ``mmap``ed and unmapped on free), and
 touching them costs a page fault and zeroing per 4 KiB: for a ResNet-50 gradient set (97.5 MiB)
 that is as much time as the reduction itself. ``OutputPool`` keeps the raw buffers it handed out;
-once nothing references a buffer but the pool (the caller dropped every array viewing it, which
-CPython tells exactly by the reference count), the next result of the same size reuses it, warm.
+once the caller has dropped the result and every view of it, the next result of the same size
+reuses the buffer, warm.
+
+How the pool knows: each result is built on its own holder array (``np.frombuffer`` over a
+``memoryview`` of the raw buffer). NumPy makes every view of the result, and of its views, keep
+that holder alive (a view's ``base`` is the first array that is not itself a view of an array),
+and whatever wraps the result without copying (``torch.from_numpy``, a ``memoryview``) holds the
+result, so a weak reference to the holder is dead exactly when nothing can reach the memory. That
+is the language's weak-reference semantics, not an interpreter's reference counts.
 
 Results are never shared: a buffer any array still views is never handed out again.
 """
 
 from __future__ import annotations
 
-import sys
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,14 +46,6 @@ def _view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, nbytes: int)
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
-def _refs_when_free() -> int:
-    """References to a pooled buffer that nobody else holds, as seen from ``_take``'s loop."""
-    pool = [_raw(8)]
-    for raw in pool:
-        return sys.getrefcount(raw)
-    return 0  # pragma: no cover
-
-
 class OutputPool:
     """Aligned result buffers, recycled once the caller has dropped them.
 
@@ -55,26 +54,26 @@ class OutputPool:
         max_bytes: the most bytes the pool tracks; results beyond it are allocated plainly.
     """
 
-    _FREE = _refs_when_free()
-
     def __init__(self, min_bytes: int = 64 * 1024, max_bytes: int = 1 << 30) -> None:
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
         self.tracked_bytes = 0
-        self._by_size: dict[int, list[np.ndarray]] = {}
+        # size -> [raw buffer, weak reference to the holder of the result last built on it]
+        self._by_size: dict[int, list[list[Any]]] = {}
 
-    def _take(self, nbytes: int) -> np.ndarray:
-        bufs = self._by_size.get(nbytes)
-        if bufs is not None:
-            free = self._FREE
-            for raw in bufs:
-                if sys.getrefcount(raw) == free:
-                    return raw
-        raw = _raw(nbytes)
-        if self.tracked_bytes + nbytes <= self.max_bytes:
-            self._by_size.setdefault(nbytes, []).append(raw)
-            self.tracked_bytes += nbytes
-        return raw
+    def _take(self, nbytes: int) -> list[Any] | None:
+        slots = self._by_size.get(nbytes)
+        if slots is not None:
+            for slot in slots:
+                ref = slot[1]
+                if ref is None or ref() is None:
+                    return slot
+        if self.tracked_bytes + nbytes > self.max_bytes:
+            return None
+        slot = [_raw(nbytes), None]
+        self._by_size.setdefault(nbytes, []).append(slot)
+        self.tracked_bytes += nbytes
+        return slot
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised array whose data starts on a 64-byte boundary (see ``aligned_empty``)."""
@@ -85,7 +84,14 @@ class OutputPool:
         nbytes = n * dtype.itemsize
         if nbytes < self.min_bytes:
             return np.empty(shape, dtype) if nbytes < 4096 else _view(_raw(nbytes), shape, dtype, nbytes)
-        return _view(self._take(nbytes), shape, dtype, nbytes)
+        slot = self._take(nbytes)
+        if slot is None:
+            return _view(_raw(nbytes), shape, dtype, nbytes)
+        raw = slot[0]
+        off = (-raw.__array_interface__["data"][0]) % _align(nbytes)
+        holder = np.frombuffer(memoryview(raw[off:off + nbytes]), dtype)
+        slot[1] = weakref.ref(holder)
+        return holder.reshape(shape)
 
     def clear(self) -> None:
         self._by_size.clear()

@@ -11,21 +11,22 @@ that memory is on huge pages, and copies it piece by piece through its huge-page
 Which memory is on huge pages is known from who allocated it, not asked of the kernel (reading
 ``/proc/self/smaps`` per tensor would cost more than the copy it saves):
 
-- NumPy asks for huge pages (``madvise(MADV_HUGEPAGE)``) on every allocation of 4 MiB or more,
-  unless ``np._core.multiarray._set_madvise_hugepage(False)`` turned it off;
+- NumPy asks for huge pages (``madvise(MADV_HUGEPAGE)``) on every allocation of 4 MiB or more on
+  Linux 4.6 and later, unless ``NUMPY_MADVISE_HUGEPAGE=0`` (NumPy's documented switch) is set;
 - a framework binding registers a test for the objects that own its tensors' memory
   (``register_owner``): PyTorch's CPU allocator asks for huge pages for blocks of 2 MiB or more
   when ``THP_MEM_ALLOC_ENABLE=1`` was set before ``import torch`` (``horovodrun`` sets it for its
   workers), but does not align them to 2 MiB, so the torch test vouches only for blocks of 4 MiB
   or more (at least half huge pages);
 - with the kernel's THP mode ``always`` every large anonymous block may be on huge pages;
-- a process whose malloc is jemalloc configured with ``thp:always`` (``LD_PRELOAD`` plus
-  ``MALLOC_CONF``; PyTorch's CPU tuning guide suggests jemalloc) keeps its heap in a few large
-  regions on huge pages, so every block of 2 MiB or more lies on huge pages whoever
+- a process whose malloc is jemalloc preloaded with ``thp:always`` (``LD_PRELOAD`` naming
+  jemalloc plus ``MALLOC_CONF``; PyTorch's CPU tuning guide suggests jemalloc) keeps its heap in a
+  few large regions on huge pages, so every block of 2 MiB or more lies on huge pages whoever
   allocated it (``malloc_thp``).
 
-PURE apart from reading the THP mode and the allocator (``MALLOC_CONF``, ``/proc/self/maps``)
-once; framework-free.
+Only documented settings are read (the kernel's THP mode, ``NUMPY_MADVISE_HUGEPAGE``,
+``LD_PRELOAD``, ``MALLOC_CONF``), once each; no private NumPy API, no ``/proc`` scan, nothing
+per call but a walk from an array to the object that owns its memory. Framework-free.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ __all__ = ["huge_page_backed", "register_owner", "thp_mode", "malloc_thp", "NUMP
 NUMPY_HUGE_MIN_BYTES = 4 * 1024 * 1024
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-_MAPS = "/proc/self/maps"
 
 _owners: list[Callable[[Any], bool | None]] = []
 _mode: str | None = None
@@ -66,8 +66,9 @@ def thp_mode(path: str = _THP_ENABLED) -> str:
     return _mode
 
 
-def malloc_thp(maps: str = _MAPS, conf: str | None = None) -> bool:
-    """Whether this process's malloc is jemalloc with ``thp:always`` in ``MALLOC_CONF`` (read once).
+def malloc_thp(preload: str | None = None, conf: str | None = None) -> bool:
+    """Whether this process's malloc is a preloaded jemalloc with ``thp:always`` in ``MALLOC_CONF``
+    (read once from the environment).
 
     jemalloc then backs its few large regions with transparent huge pages, so a block of 2 MiB or
     more lies on huge pages except at most its two ends, where glibc gives each such block its own
@@ -77,26 +78,26 @@ def malloc_thp(maps: str = _MAPS, conf: str | None = None) -> bool:
     if _malloc_thp is None:
         text = os.environ.get("MALLOC_CONF", "") if conf is None else conf
         options = dict(o.split(":", 1) for o in text.replace(" ", "").split(",") if ":" in o)
-        found = False
-        if options.get("thp") == "always":
-            try:
-                with open(maps) as fh:
-                    found = any("jemalloc" in line for line in fh)
-            except OSError:
-                found = False
-        _malloc_thp = found
+        libs = os.environ.get("LD_PRELOAD", "") if preload is None else preload
+        _malloc_thp = options.get("thp") == "always" and "jemalloc" in libs
     return _malloc_thp
 
 
-def _numpy_madvises() -> bool:
+def _numpy_madvises(setting: str | None = None, release: str | None = None) -> bool:
+    """Whether NumPy madvises its large allocations: NumPy's own rule (``NUMPY_MADVISE_HUGEPAGE``,
+    else Linux 4.6 or later), read once."""
     global _numpy_madvise
     if _numpy_madvise is None:
-        try:
-            from numpy._core import multiarray
-        except ImportError:  # NumPy 1.x
-            from numpy.core import multiarray  # type: ignore[no-redef]
-        getter = getattr(multiarray, "_get_madvise_hugepage", None)
-        _numpy_madvise = bool(getter()) if getter is not None else False
+        value = os.environ.get("NUMPY_MADVISE_HUGEPAGE") if setting is None else setting
+        if value is not None and value.strip():
+            _numpy_madvise = value.strip() != "0"
+        else:
+            try:
+                rel = os.uname().release if release is None else release
+                major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in rel.split(".")[:2])
+                _numpy_madvise = (major, minor) >= (4, 6)
+            except (AttributeError, ValueError):
+                _numpy_madvise = False
     return _numpy_madvise
 
 

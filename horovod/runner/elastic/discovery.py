@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 
 __all__ = ["HostDiscoveryScript", "FixedHosts", "HostManager", "parse_discovery_output",
            "cooldown_seconds"]

@@ -51,13 +51,13 @@ class ElasticJobResult:
 def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
     if settings.host_discovery_script:
         script = os.path.abspath(settings.host_discovery_script)
-        from horovod.runner import errors
+        from horovod.common import exceptions as errors
 
         if not (os.path.isfile(script) and os.access(script, os.X_OK)):
             raise errors.ConfigError(f"--host-discovery-script {settings.host_discovery_script}: "
                                      "not an executable file (chmod +x it).")
         return HostDiscoveryScript(script, settings.slots_per_host)
-    from horovod.runner.launch import resolve_hosts
+    from horovod.runner.hosts import resolve_hosts
 
     return FixedHosts({h.name: h.slots for h in resolve_hosts(settings)})
 

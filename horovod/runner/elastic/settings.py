@@ -44,11 +44,11 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        from horovod.runner import errors
+        from horovod.common import exceptions as errors
 
         raise errors.ConfigError(f"{name}={raw!r} is not a number of seconds.") from None
     if value <= 0:
-        from horovod.runner import errors
+        from horovod.common import exceptions as errors
 
         raise errors.ConfigError(f"{name}={raw!r} must be positive.")
     return value

@@ -3,7 +3,6 @@ output with its current rank as prefix, and report how it ended."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,8 +12,9 @@ import time
 from collections.abc import Callable
 from typing import IO
 
+from horovod.common import wire
 from horovod.runner.launchers.base import Command
-from horovod.runner.output import MARKER, LineSplitter, prefix_line
+from horovod.runner.output import LineSplitter, prefix_line
 
 __all__ = ["WorkerProcess"]
 
@@ -30,7 +30,8 @@ class WorkerProcess:
         self.out, self.err = stdout or sys.stdout, stderr or sys.stderr
         self.timestamp = timestamp
         self.lock = write_lock or threading.Lock()
-        self.exit_info: dict[str, object] | None = None
+        self.exit_info: dict[str, object] | None = None  # the shim's exit report
+        self.error_record: dict[str, object] | None = None  # the rank's failure record
         self.returncode: int | None = None
         self.popen = subprocess.Popen(
             cmd.argv, env=cmd.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -56,15 +57,14 @@ class WorkerProcess:
         return self.popen.pid
 
     def _emit(self, stream: str, text: str, term: str) -> None:
-        idx = text.find(MARKER)
-        if idx >= 0:
-            try:
-                self.exit_info = json.loads(text[idx + len(MARKER):])
-                text = text[:idx]
-                if not text:
-                    return
-            except ValueError:
-                pass
+        found = wire.strip_markers(text, term)
+        if found.error is not None and self.error_record is None:
+            self.error_record = found.error
+        if found.exit is not None:
+            self.exit_info = found.exit
+        if found.empty:
+            return
+        text, term = found.text, found.terminator
         line = prefix_line(self.rank_of(), stream, text, self.timestamp) + (term or "\n")
         with self.lock:
             target = self.err if stream == "stderr" else self.out
@@ -112,7 +112,7 @@ class WorkerProcess:
         stdin = self.popen.stdin
         try:
             if self.cmd.remote and stdin is not None and not stdin.closed:
-                stdin.write(f"signal {int(signal.SIGTERM)}\n".encode())
+                stdin.write(wire.signal_line(signal.SIGTERM))
                 stdin.close()
             else:
                 os.killpg(self.popen.pid, signal.SIGTERM)

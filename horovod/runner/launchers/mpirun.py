@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from horovod.runner import errors
+from horovod.common import exceptions as errors
 from horovod.runner.launchers.base import Command, shim_argv
 from horovod.runner.plan import SECRET_ENV, LaunchPlan
 from horovod.runner.settings import LaunchSettings

@@ -13,6 +13,7 @@ from horovod.common.backends.base import Group
 from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.hierarchy import host_layout
 from horovod.common.engine.outputs import OutputPool
+from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 
@@ -137,6 +138,15 @@ def test_output_pool_reuses_only_dropped_buffers() -> None:
     assert view.base is not None
     small = pool.empty((3,), np.float64)
     assert small.shape == (3,) and pool.tracked_bytes == 3 * 4000
+    # Whatever wraps a result without copying keeps its buffer out of the pool.
+    e = pool.empty((1000,), np.float32)
+    e_addr = e.__array_interface__["data"][0]
+    wrapped = memoryview(e.reshape(10, 100)[2:])
+    del e
+    f = pool.empty((1000,), np.float32)
+    assert f.__array_interface__["data"][0] != e_addr
+    del wrapped, f
+    assert pool.empty((1000,), np.float32).__array_interface__["data"][0] == e_addr
 
 
 def test_large_outputs_start_on_a_huge_page(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,7 +193,7 @@ def test_schedule_does_not_depend_on_where_a_rank_reduces_large_tensors(
     shapes = [(3,), (2000,), (5, 7), (700,), (1,), (1030,)]
     schedules = []
     for own in (True, False):
-        monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out, own=own: own))
+        monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out, own=own: own))
         for max_tensor in (256, 1 << 20):
             backend, entries, inputs = _run(shapes, in_place=in_place, chunk=1024, max_tensor=max_tensor)
             for e, x in zip(entries, inputs):
@@ -265,7 +275,7 @@ def test_views_of_one_flat_buffer_are_reduced_where_they_lie(pre: float, post: f
     # and is reduced there, with exactly the transport calls of separately allocated tensors.
     shapes = [(3,), (2000,), (5, 7), (700,), (1,), (9, 3), (1030,), (4,)]
     sizes = [int(np.prod(s)) for s in shapes]
-    monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out: True))
+    monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out: True))
     schedules = {}
     for layout in ("flat", "separate", "flat, one tensor elsewhere"):
         flat = (np.arange(sum(sizes)) % 13 + 1).astype(np.float32)
@@ -294,7 +304,7 @@ def test_flat_views_on_small_pages_or_out_of_place_are_copied(monkeypatch: pytes
     for own, in_place in ((False, True), (True, False)):
         flat = np.ones(300, np.float32)
         views = [flat[:100], flat[100:300]]
-        monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out, own=own: own))
+        monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out, own=own: own))
         backend, entries = _run_views(views, flat, n=2, in_place=in_place, chunk=4096)
         assert backend.in_flat == [False] and backend.calls == [1200]
         assert all(np.all(e.outputs[0] == 1) for e in entries)  # Average of 2 identical ranks
@@ -304,14 +314,15 @@ def test_flat_views_on_small_pages_or_out_of_place_are_copied(monkeypatch: pytes
 def test_jemalloc_with_thp_puts_every_large_block_on_huge_pages(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from horovod.common.engine import pages
 
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n")
-    plain = tmp_path / "plain"
-    plain.write_text("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
-    for path, conf, want in ((maps, "thp:always,metadata_thp:auto", True), (maps, "thp:default", False),
-                             (plain, "thp:always", False), (maps, "", False)):
+    jemalloc, libc = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", ""
+    for preload, conf, want in ((jemalloc, "thp:always,metadata_thp:auto", True), (jemalloc, "thp:default", False),
+                                (libc, "thp:always", False), (jemalloc, "", False)):
         monkeypatch.setattr(pages, "_malloc_thp", None)
-        assert pages.malloc_thp(str(path), conf) is want, (path, conf)
+        assert pages.malloc_thp(preload, conf) is want, (preload, conf)
+    for setting, release, want in (("0", "6.1.0", False), ("1", "3.10.0", True), ("", "6.1.0-13-amd64", True),
+                                   ("", "4.5.7", False), ("", "4.6.0", True)):
+        monkeypatch.setattr(pages, "_numpy_madvise", None)
+        assert pages._numpy_madvises(setting, release) is want, (setting, release)
     monkeypatch.setattr(pages, "_mode", "madvise")
     monkeypatch.setattr(pages, "_numpy_madvise", True)
     mid = np.ones(pages.HUGE_PAGE_BYTES // 4 + 1, np.float32)  # 2 MiB: NumPy does not madvise it

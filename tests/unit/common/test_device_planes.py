@@ -50,7 +50,9 @@ def test_executor_sends_plane_batches_to_their_plane_and_host_batches_to_the_bac
     resp, entry = _entry("allreduce.a", "fakeplane:gpu")
     ex.run([resp], [entry], False)
     assert entry.outputs == ["from the plane"]
-    assert made[0].executor is ex and made[0].batches == [(["allreduce.a"], [0])]
+    # the plane gets the engine's services (transport, tunables, timeline), not the executor
+    assert made[0].executor is ex.planes.services and made[0].executor.backend is ex.backend
+    assert made[0].batches == [(["allreduce.a"], [0])]
     resp, entry = _entry("allreduce.b", "cpu")
     ex.run([resp], [entry], False)
     assert np.array_equal(entry.outputs[0], np.ones(2, np.float32)) and len(made[0].batches) == 1

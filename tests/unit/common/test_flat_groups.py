@@ -16,6 +16,7 @@ from horovod.common.backends.base import Group
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.executor import Entry, Executor, end_to_end
 from horovod.common.engine.negotiation import Coordinator
+from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 
@@ -71,7 +72,7 @@ def _grouped(layout: str, hint: bool, dtype: str = "float32", chunk: int = 1024,
 @pytest.mark.parametrize("pre,post", [(1.0, 1.0), (0.5, 3.0)])
 def test_a_flat_group_is_reduced_as_one_span_whatever_each_rank_holds(pre: float, post: float,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out: True))
+    monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out: True))
     total = sum(int(np.prod(s)) for s in SHAPES) * 4
     schedules = {}
     for layout in LAYOUTS:
@@ -92,7 +93,7 @@ def test_a_flat_group_is_reduced_as_one_span_whatever_each_rank_holds(pre: float
 
 def test_flat_groups_widened_unchunked_and_on_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     # float16 is widened through the buffer, with the same pieces on every layout.
-    monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out: True))
+    monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out: True))
     half = {layout: _grouped(layout, True, dtype="float16") for layout in LAYOUTS}
     for layout, (backend, got, want) in half.items():
         if got is not None:
@@ -104,7 +105,7 @@ def test_flat_groups_widened_unchunked_and_on_small_pages(monkeypatch: pytest.Mo
         np.testing.assert_allclose(got, want)
         assert backend.calls == _grouped(layout, False, chunk=0)[0].calls
     # A span on small pages is copied through the buffer, piece by piece, with the same calls.
-    monkeypatch.setattr(Executor, "_own_memory", staticmethod(lambda out: False))
+    monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out: False))
     backend, got, want = _grouped("flat", True)
     np.testing.assert_allclose(got, want)
     assert backend.calls == _grouped("separate", True)[0].calls and not any(backend.in_flat)

@@ -172,3 +172,36 @@ def test_sys_exit_caught_and_kept_is_not_a_failure(tmp_path: Path) -> None:
     """)
     res, rec, _ = _run(code, tmp_path)
     assert res.returncode == 0 and rec is None and "SHUTDOWN" in res.stdout, (res.stderr, rec)
+
+
+_HOOKS = """
+    import builtins, sys
+    before = (sys.exit, sys.excepthook, builtins.exit, builtins.quit)
+    import horovod.numpy as hvd
+    hvd.init()
+    from horovod.common import lifecycle
+    after = (sys.exit, sys.excepthook, builtins.exit, builtins.quit)
+    print("SAME" if all(a is b for a, b in zip(before, after)) else "PATCHED", lifecycle.installed())
+"""
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, "SAME False"), ({"HOROVOD_EXIT_RECORD": "x"}, "PATCHED True"),
+                                           ({"HOROVOD_EXIT_RECORD": "x", "HOROVOD_FAIL_FAST": "0"},
+                                            "SAME False")])
+def test_fail_fast_hook_only_in_a_launched_worker(env: dict[str, str], want: str) -> None:
+    # A process of its own (notebook, script, unit test) keeps Python's sys.exit, exit/quit and
+    # excepthook; a worker started by horovodrun gets the hook unless HOROVOD_FAIL_FAST=0.
+    full = {k: v for k, v in os.environ.items() if k not in ("HOROVOD_EXIT_RECORD", "HOROVOD_FAIL_FAST")}
+    full.update(PYTHONPATH=str(REPO), **env)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_HOOKS)], capture_output=True, text=True,
+                         timeout=120, env=full)
+    assert res.returncode == 0 and res.stdout.strip() == want, (res.stdout, res.stderr[-2000:])
+
+
+def test_fail_fast_switch() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("HOROVOD_EXIT_RECORD", "HOROVOD_FAIL_FAST")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "environ", env)
+        assert lifecycle.wanted(2) and not lifecycle.wanted(1)
+        env["HOROVOD_FAIL_FAST"] = "0"
+        assert not lifecycle.wanted(2)

@@ -6,9 +6,7 @@ import os
 
 __all__ = ["get_env_rank_and_size"]
 
-# (rank variable, size variable) per launcher, in the order upstream checks them.
-_PAIRS = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-          ("PMI_RANK", "PMI_SIZE"))
+from horovod.common.wire import RANK_SIZE_VARS as _PAIRS
 
 
 def get_env_rank_and_size() -> tuple[int, int] | None:

@@ -19,7 +19,8 @@ removes it, and an instance whose owner died without closing is swept by the nex
 
 Needs root, ``ip netns``, ``unshare`` and OpenSSH; missing iproute2 / openssh packages are
 installed with apt-get (without starting a system sshd). :func:`unavailable_reason` says why
-this machine cannot, or returns None.
+this machine cannot, or returns None. A fixture of this repository's tests (and of
+``benchmarks/run_hierarchical.py``), not part of the installed package.
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ class FakeHosts:
         (state / "known_hosts").write_text("\n".join(known) + "\n")
         names = " ".join(self.hosts + [self._addr[h] for h in self.hosts])
         dropin = "\n".join([
-            f"# made by horovod.testing.fakehosts ({self.tag}); removed at close",
+            f"# made by tests/_fakehosts.py ({self.tag}); removed at close",
             f"Host {names}", "    User root", "    Port 22",
             f"    IdentityFile {state / 'id_ed25519'}", "    IdentitiesOnly yes",
             f"    UserKnownHostsFile {state / 'known_hosts'}", "    GlobalKnownHostsFile /dev/null",

@@ -1,0 +1,329 @@
+"""The buffer seam: one reduction runner over a small set of buffer operations.
+
+``plan.plan_reduction`` says which transport calls a batch makes; ``placement`` says, on this rank,
+whether a call is reduced where its tensors lie or through a fusion buffer; ``run_reduction``
+carries the plan out with a ``BufferOps``: the only part that knows what a buffer is. The engine's
+own ``NumpyBuffers`` works on flat host arrays; a framework's device plane supplies its own (the
+torch one on CUDA tensors, ``horovod/torch/_device_plane.py``). A new kind of buffer is one class
+with these operations (JAX arrays on the CPU become NumPy views and need none).
+
+Scaling (prescale, Average's division, postscale), join zeros and widening live here once:
+
+* prescale is applied on the way in (into the buffer, or in place before the reduction);
+* after the reduction, Average divides by the set's size (exactly rounded, as ``t / size``) and
+  postscale multiplies (``plan.post_factors``); a power-of-two factor of an out-of-place float Sum
+  is applied during the copy in, the reduction then runs in place (bit-identical, one pass);
+* a joined rank contributes zeros of the agreed shapes (``zeros``);
+* a dtype the transport cannot reduce is widened into the buffer and narrowed on the way out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from horovod.common.engine.plan import Call
+
+__all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "scale_array", "span_of",
+           "Placement"]
+
+Segment = tuple[int, int, int, int]
+
+
+class Item(NamedTuple):
+    """One tensor of a batch on this rank: input, output (the same object when in place), the
+    operation's name and the element count."""
+
+    x: Any
+    o: Any
+    inplace: bool
+    name: str
+    n: int
+
+
+class Reduction(NamedTuple):
+    """How a batch is reduced: the transport's op, the scale factors and the work dtype."""
+
+    op: Any
+    pre: float
+    post: float
+    div: int
+    work: Any  # the dtype the transport reduces in (a NumPy dtype, a torch dtype, ...)
+    widen: bool  # work differs from the tensors' dtype: every element goes through a buffer
+    exact_post: bool  # post / div is a power of two on a float Sum: may be applied on the way in
+
+    @property
+    def scaled(self) -> bool:
+        return self.post != 1.0 or self.div != 1
+
+
+def power_of_two(x: float) -> bool:
+    m, _ = math.frexp(x)
+    return m == 0.5
+
+
+class BufferOps(Protocol):
+    """What the runner needs of a kind of buffer. ``x``/``o`` are the items' own objects."""
+
+    #: scale after the reduction once per batch (``scale_all``) rather than per call
+    defer_scale: bool
+
+    def piece(self, a: Any, start: int, stop: int) -> Any:
+        """The flat elements ``[start, stop)`` of ``a`` (a view)."""
+
+    def span(self, items: Sequence[Item], segs: Sequence[Segment], inplace_only: bool) -> Any:
+        """One view of the outputs' memory covering ``segs`` if it is contiguous there (a single
+        segment always is; several when they lie end to end), and all are in place when
+        ``inplace_only``; else None."""
+
+    def buffer(self, work: Any, n: int) -> Any:
+        """A reusable fusion buffer of ``n`` elements of ``work`` (allocate)."""
+
+    def outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None) -> list[Any]:
+        """The outputs an entry's caller gets: ``given`` (the caller's, or its inputs when in
+        place) as this kind's objects, else new ones for an out-of-place operation (allocate)."""
+
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
+        """The items of one response's tensors."""
+
+    def zeros(self, n: int, dtype: str) -> Any:
+        """A joined rank's contribution: ``n`` zeros of the batch's dtype."""
+
+    def scale(self, dst: Any, src: Any, factor: float, divisor: int = 1) -> None:
+        """dst = src * factor / divisor (a copy when both are 1), rounded as the host path does."""
+
+    def pack(self, buf: Any, items: Sequence[Item], segs: Sequence[Segment], pre: float, widen: bool) -> None:
+        """Copy the segments' inputs into ``buf`` (widened, multiplied by ``pre``)."""
+
+    def unpack(self, buf: Any, items: Sequence[Item], segs: Sequence[Segment], post: float, div: int) -> None:
+        """Copy the reduced segments out of ``buf`` into the outputs, scaled (and narrowed)."""
+
+    def scale_all(self, regions: Sequence[Any], post: float, div: int) -> None:
+        """Scale reduced regions in place (when ``defer_scale``)."""
+
+
+class Placement(Protocol):
+    """Where this rank reduces a call: a view of its tensors' memory, or None (a fusion buffer).
+    A local choice: the transport calls are the same either way."""
+
+    def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
+        ...
+
+
+def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
+                ) -> tuple[list[Item], list[int]]:
+    """The items of a batch on this rank, and where each response's items start.
+
+    Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
+    agreed shapes."""
+    items: list[Item] = []
+    starts: list[int] = []
+    for resp, entry in zip(batch, entries):
+        starts.append(len(items))
+        if entry is None:
+            for shape in resp.request.shapes:
+                n = 1
+                for d in shape:
+                    n *= d
+                z = ops.zeros(n, resp.request.dtype)
+                items.append(Item(z, z, True, resp.name, n))
+            continue
+        entry.outputs = ops.outputs(entry.inputs, entry.outputs)
+        items.extend(ops.items(resp.name, entry.inputs, entry.outputs))
+    return items, starts
+
+
+def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, red: Reduction,
+                  reduce: Callable[[Any], None], placement: Placement,
+                  activity: Callable[[Sequence[str], str, bool], None] | None = None,
+                  act: str = "ALLREDUCE", index: list[int] | None = None,
+                  groups: dict[int, tuple[int, list[int]]] | None = None) -> None:
+    """Carry out ``calls`` over ``items``.
+
+    Planned item ``k`` is ``items[index[k]]`` (``index`` None: ``items[k]``); ``groups`` maps a
+    planned item held here by several items (a flat group whose memory is not one span on this
+    rank) to (its first item, the element offsets of its items).
+    """
+    deferred: list[Any] = []
+    for call in calls:
+        segs = call.segments if index is None else _physical(call.segments, index, groups or {})
+        names = list(dict.fromkeys(items[i].name for i, *_ in segs)) if activity is not None else []
+        region = None if red.widen else placement.region(call, items, segs, ops)
+        if region is not None:
+            if activity is not None:
+                activity(names, act, True)
+            _in_place(items, segs, region, ops, red, reduce, deferred)
+            if activity is not None:
+                activity(names, act, False)
+            continue
+        buf = ops.buffer(red.work, call.size)
+        if activity is not None:
+            activity(names, "MEMCPY_IN_FUSION_BUFFER", True)
+            ops.pack(buf, items, segs, red.pre, red.widen)
+            activity(names, "MEMCPY_IN_FUSION_BUFFER", False)
+            activity(names, act, True)
+            reduce(buf)
+            activity(names, act, False)
+            activity(names, "MEMCPY_OUT_FUSION_BUFFER", True)
+            ops.unpack(buf, items, segs, red.post, red.div)
+            activity(names, "MEMCPY_OUT_FUSION_BUFFER", False)
+        else:
+            ops.pack(buf, items, segs, red.pre, red.widen)
+            reduce(buf)
+            ops.unpack(buf, items, segs, red.post, red.div)
+    if deferred:
+        ops.scale_all(deferred, red.post, red.div)
+
+
+def _in_place(items: Sequence[Item], segs: Sequence[Segment], region: Any, ops: BufferOps, red: Reduction,
+              reduce: Callable[[Any], None], deferred: list[Any]) -> None:
+    """Reduce ``region`` (the outputs' memory of ``segs``), loading the input first if out of place."""
+    src = None
+    if len(segs) == 1:
+        i, s, e, _ = segs[0]
+        item = items[i]
+        if not item.inplace:
+            src = ops.piece(item.x, s, e)
+    if src is not None and red.scaled and red.exact_post and red.pre == 1.0:
+        # Scale during the copy, then reduce in place: one pass, bit-identical (a power of two).
+        ops.scale(region, src, red.post, red.div)
+        reduce(region)
+        return
+    if red.pre != 1.0:
+        ops.scale(region, region if src is None else src, red.pre)
+    elif src is not None:
+        ops.scale(region, src, 1.0)
+    reduce(region)
+    if red.scaled:
+        if ops.defer_scale:
+            deferred.append(region)
+        else:
+            ops.scale(region, region, red.post, red.div)
+
+
+def _physical(segs: Sequence[Segment], index: list[int], groups: dict[int, tuple[int, list[int]]]) -> list[Segment]:
+    out: list[Segment] = []
+    for k, a, b, at in segs:
+        group = groups.get(k)
+        if group is None:
+            out.append((index[k], a, b, at))
+            continue
+        first, offsets = group
+        j = 0
+        while offsets[j + 1] <= a:
+            j += 1
+        while a < b:
+            stop = min(b, offsets[j + 1])
+            if stop > a:
+                out.append((first + j, a - offsets[j], stop - offsets[j], at))
+                at += stop - a
+                a = stop
+            j += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- NumPy buffers
+def scale_array(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> None:
+    """dst = src * factor / divisor; float16 in float32 math (as upstream on the CPU), integers
+    truncated."""
+    if divisor != 1:
+        if dst.dtype.char == "e":
+            np.divide(src, np.float32(divisor), out=dst, dtype=np.float32, casting="unsafe")
+        else:
+            np.divide(src, divisor, out=dst, casting="unsafe")
+    elif factor == 1.0:
+        if dst is not src:
+            np.copyto(dst, src, casting="unsafe")
+    elif dst.dtype.char == "e":
+        np.multiply(src, np.float32(factor), out=dst, dtype=np.float32, casting="unsafe")
+    else:
+        np.multiply(src, factor, out=dst, casting="unsafe")
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def span_of(items: Sequence[Item], segs: Sequence[Segment], inplace_only: bool) -> np.ndarray | None:
+    """``BufferOps.span`` for flat NumPy outputs. Separate tensors fail at the second segment."""
+    i, s, e, _ = segs[0]
+    first = items[i].o
+    if len(segs) == 1:
+        if inplace_only and not items[i].inplace:
+            return None
+        return first[s:e]
+    size = first.itemsize
+    at = _addr(first) + s * size
+    total = 0
+    for i, s, e, _ in segs:
+        item = items[i]
+        if not item.inplace or _addr(item.o) + s * size != at:
+            return None
+        at += (e - s) * size
+        total += e - s
+    return np.lib.stride_tricks.as_strided(first[segs[0][1]:], shape=(total,), strides=(size,))
+
+
+class NumpyBuffers:
+    """``BufferOps`` on flat host NumPy arrays (the engine's own executor)."""
+
+    defer_scale = False
+
+    def __init__(self, empty: Callable[[int], np.ndarray],
+                 output: Callable[[tuple[int, ...], Any], np.ndarray] = np.empty) -> None:
+        self._empty = empty  # bytes -> uint8 array (huge-page aligned)
+        self._output = output  # (shape, dtype) -> a result array (warm, from the output pool)
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+        if given is not None:
+            return list(given)
+        return [self._output(x.shape, x.dtype) for x in inputs]
+
+    def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
+        new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
+        out = []
+        for x, o in zip(inputs, outputs):
+            xf = x.reshape(-1)
+            out.append(new(Item, (xf, xf if o is x else o.reshape(-1), o is x, name, xf.size)))
+        return out
+
+    def piece(self, a: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return a[start:stop]
+
+    span = staticmethod(span_of)
+
+    def buffer(self, work: np.dtype, n: int) -> np.ndarray:
+        buf = self._buffers.get(work.str)
+        if buf is None or buf.size < n:
+            buf = self._empty(max(n, 1024) * work.itemsize).view(work)
+            self._buffers[work.str] = buf
+        return buf[:n]
+
+    def zeros(self, n: int, dtype: str) -> np.ndarray:
+        return np.zeros(n, dtype)
+
+    scale = staticmethod(scale_array)
+
+    def pack(self, buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], pre: float,
+             widen: bool) -> None:
+        for i, s, e, b in segs:
+            dst, src = buf[b:b + e - s], items[i].x[s:e]
+            if widen:  # widened, then scaled in the wide type (as upstream on the CPU)
+                np.copyto(dst, src, casting="unsafe")
+                if pre != 1.0:
+                    np.multiply(dst, pre, out=dst)
+            else:
+                scale_array(dst, src, pre)
+
+    def unpack(self, buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], post: float,
+               div: int) -> None:
+        for i, s, e, b in segs:
+            scale_array(items[i].o[s:e], buf[b:b + e - s], post, div)
+
+    def scale_all(self, regions: Sequence[np.ndarray], post: float, div: int) -> None:
+        for r in regions:
+            scale_array(r, r, post, div)

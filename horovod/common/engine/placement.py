@@ -1,0 +1,62 @@
+"""Placement strategies: on this rank, is a planned call reduced where its tensors lie, or through a
+fusion buffer? A local choice (the transport calls are the plan's, the same on every rank), asked
+once per call by ``buffers.run_reduction``.
+
+* ``DevicePlacement`` (device planes, and the simple default for any buffer kind): in the tensors'
+  memory whenever that memory is one contiguous region (a single tensor, or in-place views of one
+  flat buffer end to end); else through the fusion buffer.
+* ``HostPlacement`` (the engine's NumPy executor): the same, but a packed run or a whole piece of a
+  large tensor is reduced in place only when its memory is on transparent huge pages
+  (``pages.huge_page_backed``, known from who allocated the memory, without asking the kernel):
+  Open MPI's single-copy transfer pins every page of a piece, so a piece on 4 KiB pages is reduced
+  faster copied through the huge-page buffer (docs/engine.md, "Piecewise reductions"). A tensor
+  above ``max_tensor_bytes`` is always reduced in its own memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from horovod.common.engine.buffers import BufferOps, Item, Segment
+from horovod.common.engine.pages import huge_page_backed
+from horovod.common.engine.plan import PACKED, PIECE, Call
+
+__all__ = ["DevicePlacement", "HostPlacement"]
+
+
+class DevicePlacement:
+    """In place whenever the call's memory is one contiguous region."""
+
+    def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
+        return ops.span(items, segs, len(segs) > 1)
+
+
+class HostPlacement:
+    """In place only on huge pages (see the module docstring)."""
+
+    def __init__(self, cut: Any) -> None:
+        self._cut = cut  # () -> max_tensor_bytes, read at every call (a tunable)
+        # id(span over a flat group) -> its first array, whose owner says where the memory lies
+        self.owners: dict[int, np.ndarray] = {}
+
+    own_memory = staticmethod(huge_page_backed)
+
+    def in_own_memory(self, out: np.ndarray) -> bool:
+        return self.own_memory(self.owners.get(id(out), out))
+
+    def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
+        if call.kind == PACKED:
+            span = ops.span(items, segs, True)
+            if span is None or not self.in_own_memory(items[segs[0][0]].o):
+                return None
+            return span
+        if call.kind == PIECE:
+            if len(segs) != 1:  # a flat group held as separate arrays here: gathered
+                return None
+            o = items[segs[0][0]].o
+            if o.nbytes <= self._cut() and not self.in_own_memory(o):
+                return None
+        return ops.span(items, segs, False)

@@ -1,0 +1,167 @@
+"""No stranger in the job (issue 24): every store a running job listens on refuses outsiders.
+
+A real job runs (Gloo np=2; the torch device plane's CPU twin; an elastic job after a reset) while
+the test, as an outsider, finds every TCP port the job's processes listen on in the socket table
+(psutil) and tries torch's ``TCPStore`` client on each: read, write, delete, wait and count keys.
+Every attempt must fail, the job must finish with the right values, and the refusal must be in
+the job's log. Unit tests of the store itself are in tests/unit/common/test_authstore.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(__file__).resolve().parent / "bin"
+JOB = BIN / "probed_job.py"
+LINE = re.compile(r"PROBED rank (\d) size (\d) sum (\S+) ok (\w+)")
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_COMM", "PMI"))}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended before {path.name}:\n{proc.communicate()[0][-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {path.name} after {timeout} s:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.1)
+
+
+def listening_ports(root_pid: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in the job's process tree (the socket table)."""
+    root = psutil.Process(root_pid)
+    pids = {root_pid} | {p.pid for p in root.children(recursive=True)}
+    return sorted({(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.pid in pids})
+
+
+def _attempt(addr: str, port: int, op: str) -> str:
+    import torch.distributed as dist
+
+    host = "127.0.0.1" if addr in ("0.0.0.0", "::") else addr
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=3),
+                              wait_for_workers=False)
+        if op == "read":
+            store.get("store")
+        elif op == "write":
+            store.set("intruder", b"x")
+        elif op == "delete":
+            store.delete_key("store")
+        elif op == "wait":
+            store.wait(["store"], datetime.timedelta(seconds=2))
+        else:
+            store.num_keys()
+    except Exception as exc:  # noqa: BLE001 - any failure is a refusal
+        return f"refused ({type(exc).__name__})"
+    return "ALLOWED"
+
+
+def probe(root_pid: int, deadline: float = 25.0) -> dict[tuple[str, int, str], str]:
+    """Every operation on every listening port, in parallel; one with no answer by ``deadline`` is
+    refused too (a Gloo or HTTP listener may keep torch's client waiting for a reply that never
+    comes; its thread ends when the job closes the socket)."""
+    ports = listening_ports(root_pid)
+    assert ports, "the job listens on no port?"
+    jobs = [(a, p, op) for a, p, _ in ports for op in ("read", "write", "delete", "wait", "count")]
+    results: dict[tuple[str, int, str], str] = {}
+
+    def run(job: tuple[str, int, str]) -> None:
+        results[job] = _attempt(*job)
+
+    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in jobs]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + deadline
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return {j: results.get(j, "refused (no answer)") for j in jobs}
+
+
+def _finish(proc: subprocess.Popen, probe_dir: Path, np_: int) -> str:
+    (probe_dir / "done").write_text("1")
+    try:
+        out = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"job did not finish after the probe:\n{proc.communicate()[0][-4000:]}") from None
+    assert proc.returncode == 0, out[-4000:]
+    lines = sorted(LINE.findall(out))
+    assert [(int(r), int(n), ok) for r, n, _, ok in lines] == [(r, np_, "True") for r in range(np_)], out[-4000:]
+    return out
+
+
+def _check(results: dict[tuple[str, int, str], str], out: str) -> None:
+    allowed = [k for k, v in results.items() if v == "ALLOWED"]
+    assert not allowed, f"outsider succeeded: {allowed}"
+    refused = re.findall(r"store (\S+):(\d+) refused a connection from (\S+):", out)
+    assert refused, out[-4000:]
+    probed = {p for _, p, _ in results}
+    for host, port, _ in refused:
+        assert int(port) in probed
+        assert host not in ("0.0.0.0", "::"), "the store listens on every interface"
+    # logged once per peer address, not once per attempt
+    assert len(refused) == len(set(refused)), refused
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["gloo", "device-plane-twin"])
+def test_running_gloo_job_refuses_outsiders(tmp_path, twin):
+    env = {"PROBE_DIR": str(tmp_path)}
+    if twin:
+        env["HOROVOD_TORCH_CPU_PLANE"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "horovod.runner", "--gloo", "-np", "2", sys.executable, str(JOB)],
+                            env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(tmp_path / "ready", proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    secrets = {p.environ().get("HOROVOD_SECRET_KEY") for p in tree} - {None}
+    assert len(secrets) == 1, "the workers share one job secret"
+    secret = secrets.pop()
+    assert all(secret not in " ".join(p.cmdline()) for p in [psutil.Process(proc.pid), *tree]), "secret in ps"
+    results = probe(proc.pid)
+    out = _finish(proc, tmp_path, 2)
+    _check(results, out)
+    assert secret not in out, "secret in the job's output"
+    stores = {int(p) for _, p, _ in re.findall(r"store (\S+):(\d+) refused a connection from (\S+):", out)}
+    assert len(stores) == (2 if twin else 1), out[-3000:]  # the twin adds the device plane's store
+
+
+def test_elastic_job_refuses_outsiders_after_a_reset(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    argv = [sys.executable, "-m", "horovod.runner", "-np", "2", "--min-np", "2", "--max-np", "3",
+            "--host-discovery-script", str(script), sys.executable, str(JOB)]
+    proc = subprocess.Popen(argv, env=_env({"PROBE_DIR": str(tmp_path), "ELASTIC_TARGET": "3",
+                                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(tmp_path / "started", proc)
+    tmp = tmp_path / "hosts.tmp"
+    tmp.write_text("localhost:2\n127.0.0.1:1\n")
+    os.replace(tmp, hosts)  # a new host: the job resets and re-forms with 3 workers
+    _wait_for(tmp_path / "ready", proc)
+    results = probe(proc.pid)
+    out = _finish(proc, tmp_path, 3)
+    _check(results, out)
