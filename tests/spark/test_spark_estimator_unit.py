@@ -197,7 +197,7 @@ def test_keras_flavours_serialize(tmp_path: Path) -> None:
     pytest.importorskip("tensorflow")
     import keras
     tf_keras = pytest.importorskip("tf_keras")
-    from horovod.spark.keras.estimator import keras_flavour, model_from_bytes, model_to_bytes
+    from horovod.spark.keras.util import keras_flavour, model_from_bytes, model_to_bytes
 
     for k, flavour in ((keras, "keras"), (tf_keras, "tf_keras")):
         m = k.Sequential([k.Input((3,)), k.layers.Dense(2)])

@@ -8,7 +8,6 @@ is read from the model's class, and the ranks import ``horovod.tensorflow.keras`
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -17,49 +16,16 @@ import numpy as np
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
 from horovod.spark.common.params import declare_params
 from horovod.spark.common.util import DataPreparationError
+from horovod.spark.keras.util import (
+    _shaped,
+    input_shapes_of,
+    keras_flavour,
+    keras_module,
+    model_from_bytes,
+    model_to_bytes,
+)
 
 __all__ = ["KerasEstimator", "KerasModel"]
-
-
-def keras_flavour(model: Any) -> str:
-    """``"tf_keras"`` for a Keras 2 (``tf_keras``) model, else ``"keras"``."""
-    return "tf_keras" if type(model).__module__.startswith("tf_keras") or any(
-        c.__module__.startswith("tf_keras") for c in type(model).__mro__) else "keras"
-
-
-def keras_module(flavour: str) -> Any:
-    if flavour == "tf_keras":
-        import tf_keras
-
-        return tf_keras
-    import keras
-
-    return keras
-
-
-def model_to_bytes(model: Any) -> bytes:
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "model.keras")
-        model.save(path)
-        with open(path, "rb") as f:
-            return f.read()
-
-
-def model_from_bytes(data: bytes, flavour: str, custom_objects: dict[str, Any] | None = None,
-                     compile: bool = False) -> Any:
-    k = keras_module(flavour)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "model.keras")
-        with open(path, "wb") as f:
-            f.write(data)
-        return k.models.load_model(path, custom_objects=custom_objects, compile=compile)
-
-
-def input_shapes_of(model: Any) -> list[list[int]] | None:
-    try:
-        return [[int(d) if d is not None else -1 for d in t.shape] for t in model.inputs]
-    except (AttributeError, ValueError, TypeError):
-        return None  # a subclassed model that was never built: no shapes to check
 
 
 class KerasEstimator(HorovodEstimator):
@@ -195,13 +161,3 @@ class KerasModel(HorovodModel):
 
 declare_params(KerasModel, [("custom_objects", {}, "custom objects for loading the model"),
                             ("_floatx", "float32", "Keras floatx of the trained model")])
-
-
-def _shaped(x: np.ndarray, shape: list[int] | None) -> np.ndarray:
-    if x.dtype == np.float64:
-        x = x.astype(np.float32)
-    if shape is not None and len(shape) > 1 and x.ndim >= 1:
-        x = x.reshape([len(x), *[d for d in shape[1:]]])
-    elif x.ndim == 1:
-        x = x.reshape(-1, 1)
-    return x

@@ -14,7 +14,7 @@ __all__ = ["make_train_fn"]
 
 
 def _batches(reader: Any, spec: TrainingSpec, with_weights: bool) -> Iterator[tuple[Any, ...]]:
-    from horovod.spark.keras.estimator import _shaped
+    from horovod.spark.keras.util import _shaped
 
     shapes = spec["input_shapes"]
     for batch in reader:
@@ -43,7 +43,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
 
         import horovod.tensorflow.keras as hvd
         from horovod.spark.common.estimator import data_module_for
-        from horovod.spark.keras.estimator import keras_module, model_from_bytes
+        from horovod.spark.keras.util import keras_module, model_from_bytes
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()

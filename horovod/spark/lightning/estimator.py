@@ -15,7 +15,7 @@ from typing import Any
 from horovod.spark.common.estimator import HorovodEstimator, TrainingSpec
 from horovod.spark.common.params import declare_params
 from horovod.spark.torch.estimator import TorchModel as _TorchModel
-from horovod.spark.torch.estimator import _module_bytes, _module_from_bytes, check_input_shapes
+from horovod.spark.torch.util import _module_bytes, _module_from_bytes, check_input_shapes
 
 __all__ = ["TorchEstimator", "TorchModel", "lightning_package"]
 

@@ -42,8 +42,8 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         import horovod.torch as hvd
         from horovod.lightning import HorovodStrategy
         from horovod.spark.common.estimator import data_module_for
-        from horovod.spark.torch.estimator import _module_from_bytes
         from horovod.spark.torch.remote import load_checkpoint, save_checkpoint
+        from horovod.spark.torch.util import _module_from_bytes
 
         pl = importlib.import_module(spec["package"])
         hvd.init()

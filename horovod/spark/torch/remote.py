@@ -44,7 +44,7 @@ def _losses(spec: TrainingSpec) -> list[Callable[..., Any]]:
 def _tensors(batch: dict[str, np.ndarray], spec: TrainingSpec, device: Any) -> tuple[Any, Any, Any]:
     import torch
 
-    from horovod.spark.torch.estimator import _to_tensor
+    from horovod.spark.torch.util import _to_tensor
 
     shapes = spec["input_shapes"]
     inputs = [_to_tensor(batch[c], shapes[i] if shapes else None).to(device)
@@ -82,7 +82,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
 
         import horovod.torch as hvd
         from horovod.spark.common.estimator import data_module_for
-        from horovod.spark.torch.estimator import _module_from_bytes
+        from horovod.spark.torch.util import _module_from_bytes
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
