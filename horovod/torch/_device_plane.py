@@ -229,10 +229,15 @@ class TorchBuffers:
         first = item.o
         size = first.element_size()
         at = first.data_ptr() + st * size
+        # One span only over views of one storage (a flat gradient buffer). Tensors that merely lie
+        # end to end in memory have storages of their own (CUDA's caching allocator places small
+        # ones side by side), and a view past the first one's storage is out of bounds.
+        storage = first.untyped_storage().data_ptr()
         total = 0
         for i, st, e, _ in segs:
             item = items[i]
-            if not item.inplace or item.o.data_ptr() + st * size != at:
+            o = item.o
+            if not item.inplace or o.data_ptr() + st * size != at or o.untyped_storage().data_ptr() != storage:
                 return None
             at += (e - st) * size
             total += e - st

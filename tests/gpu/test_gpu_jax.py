@@ -63,7 +63,7 @@ def _jax_on_gpu():
 
 @pytest.mark.parametrize("np_", [1, 2])
 def test_horovod_jax_on_gpu_arrays(np_):
-    pytest.importorskip("jax", reason="JAX is not installed on this GPU machine")
+    pytest.importorskip("jax.numpy", reason="JAX is not installed on this GPU machine")
     pytest.importorskip("optax", reason="optax is not installed on this GPU machine")
     # two processes share the one GPU: no preallocation of most of its memory by each
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}

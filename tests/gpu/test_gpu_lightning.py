@@ -28,9 +28,12 @@ def _train_on_gpu(precision: str):
             torch.manual_seed(hvd.rank())  # different starts: the strategy's broadcast aligns them
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
             self.losses: list[float] = []
+            self.devices: set[str] = set()
 
         def training_step(self, batch, _):
             x, y = batch
+            # where training runs (Lightning moves the module back to the CPU in teardown after fit)
+            self.devices |= {str(p.device) for p in self.parameters()} | {str(x.device)}
             loss = torch.nn.functional.mse_loss(self.net(x), y)
             self.losses.append(float(loss.detach()))
             self.log("loss", loss, sync_dist=True)
@@ -48,8 +51,8 @@ def _train_on_gpu(precision: str):
                          max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(model, loader)
-    device = {str(p.device) for p in model.parameters()}
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    device = model.devices
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cuda()
     spread = (hvd.allreduce(flat, op=hvd.Max, name="chk.max") - hvd.allreduce(flat, op=hvd.Min, name="chk.min"))
     out = {"device": sorted(device), "first": model.losses[0], "last": model.losses[-1],
            "spread": float(spread.abs().max()), "root": str(trainer.strategy.root_device)}

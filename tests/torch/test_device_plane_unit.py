@@ -176,3 +176,23 @@ def test_streams_wait_once_per_producer_stream_and_done_event(monkeypatch: pytes
     ws[0].done = other = object()
     dp.wait_done([ws[0]], [ws[0].tensor])
     assert stream.waits == [done, other]
+
+
+def test_a_span_is_taken_only_over_views_of_one_storage() -> None:
+    # CUDA's caching allocator often places separately allocated tensors end to end; they still have
+    # storages of their own, so no single view may span them (the H100 run hit "setStorage ... out of
+    # bounds"). Here two tensors of one bytearray, each with its own storage, lie end to end.
+    from horovod.common.engine.buffers import Item
+
+    ops = dp.TorchBuffers()
+    raw = bytearray(64)
+    a = torch.frombuffer(raw, dtype=torch.float32, count=4, offset=0)
+    b = torch.frombuffer(raw, dtype=torch.float32, count=12, offset=16)
+    assert a.data_ptr() + 16 == b.data_ptr()
+    items = [Item(a, a, True, "x", 4), Item(b, b, True, "x", 12)]
+    assert ops.span(items, [(0, 0, 4, 0), (1, 0, 12, 4)], True) is None
+    # views of one flat buffer are one span
+    flat = torch.arange(16, dtype=torch.float32)
+    va, vb = flat[:4], flat[4:]
+    span = ops.span([Item(va, va, True, "x", 4), Item(vb, vb, True, "x", 12)], [(0, 0, 4, 0), (1, 0, 12, 4)], True)
+    assert span is not None and span.data_ptr() == flat.data_ptr() and torch.equal(span, flat)
