@@ -321,10 +321,13 @@ class StoreClient:
         return out
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        # shutdown() first: it wakes a call blocked in recv() on another thread (close() alone
+        # does not), which then fails with StoreError.
+        for end in (lambda: self._sock.shutdown(socket.SHUT_RDWR), self._sock.close):
+            try:
+                end()
+            except OSError:
+                pass
 
 
 # ------------------------------------------------------------------------------ torch adaptor

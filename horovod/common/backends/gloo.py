@@ -132,7 +132,8 @@ class GlooBackend:
 
     def __init__(self, config: EngineConfig, environ: Mapping[str, str],
                  round_info: elastic_worker.RoundInfo | None = None,
-                 launch: _launcher.Launch | None = None) -> None:
+                 launch: _launcher.Launch | None = None,
+                 cancel: elastic_worker.Cancel | None = None) -> None:
         try:
             import torch
             import torch.distributed as dist
@@ -178,6 +179,8 @@ class GlooBackend:
             my_addr = "127.0.0.1"
         elif self._launch.launcher == "horovod":
             self._store, my_addr = self._connect_store(environ, scope)
+            if cancel is not None:  # an abandoned elastic round: its waits on the store end now
+                cancel.on_cancel(self._store.close)
         else:
             self._store, my_addr = self._join_store(environ, self._launch)
         iface = environ.get("HOROVOD_GLOO_IFACE")
@@ -558,8 +561,10 @@ def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -
         try:
             # Waits on the round's members (store, Gloo device, process group) end within a
             # fraction of a second when the driver abandons the round (a member died or left).
-            return elastic_worker.form_round(functools.partial(GlooBackend, config, environ, info), client,
-                                             info, close=GlooBackend.close)
+            cancel = elastic_worker.Cancel()
+            return elastic_worker.form_round(
+                functools.partial(GlooBackend, config, environ, info, cancel=cancel), client, info,
+                close=GlooBackend.close, cancel=cancel)
         except HorovodInternalError as exc:
             log.warning("elastic: round %d did not form (%s); asking the driver for the next one",
                         info.round, exc)

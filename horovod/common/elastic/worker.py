@@ -19,6 +19,7 @@ background thread per worker that long-polls ``notice`` and hands notices to reg
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import os
@@ -38,7 +39,7 @@ from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
 __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedError", "is_elastic",
            "join_round", "current_round", "NotificationManager", "notification_manager",
-           "set_ready_reason", "form_round", "ABANDONED_KEY", "round_scope"]
+           "set_ready_reason", "form_round", "Cancel", "ABANDONED_KEY", "round_scope"]
 
 
 log = logging.getLogger("horovod")
@@ -85,15 +86,69 @@ def set_ready_reason(reason: str) -> None:
     _reason = reason
 
 
+class Cancel:
+    """Tells a round's build that the driver abandoned the round.
+
+    The build registers how to cut its waits short (``on_cancel``: close the store it waits on);
+    ``cancel()`` runs those hooks once, and a hook registered after that runs at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        self._run(hook)
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            self._run(hook)
+
+    @staticmethod
+    def _run(hook: Callable[[], None]) -> None:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - best effort: the build's own timeout still bounds it
+            log.debug("elastic: cancelling an abandoned round's build failed", exc_info=True)
+
+
+# Builds of abandoned rounds that may still be running: the interpreter waits for them at exit
+# (a thread still inside Gloo's C++ code when Python finalizes aborts the process, "terminate
+# called without an active exception", and would turn a finished job into a failed one).
+_orphans: list[threading.Thread] = []
+ORPHAN_EXIT_WAIT_SECONDS = 60.0
+
+
+def _join_orphans() -> None:
+    deadline = time.monotonic() + ORPHAN_EXIT_WAIT_SECONDS
+    for thread in _orphans:
+        if thread.is_alive():
+            log.info("elastic: waiting for the connection attempt of an abandoned round to end "
+                     "before exiting (%s)", thread.name)
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo,
                close: Callable[[T], None] | None = None,
-               poll: float = ABANDON_POLL_SECONDS) -> T:
+               poll: float = ABANDON_POLL_SECONDS, cancel: Cancel | None = None) -> T:
     """Run ``build()`` (connect to the round's members) unless the driver abandons the round.
 
     ``build`` runs in a helper thread; this thread checks the round's abandon key every ``poll``
-    seconds. When the driver gives the round up first, ``HorovodInternalError`` is raised at once
-    and whatever ``build`` still makes is closed (``close``) when it ends (it is left to its own
-    timeout: Gloo's waits cannot be interrupted from outside).
+    seconds. When the driver gives the round up first, ``HorovodInternalError`` is raised at once,
+    ``cancel`` (given to ``build`` by the caller) is cancelled so that the build's waits on the
+    round's store end, and whatever ``build`` still makes is closed (``close``) when it ends.
+    Waits ``cancel`` cannot reach (Gloo connecting to a dead peer) end at their own timeout, and
+    the interpreter waits for them at exit.
 
     Raises:
         HorovodInternalError: the round was abandoned, or ``build`` raised it.
@@ -119,7 +174,8 @@ def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo
         finally:
             done.set()
 
-    threading.Thread(target=runner, name=f"horovod-elastic-round-{info.round}", daemon=True).start()
+    thread = threading.Thread(target=runner, name=f"horovod-elastic-round-{info.round}", daemon=True)
+    thread.start()
     scope = round_scope(info.round)
     while not done.wait(poll):
         try:
@@ -131,6 +187,11 @@ def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo
         with lock:
             if "result" not in box and "error" not in box:
                 box["abandoned"] = True
+                if not _orphans:
+                    atexit.register(_join_orphans)
+                _orphans[:] = [t for t in _orphans if t.is_alive()] + [thread]
+                if cancel is not None:
+                    cancel.cancel()
                 raise HorovodInternalError(
                     f"elastic: round {info.round} was abandoned by the driver while rank "
                     f"{info.rank} was joining it ({why.decode(errors='replace')})", rank=info.rank)
