@@ -7,14 +7,13 @@ a dict ``{column name: tensor}`` (floating columns as float32), as upstream's. I
 
 from __future__ import annotations
 
-import copy
-import io
 from collections.abc import Callable
 from typing import Any
 
 from horovod.spark.common.estimator import HorovodEstimator, TrainingSpec
 from horovod.spark.common.params import declare_params
 from horovod.spark.torch.estimator import TorchModel as _TorchModel
+from horovod.spark.torch.estimator import trained_model
 from horovod.spark.torch.util import _module_bytes, _module_from_bytes, check_input_shapes
 
 __all__ = ["TorchEstimator", "TorchModel", "lightning_package"]
@@ -57,15 +56,7 @@ class TorchEstimator(HorovodEstimator):
         return make_train_fn(spec)
 
     def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> TorchModel:
-        import torch
-
-        model = copy.deepcopy(self.getModel())
-        model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
-        model.eval()
-        return TorchModel(history=result["history"], model=model,
-                          feature_columns=spec["feature_cols"], label_columns=spec["label_cols"],
-                          input_shapes=self.getInputShapes(), run_id=spec["run_id"],
-                          _metadata=spec["metadata"])
+        return trained_model(TorchModel, self, result, spec)
 
     @classmethod
     def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:

@@ -53,15 +53,7 @@ class TorchEstimator(HorovodEstimator):
         return make_train_fn(spec)
 
     def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> TorchModel:
-        import torch
-
-        model = copy.deepcopy(self.getModel())
-        model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
-        model.eval()
-        return TorchModel(history=result["history"], model=model,
-                          feature_columns=spec["feature_cols"], label_columns=spec["label_cols"],
-                          input_shapes=self.getInputShapes(), run_id=spec["run_id"],
-                          _metadata=spec["metadata"])
+        return trained_model(TorchModel, self, result, spec)
 
     @classmethod
     def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -134,3 +126,17 @@ class TorchModel(HorovodModel):
 
 
 declare_params(TorchModel, [("input_shapes", None, "shape of each feature column's tensor")])
+
+
+def trained_model(model_cls: type[TorchModel], estimator: Any, result: dict[str, Any],
+                  spec: TrainingSpec) -> Any:
+    """``model_cls`` around a copy of the estimator's module with the trained weights of ``result``
+    (the torch and the Lightning estimators)."""
+    import torch
+
+    model = copy.deepcopy(estimator.getModel())
+    model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
+    model.eval()
+    return model_cls(history=result["history"], model=model, feature_columns=spec["feature_cols"],
+                     label_columns=spec["label_cols"], input_shapes=estimator.getInputShapes(),
+                     run_id=spec["run_id"], _metadata=spec["metadata"])
