@@ -7,6 +7,9 @@
 Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as JSON):
   async_sync   ``hvd.allreduce_async_`` per tensor, then ``hvd.synchronize`` per handle (what
                ``DistributedOptimizer`` does in its hooks and ``step()``)
+  hooks        exactly ``DistributedOptimizer``'s per-gradient path after its first step: a hook
+               resubmits each gradient's checked request with ``defer=True`` (``_resubmit``),
+               ``step()`` synchronizes each handle (the engine sees the whole burst at once)
   grouped      one ``hvd.grouped_allreduce_`` of the 161 tensors
   raw          ``torch.distributed``-free floor: one mpi4py ``Allreduce`` per tensor (the transport)
 """
@@ -32,6 +35,10 @@ parser.add_argument("--elements", type=int, default=4)
 parser.add_argument("--reps", type=int, default=300)
 parser.add_argument("--profile", default="", help="write a cProfile of --profile-mode on rank 0")
 parser.add_argument("--profile-mode", default="async_sync")
+parser.add_argument("--ab", action="store_true",
+                    help="also run each mode with this change's step-cost fixes switched off in the same "
+                         "processes (modes *_unopt, interleaved): fusion-plan memo, plan_reduction memo, "
+                         "one-call pack/unpack, inlined resubmission")
 parser.add_argument("--phases", action="store_true",
                     help="also time each phase of a step (submission, AND, fusion plan, execution, "
                          "completion) for async_sync and grouped, with timers around engine methods")
@@ -50,20 +57,80 @@ def _wrap(obj: Any, attr: str, label: str, acc: dict[str, float]) -> None:
     setattr(obj, attr, timed)
 
 
-def phases(modes: dict[str, Callable[[], None]], tensors: list[Any], names: list[str], reps: int,
+def _unopt_switch() -> Callable[[bool], None]:
+    """A switch between this change's step-cost fixes and the code they replaced (for --ab)."""
+    from horovod.common import collectives as C
+    from horovod.common.context import get_context
+    from horovod.common.engine import fusion, plan
+    from horovod.common.engine.buffers import scale_array
+    from horovod.torch import mpi_ops
+
+    eng = get_context().engine
+    assert eng is not None
+    ex, ops = eng._executor, eng._executor._ops
+    fast: dict[str, Any] = {"plan": eng._plan, "calls": ex._plan_reduction, "resubmit": mpi_ops._resubmit}
+
+    def plan_unmemoized(responses: Any, _slots: Any, _joined: Any) -> Any:
+        tun = eng.tunables
+        return fusion.plan_batches(responses, tun.fusion_threshold, tun.max_tensor_bytes,
+                                   not eng.config.disable_group_fusion)
+
+    def pack(buf: Any, items: Any, segs: Any, pre: float, widen: bool) -> None:
+        for i, s, e, b in segs:
+            dst, src = buf[b:b + e - s], items[i].x[s:e]
+            if widen:
+                import numpy as np
+
+                np.copyto(dst, src, casting="unsafe")
+                if pre != 1.0:
+                    np.multiply(dst, pre, out=dst)
+            else:
+                scale_array(dst, src, pre)
+
+    def unpack(buf: Any, items: Any, segs: Any, post: float, div: int) -> None:
+        for i, s, e, b in segs:
+            scale_array(items[i].o[s:e], buf[b:b + e - s], post, div)
+
+    def resubmit(tensor: Any, signature: Any, wake: bool = True, defer: bool = False) -> Any:
+        if mpi_ops._matches(tensor, signature):
+            return mpi_ops._register(C.submit_again(signature[1], [tensor.numpy()], defer=defer, wake=wake),
+                                     mpi_ops._Same(tensor))
+        return None
+
+    slow: dict[str, Any] = {"plan": plan_unmemoized, "calls": plan.plan_reduction, "resubmit": resubmit}
+    where = {"plan": (eng, "_plan"), "calls": (ex, "_plan_reduction"), "resubmit": (mpi_ops, "_resubmit")}
+
+    def switch(optimized: bool) -> None:
+        for key, (obj, attr) in where.items():
+            setattr(obj, attr, (fast if optimized else slow)[key])
+        if optimized:
+            ops.__dict__.pop("pack", None)
+            ops.__dict__.pop("unpack", None)
+        else:
+            ops.__dict__.update(pack=pack, unpack=unpack)
+
+    return switch
+
+
+def phases(modes: dict[str, Callable[[], Any]], tensors: list[Any], names: list[str], reps: int,
            barrier: Callable[[], None]) -> dict[str, dict[str, float]]:
-    """Per-step milliseconds of each phase (this rank), for the async_sync and grouped modes."""
+    """Per-step milliseconds of each phase (this rank), for the async_sync, hooks and grouped modes."""
     from horovod.common.context import get_context
     from horovod.common.engine import loop
 
     eng = get_context().engine
+    assert eng is not None
     acc: dict[str, float] = collections.defaultdict(float)
     _wrap(eng.backend, "and_bits", "negotiation AND (incl. waiting for peers)", acc)
     _wrap(eng._executor, "run", "execution (pack, reduce, unpack)", acc)
     _wrap(eng, "_complete", "completion (results, wake waiters)", acc)
-    _wrap(loop, "plan_batches", "fusion plan", acc)
+    # The fusion plan (with its memo, where the engine has one: then a hit costs the lookup).
+    if hasattr(eng, "_plan"):
+        _wrap(eng, "_plan", "fusion plan", acc)
+    else:
+        _wrap(loop, "plan_batches", "fusion plan", acc)
     out = {}
-    for label in ("async_sync", "grouped"):
+    for label in ("async_sync", "hooks", "grouped"):
         per_rep: dict[str, list[float]] = collections.defaultdict(list)
         for _ in range(reps):
             acc.clear()
@@ -71,6 +138,8 @@ def phases(modes: dict[str, Callable[[], None]], tensors: list[Any], names: list
             t0 = time.perf_counter()
             if label == "async_sync":
                 handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average) for t, n in zip(tensors, names)]
+            elif label == "hooks":
+                handles = modes["hooks_submit"]()
             else:
                 handles = [hvd.grouped_allreduce_async_(tensors, name="grouped.grads", op=hvd.Average)]
             acc["submission"] += time.perf_counter() - t0
@@ -103,13 +172,50 @@ def main() -> None:
     def grouped() -> None:
         hvd.grouped_allreduce_(tensors, name="grouped.grads", op=hvd.Average)
 
+    # The optimizer's hooks: the first step checks and submits, later ones resubmit deferred.
+    from horovod.torch.mpi_ops import _repeat_signature
+
+    first = [hvd.allreduce_async_(t, name=f"hook.{i}", op=hvd.Average) for i, t in enumerate(tensors)]
+    from horovod.common.context import get_context
+
+    sigs = [_repeat_signature(t, get_context().handles[h][0].request) for t, h in zip(tensors, first)]
+    assert all(s is not None for s in sigs)
+    for h in first:
+        hvd.synchronize(h)
+
+    from horovod.torch import mpi_ops
+
+    def hooks_submit() -> list[Any]:
+        resubmit = mpi_ops._resubmit  # looked up per step: --ab swaps it
+        return [resubmit(t, s, defer=True) for t, s in zip(tensors, sigs)]  # type: ignore[arg-type]
+
+    def hooks() -> None:
+        for h in hooks_submit():
+            hvd.synchronize(h)
+
     arrays = [t.numpy() for t in tensors]
 
     def raw() -> None:
         for a in arrays:
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
 
-    modes = {"async_sync": async_sync, "grouped": grouped, "raw": raw}
+    modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "grouped": grouped,
+                                            "raw": raw}
+    if args.ab:
+        switch = _unopt_switch()
+
+        def switched(fn: Callable[[], None], optimized: bool) -> Callable[[], None]:
+            def run() -> None:
+                switch(optimized)
+                try:
+                    fn()
+                finally:
+                    switch(True)
+            return run
+
+        modes = {**{k: switched(f, True) for k, f in modes.items() if k != "raw"},
+                 **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k != "raw"},
+                 "raw": raw}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(args.reps + 20):
         for label, fn in modes.items():
@@ -135,7 +241,7 @@ def main() -> None:
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           **{f"{k}_ms": round(v, 3) for k, v in med.items()}}), flush=True)
     if args.phases:
-        split = phases(modes, tensors, names, args.reps, comm.Barrier)
+        split = phases({**modes, "hooks_submit": hooks_submit}, tensors, names, args.reps, comm.Barrier)
         if hvd.rank() == 0:
             print(json.dumps({"phases_ms_per_step": split}), flush=True)
     hvd.shutdown()

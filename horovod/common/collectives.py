@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from horovod.common.context import get_context
-from horovod.common.engine.executor import end_to_end
+from horovod.common.engine.executor import Entry, end_to_end
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.negotiation import ArgumentError
 from horovod.common.exceptions import HorovodError
@@ -29,7 +29,7 @@ __all__ = [
     "fail_everywhere",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
-    "register_handle", "poll", "synchronize", "submit_again",
+    "register_handle", "poll", "synchronize", "submit_again", "resubmit_registered",
 ]
 
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
@@ -225,6 +225,20 @@ def submit_again(request: Request, arrays: list[np.ndarray], defer: bool = False
     ctx = get_context()
     hid = ctx.counter.next()
     return ctx.submit(request, arrays, arrays, handle_id=hid, wake=wake, defer=defer)
+
+
+def resubmit_registered(ctx: Any, request: Request, arrays: list[np.ndarray], post: Callable[[Any], Any],
+                        defer: bool = False, wake: bool = True) -> int:
+    """``register_handle(submit_again(request, arrays, defer, wake), post)`` in one call, for a
+    binding's per-tensor fast path (a gradient hook) that has already checked that ``ctx`` is the
+    live context: the same handle, entry and engine submission without the intermediate calls.
+    """
+    hid = ctx.counter.next()
+    handle = Handle(hid, request.name)
+    handle.request = request
+    ctx._engine().submit(Entry(request, arrays, arrays, handle), wake, defer)
+    ctx.handles[hid] = (handle, post)
+    return int(hid)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

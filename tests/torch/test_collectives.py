@@ -387,13 +387,17 @@ def _repeat_cases():
     r, n = hvd.rank(), hvd.size()
     fails = []
     fast = []
-    real = C.submit_again
+    real, real_registered = C.submit_again, C.resubmit_registered
 
     def spy(*args, **kwargs):
         fast.append(args[0].name)
         return real(*args, **kwargs)
 
-    C.submit_again = spy
+    def spy_registered(ctx, request, *args, **kwargs):  # the per-tensor fast path (hooks, allreduce_)
+        fast.append(request.name)
+        return real_registered(ctx, request, *args, **kwargs)
+
+    C.submit_again, C.resubmit_registered = spy, spy_registered
     total = sum(range(n))
 
     def check(what, got, want):
@@ -456,7 +460,7 @@ def _repeat_cases():
     except Exception as exc:  # noqa: BLE001 - any Horovod error naming the mismatch
         if "shape" not in str(exc).lower():
             fails.append(f"rank {r}: grouped mismatch error does not name the shapes: {exc}")
-    C.submit_again = real
+    C.submit_again, C.resubmit_registered = real, real_registered
     return fails
 
 

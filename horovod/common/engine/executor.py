@@ -158,6 +158,23 @@ class Executor:
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes)
+        # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
+        # sizes with the same tunables every step). Bounded; the key holds every argument.
+        self._calls: dict[tuple[Any, ...], list[Any]] = {}
+
+    CALLS_MEMO_SIZE = 256
+
+    def _plan_reduction(self, sizes: Sequence[int], itemsize: int, chunk: int, cut: int, fuse: bool,
+                        widen: bool = False) -> list[Any]:
+        """``plan.plan_reduction``, memoized on all of its arguments (the result is never mutated)."""
+        key = (tuple(sizes), itemsize, chunk, cut, fuse, widen)
+        calls = self._calls.get(key)
+        if calls is None:
+            calls = plan_reduction(sizes, itemsize, chunk, cut, fuse, widen)
+            if len(self._calls) >= self.CALLS_MEMO_SIZE:
+                self._calls.clear()
+            self._calls[key] = calls
+        return calls
 
     # ------------------------------------------------------------------ tunables (read every batch)
     @property
@@ -318,8 +335,8 @@ class Executor:
                     sizes.append(it.n)
                     spans.append(it)
             items = spans
-        calls = plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes, self.fusion_enabled,
-                               red.widen)
+        calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
+                                     self.fusion_enabled, red.widen)
         activity = None
         if tl is not None:
             def activity(names: Sequence[str], name: str, begin: bool) -> None:
@@ -366,7 +383,8 @@ class Executor:
         names = [r.name for r in batch] if tl is not None else []
         # The same plan as a reduction's, unchunked, in bytes: tensors above max_tensor_bytes alone,
         # the others fused into one call.
-        calls = plan_reduction([x.nbytes for x, _ in pairs], 1, 0, self.max_tensor_bytes, self.fusion_enabled)
+        calls = self._plan_reduction([x.nbytes for x, _ in pairs], 1, 0, self.max_tensor_bytes,
+                                     self.fusion_enabled)
         for call in calls:
             segs = call.segments
             if call.kind == PACKED and len(segs) > 1:

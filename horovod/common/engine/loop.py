@@ -99,7 +99,10 @@ class Engine:
         self._clock = clock
         self._on_ps_added = on_process_set_added
         self._on_ps_removed = on_process_set_removed
-        self._cv = threading.Condition(threading.Lock())
+        # The condition's lock, taken directly on the hot submission path (``with self._cv`` goes
+        # through Condition.__enter__, a Python-level call per submitted tensor).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         # Whoever holds the driver lock runs negotiation rounds: the engine thread, or a caller
         # waiting on a handle while the engine thread is idle (saves two thread hand-offs per
         # blocking operation). Rounds are serialized, so MPI sees one caller at a time.
@@ -132,6 +135,11 @@ class Engine:
         # its empty rounds interrupt the busy ranks. Other process sets need it every cycle.
         self._idle_tick_floor = 0.05
         self.cache = ResponseCache(config.cache_capacity, on_evict=self._forget_slot)
+        # Fusion plans of all-cached rounds, by (ready slots, planning settings): a cached step
+        # plans the same batches every step. Cleared whenever a cache slot is filled or emptied
+        # (``_forget_slot`` sees every eviction, whatever its cause), so a slot in a key always
+        # holds the response it was planned with. See ``_plan``.
+        self._plans: dict[tuple[Any, ...], list[list[Response]]] = {}
         # Bit masks over cache slots, as Python ints (bit i = slot i).
         self._ready_mask = 0
         self._excluded_mask = 0  # slots of process sets without this rank
@@ -179,7 +187,7 @@ class Engine:
             HorovodShutdownError: the engine has shut down.
         """
         name = entry.request.name
-        with self._cv:
+        with self._lock:
             if self._stopped:
                 raise HorovodShutdownError(self._stop_reason)
             if name in self._in_flight:
@@ -194,6 +202,9 @@ class Engine:
                 return
             self._queue.append(entry)
             if wake and self._idle:
+                # One wake-up per idle period: the engine thread is on its way (it clears _idle
+                # itself too); notifying again for each tensor of a burst would only cost time.
+                self._idle = False
                 self._cv.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -422,6 +433,7 @@ class Engine:
     def _forget_slot(self, slot: int, name: str) -> None:
         """A cache slot was emptied (on every rank alike): clear its bits, and send a request that
         was waiting on it through the coordinator instead."""
+        self._plans.clear()
         keep = ~(1 << slot)
         self._ready_mask &= keep
         self._excluded_mask &= keep
@@ -482,19 +494,41 @@ class Engine:
                 cache.put(resp)
                 slot = cache.lookup(resp.request)[0]
                 if slot >= 0 and slot != before:
+                    self._plans.clear()
                     self._occupied_mask |= 1 << slot
                     if self.rank not in self.groups[resp.request.process_set_id].ranks:
                         self._excluded_mask |= 1 << slot
         if joined_any:
             responses = [Response(r.request, error=_JOIN_UNSUPPORTED[r.kind])
                          if r.kind in _JOIN_UNSUPPORTED and r.error is None else r for r in responses]
-        batches = plan_batches(responses, self.tunables.fusion_threshold,
-                               self.tunables.max_tensor_bytes,
-                               not self.config.disable_group_fusion)
+        batches = self._plan(responses, cached_slots, joined_any)
         for batch in batches:
             self._run_batch(batch)
         if self._autotune is not None:
             self._autotune.observe(responses)
+
+    # Bound on memoized plans: a workload whose rounds see many different sets of ready slots
+    # (gradients straggling into rounds at random) only plans afresh once the memo is full.
+    PLAN_MEMO_SIZE = 64
+
+    def _plan(self, responses: list[Response], cached_slots: list[int], joined_any: bool) -> list[list[Response]]:
+        """This round's batches (``fusion.plan_batches``), memoized for rounds of cached responses
+        only: the key is the ready slots (the responses are ``cache.response(slot)``, unchanged
+        while the memo lives) and every setting ``plan_batches`` reads. A round with new
+        responses or a joined rank (whose responses are rewritten) is planned afresh."""
+        tun = self.tunables
+        group_fusion = not self.config.disable_group_fusion
+        if joined_any or len(cached_slots) != len(responses):
+            return plan_batches(responses, tun.fusion_threshold, tun.max_tensor_bytes, group_fusion)
+        key = (tuple(cached_slots), tun.fusion_threshold, tun.max_tensor_bytes, group_fusion)
+        plans = self._plans
+        batches = plans.get(key)
+        if batches is None:
+            batches = plan_batches(responses, tun.fusion_threshold, tun.max_tensor_bytes, group_fusion)
+            if len(plans) >= self.PLAN_MEMO_SIZE:
+                plans.clear()
+            plans[key] = batches
+        return batches
 
     def _autotuned(self, old: dict[str, Any], new: dict[str, Any]) -> None:
         """The autotuner changed the knobs (on every rank at this same point)."""

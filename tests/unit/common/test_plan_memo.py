@@ -1,0 +1,220 @@
+"""The memos of a cached step's plans, and the packing of many small tensors (issue 25).
+
+* ``Engine._plan`` memoizes ``fusion.plan_batches`` for rounds of cached responses, by ready
+  slots and planning settings: it must return what a fresh plan would, also after a tunable
+  changes, the cache is reset or a name is renegotiated with another shape;
+* ``Executor._plan_reduction`` memoizes ``plan.plan_reduction`` on all of its arguments;
+* ``NumpyBuffers.pack``/``unpack`` move many small segments with one concatenation / one scaling
+  of the buffer: bit-identical to the per-segment copies.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from horovod.common.backends.base import Group
+from horovod.common.engine.buffers import Item, NumpyBuffers, scale_array
+from horovod.common.engine.executor import Executor
+from horovod.common.engine.plan import PACKED, plan_reduction
+from horovod.common.engine.tunables import Tunables
+from horovod.common.types import ReduceOp
+
+_CODE = r"""
+import numpy as np
+from horovod.common import collectives as C
+from horovod.common.context import get_context
+from horovod.common.engine import loop
+import horovod.numpy as hvd
+hvd.init()
+eng = get_context().engine
+fresh_calls = []
+real_plan_batches = loop.plan_batches
+def counted(*a, **k):
+    fresh_calls.append(1)
+    return real_plan_batches(*a, **k)
+loop.plan_batches = counted
+checked = []
+real_plan = eng._plan
+def checked_plan(responses, slots, joined):
+    got = real_plan(responses, slots, joined)
+    tun = eng.tunables
+    want = real_plan_batches(responses, tun.fusion_threshold, tun.max_tensor_bytes,
+                             not eng.config.disable_group_fusion)
+    names = lambda bs: [[r.name for r in b] for b in bs]
+    assert names(got) == names(want), (names(got), names(want))
+    # the very response objects of this round (a stale memo would hold replaced ones)
+    assert [r for b in got for r in b] == [r for b in want for r in b] or len(got) != len(want)
+    for b, w in zip(got, want):
+        assert all(x is y for x, y in zip(b, w)), "stale response objects in a memoized plan"
+    checked.append(len(got))
+    return got
+eng._plan = checked_plan
+
+def step(shape=(4,), n=6):
+    arrays = [np.ones(shape, np.float32) * (i + 1) for i in range(n)]
+    hs = [C.allreduce_async([a], name=f"g{i}", inplace=True, wake=False) for i, a in enumerate(arrays)]
+    for h in hs:
+        h.wait()
+    for i, a in enumerate(arrays):
+        assert np.array_equal(a, np.ones(shape, np.float32) * (i + 1)), a
+
+for _ in range(4):
+    step()
+before = len(fresh_calls)
+for _ in range(4):
+    step()
+hits = 4 - (len(fresh_calls) - before)
+print("hits", hits)
+eng.tunables.fusion_threshold = 8          # a tunable that changes the plan: one batch per tensor
+step(); step()
+print("batches_after_threshold", checked[-1])
+eng.tunables.fusion_threshold = 1 << 20
+step()
+print("batches_restored", checked[-1])
+for slot in list(eng.cache.occupied()):    # the cache reset (autotune's cache toggle, elastic)
+    eng._evict(slot)
+print("memo_after_reset", len(eng._plans))
+step(); step()
+step(shape=(3, 2)); step(shape=(3, 2))     # renegotiated with new shapes: new responses
+print("ok", len(checked))
+hvd.shutdown()
+"""
+
+
+def test_engine_plan_memo_hits_and_never_returns_a_stale_plan():
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "HOROVOD_CYCLE_TIME": "1000"}
+    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines() if " " in line)
+    assert int(lines["hits"]) >= 1, out.stdout  # a repeated cached step plans from the memo
+    assert lines["batches_after_threshold"] == "6", out.stdout
+    assert lines["batches_restored"] == "1", out.stdout
+    assert lines["memo_after_reset"] == "0", out.stdout
+    assert "ok" in lines, out.stdout
+
+
+@pytest.mark.parametrize("sizes,chunk,cut,fuse,widen", [
+    ([4] * 161, 1 << 20, 1 << 20, True, False),
+    ([3, 700, 35, 1, 2000, 64, 1000], 1024, 256, True, False),
+    ([3, 700, 35, 1, 2000], 0, 256, True, True),
+    ([5, 5, 5], 64, 256, False, False),
+])
+def test_plan_reduction_memo_is_the_plan_and_keyed_by_every_argument(sizes, chunk, cut, fuse, widen):
+    ex = _executor()
+    got = ex._plan_reduction(sizes, 4, chunk, cut, fuse, widen)
+    assert got == plan_reduction(sizes, 4, chunk, cut, fuse, widen)
+    assert ex._plan_reduction(list(sizes), 4, chunk, cut, fuse, widen) is got  # a hit
+    # any other argument: another entry, equal to the fresh plan
+    for args in [(sizes, 2, chunk, cut, fuse, widen), (sizes, 4, chunk // 2, cut, fuse, widen),
+                 (sizes, 4, chunk, cut * 2, fuse, widen), (sizes, 4, chunk, cut, not fuse, widen),
+                 (sizes, 4, chunk, cut, fuse, not widen), (sizes[:-1], 4, chunk, cut, fuse, widen)]:
+        assert ex._plan_reduction(*args) == plan_reduction(*args)
+
+
+class _Backend:
+    name = "mpi"
+
+    def reduce_dtypes(self) -> frozenset[str]:
+        return frozenset({"int32", "float32", "float64"})
+
+
+def _executor() -> Executor:
+    return Executor(_Backend(), {0: Group([0, 1], 0, None)}, 0, Tunables(), lambda: None)
+
+
+def _slow_pack(buf, items, segs, pre, widen):
+    for i, s, e, b in segs:
+        dst, src = buf[b:b + e - s], items[i].x[s:e]
+        if widen:
+            np.copyto(dst, src, casting="unsafe")
+            if pre != 1.0:
+                np.multiply(dst, pre, out=dst)
+        else:
+            scale_array(dst, src, pre)
+
+
+def _slow_unpack(buf, items, segs, post, div):
+    for i, s, e, b in segs:
+        scale_array(items[i].o[s:e], buf[b:b + e - s], post, div)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32"])
+@pytest.mark.parametrize("pre,post,div", [(1.0, 1.0, 1), (1.0, 1.0, 3), (0.3, 1.7, 1), (2.0, 0.5, 7)])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_fast_pack_and_unpack_are_bit_identical_to_per_segment_copies(dtype, pre, post, div, inplace):
+    rng = np.random.default_rng(0)
+    shapes = [4] * 20 + [1, 300] + [4] * 5 + [7]
+    work = np.dtype(dtype)
+    # Segments as plan_reduction makes them: many small whole items and a tail of a large one.
+    calls = [c for c in plan_reduction(shapes, work.itemsize, 256 * work.itemsize, 1 << 20, True)
+             if c.kind == PACKED and len(c.segments) > 2]
+    assert calls and any(s > 0 for c in calls for _i, s, _e, _b in c.segments)  # a partial segment
+    base = [(rng.standard_normal(n) * 100).astype(dtype) for n in shapes]
+    results = []
+    for fast in (True, False):
+        xs = [x.copy() for x in base]
+        items = [Item(x, x if inplace else np.zeros_like(x), inplace, f"t{k}", x.size) for k, x in enumerate(xs)]
+        ops = NumpyBuffers(lambda nbytes: np.empty(nbytes, np.uint8))
+        outs = []
+        for call in calls:
+            buf = ops.buffer(work, call.size)
+            if fast:
+                ops.pack(buf, items, call.segments, pre, False)
+            else:
+                _slow_pack(buf, items, call.segments, pre, False)
+            packed = buf.copy()
+            buf *= 2 if work.kind != "f" else work.type(2)  # the "reduction"
+            if fast:
+                ops.unpack(buf, items, call.segments, post, div)
+            else:
+                _slow_unpack(buf, items, call.segments, post, div)
+            outs.append(packed)
+        outs.extend(it.o.copy() for it in items)
+        results.append(outs)
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_widened_unpack_keeps_the_per_segment_path():
+    # float16 reduced in float32: the buffer's dtype differs from the outputs' (no in-place scaling)
+    xs = [np.full(4, 0.1 * (k + 1), np.float16) for k in range(8)]
+    items = [Item(x, x, True, f"t{k}", 4) for k, x in enumerate(xs)]
+    segs = tuple((k, 0, 4, 4 * k) for k in range(8))
+    buf = np.arange(32, dtype=np.float32) / 3
+    want = [np.empty(4, np.float16) for _ in xs]
+    for k, w in enumerate(want):
+        scale_array(w, buf[4 * k:4 * k + 4], 1.0, 3)
+    NumpyBuffers(lambda n: np.empty(n, np.uint8)).unpack(buf.copy(), items, segs, 1.0, 3)
+    for x, w in zip(xs, want):
+        np.testing.assert_array_equal(x, w)
+
+
+def test_reduction_values_with_many_small_tensors_and_scale_factors():
+    from horovod.common.engine.executor import Entry
+    from horovod.common.types import Request, RequestType, Response
+
+    class Twice(_Backend):
+        def allreduce(self, buf, op, group, src=None):
+            buf *= 2
+
+    ex = Executor(Twice(), {0: Group([0, 1], 0, None)}, 0, Tunables(), lambda: None)
+    batch, entries, xs = [], [], []
+    for i in range(30):
+        req = Request(f"t{i}", RequestType.ALLREDUCE, "float32", ((2, 2),), ReduceOp.AVERAGE, 0.5, 3.0)
+        x = np.full((2, 2), i + 1, np.float32)
+        xs.append(x.copy())
+        batch.append(Response(req))
+        entries.append(Entry(req, [x], [x], None))
+    for _ in range(2):  # the second run plans from the memo
+        ex.run(batch, entries, False)
+        for e, x in zip(entries, xs):
+            want = (x * np.float32(0.5) * 2) * np.float32(3.0 / 2)
+            np.testing.assert_array_equal(e.outputs[0], want)
+            x[...] = want
+            e.outputs = [e.inputs[0]]
