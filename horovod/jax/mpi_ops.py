@@ -28,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import horovod.numpy as _np_ops
+from horovod.common import collectives as _C
 from horovod.common.basics import rank as _rank
 from horovod.common.collectives import resolve_op
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp
+from horovod.jax import _ffi
 from horovod.jax._callback import host_call
 from horovod.jax.compression import Compression
 
@@ -70,12 +72,44 @@ def _host(fn: Callable[[list[np.ndarray]], list[np.ndarray]]) -> Callable[..., l
 
 
 def _run(fn: Callable[[list[np.ndarray]], list[np.ndarray]], arrays: Sequence[Any],
-         specs: Callable[[], list[jax.ShapeDtypeStruct]]) -> list[Any]:
+         specs: Callable[[], list[jax.ShapeDtypeStruct]],
+         into: Callable[[list[np.ndarray], list[np.ndarray]], None] | None = None) -> list[Any]:
     """Run ``fn`` (NumPy arrays in, NumPy arrays out) on JAX arrays: at once, or as an ordered
-    host callback of the program being traced. ``specs()`` gives the outputs' static shapes."""
+    host callback of the program being traced. ``specs()`` gives the outputs' static shapes.
+
+    Traced on the CPU, the callback is ``_ffi.host_call_into``: the host function gets XLA's
+    operand buffers as NumPy views and fills XLA's result buffers, with ``into(inputs, outputs)``
+    when given (e.g. the engine reducing straight into them), else by copying ``fn``'s results in.
+    Elsewhere (another JAX, a GPU) it is ``_callback.host_call`` (JAX copies operands and results).
+    """
     if is_traced(*arrays):
+        if _ffi.available():
+            return _ffi.host_call_into(_host_into(fn, into), specs(), arrays)
         return host_call(_host(fn), specs(), arrays)
     return [jnp.asarray(r) for r in _host(fn)(*arrays)]
+
+
+def _host_into(fn: Callable[[list[np.ndarray]], list[np.ndarray]],
+               into: Callable[[list[np.ndarray], list[np.ndarray]], None] | None
+               ) -> Callable[[list[np.ndarray], list[np.ndarray]], None]:
+    def call(ins: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        try:
+            if into is not None:
+                into(ins, outs)
+                return
+            results = [np.asarray(r) for r in fn(ins)]
+            if len(results) != len(outs):
+                raise RuntimeError(f"host function returned {len(results)} arrays, expected {len(outs)}")
+            for i, (o, r) in enumerate(zip(outs, results)):
+                if r.shape != o.shape or r.dtype != o.dtype:
+                    raise RuntimeError(f"host function result #{i} is {r.dtype}{list(r.shape)}, "
+                                       f"expected {o.dtype}{list(o.shape)}")
+                np.copyto(o, r)
+        except BaseException as exc:
+            _LAST_ERROR[0] = exc
+            raise
+
+    return call
 
 
 def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -94,9 +128,14 @@ def _allreduce_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: floa
             return _np_ops.grouped_allreduce(xs, None, name, op, pre, post, ps)
         return [_np_ops.allreduce(xs[0], None, name, op, pre, post, ps)]
 
+    def into(xs: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        # straight from XLA's operands into XLA's results: no copy on either side
+        _C.allreduce_async(xs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                           process_set=ps, grouped=grouped, wake=False, out=outs).wait()
+
     @jax.custom_vjp
     def f(xs: list[Any]) -> list[Any]:
-        return _run(host, xs, _same(xs))
+        return _run(host, xs, _same(xs), into)
 
     def fwd(xs: list[Any]) -> tuple[list[Any], None]:
         return f(xs), None
