@@ -188,6 +188,10 @@ def _setup() -> bool:
 
     def lower(ctx: Any, *args: Any, key: int, result_avals: tuple[Any, ...]) -> Any:
         token = ctx.tokens_in.get(effect)
+        # Listed as the module's host callback (never called through it): JAX then keeps the
+        # executable out of the persistent compilation cache, whose entry would name this
+        # process's key, and the function lives as long as the executable.
+        ctx.module_context.add_host_callback(_CALLS[key][0])
         ctx2 = dataclasses.replace(ctx, avals_in=[_core.abstract_token, *ctx.avals_in],
                                    avals_out=[_core.abstract_token, *ctx.avals_out])
         op = jffi.build_ffi_lowering_function(_TARGET, has_side_effect=True)(
