@@ -115,22 +115,42 @@ _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
 
 
-def _views(items: Any, n: int, specs: Sequence[tuple[tuple[int, ...], np.dtype]], writeable: bool) -> list[np.ndarray]:
+class _Memory:
+    """The owner of a NumPy view of one XLA buffer (``numpy.asarray`` reads its array interface)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, readonly: bool) -> None:
+        self.__array_interface__ = {"data": (ptr, readonly), "shape": shape, "typestr": typestr,
+                                    "version": 3}
+
+
+_PTRS = ctypes.POINTER(ctypes.c_void_p)
+_DATA_AT = _Buffer.data.offset
+_DTYPE_AT = _Buffer.dtype.offset
+
+
+def _views(lst: Any, specs: Sequence[tuple[tuple[int, ...], np.dtype]], readonly: bool) -> list[np.ndarray]:
+    """NumPy views of the call's buffers (tokens skipped), shaped and typed as ``specs``."""
+    n = lst.size
+    addrs = ctypes.cast(lst.items, _PTRS)[:n] if n else []
     out: list[np.ndarray] = []
-    it = iter(specs)
-    for i in range(n):
-        buf = items[i].contents
-        if buf.dtype == _TOKEN:
+    k = 0
+    for addr in addrs:
+        if ctypes.c_int.from_address(addr + _DTYPE_AT).value == _TOKEN:
             continue
-        shape, dtype = next(it)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes == 0 or not buf.data:
-            arr = np.zeros(shape, dtype)
-        else:
-            arr = np.frombuffer((ctypes.c_char * nbytes).from_address(buf.data), dtype).reshape(shape)
-        if not writeable:
-            arr.flags.writeable = False
+        shape, dtype = specs[k]
+        k += 1
+        ptr = ctypes.c_void_p.from_address(addr + _DATA_AT).value
+        if not ptr or 0 in shape:
+            out.append(np.zeros(shape, dtype))
+            continue
+        arr = np.asarray(_Memory(ptr, shape, dtype.str, readonly))
+        if arr.dtype != dtype:  # typestr loses extension types (bfloat16): same bytes, their dtype
+            arr = arr.view(dtype)
         out.append(arr)
+    if k != len(specs):
+        raise RuntimeError(f"XLA passed {k} buffers, expected {len(specs)}")
     return out
 
 
@@ -156,8 +176,7 @@ def _handle(frame_p: Any) -> int:
             if ctypes.string_at(name.ptr, name.len) == b"key":
                 key = int(attrs.attrs[i].contents.value[0])
         fn, ins, outs = _CALLS[key]  # type: ignore[index]
-        fn(_views(frame.args.items, frame.args.size, ins, False),
-           _views(frame.rets.items, frame.rets.size, outs, True))
+        fn(_views(frame.args, ins, True), _views(frame.rets, outs, False))
         return 0
     except BaseException as exc:  # noqa: BLE001 - reported to XLA, which raises JaxRuntimeError
         try:
