@@ -143,7 +143,9 @@ def _views(lst: Any, specs: Sequence[tuple[tuple[int, ...], np.dtype]], readonly
         k += 1
         ptr = ctypes.c_void_p.from_address(addr + _DATA_AT).value
         if not ptr or 0 in shape:
-            out.append(np.zeros(shape, dtype))
+            arr = np.zeros(shape, dtype)
+            arr.flags.writeable = not readonly
+            out.append(arr)
             continue
         arr = np.asarray(_Memory(ptr, shape, dtype.str, readonly))
         if arr.dtype != dtype:  # typestr loses extension types (bfloat16): same bytes, their dtype
