@@ -204,10 +204,10 @@ def _setup() -> bool:
     prim.multiple_results = True
     prim.def_impl(lambda *a, **k: _dispatch.apply_primitive(prim, *a, **k))
 
-    def abstract(*avals: Any, key: int, result_avals: tuple[Any, ...]) -> Any:
+    def abstract(*avals: Any, key: int, result_avals: tuple[Any, ...], alias: bool) -> Any:
         return result_avals, {effect}
 
-    def lower(ctx: Any, *args: Any, key: int, result_avals: tuple[Any, ...]) -> Any:
+    def lower(ctx: Any, *args: Any, key: int, result_avals: tuple[Any, ...], alias: bool) -> Any:
         token = ctx.tokens_in.get(effect)
         # Listed as the module's host callback (never called through it): JAX then keeps the
         # executable out of the persistent compilation cache, whose entry would name this
@@ -215,7 +215,8 @@ def _setup() -> bool:
         ctx.module_context.add_host_callback(_CALLS[key][0])
         ctx2 = dataclasses.replace(ctx, avals_in=[_core.abstract_token, *ctx.avals_in],
                                    avals_out=[_core.abstract_token, *ctx.avals_out])
-        op = jffi.build_ffi_lowering_function(_TARGET, has_side_effect=True)(
+        extra = {"operand_output_aliases": {i: i for i in range(1, len(args) + 1)}} if alias else {}
+        op = jffi.build_ffi_lowering_function(_TARGET, has_side_effect=True, **extra)(
             ctx2, token, *args, key=np.uint64(key))
         token, *results = op.results
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({effect: token})))
@@ -241,13 +242,16 @@ def available() -> bool:
 
 
 def host_call_into(fn: Callable[[list[np.ndarray], list[np.ndarray]], None], specs: Sequence[Any],
-                   args: Sequence[Any]) -> list[Any]:
+                   args: Sequence[Any], alias: bool = False) -> list[Any]:
     """``fn(inputs, outputs)``: read the operands (read-only NumPy views of XLA's buffers) and fill
     ``outputs`` (writable views of XLA's result buffers), as an ordered effect of the traced program.
-    ``specs`` are the results' ``jax.ShapeDtypeStruct``s. Call only when ``available()``."""
+    ``specs`` are the results' ``jax.ShapeDtypeStruct``s. With ``alias`` (same shapes and dtypes
+    in and out) result i is operand i's buffer, holding the operand's value on entry: XLA reuses the
+    operand's memory when nothing reads the operand later (a donated argument, an intermediate),
+    else copies it first. Call only when ``available()``."""
     core = _STATE["core"]
     key = next(_KEYS)
     _CALLS[key] = (fn, [(tuple(a.shape), np.dtype(a.dtype)) for a in args],
                    [(tuple(s.shape), np.dtype(s.dtype)) for s in specs])
     avals = tuple(core.ShapedArray(tuple(s.shape), s.dtype) for s in specs)
-    return list(_STATE["prim"].bind(*args, key=key, result_avals=avals))
+    return list(_STATE["prim"].bind(*args, key=key, result_avals=avals, alias=bool(alias)))

@@ -44,6 +44,10 @@ __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allredu
            "poll", "synchronize", "barrier", "join", "is_traced", "last_error"]
 
 _LAST_ERROR: list[BaseException | None] = [None]
+# Under jit, allreduce results alias their operands and are reduced in place (see ``_run``);
+# False: the engine reads the operands and writes separate result buffers (measured slower when the
+# operands are intermediates or donated, docs/jax.md "Performance").
+_ALIAS = [True]
 
 
 def last_error() -> BaseException | None:
@@ -73,18 +77,22 @@ def _host(fn: Callable[[list[np.ndarray]], list[np.ndarray]]) -> Callable[..., l
 
 def _run(fn: Callable[[list[np.ndarray]], list[np.ndarray]], arrays: Sequence[Any],
          specs: Callable[[], list[jax.ShapeDtypeStruct]],
-         into: Callable[[list[np.ndarray], list[np.ndarray]], None] | None = None) -> list[Any]:
+         into: Callable[[list[np.ndarray], list[np.ndarray]], None] | None = None,
+         alias: bool = False) -> list[Any]:
     """Run ``fn`` (NumPy arrays in, NumPy arrays out) on JAX arrays: at once, or as an ordered
     host callback of the program being traced. ``specs()`` gives the outputs' static shapes.
 
     Traced on the CPU, the callback is ``_ffi.host_call_into``: the host function gets XLA's
     operand buffers as NumPy views and fills XLA's result buffers, with ``into(inputs, outputs)``
     when given (e.g. the engine reducing straight into them), else by copying ``fn``'s results in.
+    With ``alias`` (and ``into``) result i is operand i's buffer, holding its value on entry, and
+    ``into`` works in place in ``outputs`` (XLA reuses an intermediate's or a donated argument's
+    memory, else copies the operand first).
     Elsewhere (another JAX, a GPU) it is ``_callback.host_call`` (JAX copies operands and results).
     """
     if is_traced(*arrays):
         if _ffi.available():
-            return _ffi.host_call_into(_host_into(fn, into), specs(), arrays)
+            return _ffi.host_call_into(_host_into(fn, into), specs(), arrays, alias and into is not None)
         return host_call(_host(fn), specs(), arrays)
     return [jnp.asarray(r) for r in _host(fn)(*arrays)]
 
@@ -128,14 +136,21 @@ def _allreduce_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: floa
             return _np_ops.grouped_allreduce(xs, None, name, op, pre, post, ps)
         return [_np_ops.allreduce(xs[0], None, name, op, pre, post, ps)]
 
+    alias = _ALIAS[0]
+
     def into(xs: list[np.ndarray], outs: list[np.ndarray]) -> None:
-        # straight from XLA's operands into XLA's results: no copy on either side
-        _C.allreduce_async(xs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                           process_set=ps, grouped=grouped, wake=False, out=outs).wait()
+        # no copy on either side: in place in the results (which alias the operands), or straight
+        # from XLA's operands into XLA's results
+        if alias:
+            _C.allreduce_async(outs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                               process_set=ps, grouped=grouped, wake=False, inplace=True).wait()
+        else:
+            _C.allreduce_async(xs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                               process_set=ps, grouped=grouped, wake=False, out=outs).wait()
 
     @jax.custom_vjp
     def f(xs: list[Any]) -> list[Any]:
-        return _run(host, xs, _same(xs), into)
+        return _run(host, xs, _same(xs), into, alias)
 
     def fwd(xs: list[Any]) -> tuple[list[Any], None]:
         return f(xs), None
