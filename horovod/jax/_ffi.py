@@ -215,7 +215,7 @@ def _setup() -> bool:
         ctx.module_context.add_host_callback(_CALLS[key][0])
         ctx2 = dataclasses.replace(ctx, avals_in=[_core.abstract_token, *ctx.avals_in],
                                    avals_out=[_core.abstract_token, *ctx.avals_out])
-        extra = {"operand_output_aliases": {i: i for i in range(1, len(args) + 1)}} if alias else {}
+        extra: dict[str, Any] = {"operand_output_aliases": {i: i for i in range(1, len(args) + 1)}} if alias else {}
         op = jffi.build_ffi_lowering_function(_TARGET, has_side_effect=True, **extra)(
             ctx2, token, *args, key=np.uint64(key))
         token, *results = op.results

@@ -4,8 +4,8 @@ A JAX array is one more kind of buffer for the NumPy path (``horovod.numpy``); t
 executor. Eagerly, an array becomes a NumPy view (free on the CPU, a device-to-host copy on a GPU),
 the NumPy collective runs, and the result becomes a JAX array again. Under a trace (``jax.jit``,
 ``jax.grad`` of a jitted function, ``lax.scan``...) the same host function runs as an ordered
-host callback (``horovod.jax._callback``, ``io_callback``'s
-lowering without its extra copy): the compiled program calls its collectives in program order, so
+host call (on the CPU ``horovod.jax._ffi``: views of XLA's buffers, no copies; elsewhere
+``horovod.jax._callback``): the compiled program calls its collectives in program order, so
 ranks running the same program submit them in the same order; a program that differs between
 ranks (other shapes, dtypes or names) gets the engine's mismatch error on every rank, raised from
 the jitted call as ``jax.errors.JaxRuntimeError`` whose message carries Horovod's error
