@@ -44,7 +44,13 @@ def broadcast_parameters(params: Any, root_rank: int = 0, name: str | None = Non
             return _C.broadcast_async(work, root_rank, name=key, process_set=process_set, inplace=True,
                                       grouped=True, wake=False).wait()
 
-        for i, r in zip(idx, _run(host, group, _same(group))):
+        def into(xs: list[np.ndarray], outs: list[np.ndarray], key: str = f"{base}.{dtype}") -> None:
+            for o, x in zip(outs, xs):  # XLA's result buffers, broadcast in place
+                np.copyto(o, x)
+            _C.broadcast_async(outs, root_rank, name=key, process_set=process_set, inplace=True,
+                               grouped=True, wake=False).wait()
+
+        for i, r in zip(idx, _run(host, group, _same(group), into)):
             out[i] = r
     return jax.tree_util.tree_unflatten(treedef, out)
 

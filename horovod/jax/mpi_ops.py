@@ -4,8 +4,8 @@ A JAX array is one more kind of buffer for the NumPy path (``horovod.numpy``); t
 executor. Eagerly, an array becomes a NumPy view (free on the CPU, a device-to-host copy on a GPU),
 the NumPy collective runs, and the result becomes a JAX array again. Under a trace (``jax.jit``,
 ``jax.grad`` of a jitted function, ``lax.scan``...) the same host function runs as an ordered
-host callback (``horovod.jax._callback``, ``io_callback``'s
-lowering without its extra copy): the compiled program calls its collectives in program order, so
+host call (on the CPU ``horovod.jax._ffi``: views of XLA's buffers, no copies; elsewhere
+``horovod.jax._callback``): the compiled program calls its collectives in program order, so
 ranks running the same program submit them in the same order; a program that differs between
 ranks (other shapes, dtypes or names) gets the engine's mismatch error on every rank, raised from
 the jitted call as ``jax.errors.JaxRuntimeError`` whose message carries Horovod's error
@@ -28,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import horovod.numpy as _np_ops
+from horovod.common import collectives as _C
 from horovod.common.basics import rank as _rank
 from horovod.common.collectives import resolve_op
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp
+from horovod.jax import _ffi
 from horovod.jax._callback import host_call
 from horovod.jax.compression import Compression
 
@@ -42,6 +44,10 @@ __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allredu
            "poll", "synchronize", "barrier", "join", "is_traced", "last_error"]
 
 _LAST_ERROR: list[BaseException | None] = [None]
+# Under jit, allreduce results alias their operands and are reduced in place (see ``_run``);
+# False: the engine reads the operands and writes separate result buffers (measured slower when the
+# operands are intermediates or donated, docs/jax.md "Performance").
+_ALIAS = [True]
 
 
 def last_error() -> BaseException | None:
@@ -70,12 +76,48 @@ def _host(fn: Callable[[list[np.ndarray]], list[np.ndarray]]) -> Callable[..., l
 
 
 def _run(fn: Callable[[list[np.ndarray]], list[np.ndarray]], arrays: Sequence[Any],
-         specs: Callable[[], list[jax.ShapeDtypeStruct]]) -> list[Any]:
+         specs: Callable[[], list[jax.ShapeDtypeStruct]],
+         into: Callable[[list[np.ndarray], list[np.ndarray]], None] | None = None,
+         alias: bool = False) -> list[Any]:
     """Run ``fn`` (NumPy arrays in, NumPy arrays out) on JAX arrays: at once, or as an ordered
-    host callback of the program being traced. ``specs()`` gives the outputs' static shapes."""
+    host callback of the program being traced. ``specs()`` gives the outputs' static shapes.
+
+    Traced on the CPU, the callback is ``_ffi.host_call_into``: the host function gets XLA's
+    operand buffers as NumPy views and fills XLA's result buffers, with ``into(inputs, outputs)``
+    when given (e.g. the engine reducing straight into them), else by copying ``fn``'s results in.
+    With ``alias`` (and ``into``) result i is operand i's buffer, holding its value on entry, and
+    ``into`` works in place in ``outputs`` (XLA reuses an intermediate's or a donated argument's
+    memory, else copies the operand first).
+    Elsewhere (another JAX, a GPU) it is ``_callback.host_call`` (JAX copies operands and results).
+    """
     if is_traced(*arrays):
+        if _ffi.available():
+            return _ffi.host_call_into(_host_into(fn, into), specs(), arrays, alias and into is not None)
         return host_call(_host(fn), specs(), arrays)
     return [jnp.asarray(r) for r in _host(fn)(*arrays)]
+
+
+def _host_into(fn: Callable[[list[np.ndarray]], list[np.ndarray]],
+               into: Callable[[list[np.ndarray], list[np.ndarray]], None] | None
+               ) -> Callable[[list[np.ndarray], list[np.ndarray]], None]:
+    def call(ins: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        try:
+            if into is not None:
+                into(ins, outs)
+                return
+            results = [np.asarray(r) for r in fn(ins)]
+            if len(results) != len(outs):
+                raise RuntimeError(f"host function returned {len(results)} arrays, expected {len(outs)}")
+            for i, (o, r) in enumerate(zip(outs, results)):
+                if r.shape != o.shape or r.dtype != o.dtype:
+                    raise RuntimeError(f"host function result #{i} is {r.dtype}{list(r.shape)}, "
+                                       f"expected {o.dtype}{list(o.shape)}")
+                np.copyto(o, r)
+        except BaseException as exc:
+            _LAST_ERROR[0] = exc
+            raise
+
+    return call
 
 
 def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -94,9 +136,21 @@ def _allreduce_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: floa
             return _np_ops.grouped_allreduce(xs, None, name, op, pre, post, ps)
         return [_np_ops.allreduce(xs[0], None, name, op, pre, post, ps)]
 
+    alias = _ALIAS[0]
+
+    def into(xs: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        # no copy on either side: in place in the results (which alias the operands), or straight
+        # from XLA's operands into XLA's results
+        if alias:
+            _C.allreduce_async(outs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                               process_set=ps, grouped=grouped, wake=False, inplace=True).wait()
+        else:
+            _C.allreduce_async(xs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                               process_set=ps, grouped=grouped, wake=False, out=outs).wait()
+
     @jax.custom_vjp
     def f(xs: list[Any]) -> list[Any]:
-        return _run(host, xs, _same(xs))
+        return _run(host, xs, _same(xs), into, alias)
 
     def fwd(xs: list[Any]) -> tuple[list[Any], None]:
         return f(xs), None
