@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -232,6 +233,9 @@ def available() -> bool:
     """Whether the in-place host call works with this JAX (set up once, on first use)."""
     with _LOCK:
         if "ok" not in _STATE:
+            if os.environ.get("HOROVOD_JAX_FFI", "1").strip().lower() in ("0", "false", "no", "off"):
+                _STATE["ok"] = False  # the user asked for jax's own (copying) host callbacks
+                return False
             try:
                 import jax
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,16 @@ jnp = pytest.importorskip("jax.numpy")
 
 from horovod.jax import _ffi  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _ffi.available(), reason="jax.ffi in-place host call unavailable")
+# The pinned JAX (pyproject) on the CPU must take the in-place route: a JAX whose internals moved
+# would otherwise fall back to the copying callback silently, and these tests would not notice.
+pytestmark = pytest.mark.skipif(os.environ.get("HOROVOD_JAX_FFI") == "0",
+                                reason="HOROVOD_JAX_FFI=0 chooses the copying callback")
+
+
+def test_the_in_place_route_is_available_on_the_cpu() -> None:
+    assert jax.default_backend() == "cpu"
+    assert _ffi.available(), "horovod.jax._ffi could not register its handler with this JAX"
+
 
 
 def _specs(xs):
@@ -82,3 +93,15 @@ def test_error_is_raised_from_the_jitted_call():
     # the handler still works after an error
     ok = jax.jit(lambda v: _ffi.host_call_into(lambda i, o: o[0].__setitem__(..., i[0]), _specs([v]), [v]))
     np.testing.assert_array_equal(np.asarray(ok(jnp.ones(2))[0]), 1.0)
+
+
+def test_horovod_jax_ffi_0_chooses_the_copying_callback() -> None:
+    import subprocess
+    import sys
+
+    code = ("import horovod.jax._ffi as f, os; assert os.environ['HOROVOD_JAX_FFI'] == '0'; "
+            "print('AVAILABLE', f.available())")
+    env = dict(os.environ, HOROVOD_JAX_FFI="0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "AVAILABLE False" in out.stdout
