@@ -40,17 +40,36 @@ def test_torch_store_operations(server):
     store.close()
 
 
-def test_wrong_key_is_refused_and_logged_once_per_address(server, caplog):
-    with caplog.at_level(logging.WARNING, logger="horovod"):
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_wrong_key_is_refused_and_logged_once_per_address(server):
+    # A handler on the store's own logger: hvd.init() in an earlier test of the same pytest
+    # process stops the "horovod" logger from propagating to the root (where caplog listens).
+    logger = logging.getLogger("horovod")
+    records, level = _Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.WARNING)
+    try:
         for _ in range(3):
             with pytest.raises(A.StoreError, match="refused"):
                 A.StoreClient("127.0.0.1", server.port, A.derive_key("cd" * 32), timeout=2)
         good = A.StoreClient("127.0.0.1", server.port, KEY, timeout=2)  # the job is unaffected
         assert good.call(A.NUMKEYS, []) == [b"0"]
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
     assert server.refusals == 3
-    lines = [r.getMessage() for r in caplog.records if "refused a connection from 127.0.0.1" in r.getMessage()]
+    lines = [m for m in records.messages if "refused a connection from 127.0.0.1" in m]
     assert len(lines) == 1 and "not signed with this job's secret" in lines[0]
-    assert ("ab" * 32) not in caplog.text and KEY.hex() not in caplog.text
+    text = "\n".join(records.messages)
+    assert ("ab" * 32) not in text and KEY.hex() not in text
 
 
 def test_silent_or_garbage_peers_never_hold_up_members(server):
