@@ -62,7 +62,6 @@ def _unopt_switch() -> Callable[[bool], None]:
     from horovod.common import collectives as C
     from horovod.common.context import get_context
     from horovod.common.engine import fusion, plan
-    from horovod.common.engine.buffers import scale_array
     from horovod.torch import mpi_ops
 
     eng = get_context().engine
@@ -74,22 +73,6 @@ def _unopt_switch() -> Callable[[bool], None]:
         tun = eng.tunables
         return fusion.plan_batches(responses, tun.fusion_threshold, tun.max_tensor_bytes,
                                    not eng.config.disable_group_fusion)
-
-    def pack(buf: Any, items: Any, segs: Any, pre: float, widen: bool) -> None:
-        for i, s, e, b in segs:
-            dst, src = buf[b:b + e - s], items[i].x[s:e]
-            if widen:
-                import numpy as np
-
-                np.copyto(dst, src, casting="unsafe")
-                if pre != 1.0:
-                    np.multiply(dst, pre, out=dst)
-            else:
-                scale_array(dst, src, pre)
-
-    def unpack(buf: Any, items: Any, segs: Any, post: float, div: int) -> None:
-        for i, s, e, b in segs:
-            scale_array(items[i].o[s:e], buf[b:b + e - s], post, div)
 
     def resubmit(tensor: Any, signature: Any, wake: bool = True, defer: bool = False) -> Any:
         if mpi_ops._matches(tensor, signature):
@@ -107,7 +90,7 @@ def _unopt_switch() -> Callable[[bool], None]:
             ops.__dict__.pop("pack", None)
             ops.__dict__.pop("unpack", None)
         else:
-            ops.__dict__.update(pack=pack, unpack=unpack)
+            ops.__dict__.update(pack=ops.pack_each, unpack=ops.unpack_each)
 
     return switch
 

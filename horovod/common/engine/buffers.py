@@ -324,6 +324,13 @@ class NumpyBuffers:
             if pre != 1.0:
                 scale_array(buf, buf, pre)
             return
+        self.pack_each(buf, items, segs, pre, widen)
+
+    @staticmethod
+    def pack_each(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], pre: float,
+                  widen: bool) -> None:
+        """``pack`` one segment at a time (few segments, widened dtypes; the reference of the
+        one-call path)."""
         for i, s, e, b in segs:
             dst, src = buf[b:b + e - s], items[i].x[s:e]
             if widen:  # widened, then scaled in the wide type (as upstream on the CPU)
@@ -347,6 +354,12 @@ class NumpyBuffers:
                 else:
                     o[s:e] = buf[b:b + e - s]
             return
+        self.unpack_each(buf, items, segs, post, div)
+
+    @staticmethod
+    def unpack_each(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], post: float,
+                    div: int) -> None:
+        """``unpack`` one segment at a time (the reference of the one-call path)."""
         for i, s, e, b in segs:
             scale_array(items[i].o[s:e], buf[b:b + e - s], post, div)
 

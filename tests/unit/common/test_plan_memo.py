@@ -127,20 +127,9 @@ def _executor() -> Executor:
     return Executor(_Backend(), {0: Group([0, 1], 0, None)}, 0, Tunables(), lambda: None)
 
 
-def _slow_pack(buf, items, segs, pre, widen):
-    for i, s, e, b in segs:
-        dst, src = buf[b:b + e - s], items[i].x[s:e]
-        if widen:
-            np.copyto(dst, src, casting="unsafe")
-            if pre != 1.0:
-                np.multiply(dst, pre, out=dst)
-        else:
-            scale_array(dst, src, pre)
-
-
-def _slow_unpack(buf, items, segs, post, div):
-    for i, s, e, b in segs:
-        scale_array(items[i].o[s:e], buf[b:b + e - s], post, div)
+# The reference: the per-segment path, one scale_array per segment (the code before the one-call path).
+_slow_pack = NumpyBuffers.pack_each
+_slow_unpack = NumpyBuffers.unpack_each
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32"])
