@@ -10,6 +10,15 @@ Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as
   hooks        exactly ``DistributedOptimizer``'s per-gradient path after its first step: a hook
                resubmits each gradient's checked request with ``defer=True`` (``_resubmit``),
                ``step()`` synchronizes each handle (the engine sees the whole burst at once)
+  bundle       the same requests resubmitted as one bundle at the end of the backward pass
+               (``_resubmit_many``: one engine submission, one handle), then one ``synchronize``:
+               ``DistributedOptimizer``'s path where the engine holds the hooks' gradients until
+               ``step()`` anyway (``HOROVOD_OVERLAP_GRADIENTS=0``, or auto on a host with fewer
+               than two cores per local rank)
+  optimizer    a real ``hvd.DistributedOptimizer`` step (zero_grad, backward of a loss over 161
+               parameters, step); ``plain`` is the same step with the bare torch optimizer on a
+               copy of the model, and ``optimizer_overhead`` the median per-rep difference: what
+               Horovod adds to a training step
   grouped      one ``hvd.grouped_allreduce_`` of the 161 tensors
   raw          ``torch.distributed``-free floor: one mpi4py ``Allreduce`` per tensor (the transport)
 """
@@ -176,14 +185,41 @@ def main() -> None:
         for h in hooks_submit():
             hvd.synchronize(h)
 
+    def bundle() -> None:
+        hvd.synchronize(mpi_ops._resubmit_many(tensors, sigs, defer=True))  # type: ignore[arg-type]
+
     arrays = [t.numpy() for t in tensors]
 
     def raw() -> None:
         for a in arrays:
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
 
-    modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "grouped": grouped,
-                                            "raw": raw}
+    # A real optimizer step; the bare optimizer on a copy of the model costs the same autograd.
+    def model() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.ones(args.elements)) for _ in range(args.tensors)]
+
+    x = torch.ones(args.elements)
+    hvd_params, plain_params = model(), model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(hvd_params, lr=0.0),
+                                   named_parameters=[(f"param.{i}", p) for i, p in enumerate(hvd_params)])
+    plain_opt = torch.optim.SGD(plain_params, lr=0.0)
+
+    def train_step(o: Any, params: list[torch.nn.Parameter]) -> None:
+        o.zero_grad()
+        torch.stack([(p * x).sum() for p in params]).sum().backward()
+        o.step()
+
+    def optimizer() -> None:
+        train_step(opt, hvd_params)
+
+    def plain() -> None:
+        train_step(plain_opt, plain_params)
+
+    for _ in range(3):  # the first steps take the checked path; later ones resubmit
+        optimizer()
+    modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "bundle": bundle,
+                                            "optimizer": optimizer,
+                                            "plain": plain, "grouped": grouped, "raw": raw}
     if args.ab:
         switch = _unopt_switch()
 
@@ -196,9 +232,18 @@ def main() -> None:
                     switch(True)
             return run
 
-        modes = {**{k: switched(f, True) for k, f in modes.items() if k != "raw"},
-                 **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k != "raw"},
-                 "raw": raw}
+        def unbundled() -> None:
+            # The optimizer's gradients submitted one by one (each deferred), as before bundling.
+            opt._collect = lambda _p, _s: False  # type: ignore[attr-defined]
+            try:
+                switched(optimizer, False)()
+            finally:
+                del opt._collect  # type: ignore[attr-defined]
+
+        local = ("raw", "plain")
+        modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
+                 **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
+                 "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(args.reps + 20):
         for label, fn in modes.items():
@@ -221,6 +266,10 @@ def main() -> None:
             prof.dump_stats(args.profile)
     if hvd.rank() == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        for mode in ("optimizer", "optimizer_unopt"):
+            if mode in times:
+                med[mode.replace("optimizer", "optimizer_overhead")] = statistics.median(
+                    a - b for a, b in zip(times[mode], times["plain"])) * 1e3
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           **{f"{k}_ms": round(v, 3) for k, v in med.items()}}), flush=True)
     if args.phases:

@@ -17,7 +17,7 @@ import numpy as np
 
 from horovod.common.context import get_context
 from horovod.common.engine.executor import Entry, end_to_end
-from horovod.common.engine.handles import Handle
+from horovod.common.engine.handles import GroupHandle, Handle
 from horovod.common.engine.negotiation import ArgumentError
 from horovod.common.exceptions import HorovodError
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -29,7 +29,7 @@ __all__ = [
     "fail_everywhere",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
-    "register_handle", "poll", "synchronize", "submit_again", "resubmit_registered",
+    "register_handle", "poll", "synchronize", "submit_again", "resubmit_registered", "resubmit_many",
 ]
 
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
@@ -237,6 +237,28 @@ def resubmit_registered(ctx: Any, request: Request, arrays: list[np.ndarray], po
     handle = Handle(hid, request.name)
     handle.request = request
     ctx._engine().submit(Entry(request, arrays, arrays, handle), wake, defer)
+    ctx.handles[hid] = (handle, post)
+    return int(hid)
+
+
+def resubmit_many(ctx: Any, requests: Sequence[Request], arrays: Sequence[np.ndarray],
+                  post: Callable[[Any], Any], defer: bool = False, wake: bool = True) -> int:
+    """``resubmit_registered`` for many single-tensor requests at once, with one handle for all
+    (a backward pass's gradients): one engine submission (``Engine.submit_many``) and one
+    ``GroupHandle``, whose ``synchronize`` returns ``post(None)`` once every request completed
+    (raising the first error if any failed). On the wire nothing changes: each request is
+    negotiated and cached under its own name, as if submitted alone.
+
+    The caller guarantees what ``resubmit_registered`` needs, per request, and that the names
+    differ.
+    """
+    hid = ctx.counter.next()
+    handle = GroupHandle(hid, f"{requests[0].name} and {len(requests) - 1} more", len(requests))
+    entries = []
+    for req, a in zip(requests, arrays):
+        buf = [a]
+        entries.append(Entry(req, buf, buf, handle))
+    ctx._engine().submit_many(entries, wake, defer)
     ctx.handles[hid] = (handle, post)
     return int(hid)
 

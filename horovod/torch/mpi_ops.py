@@ -150,6 +150,45 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
     return None
 
 
+class _Each:
+    """A bundle handle's post step: the tensors reduced in place (and keeps them alive)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __call__(self, _result: Any) -> list[torch.Tensor]:
+        return self.tensors
+
+
+def _resubmit_many(tensors: list[torch.Tensor], signatures: list[tuple[Any, ...]], defer: bool = False,
+                   wake: bool = True) -> int | None:
+    """``_resubmit`` for many tensors with one handle (``collectives.resubmit_many``): a backward
+    pass's gradients. None, submitting nothing, unless every tensor still matches its signature
+    and all signatures share the live context."""
+    ctx = peek_context()
+    if ctx is None or not tensors or not _all_match(ctx, tensors, signatures):
+        return None
+    arrays = [t.numpy() for t in tensors]
+    return _C.resubmit_many(ctx, [s[1] for s in signatures], arrays, _Each(tensors), defer, wake)
+
+
+def _all_match(ctx: Any, tensors: Sequence[Any], signatures: Sequence[tuple[Any, ...]]) -> bool:
+    """``_matches`` of every tensor with its signature, in one call (``ctx``: the live context)."""
+    if len(tensors) != len(signatures):
+        return False
+    groups = ctx.groups
+    strided, tensor_type = torch.strided, torch.Tensor
+    for tensor, (sctx, req, dtype, shape, group) in zip(tensors, signatures):
+        if not (type(tensor) is tensor_type and tensor.dtype is dtype and tensor.shape == shape
+                and sctx is ctx and groups.get(req.process_set_id) is group
+                and not tensor.requires_grad and tensor.layout is strided and tensor.is_cpu
+                and tensor.is_contiguous()):
+            return False
+    return True
+
+
 def _matches(tensor: Any, signature: tuple[Any, ...]) -> bool:
     return _same_context(signature) and _same_tensor(tensor, signature)
 
@@ -272,9 +311,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         key = ("grouped", name, op, prescale_factor, postscale_factor,
                getattr(process_set, "process_set_id", None))
         signatures = _REPEAT.get(key)
-        # One context/process-set check for the set (all signatures share them), then per tensor.
-        if (signatures is not None and len(signatures) == len(tensors) and _same_context(signatures[0])
-                and all(_same_tensor(t, sig) for t, sig in zip(tensors, signatures))):
+        ctx = peek_context()
+        if signatures is not None and ctx is not None and _all_match(ctx, tensors, signatures):
             group = tuple(tensors)
             return _register(_C.submit_again(signatures[0][1], [t.numpy() for t in group], wake=_wake),
                              lambda _r: group)

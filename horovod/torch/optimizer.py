@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.autograd import Variable
 
 from horovod.common.basics import size
 from horovod.common.collectives import check_adasum
-from horovod.common.context import get_context
+from horovod.common.context import get_context, peek_context
 from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
@@ -28,6 +29,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
     _repeat_signature,
     _resubmit,
+    _resubmit_many,
     allreduce_async_,
     grouped_allreduce_async_,
     sparse_allreduce_async,
@@ -70,6 +72,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._allreduce_delay = {p: backward_passes_per_step for _, p in self._all_params()}
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._fast: dict[torch.Tensor, tuple[Any, ...]] = {}  # parameter -> _repeat_signature
+        # Gradients of this backward pass held for one bundled submission at its end (see
+        # ``_collect``), and the bundles submitted: (handle, parameters).
+        self._collected: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
+        self._bundles: list[tuple[int, list[torch.Tensor]]] = []
         self._hook_handles: list[Any] = []
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
@@ -159,14 +165,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ gradient reduction
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(_param: torch.Tensor) -> None:
-            if self._allreduce_delay[p] <= 0:
+            delay = self._allreduce_delay[p]
+            if delay <= 0:
                 raise AssertionError(_MANY_PASSES)
-            self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] > 0:
+            self._allreduce_delay[p] = delay - 1
+            if delay > 1:
                 self._handles[p] = (None, None)  # accumulating locally; step() may force it
                 return
             if self._groups is None:
-                self._handles[p] = self._allreduce_grad_async(p)
+                signature = self._fast.get(p)
+                if signature is None or not self._collect(p, signature):
+                    self._handles[p] = self._allreduce_grad_async(p)
                 return
             group = self._p_to_group[p]
             self._group_counts[group] += 1
@@ -177,6 +186,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles.pop(gp, None)
             self._handles[group] = self._grouped_allreduce_async(group)
         return hook
+
+    def _collect(self, p: torch.Tensor, signature: tuple[Any, ...]) -> bool:
+        """Hold ``p``'s gradient (whose checked request only needs resubmitting) for one bundled
+        submission at the end of this backward pass; False when it must be submitted now.
+
+        Bundling applies only where the engine would hold the hooks' submissions until ``step()``
+        anyway (``tunables.overlap`` off, see ``Engine.submit``): then submitting the pass's
+        gradients together, deferred, changes nothing but the cost (one engine submission and
+        one handle instead of one per gradient). On the wire each gradient is still its own
+        named, cached allreduce. With overlap on, each gradient starts as soon as it is ready.
+        """
+        collected = self._collected
+        if not collected:
+            ctx = signature[0]
+            engine = ctx.engine
+            if engine is None or engine.tunables.overlap or ctx is not peek_context():
+                return False
+            try:  # run once autograd finished this backward pass (as DDP's reducer does)
+                Variable._execution_engine.queue_callback(self._submit_collected)
+            except RuntimeError:  # not inside a backward pass
+                return False
+        collected.append((p, signature))
+        return True
+
+    def _submit_collected(self) -> None:
+        """Submit the gradients ``_collect`` held, as one bundle (deferred like the hooks'
+        submissions), or one by one when they no longer match their checked requests."""
+        collected, self._collected = self._collected, []
+        if not collected:
+            return
+        params = [p for p, _ in collected]
+        handle = _resubmit_many([p.grad for p in params], [sig for _, sig in collected], defer=True)
+        if handle is not None:
+            self._bundles.append((handle, params))
+            return
+        for p in params:
+            self._handles[p] = self._allreduce_grad_async(p)
 
     def _scale_factors(self) -> tuple[float, float]:
         if self.op == Average:
@@ -253,13 +299,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
+        if self._collected:  # a pass whose end-of-backward callback has not run
+            self._submit_collected()
         launched: set[torch.Tensor] = set()
+        for _, params in self._bundles:
+            launched.update(params)
         for key, (handle, _) in list(self._handles.items()):
             if handle is None:
                 del self._handles[key]
             else:
                 launched.update(key if isinstance(key, tuple) else (key,))
-        todo = [p for _, p in self._all_params() if p in self._requires_update and p not in launched]
+        todo = [] if self._requires_update <= launched else [
+            p for _, p in self._all_params() if p in self._requires_update and p not in launched]
         if self._groups is not None:
             started: set[tuple[torch.Tensor, ...]] = set()
             for p in todo:
@@ -270,6 +321,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             for p in todo:
                 self._handles[p] = self._allreduce_grad_async(p)
+        for handle, _ in self._bundles:
+            synchronize(handle)  # reduced in place: each p.grad holds its average
+        self._bundles.clear()
         for key, (handle, ctx) in self._handles.items():
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
@@ -279,8 +333,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 out = handle() if callable(handle) else synchronize(handle)
                 self._write_grad(key, out, ctx)
         self._handles.clear()
-        for p in self._requires_update:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._allreduce_delay.update(dict.fromkeys(self._requires_update, self.backward_passes_per_step))
         for g in self._group_counts:
             self._group_counts[g] = 0
         self._synchronized = True
@@ -313,13 +366,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             AssertionError: called after ``backward()`` but before ``step()``/``synchronize()``.
         """
-        if self._handles:
+        if self._handles or self._bundles or self._collected:
             raise AssertionError(_ZERO_GRAD)
         return self._hvd_base.zero_grad(self, set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load optimizer state; pending allreduces are dropped and pass counters reset."""
         self._handles.clear()
+        self._collected.clear()
+        self._bundles.clear()
         self._synchronized = False
         for g in self._group_counts:
             self._group_counts[g] = 0

@@ -121,8 +121,15 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
     agreed shapes."""
     items: list[Item] = []
     starts: list[int] = []
+    one = getattr(ops, "item", None)  # the one-tensor, in-place case without the general calls
+    new = tuple.__new__
     for resp, entry in zip(batch, entries):
         starts.append(len(items))
+        if one is not None and entry is not None:
+            inputs = entry.inputs
+            if len(inputs) == 1 and entry.outputs is inputs:
+                items.append(one(new, resp.request.name, inputs[0]))
+                continue
         if entry is None:
             for shape in resp.request.shapes:
                 n = 1
@@ -280,8 +287,15 @@ class NumpyBuffers:
 
     def outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None) -> list[np.ndarray]:
         if given is not None:
-            return list(given)
+            return given if type(given) is list else list(given)
         return [self._output(x.shape, x.dtype) for x in inputs]
+
+    @staticmethod
+    def item(new: Any, name: str, x: np.ndarray) -> Item:
+        """The item of one array reduced in place (``items`` of ``[x], [x]``): ``batch_items``'
+        per-tensor fast path; ``new`` is ``tuple.__new__``."""
+        xf = x if x.ndim == 1 else x.reshape(-1)
+        return new(Item, (xf, xf, True, name, xf.size))
 
     def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
         new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)

@@ -33,6 +33,9 @@ class ResponseCache:
         self._by_name: dict[str, int] = {}
         self._slots: list[Response | None] = [None] * capacity
         self._signatures: list[Any] = [None] * capacity
+        # The request object that last matched each slot: a request resubmitted as it is (a
+        # gradient's, every step) matches again without comparing signatures.
+        self._matched: list[Any] = [None] * capacity
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._free = list(range(capacity))  # min-heap: every rank reuses the lowest free slot
 
@@ -44,7 +47,12 @@ class ResponseCache:
         slot = self._by_name.get(request.name, -1)
         if slot < 0:
             return -1, False
-        return slot, self._signatures[slot] == request.signature()
+        if self._matched[slot] is request:
+            return slot, True
+        if self._signatures[slot] == request.signature():
+            self._matched[slot] = request
+            return slot, True
+        return slot, False
 
     def response(self, slot: int) -> Response:
         resp = self._slots[slot]
@@ -65,10 +73,22 @@ class ResponseCache:
         self._by_name[name] = slot
         self._slots[slot] = response
         self._signatures[slot] = response.request.signature()
+        self._matched[slot] = None
         self._lru[slot] = None
+
+    def responses(self, slots: list[int]) -> list[Response]:
+        """``response(slot)`` of each slot (the caller's slots are occupied: ready everywhere)."""
+        table = self._slots
+        return [table[s] for s in slots]  # type: ignore[misc]
 
     def touch(self, slot: int) -> None:
         self._lru.move_to_end(slot)
+
+    def touch_all(self, slots: list[int]) -> None:
+        """``touch`` each slot, in order."""
+        move = self._lru.move_to_end
+        for slot in slots:
+            move(slot)
 
     def evict(self, slot: int) -> None:
         resp = self._slots[slot]
@@ -77,6 +97,7 @@ class ResponseCache:
         del self._by_name[resp.name]
         self._slots[slot] = None
         self._signatures[slot] = None
+        self._matched[slot] = None
         del self._lru[slot]
         heapq.heappush(self._free, slot)
         if self.on_evict is not None:

@@ -6,7 +6,7 @@ import _thread
 import itertools
 from typing import Any
 
-__all__ = ["Handle", "HandleCounter"]
+__all__ = ["Handle", "HandleCounter", "GroupHandle"]
 
 
 class HandleCounter:
@@ -100,3 +100,37 @@ class Handle:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class GroupHandle(Handle):
+    """One handle for several entries submitted together (``Engine.submit_many``: a backward
+    pass's gradients): it completes when every entry has, with the first error if any failed.
+
+    The engine completes each entry as it would one with its own handle; only the last one
+    releases the latch. Entries are completed by the thread driving rounds (one at a time, under
+    the engine's driver lock), so the count needs no lock of its own. ``result`` stays None: the
+    submitter's outputs are its own in-place buffers.
+    """
+
+    __slots__ = ("_left",)
+
+    def __init__(self, handle_id: int, name: str, parts: int) -> None:
+        super().__init__(handle_id, name)
+        self._left = parts
+
+    def set_result(self, result: Any) -> None:
+        left = self._left = self._left - 1  # _part_done, inlined: called once per entry
+        if left == 0:
+            self._done = True
+            self._latch.release()
+
+    def set_error(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._part_done()
+
+    def _part_done(self) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._done = True
+            self._latch.release()

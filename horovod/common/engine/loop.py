@@ -61,6 +61,9 @@ DUPLICATE_NAME_MESSAGE = (
 
 def _bits_to_slots(bits: int) -> list[int]:
     """Indices of the set bits of a Python int, lowest first."""
+    if bits and bits.bit_count() > 16:  # many (a cached step's gradients): one C pass over the bytes
+        raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
     out = []
     while bits:
         low = bits & -bits
@@ -204,6 +207,41 @@ class Engine:
             if wake and self._idle:
                 # One wake-up per idle period: the engine thread is on its way (it clears _idle
                 # itself too); notifying again for each tensor of a burst would only cost time.
+                self._idle = False
+                self._cv.notify()
+
+    def submit_many(self, entries: list[Entry], wake: bool = True, defer: bool = False) -> None:
+        """``submit`` for several entries at once (one lock, one wake-up): a gradient bundle.
+
+        The entries are negotiated, cached and executed exactly as if each had been submitted on
+        its own (other ranks cannot tell); they usually share one ``GroupHandle``. Their names
+        must differ from each other (the caller's guarantee: a model's parameter names).
+
+        Raises:
+            ValueError: one of the names is still in flight on this rank (nothing is submitted).
+            HorovodShutdownError: the engine has shut down.
+        """
+        names = [e.request.name for e in entries]
+        with self._lock:
+            if self._stopped:
+                raise HorovodShutdownError(self._stop_reason)
+            in_flight = self._in_flight
+            if not in_flight.keys().isdisjoint(names):
+                name = next(n for n in names if n in in_flight)
+                raise ValueError(DUPLICATE_NAME_MESSAGE.format(name=name))
+            now = self._clock()
+            helper = self.help_until
+            for e in entries:
+                e.t_submit = now
+                e.handle.helper = helper
+            in_flight.update(zip(names, entries))
+            if defer and not self.tunables.overlap:
+                if not self._deferred:
+                    self._deferred_since = time.perf_counter()
+                self._deferred.extend(entries)
+                return
+            self._queue.extend(entries)
+            if wake and self._idle:
                 self._idle = False
                 self._cv.notify()
 
@@ -363,20 +401,25 @@ class Engine:
         if tl is not None:
             tl.cycle()
         invalid = 0
-        for e in new:
-            req = e.request
-            self._pending[req.name] = e
-            if req.kind == RequestType.JOIN:
-                self._joined = True
-            slot, match = cache.lookup(req) if words and self.tunables.cache_enabled else (-1, False)
-            if match:
-                e.state, e.slot = _CACHED, slot
-                self._ready_mask |= 1 << slot
-            else:
-                e.state = _NEW
-                self._new.append(e)
-                if slot >= 0:
-                    invalid |= 1 << slot
+        if new:
+            pending, join = self._pending, RequestType.JOIN
+            lookup = cache.lookup if words and self.tunables.cache_enabled else None
+            ready = self._ready_mask
+            for e in new:
+                req = e.request
+                pending[req.name] = e
+                if req.kind is join:
+                    self._joined = True
+                slot, match = lookup(req) if lookup is not None else (-1, False)
+                if match:
+                    e.state, e.slot = _CACHED, slot
+                    ready |= 1 << slot
+                else:
+                    e.state = _NEW
+                    self._new.append(e)
+                    if slot >= 0:
+                        invalid |= 1 << slot
+            self._ready_mask = ready
         now = self._clock()
         if words and now >= self._local_stall_due:
             # Cached operations that wait too long go back through the coordinator, which can
@@ -409,11 +452,8 @@ class Engine:
         ready_slots = _bits_to_slots(int.from_bytes(raw[:nbytes], "little"))
         evict = _bits_to_slots((self._full ^ int.from_bytes(raw[nbytes:2 * nbytes], "little"))
                                & self._occupied_mask)
-        responses: list[Response] = []
-        cached_slots: list[int] = []
-        for slot in ready_slots:
-            responses.append(cache.response(slot))
-            cached_slots.append(slot)
+        responses: list[Response] = cache.responses(ready_slots)
+        cached_slots: list[int] = list(ready_slots)
         for slot in evict:
             self._evict(slot)
         if any_flags & _FLAG_NEW:
@@ -486,8 +526,7 @@ class Engine:
 
     def _execute(self, responses: list[Response], cached_slots: list[int], joined_any: bool) -> None:
         cache = self.cache
-        for slot in cached_slots:
-            cache.touch(slot)
+        cache.touch_all(cached_slots)
         for resp in responses[len(cached_slots):]:
             if resp.error is None and resp.kind not in (RequestType.JOIN,) and self.tunables.cache_enabled:
                 before = cache.lookup(resp.request)[0]
@@ -545,11 +584,29 @@ class Engine:
             e.state = _DONE
         return e
 
+    def _take_batch(self, batch: list[Response]) -> list[Entry | None]:
+        """``_take`` of every response of a batch (one call per batch: a cached step's batch holds
+        every gradient)."""
+        pop = self._pending.pop
+        entries: list[Entry | None] = []
+        cleared = 0
+        for r in batch:
+            e = pop(r.request.name, None)
+            if e is not None:
+                if e.state == _CACHED:
+                    cleared |= 1 << e.slot
+                e.state = _DONE
+            entries.append(e)
+        if cleared:
+            self._ready_mask &= ~cleared
+        return entries
+
     def _complete(self, entries: list[Entry | None]) -> None:
         done = [e for e in entries if e is not None]
-        with self._cv:
+        pop = self._in_flight.pop
+        with self._lock:
             for e in done:
-                self._in_flight.pop(e.request.name, None)
+                pop(e.request.name, None)
         for e in done:
             e.handle.set_result(e.outputs)
 
@@ -591,7 +648,7 @@ class Engine:
             return
         if not member:
             return
-        entries = [self._take(r.name) for r in batch]
+        entries = self._take_batch(batch)
         if kind == RequestType.JOIN:
             self._joined = False
             e = entries[0]

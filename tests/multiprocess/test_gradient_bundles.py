@@ -1,0 +1,97 @@
+"""``DistributedOptimizer``'s gradient bundles (issue 25).
+
+Where the engine holds the hooks' gradients until ``step()`` (``HOROVOD_OVERLAP_GRADIENTS=0``),
+a backward pass's gradients are resubmitted as one bundle at its end: one engine submission and
+one handle. On the wire each gradient is still its own named, cached allreduce, so:
+
+* training with bundles equals training without them (overlap on: one submission per gradient),
+  on every rank, at np=2 and np=3, with a parameter that gets no gradient (reduced as zeros in
+  ``step()``, one by one) and with ``backward_passes_per_step=2``;
+* ranks may differ in the choice: one bundling, the other submitting gradient by gradient;
+* a gradient whose tensor no longer matches its checked request (here: another shape) makes the
+  pass fall back to one submission per gradient, with the same values; the next pass bundles.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from horovod.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _train(overlap_by_rank: list[str], passes: int = 1) -> dict:
+    import os
+
+    rank = int(os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    os.environ["HOROVOD_OVERLAP_GRADIENTS"] = overlap_by_rank[rank % len(overlap_by_rank)]
+
+    import numpy as np
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.torch import optimizer as hvd_optimizer
+
+    hvd.init()
+    bundles: list[int] = []
+    real = hvd_optimizer._resubmit_many
+
+    def counted(tensors, signatures, defer=False, wake=True):
+        h = real(tensors, signatures, defer, wake)
+        bundles.append(0 if h is None else len(tensors))
+        return h
+
+    hvd_optimizer._resubmit_many = counted
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    unused = torch.nn.Parameter(torch.ones(2))  # never in the loss: reduced as zeros by step()
+    scale = torch.nn.Parameter(torch.ones(2))  # changes shape before step 4
+    params = list(model.named_parameters()) + [("unused", unused), ("scale", scale)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.05),
+                                   named_parameters=params, backward_passes_per_step=passes)
+    hvd.broadcast_parameters(model.state_dict(), 0)
+    gen = torch.Generator().manual_seed(10 + hvd.rank())
+    grads = []
+    for step in range(5):
+        opt.zero_grad()
+        if step == 3:
+            # A gradient of another shape than its checked request: no bundle this pass (every
+            # gradient goes one by one, the changed one renegotiated); the next pass bundles.
+            with torch.no_grad():
+                scale.data = torch.ones(3)
+        for _ in range(passes):
+            x = torch.randn(4, 6, generator=gen)
+            (model(x).pow(2).mean() + scale.pow(2).sum() * (1 + hvd.rank())).backward()
+        opt.step()
+        grads.append([p.grad.double().numpy().copy().ravel().tolist() for _, p in params])
+    flat = np.concatenate([p.detach().double().numpy().ravel() for _, p in params])
+    return {"bundles": bundles, "params": flat.tolist(), "grads": grads}
+
+
+def _check(runs: dict[str, list[dict]]) -> None:
+    ref = next(iter(runs.values()))[0]
+    for label, results in runs.items():
+        for r in results:
+            assert r["grads"] == ref["grads"], f"{label}: averaged gradients differ from the reference"
+            assert r["params"] == ref["params"], f"{label}: parameters differ"
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_bundled_gradients_train_exactly_as_one_by_one(np_: int) -> None:
+    runs = {o: run_ranks(_train, np=np_, timeout=180, args=([o],)) for o in ("0", "1")}
+    _check(runs)
+    for r in runs["0"]:
+        # Step 1 takes the checked path; steps 2, 3 and 5 bundle every gradient that the loss
+        # reaches (5 of 6 parameters); step 4 falls back (a gradient of a new shape).
+        assert r["bundles"] == [5, 5, 0, 5], r["bundles"]
+    for r in runs["1"]:
+        assert r["bundles"] == [], "overlapped gradients must start one by one during backward"
+
+
+def test_ranks_may_differ_in_bundling_and_accumulate_passes() -> None:
+    runs = {"mixed": run_ranks(_train, np=2, timeout=180, args=(["0", "1"], 2)),
+            "one by one": run_ranks(_train, np=2, timeout=180, args=(["1"], 2))}
+    _check(runs)
+    assert runs["mixed"][0]["bundles"] == [5, 5, 0, 5], runs["mixed"][0]["bundles"]
+    assert runs["mixed"][1]["bundles"] == []
