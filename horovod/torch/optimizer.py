@@ -5,6 +5,10 @@ A hook on every parameter (``register_post_accumulate_grad_hook``) starts an in-
 gradients overlaps the backward pass of the first layers. ``step()`` waits for all of them (and
 for parameters whose gradient never came, which are reduced as zeros so every rank submits the same
 set of names) and then runs the wrapped optimizer's update.
+
+Where the engine holds the hooks' gradients until ``step()`` anyway (``tunables.overlap`` off),
+the hooks of a backward pass only note their gradients, and one callback at the end of the pass
+submits them together under one handle (``_collect``): each is still its own allreduce.
 """
 
 from __future__ import annotations
