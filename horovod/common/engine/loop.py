@@ -198,17 +198,7 @@ class Engine:
             self._in_flight[name] = entry
             entry.handle.helper = self.help_until
             entry.t_submit = self._clock()
-            if defer and not self.tunables.overlap:
-                if not self._deferred:
-                    self._deferred_since = time.perf_counter()
-                self._deferred.append(entry)
-                return
-            self._queue.append(entry)
-            if wake and self._idle:
-                # One wake-up per idle period: the engine thread is on its way (it clears _idle
-                # itself too); notifying again for each tensor of a burst would only cost time.
-                self._idle = False
-                self._cv.notify()
+            self._enqueue([entry], wake, defer)
 
     def submit_many(self, entries: list[Entry], wake: bool = True, defer: bool = False) -> None:
         """``submit`` for several entries at once (one lock, one wake-up): a gradient bundle.
@@ -235,15 +225,21 @@ class Engine:
                 e.t_submit = now
                 e.handle.helper = helper
             in_flight.update(zip(names, entries))
-            if defer and not self.tunables.overlap:
-                if not self._deferred:
-                    self._deferred_since = time.perf_counter()
-                self._deferred.extend(entries)
-                return
-            self._queue.extend(entries)
-            if wake and self._idle:
-                self._idle = False
-                self._cv.notify()
+            self._enqueue(entries, wake, defer)
+
+    def _enqueue(self, entries: list[Entry], wake: bool, defer: bool) -> None:
+        """Hold (``defer``, overlap off) or queue submitted entries; the caller holds the lock."""
+        if defer and not self.tunables.overlap:
+            if not self._deferred:
+                self._deferred_since = time.perf_counter()
+            self._deferred.extend(entries)
+            return
+        self._queue.extend(entries)
+        if wake and self._idle:
+            # One wake-up per idle period: the engine thread is on its way (it clears _idle
+            # itself too); notifying again for each tensor of a burst would only cost time.
+            self._idle = False
+            self._cv.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Ask every rank's engine to stop at the next round, and wait for this one to stop."""
