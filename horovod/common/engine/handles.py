@@ -119,18 +119,14 @@ class GroupHandle(Handle):
         self._left = parts
 
     def set_result(self, result: Any) -> None:
-        left = self._left = self._left - 1  # _part_done, inlined: called once per entry
+        """One entry completed (its outputs are the submitter's buffers: ``result`` is dropped)."""
+        left = self._left = self._left - 1
         if left == 0:
             self._done = True
             self._latch.release()
 
     def set_error(self, error: BaseException) -> None:
+        """One entry failed: the first error is the handle's; completes like ``set_result``."""
         if self.error is None:
             self.error = error
-        self._part_done()
-
-    def _part_done(self) -> None:
-        self._left -= 1
-        if self._left == 0:
-            self._done = True
-            self._latch.release()
+        self.set_result(None)
