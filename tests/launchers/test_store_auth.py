@@ -78,10 +78,13 @@ def _attempt(addr: str, port: int, op: str) -> str:
     return "ALLOWED"
 
 
-def probe(root_pid: int, deadline: float = 25.0) -> dict[tuple[str, int, str], str]:
+def probe(root_pid: int, deadline: float = 12.0) -> dict[tuple[str, int, str], str]:
     """Every operation on every listening port, in parallel; one with no answer by ``deadline`` is
     refused too (a Gloo or HTTP listener may keep torch's client waiting for a reply that never
-    comes; its thread ends when the job closes the socket)."""
+    comes; its thread ends when the job closes the socket). Such threads always run to the
+    deadline, so it is kept short: an operation a store allows answers in well under a second,
+    and a refusal (torch's client retries within its 3 s connect timeout) in about 7 s on a loaded
+    2-core machine; a refusal that is later still counts as one, and the job's log must show it."""
     ports = listening_ports(root_pid)
     assert ports, "the job listens on no port?"
     jobs = [(a, p, op) for a, p, _ in ports for op in ("read", "write", "delete", "wait", "count")]

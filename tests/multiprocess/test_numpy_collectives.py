@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -176,21 +176,21 @@ def _alltoall_reducescatter_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_allreduce_every_dtype_op_and_variant(np_):
-    results = run_ranks(_allreduce_cases, np=np_, timeout=180)
+    results = _LAUNCH[np_].results("allreduce")
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 
 
 @pytest.mark.parametrize("np_", NPS)
 def test_allgather_broadcast_and_objects(np_):
-    results = run_ranks(_allgather_broadcast_cases, np=np_, timeout=180)
+    results = _LAUNCH[np_].results("allgather_broadcast")
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 
 
 @pytest.mark.parametrize("np_", NPS)
 def test_alltoall_and_reducescatter(np_):
-    results = run_ranks(_alltoall_reducescatter_cases, np=np_, timeout=180)
+    results = _LAUNCH[np_].results("alltoall_reducescatter")
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 
@@ -226,7 +226,7 @@ def _average_rounding_cases():
 def test_average_rounds_like_upstream(np_):
     # At np=3, an Average multiplied by 1/3 was one ulp off the framework's `sum / 3` in about a
     # third of the elements (upstream's join test compares them exactly).
-    results = run_ranks(_average_rounding_cases, np=np_, timeout=120)
+    results = _LAUNCH[np_].results("average_rounding")
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 
@@ -273,7 +273,7 @@ def _mixed_memory_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_ranks_holding_large_tensors_in_different_memory(np_):
-    results = run_ranks(_mixed_memory_cases, np=np_, timeout=120)
+    results = _LAUNCH[np_].results("mixed_memory")
     assert results == [[]] * np_, results
 
 
@@ -316,7 +316,7 @@ def _flat_view_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_ranks_holding_a_flat_gradient_set_or_separate_tensors(np_):
-    results = run_ranks(_flat_view_cases, np=np_, timeout=120)
+    results = _LAUNCH[np_].results("flat_view")
     assert results == [[]] * np_, results
 
 
@@ -372,5 +372,13 @@ def _flat_group_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_grouped_views_of_one_flat_buffer_are_reduced_as_one_span(np_):
-    results = run_ranks(_flat_group_cases, np=np_, timeout=120)
+    results = _LAUNCH[np_].results("flat_group")
     assert results == [[]] * np_, results
+
+
+# One launch per world size for every body above: each needs only hvd.init() (tests/_shared_launch.py).
+_LAUNCH = {n: SharedLaunch(n, {"allreduce": _allreduce_cases, "allgather_broadcast": _allgather_broadcast_cases,
+                               "alltoall_reducescatter": _alltoall_reducescatter_cases,
+                               "average_rounding": _average_rounding_cases, "mixed_memory": _mixed_memory_cases,
+                               "flat_view": _flat_view_cases, "flat_group": _flat_group_cases}, timeout=600)
+           for n in NPS}

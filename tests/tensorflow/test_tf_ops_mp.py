@@ -1,7 +1,8 @@
 """horovod.tensorflow ops on real ranks (np=2 and np=3): eager, tf.function, TF1 sessions, gradients.
 
-One launch per world size runs every case; the rank body collects failures instead of stopping at
-the first, so a run reports each broken (mode, op, dtype) combination with its rank.
+One launch per world size runs every case of both bodies (``_ops_body``, ``_reused_outputs_body``:
+tests/_shared_launch.py); each rank body collects failures instead of stopping at the first, so a
+run reports each broken (mode, op, dtype) combination with its rank.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -147,7 +149,8 @@ def _ops_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_ops_every_mode(np_):
-    _assert_every_rank_passes(_ops_body, np_, 240)
+    failures = [msg for per_rank in _LAUNCH[np_].results("ops") for msg in per_rank]
+    assert not failures, "\n".join(failures)
 
 
 def _process_set_body():
@@ -232,4 +235,10 @@ def _reused_outputs_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_pooled_outputs_held_across_steps_are_not_overwritten(np_):
-    _assert_every_rank_passes(_reused_outputs_body, np_, 180)
+    failures = [msg for per_rank in _LAUNCH[np_].results("pooled") for msg in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+# One launch per world size for both bodies (TensorFlow's start-up dominates their time).
+_LAUNCH = {n: SharedLaunch(n, {"ops": _ops_body, "pooled": _reused_outputs_body}, timeout=420)
+           for n in (2, 3)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -144,9 +145,13 @@ def _keras_fit_body():
     return bad, digest, tf.keras.__name__
 
 
-@pytest.mark.parametrize("body", [_tape_and_tf1_body, _keras_fit_body], ids=["tape+tf1", "keras3-fit"])
+# One launch runs both np=2 bodies (TensorFlow's start-up dominates their time).
+_NP2 = SharedLaunch(2, {"tape+tf1": _tape_and_tf1_body, "keras3-fit": _keras_fit_body}, timeout=420)
+
+
+@pytest.mark.parametrize("body", ["tape+tf1", "keras3-fit"])
 def test_np2_training_equals_single_process_on_all_batches(body):
-    results = run_ranks(body, np=2, timeout=240)
+    results = _NP2.results(body)
     failures = [m for res in results for m in res[0]]
     assert not failures, "\n".join(failures)
     assert results[0][1] == pytest.approx(results[1][1], abs=1e-6), "weights differ between ranks"

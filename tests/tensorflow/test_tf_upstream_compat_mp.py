@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -81,7 +81,7 @@ def _errors_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_error_types_match_upstream_in_every_mode(np_):
-    failures = _failures(run_ranks(_errors_body, np=np_, timeout=300))
+    failures = _failures(_launch(np_).results("errors"))
     assert not failures, "\n".join(failures)
 
 
@@ -123,7 +123,7 @@ def _reducescatter_grad_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_reducescatter_gradient_is_upstreams(np_):
-    failures = _failures(run_ranks(_reducescatter_grad_body, np=np_, timeout=240))
+    failures = _failures(_launch(np_).results("reducescatter"))
     assert not failures, "\n".join(failures)
 
 
@@ -201,7 +201,7 @@ def _keras2_optimizer_body():
 
 
 def test_keras2_compute_gradients_and_aggregation_np2():
-    results = run_ranks(_keras2_optimizer_body, np=2, timeout=300, env={"TF_USE_LEGACY_KERAS": "1"})
+    results = _launch(2, keras2=True).results("keras2_optimizer")
     failures = _failures(results)
     assert not failures, "\n".join(failures)
 
@@ -233,8 +233,25 @@ def _sync_batch_norm_body():
 
 @pytest.mark.parametrize("keras2", [False, True], ids=["keras3", "keras2"])
 def test_sync_batch_norm_uses_every_ranks_batch(keras2):
-    results = run_ranks(_sync_batch_norm_body, np=2, timeout=240,
-                        env={"TF_USE_LEGACY_KERAS": "1"} if keras2 else None)
+    results = _launch(2, keras2=keras2).results("sync_batch_norm")
     failures = [m for res in results for m in res[0]]
     assert not failures, "\n".join(failures)
     assert results[0][1].startswith("tf_keras") == keras2, results[0][1]
+
+
+# One launch per (world size, Keras flavour) runs every body that needs it (TensorFlow's start-up
+# dominates their time); the bodies that provoke errors on purpose run last.
+_LAUNCHES = {
+    (2, False): SharedLaunch(2, {"reducescatter": _reducescatter_grad_body,
+                                 "sync_batch_norm": _sync_batch_norm_body,
+                                 "errors": _errors_body}, timeout=600),
+    (3, False): SharedLaunch(3, {"reducescatter": _reducescatter_grad_body,
+                                 "errors": _errors_body}, timeout=600),
+    (2, True): SharedLaunch(2, {"sync_batch_norm": _sync_batch_norm_body,
+                                "keras2_optimizer": _keras2_optimizer_body}, timeout=600,
+                            env={"TF_USE_LEGACY_KERAS": "1"}),
+}
+
+
+def _launch(np_: int, keras2: bool = False) -> SharedLaunch:
+    return _LAUNCHES[(np_, keras2)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -83,7 +84,8 @@ def _allreduce_cases():
 
 @pytest.mark.parametrize("np_", [2, 4])
 def test_adasum_allreduce_values(np_):
-    for bad in run_ranks(_allreduce_cases, np=np_, timeout=180):
+    fails = _NP2.results("allreduce") if np_ == 2 else run_ranks(_allreduce_cases, np=np_, timeout=180)
+    for bad in fails:
         assert bad == []
 
 
@@ -209,5 +211,9 @@ def _optimizer_cases():
 def test_adasum_delta_optimizer_np2():
     # np=2 suffices here: the optimizer only calls the allreduce that test_adasum_allreduce_values
     # checks at np=4 (several VHDD levels).
-    for bad in run_ranks(_optimizer_cases, np=2, timeout=180):
+    for bad in _NP2.results("optimizer"):
         assert bad == []
+
+
+# One np=2 launch for the allreduce values and the optimizer (tests/_shared_launch.py).
+_NP2 = SharedLaunch(2, {"allreduce": _allreduce_cases, "optimizer": _optimizer_cases}, timeout=360)

@@ -1,7 +1,9 @@
 """Every horovod.torch collective on real ranks (mpirun), np=2 and np=3, every supported dtype.
 
 Each rank body runs all cases of one family and returns its list of failures (it does not stop at
-the first), so one launch reports every broken (dtype, shape, op) combination.
+the first), so one launch reports every broken (dtype, shape, op) combination. The bodies that
+need nothing but ``hvd.init()`` share one launch per world size (tests/_shared_launch.py, the
+error paths last); the dynamic process sets and the resubmit spies keep launches of their own.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -361,19 +364,19 @@ def test_allreduce_family(np_):
 
 @pytest.mark.parametrize("np_", NPS)
 def test_allgather_broadcast_alltoall_reducescatter_join(np_):
-    fails = run_ranks(_movement_cases, np=np_, timeout=180)
+    fails = _LAUNCH[np_].results("movement")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 @pytest.mark.parametrize("np_", NPS)
 def test_autograd_gradients(np_):
-    fails = run_ranks(_grad_cases, np=np_, timeout=120)
+    fails = _LAUNCH[np_].results("grad")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 @pytest.mark.parametrize("np_", NPS)
 def test_error_paths(np_):
-    fails = run_ranks(_error_cases, np=np_, timeout=120)
+    fails = _LAUNCH[np_].results("errors")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -499,7 +502,7 @@ def _flat_gradient_cases():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_gradients_in_one_flat_tensor_on_some_ranks(np_):
-    fails = run_ranks(_flat_gradient_cases, np=np_, timeout=120)
+    fails = _LAUNCH[np_].results("flat_gradient")
     assert fails == [[]] * np_, fails
 
 
@@ -541,5 +544,12 @@ def _flat_hint_cases():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_flat_gradient_set_on_every_rank_is_one_span(np_):
-    fails = run_ranks(_flat_hint_cases, np=np_, timeout=120)
+    fails = _LAUNCH[np_].results("flat_hint")
     assert fails == [[]] * np_, fails
+
+
+# One launch per world size for the bodies above that need only hvd.init() (error paths last).
+_LAUNCH = {n: SharedLaunch(n, {"movement": _movement_cases, "grad": _grad_cases,
+                               "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases,
+                               "errors": _error_cases}, timeout=480)
+           for n in NPS}

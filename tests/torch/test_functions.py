@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -130,11 +130,16 @@ def _sync_batch_norm_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_broadcast_parameters_and_optimizer_state(np_):
-    fails = run_ranks(_broadcast_cases, np=np_, timeout=180)
+    fails = _LAUNCH[np_].results("broadcast")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 @pytest.mark.parametrize("np_", NPS)
 def test_sync_batch_norm_matches_batch_norm_on_global_batch(np_):
-    fails = run_ranks(_sync_batch_norm_cases, np=np_, timeout=120)
+    fails = _LAUNCH[np_].results("sync_batch_norm")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
+
+
+# One launch per world size for both bodies (tests/_shared_launch.py).
+_LAUNCH = {n: SharedLaunch(n, {"broadcast": _broadcast_cases, "sync_batch_norm": _sync_batch_norm_cases},
+                           timeout=300) for n in NPS}

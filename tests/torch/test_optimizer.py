@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import SharedLaunch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -325,21 +326,30 @@ def _process_set_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_optimizer_matches_one_process_training(np_):
-    fails = run_ranks(_equivalence_cases, np=np_, timeout=240)
+    fails = _LAUNCH[np_].results("equivalence")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 def test_every_torch_optimizer_with_state_broadcast_and_scheduler():
-    fails = run_ranks(_every_optimizer_cases, np=2, timeout=240)
+    fails = _LAUNCH[2].results("every_optimizer")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 @pytest.mark.parametrize("np_", NPS)
 def test_optimizer_edge_cases(np_):
-    fails = run_ranks(_edge_cases, np=np_, timeout=240)
+    fails = _LAUNCH[np_].results("edge")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 def test_optimizer_process_set():
     fails = run_ranks(_process_set_cases, np=3, timeout=120)
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
+
+
+# One launch per world size for the bodies that need only hvd.init(), the edge cases last
+# (tests/_shared_launch.py); the process-set body keeps its own launch.
+_LAUNCH = {
+    2: SharedLaunch(2, {"equivalence": _equivalence_cases, "every_optimizer": _every_optimizer_cases,
+                        "edge": _edge_cases}, timeout=600),
+    3: SharedLaunch(3, {"equivalence": _equivalence_cases, "edge": _edge_cases}, timeout=480),
+}
