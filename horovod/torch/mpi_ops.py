@@ -175,7 +175,8 @@ def _resubmit_many(tensors: list[torch.Tensor], signatures: list[tuple[Any, ...]
 
 
 def _all_match(ctx: Any, tensors: Sequence[Any], signatures: Sequence[tuple[Any, ...]]) -> bool:
-    """``_matches`` of every tensor with its signature, in one call (``ctx``: the live context)."""
+    """Every tensor is a plain dense contiguous CPU tensor of its signature's dtype and shape, and
+    every signature was checked in ``ctx`` (the live context) on a still-registered process set."""
     if len(tensors) != len(signatures):
         return False
     groups = ctx.groups
@@ -190,21 +191,9 @@ def _all_match(ctx: Any, tensors: Sequence[Any], signatures: Sequence[tuple[Any,
 
 
 def _matches(tensor: Any, signature: tuple[Any, ...]) -> bool:
-    return _same_context(signature) and _same_tensor(tensor, signature)
-
-
-def _same_context(signature: tuple[Any, ...]) -> bool:
-    """The context and process set the signature's request was checked in are still current."""
-    ctx, req, _dtype, _shape, group = signature
-    return ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
-
-
-def _same_tensor(tensor: Any, signature: tuple[Any, ...]) -> bool:
-    """``tensor`` is a plain dense contiguous CPU tensor of the signature's dtype and shape."""
-    _ctx, _req, dtype, shape, _group = signature
-    return (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
-            and not tensor.requires_grad and tensor.layout is torch.strided
-            and tensor.is_cpu and tensor.is_contiguous())
+    """``tensor`` may be resubmitted with ``signature``'s request (what ``_resubmit`` inlines)."""
+    ctx = peek_context()
+    return ctx is not None and _all_match(ctx, [tensor], [signature])
 
 
 def _remember(key: tuple[Any, ...], signature: Any) -> None:

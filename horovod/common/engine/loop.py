@@ -572,17 +572,10 @@ class Engine:
             for slot in list(self.cache.occupied()):
                 self._evict(slot)
 
-    def _take(self, name: str) -> Entry | None:
-        e = self._pending.pop(name, None)
-        if e is not None:
-            if e.state == _CACHED:
-                self._ready_mask &= ~(1 << e.slot)
-            e.state = _DONE
-        return e
-
     def _take_batch(self, batch: list[Response]) -> list[Entry | None]:
-        """``_take`` of every response of a batch (one call per batch: a cached step's batch holds
-        every gradient)."""
+        """Each response's pending entry (None where this rank has none), marked done and its
+        cached slot no longer ready; one call per batch (a cached step's batch holds every
+        gradient)."""
         pop = self._pending.pop
         entries: list[Entry | None] = []
         cleared = 0
@@ -612,7 +605,7 @@ class Engine:
         group = self.groups.get(first.request.process_set_id)
         member = group is not None and group.rank >= 0
         if first.error is not None:
-            e = self._take(first.name)
+            e = self._take_batch([first])[0]
             if e is not None:
                 with self._cv:
                     self._in_flight.pop(first.name, None)
@@ -623,7 +616,7 @@ class Engine:
             self.groups[first.result] = self.backend.new_group(ranks)
             if self._on_ps_added is not None:
                 self._on_ps_added(first.result, ranks)
-            e = self._take(first.name)
+            e = self._take_batch([first])[0]
             if e is not None:
                 e.outputs = first.result
             self._complete([e])
@@ -639,7 +632,7 @@ class Engine:
             for slot in self.cache.occupied():
                 if self.cache.response(slot).request.process_set_id == ps_id:
                     self._evict(slot)
-            e = self._take(first.name)
+            e = self._take_batch([first])[0]
             self._complete([e])
             return
         if not member:
