@@ -14,6 +14,7 @@ docs/gpu.md.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,7 +123,7 @@ class _Same:
 # checks and conversions; anything else takes the checked path. Bounded: cleared when full (names
 # made fresh every step would only grow it). The optimizer's gradient hooks keep their own
 # per-parameter signatures.
-_REPEAT: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_REPEAT: dict[tuple[Any, ...], Any] = {}  # a signature, or a _GroupRepeat
 _REPEAT_MAX = 4096
 
 
@@ -134,14 +135,27 @@ def _repeat_signature(tensor: torch.Tensor, req: Any) -> tuple[Any, ...] | None:
             or not tensor.is_contiguous() or tensor.requires_grad):
         return None
     ctx = get_context()
-    return (ctx, req, tensor.dtype, tensor.shape, ctx.groups.get(req.process_set_id))
+    group = ctx.groups.get(req.process_set_id)
+    dtype, shape = tensor.dtype, tensor.shape
+    # (context, request, dtype, shape, group, the tensor's expected _PROBE, where it was checked)
+    return (ctx, req, dtype, shape, group, (dtype, shape, False, torch.strided, True),
+            (ctx, req.process_set_id, group))
+
+
+# What a resubmitted tensor must still be, read for many tensors at once (C loops): its dtype,
+# shape, no autograd, dense, on the host (``_repeat_signature``'s sixth item); and contiguous.
+_PROBE = operator.attrgetter("dtype", "shape", "requires_grad", "layout", "is_cpu")
+_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_DATA_PTR = operator.methodcaller("data_ptr")
+_PROBE_OF = operator.itemgetter(5)
+_HOME_OF = operator.itemgetter(6)
 
 
 def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer: bool = False) -> int | None:
     """Resubmit the request of ``signature`` on ``tensor`` in place when the tensor still matches
     it (dtype, shape, context, process set, a plain dense CPU tensor); None when it does not."""
     # _matches(tensor, signature), inlined: this runs once per gradient per step.
-    ctx, req, dtype, shape, group = signature
+    ctx, req, dtype, shape, group, _probe, _home = signature
     if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
             and ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
             and not tensor.requires_grad and tensor.layout is torch.strided and tensor.is_cpu
@@ -155,10 +169,10 @@ class _Each:
 
     __slots__ = ("tensors",)
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def __call__(self, _result: Any) -> list[torch.Tensor]:
+    def __call__(self, _result: Any) -> Sequence[torch.Tensor]:
         return self.tensors
 
 
@@ -176,18 +190,23 @@ def _resubmit_many(tensors: list[torch.Tensor], signatures: list[tuple[Any, ...]
 
 def _all_match(ctx: Any, tensors: Sequence[Any], signatures: Sequence[tuple[Any, ...]]) -> bool:
     """Every tensor is a plain dense contiguous CPU tensor of its signature's dtype and shape, and
-    every signature was checked in ``ctx`` (the live context) on a still-registered process set."""
+    every signature was checked in ``ctx`` (the live context) on a still-registered process set.
+
+    Vectorised: the tensors' attributes are read with ``map`` and compared as lists, and each
+    distinct (context, process set) of the signatures is checked once (a gradient set's
+    signatures share one)."""
     if len(tensors) != len(signatures):
         return False
     groups = ctx.groups
-    strided, tensor_type = torch.strided, torch.Tensor
-    for tensor, (sctx, req, dtype, shape, group) in zip(tensors, signatures):
-        if not (type(tensor) is tensor_type and tensor.dtype is dtype and tensor.shape == shape
-                and sctx is ctx and groups.get(req.process_set_id) is group
-                and not tensor.requires_grad and tensor.layout is strided and tensor.is_cpu
-                and tensor.is_contiguous()):
+    for sctx, ps_id, group in set(map(_HOME_OF, signatures)):
+        if sctx is not ctx or groups.get(ps_id) is not group:
             return False
-    return True
+    return (set(map(type, tensors)) <= _PLAIN
+            and list(map(_PROBE, tensors)) == list(map(_PROBE_OF, signatures))
+            and all(map(_CONTIGUOUS, tensors)))
+
+
+_PLAIN = frozenset((torch.Tensor,))
 
 
 def _matches(tensor: Any, signature: tuple[Any, ...]) -> bool:
@@ -299,19 +318,59 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     if name is not None and average is None:
         key = ("grouped", name, op, prescale_factor, postscale_factor,
                getattr(process_set, "process_set_id", None))
-        signatures = _REPEAT.get(key)
+        repeat = _REPEAT.get(key)
         ctx = peek_context()
-        if signatures is not None and ctx is not None and _all_match(ctx, tensors, signatures):
-            group = tuple(tensors)
-            return _register(_C.submit_again(signatures[0][1], [t.numpy() for t in group], wake=_wake),
-                             lambda _r: group)
+        if repeat is not None and ctx is not None:
+            arrays = repeat.views(ctx, tensors)
+            if arrays is not None:
+                return _register(_C.submit_again(repeat.request, arrays, wake=_wake), repeat.post)
     h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
                                  process_set, True, True, "grouped_allreduce_async_", _wake)
     if key is not None and tensors:
         signatures = tuple(_repeat_signature(t, h.request) for t in tensors)
         if all(sig is not None for sig in signatures):
-            _remember(key, signatures)
+            _remember(key, _GroupRepeat(signatures))
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
+
+
+class _GroupRepeat:
+    """A named in-place grouped allreduce repeated with the same arguments: its tensors'
+    signatures, and the tensors of the last repeat with their NumPy views.
+
+    ``views`` returns the views to resubmit, or None when the tensors no longer match (the caller
+    takes the checked path). The same tensor objects as last time (a fixed gradient or metric
+    set) reuse last time's views after a check of what could have changed in place (data
+    pointer, dtype, shape, layout, autograd, contiguity), without making new views; other
+    tensors are checked like any resubmission (``_all_match``) and become the remembered ones.
+    The same list of views is handed to the engine each time, so its per-entry work is reused
+    too (``NumpyBuffers.items``)."""
+
+    __slots__ = ("signatures", "request", "probes", "tensors", "arrays", "ptrs", "post")
+
+    def __init__(self, signatures: tuple[tuple[Any, ...], ...]) -> None:
+        self.signatures = signatures
+        self.request = signatures[0][1]
+        self.probes = list(map(_PROBE_OF, signatures))
+        self.tensors: tuple[torch.Tensor, ...] = ()
+        self.arrays: list[np.ndarray] = []
+        self.ptrs: list[int] = []
+        self.post: Callable[[Any], Any] = _Each([])
+
+    def views(self, ctx: Any, tensors: Sequence[Any]) -> list[np.ndarray] | None:
+        last = self.tensors
+        if len(tensors) == len(last) and all(map(operator.is_, tensors, last)):
+            sctx, ps_id, group = self.signatures[0][6]
+            if (sctx is ctx and ctx.groups.get(ps_id) is group
+                    and list(map(_DATA_PTR, tensors)) == self.ptrs
+                    and list(map(_PROBE, tensors)) == self.probes and all(map(_CONTIGUOUS, tensors))):
+                return self.arrays
+        if not _all_match(ctx, tensors, self.signatures):
+            return None
+        self.tensors = tuple(tensors)
+        self.arrays = [t.numpy() for t in self.tensors]
+        self.ptrs = list(map(_DATA_PTR, self.tensors))
+        self.post = _Each(self.tensors)
+        return self.arrays
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,

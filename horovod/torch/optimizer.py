@@ -58,6 +58,19 @@ def _unhooked(fn: Any) -> Any:
     return fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
 
 
+class _Slot:
+    """One parameter's per-step state, held by its hook (no dictionary keyed by tensors, whose
+    ``__hash__`` is a Python call, on the hook's path): how many backward passes remain before
+    its allreduce starts, and its gradient's repeat signature (``mpi_ops._repeat_signature``)."""
+
+    __slots__ = ("param", "delay", "fast")
+
+    def __init__(self, param: torch.Tensor, delay: int) -> None:
+        self.param = param
+        self.delay = delay
+        self.fast: tuple[Any, ...] | None = None
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin placed before the wrapped optimizer's class in a new class of the same name."""
 
@@ -73,9 +86,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._parameter_names = self._names(named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in self._all_params()}
+        self._slots = {p: _Slot(p, backward_passes_per_step) for _, p in self._all_params()}
         self._handles: dict[Any, tuple[Any, Any]] = {}
-        self._fast: dict[torch.Tensor, tuple[Any, ...]] = {}  # parameter -> _repeat_signature
         # Gradients of this backward pass held for one bundled submission at its end (see
         # ``_collect``), and the bundles submitted: (handle, parameters).
         self._collected: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
@@ -168,18 +180,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradient reduction
     def _make_hook(self, p: torch.Tensor) -> Any:
+        slot = self._slots[p]
+
         def hook(_param: torch.Tensor) -> None:
-            delay = self._allreduce_delay[p]
+            delay = slot.delay
             if delay <= 0:
                 raise AssertionError(_MANY_PASSES)
-            self._allreduce_delay[p] = delay - 1
+            slot.delay = delay - 1
             if delay > 1:
                 self._handles[p] = (None, None)  # accumulating locally; step() may force it
                 return
             if self._groups is None:
-                signature = self._fast.get(p)
-                if signature is None or not self._collect(p, signature):
-                    self._handles[p] = self._allreduce_grad_async(p)
+                signature = slot.fast
+                if signature is not None:
+                    if self._collected:  # a bundle of this pass is open: join it
+                        self._collected.append((p, signature))
+                        return
+                    if self._collect(p, signature):
+                        return
+                self._handles[p] = self._allreduce_grad_async(p)
                 return
             group = self._p_to_group[p]
             self._group_counts[group] += 1
@@ -244,7 +263,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
         name = self._parameter_names.get(p)
         tensor = self._grad_for(p)
-        signature = self._fast.get(p)
+        slot = self._slots[p]
+        signature = slot.fast
         if signature is not None:
             # The same gradient as last step (dtype, shape, context, process set): resubmit its
             # request without the checks (a hook runs ~60 times per backward, on its critical path).
@@ -264,7 +284,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if compressed is tensor:
             signature = _repeat_signature(tensor, get_context().handles[handle][0].request)
             if signature is not None:
-                self._fast[p] = signature
+                slot.fast = signature
         return handle, (ctx, compressed)
 
     def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
@@ -293,6 +313,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif result is not grad:
             grad.copy_(result)
 
+    def _not_launched(self) -> list[torch.Tensor]:
+        """The parameters to update whose allreduce has not started, in parameter order (dropping
+        the placeholders of passes still accumulating locally)."""
+        handles = self._handles
+        if not handles and sum(len(params) for _, params in self._bundles) == len(self._requires_update):
+            # The common step: one bundle of every gradient (a parameter joins at most one bundle
+            # per step, and only parameters to update have hooks), so nothing is left.
+            return []
+        launched: set[torch.Tensor] = set()
+        for _, params in self._bundles:
+            launched.update(params)
+        for key, (handle, _) in list(handles.items()):
+            if handle is None:
+                del handles[key]
+            else:
+                launched.update(key if isinstance(key, tuple) else (key,))
+        if self._requires_update <= launched:
+            return []
+        return [p for _, p in self._all_params() if p in self._requires_update and p not in launched]
+
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce and write the averaged gradients into ``p.grad``.
 
@@ -305,16 +345,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if self._collected:  # a pass whose end-of-backward callback has not run
             self._submit_collected()
-        launched: set[torch.Tensor] = set()
-        for _, params in self._bundles:
-            launched.update(params)
-        for key, (handle, _) in list(self._handles.items()):
-            if handle is None:
-                del self._handles[key]
-            else:
-                launched.update(key if isinstance(key, tuple) else (key,))
-        todo = [] if self._requires_update <= launched else [
-            p for _, p in self._all_params() if p in self._requires_update and p not in launched]
+        todo = self._not_launched()
         if self._groups is not None:
             started: set[tuple[torch.Tensor, ...]] = set()
             for p in todo:
@@ -337,7 +368,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 out = handle() if callable(handle) else synchronize(handle)
                 self._write_grad(key, out, ctx)
         self._handles.clear()
-        self._allreduce_delay.update(dict.fromkeys(self._requires_update, self.backward_passes_per_step))
+        passes = self.backward_passes_per_step
+        for slot in self._slots.values():
+            slot.delay = passes
         for g in self._group_counts:
             self._group_counts[g] = 0
         self._synchronized = True
@@ -382,8 +415,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         for g in self._group_counts:
             self._group_counts[g] = 0
-        for _, p in self._all_params():
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        for slot in self._slots.values():
+            slot.delay = self.backward_passes_per_step
         return self._hvd_base.load_state_dict(self, state_dict)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -391,8 +424,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if passes <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+        for slot in self._slots.values():
+            slot.delay = passes
 
 
 class _ParamGroups:

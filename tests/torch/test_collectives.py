@@ -463,6 +463,45 @@ def _repeat_cases():
     except Exception as exc:  # noqa: BLE001 - any Horovod error naming the mismatch
         if "shape" not in str(exc).lower():
             fails.append(f"rank {r}: grouped mismatch error does not name the shapes: {exc}")
+    # The same tensor objects again (a fixed set): their views are reused, after a check of what
+    # could have changed in place. A tensor given new storage, resized, retyped or made
+    # non-contiguous in place is checked again, and its values come out right.
+    from horovod.torch import mpi_ops
+
+    fast.clear()
+    same = [torch.zeros(3), torch.zeros(2, 2)]
+
+    def grouped_same(what, fast_expected):
+        before = len(fast)
+        for t in same:
+            t.fill_(float(r))
+        hvd.grouped_allreduce_(same, name="gsame", op=hvd.Sum)
+        for t in same:
+            check(what, t, torch.full(t.shape, float(total), dtype=t.dtype))
+        if (len(fast) > before) != fast_expected:
+            fails.append(f"rank {r}: {what}: resubmitted unchecked: {len(fast) > before}, "
+                         f"expected {fast_expected}")
+
+    grouped_same("same tensors, first call", False)
+    grouped_same("same tensors, second call", True)
+    repeat = next(v for v in mpi_ops._REPEAT.values()
+                  if isinstance(v, mpi_ops._GroupRepeat) and v.request.name.endswith("gsame"))
+    views = repeat.arrays
+    grouped_same("same tensors, third call", True)
+    if repeat.arrays is not views:
+        fails.append(f"rank {r}: the same tensors got new views")
+    same[0].set_(torch.zeros(3))  # new storage, same shape: checked, then resubmitted
+    grouped_same("new storage", True)
+    if repeat.arrays is views or repeat.arrays[0].ctypes.data != same[0].data_ptr():
+        fails.append(f"rank {r}: a tensor with new storage kept its old view")
+    same[1].set_(same[1].untyped_storage(), 0, (2, 2), (1, 2))  # same memory and shape, transposed
+    grouped_same("non-contiguous in place", False)
+    same[1].resize_(4)
+    grouped_same("resized in place", False)
+    for t in same:  # a grouped allreduce takes one dtype
+        t.data = t.data.double()
+    grouped_same("retyped in place", False)
+    grouped_same("after the changes", True)
     C.submit_again, C.resubmit_registered = real, real_registered
     return fails
 

@@ -5,7 +5,8 @@
   changes, the cache is reset or a name is renegotiated with another shape;
 * ``Executor._plan_reduction`` memoizes ``plan.plan_reduction`` on all of its arguments;
 * ``NumpyBuffers.pack``/``unpack`` move many small segments with one concatenation / one scaling
-  of the buffer: bit-identical to the per-segment copies.
+  of the buffer: bit-identical to the per-segment copies;
+* ``NumpyBuffers.items`` reuses a name's items only for the very same lists of arrays.
 """
 
 from __future__ import annotations
@@ -207,3 +208,23 @@ def test_reduction_values_with_many_small_tensors_and_scale_factors():
             np.testing.assert_array_equal(e.outputs[0], want)
             x[...] = want
             e.outputs = [e.inputs[0]]
+
+
+def test_items_are_reused_only_for_the_same_lists_of_a_name():
+    ops = NumpyBuffers(lambda n: np.empty(n, np.uint8))
+    arrays = [np.full((2, 2), k, np.float32) for k in range(NumpyBuffers.ITEMS_MEMO_MIN)]
+    first = ops.items("g", arrays, arrays)
+    assert [(it.x.shape, it.inplace, it.name, it.n) for it in first] == [((4,), True, "g", 4)] * len(arrays)
+    assert all(np.shares_memory(it.x, a) for it, a in zip(first, arrays))
+    assert ops.items("g", arrays, arrays) is first  # the same lists: the same items
+    copy = list(arrays)  # equal contents, another list: built afresh
+    assert ops.items("g", copy, copy) is not first
+    outs = [np.empty_like(a) for a in arrays]  # another output list: not in place
+    fresh = ops.items("g", copy, outs)
+    assert not any(it.inplace for it in fresh) and all(it.o.base is o for it, o in zip(fresh, outs))
+    assert ops.items("h", copy, outs) is not fresh  # another name
+    few = arrays[:2]  # small entries are not remembered
+    assert ops.items("s", few, few) is not ops.items("s", few, few)
+    for k in range(NumpyBuffers.ITEMS_MEMO_SIZE):  # bounded: a full memo starts over
+        ops.items(f"n{k}", arrays, arrays)
+    assert len(ops._items) <= NumpyBuffers.ITEMS_MEMO_SIZE
