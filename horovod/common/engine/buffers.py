@@ -115,7 +115,8 @@ class Placement(Protocol):
 
 def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
                 ) -> tuple[list[Item], list[int]]:
-    """The items of a batch on this rank, and where each response's items start.
+    """The items of a batch on this rank, and where each response's items start (callers do not
+    change the list: it may be the one ``ops.items`` remembers).
 
     Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
     agreed shapes."""
@@ -139,7 +140,10 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
                 items.append(Item(z, z, True, resp.name, n))
             continue
         entry.outputs = ops.outputs(entry.inputs, entry.outputs)
-        items.extend(ops.items(resp.name, entry.inputs, entry.outputs))
+        mine = ops.items(resp.name, entry.inputs, entry.outputs)
+        if len(batch) == 1:
+            return mine, starts  # as ``items`` made it (possibly remembered: not to be changed)
+        items.extend(mine)
     return items, starts
 
 
@@ -274,6 +278,28 @@ def span_of(items: Sequence[Item], segs: Sequence[Segment], inplace_only: bool) 
     return np.lib.stride_tricks.as_strided(first[segs[0][1]:], shape=(total,), strides=(size,))
 
 
+class _Moves(NamedTuple):
+    """A remembered entry's views for one set of segments: the inputs' parts to concatenate into
+    the fusion buffer, and (output, buffer view) pairs to copy back."""
+
+    segs: tuple[Segment, ...]
+    work: np.dtype
+    parts: list[np.ndarray]
+    pairs: list[tuple[np.ndarray, np.ndarray]]
+
+
+class _Remembered:
+    """``NumpyBuffers.items``' memo of one name: the entry's lists, its items, their views."""
+
+    __slots__ = ("inputs", "outputs", "items", "moves")
+
+    def __init__(self, inputs: Any, outputs: Any, items: list[Item]) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.items = items
+        self.moves: dict[int, _Moves] = {}  # id(segments) -> views (the segments are kept in it)
+
+
 class NumpyBuffers:
     """``BufferOps`` on flat host NumPy arrays (the engine's own executor)."""
 
@@ -284,12 +310,14 @@ class NumpyBuffers:
         self._empty = empty  # bytes -> uint8 array (huge-page aligned)
         self._output = output  # (shape, dtype) -> a result array (warm, from the output pool)
         self._buffers: dict[str, np.ndarray] = {}
-        # name -> (inputs, outputs, items) of the last many-tensor entry of that name (``items``)
-        self._items: dict[str, tuple[Any, Any, list[Item]]] = {}
+        # name -> the last many-tensor entry of that name, its items and their views (``items``)
+        self._items: dict[str, _Remembered] = {}
 
     #: entries of at least this many tensors have their items remembered; at most this many names
     ITEMS_MEMO_MIN = 8
     ITEMS_MEMO_SIZE = 256
+    #: remembered views per name (one per set of segments a plan cuts the entry into)
+    MOVES_MEMO_SIZE = 8
 
     def outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None) -> list[np.ndarray]:
         if given is not None:
@@ -305,11 +333,11 @@ class NumpyBuffers:
 
     def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
         memo = self._items.get(name)
-        if memo is not None and memo[0] is inputs and memo[1] is outputs:
+        if memo is not None and memo.inputs is inputs and memo.outputs is outputs:
             # The same lists as this name's last time (a binding resubmitting a repeated grouped
             # operation hands over the same list of views each step): the same items. The memo
             # holds the lists, so their identity cannot be reused by others; nobody mutates them.
-            return memo[2]
+            return memo.items
         new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
         for x, o in zip(inputs, outputs):
@@ -321,8 +349,31 @@ class NumpyBuffers:
         if len(out) >= self.ITEMS_MEMO_MIN:
             if len(self._items) >= self.ITEMS_MEMO_SIZE:
                 self._items.clear()
-            self._items[name] = (inputs, outputs, out)
+            self._items[name] = _Remembered(inputs, outputs, out)
         return out
+
+    def _moves(self, buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment]) -> _Moves | None:
+        """The views ``pack``/``unpack`` move between for ``segs`` of a remembered entry's items
+        (the one entry of a repeated grouped operation: the same items, the same segments from
+        the memoized plans, each step), made once; None for other items, which are moved with
+        views made on the way."""
+        memo = self._items.get(items[0].name) if items else None
+        if memo is None or memo.items is not items or type(segs) is not tuple:
+            return None
+        moves = memo.moves.get(id(segs))
+        if moves is not None and moves.segs is segs and moves.work == buf.dtype:
+            return moves
+        parts, outs, views = [], [], []
+        for i, s, e, b in segs:
+            x, o = items[i].x, items[i].o
+            whole = s == 0 and e == x.shape[0]
+            parts.append(x if whole else x[s:e])
+            outs.append(o if whole else o[s:e])
+            views.append(buf[b:b + e - s])
+        if len(memo.moves) >= self.MOVES_MEMO_SIZE:
+            memo.moves.clear()
+        moves = memo.moves[id(segs)] = _Moves(segs, buf.dtype, parts, list(zip(outs, views)))
+        return moves
 
     def piece(self, a: np.ndarray, start: int, stop: int) -> np.ndarray:
         return a[start:stop]
@@ -334,6 +385,8 @@ class NumpyBuffers:
         if buf is None or buf.size < n:
             buf = self._empty(max(n, 1024) * work.itemsize).view(work)
             self._buffers[work.str] = buf
+            for memo in self._items.values():  # their buffer views are of the one replaced
+                memo.moves.clear()
         return buf[:n]
 
     def zeros(self, n: int, dtype: str) -> np.ndarray:
@@ -346,10 +399,14 @@ class NumpyBuffers:
         if len(segs) > 2 and not widen:
             # Many small segments: one concatenation (a C loop) into the buffer, then one scaling
             # of the whole buffer; elementwise the same as scaling each segment on its way in.
-            parts = []
-            for i, s, e, _b in segs:
-                x = items[i].x
-                parts.append(x if s == 0 and e == x.shape[0] else x[s:e])
+            moves = self._moves(buf, items, segs)
+            if moves is not None:
+                parts = moves.parts
+            else:
+                parts = []
+                for i, s, e, _b in segs:
+                    x = items[i].x
+                    parts.append(x if s == 0 and e == x.shape[0] else x[s:e])
             np.concatenate(parts, out=buf)
             if pre != 1.0:
                 scale_array(buf, buf, pre)
@@ -377,6 +434,11 @@ class NumpyBuffers:
             # scaling each segment on its way out), then one plain copy per segment.
             if post != 1.0 or div != 1:
                 scale_array(buf, buf, post, div)
+            moves = self._moves(buf, items, segs)
+            if moves is not None:
+                for o, v in moves.pairs:
+                    o[...] = v
+                return
             for i, s, e, b in segs:
                 o = items[i].o
                 if s == 0 and e == o.shape[0]:

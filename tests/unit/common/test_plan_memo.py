@@ -228,3 +228,39 @@ def test_items_are_reused_only_for_the_same_lists_of_a_name():
     for k in range(NumpyBuffers.ITEMS_MEMO_SIZE):  # bounded: a full memo starts over
         ops.items(f"n{k}", arrays, arrays)
     assert len(ops._items) <= NumpyBuffers.ITEMS_MEMO_SIZE
+
+
+def test_remembered_views_move_the_same_values_and_follow_a_new_fusion_buffer():
+    # A repeated grouped operation: the same items each step, the same (memoized) segments. Its
+    # views are made once; values must equal the per-segment path's, also for partial segments
+    # and after the fusion buffer was replaced by a larger one.
+    shapes = [4] * 20 + [1, 300] + [4] * 5 + [7]
+    work = np.dtype("float32")
+    calls = [c for c in plan_reduction(shapes, work.itemsize, 256 * work.itemsize, 1 << 20, True)
+             if c.kind == PACKED and len(c.segments) > 2]
+    assert any(s > 0 for c in calls for _i, s, _e, _b in c.segments)  # a partial segment
+    ops = NumpyBuffers(lambda nbytes: np.empty(nbytes, np.uint8))
+    arrays = [np.zeros(n, work) for n in shapes]
+    items = ops.items("g", arrays, arrays)
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        if step == 2:  # a larger buffer replaces the one the views were made of
+            ops.buffer(work, 1 << 16)
+            assert not ops._items["g"].moves
+        for a in arrays:
+            a[...] = rng.standard_normal(a.size)
+        want = [a.copy() for a in arrays]
+        ref_items = [Item(w, w, True, "ref", w.size) for w in want]
+        for call in calls:
+            buf = ops.buffer(work, call.size)
+            ops.pack(buf, items, call.segments, 0.5, False)
+            ref = np.empty_like(buf)
+            _slow_pack(ref, ref_items, call.segments, 0.5, False)
+            np.testing.assert_array_equal(buf, ref)
+            buf *= 3
+            ref *= 3
+            ops.unpack(buf, items, call.segments, 1.0, 2)
+            _slow_unpack(ref, ref_items, call.segments, 1.0, 2)
+        for a, w in zip(arrays, want):
+            np.testing.assert_array_equal(a, w)
+        assert len(ops._items["g"].moves) == len(calls)  # made once per set of segments
