@@ -63,10 +63,9 @@ class _Slot:
     ``__hash__`` is a Python call, on the hook's path): how many backward passes remain before
     its allreduce starts, and its gradient's repeat signature (``mpi_ops._repeat_signature``)."""
 
-    __slots__ = ("param", "delay", "fast")
+    __slots__ = ("delay", "fast")
 
-    def __init__(self, param: torch.Tensor, delay: int) -> None:
-        self.param = param
+    def __init__(self, delay: int) -> None:
         self.delay = delay
         self.fast: tuple[Any, ...] | None = None
 
@@ -86,7 +85,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._parameter_names = self._names(named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
-        self._slots = {p: _Slot(p, backward_passes_per_step) for _, p in self._all_params()}
+        self._slots = {p: _Slot(backward_passes_per_step) for _, p in self._all_params()}
         self._handles: dict[Any, tuple[Any, Any]] = {}
         # Gradients of this backward pass held for one bundled submission at its end (see
         # ``_collect``), and the bundles submitted: (handle, parameters).
@@ -263,8 +262,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
         name = self._parameter_names.get(p)
         tensor = self._grad_for(p)
-        slot = self._slots[p]
-        signature = slot.fast
+        slot = self._slots.get(p)  # None for a parameter added after construction (no hook)
+        signature = None if slot is None else slot.fast
         if signature is not None:
             # The same gradient as last step (dtype, shape, context, process set): resubmit its
             # request without the checks (a hook runs ~60 times per backward, on its critical path).
@@ -283,7 +282,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   postscale_factor=post, process_set=self.process_set)
         if compressed is tensor:
             signature = _repeat_signature(tensor, get_context().handles[handle][0].request)
-            if signature is not None:
+            if signature is not None and slot is not None:
                 slot.fast = signature
         return handle, (ctx, compressed)
 
