@@ -19,6 +19,8 @@ Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as
                parameters, step); ``plain`` is the same step with the bare torch optimizer on a
                copy of the model, and ``optimizer_overhead`` the median per-rep difference: what
                Horovod adds to a training step
+  optimizer_groups1  the same step with ``hvd.DistributedOptimizer(..., groups=1)``: one grouped
+               allreduce of every gradient (``optimizer_groups1_overhead`` against ``plain``)
   grouped      one ``hvd.grouped_allreduce_`` of the 161 tensors
   raw          ``torch.distributed``-free floor: one mpi4py ``Allreduce`` per tensor (the transport)
 """
@@ -199,12 +201,15 @@ def main() -> None:
         return [torch.nn.Parameter(torch.ones(args.elements)) for _ in range(args.tensors)]
 
     x = torch.ones(args.elements)
-    hvd_params, plain_params = model(), model()
+    hvd_params, plain_params, group_params = model(), model(), model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(hvd_params, lr=0.0),
                                    named_parameters=[(f"param.{i}", p) for i, p in enumerate(hvd_params)])
+    group_opt = hvd.DistributedOptimizer(torch.optim.SGD(group_params, lr=0.0), groups=1,
+                                         named_parameters=[(f"gparam.{i}", p) for i, p in enumerate(group_params)])
     plain_opt = torch.optim.SGD(plain_params, lr=0.0)
     if hvd.size() == 1:  # one rank needs no reduction, so the optimizer has no hooks: add them
         opt._register_hooks()  # type: ignore[attr-defined]
+        group_opt._register_hooks()  # type: ignore[attr-defined]
 
     def train_step(o: Any, params: list[torch.nn.Parameter]) -> None:
         o.zero_grad()
@@ -217,10 +222,14 @@ def main() -> None:
     def plain() -> None:
         train_step(plain_opt, plain_params)
 
+    def optimizer_groups1() -> None:  # DistributedOptimizer(groups=1): one grouped allreduce
+        train_step(group_opt, group_params)
+
     for _ in range(3):  # the first steps take the checked path; later ones resubmit
         optimizer()
+        optimizer_groups1()
     modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "bundle": bundle,
-                                            "optimizer": optimizer,
+                                            "optimizer": optimizer, "optimizer_groups1": optimizer_groups1,
                                             "plain": plain, "grouped": grouped, "raw": raw}
     if not hasattr(mpi_ops, "_resubmit_many"):  # a tree from before bundles (old/new comparisons)
         del modes["bundle"]
@@ -270,7 +279,7 @@ def main() -> None:
             prof.dump_stats(args.profile)
     if hvd.rank() == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        for mode in ("optimizer", "optimizer_unopt"):
+        for mode in ("optimizer", "optimizer_unopt", "optimizer_groups1"):
             if mode in times:
                 med[mode.replace("optimizer", "optimizer_overhead")] = statistics.median(
                     a - b for a, b in zip(times[mode], times["plain"])) * 1e3

@@ -97,11 +97,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._groups = self._make_groups(groups)
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
-        self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
+        # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
+        # hash would hash each of its tensors (a Python call each) in every one of its hooks.
+        self._group_counts: dict[int, int] = {}
         for g in self._groups or []:
             for p in g:
                 self._p_to_group[p] = g
-            self._group_counts[g] = 0
+            self._group_counts[id(g)] = 0
         if process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._register_hooks()
 
@@ -200,8 +202,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[p] = self._allreduce_grad_async(p)
                 return
             group = self._p_to_group[p]
-            self._group_counts[group] += 1
-            if self._group_counts[group] < len(group):
+            counts = self._group_counts
+            counts[id(group)] += 1
+            if counts[id(group)] < len(group):
                 self._handles[p] = (None, None)
                 return
             for gp in group:

@@ -242,3 +242,34 @@ def test_grouped_allreduce_inplace_accepts_a_generator_every_time(hv):
         out = hv.synchronize(hv.grouped_allreduce_async_((t for t in ts), name="gen.group", op=hv.Sum))
         assert [o.tolist() for o in out] == [[1.0] * 3, [2.0] * 2], step
         assert all(o is t for o, t in zip(out, ts)), step
+
+
+@pytest.mark.parametrize("groups", [None, 1, 4])
+def test_optimizer_hooks_hash_tensors_a_bounded_number_of_times_per_parameter(hv, groups, monkeypatch):
+    # A step's hooks must cost O(parameters), not O(parameters x group size): a tensor's
+    # __hash__ is a Python call, and a dictionary keyed by a group (a tuple of tensors) hashes
+    # every tensor of the group in each of its hooks (161 parameters, groups=1: 26k calls).
+    n = 60
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(n)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), groups=groups,
+                                   named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
+    opt._register_hooks()  # one rank: the optimizer has none of its own
+    x = torch.ones(3)
+    calls = []
+    real = torch.Tensor.__hash__
+
+    def counting(self):
+        calls.append(1)
+        return real(self)
+
+    for step in range(3):
+        opt.zero_grad()
+        loss = torch.stack([(p * x).sum() for p in params]).sum()
+        if step == 2:
+            monkeypatch.setattr(torch.Tensor, "__hash__", counting)
+        loss.backward()
+        opt.step()
+        monkeypatch.undo()
+        for p in params:  # the gradient is averaged over one rank: unchanged; SGD steps by it
+            assert torch.allclose(p, torch.full((3,), 1.0 - 0.1 * (step + 1)))
+    assert len(calls) <= 8 * n, f"{len(calls)} tensor hashes in one step of {n} parameters"
