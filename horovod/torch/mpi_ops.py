@@ -343,7 +343,8 @@ class _GroupRepeat:
     pointer, dtype, shape, layout, autograd, contiguity), without making new views; other
     tensors are checked like any resubmission (``_all_match``) and become the remembered ones.
     The same list of views is handed to the engine each time, so its per-entry work is reused
-    too (``NumpyBuffers.items``)."""
+    too (``NumpyBuffers.items``). The last tensors stay referenced until the name's next call
+    (or until ``_REPEAT`` is cleared when full): one set per name, as the caller's own."""
 
     __slots__ = ("signatures", "request", "probes", "tensors", "arrays", "ptrs", "post")
 
