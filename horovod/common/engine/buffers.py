@@ -313,7 +313,8 @@ class NumpyBuffers:
         # name -> the last many-tensor entry of that name, its items and their views (``items``)
         self._items: dict[str, _Remembered] = {}
 
-    #: entries of at least this many tensors have their items remembered; at most this many names
+    #: in-place entries of at least this many tensors have their items remembered; at most this
+    #: many names
     ITEMS_MEMO_MIN = 8
     ITEMS_MEMO_SIZE = 256
     #: remembered views per name (one per set of segments a plan cuts the entry into)
@@ -346,7 +347,9 @@ class NumpyBuffers:
                 out.append(new(Item, (xf, xf, True, name, xf.size)))
             else:
                 out.append(new(Item, (xf, o if o.ndim == 1 else o.reshape(-1), False, name, xf.size)))
-        if len(out) >= self.ITEMS_MEMO_MIN:
+        if outputs is inputs and len(out) >= self.ITEMS_MEMO_MIN:
+            # In place only: an out-of-place entry's outputs are new every time (a memo could
+            # never hit, and would keep the last outputs alive).
             if len(self._items) >= self.ITEMS_MEMO_SIZE:
                 self._items.clear()
             self._items[name] = _Remembered(inputs, outputs, out)

@@ -222,7 +222,8 @@ def test_items_are_reused_only_for_the_same_lists_of_a_name():
     outs = [np.empty_like(a) for a in arrays]  # another output list: not in place
     fresh = ops.items("g", copy, outs)
     assert not any(it.inplace for it in fresh) and all(it.o.base is o for it, o in zip(fresh, outs))
-    assert ops.items("h", copy, outs) is not fresh  # another name
+    assert ops.items("g", copy, outs) is not fresh  # out of place: never remembered
+    assert ops._items["g"].items is not fresh
     few = arrays[:2]  # small entries are not remembered
     assert ops.items("s", few, few) is not ops.items("s", few, few)
     for k in range(NumpyBuffers.ITEMS_MEMO_SIZE):  # bounded: a full memo starts over
