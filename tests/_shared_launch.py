@@ -89,8 +89,10 @@ class SharedLaunch:
 
 
 # The test that starts a joint launch waits for every module's bodies: more than the suite's
-# default per-test timeout; the launch's own timeout (the sum of its parts') still bounds a hang.
-JOINT_TIMEOUT = pytest.mark.timeout(900)
+# default per-test timeout. The launch's own timeout (the sum of its parts', at most a minute less
+# than this) ends a hang first, with the ranks' output.
+_JOINT_TIMEOUT_S = 900
+JOINT_TIMEOUT = pytest.mark.timeout(_JOINT_TIMEOUT_S)
 
 _JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...]], SharedLaunch] = {}
 
@@ -110,8 +112,8 @@ def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], t
     """Register a module's ``bodies`` (name -> function) in the one launch of ``group`` (the
     framework the ranks import) at world size ``np`` and environment ``env`` that every module
     registering for them shares. Call it at import: a launch takes the bodies registered before its
-    first test asks for results. The launch's timeout is the sum of its parts'; ``late`` bodies run
-    after the others."""
+    first test asks for results. The launch's timeout is the sum of its parts' (at most 840 s; its
+    tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others."""
     owner = next(iter(bodies.values())).__module__  # names are per module
     key = (group, np, tuple(sorted((env or {}).items())))
     named = {f"{owner}:{name}": body for name, body in bodies.items()}
@@ -119,4 +121,5 @@ def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], t
     if launch is None:
         launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None)
     launch.add(named, timeout, late=late)
+    launch.timeout = min(launch.timeout, _JOINT_TIMEOUT_S - 60)
     return JointPart(launch, owner)
