@@ -8,6 +8,11 @@ as before. A body that raises is reported with its traceback to its own test onl
 hangs or crashes a rank fails every test of its launch (with the launch's output).
 
 Order the bodies so that those that provoke errors on purpose come last.
+
+``joint_launch(group, np, bodies, timeout, env)`` goes one step further: every module that
+registers bodies for the same group (say "tensorflow"), world size and environment (at import,
+i.e. while pytest collects) gets its part of one launch shared by all of them; bodies registered
+with ``late=True`` (errors on purpose) run after every other body of the launch.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import cloudpickle
+import pytest
 
 from horovod.testing import run_ranks
 
@@ -39,8 +45,20 @@ class SharedLaunch:
     def __init__(self, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
                  env: Mapping[str, str] | None = None) -> None:
         self.np, self.bodies, self.timeout, self.env = np, dict(bodies), timeout, env
+        self._late: set[str] = set()
         self._results: list[dict[str, tuple[bool, Any]]] | None = None
         self._error: BaseException | None = None
+
+    def add(self, bodies: Mapping[str, Callable[[], Any]], timeout: float, late: bool = False) -> None:
+        """More bodies (after the others if ``late``), and ``timeout`` more seconds for the launch;
+        only before the launch has started."""
+        assert self._results is None and self._error is None, "the launch has already run"
+        clash = set(bodies) & set(self.bodies)
+        assert not clash, f"bodies registered twice: {sorted(clash)}"
+        self.bodies.update(bodies)
+        self.timeout += timeout
+        if late:
+            self._late.update(bodies)
 
     def results(self, name: str) -> list[Any]:
         """Body ``name``'s return value on every rank (rank order); fails the calling test if
@@ -53,7 +71,7 @@ class SharedLaunch:
                     cloudpickle.register_pickle_by_value(module)
             try:
                 self._results = run_ranks(_run_bodies, np=self.np, timeout=self.timeout,
-                                          env=self.env, args=(list(self.bodies.items()),))
+                                          env=self.env, args=(self._ordered(),))
             except BaseException as exc:
                 self._error = exc
         if self._error is not None:
@@ -64,3 +82,44 @@ class SharedLaunch:
                   for r, res in enumerate(self._results) if not res[name][0]]
         assert not raised, "\n".join(raised)
         return [res[name][1] for res in self._results]
+
+    def _ordered(self) -> list[tuple[str, Callable[[], Any]]]:
+        items = list(self.bodies.items())
+        return [i for i in items if i[0] not in self._late] + [i for i in items if i[0] in self._late]
+
+
+# The test that starts a joint launch waits for every module's bodies: more than the suite's
+# default per-test timeout. The launch's own timeout (the sum of its parts', at most a minute less
+# than this) ends a hang first, with the ranks' output.
+_JOINT_TIMEOUT_S = 900
+JOINT_TIMEOUT = pytest.mark.timeout(_JOINT_TIMEOUT_S)
+
+_JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...]], SharedLaunch] = {}
+
+
+class JointPart:
+    """One module's bodies in a launch shared across modules: ``results(name)`` as SharedLaunch's."""
+
+    def __init__(self, launch: SharedLaunch, owner: str) -> None:
+        self.launch, self.owner = launch, owner
+
+    def results(self, name: str) -> list[Any]:
+        return self.launch.results(f"{self.owner}:{name}")
+
+
+def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
+                 env: Mapping[str, str] | None = None, *, late: bool = False) -> JointPart:
+    """Register a module's ``bodies`` (name -> function) in the one launch of ``group`` (the
+    framework the ranks import) at world size ``np`` and environment ``env`` that every module
+    registering for them shares. Call it at import: a launch takes the bodies registered before its
+    first test asks for results. The launch's timeout is the sum of its parts' (at most 840 s; its
+    tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others."""
+    owner = next(iter(bodies.values())).__module__  # names are per module
+    key = (group, np, tuple(sorted((env or {}).items())))
+    named = {f"{owner}:{name}": body for name, body in bodies.items()}
+    launch = _JOINT.get(key)
+    if launch is None:
+        launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None)
+    launch.add(named, timeout, late=late)
+    launch.timeout = min(launch.timeout, _JOINT_TIMEOUT_S - 60)
+    return JointPart(launch, owner)

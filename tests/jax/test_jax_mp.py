@@ -2,16 +2,17 @@
 ``jax.jit``, their gradients, the optax DistributedOptimizer in a jitted step against one process
 on the whole batch, a rank-dependent program under jit, JaxState.
 
-One launch per world size runs every check and returns the list of failures (JAX's import is slow).
+One launch per world size (shared with tests/keras' JAX-backend bodies) runs every check and returns
+the list of failures (JAX's import is slow).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 
@@ -271,9 +272,15 @@ def _all_checks():
     return bad
 
 
+# A part of the launch per world size that the JAX bodies share (tests/keras on the JAX backend
+# too: tests/_shared_launch.py); among the last bodies, since it ends with errors on purpose.
+_LAUNCHES = {n: joint_launch("jax", n, {"all": _all_checks}, timeout=240, env={"JAX_PLATFORMS": "cpu"}, late=True)
+             for n in (2, 3)}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_jax_bindings_on_real_ranks(np_):
-    results = run_ranks(_all_checks, np=np_, timeout=240, env={"JAX_PLATFORMS": "cpu"})
+    results = _LAUNCHES[np_].results("all")
     problems = [p for rank_bad in results for p in rank_bad]
     assert not problems, "\n".join(problems)
 

@@ -1,6 +1,7 @@
 """horovod.keras with Keras 3 on the TensorFlow, PyTorch and JAX backends, on real ranks.
 
-For each backend (KERAS_BACKEND is fixed per process) one launch at np=2 and one at np=3 check:
+For each backend (KERAS_BACKEND is fixed per process) a body at np=2 and one at np=3, in the
+launches that the backend's own modules share (tests/_shared_launch.py), check:
 ``fit`` with ``hvd.DistributedOptimizer`` (SGD, mean loss) gives the same weights on every rank and
 the same weights as one process trained on the whole batch, compiled (jit) and eager
 (``run_eagerly=True``), with ``backward_passes_per_step=2``; ``BroadcastGlobalVariablesCallback``
@@ -11,11 +12,13 @@ rank (compiled step included), never hangs.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _seed_recipe(tmp: str) -> str:
@@ -152,16 +155,50 @@ def _keras_checks(recipe_dir=None):
     return bad
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _keras_checks_on(backend: str, recipe: bool):
+    """``_keras_checks`` as a body of the launch that ``backend``'s modules share: Keras on that
+    backend (imported first here on torch and JAX; TensorFlow's bodies import Keras on its default
+    backend), the seed recipe in a directory of the rank's own if ``recipe``."""
+
+    def body():
+        import os
+        import shutil
+        import tempfile
+
+        os.environ["KERAS_BACKEND"] = backend
+        os.environ["HVD_REPO"] = _ROOT
+        import keras
+
+        if keras.backend.backend() != backend:
+            return [f"the {backend} launch runs Keras on the {keras.backend.backend()} backend"]
+        if not recipe:
+            return _keras_checks()
+        tmp = tempfile.mkdtemp(prefix="keras-recipe-")
+        try:
+            return _keras_checks(tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return body
+
+
+# One body per (backend, world size), a part of the launch that the backend's own modules share
+# (tests/_shared_launch.py; JAX_PLATFORMS=cpu as tests/jax); among the last bodies, since it ends
+# with an error on purpose. np=3 on torch and JAX also runs the seed Keras recipe.
+_LAUNCHES = {(backend, n): joint_launch(backend, n,
+                                        {"keras3": _keras_checks_on(backend, n == 3 and backend != "tensorflow")},
+                                        timeout=300, env={"JAX_PLATFORMS": "cpu"} if backend == "jax" else None,
+                                        late=True)
+             for backend in ("tensorflow", "torch", "jax") for n in (2, 3)}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
-def test_keras3_fit_on_every_backend(backend, np_, tmp_path):
+def test_keras3_fit_on_every_backend(backend, np_):
     """np=3 on torch and JAX also runs the seed Keras recipe unchanged (examples/keras/keras_mnist.py)."""
-    import os
-
-    recipe = str(tmp_path) if np_ == 3 and backend != "tensorflow" else None
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    results = run_ranks(_keras_checks, np=np_, timeout=300, args=(recipe,),
-                        env={"KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu", "HVD_REPO": root})
+    results = _LAUNCHES[(backend, np_)].results("keras3")
     problems = [p for rank_bad in results for p in rank_bad]
     assert not problems, "\n".join(problems)
-

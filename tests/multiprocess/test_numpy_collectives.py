@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 NPS = [2, 3]
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"]
@@ -376,9 +376,13 @@ def test_grouped_views_of_one_flat_buffer_are_reduced_as_one_span(np_):
     assert results == [[]] * np_, results
 
 
-# One launch per world size for every body above: each needs only hvd.init() (tests/_shared_launch.py).
-_LAUNCH = {n: SharedLaunch(n, {"allreduce": _allreduce_cases, "allgather_broadcast": _allgather_broadcast_cases,
-                               "alltoall_reducescatter": _alltoall_reducescatter_cases,
-                               "average_rounding": _average_rounding_cases, "mixed_memory": _mixed_memory_cases,
-                               "flat_view": _flat_view_cases, "flat_group": _flat_group_cases}, timeout=600)
+# One launch per world size for every body above, shared with the other NumPy modules' plain-init
+# bodies: each needs only hvd.init() (tests/_shared_launch.py).
+_LAUNCH = {n: joint_launch("numpy", n, {"allreduce": _allreduce_cases,
+                                        "allgather_broadcast": _allgather_broadcast_cases,
+                                        "alltoall_reducescatter": _alltoall_reducescatter_cases,
+                                        "average_rounding": _average_rounding_cases,
+                                        "mixed_memory": _mixed_memory_cases,
+                                        "flat_view": _flat_view_cases, "flat_group": _flat_group_cases},
+                            timeout=600)
            for n in NPS}

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from horovod.testing import RanksFailed, run_mpi_script, run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _mismatches():
@@ -54,7 +55,7 @@ def _mismatches():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_mismatches_raise_on_every_rank_with_fields_and_engine_survives(np_):
-    results = run_ranks(_mismatches, np=np_, timeout=120)
+    results = _launch(np_).results("mismatches")
     for r, seen in enumerate(results):
         for case, info in seen.items():
             assert info != "no error", f"rank {r}: {case} mismatch raised nothing"
@@ -108,7 +109,7 @@ def _bad_arguments():
 
 
 def test_bad_arguments_are_clear_errors_on_every_rank_and_nothing_hangs():
-    results = run_ranks(_bad_arguments, np=3, timeout=90)
+    results = _launch(3).results("bad_arguments")
     for r, errors in enumerate(results):
         for case, msg in errors.items():
             assert msg != "no error", f"rank {r}: {case} raised nothing"
@@ -150,7 +151,7 @@ def _join_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_join_zero_contributions_and_last_rank(np_):
-    results = run_ranks(_join_body, np=np_, timeout=90)
+    results = _launch(np_).results("join")
     lasts = {res["last"] for res in results}
     assert len(lasts) == 1 and lasts != {0}, results  # rank 0 joined first, so it is not the last
     for r, res in enumerate(results):
@@ -186,7 +187,7 @@ def _join_in_turn_with_unnamed_calls():
 def test_unnamed_calls_stay_in_step_when_each_rank_joins_first_in_turn(np_):
     # At np=3 the two ranks that did not join first used to number their unnamed calls apart
     # from the rank that joined (it skipped them), and the next round hung.
-    results = run_ranks(_join_in_turn_with_unnamed_calls, np=np_, timeout=120)
+    results = _launch(np_).results("join_in_turn")
     total = float(sum(range(np_)))
     for step in range(np_):
         assert len({res[step][0] for res in results}) == 1, results
@@ -465,3 +466,16 @@ def test_more_tensors_than_cache_slots_never_diverges(np_):
     # the evicted slots; every rank must still run every tensor exactly once, step after step.
     res = run_ranks(_cache_churn, np=np_, timeout=120, env={"HOROVOD_CACHE_CAPACITY": "64"})
     assert res == [[True] * 4] * np_, res
+
+
+# The plain-init bodies above are parts of the launch per world size that the NumPy modules'
+# plain-init bodies share (tests/_shared_launch.py), among the last (errors on purpose); the
+# bodies with other settings, process sets or a shutdown keep launches of their own.
+_LAUNCHES = {n: joint_launch("numpy", n, {"join": _join_body, "join_in_turn": _join_in_turn_with_unnamed_calls,
+                                          "mismatches": _mismatches}
+                             | ({"bad_arguments": _bad_arguments} if n == 3 else {}), timeout=420, late=True)
+             for n in (2, 3)}
+
+
+def _launch(np_: int):
+    return _LAUNCHES[np_]

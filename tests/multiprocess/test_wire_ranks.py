@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _step_and_errors():
@@ -44,9 +44,14 @@ def _step_and_errors():
 
 
 def test_wire_negotiation_on_three_real_ranks():
-    results = run_ranks(_step_and_errors, np=3, timeout=120)
+    results = _NP3.results("step_and_errors")
     for r, res in enumerate(results):
         assert res["after"] == 3.0, r
         assert res["values"] == {"(2, 3) float32": [0, 1], "(2, 4) float32": [2]}, (r, res)
         assert res["error"].startswith("Mismatched ALLREDUCE tensor shapes for allreduce 'allreduce.odd.shape'"), res
         assert "ranks [0, 1]: (2, 3) float32; rank 2: (2, 4) float32" in res["error"], res
+
+
+# A part of the np=3 launch that the NumPy modules' plain-init bodies share (tests/_shared_launch.py),
+# among the last (a mismatch on purpose).
+_NP3 = joint_launch("numpy", 3, {"step_and_errors": _step_and_errors}, timeout=120, late=True)

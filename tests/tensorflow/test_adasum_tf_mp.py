@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _cases():
@@ -82,7 +82,7 @@ def _cases():
 
 
 def test_adasum_tensorflow_np2():
-    for bad in run_ranks(_cases, np=2, timeout=240):
+    for bad in _NP2.results("cases"):
         assert bad == []
 
 
@@ -111,5 +111,11 @@ def _rules_np3():
 
 
 def test_adasum_tensorflow_non_power_of_two_np3():
-    for bad in run_ranks(_rules_np3, np=3, timeout=180):
+    for bad in _NP3.results("rules"):
         assert bad == []
+
+
+# Parts of the launches every TensorFlow module's bodies share (np=2, np=3); the np=3 body
+# provokes refusals on purpose, so it runs last.
+_NP2 = joint_launch("tensorflow", 2, {"cases": _cases}, timeout=240)
+_NP3 = joint_launch("tensorflow", 3, {"rules": _rules_np3}, timeout=180, late=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _errors_body():
@@ -74,9 +74,13 @@ def _errors_body():
     return seen
 
 
+# Part of the launch every TensorFlow module's np=2 bodies share; errors on purpose, so it runs last.
+_LAUNCH = {n: joint_launch("tensorflow", n, {"errors": _errors_body}, timeout=240, late=True) for n in (2,)}
+
+
 @pytest.mark.parametrize("np_", [2])
 def test_tf_bad_input_raises_on_every_rank_and_engine_survives(np_):
-    results = run_ranks(_errors_body, np=np_, timeout=240)
+    results = _LAUNCH[np_].results("errors")
     problems = [f"rank {r}: {case}: {res}" for r, seen in enumerate(results) for case, res in seen.items()
                 if res != "ok"]
     assert not problems, "\n".join(problems)

@@ -1,8 +1,9 @@
 """horovod.tensorflow ops on real ranks (np=2 and np=3): eager, tf.function, TF1 sessions, gradients.
 
-One launch per world size runs every case of both bodies (``_ops_body``, ``_reused_outputs_body``:
-tests/_shared_launch.py); each rank body collects failures instead of stopping at the first, so a
-run reports each broken (mode, op, dtype) combination with its rank.
+One launch per world size runs every case of both bodies (``_ops_body``, ``_reused_outputs_body``)
+with the other TensorFlow modules' bodies (tests/_shared_launch.py, ``joint_launch``); each rank
+body collects failures instead of stopping at the first, so a run reports each broken (mode, op,
+dtype) combination with its rank.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _assert_every_rank_passes(body, np_, timeout):
@@ -239,6 +240,7 @@ def test_tf_pooled_outputs_held_across_steps_are_not_overwritten(np_):
     assert not failures, "\n".join(failures)
 
 
-# One launch per world size for both bodies (TensorFlow's start-up dominates their time).
-_LAUNCH = {n: SharedLaunch(n, {"ops": _ops_body, "pooled": _reused_outputs_body}, timeout=420)
+# One launch per world size for both bodies, shared with the other TensorFlow modules' bodies
+# (TensorFlow's start-up dominates their time).
+_LAUNCH = {n: joint_launch("tensorflow", n, {"ops": _ops_body, "pooled": _reused_outputs_body}, timeout=420)
            for n in (2, 3)}

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _data(n, steps, batch):
@@ -145,8 +144,10 @@ def _keras_fit_body():
     return bad, digest, tf.keras.__name__
 
 
-# One launch runs both np=2 bodies (TensorFlow's start-up dominates their time).
-_NP2 = SharedLaunch(2, {"tape+tf1": _tape_and_tf1_body, "keras3-fit": _keras_fit_body}, timeout=420)
+# One launch runs both np=2 bodies, with the other TensorFlow modules' np=2 bodies (TensorFlow's
+# start-up dominates their time); the Keras 2 body shares the launch with TF_USE_LEGACY_KERAS=1.
+_NP2 = joint_launch("tensorflow", 2, {"tape+tf1": _tape_and_tf1_body, "keras3-fit": _keras_fit_body}, timeout=420)
+_KERAS2 = joint_launch("tensorflow", 2, {"keras2-fit": _keras_fit_body}, timeout=240, env={"TF_USE_LEGACY_KERAS": "1"})
 
 
 @pytest.mark.parametrize("body", ["tape+tf1", "keras3-fit"])
@@ -158,7 +159,7 @@ def test_np2_training_equals_single_process_on_all_batches(body):
 
 
 def test_np2_keras2_training_equals_single_process():
-    results = run_ranks(_keras_fit_body, np=2, timeout=240, env={"TF_USE_LEGACY_KERAS": "1"})
+    results = _KERAS2.results("keras2-fit")
     failures = [m for res in results for m in res[0]]
     assert not failures, "\n".join(failures)
     assert results[0][2].startswith("tf_keras"), f"expected Keras 2 (tf_keras), ran {results[0][2]}"

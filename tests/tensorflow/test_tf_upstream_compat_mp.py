@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, JointPart, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _failures(results):
@@ -81,7 +81,7 @@ def _errors_body():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_error_types_match_upstream_in_every_mode(np_):
-    failures = _failures(_launch(np_).results("errors"))
+    failures = _failures(_ERRORS[np_].results("errors"))
     assert not failures, "\n".join(failures)
 
 
@@ -239,19 +239,19 @@ def test_sync_batch_norm_uses_every_ranks_batch(keras2):
     assert results[0][1].startswith("tf_keras") == keras2, results[0][1]
 
 
-# One launch per (world size, Keras flavour) runs every body that needs it (TensorFlow's start-up
-# dominates their time); the bodies that provoke errors on purpose run last.
+# One launch per (world size, Keras flavour) runs every body that needs it, with the other
+# TensorFlow modules' bodies (TensorFlow's start-up dominates their time); the bodies that provoke
+# errors on purpose run last.
 _LAUNCHES = {
-    (2, False): SharedLaunch(2, {"reducescatter": _reducescatter_grad_body,
-                                 "sync_batch_norm": _sync_batch_norm_body,
-                                 "errors": _errors_body}, timeout=600),
-    (3, False): SharedLaunch(3, {"reducescatter": _reducescatter_grad_body,
-                                 "errors": _errors_body}, timeout=600),
-    (2, True): SharedLaunch(2, {"sync_batch_norm": _sync_batch_norm_body,
-                                "keras2_optimizer": _keras2_optimizer_body}, timeout=600,
+    (2, False): joint_launch("tensorflow", 2, {"reducescatter": _reducescatter_grad_body,
+                                               "sync_batch_norm": _sync_batch_norm_body}, timeout=300),
+    (3, False): joint_launch("tensorflow", 3, {"reducescatter": _reducescatter_grad_body}, timeout=300),
+    (2, True): joint_launch("tensorflow", 2, {"sync_batch_norm": _sync_batch_norm_body,
+                                              "keras2_optimizer": _keras2_optimizer_body}, timeout=600,
                             env={"TF_USE_LEGACY_KERAS": "1"}),
 }
+_ERRORS = {n: joint_launch("tensorflow", n, {"errors": _errors_body}, timeout=300, late=True) for n in (2, 3)}
 
 
-def _launch(np_: int, keras2: bool = False) -> SharedLaunch:
+def _launch(np_: int, keras2: bool = False) -> JointPart:
     return _LAUNCHES[(np_, keras2)]

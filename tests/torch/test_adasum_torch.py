@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _allreduce_cases():
@@ -215,5 +215,6 @@ def test_adasum_delta_optimizer_np2():
         assert bad == []
 
 
-# One np=2 launch for the allreduce values and the optimizer (tests/_shared_launch.py).
-_NP2 = SharedLaunch(2, {"allreduce": _allreduce_cases, "optimizer": _optimizer_cases}, timeout=360)
+# The allreduce values and the optimizer are part of the np=2 launch shared with the other torch
+# modules' plain-init bodies (tests/_shared_launch.py).
+_NP2 = joint_launch("torch", 2, {"allreduce": _allreduce_cases, "optimizer": _optimizer_cases}, timeout=360)

@@ -2,8 +2,9 @@
 
 Each rank body runs all cases of one family and returns its list of failures (it does not stop at
 the first), so one launch reports every broken (dtype, shape, op) combination. The bodies that
-need nothing but ``hvd.init()`` share one launch per world size (tests/_shared_launch.py, the
-error paths last); the dynamic process sets and the resubmit spies keep launches of their own.
+need nothing but ``hvd.init()`` share one launch per world size with the other torch modules'
+(tests/_shared_launch.py, the error paths last); the dynamic process sets and the resubmit spies
+keep launches of their own.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 NPS = [2, 3]
 
@@ -376,7 +377,7 @@ def test_autograd_gradients(np_):
 
 @pytest.mark.parametrize("np_", NPS)
 def test_error_paths(np_):
-    fails = _LAUNCH[np_].results("errors")
+    fails = _ERRORS[np_].results("errors")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -587,8 +588,10 @@ def test_flat_gradient_set_on_every_rank_is_one_span(np_):
     assert fails == [[]] * np_, fails
 
 
-# One launch per world size for the bodies above that need only hvd.init() (error paths last).
-_LAUNCH = {n: SharedLaunch(n, {"movement": _movement_cases, "grad": _grad_cases,
-                               "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases,
-                               "errors": _error_cases}, timeout=480)
+# The bodies above that need only hvd.init() are part of one launch per world size, shared with the
+# other torch modules' such bodies (tests/_shared_launch.py); the error paths run last.
+_LAUNCH = {n: joint_launch("torch", n, {"movement": _movement_cases, "grad": _grad_cases,
+                                        "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases},
+                           timeout=400)
            for n in NPS}
+_ERRORS = {n: joint_launch("torch", n, {"errors": _error_cases}, timeout=80, late=True) for n in NPS}

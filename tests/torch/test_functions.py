@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 NPS = [2, 3]
 
@@ -140,6 +140,7 @@ def test_sync_batch_norm_matches_batch_norm_on_global_batch(np_):
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
-# One launch per world size for both bodies (tests/_shared_launch.py).
-_LAUNCH = {n: SharedLaunch(n, {"broadcast": _broadcast_cases, "sync_batch_norm": _sync_batch_norm_cases},
+# Both bodies are part of one launch per world size, shared with the other torch modules'
+# plain-init bodies (tests/_shared_launch.py).
+_LAUNCH = {n: joint_launch("torch", n, {"broadcast": _broadcast_cases, "sync_batch_norm": _sync_batch_norm_cases},
                            timeout=300) for n in NPS}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import SharedLaunch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 NPS = [2, 3]
 
@@ -338,7 +338,7 @@ def test_every_torch_optimizer_with_state_broadcast_and_scheduler():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_optimizer_edge_cases(np_):
-    fails = _LAUNCH[np_].results("edge")
+    fails = _EDGE[np_].results("edge")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -347,10 +347,12 @@ def test_optimizer_process_set():
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
-# One launch per world size for the bodies that need only hvd.init(), the edge cases last
-# (tests/_shared_launch.py); the process-set body keeps its own launch.
+# The bodies that need only hvd.init() are part of one launch per world size, shared with the other
+# torch modules' such bodies, the edge cases among the last (tests/_shared_launch.py); the
+# process-set body keeps its own launch.
 _LAUNCH = {
-    2: SharedLaunch(2, {"equivalence": _equivalence_cases, "every_optimizer": _every_optimizer_cases,
-                        "edge": _edge_cases}, timeout=600),
-    3: SharedLaunch(3, {"equivalence": _equivalence_cases, "edge": _edge_cases}, timeout=480),
+    2: joint_launch("torch", 2, {"equivalence": _equivalence_cases, "every_optimizer": _every_optimizer_cases},
+                    timeout=450),
+    3: joint_launch("torch", 3, {"equivalence": _equivalence_cases}, timeout=330),
 }
+_EDGE = {n: joint_launch("torch", n, {"edge": _edge_cases}, timeout=150, late=True) for n in NPS}
