@@ -74,6 +74,10 @@ def _unopt_switch() -> Callable[[bool], None]:
     from horovod.common.context import get_context
     from horovod.common.engine import fusion, plan
     from horovod.torch import mpi_ops
+    try:  # the repeat path's module (in older trees it lived in mpi_ops)
+        from horovod.torch._repeat import _Same as same
+    except ImportError:
+        same = mpi_ops._Same
 
     eng = get_context().engine
     assert eng is not None
@@ -88,7 +92,7 @@ def _unopt_switch() -> Callable[[bool], None]:
     def resubmit(tensor: Any, signature: Any, wake: bool = True, defer: bool = False) -> Any:
         if mpi_ops._matches(tensor, signature):
             return mpi_ops._register(C.submit_again(signature[1], [tensor.numpy()], defer=defer, wake=wake),
-                                     mpi_ops._Same(tensor))
+                                     same(tensor))
         return None
 
     slow: dict[str, Any] = {"plan": plan_unmemoized, "calls": plan.plan_reduction, "resubmit": resubmit}

@@ -29,11 +29,9 @@ from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
 from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
+from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
-    _repeat_signature,
-    _resubmit,
-    _resubmit_many,
     allreduce_async_,
     grouped_allreduce_async_,
     sparse_allreduce_async,
