@@ -86,10 +86,36 @@ def jax_smoke() -> str:
 
 def lightning_smoke() -> str:
     import lightning
+    import lightning.pytorch as pl
+    import torch
 
     import horovod.lightning  # noqa: F401  (registers strategy="horovod")
+    import horovod.torch as hvd
 
     version = torch_smoke()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, _index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    rank = hvd.rank()
+    torch.manual_seed(rank)                      # different data and start on every rank
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    model = Tiny()
+    trainer = pl.Trainer(strategy="horovod", accelerator="cpu", max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    weights = model.layer.weight.detach().reshape(1, -1)
+    gathered = hvd.allgather(weights, name="smoke.lightning")
+    _expect("Lightning weights equal on every rank", torch.equal(gathered[0], gathered[-1]), True, rank)
     return f"lightning {lightning.__version__}, torch {version}"
 
 

@@ -46,7 +46,7 @@ MATRIX: dict[str, tuple[str, dict[str, list[str]], str]] = {
     "tensorflow": ("tensorflow", {"oldest": ["tensorflow==2.16.2"], "newest": ["tensorflow==2.21.0"]},
                    "tensorflow"),
     "jax": ("jax", {"oldest": ["jax[cpu]==0.4.38", "optax==0.2.4"], "newest": ["jax[cpu]==0.10.2"]}, "jax"),
-    "lightning": ("lightning", {"oldest": ["torch==2.9.1", "lightning==2.5.0"],
+    "lightning": ("lightning", {"oldest": ["torch==2.9.1", "lightning==2.6.0"],
                                 "newest": ["torch==2.14.1", "lightning==2.6.6"]}, "lightning"),
 }
 
