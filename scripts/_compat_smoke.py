@@ -81,7 +81,10 @@ def jax_smoke() -> str:
     params = optax.apply_updates(params, updates)
     mean = sum(r + 1 for r in range(size)) / size
     _expect("DistributedOptimizer update", [float(v) for v in params["w"]], [-mean, -mean], rank)
-    return jax.__version__
+    from horovod.jax import _ffi
+
+    route = "XLA FFI, in place" if _ffi.available() else "host callback (copies)"
+    return f"{jax.__version__}, in-jit route: {route}"
 
 
 def lightning_smoke() -> str:

@@ -105,7 +105,8 @@ def check(framework: str, end: str, root: Path, keep: bool) -> Row:
                      env=env, timeout=900)
         oks = [ln for ln in smoke.stdout.splitlines() if "SMOKE OK" in ln]
         if smoke.returncode == 0 and len(oks) == 2:
-            row.smoke = "passed (np=2)"
+            version = oks[0].split("version=", 1)[-1]
+            row.smoke = f"passed (np=2; {version})"
         else:
             tail = (smoke.stdout + smoke.stderr).strip().splitlines()[-3:]
             row.smoke = f"FAILED rc={smoke.returncode}: " + " / ".join(tail)[:300]

@@ -12,7 +12,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 from horovod.jax import _ffi  # noqa: E402
 
-# The pinned JAX (pyproject) on the CPU must take the in-place route: a JAX whose internals moved
+# The pinned JAX (constraints/ci.txt) on the CPU must take the in-place route: a JAX whose internals moved
 # would otherwise fall back to the copying callback silently, and these tests would not notice.
 pytestmark = pytest.mark.skipif(os.environ.get("HOROVOD_JAX_FFI") == "0",
                                 reason="HOROVOD_JAX_FFI=0 chooses the copying callback")
