@@ -48,6 +48,7 @@ _NONCE = 32
 _MAC = 32
 _HANDSHAKE_SECONDS = 10.0
 _MAX_FRAME = 64 * 1024 * 1024
+_MAX_WAIT = 7 * 86400.0
 # What the server sends instead of its proof (32 bytes, like a MAC): the client's key does not
 # match, or the server closed the handshake because it is overloaded (the client tries again).
 _REFUSED = b"HVDSTOR1 refused: wrong key.....".ljust(_MAC, b".")
@@ -422,6 +423,8 @@ class StoreServer:
                 return _pack(_OK, [str(len(d)).encode()])
             if op in (GET, WAIT, MGET):
                 timeout = float(f[0])
+                if not 0.0 <= timeout <= _MAX_WAIT:  # NaN fails too
+                    return _pack(_ERROR, [f"bad wait of {f[0][:20]!r} s".encode()])
                 keys = f[1:]
                 deadline = time.monotonic() + timeout
                 while not all(k in d for k in keys):
