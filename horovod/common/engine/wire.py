@@ -5,8 +5,8 @@ A rank's message for one round is ``bytes`` (pickling ``bytes`` costs the transp
     header   magic, record count n, length of the names blob, length of the detail blob
     records  n fixed 16-byte records (``RECORD``): signature digest, process set, kind, flags
     names    the n names, UTF-8, NUL-separated
-    detail   the fields a response needs, one tuple per request (pickled without memo, so equal
-             requests encode to equal bytes on every rank)
+    detail   the fields a response needs, one tuple per request, in ``horovod.common.plain`` (a
+             format that cannot run code; equal requests encode to equal bytes on every rank)
     tail     ragged kinds only: each request's first dimensions (the only part that may differ
              across ranks for a name whose requests agree)
 
@@ -20,14 +20,13 @@ values that disagree exactly as ``negotiation.validate`` always has.
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from horovod.common import plain
 from horovod.common.types import RAGGED_KINDS, ArgumentError, ReduceOp, Request, RequestType, Response
 
 __all__ = ["RECORD", "KINDS", "FLAG_FLAT", "FLAG_ARGUMENT_ERROR", "Message", "digest",
@@ -56,12 +55,7 @@ def digest(req: Request) -> int:
     return d
 
 
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    p.fast = True  # no memo: equal values encode to equal bytes whatever objects they are
-    p.dump(obj)
-    return buf.getvalue()
+_dumps = plain.dumps
 
 
 def encode_requests(requests: Sequence[Request]) -> bytes:
@@ -124,12 +118,12 @@ class Message:
     def request(self, i: int, rank: int, tail: bytes = b"") -> Request:
         """The ``i``-th request as ``rank`` sent it (``tail``: that rank's ragged first dims)."""
         if self._details is None:
-            self._details = pickle.loads(self.data[self._detail_at:self._detail_end])
+            self._details = plain.loads(memoryview(self.data)[self._detail_at:self._detail_end])
         dtype, shapes, op, pre, post, root, device, payload = self._details[i]
         rec = self.records[i]
         kind = KINDS[int(rec["kind"])]
         if kind in RAGGED_KINDS and tail:
-            firsts = pickle.loads(tail)[i]
+            firsts = plain.loads(tail)[i]
             shapes = tuple(s if f is None else (f,) + s for f, s in zip(firsts, shapes))
         return Request(self.names[i], kind, dtype, shapes, ReduceOp(op), pre, post, root,
                        int(rec["ps"]), device, payload, rank, bool(int(rec["flags"]) & FLAG_FLAT))
@@ -158,7 +152,7 @@ def encode_responses(responses: Sequence[Response]) -> bytes:
 def decode_responses(data: bytes) -> list[Response]:
     out = []
     for (name, kind, dtype, shapes, op, pre, post, root, ps, device, payload, rank, flat), error, \
-            fields, joined, result in pickle.loads(data):
+            fields, joined, result in plain.loads(data):
         req = Request(name, KINDS[kind], dtype, shapes, ReduceOp(op), pre, post, root, ps, device,
                       payload, rank, flat)
         out.append(Response(req, error, fields or {}, joined, result))
