@@ -1,5 +1,6 @@
-"""A byte format for plain values that cannot run code: what ranks send each other for Horovod's
-own purposes (negotiation messages, host names at init, process-set lists, autotuner decisions).
+"""A byte format for plain values that cannot run code: what ranks send each other through the
+controller for Horovod's own purposes (host names at init, process-set lists, the autotuner's
+decisions, and the negotiation messages, which ``engine/wire.py`` encodes to bytes itself).
 
 Unlike pickle, decoding only ever builds ``None``, ``bool``, ``int``, ``float``, ``str``,
 ``bytes``, ``tuple``, ``list``, ``dict`` and ``ArgumentError``; malformed or hostile input raises
@@ -83,13 +84,13 @@ def _enc(v: Any, out: list[bytes], depth: int) -> None:
                         "tuple, list, dict)")
 
 
-def loads(data: bytes | bytearray | memoryview) -> Any:
+def loads(data: bytes | bytearray | memoryview | np.ndarray) -> Any:
     """Decode what ``dumps`` wrote.
 
     Raises:
         ValueError: ``data`` is not exactly one well-formed value.
     """
-    mv = memoryview(data)
+    mv = memoryview(data)  # type: ignore[arg-type]  # ndarray is a buffer too
     try:
         value, at = _dec(mv, 0, 0)
     except (struct.error, IndexError, UnicodeDecodeError, TypeError) as exc:

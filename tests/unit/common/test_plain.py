@@ -104,6 +104,8 @@ def test_damaged_input_raises_only_value_error(value, cut, flip, junk):
 def test_deep_nesting_is_refused_not_a_recursion_error():
     with pytest.raises(ValueError, match="nesting"):
         plain.loads(b"l\x01\x00\x00\x00" * 10_000 + b"N")
+    with pytest.raises(ValueError, match="malformed"):
+        wire.decode_responses(b"[" * 100_000)
 
 
 # ------------------------------------------------------------------ where unpickling is allowed
