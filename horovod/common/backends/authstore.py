@@ -9,9 +9,14 @@ whenever Horovod opens the store itself:
 * A connection starts with a challenge-response: the server sends a random nonce, the client
   answers with its own nonce and ``HMAC-SHA256(key, "c" | server nonce | client nonce)``, the server
   proves itself with ``HMAC(key, "s" | ...)``. ``key`` is derived from the job's secret
-  (``HOROVOD_SECRET_KEY``, never sent). A peer that fails is refused (connection closed), logged
-  once per address at warning level, and never holds up the job: each connection has its own
-  thread and a handshake deadline.
+  (``HOROVOD_SECRET_KEY``, never sent). A peer that fails gets an explicit refusal and is logged
+  once per address at warning level (a bounded number of addresses; the rest in at most one line
+  a minute).
+* Strangers cannot starve members: one thread runs every handshake with a selector; at most
+  ``max_pending`` handshakes are open (``max_pending_per_address`` per address), the oldest being
+  closed with a "busy" answer when a new connection arrives at a cap; one deadline covers the
+  whole handshake; ``accept`` failures (no file descriptors left) close the oldest handshake and
+  the loop goes on. A member whose handshake was closed as busy tries again until its timeout.
 * After it, every request and answer is a frame ``length | body | HMAC(session key, direction |
   sequence number | body)``: a frame that is altered, replayed or out of order ends the connection.
 

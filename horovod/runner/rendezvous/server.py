@@ -11,7 +11,8 @@ What a stranger on the network can make it do is bounded:
   between their accept and a valid signature; at a cap the oldest of them is closed, so a
   member's fresh request still gets through. Each has ``header_seconds`` in all to send a signed
   header, however slowly its bytes arrive. Past ``max_connections`` in all, a connection gets
-  503 at once (members try again).
+  503 at once (members try again). Out of file descriptors, it closes the oldest
+  unauthenticated connection, pauses 50 ms and goes on.
 * Every socket has a timeout; a malformed request (bad or non-ASCII signature, bad, negative or
   huge ``Content-Length``, chunked bodies, unknown methods) gets a 4xx and no traceback; refused
   peers are logged once per address, the rest in at most one line a minute.
@@ -217,7 +218,7 @@ class _Server(ThreadingHTTPServer):
         self._unauth: dict[socket.socket, tuple[str, float]] = {}
         self._per_peer: dict[str, int] = {}
         self._tracked: set[socket.socket] = set()
-        self.evicted = self.busy = 0
+        self.evicted = self.busy = self.accept_errors = 0
 
     @property
     def rejected(self) -> int:
@@ -262,6 +263,26 @@ class _Server(ThreadingHTTPServer):
         except Exception:  # noqa: BLE001 - e.g. no thread could be started: refuse, go on
             self.shutdown_request(request)
             self.log.event("thread", "could not start a thread for a connection")
+
+    def get_request(self) -> tuple[Any, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            # Out of descriptors (EMFILE, ENFILE) or another accept failure: socketserver skips
+            # the connection and goes on; free a descriptor (the oldest unauthenticated
+            # connection) and pause, rather than spin on a listening socket that stays readable.
+            with self._conn_lock:
+                victim = next(iter(self._unauth), None)
+                if victim is not None:
+                    self._drop_unauth(victim)
+                    self.evicted += 1
+            if victim is not None:
+                self._cut(victim)
+            self.accept_errors += 1
+            self.log.event("accept", f"accept() failed ({exc}); closed the oldest unauthenticated "
+                                     "connection and paused 50 ms")
+            time.sleep(0.05)
+            raise
 
     def _make_room(self, peer: str) -> list[socket.socket]:
         """Under ``_conn_lock``: take out the oldest unauthenticated connections over a cap."""

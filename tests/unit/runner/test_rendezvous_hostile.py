@@ -254,3 +254,48 @@ def test_slow_strangers_are_bounded_and_members_served() -> None:
         for s in socks:
             s.close()
         srv.stop()
+
+
+_LOW_FD_SERVER = textwrap.dedent("""
+    import resource, sys
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    from horovod.runner.rendezvous import RendezvousServer
+    # Caps above the descriptors: the flood reaches EMFILE (the default caps stop it before).
+    srv = RendezvousServer(sys.argv[1], host="127.0.0.1", max_unauthenticated=1000,
+                           max_per_address=1000)
+    print(srv.port, flush=True)
+    for line in sys.stdin:
+        print(srv._thread.is_alive(), srv._server.accept_errors, flush=True)
+""")
+
+
+def test_running_out_of_file_descriptors_does_not_stop_the_service() -> None:
+    secret = make_secret()
+    proc = subprocess.Popen([sys.executable, "-c", _LOW_FD_SERVER, secret], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port = int(proc.stdout.readline())
+        for _ in range(200):  # idle strangers, far more than the 64 descriptors it may open
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks.append(s)
+        deadline = time.monotonic() + 60
+        while True:
+            proc.stdin.write("?\n")
+            proc.stdin.flush()
+            alive, errors = proc.stdout.readline().split()
+            if int(errors) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert alive == "True" and int(errors) > 0, "the flood never exhausted its descriptors"
+        member = RendezvousClient("127.0.0.1", port, secret, timeout=60)
+        member.put("s", "k", b"v")
+        assert member.get("s", "k") == b"v"
+    finally:
+        for s in socks:
+            s.close()
+        proc.kill()
+        proc.wait(timeout=30)
