@@ -30,8 +30,11 @@ class RefusalLog:
         self._last: dict[str, float] = {}
         self.lines = 0
 
-    def refuse(self, peer: str, why: str) -> None:
-        """A peer failed authentication (or sent garbage): name it once, then only count it."""
+    def refuse(self, peer: str, why: str, port: int | None = None) -> None:
+        """A peer failed authentication (or sent garbage): name it once, then only count it.
+
+        ``port``: the peer's source port, shown with the address in the one line.
+        """
         with self._lock:
             self.refused += 1
             if peer not in self._named and len(self._named) < self.max_addresses:
@@ -42,7 +45,8 @@ class RefusalLog:
                 named = False
         if named:
             self.logger.warning("%s refused a connection from %s (%s); further refusals of this "
-                                "address are not logged", self.service, peer, why)
+                                "address are not logged", self.service,
+                                peer if port is None else f"{peer}:{port}", why)
         else:
             self.event("refusal", "refused connections from addresses already named or past the "
                                   f"first {self.max_addresses}")

@@ -314,7 +314,7 @@ class StoreServer:
             if p.deadline > now:
                 return
             self._drop(sel, p, _BUSY)
-            self.log.refuse(p.peer, f"no valid handshake within {self.handshake_seconds:g} s")
+            self.log.refuse(p.peer, f"no valid handshake within {self.handshake_seconds:g} s", p.port)
 
     def _advance(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         want = len(_HELLO) + _NONCE + _MAC
@@ -324,11 +324,11 @@ class StoreServer:
             return
         except OSError as exc:
             self._drop(sel, p, None)
-            self.log.refuse(p.peer, f"no valid handshake: {exc}")
+            self.log.refuse(p.peer, f"no valid handshake: {exc}", p.port)
             return
         if not chunk:
             self._drop(sel, p, None)
-            self.log.refuse(p.peer, "closed during the handshake")
+            self.log.refuse(p.peer, "closed during the handshake", p.port)
             return
         p.buf += chunk
         if len(p.buf) < want:
@@ -338,7 +338,7 @@ class StoreServer:
         if head[:len(_HELLO)] != _HELLO or not hmac.compare_digest(
                 mac, _mac(self.key, b"c", p.nonce, nonce_c)):
             self._drop(sel, p, _REFUSED)
-            self.log.refuse(p.peer, "not signed with this job's secret")
+            self.log.refuse(p.peer, "not signed with this job's secret", p.port)
             return
         self._pending.pop(p.sock, None)
         mine = self._per_peer.get(p.peer)

@@ -81,7 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
         # (501 unknown method, 505 bad version), and no body to speak of.
         if code >= 500:
             code = 405 if code == 501 else 400
-        self.server.log.refuse(self.client_address[0], f"malformed request ({code})")
+        self.server.log.refuse(self.client_address[0], f"malformed request ({code})",
+                               self.client_address[1])
         self.close_connection = True
         self._answer(code)
 
@@ -97,7 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _refuse(self, status: int, why: str) -> None:
-        self.server.log.refuse(self.client_address[0], why)
+        self.server.log.refuse(self.client_address[0], why, self.client_address[1])
         self.close_connection = True
         self._answer(status)
 
