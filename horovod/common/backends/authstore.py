@@ -257,12 +257,13 @@ class StoreServer:
                 conn, addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return True
-            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ...: free a slot, pause, go on
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ...: free a slot, go on
                 self.accept_errors += 1
+                self.log.event("accept", f"accept() failed ({exc}); closing the oldest handshake "
+                                         "(pausing 50 ms when there is none)")
                 if self._pending:
                     self._evict(sel, next(iter(self._pending.values())))
-                self.log.event("accept", f"accept() failed ({exc}); closing the oldest handshake "
-                                         "and pausing 50 ms")
+                    return True  # a descriptor is free again: the next select accepts
                 return False
             try:
                 self._admit(sel, conn, addr)
