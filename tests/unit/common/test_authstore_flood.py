@@ -170,3 +170,59 @@ def test_running_out_of_file_descriptors_does_not_kill_the_accept_thread() -> No
             s.close()
         proc.kill()
         proc.wait(timeout=30)
+
+
+def _fake_store(answer: bytes | None) -> tuple[socket.socket, threading.Thread]:
+    """A listener that plays the server's side of one handshake per connection and then sends
+    ``answer`` instead of its proof (None: closes without a word)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.sendall(A._HELLO + b"n" * A._NONCE)
+                    conn.recv(len(A._HELLO) + A._NONCE + A._MAC)
+                    if answer is not None:
+                        conn.sendall(answer)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lsock, t
+
+
+def _stop(lsock: socket.socket, t: threading.Thread) -> None:
+    try:
+        lsock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
+    except OSError:
+        pass
+    lsock.close()
+    t.join(timeout=10)
+
+
+@pytest.mark.parametrize("answer", [A._BUSY, None], ids=["busy", "closed"])
+def test_a_busy_store_is_not_reported_as_a_wrong_key(answer) -> None:
+    lsock, t = _fake_store(answer)
+    try:
+        with pytest.raises(A.StoreError) as err:
+            A.StoreClient("127.0.0.1", lsock.getsockname()[1], KEY, timeout=5, connect_timeout=1.5)
+    finally:
+        _stop(lsock, t)
+    text = str(err.value)
+    assert "too busy" in text and "HOROVOD_SECRET_KEY" not in text, text
+    assert "attempts" in text  # it tried again before giving up
+
+
+def test_a_wrong_key_is_reported_at_once() -> None:
+    lsock, t = _fake_store(A._REFUSED)
+    try:
+        with pytest.raises(A.StoreError, match="wrong HOROVOD_SECRET_KEY"):
+            A.StoreClient("127.0.0.1", lsock.getsockname()[1], KEY, timeout=5, connect_timeout=30)
+    finally:
+        _stop(lsock, t)
