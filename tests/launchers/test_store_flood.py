@@ -38,13 +38,19 @@ def _flood(ports: list[int], stop: threading.Event, socks: list[socket.socket]) 
                 pass
 
 
-def test_a_late_rank_joins_while_every_port_is_flooded(tmp_path) -> None:
+@pytest.fixture
+def many_fds():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 6 * PER_PORT + 1024
     if soft < want:
         if hard != resource.RLIM_INFINITY and hard < want:
             pytest.skip(f"needs {want} file descriptors, the hard limit is {hard}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_late_rank_joins_while_every_port_is_flooded(tmp_path, many_fds) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "horovod.runner", "--gloo", "-np", "2",
                              sys.executable, str(JOB)], env=_env({"PROBE_DIR": str(tmp_path)}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

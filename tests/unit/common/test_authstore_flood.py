@@ -23,12 +23,19 @@ KEY = A.derive_key("ab" * 32)
 OUTSIDERS = 3000
 
 
-def _raise_fd_limit(want: int) -> None:
+@pytest.fixture
+def fd_limit():
+    """Raise this process's soft descriptor limit to what a test asks (restored afterwards)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < want:
-        if hard != resource.RLIM_INFINITY and hard < want:
-            pytest.skip(f"needs {want} file descriptors, the hard limit is {hard}")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+    def raise_to(want: int) -> None:
+        if soft < want:
+            if hard != resource.RLIM_INFINITY and hard < want:
+                pytest.skip(f"needs {want} file descriptors, the hard limit is {hard}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+    yield raise_to
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _open_many(port: int, n: int) -> list[socket.socket]:
@@ -60,8 +67,8 @@ def _churn(port: int, out: list[socket.socket], n: int, stop: threading.Event) -
         out += _open_many(port, 1)
 
 
-def test_a_member_joins_while_an_outsider_holds_3000_connections() -> None:
-    _raise_fd_limit(2 * OUTSIDERS + 1024)
+def test_a_member_joins_while_an_outsider_holds_3000_connections(fd_limit) -> None:
+    fd_limit(2 * OUTSIDERS + 1024)
     server = A.StoreServer("127.0.0.1", KEY)
     threads_before = threading.active_count()
     stop = threading.Event()
