@@ -6,10 +6,16 @@ workers use it to find each other (Gloo), to fetch a function and return results
 changes. Both sides import this module: ``horovod.runner.rendezvous.server`` answers, the
 ``RendezvousClient`` below asks.
 
-* Every request carries ``X-Horovod-Auth: <unix time>:<nonce>:<mac>`` where ``mac`` is the
-  HMAC-SHA256, keyed with the job secret, of ``METHOD\\nPATH\\nTIME\\nNONCE\\nsha256(body)``. The
-  server answers 403 with an empty body to a missing, stale (more than 5 minutes off), replayed or
-  wrong signature, so a stray connection can neither join nor read.
+* Every request carries ``X-Horovod-Auth: <unix time>:<nonce>:<mac>`` and
+  ``X-Horovod-Body-Digest: sha256(body)`` (hex; may be left out for an empty body), where ``mac``
+  is the HMAC-SHA256, keyed with the job secret, of
+  ``METHOD\\nPATH\\nTIME\\nNONCE\\nCONTENT-LENGTH\\nDIGEST``. The header alone proves the
+  sender, so the server checks it *before* reading any body: it answers 403 with an empty body to
+  a missing, stale (more than 5 minutes off), replayed or wrong signature without reading what
+  follows, 400 to a malformed header, 413 to a body over its limit, and 400 to a body whose
+  digest is not the signed one. A stray connection can neither join, nor read, nor make the
+  service buffer anything.
+* A busy service answers 503 (unsigned); the client tries again until its timeout.
 * Every answer carries ``X-Horovod-Signature``: the HMAC of ``resp\\nMAC\\nSTATUS\\nsha256(body)``
   (``MAC`` is the request's), so a worker knows the answer came from its own launcher.
 * ``PUT /kv/<scope>/<key>`` stores the body; ``GET`` returns it (404 while absent); ``DELETE``
@@ -36,12 +42,15 @@ from urllib.parse import quote
 
 from horovod.common.exceptions import HorovodError
 
-__all__ = ["AUTH_HEADER", "SIG_HEADER", "MAX_SKEW_SECONDS", "RendezvousError", "RendezvousClient",
-           "make_secret", "sign_request", "sign_response", "kv_path"]
+__all__ = ["AUTH_HEADER", "DIGEST_HEADER", "SIG_HEADER", "MAX_SKEW_SECONDS", "EMPTY_DIGEST",
+           "RendezvousError", "RendezvousClient", "make_secret", "sign_header", "sign_request",
+           "sign_response", "kv_path"]
 
 AUTH_HEADER = "X-Horovod-Auth"
+DIGEST_HEADER = "X-Horovod-Body-Digest"
 SIG_HEADER = "X-Horovod-Signature"
 MAX_SKEW_SECONDS = 300.0
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
 
 class RendezvousError(HorovodError, RuntimeError):
@@ -57,10 +66,17 @@ def _mac(secret: str, *parts: str) -> str:
     return hmac.new(bytes.fromhex(secret), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
+def sign_header(secret: str, method: str, path: str, timestamp: str, nonce: str, length: int,
+                digest: str) -> str:
+    """The ``mac`` of a request whose body has ``length`` bytes and SHA-256 ``digest`` (hex)."""
+    return _mac(secret, method.upper(), path, timestamp, nonce, str(int(length)), digest)
+
+
 def sign_request(secret: str, method: str, path: str, timestamp: str, nonce: str,
                  body: bytes) -> str:
     """The ``mac`` of a request (see the module docstring)."""
-    return _mac(secret, method.upper(), path, timestamp, nonce, hashlib.sha256(body).hexdigest())
+    return sign_header(secret, method, path, timestamp, nonce, len(body),
+                       hashlib.sha256(body).hexdigest())
 
 
 def sign_response(secret: str, request_mac: str, status: int, body: bytes) -> str:
@@ -97,30 +113,53 @@ class RendezvousClient:
                 timeout: float | None = None) -> tuple[int, bytes]:
         """Send one signed request; return (status, body) after checking the answer's signature.
 
+        A busy service (503, or a connection it closed before answering) is asked again, with a
+        fresh nonce, until ``timeout``.
+
         Raises:
             RendezvousError: connection failure, refusal (403) or a bad answer signature.
         """
-        ts, nonce = f"{time.time():.6f}", secrets.token_hex(16)
-        mac = sign_request(self.secret, method, path, ts, nonce, body)
-        conn = http.client.HTTPConnection(self.addr, self.port,
-                                          timeout=self.timeout if timeout is None else timeout)
-        try:
-            conn.request(method, path, body=body, headers={AUTH_HEADER: f"{ts}:{nonce}:{mac}"})
-            resp = conn.getresponse()
-            data = resp.read()
-        except OSError as exc:
-            raise RendezvousError(f"Cannot reach the rendezvous service at {self.addr}:{self.port}: "
-                                  f"{exc}. Check that this host can reach the launcher's address "
-                                  "(see --network-interfaces).", addr=self.addr, port=self.port) from exc
-        finally:
-            conn.close()
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        digest = hashlib.sha256(body).hexdigest()
+        delay = 0.01
+        while True:
+            ts, nonce = f"{time.time():.6f}", secrets.token_hex(16)
+            mac = sign_header(self.secret, method, path, ts, nonce, len(body), digest)
+            conn = http.client.HTTPConnection(self.addr, self.port, timeout=wait)
+            busy = ""
+            try:
+                conn.request(method, path, body=body, headers={
+                    AUTH_HEADER: f"{ts}:{nonce}:{mac}", DIGEST_HEADER: digest,
+                    "Content-Length": str(len(body))})
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status == 503:
+                    busy = "503 busy"
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as exc:
+                busy = f"{type(exc).__name__}: {exc}"  # closed before answering: not processed
+            except OSError as exc:
+                raise RendezvousError(f"Cannot reach the rendezvous service at {self.addr}:{self.port}: "
+                                      f"{exc}. Check that this host can reach the launcher's address "
+                                      "(see --network-interfaces).", addr=self.addr, port=self.port) from exc
+            finally:
+                conn.close()
+            if not busy:
+                break
+            if time.monotonic() + delay > deadline:
+                raise RendezvousError(f"The rendezvous service at {self.addr}:{self.port} stayed "
+                                      f"busy for {wait:g} s ({busy}): too many connections, maybe "
+                                      "from outside the job (its log names the addresses).",
+                                      addr=self.addr, port=self.port)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
         if resp.status == 403:
             raise RendezvousError(f"The rendezvous service at {self.addr}:{self.port} refused this "
                                   "worker: its job secret does not match (wrong HOROVOD_SECRET_KEY: "
                                   "this process belongs to another job).", addr=self.addr,
                                   refused=True)
         sig = resp.getheader(SIG_HEADER, "")
-        if not hmac.compare_digest(sig, sign_response(self.secret, mac, resp.status, data)):
+        if not sig.isascii() or not hmac.compare_digest(sig, sign_response(self.secret, mac, resp.status, data)):
             raise RendezvousError(f"The answer from {self.addr}:{self.port} is not signed by this "
                                   "job's launcher.", addr=self.addr)
         return resp.status, data

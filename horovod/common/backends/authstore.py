@@ -9,9 +9,14 @@ whenever Horovod opens the store itself:
 * A connection starts with a challenge-response: the server sends a random nonce, the client
   answers with its own nonce and ``HMAC-SHA256(key, "c" | server nonce | client nonce)``, the server
   proves itself with ``HMAC(key, "s" | ...)``. ``key`` is derived from the job's secret
-  (``HOROVOD_SECRET_KEY``, never sent). A peer that fails is refused (connection closed), logged
-  once per address at warning level, and never holds up the job: each connection has its own
-  thread and a handshake deadline.
+  (``HOROVOD_SECRET_KEY``, never sent). A peer that fails gets an explicit refusal and is logged
+  once per address at warning level (a bounded number of addresses; the rest in at most one line
+  a minute).
+* Strangers cannot starve members: one thread runs every handshake with a selector; at most
+  ``max_pending`` handshakes are open (``max_pending_per_address`` per address), the oldest being
+  closed with a "busy" answer when a new connection arrives at a cap; one deadline covers the
+  whole handshake; ``accept`` failures (no file descriptors left) close the oldest handshake and
+  the loop goes on. A member whose handshake was closed as busy tries again until its timeout.
 * After it, every request and answer is a frame ``length | body | HMAC(session key, direction |
   sequence number | body)``: a frame that is altered, replayed or out of order ends the connection.
 
@@ -27,6 +32,7 @@ import hmac
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -34,6 +40,8 @@ import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
+
+from horovod.common.refusals import RefusalLog
 
 __all__ = ["StoreServer", "StoreClient", "StoreError", "derive_key", "torch_store", "open_store",
            "connect_store", "torch_store_type", "random_key"]
@@ -45,6 +53,11 @@ _NONCE = 32
 _MAC = 32
 _HANDSHAKE_SECONDS = 10.0
 _MAX_FRAME = 64 * 1024 * 1024
+_MAX_WAIT = 7 * 86400.0
+# What the server sends instead of its proof (32 bytes, like a MAC): the client's key does not
+# match, or the server closed the handshake because it is overloaded (the client tries again).
+_REFUSED = b"HVDSTOR1 refused: wrong key.....".ljust(_MAC, b".")
+_BUSY = b"HVDSTOR1 busy: try again........".ljust(_MAC, b".")
 
 # Operation codes (one byte) of a request frame; fields follow as length-prefixed byte strings.
 SET, GET, ADD, CSET, WAIT, CHECK, DELETE, NUMKEYS, APPEND, MGET, MSET = range(1, 12)
@@ -53,6 +66,10 @@ _OK, _TIMEOUT, _ERROR = 0, 1, 2
 
 class StoreError(RuntimeError):
     """The store refused us, timed out, or its answer was not authentic."""
+
+
+class _Busy(Exception):
+    """The server closed a handshake without a verdict on the key (overloaded): try again."""
 
 
 def derive_key(secret: str | bytes, purpose: str = "store") -> bytes:
@@ -121,28 +138,71 @@ class _Channel:
 
 
 # ------------------------------------------------------------------------------------ server
-class StoreServer:
-    """The store's data and its listening socket (one thread per authenticated connection)."""
+class _Pending:
+    """A connection in its handshake: the server's nonce sent, the client's answer arriving."""
 
-    def __init__(self, host: str, key: bytes, port: int = 0) -> None:
+    __slots__ = ("sock", "peer", "port", "deadline", "nonce", "buf")
+
+    def __init__(self, sock: socket.socket, addr: Any, deadline: float) -> None:
+        self.sock, self.peer, self.port = sock, str(addr[0]), addr[1]
+        self.deadline = deadline
+        self.nonce = secrets.token_bytes(_NONCE)
+        self.buf = b""
+
+
+class StoreServer:
+    """The store's data and its listening socket.
+
+    One thread accepts connections and runs every handshake with a selector (no thread per
+    stranger); a connection that authenticates gets a thread of its own. Strangers are bounded:
+    at most ``max_pending`` connections in their handshake, ``max_pending_per_address`` from one
+    address; at a cap the *oldest* handshake of that address (or of all) is closed with a
+    ``BUSY`` answer, so a member's fresh connection always gets its turn. One deadline
+    (``handshake_seconds``) covers the whole handshake, however slowly the bytes arrive. Errors
+    of ``accept`` (out of file descriptors: ``EMFILE``, ``ENFILE``; anything else) close the
+    oldest handshake, pause accepting briefly and go on.
+    """
+
+    def __init__(self, host: str, key: bytes, port: int = 0, *, max_pending: int = 512,
+                 max_pending_per_address: int = 128,
+                 handshake_seconds: float = _HANDSHAKE_SECONDS) -> None:
         self.key = key
+        self.max_pending, self.max_per_address = int(max_pending), int(max_pending_per_address)
+        self.handshake_seconds = float(handshake_seconds)
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()
-        self._refused: set[str] = set()
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._sock = socket.create_server((host, port), family=_family(host), backlog=128)
+        self._sock.setblocking(False)
         self.host, self.port = host, self._sock.getsockname()[1]
-        self.refusals = 0
-        threading.Thread(target=self._accept, name="horovod-store-accept", daemon=True).start()
+        self.log = RefusalLog(log, f"store {host}:{self.port}")
+        self._pending: dict[socket.socket, _Pending] = {}  # in accept order (oldest first)
+        self._per_peer: dict[str, dict[socket.socket, _Pending]] = {}
+        self.evicted = self.accept_errors = self.admitted = 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._thread = threading.Thread(target=self._loop, name="horovod-store-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def refusals(self) -> int:
+        """Connections refused: wrong key, garbage, or no answer within the handshake deadline."""
+        return self.log.refused
+
+    @property
+    def pending(self) -> int:
+        """Connections now in their handshake."""
+        return len(self._pending)
 
     def close(self) -> None:
         self._closed = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._wake_w.send(b"x")
         except OSError:
             pass
-        self._sock.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         with self._cond:
             for c in list(self._conns):
                 try:
@@ -151,58 +211,176 @@ class StoreServer:
                     pass
             self._cond.notify_all()
 
-    def _accept(self) -> None:
-        while not self._closed:
+    # ------------------------------------------------------------------ the handshake thread
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        sel.register(self._wake_r, selectors.EVENT_READ, False)
+        listening, resume = True, 0.0
+        try:
+            while not self._closed:
+                try:
+                    now = time.monotonic()
+                    if not listening and now >= resume:
+                        sel.register(self._sock, selectors.EVENT_READ, None)
+                        listening = True
+                    wait = 0.25 if not self._pending else max(
+                        0.0, min(0.25, next(iter(self._pending.values())).deadline - now))
+                    if not listening:
+                        wait = max(0.0, min(wait, resume - now))
+                    for skey, _ in sel.select(wait):
+                        if skey.data is None:
+                            if not self._accept_some(sel):
+                                sel.unregister(self._sock)
+                                listening, resume = False, time.monotonic() + 0.05
+                        elif skey.data is False:
+                            self._wake_r.recv(64)
+                        else:
+                            self._advance(sel, skey.data)
+                    self._expire(sel)
+                except Exception as exc:  # noqa: BLE001 - the store must outlive any one fault
+                    self.log.event("loop", f"error in the accept loop ({type(exc).__name__}: "
+                                           f"{exc}); going on")
+                    time.sleep(0.05)
+        finally:
+            for p in list(self._pending.values()):
+                self._drop(sel, p, None)
+            sel.close()
+            self._sock.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _accept_some(self, sel: selectors.BaseSelector) -> bool:
+        """Accept what is queued (a bounded batch); False to pause accepting after an error."""
+        for _ in range(64):
             try:
                 conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ...: free a slot, go on
+                self.accept_errors += 1
+                self.log.event("accept", f"accept() failed ({exc}); closing the oldest handshake "
+                                         "(pausing 50 ms when there is none)")
+                if self._pending:
+                    self._evict(sel, next(iter(self._pending.values())))
+                    return True  # a descriptor is free again: the next select accepts
+                return False
+            try:
+                self._admit(sel, conn, addr)
             except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, addr), name="horovod-store-conn",
-                             daemon=True).start()
+                conn.close()
+        return True
 
-    def _refuse(self, addr: Any, why: str) -> None:
-        self.refusals += 1
-        peer = str(addr[0])
-        if peer not in self._refused:
-            self._refused.add(peer)
-            log.warning("store %s:%d refused a connection from %s:%s (%s); further refusals of "
-                        "this address are not logged", self.host, self.port, peer, addr[1], why)
+    def _admit(self, sel: selectors.BaseSelector, conn: socket.socket, addr: Any) -> None:
+        p = _Pending(conn, addr, time.monotonic() + self.handshake_seconds)
+        mine = self._per_peer.setdefault(p.peer, {})
+        if len(mine) >= self.max_per_address:
+            self._evict(sel, next(iter(mine.values())))
+        elif len(self._pending) >= self.max_pending:
+            self._evict(sel, next(iter(self._pending.values())))
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.send(_HELLO + p.nonce)  # 40 bytes: a fresh socket's buffer takes them whole
+        self._pending[conn] = p
+        self._per_peer.setdefault(p.peer, {})[conn] = p
+        sel.register(conn, selectors.EVENT_READ, p)
 
-    def _handshake(self, conn: socket.socket, addr: Any) -> _Channel | None:
-        conn.settimeout(_HANDSHAKE_SECONDS)
-        nonce_s = secrets.token_bytes(_NONCE)
+    def _drop(self, sel: selectors.BaseSelector, p: _Pending, answer: bytes | None) -> None:
+        self._pending.pop(p.sock, None)
+        mine = self._per_peer.get(p.peer)
+        if mine is not None:
+            mine.pop(p.sock, None)
+            if not mine:
+                del self._per_peer[p.peer]
         try:
-            conn.sendall(_HELLO + nonce_s)
-            head = _recv_exact(conn, len(_HELLO) + _NONCE + _MAC)
-        except (OSError, ConnectionError) as exc:
-            self._refuse(addr, f"no valid handshake: {exc or 'timeout'}")
-            return None
+            sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        if answer is not None:
+            try:
+                p.sock.send(answer)
+            except OSError:
+                pass
+        p.sock.close()
+
+    def _evict(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        self.evicted += 1
+        self._drop(sel, p, _BUSY)
+        self.log.event("busy", "too many connections in their handshake; closed the oldest")
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while self._pending:
+            p = next(iter(self._pending.values()))
+            if p.deadline > now:
+                return
+            self._drop(sel, p, _BUSY)
+            self.log.refuse(p.peer, f"no valid handshake within {self.handshake_seconds:g} s", p.port)
+
+    def _advance(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        want = len(_HELLO) + _NONCE + _MAC
+        try:
+            chunk = p.sock.recv(want - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(sel, p, None)
+            self.log.refuse(p.peer, f"no valid handshake: {exc}", p.port)
+            return
+        if not chunk:
+            self._drop(sel, p, None)
+            self.log.refuse(p.peer, "closed during the handshake", p.port)
+            return
+        p.buf += chunk
+        if len(p.buf) < want:
+            return
+        head = p.buf
         nonce_c, mac = head[len(_HELLO):len(_HELLO) + _NONCE], head[len(_HELLO) + _NONCE:]
         if head[:len(_HELLO)] != _HELLO or not hmac.compare_digest(
-                mac, _mac(self.key, b"c", nonce_s, nonce_c)):
-            self._refuse(addr, "not signed with this job's secret")
-            return None
-        conn.sendall(_mac(self.key, b"s", nonce_c, nonce_s))
-        conn.settimeout(None)
-        session = _mac(self.key, b"session", nonce_s, nonce_c)
-        return _Channel(conn, session, b"s2c", b"c2s")
-
-    def _serve(self, conn: socket.socket, addr: Any) -> None:
-        with self._cond:
-            self._conns.add(conn)
+                mac, _mac(self.key, b"c", p.nonce, nonce_c)):
+            self._drop(sel, p, _REFUSED)
+            self.log.refuse(p.peer, "not signed with this job's secret", p.port)
+            return
+        self._pending.pop(p.sock, None)
+        mine = self._per_peer.get(p.peer)
+        if mine is not None:
+            mine.pop(p.sock, None)
+            if not mine:
+                del self._per_peer[p.peer]
+        sel.unregister(p.sock)
+        conn = p.sock
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            chan = self._handshake(conn, addr)
-            if chan is None:
-                return
+            if conn.send(_mac(self.key, b"s", nonce_c, p.nonce)) != _MAC:
+                raise ConnectionError("short send")
+            conn.setblocking(True)
+            session = _mac(self.key, b"session", p.nonce, nonce_c)
+            chan = _Channel(conn, session, b"s2c", b"c2s")
+            with self._cond:
+                self._conns.add(conn)
+            self.admitted += 1
+            threading.Thread(target=self._serve, args=(chan, p.peer), name="horovod-store-conn",
+                             daemon=True).start()
+        except (OSError, ConnectionError, RuntimeError):
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
+
+    # ------------------------------------------------------------------ members
+    def _serve(self, chan: _Channel, peer: str) -> None:
+        conn = chan.sock
+        try:
             while not self._closed:
                 try:
                     body = chan.recv()
                 except ConnectionError as exc:
                     if str(exc) not in ("connection closed",):
-                        self._refuse(addr, str(exc))
+                        self.log.refuse(peer, str(exc))
                     return
-                chan.send(self._handle(body))
+                try:
+                    answer = self._handle(body)
+                except (IndexError, ValueError, struct.error) as exc:
+                    answer = _pack(_ERROR, [f"malformed request: {exc}"[:200].encode()])
+                chan.send(answer)
         except OSError:
             return
         finally:
@@ -251,6 +429,8 @@ class StoreServer:
                 return _pack(_OK, [str(len(d)).encode()])
             if op in (GET, WAIT, MGET):
                 timeout = float(f[0])
+                if not 0.0 <= timeout <= _MAX_WAIT:  # NaN fails too
+                    return _pack(_ERROR, [f"bad wait of {f[0][:20]!r} s".encode()])
                 keys = f[1:]
                 deadline = time.monotonic() + timeout
                 while not all(k in d for k in keys):
@@ -277,34 +457,60 @@ class StoreClient:
         self._lock = threading.Lock()
         deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
         delay = 0.01
-        while True:  # the server may not listen yet (rank 0 is still starting)
+        busy = 0
+        while True:
+            # The server may not listen yet (rank 0 is still starting), or be busy with strangers
+            # (it closes the oldest handshakes when too many are open): try again until the
+            # deadline. Only an explicit refusal ends the attempts at once.
             try:
-                sock = socket.create_connection((host, self.port), timeout=max(1.0, min(10.0, timeout)))
+                sock, nonce_s, nonce_c = self._handshake(key, deadline)
                 break
+            except _Busy as exc:
+                busy += 1
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"the store at {host}:{port} was too busy to finish the handshake "
+                        f"({busy} attempts in {timeout if connect_timeout is None else connect_timeout:g} s: "
+                        f"{exc}); many connections from elsewhere may be flooding it. Check who "
+                        "else connects to this port (the store's log names refused addresses).") from exc
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise StoreError(f"cannot connect to the store at {host}:{port}: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            head = _recv_exact(sock, len(_HELLO) + _NONCE)
-            if head[:len(_HELLO)] != _HELLO:
-                raise StoreError(f"{host}:{port} is not a Horovod store")
-            nonce_s = head[len(_HELLO):]
-            nonce_c = secrets.token_bytes(_NONCE)
-            sock.sendall(_HELLO + nonce_c + _mac(key, b"c", nonce_s, nonce_c))
-            proof = _recv_exact(sock, _MAC)
-        except (OSError, ConnectionError) as exc:
-            sock.close()
-            raise StoreError(f"the store at {host}:{port} refused this process (is it from "
-                             f"another job? wrong HOROVOD_SECRET_KEY): {exc}") from exc
-        if not hmac.compare_digest(proof, _mac(key, b"s", nonce_c, nonce_s)):
-            sock.close()
-            raise StoreError(f"the store at {host}:{port} is not this job's (bad proof)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
         sock.settimeout(None)
         self._sock = sock
         self._chan = _Channel(sock, _mac(key, b"session", nonce_s, nonce_c), b"c2s", b"s2c")
+
+    def _handshake(self, key: bytes, deadline: float) -> tuple[socket.socket, bytes, bytes]:
+        host, port = self.host, self.port
+        wait = max(1.0, min(10.0, self.timeout, deadline - time.monotonic()))
+        sock = socket.create_connection((host, port), timeout=wait)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                head = _recv_exact(sock, len(_HELLO) + _NONCE)
+                if head[:len(_HELLO)] != _HELLO:
+                    raise StoreError(f"{host}:{port} is not a Horovod store")
+                nonce_s = head[len(_HELLO):]
+                nonce_c = secrets.token_bytes(_NONCE)
+                sock.sendall(_HELLO + nonce_c + _mac(key, b"c", nonce_s, nonce_c))
+                proof = _recv_exact(sock, _MAC)
+            except (OSError, ConnectionError) as exc:
+                # Closed or reset before the proof: the server dropped this handshake (busy),
+                # not a verdict on the key (a wrong key gets an explicit refusal).
+                raise _Busy(str(exc) or type(exc).__name__) from exc
+            if proof == _BUSY:
+                raise _Busy("the server closed the handshake: busy")
+            if proof == _REFUSED:
+                raise StoreError(f"the store at {host}:{port} refused this process: its key does "
+                                 "not match (wrong HOROVOD_SECRET_KEY, or a process of another job)")
+            if not hmac.compare_digest(proof, _mac(key, b"s", nonce_c, nonce_s)):
+                raise StoreError(f"the store at {host}:{port} is not this job's (bad proof)")
+        except BaseException:
+            sock.close()
+            raise
+        return sock, nonce_s, nonce_c
 
     def call(self, op: int, fields: Sequence[bytes]) -> list[bytes]:
         with self._lock:

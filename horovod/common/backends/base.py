@@ -1,7 +1,9 @@
 """The two roles a transport plays for the engine, each a small protocol.
 
-``Controller`` moves negotiation messages (a bit-vector AND for the cached fast path, and pickled
-request lists gathered to rank 0 / response lists broadcast from it). ``CollectiveBackend`` runs
+``Controller`` moves negotiation messages (a bit-vector AND for the cached fast path, and encoded
+request lists gathered to rank 0 / response lists broadcast from it). Its messages are plain
+values sent in ``horovod.common.plain``, never pickle: whoever reaches a transport's connections
+must not be able to run code in the ranks. ``CollectiveBackend`` runs
 collectives on flat, C-contiguous NumPy buffers (or, for device backends, framework tensors).
 One transport module (``mpi.py``, ``gloo.py``, ``local.py``) usually implements both in one class.
 
@@ -53,13 +55,14 @@ class Controller(Protocol):
         """
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
-        """Gather one picklable object per rank to rank 0; rank 0 gets the list, others None."""
+        """Gather one plain value (``horovod.common.plain``) per rank to rank 0; rank 0 gets the
+        list, others None."""
 
     def bcast_from_root(self, obj: Any) -> Any:
-        """Broadcast a picklable object from rank 0; every rank returns it."""
+        """Broadcast a plain value from rank 0; every rank returns it."""
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Return every rank's object, in rank order (used at init for host names)."""
+        """Return every rank's plain value, in rank order (used at init for host names)."""
 
 
 @runtime_checkable

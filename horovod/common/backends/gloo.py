@@ -31,7 +31,6 @@ import functools
 import itertools
 import logging
 import os
-import pickle
 import socket
 import warnings
 import zlib
@@ -41,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common import launcher as _launcher
+from horovod.common import plain
 from horovod.common.backends import authstore
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
@@ -306,17 +306,19 @@ class GlooBackend:
     def _lengths(self, n: int, group: Group) -> np.ndarray:
         return self.allgather_ints(np.array([n], np.int64), group)[:, 0]
 
+    # The controller's messages travel in ``horovod.common.plain`` (never pickle: a peer that
+    # reached the Gloo pairs could otherwise run code in this process).
     def allgather_object(self, obj: Any) -> list[Any]:
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        data = np.frombuffer(plain.dumps(obj), np.uint8)
         world = self.world_group()
         counts = [int(c) for c in self._lengths(data.size, world)]
         recv = np.empty(sum(counts), np.uint8)
         self.allgatherv(data, recv, counts, world)
         offsets = np.concatenate([[0], np.cumsum(counts)])
-        return [pickle.loads(recv[offsets[i]:offsets[i + 1]].tobytes()) for i in range(self.size)]
+        return [plain.loads(recv[offsets[i]:offsets[i + 1]]) for i in range(self.size)]
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        data = np.frombuffer(plain.dumps(obj), np.uint8)
         if self.size == 1:
             return [obj]
         counts = self._lengths(data.size, self.world_group())
@@ -329,7 +331,7 @@ class GlooBackend:
             outs = [np.empty(width, np.uint8) for _ in range(self.size)]
             self._run("negotiation gather",
                       lambda: self._world.gather([[self._t(x) for x in outs]], [self._t(padded)], o))
-            return [pickle.loads(outs[i][:counts[i]].tobytes()) for i in range(self.size)]
+            return [plain.loads(outs[i][:counts[i]]) for i in range(self.size)]
         self._run("negotiation gather", lambda: self._world.gather([], [self._t(padded)], o))
         return None
 
@@ -337,7 +339,7 @@ class GlooBackend:
         if self.size == 1:
             return obj
         world = self.world_group()
-        data = (np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        data = (np.frombuffer(plain.dumps(obj), np.uint8)
                 if self.rank == 0 else np.empty(0, np.uint8))
         n = np.array([data.size], np.int64)
         self.broadcast(n, 0, world)
@@ -346,7 +348,7 @@ class GlooBackend:
         else:
             data = data.copy()
         self.broadcast(data, 0, world)
-        return obj if self.rank == 0 else pickle.loads(data.tobytes())
+        return obj if self.rank == 0 else plain.loads(data)
 
     # ---------------------------------------------------------------- groups
     def world_group(self) -> Group:

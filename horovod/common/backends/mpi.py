@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common import lifecycle
+from horovod.common import lifecycle, plain
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
@@ -88,17 +88,41 @@ class MPIBackend:
             raise _fail(self.rank, "negotiation", exc) from exc
         return out
 
+    # The controller's messages travel as ``horovod.common.plain`` bytes in buffer collectives
+    # (mpi4py's lower-case methods would pickle them: a peer that reached MPI's connections could
+    # then run code here). Two collectives each, as mpi4py's own gather and bcast do.
     def gather_to_root(self, obj: Any) -> list[Any] | None:
+        data = np.frombuffer(plain.dumps(obj), np.uint8)
         with _translate(self.rank, "negotiation gather"):
-            return self.comm.gather(obj, root=0)
+            counts = np.zeros(self.size, np.int64) if self.rank == 0 else None
+            self.comm.Gather(np.array([data.size], np.int64), counts, root=0)
+            if self.rank != 0:
+                self.comm.Gatherv(data, None, root=0)
+                return None
+            assert counts is not None
+            recv = np.empty(int(counts.sum()), np.uint8)
+            self.comm.Gatherv(data, [recv, counts], root=0)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        return [plain.loads(recv[offsets[i]:offsets[i + 1]]) for i in range(self.size)]
 
     def bcast_from_root(self, obj: Any) -> Any:
         with _translate(self.rank, "negotiation broadcast"):
-            return self.comm.bcast(obj, root=0)
+            data = np.frombuffer(plain.dumps(obj), np.uint8) if self.rank == 0 else None
+            n = np.array([0 if data is None else data.size], np.int64)
+            self.comm.Bcast(n, root=0)
+            buf = data.copy() if data is not None else np.empty(int(n[0]), np.uint8)
+            self.comm.Bcast(buf, root=0)
+        return obj if self.rank == 0 else plain.loads(buf)
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        data = np.frombuffer(plain.dumps(obj), np.uint8)
         with _translate(self.rank, "allgather"):
-            return self.comm.allgather(obj)
+            counts = np.zeros(self.size, np.int64)
+            self.comm.Allgather(np.array([data.size], np.int64), counts)
+            recv = np.empty(int(counts.sum()), np.uint8)
+            self.comm.Allgatherv(data, [recv, counts])
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        return [plain.loads(recv[offsets[i]:offsets[i + 1]]) for i in range(self.size)]
 
     # ---------------------------------------------------------------- groups
     def world_group(self) -> Group:

@@ -5,8 +5,9 @@ A rank's message for one round is ``bytes`` (pickling ``bytes`` costs the transp
     header   magic, record count n, length of the names blob, length of the detail blob
     records  n fixed 16-byte records (``RECORD``): signature digest, process set, kind, flags
     names    the n names, UTF-8, NUL-separated
-    detail   the fields a response needs, one tuple per request (pickled without memo, so equal
-             requests encode to equal bytes on every rank)
+    detail   the fields a response needs, one array per request, in JSON (``_dumps``: data only,
+             decoded by the standard library's C parser; equal requests encode to equal bytes on
+             every rank)
     tail     ragged kinds only: each request's first dimensions (the only part that may differ
              across ranks for a name whose requests agree)
 
@@ -20,8 +21,7 @@ values that disagree exactly as ``negotiation.validate`` always has.
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
+import json
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -56,12 +56,50 @@ def digest(req: Request) -> int:
     return d
 
 
+_ARG_ERROR = "__hvd_argument_error__"
+
+
+def _plain_default(obj: Any) -> Any:
+    if type(obj) is ArgumentError:
+        return {_ARG_ERROR: [obj.error_type, obj.message]}
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    raise TypeError(f"{type(obj).__name__} cannot be part of a negotiation message")
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_plain_default)
+
+
 def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    p.fast = True  # no memo: equal values encode to equal bytes whatever objects they are
-    p.dump(obj)
-    return buf.getvalue()
+    """Plain data as JSON: a format that cannot run code when read (never pickle: whoever
+    reaches the controller's transport would run code in every rank)."""
+    return _ENCODER.encode(obj).encode()
+
+
+def _hook(d: dict[str, Any]) -> Any:
+    if len(d) == 1 and _ARG_ERROR in d:
+        error_type, message = d[_ARG_ERROR]
+        return ArgumentError(str(error_type), str(message))
+    return d
+
+
+def _loads(data: bytes | memoryview) -> Any:
+    """Read what ``_dumps`` wrote (``ValueError`` for anything malformed, however deep)."""
+    try:
+        return json.loads(bytes(data), object_hook=_hook)
+    except (ValueError, RecursionError, TypeError) as exc:
+        raise ValueError(f"malformed negotiation message: {exc}"[:300]) from None
+
+
+def _shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s) for s in shapes)
+
+
+def _payload(value: Any) -> Any:
+    """A request's payload as sent: its sequences are tuples (JSON has only arrays)."""
+    return tuple(_payload(v) for v in value) if type(value) is list else value
 
 
 def encode_requests(requests: Sequence[Request]) -> bytes:
@@ -124,12 +162,13 @@ class Message:
     def request(self, i: int, rank: int, tail: bytes = b"") -> Request:
         """The ``i``-th request as ``rank`` sent it (``tail``: that rank's ragged first dims)."""
         if self._details is None:
-            self._details = pickle.loads(self.data[self._detail_at:self._detail_end])
+            self._details = _loads(memoryview(self.data)[self._detail_at:self._detail_end])
         dtype, shapes, op, pre, post, root, device, payload = self._details[i]
+        shapes, payload = _shapes(shapes), _payload(payload)
         rec = self.records[i]
         kind = KINDS[int(rec["kind"])]
         if kind in RAGGED_KINDS and tail:
-            firsts = pickle.loads(tail)[i]
+            firsts = _loads(tail)[i]
             shapes = tuple(s if f is None else (f,) + s for f, s in zip(firsts, shapes))
         return Request(self.names[i], kind, dtype, shapes, ReduceOp(op), pre, post, root,
                        int(rec["ps"]), device, payload, rank, bool(int(rec["flags"]) & FLAG_FLAT))
@@ -158,8 +197,8 @@ def encode_responses(responses: Sequence[Response]) -> bytes:
 def decode_responses(data: bytes) -> list[Response]:
     out = []
     for (name, kind, dtype, shapes, op, pre, post, root, ps, device, payload, rank, flat), error, \
-            fields, joined, result in pickle.loads(data):
-        req = Request(name, KINDS[kind], dtype, shapes, ReduceOp(op), pre, post, root, ps, device,
-                      payload, rank, flat)
-        out.append(Response(req, error, fields or {}, joined, result))
+            fields, joined, result in _loads(data):
+        req = Request(name, KINDS[kind], dtype, _shapes(shapes), ReduceOp(op), pre, post, root, ps,
+                      device, _payload(payload), rank, flat)
+        out.append(Response(req, error, fields or {}, tuple(joined), result))
     return out

@@ -7,10 +7,11 @@ from pathlib import Path
 
 RUNNER = Path(__file__).resolve().parents[3] / "horovod" / "runner"
 # lifecycle: the launcher classifies a rank's exception chain ("its own" or "a peer left") with the same
-# rules the rank used; the module imports only exceptions at top level.
+# rules the rank used; the module imports only exceptions at top level. refusals: the bounded,
+# rate-limited refusal log of the rendezvous service and the store (standard library only).
 ALLOWED_COMMON = {"horovod.common.config", "horovod.common.exceptions", "horovod.common.types",
                   "horovod.common.rendezvous", "horovod.common.lifecycle", "horovod.common.wire",
-                  "horovod.common.elastic_rounds"}
+                  "horovod.common.elastic_rounds", "horovod.common.refusals"}
 
 
 def imported_modules(path: Path) -> list[tuple[str, bool]]:
