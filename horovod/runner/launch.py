@@ -205,23 +205,10 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
 
 
 def _end_monitor(monitor: object, result: object, linger: float) -> None:
-    """Show the job's outcome on the monitor for ``linger`` seconds, then stop it."""
-    import time
-
-    from horovod.runner.monitor import MonitorService, record_result
+    from horovod.runner.monitor import MonitorService, finish
 
     assert isinstance(monitor, MonitorService)
-    try:
-        if result is not None:
-            record_result(monitor, result)
-        if linger > 0:
-            print(f"horovodrun: the job ended; the monitor stays up {linger:g} s at {monitor.url} "
-                  "(Ctrl-C ends it)", file=sys.stderr, flush=True)
-            time.sleep(linger)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        monitor.stop()
+    finish(monitor, result, linger)
 
 
 def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
@@ -348,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if result.returncode != 0:
         print(result.report(), file=sys.stderr)
+    if settings.monitor_port is not None:
+        from horovod.runner.monitor import linger
+
+        linger()
     return result.returncode
 
 

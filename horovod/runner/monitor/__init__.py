@@ -8,14 +8,18 @@ and the launcher (failures, elastic rounds) update. ``start_monitor`` is the lau
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import time
 from typing import IO, Any
 
 from horovod.common import wire
 from horovod.runner.monitor.service import MonitorService
 from horovod.runner.monitor.state import JobState
 
-__all__ = ["MonitorService", "JobState", "start_monitor", "worker_env", "record_result"]
+__all__ = ["MonitorService", "JobState", "start_monitor", "worker_env", "record_result", "finish",
+           "linger"]
+
+# Services kept up after their job ended (--monitor-linger), with when to stop them.
+_LINGERING: list[tuple[MonitorService, float]] = []
 
 
 def start_monitor(secret: str, port: int, address: str | None, world_size: int,
@@ -42,8 +46,9 @@ def worker_env(svc: MonitorService, advertised: str | None = None) -> dict[str, 
 
 def record_result(svc: MonitorService, result: Any) -> None:
     """The launcher's outcome of the job (``execute.JobResult``): the failure's culprit, if any."""
-    first: Callable[[], Any] | None = getattr(result, "first_failure", None)
-    culprit = first() if callable(first) else None
+    culprit = getattr(result, "first_failure", None)  # execute.JobResult's root cause
+    if callable(culprit):
+        culprit = culprit()
     elastic = getattr(getattr(result, "result", None), "root_cause", None)
     worker = elastic() if callable(elastic) else None  # an elastic job's first failed worker
     if worker is not None:
@@ -56,4 +61,36 @@ def record_result(svc: MonitorService, result: Any) -> None:
     elif getattr(result, "returncode", 0):
         svc.state.set_failure(None, "", str(getattr(result, "error", "") or
                                             f"exit code {result.returncode}"))
+    for e in getattr(result, "exits", None) or []:
+        if e.rank is not None and e.failed and (culprit is None or e.rank != culprit.rank):
+            svc.state.set_stopped(e.rank)
     svc.state.set_finished(int(getattr(result, "returncode", 0)))
+
+
+def finish(svc: MonitorService, result: Any, linger: float) -> None:
+    """The job ended: show its outcome, then stop the service now, or after ``linger`` seconds
+    (``linger()`` waits for that, once the launcher has printed its report)."""
+    try:
+        if result is not None:
+            record_result(svc, result)
+    finally:
+        if linger > 0:
+            _LINGERING.append((svc, time.monotonic() + linger))
+        else:
+            svc.stop()
+
+
+def linger(out: IO[str] | None = None) -> None:
+    """Keep the services of ended jobs up until their linger time is over (Ctrl-C: at once)."""
+    try:
+        for svc, until in list(_LINGERING):
+            left = until - time.monotonic()
+            if left > 0:
+                print(f"horovodrun: the job ended; the monitor stays up {left:.0f} s at {svc.url} "
+                      "(Ctrl-C ends it)", file=out or sys.stderr, flush=True)
+                time.sleep(left)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        while _LINGERING:
+            _LINGERING.pop()[0].stop()

@@ -26,7 +26,7 @@ th{font-weight:600;color:#55606e}
 .state{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600}
 .running{background:#dff5e3;color:#17692b}.finished{background:#e6eaf0;color:#46505c}
 .straggler{background:#fff1cc;color:#8a5a00}.stalled{background:#ffe2c6;color:#9a4300}
-.failed{background:#ffd9d9;color:#a11818}.silent,.starting{background:#eceff3;color:#69737f}
+.failed{background:#ffd9d9;color:#a11818}.silent,.starting,.stopped{background:#eceff3;color:#69737f}
 #failure.none{color:#69737f}
 #failure .culprit{font-weight:600;color:#a11818}
 pre{background:#f6f7f9;padding:6px;margin:6px 0 0;white-space:pre-wrap;font-size:12px;max-height:9em;overflow:auto}

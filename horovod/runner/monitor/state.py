@@ -85,6 +85,13 @@ class JobState:
             if rank is not None:
                 self._ranks.setdefault(rank, _Rank()).failed = status
 
+    def set_stopped(self, rank: int) -> None:
+        """The launcher stopped this rank (after another failed)."""
+        with self._lock:
+            st = self._ranks.setdefault(rank, _Rank())
+            if not st.failed:
+                st.failed = "stopped"
+
     def set_finished(self, returncode: int, text: str = "") -> None:
         with self._lock:
             self.finished = {"returncode": returncode, "text": text, "time": self._clock()}
@@ -92,11 +99,10 @@ class JobState:
     def _row(self, rank: int, st: _Rank | None, now: float) -> dict[str, Any]:
         rep = st.report if st is not None else {}
         host, local_rank = self.planned.get(rank, (rep.get("host", ""), rep.get("local_rank", -1)))
-        host = rep.get("host") or host
-        local_rank = rep.get("local_rank", local_rank)
+        host = host or rep.get("host", "")  # the launch plan's name, as the failure report uses
         interval = 1.0
         if st is not None and st.failed:
-            state = "failed"
+            state = "failed" if st.failed != "stopped" else "stopped"
         elif st is None or not rep:
             state = "starting"
         elif rep.get("final"):

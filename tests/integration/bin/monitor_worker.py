@@ -2,7 +2,8 @@
 
     monitor_worker.py job     200 steps with no delay, a known set of tensors, then 5 steps in
                               which rank 2 sleeps 50 ms before submitting; prints RESULT_<phase>
-    monitor_worker.py page F  steps until file F exists, then rank 1 raises (the others fail after)
+    monitor_worker.py page F [S]  steps until file F exists, then rank 1 raises (the others fail
+                              after); rank S (if given) takes 30 ms longer per step
 
 Results are ``[r]<stdout>:RESULT_<phase> {json}`` lines. Rank 0 also reads the monitor's
 ``/metrics`` (on 127.0.0.1: no token) once every rank has reported the verdict.
@@ -100,14 +101,13 @@ def job() -> None:
     hvd.barrier()
 
 
-def page(flag: str) -> None:
-    step = 0
+def page(flag: str, slow_rank: int = -1) -> None:
+    rng = np.random.default_rng(hvd.rank())
     while True:
         if os.path.exists(flag) and hvd.rank() == 1:
             raise RuntimeError("injected failure on rank 1 (the monitor test)")
         hvd.allreduce(STEP, name="step")
-        step += 1
-        time.sleep(0.02)
+        time.sleep(0.02 + (0.03 if hvd.rank() == slow_rank else 0.0) + 0.01 * rng.random())
 
 
 if __name__ == "__main__":
@@ -115,4 +115,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "job":
         job()
     else:
-        page(sys.argv[2])
+        page(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else -1)

@@ -185,19 +185,19 @@ def test_page_is_self_contained(service: MonitorService) -> None:
 def test_failure_and_elastic_state(service: MonitorService) -> None:
     from horovod.runner.failures import RankExit
 
-    class Result:
-        returncode = 1
+    culprit = RankExit(1, "node0", 3, None, time.time(), error="RuntimeError: boom", error_kind="cause")
 
-        def first_failure(self) -> RankExit:
-            return RankExit(1, "node0", 3, None, time.time(), error="RuntimeError: boom",
-                            error_kind="cause")
+    class Result:  # as execute.JobResult
+        returncode = 1
+        first_failure = culprit
+        exits = [RankExit(0, "node0", 1, None, time.time(), stopped_by="rank 1 failed"), culprit]
 
     record_result(service, Result())
     service.state.elastic = lambda: {"rounds": 3, "workers": {"running": 2, "exited": 1}}
     job = json.loads(get(service, "/api/job")[1])
     assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
     assert job["failure"]["status"] == "exit code 3" and "boom" in job["failure"]["error"]
-    assert job["ranks"][1]["state"] == "failed"
+    assert [r["state"] for r in job["ranks"]] == ["stopped", "failed"]
     text = exposition.render(job)
     assert "horovod_elastic_rounds_total 3" in text
     assert 'horovod_elastic_workers{state="exited"} 1' in text
