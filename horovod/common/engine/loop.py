@@ -173,7 +173,12 @@ class Engine:
         # round records, judges them (``metrics.StragglerDetector``) and broadcasts the verdict.
         self.metrics = Counters(self.rank, self.size, clock())
         self._round_no = 0
-        self._round_first = self._round_last = -1.0  # submit times of what this round completed
+        # Submit times, for the round records: the first entry taken while nothing was pending,
+        # and the latest taken (entries arrive in submission order: O(1) per round).
+        self._first_submit = self._last_submit = 0.0
+        self._round_done = False  # this round completed some of this rank's entries
+        # Bytes and tensors of memoized batches of fixed-shape operations, by batch identity.
+        self._batch_sizes: dict[int, tuple[list[Response], int, int]] = {}
         self._straggler: StragglerDetector | None = None
         self._exchange_every = config.straggler_interval_seconds
         if self.rank == 0 and self.size > 1 and self._exchange_every > 0:
@@ -411,6 +416,9 @@ class Engine:
         invalid = 0
         if new:
             pending, join = self._pending, RequestType.JOIN
+            if not pending:
+                self._first_submit = new[0].t_submit
+            self._last_submit = new[-1].t_submit
             lookup = cache.lookup if words and self.tunables.cache_enabled else None
             ready = self._ready_mask
             for e in new:
@@ -476,9 +484,9 @@ class Engine:
         self._progress = bool(responses or new or evict)
         if responses:
             self._execute(responses, cached_slots, bool(any_flags & _FLAG_JOINED))
-            if self._round_last >= 0:
-                self.metrics.record_round(self._round_no, t_ready, self._round_first, self._round_last)
-                self._round_first = self._round_last = -1.0
+            if self._round_done:
+                self._round_done = False
+                self.metrics.record_round(self._round_no, t_ready, self._first_submit, self._last_submit)
         if any_flags & _FLAG_EXCHANGE:
             self._exchange()
         if tl is not None:
@@ -637,17 +645,27 @@ class Engine:
             self._ready_mask &= ~cleared
         return entries
 
+    _FIXED_SHAPES = (RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.REDUCESCATTER)
+
+    def _count_batch(self, kind: RequestType, batch: list[Response], entries: list[Entry | None],
+                     seconds: float) -> None:
+        """Add a batch to the counters: tensors and bytes this rank submitted, time it took. A
+        memoized batch (a cached step's) of fixed-shape operations is sized once."""
+        sizes = self._batch_sizes.get(id(batch))
+        if sizes is None or sizes[0] is not batch:
+            arrays = [a for e in entries if e is not None for a in e.inputs]
+            sizes = (batch, len(arrays), sum([a.nbytes for a in arrays]))
+            if kind in self._FIXED_SHAPES and None not in entries:
+                if len(self._batch_sizes) >= 4 * self.PLAN_MEMO_SIZE:
+                    self._batch_sizes.clear()
+                self._batch_sizes[id(batch)] = sizes
+        self.metrics.record_batch(kind.value, sizes[1], sizes[2], seconds)
+
     def _complete(self, entries: list[Entry | None]) -> None:
         done = [e for e in entries if e is not None]
         if not done:
             return
-        submitted = [e.t_submit for e in done]
-        first, last = min(submitted), max(submitted)
-        if self._round_last < 0:
-            self._round_first, self._round_last = first, last
-        else:
-            self._round_first = min(first, self._round_first)
-            self._round_last = max(last, self._round_last)
+        self._round_done = True
         pop = self._in_flight.pop
         with self._lock:
             for e in done:
@@ -722,7 +740,5 @@ class Engine:
                         self._in_flight.pop(e.request.name, None)
                     e.handle.set_error(HorovodInternalError(f"{kind.value} {e.request.name!r}: {exc}"))
             return
-        arrays = [a for e in entries if e is not None for a in e.inputs]
-        self.metrics.record_batch(kind.value, len(arrays), sum([a.nbytes for a in arrays]),
-                                  time.perf_counter() - t0)
+        self._count_batch(kind, batch, entries, time.perf_counter() - t0)
         self._complete(entries)
