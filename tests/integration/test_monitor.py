@@ -34,9 +34,9 @@ URL_LINE = re.compile(r"horovodrun: monitor at (http://\S+/)")
 class Job:
     """``horovodrun`` running in the background; its output collected, its monitor URL parsed."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(horovodrun_argv(*args), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=launcher_env(), cwd=str(REPO))
+                                     stderr=subprocess.PIPE, env=launcher_env(env), cwd=str(REPO))
         self.out: list[str] = []
         self.err: list[str] = []
         self._url = threading.Event()
@@ -290,3 +290,32 @@ def test_horovod_run_monitor_port() -> None:
     port = m.group(1).rsplit(":", 1)[1].strip("/")
     results = json.loads(res.stdout.split("RESULTS ", 1)[1])
     assert results == [{"port": port, "bytes": {"allreduce": 20}}] * 2, results
+
+
+def test_elastic_job_rounds_and_workers(tmp_path: Path) -> None:
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    worker = str(REPO / "tests" / "elastic" / "bin" / "elastic_worker.py")
+    job = Job("-np", "2", "--min-np", "2", "--host-discovery-script", str(script), "--monitor-port", "0",
+              "python", worker, env={"STEPS": "1000", "STEP_SLEEP": "0.05"})
+    try:
+        url = job.wait_url()
+        deadline = time.monotonic() + 120
+        state: dict = {}
+        while time.monotonic() < deadline:
+            state = api_job(url)
+            if len(state["ranks"]) == 2 and all(r["steps"] > 0 for r in state["ranks"]):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the elastic workers did not report: {state}\n{job.text[-3000:]}")
+        assert state["elastic"]["rounds"] == 1 and state["elastic"]["workers"] == {"running": 2}, state
+        with urllib.request.urlopen(url + "metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        assert "horovod_elastic_rounds_total 1" in text
+        assert 'horovod_elastic_workers{state="running"} 2' in text
+        assert "horovod_world_size 2" in text
+    finally:
+        job.proc.send_signal(signal.SIGINT)
+        job.wait(timeout=60)
