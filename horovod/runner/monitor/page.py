@@ -64,7 +64,9 @@ function chart(job){
   var svg=document.getElementById("chart"),legend=document.getElementById("legend"),NS="http://www.w3.org/2000/svg";
   svg.textContent="";legend.textContent="";
   var series=job.ranks.map(function(r){return r.step_times.slice(-100).map(function(t){return t*1000;});});
-  var max=0;series.forEach(function(s){s.forEach(function(v){if(v>max)max=v;});});
+  // The scale follows the bulk of the steps (3x their 90th percentile): one stall does not flatten the rest.
+  var all=[];series.forEach(function(s){all=all.concat(s);});all.sort(function(a,b){return a-b;});
+  var max=all.length?Math.min(all[all.length-1],3*all[Math.floor(0.9*(all.length-1))]):0;
   if(!max){var t=document.createElementNS(NS,"text");t.setAttribute("x",10);t.setAttribute("y",20);t.textContent="no steps yet";svg.appendChild(t);return;}
   max*=1.1;
   for(var g=0;g<=4;g++){var y=210-g*50,l=document.createElementNS(NS,"line");l.setAttribute("x1",40);l.setAttribute("x2",600);
@@ -73,7 +75,7 @@ function chart(job){
     tx.setAttribute("fill","#69737f");tx.textContent=(max*g/4).toFixed(max<10?1:0);svg.appendChild(tx);}
   series.forEach(function(s,i){
     if(!s.length)return;var c=COLORS[i%COLORS.length],pts=[];
-    s.forEach(function(v,j){pts.push((40+560*(s.length>1?j/(s.length-1):0)).toFixed(1)+","+(210-200*v/max).toFixed(1));});
+    s.forEach(function(v,j){pts.push((40+560*(s.length>1?j/(s.length-1):0)).toFixed(1)+","+(210-200*Math.min(v,max)/max).toFixed(1));});
     var p=document.createElementNS(NS,"polyline");p.setAttribute("points",pts.join(" "));p.setAttribute("fill","none");
     p.setAttribute("stroke",c);p.setAttribute("stroke-width","1.5");p.setAttribute("data-rank",job.ranks[i].rank);svg.appendChild(p);
     var k=el("span","rank "+job.ranks[i].rank);k.style.color=c;legend.appendChild(k);

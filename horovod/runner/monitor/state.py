@@ -15,10 +15,12 @@ __all__ = ["JobState", "STEP_HISTORY"]
 STEP_HISTORY = 120
 # A rank whose last report is older than this many report intervals shows as "silent".
 _SILENT_AFTER = 10.0
+# The step rate is taken over this many of a rank's last reports (about as many seconds).
+_RATE_REPORTS = 6
 
 
 class _Rank:
-    __slots__ = ("report", "seen", "prev_steps", "prev_time", "step_rate", "steps", "failed")
+    __slots__ = ("report", "seen", "prev_steps", "prev_time", "step_rate", "steps", "failed", "history")
 
     def __init__(self) -> None:
         self.report: dict[str, Any] = {}
@@ -28,6 +30,7 @@ class _Rank:
         self.step_rate = 0.0
         self.steps: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
         self.failed: str | None = None
+        self.history: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_REPORTS)
 
 
 class JobState:
@@ -65,8 +68,12 @@ class JobState:
                     del self._ranks[r]
             st = self._ranks.setdefault(rank, _Rank())
             steps = int(report.get("steps") or 0)
+            if st.history and steps < st.history[-1][1]:
+                st.history.clear()  # a new engine (an elastic reset): counters start again
+            st.history.append((now, steps))
+            (t0, s0), (t1, s1) = st.history[0], st.history[-1]
+            st.step_rate = (s1 - s0) / (t1 - t0) if t1 > t0 else st.step_rate
             if st.prev_steps is not None and steps >= st.prev_steps and now > st.prev_time:
-                st.step_rate = (steps - st.prev_steps) / (now - st.prev_time)
                 new = steps - st.prev_steps
                 times = list(report.get("step_times") or [])
                 st.steps.extend(times[-new:] if new else [])
