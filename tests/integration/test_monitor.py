@@ -135,7 +135,8 @@ class SlowClients:
 @pytest.fixture(scope="module", params=["mpi", "gloo"])
 def monitored_job(request: pytest.FixtureRequest) -> Iterator[tuple[str, int, dict, Job, SlowClients]]:
     mode = str(request.param)
-    job = Job(f"--{mode}", "-np", "4", "--monitor-port", "0", "python", WORKER, "job")
+    job = Job(f"--{mode}", "-np", "4", "--monitor-port", "0", "--stall-check-warning-time-seconds", "1",
+              "python", WORKER, "job")
     slow = SlowClients(job.wait_url())
     rc = job.wait(timeout=300)
     slow.stop()
@@ -166,6 +167,15 @@ def test_straggler_is_flagged_within_five_steps(monitored_job: tuple) -> None:
                  "horovod_elastic_rounds_total", "horovod_elastic_workers"):
         assert f"# TYPE {name} " in text, f"{mode}: {name} missing from /metrics"
     assert "horovod_world_size 4" in text
+
+
+def test_stall_warning_names_the_straggler(monitored_job: tuple) -> None:
+    mode, _, _, job, _ = monitored_job
+    _phase(monitored_job, "straggler")
+    err = "".join(job.err)
+    assert "'allreduce.stall.x'" in err and "missing on ranks [2]" in err, f"{mode}: {err[-3000:]}"
+    assert "Stragglers (the ranks the others have waited for in most recent steps): [2]" in err, (
+        f"{mode}: {err[-3000:]}")
 
 
 def test_no_rank_is_flagged_without_a_delay(monitored_job: tuple) -> None:

@@ -1,7 +1,8 @@
 """Rank body for tests/integration/test_monitor.py, started by ``horovodrun --monitor-port``.
 
     monitor_worker.py job     200 steps with no delay, a known set of tensors, then 5 steps in
-                              which rank 2 sleeps 50 ms before submitting; prints RESULT_<phase>
+                              which rank 2 sleeps 50 ms before submitting, then one tensor rank 2
+                              holds back for 3 s (a stall); prints RESULT_<phase>
     monitor_worker.py page F [S]  steps until file F exists, then rank 1 raises (the others fail
                               after); rank S (if given) takes 30 ms longer per step
 
@@ -93,6 +94,11 @@ def job() -> None:
     m = next_verdict()
     emit("straggler", stragglers=m["stragglers"], straggler=m["straggler"],
          score=m["straggler_score"], scores=m["straggler_scores"])
+    # 4. Rank 2 holds a tensor back past the stall warning time (the launch sets it to 1 s): the
+    # stall inspector's warning names it as missing, and as the straggler.
+    if rank == 2:
+        time.sleep(3.0)
+    hvd.allreduce(STEP, name="stall.x")
     if rank == 0:
         want = {str(r): (1.0 if r in m["stragglers"] else 0.0) for r in range(size)}
         text = scrape_until(size, lambda t: series(t, "horovod_straggler") == want)
