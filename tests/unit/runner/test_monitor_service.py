@@ -231,3 +231,16 @@ def test_reporter_survives_an_unreachable_monitor() -> None:
     assert rep.push() is False
     rep.start()
     rep.stop(final=False)
+
+
+def test_command_line_options() -> None:
+    from horovod.common.exceptions import ConfigError
+    from horovod.runner.cli import parse_args, settings_from_args
+
+    s = settings_from_args(parse_args(["-np", "2", "--monitor-port", "0", "--monitor-address", "0.0.0.0",
+                                       "--monitor-linger", "5", "python", "train.py"]))
+    assert (s.monitor_port, s.monitor_address, s.monitor_linger) == (0, "0.0.0.0", 5.0)
+    s = settings_from_args(parse_args(["-np", "2", "python", "train.py"]))
+    assert s.monitor_port is None
+    with pytest.raises(ConfigError, match="--monitor-port 70000"):
+        settings_from_args(parse_args(["-np", "2", "--monitor-port", "70000", "python", "train.py"]))
