@@ -38,7 +38,7 @@ import numpy as np
 __all__ = ["Counters", "StragglerDetector", "MAX_WINDOW_ROUNDS"]
 
 # Rounds kept between two exchanges (older ones are dropped: the rule only needs recent rounds).
-MAX_WINDOW_ROUNDS = 512
+MAX_WINDOW_ROUNDS = 256
 _RECORD = np.dtype([("round", "<i8"), ("late", "<f4"), ("interval", "<f4")])
 STEP_TIMES_KEPT = 64
 
@@ -135,8 +135,8 @@ class StragglerDetector:
     """The coordinator's straggler rule over every rank's round records (module docstring)."""
 
     def __init__(self, size: int, *, flag_window: int = 5, flag_hits: int = 4,
-                 release_window: int = 10, release_hits: int = 2, min_relative: float = 0.5,
-                 min_seconds: float = 0.005, score_alpha: float = 0.2) -> None:
+                 release_window: int = 10, release_hits: int = 2, min_relative: float = 0.6,
+                 min_seconds: float = 0.01, score_alpha: float = 0.2) -> None:
         if not 0 < flag_hits <= flag_window <= release_window or release_hits >= flag_hits:
             raise ValueError("straggler rule: need 0 < flag_hits <= flag_window <= release_window "
                              "and release_hits < flag_hits")
@@ -145,7 +145,7 @@ class StragglerDetector:
         self.release_window, self.release_hits = release_window, release_hits
         self.min_relative, self.min_seconds, self.alpha = min_relative, min_seconds, score_alpha
         self._hits: collections.deque[int] = collections.deque(maxlen=release_window)  # hit rank or -1
-        self.flagged = np.zeros(size, bool)
+        self._flagged: set[int] = set()
         self.scores = np.zeros(size)
         self.flag_events = 0  # times any rank went from unflagged to flagged
         self.rounds = 0
@@ -183,27 +183,31 @@ class StragglerDetector:
         period = (ivs[idx, (n - 1) // 2] + ivs[idx, n // 2]) / 2
         relative = lateness / np.maximum(period, 1e-9)
         hit = (relative >= self.min_relative) & (lateness >= self.min_seconds) & (period > 0)
-        for i in range(len(late)):
-            r = int(last[i])
-            self._round(r if hit[i] else -1, r, float(min(relative[i], 1.0)))
+        rounds = len(late)
+        # Scores: every round decays them by (1 - alpha) and adds alpha * relative lateness to its
+        # last rank; summed in one pass with each round's weight (1 - alpha) ** (rounds after it).
+        weights = self.alpha * np.minimum(relative, 1.0) * (1 - self.alpha) ** np.arange(rounds - 1, -1, -1)
+        self.scores *= (1 - self.alpha) ** rounds
+        np.add.at(self.scores, last, np.nan_to_num(weights))
+        for r, h in zip(last.tolist(), hit.tolist()):
+            self._round(r if h else -1)
 
-    def _round(self, hit_rank: int, last_rank: int, relative: float) -> None:
+    def _round(self, hit_rank: int) -> None:
         self.rounds += 1
-        self._hits.append(hit_rank)
-        self.scores *= 1 - self.alpha
-        self.scores[last_rank] += self.alpha * relative
-        hits = list(self._hits)
-        if hit_rank >= 0 and not self.flagged[hit_rank]:
-            if hits[-self.flag_window:].count(hit_rank) >= self.flag_hits:
-                self.flagged[hit_rank] = True
+        hits = self._hits
+        hits.append(hit_rank)
+        if hit_rank >= 0 and hit_rank not in self._flagged:
+            recent = list(hits)[-self.flag_window:]
+            if recent.count(hit_rank) >= self.flag_hits:
+                self._flagged.add(hit_rank)
                 self.flag_events += 1
-        for r in np.flatnonzero(self.flagged).tolist():
-            if len(hits) >= self.release_window and hits.count(r) <= self.release_hits:
-                self.flagged[r] = False
+        if self._flagged and len(hits) >= self.release_window:
+            for r in [r for r in self._flagged if hits.count(r) <= self.release_hits]:
+                self._flagged.discard(r)
 
     @property
     def stragglers(self) -> list[int]:
-        return np.flatnonzero(self.flagged).tolist()
+        return sorted(self._flagged)
 
     def verdict(self) -> bytes:
         return encode_verdict(self.stragglers, self.scores, self.flag_events)
