@@ -162,12 +162,21 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         secret = secret or make_secret()  # reports are signed with the job secret
         monitor = start_monitor(secret, settings.monitor_port, settings.monitor_address, plan.np,
                                 {r.rank: (r.host, r.slot.local_rank) for r in plan.ranks})
+        if plan.remote_hosts and monitor.read_token is None:
+            log.warning("the monitor listens on %s only: ranks on %s cannot report to it (set "
+                        "--monitor-address to an address they reach)", monitor.address,
+                        ", ".join(plan.remote_hosts))
     if need_server:
         from horovod.runner.rendezvous import RendezvousServer, make_secret
 
         secret = secret or make_secret()
         bind, advertised = _rendezvous_address(settings, plan.remote_hosts, plan.all_local)
-        server = RendezvousServer(secret, host=bind)
+        try:
+            server = RendezvousServer(secret, host=bind)
+        except BaseException:
+            if monitor is not None:
+                monitor.stop()
+            raise
         rdv_addr = (advertised, str(server.port))
     result = None
     try:
