@@ -3,6 +3,7 @@
     mpirun -np 2 python benchmarks/step_cost.py                  # torch (DistributedOptimizer's path)
     mpirun -np 2 python benchmarks/step_cost.py --profile step.prof   # rank 0 profiles one mode
     mpirun -np 2 python benchmarks/step_cost.py --phases    # rank 0: time per phase of a step
+    horovodrun -np 2 --monitor-port 0 python benchmarks/step_cost.py --monitor   # monitor on vs off
 
 Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as JSON):
   async_sync   ``hvd.allreduce_async_`` per tensor, then ``hvd.synchronize`` per handle (what
@@ -50,6 +51,10 @@ parser.add_argument("--ab", action="store_true",
                     help="also run each mode with this change's step-cost fixes switched off in the same "
                          "processes (modes *_unopt, interleaved): fusion-plan memo, plan_reduction memo, "
                          "one-call pack/unpack, inlined resubmission")
+parser.add_argument("--monitor", action="store_true",
+                    help="under horovodrun --monitor-port: alternate blocks of --monitor-block-s seconds "
+                         "with every rank's monitor reporter running and stopped; medians per state")
+parser.add_argument("--monitor-block-s", type=float, default=2.0)
 parser.add_argument("--phases", action="store_true",
                     help="also time each phase of a step (submission, AND, fusion plan, execution, "
                          "completion) for async_sync and grouped, with timers around engine methods")
@@ -151,6 +156,61 @@ def phases(modes: dict[str, Callable[[], Any]], tensors: list[Any], names: list[
         out[label] = {k: round(statistics.median(v + [0.0] * (reps - len(v))) * 1e3, 3)
                       for k, v in per_rep.items()}
     return out
+
+
+def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: float, comm: Any) -> None:
+    """Alternate blocks with the monitor reporter on and off (the same ranks, one run); each block
+    runs every mode in turn for ``block_s`` seconds, long enough to hold the reporter's pushes."""
+    from horovod.common import reporter as rep_mod
+    from horovod.common.context import get_context
+
+    ctx = get_context()
+    assert ctx.reporter is not None, "run under horovodrun --monitor-port (no monitor to report to)"
+    times: dict[tuple[str, bool], list[float]] = {(m, on): [] for m in modes for on in (True, False)}
+    block_medians: dict[str, list[tuple[bool, float]]] = {m: [] for m in modes}
+    pushes = 0
+    for block in range(4 * max(1, reps // 100)):
+        on = block % 4 in (0, 3)  # on, off, off, on, ...: neither state always comes first
+        if on and ctx.reporter is None:
+            ctx.reporter = rep_mod.from_env(ctx.environ, ctx.engine.metrics_snapshot, hvd.rank(),
+                                            hvd.local_rank())
+        elif not on and ctx.reporter is not None:
+            pushes += ctx.reporter.sent
+            ctx.reporter.stop(final=False)
+            ctx.reporter = None
+        comm.Barrier()
+        end = comm.bcast(time.perf_counter() + block_s if hvd.rank() == 0 else None)
+        block: dict[str, list[float]] = {m: [] for m in modes}
+        while True:
+            for label, fn in modes.items():
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                block[label].append(time.perf_counter() - t0)
+            if comm.bcast(time.perf_counter() >= end if hvd.rank() == 0 else None):
+                break
+        for label, ts in block.items():
+            times[(label, on)].extend(ts)
+            block_medians[label].append((on, statistics.median(ts)))
+    if hvd.rank() == 0:
+        out: dict[str, Any] = {"np": hvd.size(), "block_s": block_s, "pushes_rank0": pushes}
+        for label in modes:
+            on_ms = statistics.median(times[(label, True)]) * 1e3
+            off_ms = statistics.median(times[(label, False)]) * 1e3
+            out[label] = {"on_ms": round(on_ms, 3), "off_ms": round(off_ms, 3),
+                          "on_mean_ms": round(statistics.fmean(times[(label, True)]) * 1e3, 3),
+                          "off_mean_ms": round(statistics.fmean(times[(label, False)]) * 1e3, 3),
+                          "ratio_median": round(on_ms / off_ms, 4),
+                          "ratio_mean": round(statistics.fmean(times[(label, True)])
+                                              / statistics.fmean(times[(label, False)]), 4),
+                          "steps": len(times[(label, True)])}
+            # Adjacent blocks paired (on, off, off, on: pairs (0, 1), (3, 2), ...): the median of
+            # the pairs' ratios of block medians follows the load of the moment less than the rest.
+            bm = block_medians[label]
+            pairs = [bm[i][1] / bm[i + 1][1] if bm[i][0] else bm[i + 1][1] / bm[i][1]
+                     for i in range(0, len(bm) - 1, 2)]
+            out[label]["ratio_paired_blocks"] = round(statistics.median(pairs), 4)
+        print(json.dumps(out), flush=True)
 
 
 def main() -> None:
@@ -261,6 +321,11 @@ def main() -> None:
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
+    if args.monitor:
+        monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
+                       args.reps, args.monitor_block_s, comm)
+        hvd.shutdown()
+        return
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(args.reps + 20):
         for label, fn in modes.items():

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         is_initialized,
         local_rank,
         local_size,
+        metrics,
         mpi_built,
         mpi_enabled,
         mpi_threads_supported,
@@ -53,7 +54,8 @@ _HOME = {
     **dict.fromkeys(("init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
                      "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built",
                      "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-                     "rocm_built", "ddl_built", "ccl_built", "start_timeline", "stop_timeline"),
+                     "rocm_built", "ddl_built", "ccl_built", "start_timeline", "stop_timeline",
+                     "metrics"),
                     "basics"),
     **dict.fromkeys(("ProcessSet", "global_process_set", "add_process_set", "remove_process_set"),
                     "process_sets"),
@@ -67,7 +69,7 @@ __all__ = [
     "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
-    "HorovodInternalError", "HostsUpdatedInterrupt",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "metrics",
 ]
 BASICS = tuple(__all__)
 

@@ -221,3 +221,24 @@ def stop_timeline() -> None:
     if ctx is None:
         raise NotInitializedError()
     ctx._engine().stop_timeline()
+
+
+def metrics() -> dict:
+    """This rank's engine counters, as a dict (for a logger of your own: TensorBoard, Lightning...).
+
+    Keys: ``rank``, ``size``; per operation kind (``"allreduce"``...) ``collectives`` (tensors),
+    ``collective_bytes`` (bytes this rank submitted) and ``collective_seconds`` (time in the
+    transport); ``wait_seconds`` (time this rank's submitted tensors waited for other ranks);
+    ``steps`` and ``step_times`` (the last step durations, seconds; a step ends whenever this rank
+    has no operation left in flight); ``stalled_tensors`` and ``in_flight``; the coordinator's
+    straggler verdict as of its last exchange (``straggler``: is this rank one,
+    ``straggler_score``, ``stragglers``: every flagged rank, ``straggler_scores``: each rank's
+    score, the share of a step the others spent waiting for it, smoothed over recent steps).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    ctx = _ctx.peek_context()
+    if ctx is None:
+        raise NotInitializedError()
+    return ctx._engine().metrics_snapshot()

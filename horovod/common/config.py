@@ -124,6 +124,11 @@ class EngineConfig:
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0,
         "Shut Horovod down when a tensor waits this long (0: never). Must exceed the warning time.",
         _parse_float, minimum=0)
+    straggler_interval_seconds: float = _setting(
+        "HOROVOD_STRAGGLER_INTERVAL", 1.0,
+        "Seconds between the coordinator's straggler verdicts (every rank sends it the records of "
+        "the rounds it completed meanwhile; see hvd.metrics()); 0 turns straggler detection off.",
+        _parse_float, minimum=0)
     log_level: str = _setting(
         "HOROVOD_LOG_LEVEL", "warning", "trace, debug, info, warning, error or fatal.", _parse_level)
     log_hide_time: bool = _setting(

@@ -85,6 +85,8 @@ class Context:
             comm, (list, tuple)) else None
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
         self.engine: Engine | None = None
+        self.environ = environ
+        self.reporter: Any = None  # horovod.common.reporter.Reporter, when a monitor listens
         if start:
             self.start(process_sets)
 
@@ -151,6 +153,11 @@ class Context:
             self.process_sets[new_id] = ps
         self.engine = Engine(self.backend, self.config, self.groups, hostnames=self.hostnames)
         self.engine.start()
+        from horovod.common import reporter
+
+        self.reporter = reporter.from_env(self.environ, self.engine.metrics_snapshot,
+                                          self.topology.rank, self.topology.local_rank,
+                                          self.hostnames[self.topology.rank])
 
     def resolve_process_sets(self, process_sets: Any) -> None:
         """Give already registered ids to ``process_sets`` (``hvd.init()`` when already running)."""
@@ -225,6 +232,9 @@ class Context:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.stop(final=self.engine is not None and not self.engine.stopped)
+            self.reporter = None
         if self.engine is not None:
             self.engine.shutdown()
             if self.engine.stopped:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_SIZE_VARS",
-           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV", "Markers", "env_rank",
+           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV",
+           "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers", "env_rank",
            "error_line", "exit_line", "parse_signal_line", "signal_line", "slot_env", "strip_markers"]
 
 ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
@@ -51,6 +52,10 @@ RANK_SIZE_VARS = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OM
 RUNNER_ADDR_ENV = "HOROVOD_RUNNER_ADDR"
 RUNNER_PORT_ENV = "HOROVOD_RUNNER_PORT"
 SECRET_ENV = "HOROVOD_SECRET_KEY"
+# Where a rank pushes its counters (``horovodrun --monitor-port``; see horovod/common/reporter.py).
+MONITOR_ADDR_ENV = "HOROVOD_MONITOR_ADDR"
+MONITOR_PORT_ENV = "HOROVOD_MONITOR_PORT"
+MONITOR_INTERVAL_ENV = "HOROVOD_MONITOR_INTERVAL"
 
 
 def slot_env(hostname: str, rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,

@@ -36,6 +36,7 @@ from horovod.common.basics import (
     is_initialized,
     local_rank,
     local_size,
+    metrics,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
@@ -89,7 +90,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
     "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
     "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
-    "start_timeline", "stop_timeline", "ProcessSet", "global_process_set", "add_process_set",
+    "start_timeline", "stop_timeline", "metrics", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp",
     "HorovodInternalError", "HostsUpdatedInterrupt",
     # collectives

@@ -30,6 +30,7 @@ from horovod.common.basics import (
     is_initialized,
     local_rank,
     local_size,
+    metrics,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
@@ -49,7 +50,7 @@ from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_tape import _is_keras_layer
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "metrics", "size", "local_size",
     "cross_size", "rank", "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "global_process_set", "Average", "Sum", "Adasum", "Compression", "callbacks", "elastic", "DistributedOptimizer",

@@ -25,7 +25,8 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         network_interface: str | None = None, network_interfaces: list[str] | None = None,
         executable: str | None = None, np: int | None = None, min_np: int | None = None,
         max_np: int | None = None, prefix_output_with_timestamp: bool = False,
-        env: dict[str, str] | None = None) -> list[Any]:
+        env: dict[str, str] | None = None, monitor_port: int | None = None,
+        monitor_address: str | None = None) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on every rank and return the results in rank order.
 
     The function is shipped with cloudpickle; workers run ``python -m horovod.runner.run_task``
@@ -39,6 +40,8 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         hosts / hostfile: as ``horovodrun -H`` / ``--hostfile`` (only one of them).
         use_gloo / use_mpi: the launch mode (only one of them; default as ``horovodrun``).
         env: extra variables for every worker (as ``horovodrun -x NAME=VALUE``).
+        monitor_port / monitor_address: serve the job's live view (``horovodrun --monitor-port``;
+            docs/monitor.md) from this process while the job runs.
         Other arguments mirror the ``horovodrun`` options of the same name.
 
     Returns:
@@ -92,7 +95,8 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         min_np=min_num_proc, max_np=max_num_proc, host_discovery_script=host_discovery_script,
         slots_per_host=slots, reset_limit=reset_limit,
         blacklist_cooldown_range=(tuple(cooldown_range)  # type: ignore[arg-type]
-                                  if cooldown_range else None))
+                                  if cooldown_range else None),
+        monitor_port=monitor_port, monitor_address=monitor_address)
 
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     servers: list[Any] = []

@@ -112,6 +112,17 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Print the launch plan (per rank: host, command, environment) and exit.")
     p.add_argument("-x", "--env", dest="extra_env", action=_EnvAction, default=S, metavar="NAME[=VALUE]",
                    help="Forward NAME (or set it to VALUE) in every worker (repeatable).")
+    mon = p.add_argument_group("monitor")
+    mon.add_argument("--monitor-port", type=int, default=S, metavar="PORT",
+                     help="Serve a live view of the job (a page at /, Prometheus metrics at /metrics, "
+                          "JSON at /api/job) on this port of the launcher; 0 picks a free port. The "
+                          "URL is printed at start.")
+    mon.add_argument("--monitor-address", default=S, metavar="ADDR",
+                     help="Address the monitor listens on (default 127.0.0.1). On any other address "
+                          "reading it needs the token printed with its URL.")
+    mon.add_argument("--monitor-linger", type=float, default=S, metavar="SECONDS",
+                     help="Keep the monitor up this long after the job ends (to read its last state "
+                          "and failure); Ctrl-C ends it sooner.")
     ssh = p.add_argument_group("SSH")
     ssh.add_argument("-p", "--ssh-port", type=int, default=S, help="SSH port of remote hosts.")
     ssh.add_argument("-i", "--ssh-identity-file", default=S, help="SSH identity (private key) file.")
@@ -288,4 +299,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         reset_limit=merged.get("reset_limit"),
         blacklist_cooldown_range=(tuple(merged["blacklist_cooldown_range"])  # type: ignore[arg-type]
                                   if merged.get("blacklist_cooldown_range") else None),
+        monitor_port=merged.get("monitor_port"),
+        monitor_address=merged.get("monitor_address"),
+        monitor_linger=float(merged.get("monitor_linger") or 0.0),
     )

@@ -120,6 +120,13 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
     environ = dict(os.environ if environ is None else environ)
     if settings.elastic:
         return _launch_elastic(settings, environ, stdout, stderr, secret, on_rendezvous)
+    return _launch_static(settings, environ, stdout, stderr, line_hook, secret, on_rendezvous)
+
+
+def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
+                   stderr: IO[str] | None, line_hook: Callable[[int | None, str, str], None] | None,
+                   secret: str | None, on_rendezvous: Callable[[object], None] | None,
+                   ) -> JobResult | str:
     hosts = resolve_hosts(settings)
     mode = choose_mode(settings, environ)
     from horovod.runner.network import is_local_host
@@ -146,13 +153,32 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
     _check_remote(plan, settings, env_path)
 
     server = None
-    if mode == "gloo" or secret is not None:
+    need_server = mode == "gloo" or secret is not None
+    monitor = None
+    if settings.monitor_port is not None:  # before any rank starts: a port in use fails here
+        from horovod.runner.monitor import start_monitor
+        from horovod.runner.rendezvous import make_secret
+
+        secret = secret or make_secret()  # reports are signed with the job secret
+        monitor = start_monitor(secret, settings.monitor_port, settings.monitor_address, plan.np,
+                                {r.rank: (r.host, r.slot.local_rank) for r in plan.ranks})
+        if plan.remote_hosts and monitor.read_token is None:
+            log.warning("the monitor listens on %s only: ranks on %s cannot report to it (set "
+                        "--monitor-address to an address they reach)", monitor.address,
+                        ", ".join(plan.remote_hosts))
+    if need_server:
         from horovod.runner.rendezvous import RendezvousServer, make_secret
 
         secret = secret or make_secret()
         bind, advertised = _rendezvous_address(settings, plan.remote_hosts, plan.all_local)
-        server = RendezvousServer(secret, host=bind)
+        try:
+            server = RendezvousServer(secret, host=bind)
+        except BaseException:
+            if monitor is not None:
+                monitor.stop()
+            raise
         rdv_addr = (advertised, str(server.port))
+    result = None
     try:
         if mode == "gloo":
             plan = build_plan(settings, hosts, environ, local, mode, rdv_addr)
@@ -162,6 +188,11 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
             # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).
             plan.job_env.update({wire.RUNNER_ADDR_ENV: rdv_addr[0],
                                  wire.RUNNER_PORT_ENV: rdv_addr[1]})
+        if monitor is not None:
+            from horovod.runner.monitor import worker_env
+
+            plan.job_env.update(worker_env(monitor, _rendezvous_address(
+                settings, plan.remote_hosts, plan.all_local)[1]))
         if on_rendezvous is not None and server is not None:
             on_rendezvous(server)
         cmds = _commands(plan, settings, environ, impl, secret)
@@ -173,10 +204,20 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
             timestamp=settings.prefix_timestamp,
             output_dir=settings.output_filename if mode == "gloo" else None,
             stdout=stdout, stderr=stderr, line_hook=line_hook)
-        return executor.run()
+        result = executor.run()
+        return result
     finally:
         if server is not None:
             server.stop()
+        if monitor is not None:
+            _end_monitor(monitor, result, settings.monitor_linger)
+
+
+def _end_monitor(monitor: object, result: object, linger: float) -> None:
+    from horovod.runner.monitor import MonitorService, finish
+
+    assert isinstance(monitor, MonitorService)
+    finish(monitor, result, linger)
 
 
 def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
@@ -194,8 +235,21 @@ def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: I
                 f"{settings.max_np or 'all available slots'}) on the hosts of {source}, on Gloo; "
                 f"command: {' '.join(settings.command)}")
     configure_logging()
-    return cast(JobResult, launch_elastic(settings, environ=environ, stdout=stdout, stderr=stderr,
-                                          secret=secret, on_rendezvous=on_rendezvous))
+    monitor = None
+    if settings.monitor_port is not None:  # before any worker starts: a port in use fails here
+        from horovod.runner.monitor import start_monitor
+        from horovod.runner.rendezvous import make_secret
+
+        secret = secret or make_secret()
+        monitor = start_monitor(secret, settings.monitor_port, settings.monitor_address, settings.np or 0)
+    result = None
+    try:
+        result = launch_elastic(settings, environ=environ, stdout=stdout, stderr=stderr,
+                                secret=secret, on_rendezvous=on_rendezvous, monitor=monitor)
+        return cast(JobResult, result)
+    finally:
+        if monitor is not None:
+            _end_monitor(monitor, result, settings.monitor_linger)
 
 
 def _commands(plan: LaunchPlan, settings: LaunchSettings, environ: Mapping[str, str], impl: object,
@@ -290,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if result.returncode != 0:
         print(result.report(), file=sys.stderr)
+    if settings.monitor_port is not None:
+        from horovod.runner.monitor import linger
+
+        linger()
     return result.returncode
 
 

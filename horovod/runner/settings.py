@@ -213,6 +213,10 @@ class LaunchSettings:
     elastic_timeout: float | None = None
     reset_limit: int | None = None
     blacklist_cooldown_range: tuple[float, float] | None = None
+    # The monitor service (--monitor-port; see horovod/runner/monitor): None is off, 0 any port.
+    monitor_port: int | None = None
+    monitor_address: str | None = None
+    monitor_linger: float = 0.0
 
     @property
     def elastic(self) -> bool:
@@ -228,6 +232,11 @@ class LaunchSettings:
                                   "'gloo'.", controller=self.controller)
         if self.hosts and self.hostfile:
             raise errors.ConfigError("Give either -H/--hosts or --hostfile, not both.")
+        if self.monitor_port is not None and not 0 <= self.monitor_port <= 65535:
+            raise errors.ConfigError(f"--monitor-port {self.monitor_port}: a TCP port is 0 (any free "
+                                     "port) to 65535.", port=self.monitor_port)
+        if self.monitor_linger < 0:
+            raise errors.ConfigError(f"--monitor-linger {self.monitor_linger} must be >= 0 seconds.")
         if self.start_timeout <= 0:
             raise errors.ConfigError(f"--start-timeout {self.start_timeout} must be > 0 seconds.")
         if self.elastic:

@@ -32,6 +32,7 @@ from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.device import DevicePlaneError
 from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.fusion import plan_batches
+from horovod.common.engine.metrics import Counters, StragglerDetector
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
 from horovod.common.engine.stall import StallInspector
 from horovod.common.engine.timeline import Timeline
@@ -50,7 +51,7 @@ __all__ = ["Engine"]
 log = logging.getLogger("horovod")
 
 _DONE, _CACHED, _NEW, _SENT = 0, 1, 2, 3
-_FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED = 1, 2, 4
+_FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED, _FLAG_EXCHANGE = 1, 2, 4, 8
 _WORD = (1 << 64) - 1
 
 DUPLICATE_NAME_MESSAGE = (
@@ -167,6 +168,22 @@ class Engine:
 
             self._autotune = from_config(config, self.tunables, self.rank, backend.bcast_from_root, os.environ,
                                          len(set(hostnames or [])) > 1, on_change=self._autotuned)
+        # Counters (hvd.metrics()) and the straggler exchange: about once per
+        # HOROVOD_STRAGGLER_INTERVAL the coordinator asks every rank, in a round's flags, for its
+        # round records, judges them (``metrics.StragglerDetector``) and broadcasts the verdict.
+        self.metrics = Counters(self.rank, self.size, clock())
+        self._round_no = 0
+        # Submit times, for the round records: the first entry taken while nothing was pending,
+        # and the latest taken (entries arrive in submission order: O(1) per round).
+        self._first_submit = self._last_submit = 0.0
+        self._round_done = False  # this round completed some of this rank's entries
+        # Bytes and tensors of memoized batches of fixed-shape operations, by batch identity.
+        self._batch_sizes: dict[int, tuple[list[Response], int, int]] = {}
+        self._straggler: StragglerDetector | None = None
+        self._exchange_every = config.straggler_interval_seconds
+        if self.rank == 0 and self.size > 1 and self._exchange_every > 0:
+            self._straggler = StragglerDetector(self.size)
+        self._exchange_due = clock() + self._exchange_every
         self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
 
     # ================================================================ caller side
@@ -399,6 +416,9 @@ class Engine:
         invalid = 0
         if new:
             pending, join = self._pending, RequestType.JOIN
+            if not pending:
+                self._first_submit = new[0].t_submit
+            self._last_submit = new[-1].t_submit
             lookup = cache.lookup if words and self.tunables.cache_enabled else None
             ready = self._ready_mask
             for e in new:
@@ -431,6 +451,9 @@ class Engine:
             flags |= _FLAG_NEW
         if shutdown or self._stall_shutdown:
             flags |= _FLAG_SHUTDOWN
+        if self._straggler is not None and now >= self._exchange_due:
+            flags |= _FLAG_EXCHANGE
+            self._exchange_due = now + self._exchange_every
         if self._joined:
             flags |= _FLAG_JOINED
         ready_local = self._ready_mask | self._excluded_mask
@@ -444,6 +467,8 @@ class Engine:
         bits = self._bits
         bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
         raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._thread).tobytes()
+        t_ready = self._clock()
+        self._round_no += 1
         any_flags = _WORD ^ int.from_bytes(raw[2 * nbytes:], "little")
         ready_slots = _bits_to_slots(int.from_bytes(raw[:nbytes], "little"))
         evict = _bits_to_slots((self._full ^ int.from_bytes(raw[nbytes:2 * nbytes], "little"))
@@ -459,9 +484,35 @@ class Engine:
         self._progress = bool(responses or new or evict)
         if responses:
             self._execute(responses, cached_slots, bool(any_flags & _FLAG_JOINED))
+            if self._round_done:
+                self._round_done = False
+                self.metrics.record_round(self._round_no, t_ready, self._first_submit, self._last_submit)
+        if any_flags & _FLAG_EXCHANGE:
+            self._exchange()
         if tl is not None:
             tl.maybe_flush()
         return bool(any_flags & _FLAG_SHUTDOWN)
+
+    def _exchange(self) -> None:
+        """Every rank's round records to the coordinator; its straggler verdict back to all."""
+        gathered = self.backend.gather_to_root(self.metrics.take_window())
+        verdict = None
+        if self._straggler is not None:
+            assert gathered is not None
+            self._straggler.feed(gathered)
+            verdict = self._straggler.verdict()
+        self.metrics.apply_verdict(self.backend.bcast_from_root(verdict))
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """This rank's counters (``hvd.metrics()``); any thread may call it."""
+        snap = self.metrics.snapshot()
+        limit = self.config.stall_check_time_seconds
+        now = self._clock()
+        with self._lock:
+            waiting = [e.t_submit for e in self._in_flight.values()]
+        snap["stalled_tensors"] = sum(1 for t in waiting if now - t > limit)
+        snap["in_flight"] = len(waiting)
+        return snap
 
     def _evict(self, slot: int) -> None:
         self.cache.evict(slot)  # calls _forget_slot
@@ -514,11 +565,15 @@ class Engine:
         report = self._stall.check(self._coordinator.stalled(self._stall.warn_after))
         if report is None:
             return
+        message = report.message
+        if self._straggler is not None and self._straggler.stragglers:
+            message += (f"\nStragglers (the ranks the others have waited for in most recent steps): "
+                        f"{self._straggler.stragglers}; see hvd.metrics().")
         if report.shutdown:
-            log.error("%s", report.message)
-            self._stall_shutdown = report.message
+            log.error("%s", message)
+            self._stall_shutdown = message
         else:
-            log.warning("%s", report.message)
+            log.warning("%s", message)
 
     def _execute(self, responses: list[Response], cached_slots: list[int], joined_any: bool) -> None:
         cache = self.cache
@@ -590,12 +645,34 @@ class Engine:
             self._ready_mask &= ~cleared
         return entries
 
+    _FIXED_SHAPES = (RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.REDUCESCATTER)
+
+    def _count_batch(self, kind: RequestType, batch: list[Response], entries: list[Entry | None],
+                     seconds: float) -> None:
+        """Add a batch to the counters: tensors and bytes this rank submitted, time it took. A
+        memoized batch (a cached step's) of fixed-shape operations is sized once."""
+        sizes = self._batch_sizes.get(id(batch))
+        if sizes is None or sizes[0] is not batch:
+            arrays = [a for e in entries if e is not None for a in e.inputs]
+            sizes = (batch, len(arrays), sum([a.nbytes for a in arrays]))
+            if kind in self._FIXED_SHAPES and None not in entries:
+                if len(self._batch_sizes) >= 4 * self.PLAN_MEMO_SIZE:
+                    self._batch_sizes.clear()
+                self._batch_sizes[id(batch)] = sizes
+        self.metrics.record_batch(kind.value, sizes[1], sizes[2], seconds)
+
     def _complete(self, entries: list[Entry | None]) -> None:
         done = [e for e in entries if e is not None]
+        if not done:
+            return
+        self._round_done = True
         pop = self._in_flight.pop
         with self._lock:
             for e in done:
                 pop(e.request.name, None)
+            step_over = not self._in_flight
+        if step_over:
+            self.metrics.step_done(self._clock())
         for e in done:
             e.handle.set_result(e.outputs)
 
@@ -653,6 +730,7 @@ class Engine:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise HorovodInternalError(f"engine state diverged: rank {self.rank} was asked to run {shown}, "
                                        "which it never submitted")
+        t0 = time.perf_counter()
         try:
             self._executor.run(batch, entries, self._joined)
         except (TypeError, DevicePlaneError) as exc:  # this batch fails; the engine keeps serving
@@ -662,4 +740,5 @@ class Engine:
                         self._in_flight.pop(e.request.name, None)
                     e.handle.set_error(HorovodInternalError(f"{kind.value} {e.request.name!r}: {exc}"))
             return
+        self._count_batch(kind, batch, entries, time.perf_counter() - t0)
         self._complete(entries)

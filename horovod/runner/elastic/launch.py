@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -66,7 +67,7 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                    stdout: IO[str] | None = None, stderr: IO[str] | None = None,
                    secret: str | None = None,
                    on_rendezvous: Callable[[object], None] | None = None,
-                   discovery_interval: float = 1.0) -> ElasticJobResult:
+                   discovery_interval: float = 1.0, monitor: Any = None) -> ElasticJobResult:
     """Run one elastic job to its end.
 
     Raises:
@@ -134,6 +135,11 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                                          settings.max_np, start_worker, put_kv=server.put,
                                          discovery_interval=discovery_interval)
     server.set_elastic_handler(driver.handle)
+    if monitor is not None:  # horovod.runner.monitor.MonitorService: the driver reports in-process
+        from horovod.runner.monitor import worker_env
+
+        base.job_env.update(worker_env(monitor))
+        monitor.state.elastic = lambda: elastic_status(driver)
     if on_rendezvous is not None:
         on_rendezvous(server)
     try:
@@ -149,6 +155,12 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         _wait_for_exits(driver, timeout=10.0)
         server.stop()
     return ElasticJobResult(0 if result.error is None else 1, result.error, result)
+
+
+def elastic_status(driver: ElasticDriver) -> dict[str, Any]:
+    """Rounds formed so far and workers by state (the monitor's view of the driver)."""
+    states = collections.Counter(w.state for w in list(driver.workers.values()))
+    return {"rounds": driver.round + 1, "resets": driver.resets, "workers": dict(states)}
 
 
 def _wait_for_exits(driver: ElasticDriver, timeout: float) -> None:

@@ -1,0 +1,163 @@
+"""What the monitor service knows about a job: the ranks' latest reports, elastic rounds, the
+failure. Thread-safe; every reader gets a JSON-ready copy (``JobState.job``)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["JobState", "STEP_HISTORY"]
+
+# Step times kept per rank for the page's chart.
+STEP_HISTORY = 120
+# A rank whose last report is older than this many report intervals shows as "silent".
+_SILENT_AFTER = 10.0
+# The step rate is taken over this many of a rank's last reports (about as many seconds).
+_RATE_REPORTS = 6
+
+
+class _Rank:
+    __slots__ = ("report", "seen", "prev_steps", "prev_time", "step_rate", "steps", "failed", "history")
+
+    def __init__(self) -> None:
+        self.report: dict[str, Any] = {}
+        self.seen = 0.0
+        self.prev_steps: int | None = None
+        self.prev_time = 0.0
+        self.step_rate = 0.0
+        self.steps: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
+        self.failed: str | None = None
+        self.history: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_REPORTS)
+
+
+class JobState:
+    """The job as the monitor shows it.
+
+    Args:
+        world_size: the number of ranks the launcher starts (elastic jobs: updated by reports).
+        ranks: ``{rank: (host, local_rank)}`` from the launch plan (known before any report).
+        clock: wall clock (seconds), injectable for tests.
+    """
+
+    def __init__(self, world_size: int = 0, ranks: dict[int, tuple[str, int]] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.started = clock()
+        self.world_size = world_size
+        self.planned = dict(ranks or {})
+        self._ranks: dict[int, _Rank] = {}
+        self.failure: dict[str, Any] | None = None
+        self.finished: dict[str, Any] | None = None
+        self.elastic: Callable[[], dict[str, Any]] | None = None
+        self.reports = 0
+
+    def ingest(self, report: dict[str, Any]) -> None:
+        """One rank's report (``horovod.common.reporter``)."""
+        rank = int(report["rank"])
+        now = self._clock()
+        with self._lock:
+            self.reports += 1
+            size = int(report.get("size") or 0)
+            if self.elastic is not None and size:
+                self.world_size = size
+                for r in [r for r in self._ranks if r >= size]:
+                    del self._ranks[r]
+            st = self._ranks.setdefault(rank, _Rank())
+            steps = int(report.get("steps") or 0)
+            if st.history and steps < st.history[-1][1]:
+                st.history.clear()  # a new engine (an elastic reset): counters start again
+            st.history.append((now, steps))
+            (t0, s0), (t1, s1) = st.history[0], st.history[-1]
+            st.step_rate = (s1 - s0) / (t1 - t0) if t1 > t0 else st.step_rate
+            if st.prev_steps is not None and steps >= st.prev_steps and now > st.prev_time:
+                new = steps - st.prev_steps
+                times = list(report.get("step_times") or [])
+                st.steps.extend(times[-new:] if new else [])
+            elif st.prev_steps is None:
+                st.steps.extend(list(report.get("step_times") or []))
+            st.prev_steps, st.prev_time = steps, now
+            st.report = report
+            st.seen = now
+
+    def set_failure(self, rank: int | None, host: str, status: str, error: str = "",
+                    tail: list[str] | None = None) -> None:
+        """The launcher's root cause of a failed job (``horovod.runner.failures``)."""
+        with self._lock:
+            self.failure = {"rank": rank, "host": host, "status": status, "error": error,
+                            "stderr_tail": list(tail or [])[-5:], "time": self._clock()}
+            if rank is not None:
+                self._ranks.setdefault(rank, _Rank()).failed = status
+
+    def set_stopped(self, rank: int) -> None:
+        """The launcher stopped this rank (after another failed)."""
+        with self._lock:
+            st = self._ranks.setdefault(rank, _Rank())
+            if not st.failed:
+                st.failed = "stopped"
+
+    def set_finished(self, returncode: int, text: str = "") -> None:
+        with self._lock:
+            self.finished = {"returncode": returncode, "text": text, "time": self._clock()}
+
+    def _row(self, rank: int, st: _Rank | None, now: float) -> dict[str, Any]:
+        rep = st.report if st is not None else {}
+        host, local_rank = self.planned.get(rank, (rep.get("host", ""), rep.get("local_rank", -1)))
+        host = host or rep.get("host", "")  # the launch plan's name, as the failure report uses
+        interval = 1.0
+        if st is not None and st.failed:
+            state = "failed" if st.failed != "stopped" else "stopped"
+        elif st is None or not rep:
+            state = "starting"
+        elif rep.get("final"):
+            state = "finished"
+        elif rep.get("stalled_tensors"):
+            state = "stalled"
+        elif rep.get("straggler"):
+            state = "straggler"
+        elif now - st.seen > _SILENT_AFTER * interval:
+            state = "silent"
+        else:
+            state = "running"
+        return {
+            "rank": rank, "host": host, "local_rank": local_rank, "state": state,
+            "step_rate": st.step_rate if st else 0.0, "steps": int(rep.get("steps") or 0),
+            "wait_seconds": float(rep.get("wait_seconds") or 0.0),
+            "collectives": dict(rep.get("collectives") or {}),
+            "collective_bytes": dict(rep.get("collective_bytes") or {}),
+            "collective_seconds": dict(rep.get("collective_seconds") or {}),
+            "bytes": int(sum((rep.get("collective_bytes") or {}).values())),
+            "stalled_tensors": int(rep.get("stalled_tensors") or 0),
+            "straggler": bool(rep.get("straggler")),
+            "straggler_score": float(rep.get("straggler_score") or 0.0),
+            "step_times": list(st.steps) if st else [],
+            "last_report_age": (now - st.seen) if st and st.seen else None,
+        }
+
+    def job(self) -> dict[str, Any]:
+        """The whole job, JSON-ready (``/api/job``; ``/metrics`` renders the same)."""
+        now = self._clock()
+        elastic = None
+        if self.elastic is not None:
+            try:
+                elastic = self.elastic()
+            except Exception:  # noqa: BLE001 - the driver is changing under us: show nothing
+                elastic = None
+        with self._lock:
+            ranks = sorted(set(self._ranks) | set(self.planned))
+            if self.world_size:
+                ranks = [r for r in ranks if r < self.world_size]
+            rows = [self._row(r, self._ranks.get(r), now) for r in ranks]
+            return {
+                "world_size": self.world_size or len(rows),
+                "uptime_seconds": now - self.started,
+                "reports": self.reports,
+                "ranks": rows,
+                "stragglers": [r["rank"] for r in rows if r["straggler"]],
+                "failure": dict(self.failure) if self.failure else None,
+                "finished": dict(self.finished) if self.finished else None,
+                "elastic": elastic,
+            }

@@ -1,0 +1,246 @@
+"""The launcher's monitor service (horovod/runner/monitor) and a rank's reporter, in one process."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from horovod.common.exceptions import LaunchError
+from horovod.common.rendezvous import RendezvousClient, RendezvousError, make_secret
+from horovod.common.reporter import REPORT_PATH, Reporter
+from horovod.runner.monitor import JobState, MonitorService, exposition, page, record_result
+from horovod.runner.monitor.service import MAX_CONNECTIONS
+
+REQUIRED = ["horovod_world_size", "horovod_rank_info", "horovod_collectives_total",
+            "horovod_collective_bytes_total", "horovod_collective_seconds_total",
+            "horovod_wait_seconds_total", "horovod_straggler", "horovod_stalled_tensors",
+            "horovod_elastic_rounds_total", "horovod_elastic_workers"]
+
+
+def report(rank: int, **over: object) -> dict:
+    base = {"rank": rank, "host": f"node{rank // 2}", "local_rank": rank % 2, "size": 2, "steps": 10,
+            "step_times": [0.01] * 10, "collectives": {"allreduce": 20},
+            "collective_bytes": {"allreduce": 640}, "collective_seconds": {"allreduce": 0.5},
+            "wait_seconds": 1.25, "stalled_tensors": 0, "straggler": rank == 1,
+            "straggler_score": 0.8 if rank == 1 else 0.0}
+    base.update(over)
+    return base
+
+
+@pytest.fixture
+def service() -> Iterator[MonitorService]:
+    svc = MonitorService(make_secret(), 0, state=JobState(2, {0: ("node0", 0), 1: ("node0", 1)}))
+    yield svc
+    svc.stop()
+
+
+def get(svc: MonitorService, path: str, host: str = "127.0.0.1") -> tuple[int, str]:
+    conn = http.client.HTTPConnection(host, svc.port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def post(svc: MonitorService, body: dict, secret: str | None = None) -> int:
+    client = RendezvousClient("127.0.0.1", svc.port, secret or svc.secret, timeout=10)
+    status, _ = client.request("POST", REPORT_PATH, json.dumps(body).encode())
+    return status
+
+
+def test_signed_reports_become_metrics(service: MonitorService) -> None:
+    assert post(service, report(0)) == 200
+    assert post(service, report(1)) == 200
+    status, text = get(service, "/metrics")
+    assert status == 200
+    for name in REQUIRED:
+        assert f"# HELP {name} " in text and f"# TYPE {name} " in text, name
+    assert "horovod_world_size 2" in text
+    assert 'horovod_rank_info{rank="1",host="node0",local_rank="1"} 1' in text
+    assert 'horovod_collective_bytes_total{rank="0",op="allreduce"} 640' in text
+    assert 'horovod_collectives_total{rank="1",op="allreduce"} 20' in text
+    assert 'horovod_wait_seconds_total{rank="0"} 1.25' in text
+    assert 'horovod_straggler{rank="1"} 1' in text and 'horovod_straggler{rank="0"} 0' in text
+    assert "horovod_elastic_rounds_total 0" in text
+    # Every sample line parses as Prometheus text: name{labels} value.
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+', line), line
+    status, body = get(service, "/api/job")
+    job = json.loads(body)
+    assert status == 200 and job["world_size"] == 2 and job["stragglers"] == [1]
+    assert [r["state"] for r in job["ranks"]] == ["running", "straggler"]
+
+
+def test_unsigned_wrong_and_replayed_reports_are_refused(service: MonitorService) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=10)
+    conn.request("POST", REPORT_PATH, body=json.dumps(report(0)).encode())
+    assert conn.getresponse().status == 403
+    conn.close()
+    with pytest.raises(RendezvousError, match="refused"):
+        post(service, report(0), secret=make_secret())
+    # The same signed request twice: the second is a replay.
+    body = json.dumps(report(0)).encode()
+    ts, nonce = f"{time.time():.6f}", "ab" * 16
+    from horovod.common.rendezvous import AUTH_HEADER, sign_request
+
+    header = f"{ts}:{nonce}:{sign_request(service.secret, 'POST', REPORT_PATH, ts, nonce, body)}"
+    statuses = []
+    for _ in range(2):
+        conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=10)
+        conn.request("POST", REPORT_PATH, body=body, headers={AUTH_HEADER: header})
+        statuses.append(conn.getresponse().status)
+        conn.close()
+    assert statuses == [200, 403]
+    assert service.state.reports == 1
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(LaunchError, match=rf"127\.0\.0\.1:{port}.*in use.*--monitor-port"):
+            MonitorService(make_secret(), port)
+    finally:
+        holder.close()
+
+
+def test_slow_and_silent_clients_do_not_hold_up_reports(service: MonitorService) -> None:
+    # Clients that connect and never finish a request, and one that asks and never reads.
+    idle = []
+    for _ in range(MAX_CONNECTIONS // 2):
+        s = socket.create_connection(("127.0.0.1", service.port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        idle.append(s)
+    reader = socket.create_connection(("127.0.0.1", service.port))
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    reader.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    try:
+        t0 = time.monotonic()
+        for i in range(5):
+            assert post(service, report(0, steps=10 + i)) == 200
+        assert time.monotonic() - t0 < 5.0  # each report answered at once, not after a timeout
+        assert get(service, "/api/job")[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+        reader.close()
+
+
+def test_connections_beyond_the_bound_are_dropped(service: MonitorService) -> None:
+    idle = [socket.create_connection(("127.0.0.1", service.port)) for _ in range(MAX_CONNECTIONS + 8)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", service.port))
+        extra.settimeout(10)
+        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed without an answer, at once (not held in a queue)
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 20  # the slots come back as the idle clients go
+    while time.monotonic() < deadline:
+        try:
+            if get(service, "/metrics")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("the monitor did not serve again after the idle clients left")
+
+
+def test_other_address_needs_the_read_token() -> None:
+    svc = MonitorService(make_secret(), 0, address="0.0.0.0")
+    try:
+        assert svc.read_token and svc.url.endswith(f"?token={svc.read_token}")
+        assert get(svc, "/metrics")[0] == 403
+        assert get(svc, f"/metrics?token={svc.read_token}")[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=10)
+        conn.request("GET", "/api/job", headers={"Authorization": f"Bearer {svc.read_token}"})
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert post(svc, report(0)) == 200  # reports are signed with the job secret instead
+    finally:
+        svc.stop()
+
+
+def test_page_is_self_contained(service: MonitorService) -> None:
+    status, html = get(service, "/")
+    assert status == 200 and html == page.HTML
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)  # no CDN, no external asset
+    assert "api/job" in html and "<svg" in html
+
+
+def test_failure_and_elastic_state(service: MonitorService) -> None:
+    from horovod.runner.failures import RankExit
+
+    culprit = RankExit(1, "node0", 3, None, time.time(), error="RuntimeError: boom", error_kind="cause")
+
+    class Result:  # as execute.JobResult
+        returncode = 1
+        first_failure = culprit
+        exits = [RankExit(0, "node0", 1, None, time.time(), stopped_by="rank 1 failed"), culprit]
+
+    record_result(service, Result())
+    service.state.elastic = lambda: {"rounds": 3, "workers": {"running": 2, "exited": 1}}
+    job = json.loads(get(service, "/api/job")[1])
+    assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
+    assert job["failure"]["status"] == "exit code 3" and "boom" in job["failure"]["error"]
+    assert [r["state"] for r in job["ranks"]] == ["stopped", "failed"]
+    text = exposition.render(job)
+    assert "horovod_elastic_rounds_total 3" in text
+    assert 'horovod_elastic_workers{state="exited"} 1' in text
+
+
+def test_reporter_pushes_snapshots(service: MonitorService) -> None:
+    n = [0]
+
+    def snapshot() -> dict:
+        n[0] += 1
+        return {k: v for k, v in report(1, steps=n[0]).items() if k not in ("rank", "host", "local_rank")}
+
+    client = RendezvousClient("127.0.0.1", service.port, service.secret)
+    rep = Reporter(client, snapshot, {"rank": 1, "host": "node0", "local_rank": 1}, interval=0.1)
+    rep.start()
+    deadline = time.monotonic() + 20
+    while service.state.reports < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rep.stop(final=True)
+    assert rep.sent >= 3
+    row = json.loads(get(service, "/api/job")[1])["ranks"][1]
+    assert row["state"] == "finished" and row["steps"] == n[0]
+
+
+def test_reporter_survives_an_unreachable_monitor() -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    holder.close()  # nothing listens there
+    rep = Reporter(RendezvousClient("127.0.0.1", port, make_secret()), dict, {"rank": 0}, interval=0.1)
+    assert rep.push() is False
+    rep.start()
+    rep.stop(final=False)
+
+
+def test_command_line_options() -> None:
+    from horovod.common.exceptions import ConfigError
+    from horovod.runner.cli import parse_args, settings_from_args
+
+    s = settings_from_args(parse_args(["-np", "2", "--monitor-port", "0", "--monitor-address", "0.0.0.0",
+                                       "--monitor-linger", "5", "python", "train.py"]))
+    assert (s.monitor_port, s.monitor_address, s.monitor_linger) == (0, "0.0.0.0", 5.0)
+    s = settings_from_args(parse_args(["-np", "2", "python", "train.py"]))
+    assert s.monitor_port is None
+    with pytest.raises(ConfigError, match="--monitor-port 70000"):
+        settings_from_args(parse_args(["-np", "2", "--monitor-port", "70000", "python", "train.py"]))
