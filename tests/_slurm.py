@@ -227,7 +227,7 @@ class SlurmCluster:
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             # Take CPUs= from here, not from the hardware: srun -n 3 on a 2-core machine.
             "SlurmdParameters=config_overrides", "ReturnToService=2", "KillWait=5", "InactiveLimit=0",
-            "MinJobAge=30",
+            "MinJobAge=300",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={CPUS} State=UNKNOWN",
             f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
             ""])

@@ -168,10 +168,10 @@ def record_failure(code: int, kind: str, error: str) -> None:
                 os.write(2, line.encode("utf-8"))
     elif _multi_rank and _rank_size is not None:
         # No Horovod launcher will name the rank that ended the job: say it here, one line.
-        rank, size = _rank_size
+        me, size = _rank_size
         of = f" of {size}" if size else ""
-        line = (f"horovod: rank {rank}{of} failed, ending the job: {error}" if kind == "cause" else
-                f"horovod: rank {rank}{of} stops because another rank failed or left ({error})")
+        line = (f"horovod: rank {me}{of} failed, ending the job: {error}" if kind == "cause" else
+                f"horovod: rank {me}{of} stops because another rank failed or left ({error})")
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         with contextlib.suppress(OSError):

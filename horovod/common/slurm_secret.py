@@ -136,7 +136,12 @@ def step_secret(environ: Mapping[str, str], launch: Launch, rank: int, bind_host
             launcher="slurm", rank=rank)
     path = Path(key_dir or Path.home() / ".horovod") / f"slurm-{scope}.key"
     if rank == 0:
-        return _write_key_file(path)
+        try:
+            return _write_key_file(path)
+        except OSError as exc:
+            raise LauncherError(
+                f"srun: task 0 cannot write the step's key file {path} ({exc}): set HOROVOD_SLURM_KEY_DIR "
+                "to a directory of yours, or export HOROVOD_SECRET_KEY.", launcher="slurm", rank=0) from exc
     return _read_key_file(path, rank, timeout), None
 
 
@@ -280,22 +285,25 @@ def _write_key_file(path: Path) -> tuple[str, KeyService]:
 
 
 def _step_start() -> float:
-    """When this step began on this node: the start of the nearest ``slurmstepd`` ancestor."""
+    """When this step began on this node: the start of the nearest ``slurmstepd`` ancestor (of
+    this process where there is none)."""
     try:
         ticks = os.sysconf("SC_CLK_TCK")
         boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
                     if ln.startswith("btime "))
-        pid, best = os.getpid(), None
+        pid, mine = os.getpid(), None
         for _ in range(32):
             stat = Path(f"/proc/{pid}/stat").read_text()
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat.rsplit(")", 1)[1].split()
             start = boot + int(fields[19]) / ticks
-            best = start
-            if name.startswith("slurmstepd") or pid <= 1:
-                break
+            mine = start if mine is None else mine
+            if name.startswith("slurmstepd"):
+                return start
             pid = int(fields[1])
-        return best if best is not None else time.time()
+            if pid <= 1:
+                break
+        return mine if mine is not None else time.time()
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
 

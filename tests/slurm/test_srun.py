@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def _check_values(out: str, np_: int, launcher: str = "slurm", local_size: int |
         assert d["size"] == np_ and d["launcher"] == launcher, d
         assert (d["local_rank"], d["local_size"], d["cross_size"]) == (r % local_size, local_size, 1), d
         if launcher == "slurm":
-            assert (d["procid"], d["localid"]) == (str(r), str(r)), d
+            assert (d["procid"], d["localid"]) == (str(r), str(r)), d  # Slurm's own numbers
         assert d["sum"] == [sum(float(i + k) for k in range(np_)) for i in range(4)], d
         assert d["gather"] == [float(k) for k in range(np_) for _ in range(k + 1)], d
         assert d["bcast"] == float(np_ - 1), d
@@ -91,3 +92,151 @@ def test_srun_failing_task_ends_the_step_naming_it(slurm):
     assert stopped == ["0", "2"], out[-3000:]
     assert re.search(r"srun: error: \S+: tasks? [0-9,-]+: Exited with exit code [1-9]", out), out[-3000:]
     assert not _job_lines(out), out[-3000:]
+
+
+# ------------------------------------------------------------------ the stranger
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory):
+    """Another user of this machine (made for the tests, removed after), and a directory it can
+    read holding the probe and a copy of the store's protocol module (standard library only)."""
+    made = subprocess.run(["id", "-u", STRANGER], capture_output=True).returncode != 0
+    if made:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", STRANGER],
+                       check=True, capture_output=True)
+    uid = int(subprocess.run(["id", "-u", STRANGER], capture_output=True, text=True, check=True).stdout)
+    d = tmp_path_factory.mktemp("stranger")
+    shutil.copy(REPO / "horovod" / "common" / "backends" / "authstore.py", d / "authstore.py")
+    shutil.copy(Path(JOB).parent / "stranger_probe.py", d / "stranger_probe.py")
+    for p in [d, *d.parents]:
+        if p == Path("/"):
+            break
+        os.chmod(p, os.stat(p).st_mode | 0o005)  # the stranger may enter and read; nothing more
+    try:
+        yield uid, d
+    finally:
+        if made:
+            subprocess.run(["userdel", STRANGER], capture_output=True)
+
+
+def _as_stranger(slurm, uid: int, argv: list[str], cwd: Path, stdin: bytes | None = None,
+                 ) -> subprocess.CompletedProcess[bytes]:
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": slurm.env()["SLURM_CONF"], "HOME": "/nonexistent"}
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv],
+                          env=env, cwd=str(cwd), input=stdin, capture_output=True, timeout=120)
+
+
+def test_stranger_with_the_job_id_cannot_join_a_running_jobs_store(slurm, stranger, tmp_path):
+    """A running ``srun -n 2`` job with no HOROVOD_SECRET_KEY: another user, who reads the job id
+    with squeue, tries every key derivable from it on the job's store; all are refused (and logged
+    by the store) while the job's own ranks joined and finish with the right values."""
+    uid, probe_dir = stranger
+    flag = tmp_path / "go"
+    proc = subprocess.Popen(["srun", "-n", "2", sys.executable, JOB, "wait", str(flag)], env=_env(slurm),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("READY "):
+                break
+        ready = json.loads(lines[-1][len("READY "):]) if lines and lines[-1].startswith("READY ") else None
+        assert ready is not None, "".join(lines)[-3000:]
+        from horovod.common.slurm_secret import key_port
+
+        kport = key_port({"SLURM_JOB_ID": ready["job"], "SLURM_STEP_ID": ready["step"]}, ready["port"])
+        res = _as_stranger(slurm, uid, ["/usr/bin/python3", "stranger_probe.py", "127.0.0.1",
+                                        str(ready["port"]), str(kport)], probe_dir)
+        out = res.stdout.decode(errors="replace") + res.stderr.decode(errors="replace")
+        assert res.returncode == 0, out
+        probe = json.loads(next(x for x in out.splitlines() if x.startswith("PROBE "))[len("PROBE "):])
+        assert probe["squeue_rc"] == 0 and ready["job"] in probe["squeue"], probe  # it knows the job id
+        assert probe["joined"] == [], probe
+        assert len(probe["refused"]) >= 8 and all(e == "StoreError" for _, e in probe["refused"]), probe
+        # Task 0's key service closed once both ranks had joined: nothing left to ask.
+        assert "ConnectionRefusedError" in probe.get("key_service", ""), probe
+    finally:
+        flag.touch()
+        rest, _ = proc.communicate(timeout=180)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out[-3000:]
+    _check_values(out, 2)
+    assert re.search(r"store \S+ refused a connection from 127\.0\.0\.1:\d+", out), out[-3000:]
+
+
+def test_munge_key_service_answers_strangers_with_what_they_cannot_decode(slurm, stranger):
+    """Task 0's MUNGE key service, opened here (as the job's user): the stranger gets a
+    credential that munged will not decode for it; a credential the stranger makes itself is
+    refused by the job's tasks (made by another uid); the job's own user decodes the secret."""
+    from horovod.common import slurm_secret
+
+    uid, probe_dir = stranger
+    secret, service = slurm_secret._serve_munge("127.0.0.1", 0, "7.0.0")
+    port = service._sock.getsockname()[1]
+    try:
+        code = ("import socket,sys; c=socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=10); "
+                "sys.stdout.buffer.write(c.makefile('rb').readline())")
+        got = _as_stranger(slurm, uid, ["/usr/bin/python3", "-c", code, str(port)], probe_dir)
+        assert got.returncode == 0 and got.stdout.startswith(b"MUNGE:"), got
+        dec = _as_stranger(slurm, uid, ["unmunge"], probe_dir, stdin=got.stdout)
+        assert dec.returncode != 0 and secret.encode() not in dec.stdout, dec
+        assert b"Unauthorized credential" in dec.stderr, dec
+        # The job's user (this process) asks the same service: it gets the secret.
+        assert slurm_secret._fetch_munge("127.0.0.1", port, "7.0.0", 1, 30) == secret
+        # A stranger serving its own credential for the same step is not believed.
+        forged = _as_stranger(slurm, uid, ["munge", "-s", f"horovod-slurm-step-secret 7.0.0 {'ab' * 32}"],
+                              probe_dir)
+        assert forged.returncode == 0, forged
+        with pytest.raises(ValueError, match=f"made by uid {uid}"):
+            slurm_secret._decode(forged.stdout.strip(), "7.0.0")
+        # Nor is our own credential for another step.
+        with pytest.raises(ValueError, match="for step 7.0.0, not 8.0.0"):
+            slurm_secret._decode(slurm_secret._mint("7.0.0", secret), "8.0.0")
+    finally:
+        service.close()
+
+
+def test_srun_key_file_when_munge_is_not_used(slurm, tmp_path):
+    """HOROVOD_SLURM_KEY=file: task 0's secret travels in a private file (mode 0600 in a 0700
+    directory), removed once the ranks have joined; np=3 gives the right values."""
+    keys = tmp_path / "keys"
+    res = _run(slurm, ["srun", "-n", "3", sys.executable, JOB, "values"],
+               extra={"HOROVOD_SLURM_KEY": "file", "HOROVOD_SLURM_KEY_DIR": str(keys)})
+    assert res.returncode == 0, res.stdout[-3000:]
+    _check_values(res.stdout, 3)
+    assert keys.stat().st_mode & 0o777 == 0o700
+    assert list(keys.iterdir()) == []
+
+
+def test_exported_secret_is_used_as_is(slurm):
+    """With HOROVOD_SECRET_KEY exported (MUNGE switched off, no key directory): np=2 works."""
+    res = _run(slurm, ["srun", "-n", "2", sys.executable, JOB, "values"],
+               extra={"HOROVOD_SECRET_KEY": "ab" * 32, "HOROVOD_SLURM_KEY": "file",
+                      "HOROVOD_SLURM_KEY_DIR": "/nonexistent/keys"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    _check_values(res.stdout, 2)
+
+
+def _tagged_lines(out: str) -> str:
+    return "\n".join(re.sub(r"^\[\d+\]<stdout>:", "", x) for x in out.splitlines())
+
+
+def test_horovodrun_inside_salloc(slurm):
+    """``salloc -n 2 horovodrun -np 2 ...``: horovodrun's own job of 2 (Open MPI's mpirun runs it
+    inside the allocation), not a Slurm step."""
+    res = _run(slurm, ["salloc", "-n", "2", sys.executable, "-m", "horovod.runner", "-np", "2",
+                       sys.executable, JOB, "values"], timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "Granted job allocation" in res.stdout, res.stdout[-3000:]
+    _check_values(_tagged_lines(res.stdout), 2, launcher="mpi")
+
+
+def test_horovodrun_gloo_inside_a_batch_step(slurm, tmp_path):
+    """A batch script running ``srun -n 1 horovodrun --gloo -np 2``: the workers inherit a Slurm
+    task's variables (SLURM_PROCID=0 of a 1-task step) and still join horovodrun's job of 2."""
+    out_file = tmp_path / "batch.out"
+    script = f"srun -n 1 {sys.executable} -m horovod.runner --gloo -np 2 {sys.executable} {JOB} values"
+    res = _run(slurm, ["sbatch", "--wait", "-n", "2", "-o", str(out_file), "--wrap", script], timeout=300)
+    out = out_file.read_text() if out_file.exists() else ""
+    assert "Submitted batch job" in res.stdout, res.stdout + out
+    _check_values(_tagged_lines(out), 2, launcher="horovod")
+    assert all(d["procid"] == "0" for d in _job_lines(_tagged_lines(out)).values()), out
