@@ -238,10 +238,26 @@ class GlooBackend:
                 assert launch.master_addr and launch.master_port
                 my_addr = _local_address(environ, launch.master_addr)
                 # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE); a plain
-                # RANK/WORLD_SIZE environment means rank 0 opens it, as torch's env:// does.
-                master = self.rank == 0 and not launch.master_is_store
-                store = dist.TCPStore(launch.master_addr, launch.master_port, self.size, master,
-                                      timeout=self._timeout, wait_for_workers=False)
+                # RANK/WORLD_SIZE environment means rank 0 opens it, as torch's env:// does:
+                # Horovod's authenticated store when the ranks share HOROVOD_SECRET_KEY, else
+                # torch's TCPStore (every interface, anybody: docs/security.md).
+                if not launch.master_is_store and self.job_secret:
+                    key = authstore.derive_key(self.job_secret)
+                    if self.rank == 0:
+                        host = socket.gethostbyname(launch.master_addr)
+                        store = authstore.open_store(host, key, wait, port=launch.master_port)
+                    else:
+                        store = authstore.connect_store(launch.master_addr, launch.master_port, key, wait)
+                else:
+                    master = self.rank == 0 and not launch.master_is_store
+                    if master:
+                        log.warning("rank 0 opens torch's TCPStore on port %d of every interface, which "
+                                    "anybody who reaches it can read and write; export the same "
+                                    "HOROVOD_SECRET_KEY=$(python -m horovod.runner.secret) to every rank "
+                                    "to use Horovod's authenticated store (docs/security.md)",
+                                    launch.master_port)
+                    store = dist.TCPStore(launch.master_addr, launch.master_port, self.size, master,
+                                          timeout=self._timeout, wait_for_workers=False)
             else:  # slurm: task 0 opens an authenticated store on the step's first node
                 assert launch.master_addr and launch.master_port
                 my_addr = _local_address(environ, launch.master_addr)
@@ -263,7 +279,8 @@ class GlooBackend:
                 f"Rank {self.rank} of a job started by {launch.launcher} cannot reach the job's "
                 f"store at {launch.master_addr}:{launch.master_port} within {wait:g} s ({exc}). "
                 f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
-                "of SLURM_STEP_NODELIST) and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
+                "of SLURM_STEP_NODELIST), that HOROVOD_SECRET_KEY is exported to every rank or to none, "
+                "and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
                 "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
         # A Python store lives only while its Python object does: keep it beside the prefix store.
         self._joined_store = store
