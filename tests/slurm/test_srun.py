@@ -240,3 +240,12 @@ def test_horovodrun_gloo_inside_a_batch_step(slurm, tmp_path):
     assert "Submitted batch job" in res.stdout, res.stdout + out
     _check_values(_tagged_lines(out), 2, launcher="horovod")
     assert all(d["procid"] == "0" for d in _job_lines(_tagged_lines(out)).values()), out
+
+
+def test_srun_device_plane_twin_keys_its_store_from_the_step_secret(slurm):
+    """HOROVOD_TORCH_CPU_PLANE=1 (the device plane's CPU twin: its own store per process set):
+    under srun its store is keyed from the step's MUNGE secret; np=2 values right."""
+    res = _run(slurm, ["srun", "-n", "2", sys.executable, JOB, "values"], extra={"HOROVOD_TORCH_CPU_PLANE": "1"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    _check_values(res.stdout, 2)
+    assert all(d["plane_keyed"] for d in _job_lines(res.stdout).values()), res.stdout[-3000:]

@@ -15,6 +15,8 @@ import time
 import torch
 
 import horovod.torch as hvd
+from horovod.common import wire
+from horovod.common.context import get_context
 
 mode = sys.argv[1]
 hvd.init()
@@ -23,8 +25,6 @@ if mode == "fail" and r == int(sys.argv[2]):
     raise ValueError(f"task {r} fails on purpose")
 if mode == "wait":
     if r == 0:
-        from horovod.common.context import get_context
-
         launch = get_context().launch
         print("READY " + json.dumps({"job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID"),
                                      "addr": launch.master_addr, "port": launch.master_port}), flush=True)
@@ -33,9 +33,11 @@ if mode == "wait":
 s = hvd.allreduce(torch.arange(4, dtype=torch.float64) + r, op=hvd.Sum)
 g = hvd.allgather(torch.full((r + 1,), float(r)))
 b = hvd.broadcast(torch.tensor([float(r)]), root_rank=n - 1)
+# The secret the device plane keys its stores with (None: it would send a random key instead).
+plane_keyed = wire.job_secret(get_context().backend) is not None
 print("JOB " + json.dumps({
     "rank": r, "size": n, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
     "cross_size": hvd.cross_size(), "procid": os.environ.get("SLURM_PROCID"),
-    "localid": os.environ.get("SLURM_LOCALID"), "launcher": __import__("horovod.common.context", fromlist=["x"])
-    .get_context().launch.launcher, "sum": s.tolist(), "gather": g.tolist(), "bcast": b.item()}), flush=True)
+    "localid": os.environ.get("SLURM_LOCALID"), "launcher": get_context().launch.launcher,
+    "plane_keyed": plane_keyed, "sum": s.tolist(), "gather": g.tolist(), "bcast": b.item()}), flush=True)
 hvd.shutdown()
