@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,17 +67,18 @@ def _check_values(out: str, np_: int, launcher: str = "slurm", local_size: int |
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_srun_tasks_form_one_job(slurm, np_):
-    """``srun -n N python job.py``: one job of size N, the ranks and local ranks Slurm gave."""
-    res = _run(slurm, ["srun", "-n", str(np_), sys.executable, JOB, "values"])
+    """``srun -n 2`` (the batch script exported HOROVOD_SECRET_KEY) and ``srun -N 1
+    --ntasks-per-node=3`` (no secret exported: MUNGE): one job of size N, with the ranks and local
+    ranks Slurm gave."""
+    if np_ == 2:
+        argv = ["srun", "-n", "2"]
+        extra = {"HOROVOD_SECRET_KEY": "ab" * 32, "HOROVOD_SLURM_KEY": "file",
+                 "HOROVOD_SLURM_KEY_DIR": "/nonexistent/keys"}  # neither MUNGE nor a key file used
+    else:
+        argv, extra = ["srun", "-N", "1", "--ntasks-per-node=3"], {}
+    res = _run(slurm, [*argv, sys.executable, JOB, "values"], extra=extra)
     assert res.returncode == 0, res.stdout[-3000:]
     _check_values(res.stdout, np_)
-
-
-def test_srun_ntasks_per_node(slurm):
-    """``srun -N 1 --ntasks-per-node=3``: local rank and local size follow Slurm's node."""
-    res = _run(slurm, ["srun", "-N", "1", "--ntasks-per-node=3", sys.executable, JOB, "values"])
-    assert res.returncode == 0, res.stdout[-3000:]
-    _check_values(res.stdout, 3)
 
 
 def test_srun_failing_task_ends_the_step_naming_it(slurm):
@@ -207,15 +209,6 @@ def test_srun_key_file_when_munge_is_not_used(slurm, tmp_path):
     assert list(keys.iterdir()) == []
 
 
-def test_exported_secret_is_used_as_is(slurm):
-    """With HOROVOD_SECRET_KEY exported (MUNGE switched off, no key directory): np=2 works."""
-    res = _run(slurm, ["srun", "-n", "2", sys.executable, JOB, "values"],
-               extra={"HOROVOD_SECRET_KEY": "ab" * 32, "HOROVOD_SLURM_KEY": "file",
-                      "HOROVOD_SLURM_KEY_DIR": "/nonexistent/keys"})
-    assert res.returncode == 0, res.stdout[-3000:]
-    _check_values(res.stdout, 2)
-
-
 def _tagged_lines(out: str) -> str:
     return "\n".join(re.sub(r"^\[\d+\]<stdout>:", "", x) for x in out.splitlines())
 
@@ -235,9 +228,17 @@ def test_horovodrun_gloo_inside_a_batch_step(slurm, tmp_path):
     task's variables (SLURM_PROCID=0 of a 1-task step) and still join horovodrun's job of 2."""
     out_file = tmp_path / "batch.out"
     script = f"srun -n 1 {sys.executable} -m horovod.runner --gloo -np 2 {sys.executable} {JOB} values"
-    res = _run(slurm, ["sbatch", "--wait", "-n", "2", "-o", str(out_file), "--wrap", script], timeout=300)
+    res = _run(slurm, ["sbatch", "--parsable", "-n", "2", "-o", str(out_file), "--wrap", script])
+    assert res.returncode == 0, res.stdout
+    job = res.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while True:  # until the job has left the queue (sbatch --wait polls for up to 32 s at a time)
+        state = _run(slurm, ["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        if not state or "Invalid job id" in state:
+            break
+        assert time.monotonic() < deadline, f"batch job {job} still {state} after 300 s"
+        time.sleep(0.5)
     out = out_file.read_text() if out_file.exists() else ""
-    assert "Submitted batch job" in res.stdout, res.stdout + out
     _check_values(_tagged_lines(out), 2, launcher="horovod")
     assert all(d["procid"] == "0" for d in _job_lines(_tagged_lines(out)).values()), out
 
