@@ -190,7 +190,11 @@ def test_plain_rank_environment_with_a_secret_opens_the_authenticated_store(tmp_
     _wait_for(tmp_path / "ready", proc)
     assert (("127.0.0.1", port) in {(a, p) for a, p, _ in listening_ports(proc.pid)}), "no store on MASTER_PORT"
     results = probe(proc.pid)
+    # The store refuses a silent client at its handshake deadline: let that happen before the end.
+    deadline = time.monotonic() + 120
+    while f"store 127.0.0.1:{port} refused a connection" not in Path(f"{logs}0").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, Path(f"{logs}0").read_text()[-3000:]
+        time.sleep(0.2)
     out = _finish(proc, tmp_path, 2)
     _check(results, out)
-    assert f"store 127.0.0.1:{port} refused a connection" in out, out[-3000:]
     assert "TCPStore" not in out, out[-3000:]  # no warning about an open store
