@@ -19,7 +19,7 @@ joined. In order, the first that applies:
    ``<dir>/slurm-<job id>.<step id>.<n>.key`` (``n`` counts the ``hvd.init()`` calls; mode 0600,
    in a directory of mode 0700 owned by the user; written whole, then renamed into place), the
    others read it; task 0 removes it once the ranks have joined, and the others take no file
-   older than their step. ``<dir>`` is ``HOROVOD_SLURM_KEY_DIR``, else ``~/.horovod``. A step on
+   older than their step. ``<dir>`` is ``HOROVOD_SLURM_KEY_DIR``, else ``~/.horovod/keys``. A step on
    one node always can; a step on several nodes only with ``HOROVOD_SLURM_KEY_DIR`` naming a
    directory every node shares (the user says so: Horovod cannot tell a shared home from a local
    one). Trusts: the file system's permissions, root.
@@ -134,7 +134,7 @@ def step_secret(environ: Mapping[str, str], launch: Launch, rank: int, bind_host
             "in the batch script before srun, or set HOROVOD_SLURM_KEY_DIR to a directory every node "
             "shares (such as a directory in a shared home), or make munge/unmunge available.",
             launcher="slurm", rank=rank)
-    path = Path(key_dir or Path.home() / ".horovod") / f"slurm-{scope}.key"
+    path = Path(key_dir or Path.home() / ".horovod" / "keys") / f"slurm-{scope}.key"
     if rank == 0:
         try:
             return _write_key_file(path)
