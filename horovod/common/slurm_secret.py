@@ -87,7 +87,7 @@ def munge_available() -> str | None:
     return None
 
 
-def _nodes(launch: Launch, environ: Mapping[str, str]) -> int:
+def _nodes(environ: Mapping[str, str]) -> int:
     raw = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
     try:
         return int(raw)
@@ -126,7 +126,7 @@ def step_secret(environ: Mapping[str, str], launch: Launch, rank: int, bind_host
         raise LauncherError(f"HOROVOD_SLURM_KEY=munge but MUNGE cannot be used here: {no_munge}.",
                             launcher="slurm", rank=rank)
     key_dir = environ.get("HOROVOD_SLURM_KEY_DIR")
-    if not key_dir and _nodes(launch, environ) > 1:
+    if not key_dir and _nodes(environ) > 1:
         raise LauncherError(
             f"srun step {step} spans several nodes, HOROVOD_SECRET_KEY is not exported and MUNGE "
             f"cannot be used ({no_munge}), so rank {rank} has no secret the other tasks share and "
