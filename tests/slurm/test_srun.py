@@ -98,24 +98,24 @@ def test_srun_failing_task_ends_the_step_naming_it(slurm):
 
 # ------------------------------------------------------------------ the stranger
 @pytest.fixture(scope="module")
-def stranger(tmp_path_factory):
+def stranger():
     """Another user of this machine (made for the tests, removed after), and a directory it can
     read holding the probe and a copy of the store's protocol module (standard library only)."""
+    import tempfile
+
     made = subprocess.run(["id", "-u", STRANGER], capture_output=True).returncode != 0
     if made:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", STRANGER],
                        check=True, capture_output=True)
     uid = int(subprocess.run(["id", "-u", STRANGER], capture_output=True, text=True, check=True).stdout)
-    d = tmp_path_factory.mktemp("stranger")
+    d = Path(tempfile.mkdtemp(prefix="hvd-stranger-"))
     shutil.copy(REPO / "horovod" / "common" / "backends" / "authstore.py", d / "authstore.py")
     shutil.copy(Path(JOB).parent / "stranger_probe.py", d / "stranger_probe.py")
-    for p in [d, *d.parents]:
-        if p == Path("/"):
-            break
-        os.chmod(p, os.stat(p).st_mode | 0o005)  # the stranger may enter and read; nothing more
+    d.chmod(0o755)  # the stranger may enter and read it; nothing more
     try:
         yield uid, d
     finally:
+        shutil.rmtree(d, ignore_errors=True)
         if made:
             subprocess.run(["userdel", STRANGER], capture_output=True)
 
