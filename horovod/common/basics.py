@@ -79,7 +79,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             if _lifecycle.wanted(ctx.topology.size):  # a launched worker; HOROVOD_FAIL_FAST=0: never
                 _lifecycle.install()
             if ctx.topology.size > 1:
-                _lifecycle.note_multi_rank()
+                _lifecycle.note_multi_rank(ctx.topology.rank, ctx.topology.size)
             if not _atexit_registered:
                 atexit.register(_lifecycle.end_process, shutdown)
                 _atexit_registered = True

@@ -68,6 +68,7 @@ class Failure:
 _failure: Failure | None = None
 _mpi_initialized_here = False
 _multi_rank = False
+_rank_size: tuple[int, int | None] | None = None
 _installed = False
 
 
@@ -81,10 +82,16 @@ def note_mpi_initialized() -> None:
     _mpi_initialized_here = True
 
 
-def note_multi_rank() -> None:
-    """This process belongs to a job of more than one rank (a failure must not wait for peers)."""
-    global _multi_rank
+def note_multi_rank(rank: int | None = None, size: int | None = None) -> None:
+    """This process belongs to a job of more than one rank (a failure must not wait for peers).
+
+    ``rank``/``size`` name it in the line a failure prints when no Horovod launcher collects the
+    failure record (``srun``, ``torchrun``, a bare ``mpirun``).
+    """
+    global _multi_rank, _rank_size
     _multi_rank = True
+    if rank is not None:
+        _rank_size = (rank, size)
 
 
 def _is_consequence_type(exc: BaseException) -> bool:
@@ -159,6 +166,16 @@ def record_failure(code: int, kind: str, error: str) -> None:
                 sys.stderr.flush()
             with contextlib.suppress(OSError):
                 os.write(2, line.encode("utf-8"))
+    elif _multi_rank and _rank_size is not None:
+        # No Horovod launcher will name the rank that ended the job: say it here, one line.
+        me, size = _rank_size
+        of = f" of {size}" if size else ""
+        line = (f"horovod: rank {me}{of} failed, ending the job: {error}" if kind == "cause" else
+                f"horovod: rank {me}{of} stops because another rank failed or left ({error})")
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            os.write(2, (line.splitlines()[0][:600] + "\n").encode("utf-8", "replace"))
 
 
 def _exit_code(code: Any) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_SIZE_VARS",
-           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV",
+           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV", "job_secret",
            "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers", "env_rank",
            "error_line", "exit_line", "parse_signal_line", "signal_line", "slot_env", "strip_markers"]
 
@@ -64,6 +64,17 @@ def slot_env(hostname: str, rank: int, size: int, local_rank: int, local_size: i
     return {"HOROVOD_HOSTNAME": hostname, "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
             "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(local_size),
             "HOROVOD_CROSS_RANK": str(cross_rank), "HOROVOD_CROSS_SIZE": str(cross_size)}
+
+
+def job_secret(backend: Any = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The secret every rank of this job holds and no outsider does, or None (MPI, torchrun).
+
+    ``HOROVOD_SECRET_KEY`` (horovodrun, horovod.run, Spark, Ray, a batch script), else the one the
+    CPU transport established at init (``backend.job_secret``: an srun step's secret from MUNGE
+    or a key file). Stores keyed from it need no key sent over the network.
+    """
+    env = os.environ if env is None else env
+    return env.get(SECRET_ENV) or getattr(backend, "job_secret", None) or None
 
 
 def env_rank(env: Mapping[str, str] | None = None) -> str | None:

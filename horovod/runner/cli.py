@@ -126,6 +126,11 @@ def make_parser() -> argparse.ArgumentParser:
     ssh = p.add_argument_group("SSH")
     ssh.add_argument("-p", "--ssh-port", type=int, default=S, help="SSH port of remote hosts.")
     ssh.add_argument("-i", "--ssh-identity-file", default=S, help="SSH identity (private key) file.")
+    ssh.add_argument("--ssh-strict-host-key-checking", choices=("accept-new", "yes", "no"), default=S,
+                     help="How ssh checks remote hosts' keys (OpenSSH's StrictHostKeyChecking): accept-new "
+                          "(default: a host seen for the first time is added to known_hosts, a changed key "
+                          "is refused), yes (only hosts already in known_hosts), no (no check). "
+                          "[HOROVOD_SSH_STRICT_HOST_KEY_CHECKING]")
 
     groups: dict[str, argparse._ArgumentGroup] = {}
     for t in TUNABLES:
@@ -277,6 +282,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         hostfile=merged.get("hostfile"),
         ssh_port=merged.get("ssh_port"),
         ssh_identity_file=merged.get("ssh_identity_file"),
+        ssh_strict_host_key_checking=merged.get("ssh_strict_host_key_checking"),
         nics=nics,
         start_timeout=float(start_timeout),
         verbose=2 if merged.get("verbose") else 0,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.common.wire import SECRET_ENV
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.settings import ElasticSettings
 from horovod.runner.hosts import SlotInfo
@@ -198,6 +199,8 @@ class _ElasticJob:
         with self._lock:
             self.procs[agent] = proc
             self.key_of[agent] = key
+        # The secret stays out of the rendezvous: the agent has it from its Spark closure (JobSpec).
+        env.pop(SECRET_ENV, None)
         self.command(agent, {"op": "start", "seq": seq, "env": env})
         return proc
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.common.wire import SECRET_ENV
 from horovod.spark.driver import (
     _configure_logging,
     _driver_address,
@@ -88,6 +89,9 @@ class _Job:
         envs = self.job.worker_envs(hosts, self.num_proc, nics=self.nics, extra_env=self.env)
         for partition, rank in enumerate(ranks):
             slot, env = envs[rank]
+            # The secret stays out of the rendezvous (plain HTTP): the task has it from its Spark
+            # closure (JobSpec) and adds it to the rank's environment itself.
+            env = {k: v for k, v in env.items() if k != SECRET_ENV}
             self.server.put(ENV_SCOPE, str(partition), json.dumps({
                 "rank": rank, "host": slot.hostname, "local_rank": slot.local_rank,
                 "env": env}).encode())

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from horovod.common.wire import SECRET_ENV
 from horovod.runner.hosts import HostSpec
 
 __all__ = ["JobSpec", "TASK_SCOPE", "ENV_SCOPE", "run_rank", "elastic_agent", "executor_name",
@@ -36,7 +37,8 @@ ENV_SCOPE = "spark_env"
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What the driver tells every task (pickled into the Spark closure; no secret in logs)."""
+    """What the driver tells every task, pickled into the Spark closure: the only way the job
+    secret reaches the tasks (Spark's own channel; never the rendezvous service; no secret in logs)."""
 
     addr: str
     port: int
@@ -87,14 +89,16 @@ def task_pythonpath() -> str:
 
 def _worker_command(spec: JobSpec, env: dict[str, str], ranks: tuple[int, ...], host: str) -> Any:
     """The worker shim running ``python -m horovod.runner.run_task`` with this executor's
-    environment, this task's import path, and ``env``; stdin is its life line (the rank dies with
-    this task)."""
+    environment, this task's import path, ``env`` and the job secret (from the task's closure: the
+    driver never sends it over the rendezvous); stdin is its life line (the rank dies with this
+    task)."""
     from horovod.runner.launchers.base import Command, shim_argv
 
     python = spec.executable or sys.executable
     return Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"], python=python,
                                   watch_stdin=True),
-                   env={**os.environ, "PYTHONPATH": task_pythonpath(), **env}, ranks=ranks,
+                   env={**os.environ, "PYTHONPATH": task_pythonpath(), **env, SECRET_ENV: spec.secret},
+                   ranks=ranks,
                    host=host, lifeline=True)
 
 

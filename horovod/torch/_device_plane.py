@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import os
 import socket
 import zlib
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from horovod.common import wire
 from horovod.common.backends import authstore
 from horovod.common.backends.base import Group
 from horovod.common.context import peek_context
@@ -366,7 +366,7 @@ class TorchPlane:
             # The set's first member opens the store; its address travels over the CPU transport.
             msg = np.zeros(256, np.uint8)
             # An authenticated store (horovod.common.backends.authstore), not torch's TCPStore.
-            secret = os.environ.get("HOROVOD_SECRET_KEY")
+            secret = wire.job_secret(self._backend)  # None: a random key, sent over the CPU transport
             if group.rank == 0:
                 store, text = authstore.open_for_members(self._address(group),
                                                          self._timeout().total_seconds(), secret)

@@ -209,3 +209,32 @@ def test_exception_on_second_host_is_named_first(fakehosts_factory: Factory, mod
     assert lines[i + 1].startswith(f"  rank 2 (host {h2}, local rank 0): exit code 1"), res.stderr[-3000:]
     assert lines[i + 2] == "  error: RuntimeError: rank 2 fails on purpose", res.stderr[-3000:]
     assert elapsed < 60, f"the job took {elapsed:.0f} s"
+
+
+def test_ssh_checks_host_keys_as_accept_new(fakehosts_factory: Factory) -> None:
+    """ssh runs with StrictHostKeyChecking=accept-new: a host whose key differs from known_hosts
+    is refused before anything starts (with what to do); a host not yet known is remembered."""
+    fh = fakehosts_factory(2)
+    h1, h2 = fh.hosts
+    known = fh._state / "known_hosts"  # the instance's known_hosts (its ssh drop-in names it)
+    original = known.read_text()
+    other = fh._state / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    fake = " ".join(Path(f"{other}.pub").read_text().split()[:2])
+    lines = original.splitlines()
+    known.write_text("\n".join(f"{ln.split()[0]} {fake}" if ln.startswith(f"{h2},") else ln
+                               for ln in lines) + "\n")
+    args = ("--gloo", "-np", "2", "-H", f"{h1}:1,{h2}:1", sys.executable, WORKER, "allreduce")
+    res = run_horovodrun_on(fh, h1, *args)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Host key verification failed" in res.stderr or "IDENTIFICATION HAS CHANGED" in res.stderr, res.stderr
+    assert "--ssh-strict-host-key-checking" in res.stderr, res.stderr
+    assert not tagged_json(res.stdout, "RESULT"), res.stdout
+    # h2 unknown: accepted, and its key recorded.
+    known.write_text("\n".join(ln for ln in lines if not ln.startswith(f"{h2},")) + "\n")
+    res = run_horovodrun_on(fh, h1, *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(tagged_json(res.stdout, "RESULT")) == [0, 1], res.stdout
+    host_key = " ".join(Path(fh._state / h2 / "ssh_host_ed25519_key.pub").read_text().split()[:2])
+    found = subprocess.run(["ssh-keygen", "-F", h2, "-f", str(known)], capture_output=True, text=True)
+    assert host_key in found.stdout, known.read_text()  # (hashed names: looked up with ssh-keygen -F)

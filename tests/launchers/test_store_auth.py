@@ -168,3 +168,33 @@ def test_elastic_job_refuses_outsiders_after_a_reset(tmp_path):
     results = probe(proc.pid)
     out = _finish(proc, tmp_path, 3)
     _check(results, out)
+
+
+def test_plain_rank_environment_with_a_secret_opens_the_authenticated_store(tmp_path):
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT with no torchrun agent, and HOROVOD_SECRET_KEY
+    exported to every rank: rank 0 opens Horovod's authenticated store on MASTER_PORT (bound to
+    MASTER_ADDR), not torch's TCPStore; outsiders are refused on every port, values stay right."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env({"PROBE_DIR": str(tmp_path), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "HOROVOD_SECRET_KEY": "5e" * 32})
+    job = f"{sys.executable} {JOB}"
+    logs = tmp_path / "rank"  # one file per rank: their lines do not interleave
+    script = (f"RANK=0 {job} > {logs}0 2>&1 & RANK=1 {job} > {logs}1 2>&1 & wait -n && wait -n; rc=$?; "
+              f"cat {logs}0 {logs}1; exit $rc")
+    proc = subprocess.Popen(["bash", "-c", script], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(tmp_path / "ready", proc)
+    assert (("127.0.0.1", port) in {(a, p) for a, p, _ in listening_ports(proc.pid)}), "no store on MASTER_PORT"
+    results = probe(proc.pid)
+    # The store refuses a silent client at its handshake deadline: let that happen before the end.
+    deadline = time.monotonic() + 120
+    while f"store 127.0.0.1:{port} refused a connection" not in Path(f"{logs}0").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, Path(f"{logs}0").read_text()[-3000:]
+        time.sleep(0.2)
+    out = _finish(proc, tmp_path, 2)
+    _check(results, out)
+    assert "TCPStore" not in out, out[-3000:]  # no warning about an open store

@@ -167,3 +167,36 @@ def test_run_without_spark_context_says_so(monkeypatch):
         horovod.spark.run(lambda: 0, num_proc=2)
     with pytest.raises(RuntimeError, match="Could not find an active SparkContext"):
         horovod.spark.run_elastic(lambda: 0, num_proc=2)
+
+
+def test_the_secret_reaches_tasks_only_through_their_closure():
+    """The driver publishes each partition's environment on the rendezvous (plain HTTP) without
+    the job secret; the task adds the secret from its pickled JobSpec (Spark's own channel)."""
+    import pickle
+
+    from horovod.common.wire import SECRET_ENV
+    from horovod.spark.runner import _Job
+    from horovod.spark.task import ENV_SCOPE, _worker_command
+
+    class _Conf:
+        def get(self, key, default=None):
+            return default
+
+    class _Sc:
+        def getConf(self):
+            return _Conf()
+
+    job = _Job(_Sc(), lambda: 0, (), {}, 2, 30.0, {"MY_VAR": "1"}, None, None, None, False, None)
+    try:
+        secret = job.spec.secret
+        assert len(secret) == 64
+        job.assign({0: {"addresses": ["10.0.0.1:1", "10.0.0.2:2"]}})
+        published = [job.server.get(ENV_SCOPE, str(p)) for p in range(2)]
+        assert all(raw is not None and secret.encode() not in raw for raw in published), published
+        env = json.loads(published[1])["env"]
+        assert SECRET_ENV not in env and env["MY_VAR"] == "1" and env["HOROVOD_RANK"] == "1"
+        spec = pickle.loads(pickle.dumps(job.spec))  # what the closure carries
+        cmd = _worker_command(spec, env, (1,), "10.0.0.2")
+        assert cmd.env[SECRET_ENV] == secret and secret not in " ".join(cmd.argv)
+    finally:
+        job.server.stop()

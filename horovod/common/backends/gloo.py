@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common import launcher as _launcher
-from horovod.common import plain
+from horovod.common import plain, slurm_secret
 from horovod.common.backends import authstore
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
@@ -171,6 +171,9 @@ class GlooBackend:
         # with its threads still running, which aborts the process).
         self._pgs: list[Any] = []
         self._groups: list[Group] = []
+        # The job's secret where this backend has one (the device plane keys its stores with it).
+        self.job_secret: str | None = environ.get("HOROVOD_SECRET_KEY") or None
+        self._key_service: slurm_secret.KeyService | None = None
         scope = f"gloo.{next(_INIT_SEQUENCE)}"
         if round_info is not None:
             scope = f"elastic.{round_info.round}"
@@ -188,7 +191,10 @@ class GlooBackend:
             self._device: Any = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
                                  else dist.ProcessGroupGloo.create_device(hostname=my_addr) if my_addr
                                  else dist.ProcessGroupGloo.create_default_device())
-            self._world = self._make_pg("world", self.rank, self.size)
+            try:
+                self._world = self._make_pg("world", self.rank, self.size)
+            finally:  # every rank has joined (or failed to): task 0's srun key service ends
+                self._close_key_service()
         self._world_group = Group(list(range(self.size)), self.rank, self._world)
         self._groups.append(self._world_group)
 
@@ -220,7 +226,8 @@ class GlooBackend:
         dist = self._dist
         wait = self._timeout.total_seconds()
         seen = ", ".join(f"{k}={v}" for k, v in launch.seen.items())
-        prefix = f"horovod/{launch.scope}/{next(_JOIN_SEQUENCE)}"
+        seq = next(_JOIN_SEQUENCE)
+        prefix = f"horovod/{launch.scope}/{seq}"
         try:
             if launch.launcher == "torch-group":
                 store = dist.distributed_c10d._get_default_store()
@@ -230,37 +237,58 @@ class GlooBackend:
                 assert launch.master_addr and launch.master_port
                 my_addr = _local_address(environ, launch.master_addr)
                 # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE); a plain
-                # RANK/WORLD_SIZE environment means rank 0 opens it, as torch's env:// does.
-                master = self.rank == 0 and not launch.master_is_store
-                store = dist.TCPStore(launch.master_addr, launch.master_port, self.size, master,
-                                      timeout=self._timeout, wait_for_workers=False)
+                # RANK/WORLD_SIZE environment means rank 0 opens it, as torch's env:// does:
+                # Horovod's authenticated store when the ranks share HOROVOD_SECRET_KEY, else
+                # torch's TCPStore (every interface, anybody: docs/security.md).
+                if not launch.master_is_store and self.job_secret:
+                    key = authstore.derive_key(self.job_secret)
+                    if self.rank == 0:
+                        host = socket.gethostbyname(launch.master_addr)
+                        store = authstore.open_store(host, key, wait, port=launch.master_port)
+                    else:
+                        store = authstore.connect_store(launch.master_addr, launch.master_port, key, wait)
+                else:
+                    master = self.rank == 0 and not launch.master_is_store
+                    if master:
+                        log.warning("rank 0 opens torch's TCPStore on port %d of every interface, which "
+                                    "anybody who reaches it can read and write; export the same "
+                                    "HOROVOD_SECRET_KEY=$(python -m horovod.runner.secret) to every rank "
+                                    "to use Horovod's authenticated store (docs/security.md)",
+                                    launch.master_port)
+                    store = dist.TCPStore(launch.master_addr, launch.master_port, self.size, master,
+                                          timeout=self._timeout, wait_for_workers=False)
             else:  # slurm: task 0 opens an authenticated store on the step's first node
                 assert launch.master_addr and launch.master_port
                 my_addr = _local_address(environ, launch.master_addr)
-                secret = environ.get("HOROVOD_SECRET_KEY")
-                if not secret:
-                    if self.rank == 0:
-                        log.warning("srun: HOROVOD_SECRET_KEY is not set, so the job's store is "
-                                    "keyed by the Slurm job id only, which others can guess; export "
-                                    "HOROVOD_SECRET_KEY=$(python -m horovod.runner.secret) before srun "
-                                    "(docs/security.md)")
-                    secret = f"slurm:{environ.get('SLURM_JOB_ID', '')}:{launch.scope}"
-                key = authstore.derive_key(secret)
+                host = socket.gethostbyname(launch.master_addr) if self.rank == 0 else launch.master_addr
+                # The step's secret: HOROVOD_SECRET_KEY, else one only this user can get (MUNGE or
+                # a private key file), else a LauncherError (horovod.common.slurm_secret).
+                self.job_secret, self._key_service = slurm_secret.step_secret(
+                    environ, launch, self.rank, host, wait, seq)
+                key = authstore.derive_key(self.job_secret)
                 if self.rank == 0:
-                    host = socket.gethostbyname(launch.master_addr)
                     store = authstore.open_store(host, key, wait, port=launch.master_port)
                 else:
                     store = authstore.connect_store(launch.master_addr, launch.master_port, key, wait)
+        except _launcher.LauncherError:
+            raise
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses, OSError...
+            self._close_key_service()
             raise _launcher.LauncherError(
                 f"Rank {self.rank} of a job started by {launch.launcher} cannot reach the job's "
                 f"store at {launch.master_addr}:{launch.master_port} within {wait:g} s ({exc}). "
                 f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
-                "of SLURM_STEP_NODELIST) and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
+                "of SLURM_STEP_NODELIST), that HOROVOD_SECRET_KEY is exported to every rank or to none, "
+                "and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
                 "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
         # A Python store lives only while its Python object does: keep it beside the prefix store.
         self._joined_store = store
         return dist.PrefixStore(prefix, store), my_addr
+
+    def _close_key_service(self) -> None:
+        if self._key_service is not None:
+            self._key_service.close()
+            self._key_service = None
 
     def _make_pg(self, prefix: str, rank: int, size: int) -> Any:
         dist = self._dist
@@ -531,6 +559,7 @@ class GlooBackend:
         self._pgs.clear()
         self._world = None
         self._device = None
+        self._close_key_service()
         for store in (self._store, getattr(self, "_joined_store", None)):
             if isinstance(store, authstore.torch_store_type()):
                 store.close()

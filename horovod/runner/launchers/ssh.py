@@ -14,20 +14,42 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from horovod.common.exceptions import ConfigError
 from horovod.runner.launchers.base import Command, shim_argv
 from horovod.runner.plan import SECRET_ENV, LaunchPlan, RankPlan
 from horovod.runner.settings import LaunchSettings
 
-__all__ = ["SshLauncher", "ssh_base_argv", "ssh_command", "check_hosts", "HostCheck"]
+__all__ = ["SshLauncher", "ssh_base_argv", "host_key_checking", "HOST_KEY_ENV", "ssh_command", "check_hosts",
+           "HostCheck"]
+
+
+HOST_KEY_ENV = "HOROVOD_SSH_STRICT_HOST_KEY_CHECKING"
+HOST_KEY_MODES = ("accept-new", "yes", "no")
+
+
+def host_key_checking(value: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """ssh's ``StrictHostKeyChecking``: ``value`` (the flag), else ``HOROVOD_SSH_STRICT_HOST_KEY_CHECKING``,
+    else ``accept-new`` (a host seen for the first time is remembered, a changed key is refused).
+
+    Raises:
+        ConfigError: not one of ``accept-new``, ``yes``, ``no``.
+    """
+    env = os.environ if environ is None else environ
+    mode = (value or env.get(HOST_KEY_ENV) or "accept-new").strip().lower()
+    if mode not in HOST_KEY_MODES:
+        raise ConfigError(f"{HOST_KEY_ENV}={mode!r}: use accept-new, yes or no.", variable=HOST_KEY_ENV)
+    return mode
 
 
 def ssh_base_argv(host: str, port: int | None = None, identity_file: str | None = None,
-                  connect_timeout: int = 10) -> list[str]:
-    """``ssh`` options shared by checks and launches: no password prompt, no tty."""
-    argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+                  connect_timeout: int = 10, host_keys: str | None = None) -> list[str]:
+    """``ssh`` options shared by checks and launches: no password prompt, no tty, host keys checked
+    as :func:`host_key_checking` says."""
+    argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", f"StrictHostKeyChecking={host_key_checking(host_keys)}",
             "-o", f"ConnectTimeout={connect_timeout}", "-o", "LogLevel=ERROR"]
     if port:
         argv += ["-p", str(port)]
@@ -49,7 +71,8 @@ def ssh_command(plan: LaunchPlan, rank: RankPlan, settings: LaunchSettings,
     remote = (f"cd {shlex.quote(cwd)} > /dev/null 2>&1 ; exec "
               + shlex.join(shim_argv(rank.argv, python=python or sys.executable, watch_stdin=True,
                                      stdin_env=True)))
-    argv = ssh_base_argv(rank.host, settings.ssh_port, settings.ssh_identity_file) + [remote]
+    argv = ssh_base_argv(rank.host, settings.ssh_port, settings.ssh_identity_file,
+                         host_keys=settings.ssh_strict_host_key_checking) + [remote]
     blob = (json.dumps({"env": env}) + "\n").encode()
     return Command(argv=argv, env=None, ranks=(rank.rank,), host=rank.host, stdin_data=blob,
                    lifeline=True, remote=True, shown_env={**plan.job_env, **rank.env})
@@ -103,7 +126,8 @@ def check_hosts(hosts: list[str], settings: LaunchSettings, program: str | None 
     def one(host: str) -> HostCheck:
         connect_timeout = max(1, int(min(10, timeout)))
         argv = ssh_base_argv(host, settings.ssh_port, settings.ssh_identity_file,
-                             connect_timeout=connect_timeout) + [probe]
+                             connect_timeout=connect_timeout,
+                             host_keys=settings.ssh_strict_host_key_checking) + [probe]
         last = ""
         for _ in range(attempts):
             try:
@@ -115,6 +139,11 @@ def check_hosts(hosts: list[str], settings: LaunchSettings, program: str | None 
             if "__hvd_ssh_ok__" in res.stdout:
                 return HostCheck(host, True, program_found="__hvd_no_program__" not in res.stdout)
             last = (res.stderr or res.stdout).strip() or f"ssh exited with code {res.returncode}"
+            if "Host key verification failed" in last or "REMOTE HOST IDENTIFICATION HAS CHANGED" in last:
+                return HostCheck(host, False, f"{last} ({host}'s key is not the one known_hosts holds, or "
+                                 "it is unknown under StrictHostKeyChecking=yes: check the host and "
+                                 "update known_hosts (ssh-keygen -R), or choose with "
+                                 "--ssh-strict-host-key-checking / HOROVOD_SSH_STRICT_HOST_KEY_CHECKING)")
         return HostCheck(host, False, last)
 
     if not hosts:

@@ -205,3 +205,32 @@ def test_fail_fast_switch() -> None:
         assert lifecycle.wanted(2) and not lifecycle.wanted(1)
         env["HOROVOD_FAIL_FAST"] = "0"
         assert not lifecycle.wanted(2)
+
+
+@pytest.mark.parametrize(("kind", "line"), [
+    ("cause", "horovod: rank 1 of 3 failed, ending the job: ValueError: boom"),
+    ("consequence", "horovod: rank 1 of 3 stops because another rank failed or left (ValueError: boom)"),
+])
+def test_failure_line_without_a_horovod_launcher(monkeypatch, capfd, kind, line) -> None:
+    """srun, torchrun, a bare mpirun: nothing collects the exit record, so the failing rank says
+    who it is (one line on stderr); under horovodrun (HOROVOD_EXIT_RECORD) it does not."""
+    monkeypatch.delenv(lifecycle.EXIT_RECORD_ENV, raising=False)
+    monkeypatch.setattr(lifecycle, "_failure", None)
+    monkeypatch.setattr(lifecycle, "_multi_rank", False)
+    monkeypatch.setattr(lifecycle, "_rank_size", None)
+    lifecycle.note_multi_rank(1, 3)
+    lifecycle.record_failure(1, kind, "ValueError: boom")
+    assert capfd.readouterr().err == line + "\n"
+    lifecycle.record_failure(1, "cause", "second failure")  # only the first is reported
+    assert capfd.readouterr().err == ""
+
+
+def test_no_failure_line_under_horovodrun(monkeypatch, capfd, tmp_path) -> None:
+    monkeypatch.setenv(lifecycle.EXIT_RECORD_ENV, str(tmp_path / "exit.json"))
+    monkeypatch.setattr(lifecycle, "_failure", None)
+    monkeypatch.setattr(lifecycle, "_rank_size", None)
+    monkeypatch.setattr(lifecycle, "_multi_rank", False)
+    lifecycle.note_multi_rank(1, 3)
+    lifecycle.record_failure(1, "cause", "ValueError: boom")
+    assert "horovod: rank" not in capfd.readouterr().err
+    assert json.loads((tmp_path / "exit.json").read_text())["kind"] == "cause"

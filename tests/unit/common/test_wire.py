@@ -177,3 +177,14 @@ def test_join_process_sets_stalls_and_argument_errors_at_many_ranks(path):
     c.submit([_req(r, "a2a", kind=RequestType.ALLTOALL, payload=err if r == 3 else None) for r in range(size)])
     (resp,) = c.ready()
     assert resp.error_fields["field"] == "argument" and resp.error_fields["values"][str(err)] == [3]
+
+
+def test_job_secret_from_the_environment_or_the_transport():
+    from types import SimpleNamespace
+
+    from horovod.common.wire import job_secret
+
+    assert job_secret(None, {}) is None
+    assert job_secret(SimpleNamespace(), {}) is None  # MPI: no secret, the plane draws a key
+    assert job_secret(SimpleNamespace(job_secret="ab" * 32), {}) == "ab" * 32  # an srun step's
+    assert job_secret(SimpleNamespace(job_secret="ab" * 32), {"HOROVOD_SECRET_KEY": "cd" * 32}) == "cd" * 32
