@@ -100,7 +100,7 @@ def test_srun_failing_task_ends_the_step_naming_it(slurm):
 @pytest.fixture(scope="module")
 def stranger():
     """Another user of this machine (made for the tests, removed after), and a directory it can
-    read holding the probe and a copy of the store's protocol module (standard library only)."""
+    read holding the probe and a copy of the store's protocol module and the one module it imports (standard library only)."""
     import tempfile
 
     made = subprocess.run(["id", "-u", STRANGER], capture_output=True).returncode != 0
@@ -110,6 +110,13 @@ def stranger():
     uid = int(subprocess.run(["id", "-u", STRANGER], capture_output=True, text=True, check=True).stdout)
     d = Path(tempfile.mkdtemp(prefix="hvd-stranger-"))
     shutil.copy(REPO / "horovod" / "common" / "backends" / "authstore.py", d / "authstore.py")
+    # authstore's one project import (standard library only), as a package of its own
+    (d / "horovod" / "common").mkdir(parents=True)
+    (d / "horovod" / "__init__.py").write_text("")
+    (d / "horovod" / "common" / "__init__.py").write_text("")
+    shutil.copy(REPO / "horovod" / "common" / "refusals.py", d / "horovod" / "common" / "refusals.py")
+    for sub in (d / "horovod", d / "horovod" / "common"):
+        sub.chmod(0o755)
     shutil.copy(Path(JOB).parent / "stranger_probe.py", d / "stranger_probe.py")
     d.chmod(0o755)  # the stranger may enter and read it; nothing more
     try:
