@@ -28,7 +28,7 @@ import numpy as np
 from horovod.common.engine.plan import Call
 
 __all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "scale_array", "span_of",
-           "Placement"]
+           "Placement", "aligned_empty", "SMALL_OUTPUT_BYTES"]
 
 Segment = tuple[int, int, int, int]
 
@@ -103,6 +103,28 @@ class BufferOps(Protocol):
 
     def scale_all(self, regions: Sequence[Any], post: float, div: int) -> None:
         """Scale reduced regions in place (when ``defer_scale``)."""
+
+    # -- what the other operations need (data movement, reducescatter)
+    def dtype(self, name: str) -> Any:
+        """This kind's dtype object for a dtype name (``Reduction.work``)."""
+
+    def tensors(self, inputs: Sequence[Any]) -> Sequence[Any]:
+        """An entry's inputs as this kind's buffers (a binding may hand over wrappers)."""
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A new result buffer (allocate)."""
+
+    def flat(self, a: Any) -> Any:
+        """``a``'s elements as a flat view."""
+
+    def move(self, a: Any) -> tuple[Any, int]:
+        """A flat view of ``a`` that any dtype travels as, and its elements per element of ``a``."""
+
+    def bytes(self, a: Any) -> Any:
+        """``a``'s bytes as a flat view."""
+
+    def broadcast_outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None, is_root: bool) -> list[Any]:
+        """A broadcast's outputs (``given``, else new); on the root they hold the inputs' values."""
 
 
 class Placement(Protocol):
@@ -461,3 +483,59 @@ class NumpyBuffers:
     def scale_all(self, regions: Sequence[np.ndarray], post: float, div: int) -> None:
         for r in regions:
             scale_array(r, r, post, div)
+
+    dtype = staticmethod(np.dtype)
+
+    @staticmethod
+    def tensors(inputs: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+        return inputs
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return aligned_empty(shape, dtype)
+
+    @staticmethod
+    def flat(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1)
+
+    @staticmethod
+    def move(a: np.ndarray) -> tuple[np.ndarray, int]:
+        return a.reshape(-1).view(_MOVE_DTYPES[a.dtype.itemsize]), 1
+
+    @staticmethod
+    def bytes(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1).view(np.uint8)
+
+    def broadcast_outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None,
+                          is_root: bool) -> list[np.ndarray]:
+        if given is None:  # the root's result is its input (nothing moves there)
+            return [x if is_root else self._output(x.shape, x.dtype) for x in inputs]
+        outs = given if type(given) is list else list(given)
+        if is_root:
+            for x, o in zip(inputs, outs):
+                if o is not x and not np.shares_memory(o, x):
+                    np.copyto(o, x)
+        return outs
+
+
+_MOVE_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ALIGN = 64
+# Outputs below this size are not aligned (copying them costs less than aligning them).
+SMALL_OUTPUT_BYTES = 4096
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    Frameworks wrap aligned NumPy memory without copying (TensorFlow copies unaligned arrays
+    returned from ``numpy_function``); ``np.empty`` only guarantees 16 bytes.
+    """
+    dtype = np.dtype(dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    if n * dtype.itemsize < SMALL_OUTPUT_BYTES:
+        return np.empty(shape, dtype)
+    raw = np.empty(n * dtype.itemsize + _ALIGN, np.uint8)
+    off = (-raw.__array_interface__["data"][0]) % _ALIGN
+    return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)

@@ -160,7 +160,8 @@ class Engine:
         if self.rank == 0 and config.timeline and config.timeline.upper() != "DYNAMIC":
             self.timeline = Timeline(config.timeline, config.timeline_mark_cycles)
         self._executor = Executor(backend, groups, self.rank, self.tunables, lambda: self.timeline,
-                                  hostnames)
+                                  hostnames, timeout_s=getattr(config, "gloo_timeout_seconds", 0.0) or 30.0,
+                                  secret=os.environ.get("HOROVOD_SECRET_KEY"))
         self._autotune = None
         if config.autotune:  # HOROVOD_AUTOTUNE: tunes self.tunables at sample boundaries (same on every rank)
             from horovod.common.autotune import from_config
