@@ -1,23 +1,20 @@
 """The torch device plane: the lane that runs Horovod's batches on torch tensors where they live.
 
 CUDA tensors run on ``torch.distributed`` NCCL process groups; CPU tensors, when
-``HOROVOD_TORCH_CPU_PLANE=1``, run the same code on Gloo process groups (the CPU twin that tests
-this path on machines without a GPU). The engine negotiates, caches, plans, fuses and executes every
-operation exactly as for host tensors (``horovod.common.engine.executor``); this module only
-supplies the lane (``TorchPlane.lane``):
+``HOROVOD_TORCH_CPU_PLANE=1``, on Gloo process groups (the CPU twin that tests this path without a
+GPU). The engine negotiates, caches, plans, fuses and executes every operation as for host tensors
+(``horovod.common.engine.executor``); this module only supplies the lane (``TorchPlane.lane``):
 
-* ``TorchBuffers`` (``_torch_buffers``) on the batch's device: fusion buffers per dtype, kept
-  across batches and grown when needed;
+* ``TorchBuffers`` (``_torch_buffers``) on the batch's device, its fusion buffers kept per dtype;
 * ``TorchTransport``: the set's process group, one per process set and device kind, made when the
   set first runs a plane batch (all of its members run the same batch, so they make it together).
   Its store is an authenticated store (``horovod.common.backends.authstore``) opened by the set's
-  first member, whose address (and key, where the job has no secret) travels over the job's CPU
-  transport; no ``torch.distributed`` default group is created, so a user's own use is untouched.
-  Its ``translating`` is the one place where torch.distributed errors become Horovod errors;
+  first member, whose ticket travels over the job's CPU transport; no ``torch.distributed``
+  default group is created, so a user's own use is untouched. ``translating`` is the one place
+  where torch.distributed errors become Horovod errors;
 * stream ordering (CUDA, ``_device_tensor``): the plane's stream waits for the callers' ready
-  events, runs the batch, and records the ``done`` event the callers' streams wait for. Tensors used
-  on both streams are marked with ``record_stream`` so the caching allocator never hands their
-  memory out early.
+  events, runs the batch and records the ``done`` event their streams wait for; tensors used on
+  both streams are marked with ``record_stream`` so the caching allocator never reuses them early.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from horovod.torch._device_tensor import (  # noqa: F401 - re-exported for the b
     latest_ready,
     set_join_device,
     unwrap,
+    user_tensors,
     wait_done,
 )
 from horovod.torch._torch_buffers import TorchBuffers
@@ -177,7 +175,7 @@ class TorchPlane:
                     if w.parent is not None:
                         w.parent.done = done
                 for e in entries:
-                    for t in _user_tensors(e):
+                    for t in user_tensors(e):
                         t.record_stream(stream)
 
     def _device(self, tag: str, entries: Sequence[Any]) -> torch.device:
@@ -294,17 +292,6 @@ class TorchPlane:
         self._stores.clear()
         self._buffers.clear()
         self._streams.clear()
-
-
-def _user_tensors(entry: Any) -> list[torch.Tensor]:
-    if entry is None:
-        return []
-    out = [unwrap(x) for x in entry.inputs]
-    for o in entry.outputs or []:
-        o = o[0] if isinstance(o, tuple) else o
-        if isinstance(o, torch.Tensor) and o.is_cuda:
-            out.append(o)
-    return out
 
 
 register_plane("torch", TorchPlane)

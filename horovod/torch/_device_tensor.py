@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["DeviceTensor", "current_stream", "latest_ready", "set_join_device", "join_device", "unwrap",
-           "wait_done"]
+           "user_tensors", "wait_done"]
 
 _join_device: list[torch.device | None] = [None]
 
@@ -131,3 +131,13 @@ def unwrap(x: Any) -> torch.Tensor:
     return x.tensor if isinstance(x, DeviceTensor) else x
 
 
+def user_tensors(entry: Any) -> list[torch.Tensor]:
+    """The caller's tensors of an entry that the plane's stream used (inputs, CUDA outputs)."""
+    if entry is None:
+        return []
+    out = [unwrap(x) for x in entry.inputs]
+    for o in entry.outputs or []:
+        o = o[0] if isinstance(o, tuple) else o
+        if isinstance(o, torch.Tensor) and o.is_cuda:
+            out.append(o)
+    return out

@@ -484,7 +484,9 @@ class NumpyBuffers:
         for r in regions:
             scale_array(r, r, post, div)
 
-    dtype = staticmethod(np.dtype)
+    @staticmethod
+    def dtype(name: str) -> np.dtype:
+        return np.dtype(name)
 
     @staticmethod
     def tensors(inputs: Sequence[np.ndarray]) -> Sequence[np.ndarray]:

@@ -150,7 +150,7 @@ class Executor:
         key = (tuple(sizes), itemsize, chunk, cut, fuse, widen)
         calls = self._calls.get(key)
         if calls is None:
-            calls = tuple(plan_reduction(sizes, itemsize, chunk, cut, fuse, widen))
+            calls = plan_reduction(sizes, itemsize, chunk, cut, fuse, widen)
             if len(self._calls) >= self.CALLS_MEMO_SIZE:
                 self._calls.clear()
             self._calls[key] = calls
