@@ -20,6 +20,7 @@ Scaling (prescale, Average's division, postscale), join zeros and widening live 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -86,8 +87,8 @@ class BufferOps(Protocol):
         """The outputs an entry's caller gets: ``given`` (the caller's, or its inputs when in
         place) as this kind's objects, else new ones for an out-of-place operation (allocate)."""
 
-    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
-        """The items of one response's tensors."""
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> Sequence[Item]:
+        """The items of one response's tensors (immutable where remembered)."""
 
     def zeros(self, n: int, dtype: str) -> Any:
         """A joined rank's contribution: ``n`` zeros of the batch's dtype."""
@@ -136,9 +137,9 @@ class Placement(Protocol):
 
 
 def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
-                ) -> tuple[list[Item], list[int]]:
-    """The items of a batch on this rank, and where each response's items start (callers do not
-    change the list: it may be the one ``ops.items`` remembers).
+                ) -> tuple[Sequence[Item], list[int]]:
+    """The items of a batch on this rank, and where each response's items start (a one-response
+    batch's items are ``ops.items``' own: a tuple where it remembers them).
 
     Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
     agreed shapes."""
@@ -164,7 +165,7 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
         entry.outputs = ops.outputs(entry.inputs, entry.outputs)
         mine = ops.items(resp.name, entry.inputs, entry.outputs)
         if len(batch) == 1:
-            return mine, starts  # as ``items`` made it (possibly remembered: not to be changed)
+            return mine, starts  # as ``items`` made it (a tuple when remembered)
         items.extend(mine)
     return items, starts
 
@@ -311,13 +312,13 @@ class _Moves(NamedTuple):
 
 
 class _Remembered:
-    """``NumpyBuffers.items``' memo of one name: the entry's lists, its items, their views."""
+    """``NumpyBuffers.items``' memo of one name: the entry's arrays (a tuple: the caller's list may
+    change), its items (a tuple of named tuples), their views."""
 
-    __slots__ = ("inputs", "outputs", "items", "moves")
+    __slots__ = ("arrays", "items", "moves")
 
-    def __init__(self, inputs: Any, outputs: Any, items: list[Item]) -> None:
-        self.inputs = inputs
-        self.outputs = outputs
+    def __init__(self, arrays: tuple[np.ndarray, ...], items: tuple[Item, ...]) -> None:
+        self.arrays = arrays
         self.items = items
         self.moves: dict[int, _Moves] = {}  # id(segments) -> views (the segments are kept in it)
 
@@ -354,12 +355,14 @@ class NumpyBuffers:
         xf = x if x.ndim == 1 else x.reshape(-1)
         return new(Item, (xf, xf, True, name, xf.size))
 
-    def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
+    def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Sequence[Item]:
         memo = self._items.get(name)
-        if memo is not None and memo.inputs is inputs and memo.outputs is outputs:
-            # The same lists as this name's last time (a binding resubmitting a repeated grouped
-            # operation hands over the same list of views each step): the same items. The memo
-            # holds the lists, so their identity cannot be reused by others; nobody mutates them.
+        if (memo is not None and outputs is inputs and len(inputs) == len(memo.arrays)
+                and all(map(operator.is_, inputs, memo.arrays))):
+            # The same arrays, in place, as this name's last time (a binding resubmitting a
+            # repeated grouped operation hands over the same views each step): the same items.
+            # The memo holds the arrays, so their identity cannot be reused by others, and an
+            # array's memory never moves; the items are a tuple nobody can change.
             return memo.items
         new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
@@ -374,7 +377,9 @@ class NumpyBuffers:
             # never hit, and would keep the last outputs alive).
             if len(self._items) >= self.ITEMS_MEMO_SIZE:
                 self._items.clear()
-            self._items[name] = _Remembered(inputs, outputs, out)
+            items = tuple(out)
+            self._items[name] = _Remembered(tuple(inputs), items)
+            return items
         return out
 
     def _moves(self, buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment]) -> _Moves | None:

@@ -306,7 +306,7 @@ class Executor:
         run_reduction(calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
                       lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
 
-    def _flat_items(self, batch: Sequence[Response], items: list[Item], starts: list[int],
+    def _flat_items(self, batch: Sequence[Response], items: Sequence[Item], starts: list[int],
                     groups: dict[int, tuple[int, list[int]]], index: list[int]) -> tuple[list[Item], list[int]]:
         """Host items with each flat response's tensors as one item (see ``_allreduce``)."""
         placement = self.placement
@@ -316,7 +316,7 @@ class Executor:
         spans: list[Item] = []
         for r, resp in enumerate(batch):
             first, stop = starts[r], starts[r + 1]
-            mine = items[first:stop]
+            mine: Sequence[Item] = items[first:stop]
             if resp.request.flat and stop - first > 1:
                 span = _span(mine)
                 if span is None:  # planned as one item, held here as several
