@@ -59,6 +59,8 @@ def test_gloo_backend_protocol_methods_on_every_rank() -> None:
     checks = tagged_json(res.stdout, "GLOO_CHECK")
     assert sorted(checks) == [0, 1, 2]
     assert checks[1]["alltoall_ints"] == [1, 11, 21] and checks[2]["reducescatter"] == [15.0, 18.0]
+    # no process-wide warning filter, and no warning for a read-only send buffer
+    assert all(c["filters_unchanged"] and c["readonly_warnings"] == [] for c in checks.values()), checks
 
 
 def test_gloo_init_shutdown_init() -> None:

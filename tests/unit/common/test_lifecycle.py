@@ -182,12 +182,18 @@ _HOOKS = """
     from horovod.common import lifecycle
     after = (sys.exit, sys.excepthook, builtins.exit, builtins.quit)
     print("SAME" if all(a is b for a, b in zip(before, after)) else "PATCHED", lifecycle.installed())
+    hvd.shutdown()  # the hook goes with Horovod: Python's own functions are back
+    gone = (sys.exit, sys.excepthook, builtins.exit, builtins.quit)
+    print("RESTORED" if all(a is b for a, b in zip(before, gone)) else "LEFT", lifecycle.installed())
+    hvd.init()  # and comes back with it
+    print("PATCHED" if sys.exit is not before[0] else "SAME", lifecycle.installed())
 """
 
 
-@pytest.mark.parametrize(("env", "want"), [({}, "SAME False"), ({"HOROVOD_EXIT_RECORD": "x"}, "PATCHED True"),
+@pytest.mark.parametrize(("env", "want"), [({}, "SAME False\nRESTORED False\nSAME False"),
+                                           ({"HOROVOD_EXIT_RECORD": "x"}, "PATCHED True\nRESTORED False\nPATCHED True"),
                                            ({"HOROVOD_EXIT_RECORD": "x", "HOROVOD_FAIL_FAST": "0"},
-                                            "SAME False")])
+                                            "SAME False\nRESTORED False\nSAME False")])
 def test_fail_fast_hook_only_in_a_launched_worker(env: dict[str, str], want: str) -> None:
     # A process of its own (notebook, script, unit test) keeps Python's sys.exit, exit/quit and
     # excepthook; a worker started by horovodrun gets the hook unless HOROVOD_FAIL_FAST=0.
