@@ -16,6 +16,15 @@ os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A skipped test of a tier whose ``HVD_TEST_REQUIRE_<TIER>=1`` is set fails (``tests/_require.py``)."""
+    outcome = yield
+    from tests._require import enforce
+
+    enforce(item, outcome.get_result(), os.environ)  # type: ignore[attr-defined]
+
+
 @pytest.fixture(autouse=True)
 def _horovod_shutdown():
     """Make sure no test leaves an engine running for the next one."""
