@@ -132,10 +132,26 @@ def test_single_rank_failure_takes_the_normal_exit_path(tmp_path: Path) -> None:
     assert rec is not None and rec["error"] == "RuntimeError: alone"
 
 
-def test_error_marker_text_matches_the_launcher() -> None:
-    from horovod.runner.output import ERROR_MARKER
+def test_error_line_a_failing_rank_writes_is_read_back_by_the_launcher(tmp_path: Path) -> None:
+    # The rank's side (record_failure writing its stderr line, after output it left unterminated)
+    # against the launcher's side (strip_markers on each line it reads): the record travels whole,
+    # the rank's own text stays, and no marker text reaches the user.
+    from horovod.common.wire import ERROR_MARKER, strip_markers
 
-    assert lifecycle.ERROR_MARKER == ERROR_MARKER
+    code = """
+        import sys
+        from horovod.common import lifecycle
+        sys.stderr.write("half a line")
+        lifecycle.record_failure(3, "cause", "ValueError: boom")
+    """
+    res, record, _ = _run(code, tmp_path, env={"HOROVOD_RANK": "1"})
+    assert res.returncode == 0 and record is not None, res.stderr
+    parsed = [strip_markers(line) for line in res.stderr.splitlines()]
+    errors = [m.error for m in parsed if m.error is not None]
+    assert errors == [dict(record, rank=1)], (res.stderr, record)
+    assert errors[0]["code"] == 3 and errors[0]["kind"] == "cause" and errors[0]["error"] == "ValueError: boom"
+    shown = "".join(m.text for m in parsed)
+    assert "half a line" in shown and ERROR_MARKER.strip() not in shown, shown
 
 
 @pytest.mark.parametrize("level", ["single", "multiple"])
