@@ -12,9 +12,11 @@
 * Python tells no one how a process ends (an uncaught ``SystemExit`` leaves no trace an ``atexit``
   function could read), so this takes one process-wide hook, **the fail-fast hook**: it wraps
   ``sys.excepthook`` (the previous hook still runs) and makes ``sys.exit``/``exit``/``quit`` raise
-  a ``SystemExit`` subclass that notices when it ends the process. ``hvd.init()`` installs it only
-  in a worker of a launched job (more than one rank, or started by ``horovodrun``) and
-  ``hvd.shutdown()`` removes it (``uninstall``), never in a single process of its own (a notebook, ``python train.py``, a unit test), and not at all when
+  a ``SystemExit`` subclass that notices when it ends the process (its finalizer runs with no
+  Python frame left only when the exit was not caught: Python 3.11 offers no other sign).
+  ``hvd.init()`` installs it only in a worker of a launched job (more than one rank, or started by
+  ``horovodrun``) and ``hvd.shutdown()`` removes it (``uninstall``); never in a single process of
+  its own (a notebook, ``python train.py``, a unit test), and not at all when
   ``HOROVOD_FAIL_FAST=0``: a failed rank then takes the normal exit path (MPI's finalize may
   wait for its peers until the launcher stops them).
 * The failure is classified: a ``HorovodShutdownError`` or a plain ``HorovodInternalError``

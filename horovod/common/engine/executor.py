@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import Group, SplitsGroups, Transport
 from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.buffers import (
     SMALL_OUTPUT_BYTES,
@@ -119,7 +119,7 @@ class Executor:
     """Executes batches for one engine: every operation once, over a ``Lane`` (the host one, or a
     device plane's)."""
 
-    def __init__(self, backend: Any, groups: dict[int, Group], rank: int, tunables: Tunables,
+    def __init__(self, backend: Transport, groups: dict[int, Group], rank: int, tunables: Tunables,
                  timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None,
                  timeout_s: float = 30.0, secret: str | None = None) -> None:
         self.backend = backend
@@ -344,10 +344,12 @@ class Executor:
             cached = self._hierarchies[key]
             if cached is None or cached.group is group:
                 return cached
-        layout = None
-        if self.hostnames is not None and hasattr(self.backend, "split_group"):
+        backend = self.backend
+        hier = None
+        if self.hostnames is not None and isinstance(backend, SplitsGroups):
             layout = host_layout(group.ranks, self.hostnames)
-        hier = Hierarchy(self.backend, group, *layout) if layout is not None else None
+            if layout is not None:
+                hier = Hierarchy(backend, group, *layout)
         self._hierarchies[key] = hier
         return hier
 
