@@ -134,7 +134,7 @@ class Executor:
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes)
-        self._transports: dict[int, HostTransport] = {}  # id(group) -> its transport (the group kept in it)
+        self._lanes: dict[int, tuple[Group, Lane]] = {}  # id(group) -> (the group, its host lane)
         # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
         # sizes with the same tunables every step). Bounded; the key holds every argument, and the
         # calls are tuples of named tuples (immutable), so a hit is the fresh computation.
@@ -196,12 +196,14 @@ class Executor:
     # ------------------------------------------------------------------ lanes
     def host_lane(self, group: Group) -> Lane:
         """The job's CPU transport on NumPy buffers, for ``group`` (chunked, huge-page placement)."""
-        tr = self._transports.get(id(group))
-        if tr is None or tr.group is not group:
-            if len(self._transports) > 64:  # process sets added and removed
-                self._transports.clear()
-            tr = self._transports[id(group)] = HostTransport(self.backend, group, self.tunables, self._hierarchy)
-        return Lane(self._ops, tr, self.placement, self.tunables.chunk_bytes, True)
+        made = self._lanes.get(id(group))
+        chunk = self.tunables.chunk_bytes  # a tunable: the lane is made again when it changes
+        if made is None or made[0] is not group or made[1].chunk_bytes != chunk:
+            if len(self._lanes) > 64:  # process sets added and removed
+                self._lanes.clear()
+            tr = HostTransport(self.backend, group, self.tunables, self._hierarchy)
+            made = self._lanes[id(group)] = (group, Lane(self._ops, tr, self.placement, chunk, True))
+        return made[1]
 
     def _reduction(self, req: Any, size: int, lane: Lane) -> Reduction:
         """How ``req`` reduces on ``lane``: the widening rule (``transport.reduce_dtype``) and the
