@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -11,9 +12,35 @@ import pytest
 if TYPE_CHECKING:
     from tests._fakehosts import FakeHosts
 
+_TESTS = Path(__file__).resolve().parent
+
 # Open MPI refuses to run as root without these; CI runs as root.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+
+def _fast(path: Path) -> bool:
+    """The unit tier (one process, no launch): ``tests/unit`` and ``tests/*/test_*unit*.py``."""
+    rel = path.resolve().relative_to(_TESTS)
+    return rel.parts[0] == "unit" or "unit" in path.stem
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything outside the unit tier is ``slow`` (it launches ranks, jobs or clusters):
+    ``pytest -m "not slow" tests`` is the everyday loop (CONTRIBUTING, "Test tiers")."""
+    for item in items:
+        path = Path(str(item.path))
+        if _TESTS in path.resolve().parents and not _fast(path):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A skipped test of a tier whose ``HVD_TEST_REQUIRE_<TIER>=1`` is set fails (``tests/_require.py``)."""
+    outcome = yield
+    from tests._require import enforce
+
+    enforce(item, outcome.get_result(), os.environ)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)

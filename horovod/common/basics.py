@@ -95,7 +95,10 @@ def shutdown() -> None:
         if ctx is None:
             return
         _ctx.set_context(None)
-    ctx.close()
+    try:
+        ctx.close()
+    finally:
+        _lifecycle.uninstall()  # the fail-fast hook lives from init to shutdown
 
 
 def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:

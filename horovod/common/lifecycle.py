@@ -12,9 +12,11 @@
 * Python tells no one how a process ends (an uncaught ``SystemExit`` leaves no trace an ``atexit``
   function could read), so this takes one process-wide hook, **the fail-fast hook**: it wraps
   ``sys.excepthook`` (the previous hook still runs) and makes ``sys.exit``/``exit``/``quit`` raise
-  a ``SystemExit`` subclass that notices when it ends the process. ``hvd.init()`` installs it only
-  in a worker of a launched job (more than one rank, or started by ``horovodrun``), never in a
-  single process of its own (a notebook, ``python train.py``, a unit test), and not at all when
+  a ``SystemExit`` subclass that notices when it ends the process (its finalizer runs with no
+  Python frame left only when the exit was not caught: Python 3.11 offers no other sign).
+  ``hvd.init()`` installs it only in a worker of a launched job (more than one rank, or started by
+  ``horovodrun``) and ``hvd.shutdown()`` removes it (``uninstall``); never in a single process of
+  its own (a notebook, ``python train.py``, a unit test), and not at all when
   ``HOROVOD_FAIL_FAST=0``: a failed rank then takes the normal exit path (MPI's finalize may
   wait for its peers until the launcher stops them).
 * The failure is classified: a ``HorovodShutdownError`` or a plain ``HorovodInternalError``
@@ -42,7 +44,8 @@ from typing import Any, NoReturn
 from horovod.common import wire
 from horovod.common.exceptions import HorovodInternalError, HorovodShutdownError
 
-__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "installed", "wanted",
+__all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "installed", "uninstall",
+           "wanted",
            "note_mpi_initialized",
            "note_multi_rank", "record_failure", "end_process"]
 
@@ -239,14 +242,20 @@ def installed() -> bool:
     return _installed
 
 
+# What ``install`` replaced, restored by ``uninstall``: (module, attribute, original, ours).
+_replaced: list[tuple[Any, str, Any, Any]] = []
+
+
 def install() -> None:
-    """Install the fail-fast hook (called by ``hvd.init()`` when :func:`wanted`; idempotent)."""
+    """Install the fail-fast hook (called by ``hvd.init()`` when :func:`wanted`; idempotent).
+
+    ``uninstall`` (called by ``hvd.shutdown()``) puts back what it replaced."""
     global _installed
     if _installed:
         return
     _installed = True
-    sys.excepthook = _excepthook(sys.excepthook)
-    sys.exit = _sys_exit
+    _replace(sys, "excepthook", _excepthook(sys.excepthook))
+    _replace(sys, "exit", _sys_exit)
     quitter = getattr(builtins, "exit", None)
     if quitter is not None and type(quitter).__name__ == "Quitter":
         base: Any = type(quitter)
@@ -257,8 +266,25 @@ def install() -> None:
                     sys.stdin.close()
                 raise _exit_request(code)
 
-        builtins.exit = _Quitter("exit", "Ctrl-D (i.e. EOF)")
-        builtins.quit = _Quitter("quit", "Ctrl-D (i.e. EOF)")
+        _replace(builtins, "exit", _Quitter("exit", "Ctrl-D (i.e. EOF)"))
+        _replace(builtins, "quit", _Quitter("quit", "Ctrl-D (i.e. EOF)"))
+
+
+def _replace(module: Any, attr: str, ours: Any) -> None:
+    _replaced.append((module, attr, getattr(module, attr, None), ours))
+    setattr(module, attr, ours)
+
+
+def uninstall() -> None:
+    """Remove the fail-fast hook (``hvd.shutdown()``): ``sys.excepthook``, ``sys.exit``, ``exit``
+    and ``quit`` are what they were before ``install``, unless someone replaced ours since (then
+    theirs stays). A failure already recorded still decides how the process ends."""
+    global _installed
+    while _replaced:
+        module, attr, original, ours = _replaced.pop()
+        if getattr(module, attr, None) is ours:
+            setattr(module, attr, original)
+    _installed = False
 
 
 def _finalize_mpi() -> None:

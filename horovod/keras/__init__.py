@@ -26,7 +26,6 @@ from horovod.common.basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -46,6 +45,7 @@ from horovod.common.process_sets import global_process_set
 from horovod.common.types import Adasum, Average, Sum
 from horovod.keras import callbacks, elastic
 from horovod.tensorflow import _keras_optimizer as _opt
+from horovod.tensorflow import init  # noqa: F401 - with TensorFlow's inter-op pool (see there)
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_tape import _is_keras_layer
 

@@ -18,22 +18,16 @@ tensors reach it as NumPy arrays (through ``tf.numpy_function`` inside graphs).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
 
-# TF1 sessions run graph ops on a shared inter-op pool (one thread per core by default). Horovod's
-# ops block their thread until every rank submitted the same op, and TF may start independent ops
-# in a different order on each rank: with fewer threads than independent Horovod ops in one
-# session.run, ranks could each hold all their threads on ops the other rank has not reached.
-# A larger pool (idle threads cost nothing) makes that need dozens of independent ops in one run.
-# Only the default is changed; an explicit TF_NUM_INTEROP_THREADS or
-# ConfigProto(inter_op_parallelism_threads=...) wins. Must happen before TF creates its pools.
-os.environ.setdefault("TF_NUM_INTEROP_THREADS", "64")
-
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 from horovod.common import BASICS as _BASICS
+from horovod.common import basics as _basics
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -42,7 +36,6 @@ from horovod.common.basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -99,6 +92,30 @@ from horovod.tensorflow.mpi_ops import (
 )
 from horovod.tensorflow.optimizer import DistributedOptimizer
 from horovod.tensorflow.util import _executing_eagerly  # noqa: F401 - upstream has hvd._executing_eagerly
+
+#: the inter-op pool ``init`` asks TensorFlow for when the program chose none (see ``init``)
+INTEROP_THREADS = 64
+
+
+@functools.wraps(_basics.init)
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    _basics.init(comm, process_sets)
+    _widen_interop_pool()
+
+
+def _widen_interop_pool() -> None:
+    """TF1 sessions run graph ops on a shared inter-op pool (one thread per core by default).
+    Horovod's ops block their thread until every rank submitted the same op, and TF may start
+    independent ops in a different order on each rank: with fewer threads than independent Horovod
+    ops in one ``session.run``, ranks could each hold all their threads on ops the other rank has
+    not reached. A larger pool (idle threads cost nothing) makes that need dozens of independent
+    ops in one run. Only TensorFlow's default changes (``tf.config.threading``, which sessions
+    without a ``ConfigProto`` of their own follow), and only when the program set neither
+    ``TF_NUM_INTEROP_THREADS`` nor the setting, and TensorFlow has not started its runtime yet."""
+    if os.environ.get("TF_NUM_INTEROP_THREADS") or tf.config.threading.get_inter_op_parallelism_threads():
+        return
+    with contextlib.suppress(RuntimeError):  # the runtime already started: its pool stays
+        tf.config.threading.set_inter_op_parallelism_threads(INTEROP_THREADS)
 
 
 def _exclude_from_autograph() -> None:

@@ -78,7 +78,8 @@ def test_form_round_cancels_the_build_when_the_driver_gives_the_round_up() -> No
         t0 = time.monotonic()
         with pytest.raises(HorovodInternalError, match="round 7 was abandoned"):
             elastic_worker.form_round(build, client, info, cancel=cancel)
-        assert woken.wait(5) and time.monotonic() - t0 < 5
+        # woken by the abandon notice, not by its own 60 s timeout (a bound that holds at load 10)
+        assert woken.wait(30) and time.monotonic() - t0 < 30
     thread = next(t for t in elastic_worker._orphans if t.name == "horovod-elastic-round-7")
     thread.join(5)
     assert not thread.is_alive()

@@ -59,6 +59,8 @@ def test_gloo_backend_protocol_methods_on_every_rank() -> None:
     checks = tagged_json(res.stdout, "GLOO_CHECK")
     assert sorted(checks) == [0, 1, 2]
     assert checks[1]["alltoall_ints"] == [1, 11, 21] and checks[2]["reducescatter"] == [15.0, 18.0]
+    # no process-wide warning filter, and no warning for a read-only send buffer
+    assert all(c["filters_unchanged"] and c["readonly_warnings"] == [] for c in checks.values()), checks
 
 
 def test_gloo_init_shutdown_init() -> None:
@@ -130,7 +132,9 @@ def test_failure_stops_everyone_and_reports_first_rank(mode: str, how: str) -> N
     assert f"rank 1 (host localhost, local rank 1): {status}" in report, report
     assert "| rank 1 is failing on purpose" in report, report
     assert re.search(r"rank 0 .*stopped after the first failure", report), report
-    assert elapsed < 20, f"job took {elapsed:.1f} s to stop after rank 1 failed"
+    # the other ranks sleep 120 s: a job that waited for them would take that long (60 s holds
+    # for three rank start-ups on a loaded machine)
+    assert elapsed < 60, f"job took {elapsed:.1f} s to stop after rank 1 failed"
     grandchildren = [int(p) for p in re.findall(r"GRANDCHILD (\d+)", res.stdout)]
     assert len(grandchildren) == 2, res.stdout
     deadline = time.monotonic() + 5
@@ -156,7 +160,7 @@ def test_sigint_reaches_every_worker(mode: str, tmp_path: Path) -> None:
         assert ready == 2, out
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        rest, err = proc.communicate(timeout=20)
+        rest, err = proc.communicate(timeout=90)
         elapsed = time.monotonic() - start
     finally:
         proc.kill()
@@ -168,7 +172,7 @@ def test_sigint_reaches_every_worker(mode: str, tmp_path: Path) -> None:
         if mode == "gloo":
             assert f"[{r}]<stdout>:got SIGINT\n" in text, text
     assert proc.returncode == 130 and "interrupted (SIGINT)" in err, err
-    assert elapsed < 20, f"stopping took {elapsed:.1f} s"
+    assert elapsed < 60, f"stopping took {elapsed:.1f} s (the workers would wait 120 s)"
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -161,11 +161,12 @@ def _fail_fast_hook_state():
     hvd.init()
     state = (lifecycle.installed(), sys.exit is not original, hvd.size())
     hvd.shutdown()
-    return state
+    # shutdown removes the hook: Python's sys.exit is back
+    return state + (lifecycle.installed(), sys.exit is original)
 
 
 @pytest.mark.parametrize(("np_", "switch", "hooked"), [(3, None, True), (2, "0", False)])
 def test_fail_fast_hook_in_workers_of_a_job_unless_switched_off(np_, switch, hooked):
     env = {"HOROVOD_FAIL_FAST": switch} if switch is not None else None
     res = run_ranks(_fail_fast_hook_state, np=np_, timeout=120, env=env)
-    assert res == [(hooked, hooked, np_)] * np_, res
+    assert res == [(hooked, hooked, np_, False, True)] * np_, res

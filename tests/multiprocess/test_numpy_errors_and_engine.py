@@ -351,9 +351,10 @@ def test_a_rank_that_dies_ends_the_job_quickly():
         "hvd.init()\n"
         "hvd.allreduce(np.ones(1), name='warmup')\n"
         "if hvd.rank() == 1: os._exit(17)\n"
-        "hvd.allreduce(np.ones(1), name='never')\n")], np=3, timeout=60, check=False)
+        "hvd.allreduce(np.ones(1), name='never')\n")], np=3, timeout=180, check=False)
     assert res.returncode != 0
-    assert time.monotonic() - t0 < 30
+    # the others would wait in 'never' until the launch timeout; the bound holds at load 10
+    assert time.monotonic() - t0 < 120
 
 
 def _config_variants():

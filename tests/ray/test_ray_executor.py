@@ -91,7 +91,9 @@ def test_raising_function_names_rank_and_node(free_cluster):
         text = str(err)
         assert "rank 1 (node " in text and "raised ValueError: bad batch on rank 1" in text, text
         assert "Traceback of rank 1" in text and "_raise_on_rank_1" in text, text
-        assert elapsed < 20, elapsed  # rank 0 was left waiting in its allreduce: not a hang
+        # rank 0 was left waiting in its allreduce: not a hang until the 120 s Gloo timeout (a
+        # bound that holds at load 10)
+        assert elapsed < 90, elapsed
         # Rank 0 was stuck in a collective, so the workers were stopped: start() again.
         with pytest.raises(errors.LaunchError, match="call start\\(\\) again"):
             ex.run(_identity, args=["x"])
@@ -126,7 +128,7 @@ def test_killed_actor_is_a_clear_error(free_cluster):
         assert info.value.rank == 1, text
         assert text.startswith("RayExecutor.run(_die_on_rank_1): rank 1 (node "), text
         assert "died" in text and "call start() again" in text, text
-        assert elapsed < 30, elapsed
+        assert elapsed < 90, elapsed  # not the 120 s Gloo timeout
     finally:
         ex.shutdown()
 
@@ -147,7 +149,7 @@ def test_too_few_cpus_is_a_timeout_error_within_the_placement_timeout(free_clust
     text = str(info.value)
     assert f"could not reserve {what}" in text and "3 CPU(s) in total" in text, text
     assert "placement_group_timeout_s=3" in text, text
-    assert elapsed < 15, elapsed
+    assert elapsed < 60, elapsed  # the 3 s placement timeout and the report, not a hang
     with pytest.raises(errors.LaunchError, match="call start"):
         ex.run(_identity, args=["never"])
 

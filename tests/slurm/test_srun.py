@@ -100,7 +100,8 @@ def test_srun_failing_task_ends_the_step_naming_it(slurm):
 @pytest.fixture(scope="module")
 def stranger():
     """Another user of this machine (made for the tests, removed after), and a directory it can
-    read holding the probe and a copy of the store's protocol module and the one module it imports (standard library only)."""
+    read holding the probe and a copy of the store's protocol module and the one module it
+    imports (standard library only)."""
     import tempfile
 
     made = subprocess.run(["id", "-u", STRANGER], capture_output=True).returncode != 0

@@ -179,7 +179,7 @@ def test_run_too_few_slots_is_an_error_within_start_timeout(spark):
         horovod.spark.run(_raise_on_rank_1, num_proc=3, start_timeout=3,
                           stderr=io.StringIO())
     elapsed = time.monotonic() - t0
-    assert elapsed < 15
+    assert elapsed < 60  # start_timeout (3 s) and the report, not a hang (holds at load 10)
     text = str(info.value)
     assert "0 of 3 started" in text and "2 free task slot(s)" in text
 

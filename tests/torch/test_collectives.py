@@ -304,7 +304,6 @@ def _grad_cases():
 
 
 def _error_cases():
-    import time
 
     import torch
 
@@ -343,13 +342,15 @@ def _error_cases():
     got = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.mismatch")
     if not torch.allclose(got, torch.full((2,), float(n))):
         bad.append(f"rank {r}: allreduce after a mismatch -> {got}")
-    # a name still in flight: rank 1 submits late, so rank 0's first 'dup' cannot finish early
+    # a name still in flight: the other ranks submit 'dup' only after a barrier that rank 0 enters
+    # once it tried the duplicate, so rank 0's first 'dup' cannot have finished by then
     if r == 0:
         h = hvd.allreduce_async(torch.ones(3), name="dup")
         expect("duplicate name", ValueError, lambda: hvd.allreduce_async(torch.ones(3), name="dup"),
                "same name")
+        hvd.barrier()
     else:
-        time.sleep(0.5)
+        hvd.barrier()
         h = hvd.allreduce_async(torch.ones(3), name="dup")
     hvd.synchronize(h)
     if hvd.synchronize(h) is not None:

@@ -22,7 +22,7 @@ def _plane_ran() -> bool:
     from horovod.common.context import get_context
 
     planes = get_context().engine._executor.planes._planes
-    return "torch" in planes and bool(planes["torch"]._groups)
+    return "torch" in planes and bool(planes["torch"]._transports)
 
 
 def _collective_cases():
@@ -160,11 +160,11 @@ def _collective_cases():
     from horovod.common.context import get_context
 
     plane = get_context().engine._executor.planes._planes["torch"]
-    had = any(k[0].ranks == members for k in plane._groups)
+    had = any(k[0].ranks == members for k in plane._transports)
     hvd.remove_process_set(ps)
     if r in members and not had:
         bad.append(f"rank {r}: the process set's operations did not make a plane process group")
-    if any(k[0].ranks == members for k in plane._groups):
+    if any(k[0].ranks == members for k in plane._transports):
         bad.append(f"rank {r}: the plane kept the removed process set's process group")
     # differentiable ops keep working on the plane
     w = torch.full((3,), float(r + 1), requires_grad=True)
@@ -236,12 +236,12 @@ def _mixed_join_and_errors():
     # a failure inside the plane fails that operation on every rank, named, and nothing else
     from horovod.torch import _device_plane as dp
 
-    real = dp.TorchPlane._reduce
+    real = dp.TorchTransport._reduce
 
-    def failing(self, g, t, op):
+    def failing(self, t, op):
         raise RuntimeError("injected transport failure")
 
-    dp.TorchPlane._reduce = failing
+    dp.TorchTransport._reduce = failing
     try:
         hvd.allreduce(torch.ones(2), name="planefail")
         bad.append(f"rank {r}: a failing plane did not raise")
@@ -250,7 +250,7 @@ def _mixed_join_and_errors():
         if "planefail" not in text or f"failed on rank {r}" not in text or "injected" not in text:
             bad.append(f"rank {r}: plane failure error lacks the name/rank/cause: {text}")
     finally:
-        dp.TorchPlane._reduce = real
+        dp.TorchTransport._reduce = real
     # the engine keeps serving afterwards
     got = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after")
     if not torch.equal(got, torch.full((2,), float(n))):

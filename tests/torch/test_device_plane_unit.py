@@ -21,6 +21,8 @@ from horovod.common.exceptions import ConfigError
 from horovod.common.types import ReduceOp, RequestType
 from horovod.torch import _convert as cv
 from horovod.torch import _device_plane as dp
+from horovod.torch import _device_tensor as dt
+from horovod.torch._torch_buffers import scale_into
 
 A, G, B = RequestType.ALLREDUCE, RequestType.ALLGATHER, RequestType.BROADCAST
 
@@ -83,20 +85,20 @@ def test_device_tensor_carries_what_the_core_checks():
 def test_plane_integer_scaling_truncates_like_the_host_path(dtype):
     src = torch.tensor([-7, -3, 3, 7, 9], dtype=dtype)
     dst = torch.empty_like(src)
-    dp._scale_into(dst, src, 1.0, 2)  # Average over 2 ranks
+    scale_into(dst, src, 1.0, 2)  # Average over 2 ranks
     assert dst.tolist() == np.trunc(src.numpy() / 2).astype(np.int64).tolist()
-    dp._scale_into(dst, src, 0.5)  # prescale
+    scale_into(dst, src, 0.5)  # prescale
     assert dst.tolist() == np.trunc(src.numpy() * 0.5).astype(np.int64).tolist()
 
 
 def test_plane_float_scaling_is_exact_division():
     src = torch.arange(1, 100, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dp._scale_into(dst, src, 1.0, 3)
+    scale_into(dst, src, 1.0, 3)
     assert torch.equal(dst, src / 3)
     half = torch.arange(1, 50, dtype=torch.float16)
     out = torch.empty_like(half)
-    dp._scale_into(out, half, 1.0, 3)
+    scale_into(out, half, 1.0, 3)
     want = (half.numpy().astype(np.float32) / np.float32(3)).astype(np.float16)
     assert np.array_equal(out.numpy(), want)
 
@@ -138,7 +140,7 @@ def test_torch_buffers_pack_scale_and_unpack_as_the_host_path(scale_once: bool) 
     from horovod.common.engine.placement import DevicePlacement
     from horovod.common.engine.plan import plan_reduction
 
-    ops = dp.TorchBuffers()
+    ops = dp.TorchBuffers(torch.device("cpu"))
     ops.scale_once = scale_once
     for dtype, work in ((torch.float32, torch.float32), (torch.int16, torch.int32), (torch.int64, torch.int64)):
         xs = [torch.arange(n, dtype=dtype).reshape(shape) * 3 + 1 for n, shape in ((6, (2, 3)), (5, (5,)), (40, (40,)))]
@@ -157,7 +159,7 @@ def test_torch_buffers_pack_scale_and_unpack_as_the_host_path(scale_once: bool) 
 def test_streams_wait_once_per_producer_stream_and_done_event(monkeypatch: pytest.MonkeyPatch) -> None:
     s1, s2 = object(), object()
     ws = [dp.DeviceTensor(torch.zeros(1), ready=f"e{i}", stream=s1 if i % 2 else s2, seq=i) for i in range(1, 7)]
-    assert sorted(dp._latest_ready(ws)) == ["e5", "e6"]  # the latest event of each stream
+    assert sorted(dt.latest_ready(ws)) == ["e5", "e6"]  # the latest event of each stream
 
     class Stream:
         waits: list = []
@@ -166,8 +168,8 @@ def test_streams_wait_once_per_producer_stream_and_done_event(monkeypatch: pytes
             self.waits.append(e)
 
     stream = Stream()
-    monkeypatch.setattr(dp, "_current_stream", lambda device: stream)
-    monkeypatch.setattr(dp, "_waited", [None, None])
+    monkeypatch.setattr(dt, "current_stream", lambda device: stream)
+    monkeypatch.setattr(dt, "_waited", [None, None])
     done = object()
     for w in ws:
         w.done = done
@@ -184,7 +186,7 @@ def test_a_span_is_taken_only_over_views_of_one_storage() -> None:
     # bounds"). Here two tensors of one bytearray, each with its own storage, lie end to end.
     from horovod.common.engine.buffers import Item
 
-    ops = dp.TorchBuffers()
+    ops = dp.TorchBuffers(torch.device("cpu"))
     raw = bytearray(64)
     a = torch.frombuffer(raw, dtype=torch.float32, count=4, offset=0)
     b = torch.frombuffer(raw, dtype=torch.float32, count=12, offset=16)

@@ -23,7 +23,7 @@ import numpy as np
 
 from horovod.common.types import ReduceOp
 
-__all__ = ["CollectiveBackend", "Controller", "Group"]
+__all__ = ["CollectiveBackend", "Controller", "Group", "SplitsGroups", "Transport"]
 
 
 class Group:
@@ -123,3 +123,17 @@ class CollectiveBackend(Protocol):
 
     def close(self) -> None:
         """Release the transport's resources at shutdown (must not prevent a later init)."""
+
+
+@runtime_checkable
+class Transport(Controller, CollectiveBackend, Protocol):
+    """What the engine is given: one object in both roles (every backend module's ``create``)."""
+
+
+@runtime_checkable
+class SplitsGroups(CollectiveBackend, Protocol):
+    """A backend that can split a group by colour (what hierarchical collectives need)."""
+
+    def split_group(self, parent: Group, colors: list[int]) -> Group:
+        """Split ``parent`` into the groups of members with the same colour (collective over it);
+        members with a negative colour get a group they are not in."""

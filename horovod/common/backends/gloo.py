@@ -146,10 +146,6 @@ class GlooBackend:
             raise BackendUnavailableError("This PyTorch build has no torch.distributed Gloo support; "
                                           "use a standard PyTorch wheel or MPI.", backend="gloo")
         self._torch, self._dist = torch, dist
-        # Send buffers may be read-only (pickled objects, a user's read-only array); Gloo never
-        # writes to them, so torch's warning about non-writable arrays is noise here.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                                category=UserWarning)
         self._launch = launch or _launcher.Launch("horovod", "gloo")
         try:
             self.rank = int(environ.get("HOROVOD_RANK", "0"))
@@ -312,7 +308,14 @@ class GlooBackend:
                 "check the other ranks' output.", rank=self.rank, op=what) from exc
 
     def _t(self, arr: np.ndarray) -> Any:
-        return self._torch.from_numpy(arr)
+        if arr.flags.writeable:
+            return self._torch.from_numpy(arr)
+        # A send buffer may be read-only (pickled objects, a user's read-only array); Gloo never
+        # writes to it, so torch's warning about non-writable arrays is noise, silenced here only.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                                    category=UserWarning)
+            return self._torch.from_numpy(arr)
 
     @staticmethod
     def _bytes(arr: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ Scaling (prescale, Average's division, postscale), join zeros and widening live 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -28,7 +29,7 @@ import numpy as np
 from horovod.common.engine.plan import Call
 
 __all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "scale_array", "span_of",
-           "Placement"]
+           "Placement", "aligned_empty", "SMALL_OUTPUT_BYTES"]
 
 Segment = tuple[int, int, int, int]
 
@@ -86,8 +87,8 @@ class BufferOps(Protocol):
         """The outputs an entry's caller gets: ``given`` (the caller's, or its inputs when in
         place) as this kind's objects, else new ones for an out-of-place operation (allocate)."""
 
-    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
-        """The items of one response's tensors."""
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> Sequence[Item]:
+        """The items of one response's tensors (immutable where remembered)."""
 
     def zeros(self, n: int, dtype: str) -> Any:
         """A joined rank's contribution: ``n`` zeros of the batch's dtype."""
@@ -104,6 +105,28 @@ class BufferOps(Protocol):
     def scale_all(self, regions: Sequence[Any], post: float, div: int) -> None:
         """Scale reduced regions in place (when ``defer_scale``)."""
 
+    # -- what the other operations need (data movement, reducescatter)
+    def dtype(self, name: str) -> Any:
+        """This kind's dtype object for a dtype name (``Reduction.work``)."""
+
+    def tensors(self, inputs: Sequence[Any]) -> Sequence[Any]:
+        """An entry's inputs as this kind's buffers (a binding may hand over wrappers)."""
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A new result buffer (allocate)."""
+
+    def flat(self, a: Any) -> Any:
+        """``a``'s elements as a flat view."""
+
+    def move(self, a: Any) -> tuple[Any, int]:
+        """A flat view of ``a`` that any dtype travels as, and its elements per element of ``a``."""
+
+    def bytes(self, a: Any) -> Any:
+        """``a``'s bytes as a flat view."""
+
+    def broadcast_outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None, is_root: bool) -> list[Any]:
+        """A broadcast's outputs (``given``, else new); on the root they hold the inputs' values."""
+
 
 class Placement(Protocol):
     """Where this rank reduces a call: a view of its tensors' memory, or None (a fusion buffer).
@@ -114,9 +137,9 @@ class Placement(Protocol):
 
 
 def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
-                ) -> tuple[list[Item], list[int]]:
-    """The items of a batch on this rank, and where each response's items start (callers do not
-    change the list: it may be the one ``ops.items`` remembers).
+                ) -> tuple[Sequence[Item], list[int]]:
+    """The items of a batch on this rank, and where each response's items start (a one-response
+    batch's items are ``ops.items``' own: a tuple where it remembers them).
 
     Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
     agreed shapes."""
@@ -142,7 +165,7 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
         entry.outputs = ops.outputs(entry.inputs, entry.outputs)
         mine = ops.items(resp.name, entry.inputs, entry.outputs)
         if len(batch) == 1:
-            return mine, starts  # as ``items`` made it (possibly remembered: not to be changed)
+            return mine, starts  # as ``items`` made it (a tuple when remembered)
         items.extend(mine)
     return items, starts
 
@@ -289,13 +312,13 @@ class _Moves(NamedTuple):
 
 
 class _Remembered:
-    """``NumpyBuffers.items``' memo of one name: the entry's lists, its items, their views."""
+    """``NumpyBuffers.items``' memo of one name: the entry's arrays (a tuple: the caller's list may
+    change), its items (a tuple of named tuples), their views."""
 
-    __slots__ = ("inputs", "outputs", "items", "moves")
+    __slots__ = ("arrays", "items", "moves")
 
-    def __init__(self, inputs: Any, outputs: Any, items: list[Item]) -> None:
-        self.inputs = inputs
-        self.outputs = outputs
+    def __init__(self, arrays: tuple[np.ndarray, ...], items: tuple[Item, ...]) -> None:
+        self.arrays = arrays
         self.items = items
         self.moves: dict[int, _Moves] = {}  # id(segments) -> views (the segments are kept in it)
 
@@ -332,12 +355,14 @@ class NumpyBuffers:
         xf = x if x.ndim == 1 else x.reshape(-1)
         return new(Item, (xf, xf, True, name, xf.size))
 
-    def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> list[Item]:
+    def items(self, name: str, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> Sequence[Item]:
         memo = self._items.get(name)
-        if memo is not None and memo.inputs is inputs and memo.outputs is outputs:
-            # The same lists as this name's last time (a binding resubmitting a repeated grouped
-            # operation hands over the same list of views each step): the same items. The memo
-            # holds the lists, so their identity cannot be reused by others; nobody mutates them.
+        if (memo is not None and outputs is inputs and len(inputs) == len(memo.arrays)
+                and all(map(operator.is_, inputs, memo.arrays))):
+            # The same arrays, in place, as this name's last time (a binding resubmitting a
+            # repeated grouped operation hands over the same views each step): the same items.
+            # The memo holds the arrays, so their identity cannot be reused by others, and an
+            # array's memory never moves; the items are a tuple nobody can change.
             return memo.items
         new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
@@ -352,7 +377,9 @@ class NumpyBuffers:
             # never hit, and would keep the last outputs alive).
             if len(self._items) >= self.ITEMS_MEMO_SIZE:
                 self._items.clear()
-            self._items[name] = _Remembered(inputs, outputs, out)
+            items = tuple(out)
+            self._items[name] = _Remembered(tuple(inputs), items)
+            return items
         return out
 
     def _moves(self, buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment]) -> _Moves | None:
@@ -461,3 +488,61 @@ class NumpyBuffers:
     def scale_all(self, regions: Sequence[np.ndarray], post: float, div: int) -> None:
         for r in regions:
             scale_array(r, r, post, div)
+
+    @staticmethod
+    def dtype(name: str) -> np.dtype:
+        return np.dtype(name)
+
+    @staticmethod
+    def tensors(inputs: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+        return inputs
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return aligned_empty(shape, dtype)
+
+    @staticmethod
+    def flat(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1)
+
+    @staticmethod
+    def move(a: np.ndarray) -> tuple[np.ndarray, int]:
+        return a.reshape(-1).view(_MOVE_DTYPES[a.dtype.itemsize]), 1
+
+    @staticmethod
+    def bytes(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1).view(np.uint8)
+
+    def broadcast_outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None,
+                          is_root: bool) -> list[np.ndarray]:
+        if given is None:  # the root's result is its input (nothing moves there)
+            return [x if is_root else self._output(x.shape, x.dtype) for x in inputs]
+        outs = given if type(given) is list else list(given)
+        if is_root:
+            for x, o in zip(inputs, outs):
+                if o is not x and not np.shares_memory(o, x):
+                    np.copyto(o, x)
+        return outs
+
+
+_MOVE_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ALIGN = 64
+# Outputs below this size are not aligned (copying them costs less than aligning them).
+SMALL_OUTPUT_BYTES = 4096
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    Frameworks wrap aligned NumPy memory without copying (TensorFlow copies unaligned arrays
+    returned from ``numpy_function``); ``np.empty`` only guarantees 16 bytes.
+    """
+    dtype = np.dtype(dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    if n * dtype.itemsize < SMALL_OUTPUT_BYTES:
+        return np.empty(shape, dtype)
+    raw = np.empty(n * dtype.itemsize + _ALIGN, np.uint8)
+    off = (-raw.__array_interface__["data"][0]) % _ALIGN
+    return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)

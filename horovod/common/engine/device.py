@@ -1,10 +1,10 @@
 """Device planes: how the engine executes a batch whose tensors a framework owns (GPU tensors).
 
 The engine's own executor runs batches on host NumPy buffers through the job's CPU transport.
-A *device plane* runs them instead on the framework's tensors where they live (CUDA memory), on
-that framework's collective library (NCCL through ``torch.distributed``). Negotiation, the
-response cache, names, fusion planning, error paths, join and process sets stay the engine's:
-only the execution of a planned batch differs.
+A *device plane* supplies instead a ``transport.Lane`` on the framework's tensors where they live
+(CUDA memory) and that framework's collective library (NCCL through ``torch.distributed``): its
+buffer operations and a transport. Negotiation, the response cache, names, fusion planning, the
+operations themselves (the executor's), error paths, join and process sets stay the engine's.
 
 A request's ``device`` says which path executes it:
 
@@ -22,10 +22,12 @@ with ``register_plane`` when it is imported.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from horovod.common.backends.base import Group
+from horovod.common.engine.transport import Lane
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.types import RequestType, Response
 
@@ -42,13 +44,15 @@ class DevicePlaneError(HorovodInternalError):
 
 
 class DevicePlane(Protocol):
-    """Executes planned batches of one device kind (see the module docstring)."""
+    """Supplies the lane that runs planned batches of one device kind (see the module docstring)."""
 
-    def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
-        """Execute ``batch``; ``entries[i]`` is this rank's entry for ``batch[i]`` (None after join).
+    def lane(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> AbstractContextManager[Lane]:
+        """The lane (buffer operations, transport, placement) that runs ``batch``; ``entries[i]`` is
+        this rank's entry for ``batch[i]`` (None after join).
 
-        Sets each entry's ``outputs``. Called only from the engine thread, in the same order on
-        every member of ``group``.
+        The executor runs the batch inside the context (which orders it after the callers' work
+        and translates the library's errors). Called only from the engine thread, in the same
+        order on every member of ``group``.
         """
 
     def free_group(self, group: Group) -> None:
@@ -67,11 +71,17 @@ class PlaneServices:
         backend: the job's CPU transport (small exchanges: store addresses, sizes, splits).
         tunables: the engine's tunables (``max_tensor_bytes``, ``fusion_threshold``), read per batch.
         timeline: returns the active timeline or None.
+        timeout_s: how long set-up and collectives may wait for peers (``HOROVOD_GLOO_TIMEOUT_SECONDS``).
+        hostnames: each rank's host name, by global rank (None: unknown, taken as one host).
+        secret: the job secret that keys the plane's stores (None: a key travels over ``backend``).
     """
 
     backend: Any
     tunables: Any
     timeline: Callable[[], Any]
+    timeout_s: float = 30.0
+    hostnames: tuple[str, ...] | None = None
+    secret: str | None = None
 
 
 # plane name -> factory(PlaneServices) -> DevicePlane
@@ -99,13 +109,12 @@ class Planes:
         self.services = services
         self._planes: dict[str, DevicePlane] = {}
 
-    def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> None:
-        device = batch[0].request.device
-        name = plane_name(device)
+    def lane(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> AbstractContextManager[Lane]:
+        name = plane_name(batch[0].request.device)
         plane = self._planes.get(name)
         if plane is None:
             plane = self._planes[name] = _FACTORIES[name](self.services)
-        plane.run(batch, entries, group)
+        return plane.lane(batch, entries, group)
 
     def free_group(self, group: Group) -> None:
         for plane in self._planes.values():

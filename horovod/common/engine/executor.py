@@ -1,19 +1,23 @@
-"""Run planned batches of responses on the data transport and fill in each entry's outputs.
+"""Run planned batches of responses and fill in each entry's outputs: every operation once.
 
-Called only from the engine thread. A reduction is three separate steps:
+Called only from the engine thread. Each operation (allreduce, broadcast, allgather, alltoall,
+reducescatter, a joined rank's zeros) is written once, over a ``transport.Lane``: the buffer
+operations (``buffers.BufferOps``: NumPy arrays here, a device plane's tensors) and a transport
+bound to the process set (``transport.Transport``: the job's CPU backend, or a device plane's
+library). One widening rule (``transport.reduce_dtype``) and one scaling rule (prescale on the way
+in, ``plan.post_factors`` on the way out, through the buffer operations) hold for every lane. A
+reduction is three separate steps:
 
 * ``plan.plan_reduction`` (pure) turns the agreed sizes into the ordered transport calls, piece by
-  piece (``Tunables.chunk_bytes``): whole pieces of large tensors alone, small tensors and tails
-  packed together a piece at a time. It never looks at memory, so every rank makes the same calls;
-* ``placement.HostPlacement`` decides, on this rank, whether each call is reduced where its
-  tensors lie (a large tensor's piece, or a run of views of one flat buffer, on huge pages) or
-  copied through the reusable huge-page fusion buffer;
-* ``buffers.run_reduction`` carries it out with ``NumpyBuffers`` (scaling, widening of dtypes the
-  transport cannot reduce, float16 to float32, and join zeros live there once; a device plane runs
-  the same runner with its own buffer operations).
+  piece (the lane's ``chunk_bytes``; 0 on device planes): whole pieces of large tensors alone,
+  small tensors and tails packed together. It never looks at memory, so every rank makes the same
+  calls;
+* the lane's placement (``placement``) decides, on this rank, whether each call is reduced where
+  its tensors lie or copied through the reusable fusion buffer (huge pages on the host);
+* ``buffers.run_reduction`` carries it out with the lane's buffer operations.
 
 For data movement (allgather, broadcast, alltoall) any dtype, bool included, travels as unsigned
-integers of the same width; broadcast fuses with the same planner.
+integers (``BufferOps.move``); broadcast fuses with the same planner, in bytes.
 """
 
 from __future__ import annotations
@@ -23,30 +27,29 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import Group, SplitsGroups, Transport
 from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.buffers import (
+    SMALL_OUTPUT_BYTES,
     Item,
     NumpyBuffers,
     Reduction,
+    aligned_empty,
     batch_items,
     power_of_two,
     run_reduction,
-    scale_array,
 )
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
-from horovod.common.engine.plan import PACKED, plan_reduction, post_factors, work_op
+from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factors, work_op
 from horovod.common.engine.timeline import Timeline
+from horovod.common.engine.transport import HostTransport, Lane, logical_op, reduce_dtype
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, RequestType, Response
 
 __all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "end_to_end", "SMALL_OUTPUT_BYTES"]
-
-_MOVE_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 
 class Entry:
     """A submitted operation on the submitting rank: its request, buffers and handle."""
@@ -63,28 +66,6 @@ class Entry:
         self.slot = -1
         self.t_submit = 0.0
         self.splits = splits
-
-
-_ALIGN = 64
-# Outputs below this size are not aligned (copying them costs less than aligning them).
-SMALL_OUTPUT_BYTES = 4096
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary.
-
-    Frameworks wrap aligned NumPy memory without copying (TensorFlow copies unaligned arrays
-    returned from ``numpy_function``); ``np.empty`` only guarantees 16 bytes.
-    """
-    dtype = np.dtype(dtype)
-    n = 1
-    for d in shape:
-        n *= d
-    if n * dtype.itemsize < SMALL_OUTPUT_BYTES:
-        return np.empty(shape, dtype)
-    raw = np.empty(n * dtype.itemsize + _ALIGN, np.uint8)
-    off = (-raw.__array_interface__["data"][0]) % _ALIGN
-    return raw[off:off + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 _HUGE_PAGE = 2 * 1024 * 1024
@@ -134,39 +115,38 @@ def _span(items: Sequence[Item]) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(first, shape=(sum(o.size for o in outs),), strides=(first.itemsize,))
 
 
-def _move_view(a: np.ndarray) -> np.ndarray:
-    return a.reshape(-1).view(_MOVE_DTYPES[a.dtype.itemsize])
-
-
 class Executor:
-    """Executes batches for one engine."""
+    """Executes batches for one engine: every operation once, over a ``Lane`` (the host one, or a
+    device plane's)."""
 
-    def __init__(self, backend: Any, groups: dict[int, Group], rank: int, tunables: Tunables,
-                 timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None) -> None:
+    def __init__(self, backend: Transport, groups: dict[int, Group], rank: int, tunables: Tunables,
+                 timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None,
+                 timeout_s: float = 30.0, secret: str | None = None) -> None:
         self.backend = backend
         self.groups = groups
         self.rank = rank
         self.tunables = tunables
         self.hostnames = list(hostnames) if hostnames is not None else None
         self._timeline = timeline
-        self._native = backend.reduce_dtypes()
-        self._work: dict[str, np.dtype] = {}
-        self._dtype_info: dict[str, tuple[np.dtype, np.dtype, bool]] = {}
-        self._act = backend.name.upper() + "_"
-        self.planes = Planes(PlaneServices(backend, tunables, timeline))
+        self.planes = Planes(PlaneServices(backend, tunables, timeline, timeout_s,
+                                           tuple(hostnames) if hostnames is not None else None, secret))
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes)
+        self._lanes: dict[int, tuple[Group, Lane]] = {}  # id(group) -> (the group, its host lane)
         # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
-        # sizes with the same tunables every step). Bounded; the key holds every argument.
-        self._calls: dict[tuple[Any, ...], list[Any]] = {}
+        # sizes with the same tunables every step). Bounded; the key holds every argument, and the
+        # calls are tuples of named tuples (immutable), so a hit is the fresh computation.
+        self._calls: dict[tuple[Any, ...], tuple[Call, ...]] = {}
+        # (dtype name, transport's native dtypes, buffer kind) -> (work dtype, whether it widens, float)
+        self._dtype_info: dict[tuple[Any, ...], tuple[Any, bool, bool]] = {}
 
     CALLS_MEMO_SIZE = 256
 
     def _plan_reduction(self, sizes: Sequence[int], itemsize: int, chunk: int, cut: int, fuse: bool,
-                        widen: bool = False) -> list[Any]:
-        """``plan.plan_reduction``, memoized on all of its arguments (the result is never mutated)."""
+                        widen: bool = False) -> tuple[Call, ...]:
+        """``plan.plan_reduction``, memoized on all of its arguments."""
         key = (tuple(sizes), itemsize, chunk, cut, fuse, widen)
         calls = self._calls.get(key)
         if calls is None:
@@ -213,29 +193,31 @@ class Executor:
     def hierarchical_allgather(self, value: bool) -> None:
         self.tunables.hierarchical_allgather = bool(value)
 
-    # ------------------------------------------------------------------ helpers
-    def _work_dtype(self, name: str) -> np.dtype:
-        """The dtype a reduction of ``name`` runs in (float16 widens to float32 where needed)."""
-        work = self._work.get(name)
-        if work is None:
-            dtype = np.dtype(name)
-            if name in self._native:
-                work = dtype
-            elif dtype.kind == "f":
-                work = np.dtype(np.float32)
-            else:
-                raise TypeError(f"the {self.backend.name} backend cannot reduce {name} tensors")
-            self._work[name] = work
-        return work
+    # ------------------------------------------------------------------ lanes
+    def host_lane(self, group: Group) -> Lane:
+        """The job's CPU transport on NumPy buffers, for ``group`` (chunked, huge-page placement)."""
+        made = self._lanes.get(id(group))
+        chunk = self.tunables.chunk_bytes  # a tunable: the lane is made again when it changes
+        if made is None or made[0] is not group or made[1].chunk_bytes != chunk:
+            if len(self._lanes) > 64:  # process sets added and removed
+                self._lanes.clear()
+            tr = HostTransport(self.backend, group, self.tunables, self._hierarchy)
+            made = self._lanes[id(group)] = (group, Lane(self._ops, tr, self.placement, chunk, True))
+        return made[1]
 
-    def _dtypes(self, name: str) -> tuple[np.dtype, np.dtype, bool]:
-        """(work dtype, dtype, whether the reduction widens) for a dtype name, cached."""
-        info = self._dtype_info.get(name)
+    def _reduction(self, req: Any, size: int, lane: Lane) -> Reduction:
+        """How ``req`` reduces on ``lane``: the widening rule (``transport.reduce_dtype``) and the
+        scaling rule (``plan.post_factors``), the same for every lane."""
+        ops = lane.ops
+        key = (req.dtype, lane.transport.native, type(ops))
+        info = self._dtype_info.get(key)
         if info is None:
-            work = self._work_dtype(name)
-            dtype = np.dtype(name)
-            info = self._dtype_info[name] = (work, dtype, work != dtype)
-        return info
+            work = reduce_dtype(req.dtype, lane.transport.native, lane.transport.name)
+            info = self._dtype_info[key] = (ops.dtype(work), work != req.dtype, req.dtype in _FLOATS)
+        op = logical_op(req.dtype, work_op(req.reduce_op))
+        post, div = post_factors(req.reduce_op, req.postscale, size)
+        exact = info[2] and op == ReduceOp.SUM and power_of_two(post / div)
+        return Reduction(op, req.prescale, post, div, info[0], info[1], exact)
 
     # ------------------------------------------------------------------ entry point
     def run(self, batch: Sequence[Response], entries: Sequence[Any], joined: bool) -> None:
@@ -247,24 +229,35 @@ class Executor:
         if tl is not None:
             for r in batch:
                 tl.begin(r.name, kind.upper)
-        if is_plane(req.device):  # framework-owned (GPU) tensors: the device plane runs them
-            self.planes.run(batch, entries, group)
+        if is_plane(req.device):  # framework-owned (GPU) tensors: the device plane's lane
+            with self.planes.lane(batch, entries, group) as lane:
+                act = lane.transport.name + "_" + _ACTIVITY.get(kind, kind.upper)
+                self._activity(tl, [r.name for r in batch] if tl is not None else (), act, True)
+                try:
+                    self._execute(kind, batch, entries, group, lane, None)
+                finally:
+                    self._activity(tl, [r.name for r in batch] if tl is not None else (), act, False)
         elif kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
             self._adasum_runner().run(batch, entries, group, aligned_empty)
-        elif kind == RequestType.ALLREDUCE:
-            self._allreduce(batch, entries, group, tl)
-        elif kind == RequestType.BROADCAST:
-            self._broadcast(batch, entries, group, tl)
-        elif kind == RequestType.ALLGATHER:
-            self._allgather(entries[0], group, tl)
-        elif kind == RequestType.ALLTOALL:
-            self._alltoall(entries[0], group, tl)
-        elif kind == RequestType.REDUCESCATTER:
-            self._reducescatter(entries[0], group, tl)
+        else:
+            self._execute(kind, batch, entries, group, self.host_lane(group), tl)
         if tl is not None:
             for r in batch:
                 tl.end(r.name, {"dtype": r.request.dtype,
                                 "shape": str([list(s) for s in r.request.shapes])})
+
+    def _execute(self, kind: RequestType, batch: Sequence[Response], entries: Sequence[Any], group: Group,
+                 lane: Lane, tl: Timeline | None) -> None:
+        if kind == RequestType.ALLREDUCE:
+            self._allreduce(batch, entries, group, lane, tl)
+        elif kind == RequestType.BROADCAST:
+            self._broadcast(batch, entries, group, lane, tl)
+        elif kind == RequestType.ALLGATHER:
+            self._allgather(entries[0], lane)
+        elif kind == RequestType.ALLTOALL:
+            self._alltoall(entries[0], lane)
+        elif kind == RequestType.REDUCESCATTER:
+            self._reducescatter(entries[0], group, lane)
 
     def _adasum_runner(self) -> AdasumRunner:
         runner = self.__dict__.get("_adasum")
@@ -272,7 +265,8 @@ class Executor:
             runner = self._adasum = AdasumRunner(self.backend)
         return runner
 
-    def _activity(self, tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
+    @staticmethod
+    def _activity(tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
         if tl is None:
             return
         for n in names:
@@ -282,76 +276,67 @@ class Executor:
                 tl.end(n)
 
     # ------------------------------------------------------------------ allreduce
-    def _reduction(self, req: Any, group: Group) -> Reduction:
-        op = work_op(req.reduce_op)
-        post, div = post_factors(req.reduce_op, req.postscale, group.size)
-        work, dtype, widen = self._dtypes(req.dtype)
-        exact = dtype.kind == "f" and op == ReduceOp.SUM and power_of_two(post / div)
-        return Reduction(op, req.prescale, post, div, work, widen, exact)
-
-    def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
+    def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], group: Group, lane: Lane,
                    tl: Timeline | None) -> None:
         """Reduce a batch piece by piece, each piece scaled and copied while it is hot in cache.
 
         ``plan.plan_reduction`` cuts the batch into transport calls from the agreed sizes alone;
-        ``placement`` picks, on this rank, whether each call is reduced in the tensors' memory or
-        through the huge-page fusion buffer; ``buffers.run_reduction`` carries it out. A response
-        whose tensors every rank holds end to end (``Request.flat``) is planned as one item of
-        their total size (the raw schedule of a flat buffer); a rank whose memory is not one span
-        gathers those pieces through the buffer: the same transport calls.
+        the lane's ``placement`` picks, on this rank, whether each call is reduced in the tensors'
+        memory or through a fusion buffer; ``buffers.run_reduction`` carries it out. On a chunked
+        lane, a response whose tensors every rank holds end to end (``Request.flat``) is planned
+        as one item of their total size (the raw schedule of a flat buffer); a rank whose memory
+        is not one span gathers those pieces through the buffer: the same transport calls.
         """
         req = batch[0].request
-        red = self._reduction(req, group)
-        chunk = self.chunk_bytes
-        items, starts = batch_items(batch, entries, self._ops)
-        sizes: list[int] = []
+        red = self._reduction(req, group.size, lane)
+        chunk = lane.chunk_bytes
+        ops = lane.ops
+        items, starts = batch_items(batch, entries, ops)
         groups: dict[int, tuple[int, list[int]]] = {}
         index: list[int] = []
-        placement = self.placement
-        placement.owners.clear()
+        placement = lane.placement
         if not (chunk > 0 and any(r.request.flat for r in batch)):
             sizes = [it.n for it in items]
         else:
-            starts.append(len(items))
-            spans: list[Item] = []
-            for r, resp in enumerate(batch):
-                first, stop = starts[r], starts[r + 1]
-                mine = items[first:stop]
-                if resp.request.flat and stop - first > 1:
-                    span = _span(mine)
-                    if span is None:  # planned as one item, held here as several
-                        offsets = [0]
-                        for it in mine:
-                            offsets.append(offsets[-1] + it.n)
-                        groups[len(sizes)] = (len(spans), offsets)
-                        index.append(len(spans))
-                        sizes.append(offsets[-1])
-                        spans.extend(mine)
-                        continue
-                    placement.owners[id(span)] = mine[0].o
-                    mine = [Item(span, span, True, resp.name, span.size)]
-                for it in mine:
-                    index.append(len(spans))
-                    sizes.append(it.n)
-                    spans.append(it)
-            items = spans
+            items, sizes = self._flat_items(batch, items, starts, groups, index)
         calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
                                      self.fusion_enabled, red.widen)
         activity = None
-        if tl is not None:
+        if tl is not None and lane.steps:
             def activity(names: Sequence[str], name: str, begin: bool) -> None:
                 self._activity(tl, names, name, begin)
-        run_reduction(calls, items, self._ops, red, self._reducer(group, red.op), placement, activity,
-                      self._act + "ALLREDUCE", index if groups else None, groups)
+        run_reduction(calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
+                      lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
 
-    def _reducer(self, group: Group, op: ReduceOp) -> Callable[[np.ndarray], None]:
-        """In-place reduction of a flat buffer over ``group``: flat, or hierarchical when enabled."""
-        backend = self.backend
-        if self.hierarchical_allreduce:
-            hier = self._hierarchy(group)
-            if hier is not None:
-                return lambda buf: hier.allreduce(buf, op)
-        return lambda buf: backend.allreduce(buf, op, group)
+    def _flat_items(self, batch: Sequence[Response], items: Sequence[Item], starts: list[int],
+                    groups: dict[int, tuple[int, list[int]]], index: list[int]) -> tuple[list[Item], list[int]]:
+        """Host items with each flat response's tensors as one item (see ``_allreduce``)."""
+        placement = self.placement
+        placement.owners.clear()
+        starts = starts + [len(items)]
+        sizes: list[int] = []
+        spans: list[Item] = []
+        for r, resp in enumerate(batch):
+            first, stop = starts[r], starts[r + 1]
+            mine: Sequence[Item] = items[first:stop]
+            if resp.request.flat and stop - first > 1:
+                span = _span(mine)
+                if span is None:  # planned as one item, held here as several
+                    offsets = [0]
+                    for it in mine:
+                        offsets.append(offsets[-1] + it.n)
+                    groups[len(sizes)] = (len(spans), offsets)
+                    index.append(len(spans))
+                    sizes.append(offsets[-1])
+                    spans.extend(mine)
+                    continue
+                placement.owners[id(span)] = mine[0].o
+                mine = [Item(span, span, True, resp.name, span.size)]
+            for it in mine:
+                index.append(len(spans))
+                sizes.append(it.n)
+                spans.append(it)
+        return spans, sizes
 
     def _hierarchy(self, group: Group) -> Hierarchy | None:
         """The set's local and cross groups, made on first use (by all of the set's members, which
@@ -361,104 +346,115 @@ class Executor:
             cached = self._hierarchies[key]
             if cached is None or cached.group is group:
                 return cached
-        layout = None
-        if self.hostnames is not None and hasattr(self.backend, "split_group"):
+        backend = self.backend
+        hier = None
+        if self.hostnames is not None and isinstance(backend, SplitsGroups):
             layout = host_layout(group.ranks, self.hostnames)
-        hier = Hierarchy(self.backend, group, *layout) if layout is not None else None
+            if layout is not None:
+                hier = Hierarchy(backend, group, *layout)
         self._hierarchies[key] = hier
         return hier
 
     # ------------------------------------------------------------------ broadcast
-    def _broadcast(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
+    def _broadcast(self, batch: Sequence[Response], entries: Sequence[Any], group: Group, lane: Lane,
                    tl: Timeline | None) -> None:
+        """The same plan as a reduction's, unchunked, in bytes: tensors above ``max_tensor_bytes``
+        alone, the others fused into one call."""
         req = batch[0].request
         root = group.ranks.index(req.root_rank)
         is_root = group.rank == root
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        ops, tr = lane.ops, lane.transport
+        items: list[Item] = []
+        moves: list[Any] = []
         for entry in entries:
-            if entry.outputs is None:
-                entry.outputs = [x if is_root else self._outputs.empty(x.shape, x.dtype) for x in entry.inputs]
-            for x, o in zip(entry.inputs, entry.outputs):
-                pairs.append((_move_view(x), _move_view(o)))
-        names = [r.name for r in batch] if tl is not None else []
-        # The same plan as a reduction's, unchunked, in bytes: tensors above max_tensor_bytes alone,
-        # the others fused into one call.
-        calls = self._plan_reduction([x.nbytes for x, _ in pairs], 1, 0, self.max_tensor_bytes,
-                                     self.fusion_enabled)
-        for call in calls:
+            xs = ops.tensors(entry.inputs)
+            entry.outputs = outs = ops.broadcast_outputs(xs, entry.outputs, is_root)
+            for o in outs:
+                b = ops.bytes(o)
+                items.append(Item(b, b, True, "", b.shape[0]))
+                moves.append(ops.move(o)[0])
+        names = [r.name for r in batch] if tl is not None and lane.steps else []
+        act = tr.name + "_BCAST"
+        for call in self._plan_reduction([it.n for it in items], 1, 0, self.max_tensor_bytes,
+                                         self.fusion_enabled):
             segs = call.segments
             if call.kind == PACKED and len(segs) > 1:
-                fbuf = self._ops.buffer(np.dtype(np.uint8), call.size)
+                buf = ops.buffer(ops.dtype("uint8"), call.size)
                 if is_root:
-                    for i, _s, _e, off in segs:
-                        x = pairs[i][0]
-                        fbuf[off:off + x.nbytes] = x.view(np.uint8)
-                self._activity(tl, names, self._act + "BCAST", True)
-                self.backend.broadcast(fbuf, root, group)
-                self._activity(tl, names, self._act + "BCAST", False)
+                    ops.pack(buf, items, segs, 1.0, False)
+                self._activity(tl, names, act, True)
+                tr.broadcast(buf, root)
+                self._activity(tl, names, act, False)
                 if not is_root:
-                    for i, _s, _e, off in segs:
-                        o = pairs[i][1]
-                        o.view(np.uint8)[:] = fbuf[off:off + o.nbytes]
-                continue
-            x, o = pairs[segs[0][0]]
-            if is_root and not np.shares_memory(o, x):
-                np.copyto(o, x)
-            self.backend.broadcast(o, root, group)
-
-    # ------------------------------------------------------------------ allgather
-    def _allgather(self, entry: Any, group: Group, tl: Timeline | None) -> None:
-        dims = np.array([x.shape[0] for x in entry.inputs], np.int64)
-        all_dims = self.backend.allgather_ints(dims, group)
-        outputs = []
-        for i, x in enumerate(entry.inputs):
-            row = int(np.prod(x.shape[1:]))
-            counts = [int(c) * row for c in all_dims[:, i]]
-            out = aligned_empty((int(all_dims[:, i].sum()),) + x.shape[1:], x.dtype)
-            hier = self._hierarchy(group) if self.hierarchical_allgather else None
-            if hier is not None:
-                hier.allgatherv(_move_view(x), _move_view(out), counts)
+                    ops.unpack(buf, items, segs, 1.0, 1)
             else:
-                self.backend.allgatherv(_move_view(x), _move_view(out), counts, group)
+                tr.broadcast(moves[segs[0][0]], root)
+
+    # ------------------------------------------------------------------ allgather, alltoall
+    def _allgather(self, entry: Any, lane: Lane) -> None:
+        ops, tr = lane.ops, lane.transport
+        xs = ops.tensors(entry.inputs)
+        # First dimensions travel over the CPU transport: sizing the outputs needs no device sync.
+        all_dims = tr.allgather_ints(np.array([x.shape[0] for x in xs], np.int64))
+        outputs = []
+        for i, x in enumerate(xs):
+            shape = tuple(x.shape)
+            out = ops.empty((int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
+            send, units = ops.move(x)
+            row = _prod(shape[1:]) * units
+            tr.allgatherv(send, ops.move(out)[0], [int(c) * row for c in all_dims[:, i]])
             outputs.append(out)
         entry.outputs = outputs
 
-    # ------------------------------------------------------------------ alltoall
-    def _alltoall(self, entry: Any, group: Group, tl: Timeline | None) -> None:
-        x = entry.inputs[0]
-        splits = entry.splits
-        recv_splits = self.backend.alltoall_ints(splits, group)
-        row = int(np.prod(x.shape[1:]))
-        out = aligned_empty((int(recv_splits.sum()),) + x.shape[1:], x.dtype)
-        self.backend.alltoallv(_move_view(x), [int(s) * row for s in splits], _move_view(out),
-                               [int(s) * row for s in recv_splits], group)
+    def _alltoall(self, entry: Any, lane: Lane) -> None:
+        ops, tr = lane.ops, lane.transport
+        x = ops.tensors(entry.inputs)[0]
+        splits = np.asarray(entry.splits, np.int64)
+        recv_splits = tr.alltoall_ints(splits)
+        shape = tuple(x.shape)
+        out = ops.empty((int(recv_splits.sum()),) + shape[1:], x.dtype)
+        send, units = ops.move(x)
+        row = _prod(shape[1:]) * units
+        counts = [int(s) * row for s in splits]
+        tr.alltoallv(ops.piece(send, 0, sum(counts)), counts, ops.move(out)[0],
+                     [int(s) * row for s in recv_splits])
         entry.outputs = [(out, recv_splits.astype(np.int32))]
 
     # ------------------------------------------------------------------ reducescatter
-    def _reducescatter(self, entry: Any, group: Group, tl: Timeline | None) -> None:
-        req = entry.request
-        op = work_op(req.reduce_op)
-        post, div = post_factors(req.reduce_op, req.postscale, group.size)
+    def _reducescatter(self, entry: Any, group: Group, lane: Lane) -> None:
+        """Each tensor widened and prescaled into a copy as an allreduce's fusion buffer is (the
+        same ``pack``), reduced and scattered, then scaled (and narrowed) into the result."""
+        ops, tr = lane.ops, lane.transport
+        red = self._reduction(entry.request, group.size, lane)
         outputs = []
-        for x in entry.inputs:
-            work = self._work_dtype(x.dtype.name)
-            send = x.reshape(-1)
-            if work != x.dtype:  # float16 widened to float32: scaled in float32
-                send = send.astype(work)
-                if req.prescale != 1.0:
-                    send *= req.prescale
-            elif req.prescale != 1.0:  # integers are scaled in float64 and truncated, as upstream
-                scaled = np.empty(send.size, work)
-                scale_array(scaled, send, req.prescale)
-                send = scaled
-            rows = reducescatter_rows(x.shape[0], group.size)
-            row = int(np.prod(x.shape[1:]))
-            recv = aligned_empty((rows[group.rank],) + x.shape[1:], work)
-            self.backend.reducescatter(np.ascontiguousarray(send), recv.reshape(-1),
-                                       [r * row for r in rows], op, group)
-            if work != x.dtype or post != 1.0 or div != 1:
-                out = aligned_empty(recv.shape, x.dtype)
-                scale_array(out, recv, post, div)
+        for x in ops.tensors(entry.inputs):
+            shape = tuple(x.shape)
+            send = ops.flat(x)
+            n = send.shape[0]
+            scratch = red.widen or red.pre != 1.0
+            if scratch:
+                buf = ops.empty((n,), red.work)
+                ops.pack(buf, (Item(send, send, True, "", n),), ((0, 0, n, 0),), red.pre, red.widen)
+                send = buf
+            rows = reducescatter_rows(shape[0], group.size)
+            row = _prod(shape[1:])
+            recv = ops.empty((rows[group.rank],) + shape[1:], red.work)
+            tr.reducescatter(send, ops.flat(recv), [r * row for r in rows], red.op, scratch)
+            if red.widen or red.scaled:
+                out = ops.empty(tuple(recv.shape), x.dtype)
+                ops.scale(ops.flat(out), ops.flat(recv), red.post, red.div)
                 recv = out
             outputs.append(recv)
         entry.outputs = outputs
+
+
+_ACTIVITY = {RequestType.BROADCAST: "BCAST"}
+_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def _prod(dims: Sequence[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+

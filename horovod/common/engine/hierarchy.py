@@ -20,11 +20,10 @@ part), by ``backend.split_group``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import Group, SplitsGroups
 from horovod.common.types import ReduceOp
 
 __all__ = ["Hierarchy", "host_layout"]
@@ -56,7 +55,7 @@ class Hierarchy:
     """The local (same host) and cross (same local index) groups of one process set, and the
     hierarchical collectives over them."""
 
-    def __init__(self, backend: Any, group: Group, hosts: list[int], local_idx: list[int]) -> None:
+    def __init__(self, backend: SplitsGroups, group: Group, hosts: list[int], local_idx: list[int]) -> None:
         self.backend = backend
         self.group = group
         me = group.rank

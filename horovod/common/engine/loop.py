@@ -21,12 +21,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import Group, Transport
 from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.device import DevicePlaneError
@@ -45,6 +45,7 @@ from horovod.common.exceptions import (
     HorovodShutdownError,
 )
 from horovod.common.types import RequestType, Response
+from horovod.common.wire import job_secret
 
 __all__ = ["Engine"]
 
@@ -91,7 +92,7 @@ DEFER_LIMIT_S = 2.0
 class Engine:
     """Background communication engine of one process."""
 
-    def __init__(self, backend: Any, config: EngineConfig, groups: dict[int, Group],
+    def __init__(self, backend: Transport, config: EngineConfig, groups: dict[int, Group],
                  on_process_set_added: Callable[[int, list[int]], None] | None = None,
                  on_process_set_removed: Callable[[int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None) -> None:
@@ -143,7 +144,7 @@ class Engine:
         # plans the same batches every step. Cleared whenever a cache slot is filled or emptied
         # (``_forget_slot`` sees every eviction, whatever its cause), so a slot in a key always
         # holds the response it was planned with. See ``_plan``.
-        self._plans: dict[tuple[Any, ...], list[list[Response]]] = {}
+        self._plans: dict[tuple[Any, ...], tuple[tuple[Response, ...], ...]] = {}
         # Bit masks over cache slots, as Python ints (bit i = slot i).
         self._ready_mask = 0
         self._excluded_mask = 0  # slots of process sets without this rank
@@ -161,7 +162,8 @@ class Engine:
         if self.rank == 0 and config.timeline and config.timeline.upper() != "DYNAMIC":
             self.timeline = Timeline(config.timeline, config.timeline_mark_cycles)
         self._executor = Executor(backend, groups, self.rank, self.tunables, lambda: self.timeline,
-                                  hostnames)
+                                  hostnames, timeout_s=getattr(config, "gloo_timeout_seconds", 0.0) or 30.0,
+                                  secret=job_secret(backend))
         self._autotune = None
         if config.autotune:  # HOROVOD_AUTOTUNE: tunes self.tunables at sample boundaries (same on every rank)
             from horovod.common.autotune import from_config
@@ -601,11 +603,13 @@ class Engine:
     # (gradients straggling into rounds at random) only plans afresh once the memo is full.
     PLAN_MEMO_SIZE = 64
 
-    def _plan(self, responses: list[Response], cached_slots: list[int], joined_any: bool) -> list[list[Response]]:
+    def _plan(self, responses: list[Response], cached_slots: list[int],
+              joined_any: bool) -> Sequence[Sequence[Response]]:
         """This round's batches (``fusion.plan_batches``), memoized for rounds of cached responses
         only: the key is the ready slots (the responses are ``cache.response(slot)``, unchanged
         while the memo lives) and every setting ``plan_batches`` reads. A round with new
-        responses or a joined rank (whose responses are rewritten) is planned afresh."""
+        responses or a joined rank (whose responses are rewritten) is planned afresh. A memoized
+        plan is a tuple of tuples: nobody can change what a later round gets."""
         tun = self.tunables
         group_fusion = not self.config.disable_group_fusion
         if joined_any or len(cached_slots) != len(responses):
@@ -614,7 +618,8 @@ class Engine:
         plans = self._plans
         batches = plans.get(key)
         if batches is None:
-            batches = plan_batches(responses, tun.fusion_threshold, tun.max_tensor_bytes, group_fusion)
+            batches = tuple(tuple(b) for b in plan_batches(responses, tun.fusion_threshold,
+                                                           tun.max_tensor_bytes, group_fusion))
             if len(plans) >= self.PLAN_MEMO_SIZE:
                 plans.clear()
             plans[key] = batches
@@ -627,7 +632,7 @@ class Engine:
             for slot in list(self.cache.occupied()):
                 self._evict(slot)
 
-    def _take_batch(self, batch: list[Response]) -> list[Entry | None]:
+    def _take_batch(self, batch: Sequence[Response]) -> list[Entry | None]:
         """Each response's pending entry (None where this rank has none), marked done and its
         cached slot no longer ready; one call per batch (a cached step's batch holds every
         gradient)."""
@@ -676,7 +681,7 @@ class Engine:
         for e in done:
             e.handle.set_result(e.outputs)
 
-    def _run_batch(self, batch: list[Response]) -> None:
+    def _run_batch(self, batch: Sequence[Response]) -> None:
         first = batch[0]
         kind = first.kind
         group = self.groups.get(first.request.process_set_id)

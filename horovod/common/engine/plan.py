@@ -44,7 +44,7 @@ class Call(NamedTuple):
 
 
 def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: int, fuse: bool,
-                   widen: bool = False) -> list[Call]:
+                   widen: bool = False) -> tuple[Call, ...]:
     """The ordered calls reducing items of ``sizes`` elements of ``itemsize`` bytes (the dtype the
     reduction runs in). ``cut``: items above it are never packed (``max_tensor_bytes``); ``fuse``:
     whether packing is enabled at all; ``widen``: the reduction runs in a wider dtype than the
@@ -96,7 +96,7 @@ def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: i
                 pack, fill = [], 0
     if pack:
         calls.append(Call(PACKED, fill, tuple(pack)))
-    return calls
+    return tuple(calls)  # immutable: a memo of it (``Executor._plan_reduction``) cannot be changed
 
 
 def work_op(op: ReduceOp) -> ReduceOp:

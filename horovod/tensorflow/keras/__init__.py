@@ -29,7 +29,6 @@ from horovod.common.basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -52,6 +51,7 @@ from horovod.common.process_sets import (
 )
 from horovod.common.types import Average, Sum
 from horovod.tensorflow import _keras_optimizer as _opt
+from horovod.tensorflow import init  # noqa: F401 - with TensorFlow's inter-op pool (see there)
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_tape import _is_keras_layer
 from horovod.tensorflow.keras import callbacks, elastic

@@ -1,7 +1,9 @@
-"""Elastic Keras worker for the tests: ``model.fit`` with the elastic callbacks, every batch the
-same, so the weights after N optimizer steps do not depend on the number of workers or on resets
-(a lost or doubled step shows). Environment as ``elastic_worker.py`` (STEPS_PER_EPOCH, EPOCHS,
-HOSTS_FILE/HOSTS_AT keyed by global step, WAIT_FOR_SIZE "<n>@<step>"). Prints FINAL {json}."""
+"""Elastic Keras worker for the tests: ``model.fit`` with the elastic callbacks, each rank on its own
+batch, so the weights show a lost or doubled step and an optimizer that stopped averaging: the
+state records the world size of every committed step (``state.sizes``) and the weights equal
+``reference(sizes)``, which averages the ranks' gradients itself. Environment as
+``elastic_worker.py`` (STEPS_PER_EPOCH, EPOCHS, HOSTS_FILE/HOSTS_AT keyed by global step,
+WAIT_FOR_SIZE "<n>@<step>"). Prints FINAL {json}."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 
-def data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 4)).astype(np.float32)
+def data(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(rank)
+    x = (rng.standard_normal((8, 4)) + rank).astype(np.float32)
     return x, (x.sum(axis=1, keepdims=True) * 0.5).astype(np.float32)
 
 
@@ -30,12 +32,20 @@ def make_model() -> keras.Model:
                              keras.layers.Dense(1)])
 
 
-def reference(steps: int) -> list[list[float]]:
+def reference(sizes: list[int]) -> list[list[float]]:
+    """One step per entry of ``sizes``: the gradients of ranks ``0..n-1`` averaged, then applied."""
     model = make_model()
-    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
-    x, y = data()
-    for _ in range(steps):
-        model.train_on_batch(x, y)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    mse = keras.losses.MeanSquaredError()
+    for n in sizes:
+        total = None
+        for rank in range(n):
+            x, y = data(rank)
+            with tf.GradientTape() as tape:
+                loss = mse(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        opt.apply_gradients(zip([g / n for g in total], model.trainable_variables))
     return [w.flatten().tolist() for w in model.get_weights()]
 
 
@@ -49,11 +59,12 @@ def main() -> None:
     model = make_model()
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
     model.compile(loss="mse", optimizer=opt)
-    x, y = data()
-    ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0, sizes=[])
 
     class Schedule(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
+            state.sizes = state.sizes + [hvd.size()]  # committed with this batch's step
+
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
             step = int(opt.iterations.numpy())
             content = hosts_at.get(str(step))
@@ -78,13 +89,14 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.KerasState) -> None:
+        ds = tf.data.Dataset.from_tensors(data(hvd.rank())).repeat()  # this rank's, after every reset
         model.fit(ds, steps_per_epoch=spe, epochs=epochs - state.epoch, callbacks=callbacks,
                   verbose=0)
 
     train(state)
     final = {"me": me, "rank": hvd.rank(), "size": hvd.size(), "epoch": state.epoch,
              "iterations": int(opt.iterations.numpy()),
-             "w": [w.flatten().tolist() for w in model.get_weights()]}
+             "w": [w.flatten().tolist() for w in model.get_weights()], "sizes": state.sizes}
     print(f"FINAL {json.dumps(final)}", flush=True)
 
 

@@ -1,8 +1,10 @@
-"""Elastic training worker for the tests: a deterministic model whose final weights do not depend
-on how many workers trained it, so a lost or doubled step shows in the weights.
+"""Elastic training worker for the tests: a deterministic model whose final weights show a lost or
+doubled step, and an optimizer that stopped averaging.
 
-Every rank feeds the same batch (a function of the step), so the averaged gradient equals one
-worker's gradient; the weights after N steps equal those of ``reference(N)`` in one process.
+Every rank feeds its own batch (a function of the step and its rank), so the weights depend on
+the averaging: the state records the world size each committed step was trained at
+(``state.sizes``), and the weights after N steps equal those of ``reference(sizes)`` in one process,
+which averages the gradients of ranks 0..size-1 itself.
 
 Environment:
   STEPS           steps to train (default 30)
@@ -50,24 +52,36 @@ def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(8, 4, generator=g)
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 4, generator=g) + rank  # each rank's data differs (also in its mean)
     return x, x.sum(dim=1, keepdim=True) * 0.5
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    x, y = batch(step)
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    x, y = batch(step, rank)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
 
 
-def reference(steps: int) -> list[list[float]]:
-    """The weights after ``steps`` steps in one process."""
+def reference(sizes: list[int]) -> list[list[float]]:
+    """The weights after one step per entry of ``sizes`` in one process: step ``s`` averages the
+    gradients of ranks ``0..sizes[s]-1`` on their batches (summed in rank order, then divided)."""
     model, opt = make_model()
-    for step in range(steps):
-        train_step(model, opt, step)
+    params = list(model.parameters())
+    for step, n in enumerate(sizes):
+        total = [torch.zeros_like(p) for p in params]
+        for rank in range(n):
+            x, y = batch(step, rank)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for t, p in zip(total, params):
+                if p.grad is not None:
+                    t += p.grad
+        for t, p in zip(total, params):
+            p.grad = t / n if p.grad is not None else None
+        opt.step()
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
@@ -152,7 +166,8 @@ def main() -> None:
                         break
                     time.sleep(0.2)
                     state.check_host_updates()
-            train_step(model, opt, state.step)
+            state.sizes = state.sizes + [hvd.size()]  # a new list: a reset restores the committed one
+            train_step(model, opt, state.step, hvd.rank())
             state.step += 1
             state.commit()
             commit = {'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step,
@@ -160,7 +175,7 @@ def main() -> None:
             print(f"COMMIT {json.dumps(commit)}", flush=True)
             time.sleep(pause)
 
-    state = hvd.elastic.TorchState(model, opt, step=0)
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
     check_host_updates = state.check_host_updates
 
     def commit_hook() -> None:  # commit() = save(), then check_host_updates(): die in between
@@ -181,7 +196,8 @@ def main() -> None:
     momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()
                 if p in opt.state]
     final = {"me": me, "rank": hvd.rank(), "size": hvd.size(), "step": state.step,
-             "w": [p.detach().flatten().tolist() for p in model.parameters()], "momentum": momentum}
+             "w": [p.detach().flatten().tolist() for p in model.parameters()], "momentum": momentum,
+             "sizes": state.sizes}
     print(f"FINAL {json.dumps(final)}", flush=True)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from horovod.common.types import ReduceOp
 
 
 def main() -> int:
+    import torch.distributed  # noqa: F401 - torch's own import adds filters of its own
+
+    filters = list(warnings.filters)
     b = create(EngineConfig.from_env(), os.environ)
     r, n = b.rank, b.size
     world = b.world_group()
@@ -92,6 +96,17 @@ def main() -> int:
             b.allreduce(buf, ReduceOp.SUM, sub)
             check("subgroup_allreduce", buf, np.array([n - 1], np.int64))
         b.free_group(sub)
+    # a read-only send buffer: torch's "not writable" warning is silenced for that call only, and
+    # the process's warning filters are as they were before the backend existed
+    send = np.full(2, r, dtype=np.float32)
+    send.setflags(write=False)
+    recv = np.empty(2 * n, np.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        b.allgatherv(send, recv, [2] * n, world)
+    check("allgatherv_readonly", recv, np.repeat(np.arange(n, dtype=np.float32), 2))
+    out["readonly_warnings"] = [str(w.message) for w in seen]
+    out["filters_unchanged"] = warnings.filters == filters
     b.barrier(world)
     b.close()
     print("GLOO_CHECK " + json.dumps(out), flush=True)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from horovod.common.backends.base import Group
 from horovod.common.engine import device
+from horovod.common.engine.buffers import NumpyBuffers
 from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.placement import DevicePlacement
+from horovod.common.engine.transport import Lane
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import Request, RequestType, Response
 
@@ -22,14 +27,27 @@ class _Backend:
             np.copyto(buf, src)
 
 
-class _Plane:
-    def __init__(self, executor):
-        self.executor, self.batches, self.closed = executor, [], False
+class _Transport:
+    """A plane's transport whose "reduction" multiplies by 7 (so results show which lane ran)."""
 
-    def run(self, batch, entries, group):
+    name = "FAKE"
+    native = frozenset({"float32"})
+
+    def __init__(self, group):
+        self.group = group
+
+    def reducer(self, op):
+        return lambda buf: np.multiply(buf, 7, out=buf)
+
+
+class _Plane:
+    def __init__(self, services):
+        self.services, self.batches, self.closed = services, [], False
+
+    @contextlib.contextmanager
+    def lane(self, batch, entries, group):
         self.batches.append(([r.name for r in batch], group.ranks))
-        for e in entries:
-            e.outputs = ["from the plane"]
+        yield Lane(NumpyBuffers(lambda n: np.empty(n, np.uint8)), _Transport(group), DevicePlacement(), 0, False)
 
     def free_group(self, group):
         self.freed = group
@@ -49,9 +67,10 @@ def test_executor_sends_plane_batches_to_their_plane_and_host_batches_to_the_bac
     ex = Executor(_Backend(), {0: Group([0], 0, None)}, 0, Tunables(), lambda: None)
     resp, entry = _entry("allreduce.a", "fakeplane:gpu")
     ex.run([resp], [entry], False)
-    assert entry.outputs == ["from the plane"]
+    # the executor ran the operation on the plane's lane (its transport multiplied by 7)
+    assert np.array_equal(entry.outputs[0], np.full(2, 7, np.float32)), entry.outputs
     # the plane gets the engine's services (transport, tunables, timeline), not the executor
-    assert made[0].executor is ex.planes.services and made[0].executor.backend is ex.backend
+    assert made[0].services is ex.planes.services and made[0].services.backend is ex.backend
     assert made[0].batches == [(["allreduce.a"], [0])]
     resp, entry = _entry("allreduce.b", "cpu")
     ex.run([resp], [entry], False)

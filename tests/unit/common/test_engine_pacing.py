@@ -22,9 +22,14 @@ eng._round = counted
 time.sleep(0.1)
 rounds.clear()
 handles = []
-for i in range(10):   # an async op every 5 ms, nobody waiting: only the engine thread runs rounds
+mode = sys.argv[1]
+for i in range(10):
+    before = len(rounds)
     handles.append(hvd.allreduce_async(np.ones(4), name=f"t{i}"))
-    time.sleep(0.005)
+    if mode == "each":  # nobody waits: the engine thread must start a round of its own
+        t0 = time.monotonic()
+        while len(rounds) == before and time.monotonic() - t0 < 60:
+            time.sleep(0.001)
 window = len(rounds)
 for h in handles:
     hvd.synchronize(h)
@@ -32,18 +37,21 @@ print(window)
 """
 
 
-def _background_rounds(cycle_ms: str) -> int:
+def _background_rounds(cycle_ms: str, mode: str) -> int:
     env = {**os.environ, "HOROVOD_CYCLE_TIME": cycle_ms, "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", _CODE], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _CODE, mode], capture_output=True, text=True, env=env,
+                         timeout=180)
     assert out.returncode == 0, out.stderr
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def test_background_rounds_start_at_most_one_cycle_apart():
-    # 10 submissions over ~50 ms: with a 1 ms cycle each gets its own round; with 200 ms, the
-    # first submission starts a round and the rest wait for the next cycle (fused together).
-    assert _background_rounds("1") >= 8
-    assert _background_rounds("200") <= 2
+def test_background_rounds_run_without_a_caller_and_wait_for_the_cycle():
+    # Outcomes, not durations (they hold on a loaded machine): with nobody waiting, each
+    # submission is taken by a round the engine thread starts itself (within a generous 60 s);
+    # 10 submissions back to back with a 10 s cycle: the first starts a round, the rest wait for
+    # the next cycle (at most one more round before anyone waits).
+    assert _background_rounds("1", "each") >= 10
+    assert _background_rounds("10000", "burst") <= 2
 
 
 def test_mpi_backend_makes_open_mpi_yield_while_waiting_unless_the_user_chose():
@@ -63,11 +71,13 @@ def test_mpi_backend_makes_open_mpi_yield_while_waiting_unless_the_user_chose():
 
 def test_a_caller_waiting_drives_at_once_whatever_the_cycle():
     # A blocking op must not wait for the background cycle.
+    # 20 blocking ops with a 10 s cycle: together they take less than one cycle (each would wait
+    # for the next cycle otherwise, 200 s in all), a bound that holds at load 10.
     code = ("import time, numpy as np, horovod.numpy as hvd; hvd.init(); hvd.allreduce(np.ones(2), name='w'); "
             "t = time.perf_counter(); [hvd.allreduce(np.ones(2), name=f'b{i}') for i in range(20)]; "
-            "print((time.perf_counter() - t) / 20)")
-    env = {**os.environ, "HOROVOD_CYCLE_TIME": "200", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+            "print(time.perf_counter() - t)")
+    env = {**os.environ, "HOROVOD_CYCLE_TIME": "10000", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.strip().splitlines()[-1]) < 0.05
+    assert float(out.stdout.strip().splitlines()[-1]) < 10.0
 

@@ -83,12 +83,12 @@ PRELUDE = """
 
 def test_uncaught_sys_exit_is_recorded_and_leaves_at_once(tmp_path: Path) -> None:
     code = ("import atexit, time\n"
-            "atexit.register(time.sleep, 30)  # registered first: runs last, skipped on failure\n"
+            "atexit.register(time.sleep, 120)  # registered first: runs last, skipped on failure\n"
             + textwrap.dedent(PRELUDE) + "sys.exit(3)\n")
-    res, rec, took = _run(code, tmp_path)
+    res, rec, took = _run(code, tmp_path, timeout=200)
     assert res.returncode == 3, res.stderr
     assert rec is not None and rec["code"] == 3 and rec["kind"] == "cause", rec
-    assert "SHUTDOWN" not in res.stdout and took < 20
+    assert "SHUTDOWN" not in res.stdout and took < 90  # not after the 120 s exit step
 
 
 def test_caught_sys_exit_is_not_a_failure(tmp_path: Path) -> None:
@@ -132,10 +132,26 @@ def test_single_rank_failure_takes_the_normal_exit_path(tmp_path: Path) -> None:
     assert rec is not None and rec["error"] == "RuntimeError: alone"
 
 
-def test_error_marker_text_matches_the_launcher() -> None:
-    from horovod.runner.output import ERROR_MARKER
+def test_error_line_a_failing_rank_writes_is_read_back_by_the_launcher(tmp_path: Path) -> None:
+    # The rank's side (record_failure writing its stderr line, after output it left unterminated)
+    # against the launcher's side (strip_markers on each line it reads): the record travels whole,
+    # the rank's own text stays, and no marker text reaches the user.
+    from horovod.common.wire import ERROR_MARKER, strip_markers
 
-    assert lifecycle.ERROR_MARKER == ERROR_MARKER
+    code = """
+        import sys
+        from horovod.common import lifecycle
+        sys.stderr.write("half a line")
+        lifecycle.record_failure(3, "cause", "ValueError: boom")
+    """
+    res, record, _ = _run(code, tmp_path, env={"HOROVOD_RANK": "1"})
+    assert res.returncode == 0 and record is not None, res.stderr
+    parsed = [strip_markers(line) for line in res.stderr.splitlines()]
+    errors = [m.error for m in parsed if m.error is not None]
+    assert errors == [dict(record, rank=1)], (res.stderr, record)
+    assert errors[0]["code"] == 3 and errors[0]["kind"] == "cause" and errors[0]["error"] == "ValueError: boom"
+    shown = "".join(m.text for m in parsed)
+    assert "half a line" in shown and ERROR_MARKER.strip() not in shown, shown
 
 
 @pytest.mark.parametrize("level", ["single", "multiple"])
@@ -182,12 +198,18 @@ _HOOKS = """
     from horovod.common import lifecycle
     after = (sys.exit, sys.excepthook, builtins.exit, builtins.quit)
     print("SAME" if all(a is b for a, b in zip(before, after)) else "PATCHED", lifecycle.installed())
+    hvd.shutdown()  # the hook goes with Horovod: Python's own functions are back
+    gone = (sys.exit, sys.excepthook, builtins.exit, builtins.quit)
+    print("RESTORED" if all(a is b for a, b in zip(before, gone)) else "LEFT", lifecycle.installed())
+    hvd.init()  # and comes back with it
+    print("PATCHED" if sys.exit is not before[0] else "SAME", lifecycle.installed())
 """
 
 
-@pytest.mark.parametrize(("env", "want"), [({}, "SAME False"), ({"HOROVOD_EXIT_RECORD": "x"}, "PATCHED True"),
+@pytest.mark.parametrize(("env", "want"), [({}, "SAME False\nRESTORED False\nSAME False"),
+                                           ({"HOROVOD_EXIT_RECORD": "x"}, "PATCHED True\nRESTORED False\nPATCHED True"),
                                            ({"HOROVOD_EXIT_RECORD": "x", "HOROVOD_FAIL_FAST": "0"},
-                                            "SAME False")])
+                                            "SAME False\nRESTORED False\nSAME False")])
 def test_fail_fast_hook_only_in_a_launched_worker(env: dict[str, str], want: str) -> None:
     # A process of its own (notebook, script, unit test) keeps Python's sys.exit, exit/quit and
     # excepthook; a worker started by horovodrun gets the hook unless HOROVOD_FAIL_FAST=0.

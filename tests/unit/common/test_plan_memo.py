@@ -216,9 +216,15 @@ def test_items_are_reused_only_for_the_same_lists_of_a_name():
     first = ops.items("g", arrays, arrays)
     assert [(it.x.shape, it.inplace, it.name, it.n) for it in first] == [((4,), True, "g", 4)] * len(arrays)
     assert all(np.shares_memory(it.x, a) for it, a in zip(first, arrays))
-    assert ops.items("g", arrays, arrays) is first  # the same lists: the same items
-    copy = list(arrays)  # equal contents, another list: built afresh
-    assert ops.items("g", copy, copy) is not first
+    assert ops.items("g", arrays, arrays) is first  # the same arrays: the same items
+    assert isinstance(first, tuple)  # remembered items cannot be changed by a caller
+    copy = list(arrays)  # the same arrays in another list: the same items
+    assert ops.items("g", copy, copy) is first
+    # the caller's list changed in place (one array replaced): built afresh, from the new array
+    copy[3] = np.full((2, 2), 99, np.float32)
+    again = ops.items("g", copy, copy)
+    assert again is not first and np.shares_memory(again[3].x, copy[3]) and float(again[3].x[0]) == 99
+    assert all(np.shares_memory(it.x, a) for it, a in zip(again, copy))
     outs = [np.empty_like(a) for a in arrays]  # another output list: not in place
     fresh = ops.items("g", copy, outs)
     assert not any(it.inplace for it in fresh) and all(it.o.base is o for it, o in zip(fresh, outs))

@@ -1,0 +1,48 @@
+"""Tiers that must not skip: ``HVD_TEST_REQUIRE_<TIER>=1`` turns a skipped test of that tier into a
+failure that names the flag and the skip's reason (``.ci/run`` sets them; ``HVD_TEST_REQUIRE_GPU``
+works the same way in ``tests/gpu/conftest.py``).
+
+A test belongs to a tier by its marker (``-m fakehosts``, ``spark``, ``ray``), by its directory
+(``tests/spark``, ``tests/ray``), or, for fake hosts, by using the ``fakehosts_factory`` fixture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["REQUIRE_FLAGS", "required_tier", "enforce"]
+
+#: tier -> the variable that makes its skips failures
+REQUIRE_FLAGS = {"fakehosts": "HVD_TEST_REQUIRE_FAKEHOSTS", "spark": "HVD_TEST_REQUIRE_SPARK",
+                 "ray": "HVD_TEST_REQUIRE_RAY"}
+
+
+def required_tier(item: Any, environ: Mapping[str, str]) -> str | None:
+    """The tier of ``item`` whose require flag is set, else None."""
+    parts = Path(str(getattr(item, "path", ""))).parts
+    for tier, flag in REQUIRE_FLAGS.items():
+        if environ.get(flag) != "1":
+            continue
+        if item.get_closest_marker(tier) is not None:
+            return tier
+        if tier in ("spark", "ray") and "tests" in parts and tier in parts[parts.index("tests"):]:
+            return tier
+        if tier == "fakehosts" and "fakehosts_factory" in getattr(item, "fixturenames", ()):
+            return tier
+    return None
+
+
+def enforce(item: Any, report: Any, environ: Mapping[str, str]) -> None:
+    """Make ``report`` (of ``item``) a failure if it is a skip of a required tier."""
+    if not report.skipped or getattr(report, "wasxfail", None) is not None:
+        return
+    tier = required_tier(item, environ)
+    if tier is None:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    report.outcome = "failed"
+    report.longrepr = (f"{REQUIRE_FLAGS[tier]}=1 but this {tier} test was skipped: {reason}. "
+                       f"Fix the {tier} set-up, or unset {REQUIRE_FLAGS[tier]} where the tier cannot run.")
