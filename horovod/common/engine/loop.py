@@ -652,7 +652,7 @@ class Engine:
 
     _FIXED_SHAPES = (RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.REDUCESCATTER)
 
-    def _count_batch(self, kind: RequestType, batch: list[Response], entries: list[Entry | None],
+    def _count_batch(self, kind: RequestType, batch: Sequence[Response], entries: list[Entry | None],
                      seconds: float) -> None:
         """Add a batch to the counters: tensors and bytes this rank submitted, time it took. A
         memoized batch (a cached step's) of fixed-shape operations is sized once."""
