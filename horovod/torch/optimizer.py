@@ -44,6 +44,9 @@ _MANY_PASSES = ("Gradients were computed more than backward_passes_per_step time
                 "step(). Increase backward_passes_per_step to accumulate gradients locally.")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_NO_SYNC_STEP = ("optimizer.{what} was called inside optimizer.no_sync(): gradients accumulated there "
+                 "are averaged by the first backward pass after the context (or by step() after "
+                 "it). Leave the no_sync() context before calling {what}.")
 _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
@@ -93,6 +96,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
+        # End of backward (DDP's contract): a pass whose hooks started allreduces waits for all of
+        # them before ``backward()`` returns (``_end_of_backward``), so whatever reads ``p.grad``
+        # before ``step()`` (``GradScaler.unscale_``, clipping) sees the averages. ``_armed``: the
+        # callback is queued for the running pass; ``_auto_synced``: this step's gradients are
+        # averaged and the next backward must wait for ``step()`` or ``zero_grad()``.
+        self._armed = False
+        self._auto_synced = False
+        self._no_sync = False
+        self._whole_step = False
         self._groups = self._make_groups(groups)
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
@@ -182,12 +194,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         slot = self._slots[p]
 
         def hook(_param: torch.Tensor) -> None:
+            if self._auto_synced:
+                raise AssertionError(_MANY_PASSES)
+            if self._no_sync:
+                return  # accumulating locally (``no_sync()``); a later pass or step() reduces it
             delay = slot.delay
             if delay <= 0:
                 raise AssertionError(_MANY_PASSES)
             slot.delay = delay - 1
             if delay > 1:
                 self._handles[p] = (None, None)  # accumulating locally; step() may force it
+                return
+            if not self._armed:
+                self._arm()
+            if self._whole_step:
+                self._handles[p] = (None, None)  # the compressor reduces the step's set at once
                 return
             if self._groups is None:
                 signature = slot.fast
@@ -209,6 +230,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles.pop(gp, None)
             self._handles[group] = self._grouped_allreduce_async(group)
         return hook
+
+    def _arm(self) -> None:
+        """Queue ``_end_of_backward`` for the running backward pass (once per pass)."""
+        try:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:  # not inside a backward pass: step() synchronizes
+            return
+        self._armed = True
+
+    def _end_of_backward(self) -> None:
+        """Autograd's last callback of a pass that started allreduces: wait for every gradient
+        (reducing those that did not come as zeros, as ``step()`` would), so that ``backward()``
+        returns with averaged gradients, as under DDP. Every rank's pass ends here, or in
+        ``step()`` for a rank whose pass produced no gradient at all."""
+        self._armed = False
+        self._synchronize()
+        self._auto_synced = True
 
     def _collect(self, p: torch.Tensor, signature: tuple[Any, ...]) -> bool:
         """Hold ``p``'s gradient (whose checked request only needs resubmitting) for one bundled
@@ -338,10 +376,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Parameters whose allreduce has not started (no gradient in this backward, or fewer than
         ``backward_passes_per_step`` passes so far) are reduced now, in parameter order, so that
-        every rank submits the same names.
+        every rank submits the same names. After a backward pass that already averaged the
+        gradients (see ``backward()`` above) there is nothing left to wait for.
+
+        Raises:
+            RuntimeError: inside ``no_sync()``.
         """
-        if not self.process_set.included():
+        if self._no_sync:
+            raise RuntimeError(_NO_SYNC_STEP.format(what="synchronize()"))
+        if self._auto_synced:
+            # The gradients were averaged at the end of backward; a later backward pass before
+            # step() is then a new accumulation, as after an explicit synchronize().
+            self._auto_synced = False
             self._synchronized = True
+            return
+        self._synchronize()
+        self._synchronized = True
+
+    def _synchronize(self) -> None:
+        if not self.process_set.included():
             return
         if self._collected:  # a pass whose end-of-backward callback has not run
             self._submit_collected()
@@ -373,7 +426,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             slot.delay = passes
         for g in self._group_counts:
             self._group_counts[g] = 0
-        self._synchronized = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside the context start no allreduce;
+        the first backward pass after it (or ``step()``) averages everything accumulated, one
+        allreduce per gradient. ``step()`` and ``synchronize()`` inside the context raise.
+
+        Every rank must run the same passes inside and outside the context. Compared with
+        ``backward_passes_per_step`` (a fixed count chosen up front), the context decides per
+        pass, as DDP's ``model.no_sync()``."""
+        if self._no_sync:
+            raise RuntimeError("optimizer.no_sync() contexts cannot be nested")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -385,13 +454,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronize gradients (unless inside ``skip_synchronize()``), then update parameters."""
-        if self._should_synchronize:
+        """Synchronize gradients (unless inside ``skip_synchronize()``, or already done at the end
+        of backward), then update parameters.
+
+        Raises:
+            RuntimeError: inside ``no_sync()`` (the gradients would not be averaged).
+        """
+        if self._no_sync:
+            raise RuntimeError(_NO_SYNC_STEP.format(what="step()"))
+        if self._should_synchronize and not self._auto_synced:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
-            self.synchronize()
+            self._synchronize()
         self._synchronized = False
-        return self._local_step(closure)
+        try:
+            return self._local_step(closure)
+        finally:
+            self._auto_synced = False
 
     def _local_step(self, closure: Any = None) -> Any:
         base_step = _unhooked(self._hvd_base.step)
@@ -405,6 +484,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._handles or self._bundles or self._collected:
             raise AssertionError(_ZERO_GRAD)
+        # Gradients averaged at the end of backward whose step was skipped (a GradScaler that
+        # found inf/NaN) or abandoned: nothing is in flight, so they may go.
+        self._auto_synced = False
         return self._hvd_base.zero_grad(self, set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -413,6 +495,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._collected.clear()
         self._bundles.clear()
         self._synchronized = False
+        self._auto_synced = False
         for g in self._group_counts:
             self._group_counts[g] = 0
         for slot in self._slots.values():

@@ -222,15 +222,19 @@ def _edge_cases():
         opt.step()
     if not any("optimizer.step() called without optimizer.skip_synchronize()" in str(w.message) for w in caught):
         bad.append(f"rank {r}: no warning for step() after synchronize(): {[str(w.message) for w in caught]}")
-    # zero_grad() between backward and step is an error (then finish the step normally)
+    # backward() returns with averaged gradients (as under DDP), so zero_grad() between backward
+    # and step is legal (a step skipped by a GradScaler); the next step is a normal one
     opt.zero_grad()
-    m(torch.ones(2, 3), use_b=True).sum().backward()
+    m(torch.ones(2, 3) * (r + 1), use_b=True).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+    everyone = hvd.allgather(grads.unsqueeze(0), name="edge.grads_after_backward")
+    if not all(torch.equal(everyone[0], everyone[k]) for k in range(n)):
+        bad.append(f"rank {r}: gradients are not averaged when backward() returns")
     try:
         opt.zero_grad()
-        bad.append(f"rank {r}: zero_grad() after backward did not raise")
     except AssertionError as exc:
-        if "optimizer.zero_grad() was called after loss.backward()" not in str(exc):
-            bad.append(f"rank {r}: zero_grad message {exc}")
+        bad.append(f"rank {r}: zero_grad() after backward raised {exc}")
+    m(torch.ones(2, 3), use_b=True).sum().backward()
     opt.step()
     # more backward passes than backward_passes_per_step
     opt.zero_grad()
