@@ -29,8 +29,9 @@ from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
 from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
+from horovod.torch._grad_comm import GradientCommunicator
 from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
-from horovod.torch.compression import Compression
+from horovod.torch.compression import Compression, StatefulCompressor
 from horovod.torch.mpi_ops import (
     allreduce_async_,
     grouped_allreduce_async_,
@@ -44,6 +45,7 @@ _MANY_PASSES = ("Gradients were computed more than backward_passes_per_step time
                 "step(). Increase backward_passes_per_step to accumulate gradients locally.")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_COMPRESSION_KEY = "horovod_compression"
 _NO_SYNC_STEP = ("optimizer.{what} was called inside optimizer.no_sync(): gradients accumulated there "
                  "are averaged by the first backward pass after the context (or by step() after "
                  "it). Leave the no_sync() context before calling {what}.")
@@ -104,7 +106,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._armed = False
         self._auto_synced = False
         self._no_sync = False
-        self._whole_step = False
+        # A StatefulCompressor (PowerSGD) reduces the step's gradients at once, in synchronize().
+        self._whole_step = isinstance(compression, StatefulCompressor)
+        self._comm = GradientCommunicator(process_set) if self._whole_step else None
         self._groups = self._make_groups(groups)
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
@@ -396,6 +400,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _synchronize(self) -> None:
         if not self.process_set.included():
             return
+        if self._whole_step:
+            self._reduce_whole_step()
+            return
         if self._collected:  # a pass whose end-of-backward callback has not run
             self._submit_collected()
         todo = self._not_launched()
@@ -426,6 +433,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             slot.delay = passes
         for g in self._group_counts:
             self._group_counts[g] = 0
+
+    def _reduce_whole_step(self) -> None:
+        """Hand every gradient to update (zeros where none came; sparse ones made dense), in
+        parameter order, to the stateful compressor, which averages them in place."""
+        params = [p for _, p in self._all_params() if p in self._requires_update]
+        grads = []
+        for p in params:
+            g = self._grad_for(p)
+            if g.is_sparse:
+                p.grad = g = g.to_dense()
+            grads.append(g)
+        self._handles.clear()
+        if params:
+            self._compression.reduce_(grads, [self._parameter_names[p] for p in params], self._comm)
+        passes = self.backward_passes_per_step
+        for slot in self._slots.values():
+            slot.delay = passes
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -489,8 +513,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._auto_synced = False
         return self._hvd_base.zero_grad(self, set_to_none)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict; with a stateful compression (PowerSGD) its state
+        too, under ``"horovod_compression"`` (so checkpoints and elastic commits carry it)."""
+        sd = self._hvd_base.state_dict(self)
+        if self._whole_step:
+            sd[_COMPRESSION_KEY] = self._compression.state_dict()
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load optimizer state; pending allreduces are dropped and pass counters reset."""
+        """Load optimizer state (and a stateful compression's); pending allreduces are dropped and
+        pass counters reset."""
+        if _COMPRESSION_KEY in state_dict:
+            state_dict = dict(state_dict)
+            compression_state = state_dict.pop(_COMPRESSION_KEY)
+            if self._whole_step:
+                self._compression.load_state_dict(compression_state)
         self._handles.clear()
         self._collected.clear()
         self._bundles.clear()
@@ -535,7 +573,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Args:
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``; names become the allreduce names.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (one
+            tensor at a time), or a ``StatefulCompressor`` such as ``hvd.PowerSGD(rank=2)`` that
+            reduces a whole step's gradients at once (Average only; docs/compression.md).
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
         op: ``Average``, ``Sum`` or ``Adasum`` (with more than one rank: upstream's delta
             optimizer, see ``horovod.torch._adasum_optimizer``; world size a power of two).
@@ -560,6 +600,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
+    if isinstance(compression, StatefulCompressor):
+        if op != Average:
+            raise ValueError(f"compression={compression!r} averages gradients itself: use op=hvd.Average "
+                             "(the default), or a stateless compression with other ops")
+        if groups is not None:
+            raise ValueError(f"compression={compression!r} reduces all gradients of a step together: "
+                             "leave groups (and num_groups) unset")
+        if gradient_predivide_factor != 1.0:
+            raise ValueError(f"compression={compression!r} does not apply gradient_predivide_factor: "
+                             "leave it at 1.0")
     if op == Adasum and size() > 1:  # upstream's delta optimizer (one rank: the plain wrapper)
         check_adasum(process_set.process_set_id, "float32", "DistributedOptimizer")
         cls = type(optimizer.__class__.__name__, (DistributedAdasumOptimizer, optimizer.__class__), {})
