@@ -381,7 +381,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Parameters whose allreduce has not started (no gradient in this backward, or fewer than
         ``backward_passes_per_step`` passes so far) are reduced now, in parameter order, so that
         every rank submits the same names. After a backward pass that already averaged the
-        gradients (see ``backward()`` above) there is nothing left to wait for.
+        gradients (``_end_of_backward``) there is nothing left to wait for.
 
         Raises:
             RuntimeError: inside ``no_sync()``.

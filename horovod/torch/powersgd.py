@@ -144,15 +144,20 @@ class PowerSGD(StatefulCompressor):
 
     def _compress_(self, mats: list[tuple[torch.Tensor, str, tuple[int, int, int]]], comm: Any,
                    prefix: str) -> None:
-        p_flat = torch.empty(sum(n * r for _, _, (n, _, r) in mats))
-        q_flat = torch.empty(sum(m * r for _, _, (_, m, r) in mats))
+        devices = {g.device for g, _, _ in mats}
+        if len(devices) > 1:
+            raise ValueError(f"PowerSGD: gradients on several devices {sorted(map(str, devices))}; "
+                             "it compresses the gradients of one device")
+        dev = mats[0][0].device
+        p_flat = torch.empty(sum(n * r for _, _, (n, _, r) in mats), device=dev)
+        q_flat = torch.empty(sum(m * r for _, _, (_, m, r) in mats), device=dev)
         ms, ps, qs = [], [], []
         gen = None
         p_at = q_at = 0
         for g, name, (n, m, r) in mats:
             mat = g.detach().reshape(n, m).to(torch.float32, copy=True)
             if self.error_feedback and name in self._errors:
-                mat += self._errors[name]
+                mat += self._errors[name].to(dev)  # a restored state may live elsewhere
             p = p_flat[p_at:p_at + n * r].view(n, r)
             q = q_flat[q_at:q_at + m * r].view(m, r)
             p_at, q_at = p_at + n * r, q_at + m * r

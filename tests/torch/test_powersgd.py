@@ -325,6 +325,70 @@ def _amp_body():
     return bad
 
 
+def _custom_body():
+    """A user's own StatefulCompressor (docs/compression.md's example: fp16 on the wire with
+    error feedback) through DistributedOptimizer: called once per step with every gradient,
+    its state in state_dict(), training close to uncompressed training."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import horovod.torch as hvd
+    from horovod.torch.compression import StatefulCompressor
+
+    class FP16WithFeedback(StatefulCompressor):
+        def __init__(self):
+            self.error = {}
+            self.calls = []
+
+        def reduce_(self, grads, names, comm):
+            self.calls.append(list(names))
+            halves = []
+            for g, name in zip(grads, names):
+                x = g + self.error.get(name, 0.0)
+                h = x.half()
+                self.error[name] = x - h.float()
+                halves.append(h)
+            comm.allreduce_(halves, "fp16_feedback")
+            for g, h in zip(grads, halves):
+                g.copy_(h)
+
+        def state_dict(self):
+            return {"error": {k: v.clone() for k, v in self.error.items()}}
+
+        def load_state_dict(self, state):
+            self.error = {k: v.clone() for k, v in state["error"].items()}
+
+    hvd.init()
+    r = hvd.rank()
+    bad = []
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model = copy.deepcopy(ref)
+    ref_opt = hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                       named_parameters=ref.named_parameters())
+    comp = FP16WithFeedback()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    g = torch.Generator().manual_seed(r)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    names = [n for n, _ in model.named_parameters()]
+    if comp.calls != [names] * 4:
+        bad.append(f"rank {r}: reduce_ calls {comp.calls}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if not torch.allclose(p, q, atol=2e-3):
+            bad.append(f"rank {r}: {name} differs from uncompressed by {(p - q).abs().max().item():.2e}")
+    if sorted(opt.state_dict()["horovod_compression"]["error"]) != sorted(names):
+        bad.append(f"rank {r}: the compressor's state is not in optimizer.state_dict()")
+    return bad
+
+
 def _disagree_body():
     """State that disagrees across ranks: a ValueError on every rank naming what differs."""
     import torch
@@ -388,6 +452,11 @@ def test_powersgd_accuracy_digits(np_):
     assert acc[("no_feedback", 1)] <= acc[("powersgd", 1)] - 10.0, acc
 
 
+def test_user_defined_stateful_compressor():
+    bad = [b for ranks in _P[2].results("custom") for b in ranks]
+    assert not bad, "\n".join(bad)
+
+
 def test_powersgd_state_dict():
     bad = [b for ranks in _P[2].results("state") for b in ranks]
     assert not bad, "\n".join(bad)
@@ -411,7 +480,7 @@ def test_powersgd_state_disagreeing_across_ranks(np_):
 
 _P = {
     2: joint_launch("torch", 2, {"values": _values_body, "bytes": _bytes_body, "accuracy": _accuracy_body,
-                                 "state": _state_body, "amp": _amp_body}, timeout=300),
+                                 "state": _state_body, "amp": _amp_body, "custom": _custom_body}, timeout=330),
     3: joint_launch("torch", 3, {"values": _values_body, "accuracy": _accuracy_body, "amp": _amp_body},
                     timeout=240),
 }
