@@ -102,7 +102,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # them before ``backward()`` returns (``_end_of_backward``), so whatever reads ``p.grad``
         # before ``step()`` (``GradScaler.unscale_``, clipping) sees the averages. ``_armed``: the
         # callback is queued for the running pass; ``_auto_synced``: this step's gradients are
-        # averaged and the next backward must wait for ``step()`` or ``zero_grad()``.
+        # averaged (``step()`` has nothing left to wait for).
         self._armed = False
         self._auto_synced = False
         self._no_sync = False
@@ -199,7 +199,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         def hook(_param: torch.Tensor) -> None:
             if self._auto_synced:
-                raise AssertionError(_MANY_PASSES)
+                # Another pass after one that averaged the step's gradients (several losses
+                # per step): what it adds is local again, so it is averaged again (at the end
+                # of this pass, or by step() after a no_sync() pass): avg(g1) + avg(g2).
+                self._auto_synced = False
             if self._no_sync:
                 return  # accumulating locally (``no_sync()``); a later pass or step() reduces it
             delay = slot.delay

@@ -116,7 +116,7 @@ def _no_sync_body():
     k, b = 3, 4
     g = torch.Generator().manual_seed(5)
     try:
-        for step in range(2):
+        for step in range(3):
             xs = torch.randn(k * b * n, 6, generator=g)
             ys = torch.randint(0, 3, (k * b * n,), generator=g)
             ref_opt.zero_grad()
@@ -127,6 +127,15 @@ def _no_sync_body():
             names.clear()
             mine = [(xs[(r * k + i) * b:(r * k + i + 1) * b], ys[(r * k + i) * b:(r * k + i + 1) * b])
                     for i in range(k)]
+            if step == 2:
+                # a synchronized pass, then one inside no_sync(): step() averages what it added
+                x, y = mine[0]
+                (F.cross_entropy(model(x), y) / k).backward()
+                with opt.no_sync():
+                    for x, y in mine[1:]:
+                        (F.cross_entropy(model(x), y) / k).backward()
+                opt.step()
+                continue
             with opt.no_sync():
                 for x, y in mine[:-1]:
                     (F.cross_entropy(model(x), y) / k).backward()
