@@ -251,6 +251,20 @@ def _state_body():
     if errors != (2 if r == 0 else 0) or opt3._compression.iter != 3:
         bad.append(f"rank {r}: state saved by rank 0 loaded with {errors} error memories, "
                    f"iter {opt3._compression.iter}")
+    # an elastic TorchState: save() (what commit() does), two steps, restore() -> the compressor
+    # is back where it was; sync() -> rank 0's Qs and iteration, this rank's error memory dropped
+    state = hvd.elastic.TorchState(model=model2, optimizer=opt2)
+    state.save()
+    it, err = opt2._compression.iter, {k: v.clone() for k, v in opt2._compression._errors.items()}
+    train(model2, opt2, data[:2])
+    state.restore()
+    comp2 = opt2._compression
+    if comp2.iter != it or sorted(comp2._errors) != sorted(err) or not all(
+            torch.equal(comp2._errors[k], v) for k, v in err.items()):
+        bad.append(f"rank {r}: TorchState.restore() gave iter {comp2.iter} (saved {it}) or other errors")
+    state.sync()
+    if comp2.iter != it or len(comp2._errors) != (len(err) if r == 0 else 0):
+        bad.append(f"rank {r}: after TorchState.sync(): iter {comp2.iter}, {len(comp2._errors)} error memories")
     # a state saved with other arguments
     try:
         hvd.PowerSGD(rank=4, start_iter=1, seed=7).load_state_dict(comp_state)
