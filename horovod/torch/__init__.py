@@ -83,6 +83,7 @@ from horovod.torch.mpi_ops import (
     synchronize,
 )
 from horovod.torch.optimizer import DistributedOptimizer
+from horovod.torch.powersgd import PowerSGD
 from horovod.torch.sync_batch_norm import SyncBatchNorm
 
 # isort: split
@@ -106,7 +107,7 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async",
     "poll", "synchronize", "join", "barrier",
     # training helpers
-    "Compression", "DistributedOptimizer", "SyncBatchNorm",
+    "Compression", "PowerSGD", "DistributedOptimizer", "SyncBatchNorm",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "elastic",
 ]

@@ -1,4 +1,10 @@
-"""Gradient compression for ``allreduce`` and ``DistributedOptimizer`` (``hvd.Compression``)."""
+"""Gradient compression for ``allreduce`` and ``DistributedOptimizer`` (``hvd.Compression``).
+
+Two kinds: a ``Compressor`` transforms one tensor before its allreduce and back after it
+(stateless: ``Compression.fp16``, ``Compression.bf16``); a ``StatefulCompressor`` is handed a whole
+step's gradients at once and does the communication itself, keeping state between steps (low-rank
+factors, error feedback: ``horovod.torch.powersgd.PowerSGD``). See docs/compression.md.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
+           "StatefulCompressor"]
 
 
 class Compressor:
@@ -76,3 +83,38 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+class StatefulCompressor:
+    """Interface: compression that averages a whole step's gradients itself and keeps state.
+
+    ``DistributedOptimizer(opt, compression=c)`` with such a ``c`` starts no per-gradient
+    allreduce: at the end of each backward pass that completes a step's gradients (or in
+    ``step()``/``synchronize()``) it calls ``c.reduce_(grads, names, comm)`` once, with every
+    gradient of the parameters it updates, in the same order on every rank (zeros for a parameter
+    without a gradient). ``reduce_`` must leave in each tensor the (approximate) average over the
+    ranks of ``comm``. ``comm`` offers (see ``horovod.torch._grad_comm.GradientCommunicator``):
+
+    - ``comm.allreduce_async_(tensors, name) -> handle`` and ``comm.wait(handle)``: one fused,
+      in-place average of a list of tensors; ``comm.allreduce_(tensors, name)`` waits at once;
+    - ``comm.agree(integers, name) -> bool``: whether every rank passed the same integers (the
+      same answer everywhere: check state that must agree before submitting by it);
+    - ``comm.allgather_object(obj, name) -> list``: one picklable object from every rank;
+    - ``comm.rank``, ``comm.size``: this rank's position in the process set and its size;
+    - ``comm.bytes_submitted``: bytes handed to its allreduces so far (a counter).
+
+    Every rank must submit the same names in the same order. The optimizer stores
+    ``state_dict()`` in its own ``state_dict()`` (so checkpoints and elastic commits carry it) and
+    hands it back to ``load_state_dict()``.
+    """
+
+    def reduce_(self, grads: list[torch.Tensor], names: list[str], comm: Any) -> None:
+        """Average ``grads`` (in place) over the ranks of ``comm``."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to checkpoint (tensors and plain values)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned."""

@@ -29,8 +29,9 @@ from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
 from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
+from horovod.torch._grad_comm import GradientCommunicator
 from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
-from horovod.torch.compression import Compression
+from horovod.torch.compression import Compression, StatefulCompressor
 from horovod.torch.mpi_ops import (
     allreduce_async_,
     grouped_allreduce_async_,
@@ -44,6 +45,10 @@ _MANY_PASSES = ("Gradients were computed more than backward_passes_per_step time
                 "step(). Increase backward_passes_per_step to accumulate gradients locally.")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_COMPRESSION_KEY = "horovod_compression"
+_NO_SYNC_STEP = ("optimizer.{what} was called inside optimizer.no_sync(): gradients accumulated there "
+                 "are averaged by the first backward pass after the context (or by step() after "
+                 "it). Leave the no_sync() context before calling {what}.")
 _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
@@ -93,6 +98,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
+        # End of backward (DDP's contract): a pass whose hooks started allreduces waits for all of
+        # them before ``backward()`` returns (``_end_of_backward``), so whatever reads ``p.grad``
+        # before ``step()`` (``GradScaler.unscale_``, clipping) sees the averages. ``_armed``: the
+        # callback is queued for the running pass; ``_auto_synced``: this step's gradients are
+        # averaged (``step()`` has nothing left to wait for).
+        self._armed = False
+        self._auto_synced = False
+        self._no_sync = False
+        # A StatefulCompressor (PowerSGD) reduces the step's gradients at once, in synchronize().
+        self._whole_step = isinstance(compression, StatefulCompressor)
+        self._comm = GradientCommunicator(process_set) if self._whole_step else None
         self._groups = self._make_groups(groups)
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
@@ -182,12 +198,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         slot = self._slots[p]
 
         def hook(_param: torch.Tensor) -> None:
+            if self._auto_synced:
+                # Another pass after one that averaged the step's gradients (several losses
+                # per step): what it adds is local again, so it is averaged again (at the end
+                # of this pass, or by step() after a no_sync() pass): avg(g1) + avg(g2).
+                self._auto_synced = False
+            if self._no_sync:
+                return  # accumulating locally (``no_sync()``); a later pass or step() reduces it
             delay = slot.delay
             if delay <= 0:
                 raise AssertionError(_MANY_PASSES)
             slot.delay = delay - 1
             if delay > 1:
                 self._handles[p] = (None, None)  # accumulating locally; step() may force it
+                return
+            if not self._armed:
+                self._arm()
+            if self._whole_step:
+                self._handles[p] = (None, None)  # the compressor reduces the step's set at once
                 return
             if self._groups is None:
                 signature = slot.fast
@@ -209,6 +237,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles.pop(gp, None)
             self._handles[group] = self._grouped_allreduce_async(group)
         return hook
+
+    def _arm(self) -> None:
+        """Queue ``_end_of_backward`` for the running backward pass (once per pass)."""
+        try:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:  # not inside a backward pass: step() synchronizes
+            return
+        self._armed = True
+
+    def _end_of_backward(self) -> None:
+        """Autograd's last callback of a pass that started allreduces: wait for every gradient
+        (reducing those that did not come as zeros, as ``step()`` would), so that ``backward()``
+        returns with averaged gradients, as under DDP. Every rank's pass ends here, or in
+        ``step()`` for a rank whose pass produced no gradient at all."""
+        self._armed = False
+        self._synchronize()
+        self._auto_synced = True
 
     def _collect(self, p: torch.Tensor, signature: tuple[Any, ...]) -> bool:
         """Hold ``p``'s gradient (whose checked request only needs resubmitting) for one bundled
@@ -338,10 +383,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Parameters whose allreduce has not started (no gradient in this backward, or fewer than
         ``backward_passes_per_step`` passes so far) are reduced now, in parameter order, so that
-        every rank submits the same names.
+        every rank submits the same names. After a backward pass that already averaged the
+        gradients (``_end_of_backward``) there is nothing left to wait for.
+
+        Raises:
+            RuntimeError: inside ``no_sync()``.
         """
-        if not self.process_set.included():
+        if self._no_sync:
+            raise RuntimeError(_NO_SYNC_STEP.format(what="synchronize()"))
+        if self._auto_synced:
+            # The gradients were averaged at the end of backward; a later backward pass before
+            # step() is then a new accumulation, as after an explicit synchronize().
+            self._auto_synced = False
             self._synchronized = True
+            return
+        self._synchronize()
+        self._synchronized = True
+
+    def _synchronize(self) -> None:
+        if not self.process_set.included():
+            return
+        if self._whole_step:
+            self._reduce_whole_step()
             return
         if self._collected:  # a pass whose end-of-backward callback has not run
             self._submit_collected()
@@ -373,7 +436,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             slot.delay = passes
         for g in self._group_counts:
             self._group_counts[g] = 0
-        self._synchronized = True
+
+    def _reduce_whole_step(self) -> None:
+        """Hand every gradient to update (zeros where none came; sparse ones made dense), in
+        parameter order, to the stateful compressor, which averages them in place."""
+        params = [p for _, p in self._all_params() if p in self._requires_update]
+        grads = []
+        for p in params:
+            g = self._grad_for(p)
+            if g.is_sparse:
+                p.grad = g = g.to_dense()
+            grads.append(g)
+        self._handles.clear()
+        if params:
+            self._compression.reduce_(grads, [self._parameter_names[p] for p in params], self._comm)
+        passes = self.backward_passes_per_step
+        for slot in self._slots.values():
+            slot.delay = passes
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside the context start no allreduce;
+        the first backward pass after it (or ``step()``) averages everything accumulated, one
+        allreduce per gradient. ``step()`` and ``synchronize()`` inside the context raise.
+
+        Every rank must run the same passes inside and outside the context. Compared with
+        ``backward_passes_per_step`` (a fixed count chosen up front), the context decides per
+        pass, as DDP's ``model.no_sync()``."""
+        if self._no_sync:
+            raise RuntimeError("optimizer.no_sync() contexts cannot be nested")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -385,13 +481,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronize gradients (unless inside ``skip_synchronize()``), then update parameters."""
-        if self._should_synchronize:
+        """Synchronize gradients (unless inside ``skip_synchronize()``, or already done at the end
+        of backward), then update parameters.
+
+        Raises:
+            RuntimeError: inside ``no_sync()`` (the gradients would not be averaged).
+        """
+        if self._no_sync:
+            raise RuntimeError(_NO_SYNC_STEP.format(what="step()"))
+        if self._should_synchronize and not self._auto_synced:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
-            self.synchronize()
+            self._synchronize()
         self._synchronized = False
-        return self._local_step(closure)
+        try:
+            return self._local_step(closure)
+        finally:
+            self._auto_synced = False
 
     def _local_step(self, closure: Any = None) -> Any:
         base_step = _unhooked(self._hvd_base.step)
@@ -405,14 +511,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._handles or self._bundles or self._collected:
             raise AssertionError(_ZERO_GRAD)
+        # Gradients averaged at the end of backward whose step was skipped (a GradScaler that
+        # found inf/NaN) or abandoned: nothing is in flight, so they may go.
+        self._auto_synced = False
         return self._hvd_base.zero_grad(self, set_to_none)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict; with a stateful compression (PowerSGD) its state
+        too, under ``"horovod_compression"`` (so checkpoints and elastic commits carry it)."""
+        sd = self._hvd_base.state_dict(self)
+        if self._whole_step:
+            sd[_COMPRESSION_KEY] = self._compression.state_dict()
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load optimizer state; pending allreduces are dropped and pass counters reset."""
+        """Load optimizer state (and a stateful compression's); pending allreduces are dropped and
+        pass counters reset."""
+        if _COMPRESSION_KEY in state_dict:
+            state_dict = dict(state_dict)
+            compression_state = state_dict.pop(_COMPRESSION_KEY)
+            if self._whole_step:
+                self._compression.load_state_dict(compression_state)
         self._handles.clear()
         self._collected.clear()
         self._bundles.clear()
         self._synchronized = False
+        self._auto_synced = False
         for g in self._group_counts:
             self._group_counts[g] = 0
         for slot in self._slots.values():
@@ -452,7 +576,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Args:
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``; names become the allreduce names.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (one
+            tensor at a time), or a ``StatefulCompressor`` such as ``hvd.PowerSGD(rank=2)`` that
+            reduces a whole step's gradients at once (Average only; docs/compression.md).
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
         op: ``Average``, ``Sum`` or ``Adasum`` (with more than one rank: upstream's delta
             optimizer, see ``horovod.torch._adasum_optimizer``; world size a power of two).
@@ -477,6 +603,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
+    if isinstance(compression, StatefulCompressor):
+        if op != Average:
+            raise ValueError(f"compression={compression!r} averages gradients itself: use op=hvd.Average "
+                             "(the default), or a stateless compression with other ops")
+        if groups is not None:
+            raise ValueError(f"compression={compression!r} reduces all gradients of a step together: "
+                             "leave groups (and num_groups) unset")
+        if gradient_predivide_factor != 1.0:
+            raise ValueError(f"compression={compression!r} does not apply gradient_predivide_factor: "
+                             "leave it at 1.0")
     if op == Adasum and size() > 1:  # upstream's delta optimizer (one rank: the plain wrapper)
         check_adasum(process_set.process_set_id, "float32", "DistributedOptimizer")
         cls = type(optimizer.__class__.__name__, (DistributedAdasumOptimizer, optimizer.__class__), {})
