@@ -83,6 +83,7 @@ from horovod.torch.mpi_ops import (
 )
 from horovod.torch.optimizer import DistributedOptimizer
 from horovod.torch.sync_batch_norm import SyncBatchNorm
+from horovod.torch.zero import ZeroRedundancyOptimizer
 
 # isort: split
 from horovod.torch import elastic  # hvd.elastic, imported last: it needs the names above
@@ -105,7 +106,7 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async",
     "poll", "synchronize", "join", "barrier",
     # training helpers
-    "Compression", "DistributedOptimizer", "SyncBatchNorm",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "ZeroRedundancyOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "elastic",
 ]
