@@ -86,7 +86,7 @@ from horovod.torch.sync_batch_norm import SyncBatchNorm
 from horovod.torch.zero import ZeroRedundancyOptimizer
 
 # isort: split
-from horovod.torch import elastic  # hvd.elastic, imported last: it needs the names above
+from horovod.torch import checkpoint, elastic  # hvd.elastic, imported last: it needs the names above
 
 __all__ = [
     # process-level API (horovod.common.BASICS; a test checks this list covers it)
@@ -108,5 +108,5 @@ __all__ = [
     # training helpers
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "ZeroRedundancyOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "elastic",
+    "elastic", "checkpoint",
 ]
