@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,7 +181,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Raise on every rank of the set if any rank found a problem or the ranks disagree on
         the parameters (shapes, dtypes, groups)."""
         signature = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in self.param_groups]
-        if self.process_set.included() and (self.process_set.size() or 1) > 1:
+        # An elastic worker joining a running job builds its optimizer alone: check locally.
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if self.process_set.included() and (self.process_set.size() or 1) > 1 and not elastic:
             seen = allgather_object((problem, signature), name="zero.check",
                                     process_set=self.process_set)
         else:
@@ -222,8 +225,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
         self.state = self.optim.state  # type: ignore[assignment]
-        self._owned = {id(self._all[i]) for i in self._local_index}
         self._consolidated = None
+        self._synchronized = False
+        if self._reducer is not None:  # drop reductions a failed step left pending
+            self._reducer.load_state_dict(self._reducer.state_dict())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only while constructing: the partition covers the parameters given at construction."""
@@ -472,8 +477,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             local_groups.append({**{k: v for k, v in g.items() if k != "params"},
                                  "params": list(range(start, start + n))})
             start += n
-        if self._reducer is not None:
-            self._reducer.load_state_dict(self._reducer.state_dict())  # drop pending reductions
+        if self._reducer is not None:  # drop pending reductions
+            self._reducer.load_state_dict(self._reducer.state_dict())
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self.optim.state  # type: ignore[assignment]
         self._synchronized = False
