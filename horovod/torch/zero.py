@@ -393,6 +393,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             super().zero_grad(set_to_none)
         self._synchronized = False
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before the reduction."""
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = passes
+        if self._reducer is not None:
+            self._reducer.set_backward_passes_per_step(passes)
+
     # ------------------------------------------------------------------ state
     def _local_to_full(self, local: dict[str, Any]) -> dict[str, Any]:
         return {self._local_index[k]: v for k, v in local["state"].items()}
