@@ -41,6 +41,9 @@ from horovod.torch.optimizer import DistributedOptimizer
 __all__ = ["ZeroRedundancyOptimizer", "partition_by_bytes"]
 
 STAGES = (1, 2)
+# The most bytes one collective of the reduce-scatter or of the parameter allgather moves
+# (its [N, columns] buffer): bounds the transient memory of a step.
+BUCKET_BYTES = 64 << 20
 
 
 def partition_by_bytes(sizes: list[int], n: int) -> list[int]:
@@ -54,6 +57,17 @@ def partition_by_bytes(sizes: list[int], n: int) -> list[int]:
         owner[i] = r
         loads[r] += sizes[i]
     return owner
+
+
+def _pieces(row: list[tuple[int, int, int]], c0: int, c1: int) -> Iterator[tuple[int, int, int, int, bool]]:
+    """The parts of ``row``'s parameters (index, offset, numel) in columns ``[c0, c1)``: (index,
+    start in the parameter, start in the chunk, length, whether the parameter ends here)."""
+    for i, off, n in row:
+        a, b = max(off, c0), min(off + n, c1)
+        if a < b:
+            yield i, a - off, a - c0, b - a, off + n <= c1
+        elif off >= c1:
+            break
 
 
 class _Layout:
@@ -132,6 +146,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._check(self._local_problems())
         self._synchronized = False
         self._should_synchronize = True
+        self.bucket_bytes = BUCKET_BYTES
         self._consolidated: dict[str, Any] | None = None
         self._reducer: Any = None
         if stage == 1:
@@ -168,6 +183,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not isinstance(self._optimizer_class, type) or not issubclass(
                 self._optimizer_class, torch.optim.Optimizer):
             return f"optimizer_class must be a torch.optim.Optimizer class, got {self._optimizer_class!r}"
+        flat = [n for n, p in zip(self._names, self._all) if not p.is_contiguous()]
+        if flat:
+            return (f"parameters {flat[:5]} are not contiguous: a shard's parameters are read and "
+                    "written as flat views; make them contiguous (p.data = p.data.contiguous())")
         devices: dict[str, str] = {}
         for name, p in zip(self._names, self._all):
             devices.setdefault(str(p.device), name)
@@ -259,43 +278,65 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
+    def _chunks(self) -> list[tuple[torch.dtype, list[list[tuple[int, int, int]]], int, int]]:
+        """The column ranges ``[c0, c1)`` of each dtype's ``[N, L]`` layout that one collective
+        moves: at most ``bucket_bytes`` for the whole ``[N, c1 - c0]`` buffer, so the transient
+        buffers stay small whatever the model's size."""
+        out = []
+        for dtype, (rows, length) in self.layout.buckets.items():
+            width = max(1, self.bucket_bytes // (self.world * torch.empty(0, dtype=dtype).element_size()))
+            out += [(dtype, rows, c0, min(c0 + width, length)) for c0 in range(0, length, width)]
+        return out
+
+    def _pipelined(self, submit: Any, finish: Any) -> None:
+        """``submit`` each chunk's collective, finishing the previous one meanwhile (two in flight)."""
+        pending = None
+        for k, chunk in enumerate(self._chunks()):
+            handle = submit(k, chunk)
+            if pending is not None:
+                finish(*pending)
+            pending = (chunk, handle)
+        if pending is not None:
+            finish(*pending)
+
     def _reduce_scatter(self) -> None:
         pre, post = self._scale_factors()
-        pending = []
-        for dtype, (rows, length) in self.layout.buckets.items():
-            sample = next(self._all[i] for row in rows for i, _, _ in row)
-            buf = torch.zeros(self.world, length, dtype=dtype, device=sample.device)
+        params, rank, device = self._all, self.rank, self._all[0].device
+
+        def submit(k: int, chunk: Any) -> Any:
+            dtype, rows, c0, c1 = chunk
+            buf = torch.zeros(self.world, c1 - c0, dtype=dtype, device=device)
             for r, row in enumerate(rows):
-                for i, off, n in row:
-                    p = self._all[i]
-                    if p.grad is not None:
-                        buf[r, off:off + n].copy_(p.grad.reshape(-1))
-                        if r != self.rank:
-                            p.grad = None  # released: its owner receives the average
+                for i, ps, cs, n, last in _pieces(row, c0, c1):
+                    g = params[i].grad
+                    if g is not None:
+                        buf[r, cs:cs + n].copy_(g.reshape(-1)[ps:ps + n])
+                        if last and r != rank:
+                            params[i].grad = None  # released: its owner receives the average
             compressed, ctx = self._compression.compress(buf)
-            del buf
-            handle = reducescatter_async(compressed, name=f"zero.grads.{dtype}", op=self.op,
-                                         process_set=self.process_set, prescale_factor=pre,
-                                         postscale_factor=post)
-            pending.append((handle, ctx, rows[self.rank]))
-        finite = True
-        for handle, ctx, row in pending:
+            return ctx, reducescatter_async(compressed, name=f"zero.grads.{dtype}.{k}", op=self.op,
+                                            process_set=self.process_set, prescale_factor=pre,
+                                            postscale_factor=post)
+
+        def finish(chunk: Any, pending: Any) -> None:
+            _, rows, c0, c1 = chunk
+            ctx, handle = pending
             mine = self._compression.decompress(synchronize(handle), ctx).reshape(-1)
-            for i, off, n in row:
-                p = self._all[i]
-                if not p.requires_grad:
-                    continue
-                g = mine[off:off + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                finite = finite and bool(torch.isfinite(p.grad.sum()))
+            for i, ps, cs, n, _ in _pieces(rows[rank], c0, c1):
+                p = params[i]
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.view(-1)[ps:ps + n].copy_(mine[cs:cs + n])
+
+        self._pipelined(submit, finish)
+        finite = all(bool(torch.isfinite(params[i].grad.sum())) for i in self._local_index
+                     if params[i].grad is not None)
         flag = torch.tensor([0.0 if finite else 1.0])
         allreduce_(flag, name="zero.nonfinite", op=Max, process_set=self.process_set)
         if flag.item() and finite:
             for i in self._local_index:
-                g = self._all[i].grad
+                g = params[i].grad
                 if g is not None and g.numel():
                     g.view(-1)[0] = float("inf")
                     break
@@ -368,22 +409,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _share_parameters(self) -> None:
         if self.world == 1:
             return
-        pending = []
-        for dtype, (rows, length) in self.layout.buckets.items():
-            mine = rows[self.rank]
-            sample = self._all[next(i for row in rows for i, _, _ in row)]
-            buf = torch.zeros(1, length, dtype=dtype, device=sample.device)
-            for i, off, n in mine:
-                buf[0, off:off + n].copy_(self._all[i].reshape(-1))
-            pending.append((allgather_async(buf, name=f"zero.params.{dtype}",
-                                            process_set=self.process_set), rows))
-        for handle, rows in pending:
+        params, rank, device = self._all, self.rank, self._all[0].device
+
+        def submit(k: int, chunk: Any) -> Any:
+            dtype, rows, c0, c1 = chunk
+            send = torch.empty(1, c1 - c0, dtype=dtype, device=device)
+            for i, ps, cs, n, _ in _pieces(rows[rank], c0, c1):
+                send[0, cs:cs + n].copy_(params[i].view(-1)[ps:ps + n])
+            return allgather_async(send, name=f"zero.params.{dtype}.{k}", process_set=self.process_set)
+
+        def finish(chunk: Any, handle: Any) -> None:
+            _, rows, c0, c1 = chunk
             gathered = synchronize(handle)
             for r, row in enumerate(rows):
-                if r != self.rank:
-                    for i, off, n in row:
-                        p = self._all[i]
-                        p.copy_(gathered[r, off:off + n].view_as(p))
+                if r != rank:
+                    for i, ps, cs, n, _ in _pieces(row, c0, c1):
+                        params[i].view(-1)[ps:ps + n].copy_(gathered[r, cs:cs + n])
+
+        self._pipelined(submit, finish)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset every parameter's gradient (forbidden while stage 1's allreduces are in flight)."""
