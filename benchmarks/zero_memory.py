@@ -17,7 +17,8 @@ hooks are registered) and times their steps interleaved, in a rotating order, ``
 each; medians and ratios to DistributedOptimizer are printed. Bytes on the wire: the payload of
 every collective the engine hands to the transport is recorded during each variant's steps and
 converted to what one rank sends in a ring algorithm (allreduce 2(N-1)/N x B, reduce-scatter and
-allgather (N-1)/N x B of the whole buffer).
+allgather (N-1)/N x B of the whole buffer). A last launch times how long
+``hvd.checkpoint.save`` holds the loop, blocking and not (interleaved, ``--ckpt-reps`` each).
 
 Writes benchmarks/results/zero_memory.json.
 """
@@ -164,6 +165,43 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
             "wire_bytes_per_step": {v: b / cfg["reps"] for v, b in wire.bytes.items()}}
 
 
+def _checkpoint(cfg: dict[str, int], root: str) -> dict[str, Any]:
+    """How long ``hvd.checkpoint.save`` holds the training loop: blocking, and non-blocking (until
+    it returns; the files are written while the next steps run, then ``wait()``), interleaved."""
+    import shutil
+
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    model = _model(cfg["layers"], cfg["width"])
+    x = torch.randn(cfg["batch"], cfg["width"])
+    opt = _optimizer("zero1", model)
+    out: dict[str, list[float]] = {"blocking": [], "non_blocking": [], "wait": []}
+    for rep in range(cfg["ckpt_reps"]):
+        for mode in ("blocking", "non_blocking") if rep % 2 == 0 else ("non_blocking", "blocking"):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            path = os.path.join(root, mode)
+            hvd.barrier()
+            t0 = time.perf_counter()
+            handle = hvd.checkpoint.save(path, model=model, optimizer=opt, blocking=mode == "blocking")
+            out[mode].append(time.perf_counter() - t0)
+            if mode == "non_blocking":
+                opt.zero_grad()
+                model(x).square().mean().backward()  # training goes on meanwhile
+                opt.step()
+                t1 = time.perf_counter()
+                handle.wait()
+                out["wait"].append(time.perf_counter() - t1)
+            hvd.barrier()
+            if hvd.rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=2)
@@ -172,6 +210,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--mem-steps", type=int, default=3)
+    parser.add_argument("--ckpt-reps", type=int, default=3)
+    parser.add_argument("--checkpoint-dir", default=None, help="where the timed checkpoints go")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "zero_memory.json"))
     args = parser.parse_args()
@@ -179,7 +219,7 @@ def main() -> int:
     from horovod.testing import run_ranks
 
     cfg = {"layers": args.layers, "width": args.width, "batch": args.batch, "reps": args.reps,
-           "mem_steps": args.mem_steps}
+           "mem_steps": args.mem_steps, "ckpt_reps": args.ckpt_reps}
     n = args.np
     psi = args.layers * (args.width * args.width + args.width)
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {psi / 1e6:.1f} M parameters, "
@@ -208,8 +248,18 @@ def main() -> int:
     for v in VARIANTS:
         print(f"  {v:<12}{med[v]:8.3f} s   x{med[v] / med['distributed']:.3f} of distributed   "
               f"wire {wire[v] / mib:9.1f} MiB/step/rank   x{wire[v] / wire['distributed']:.3f}")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zero-ckpt-", dir=args.checkpoint_dir) as root:
+        ckpt = run_ranks(_checkpoint, np=n, args=(cfg, root), timeout=3600)
+    held = {m: statistics.median(max(r[m][i] for r in ckpt) for i in range(args.ckpt_reps))
+            for m in ("blocking", "non_blocking", "wait")}
+    print(f"\ncheckpoint save (stage 1, median of {args.ckpt_reps}, slowest rank): blocking "
+          f"{held['blocking']:.3f} s; non-blocking returns after {held['non_blocking']:.3f} s "
+          f"(x{held['non_blocking'] / held['blocking']:.3f}), its wait() after one more step "
+          f"{held['wait']:.3f} s")
     out = {"config": cfg, "np": n, "parameters": psi, "formula_bytes": formula, "memory": memory,
-           "median_step_s": med, "wire_bytes_per_step": wire,
+           "median_step_s": med, "wire_bytes_per_step": wire, "checkpoint_s": held,
            "ratios": {v: {"time": med[v] / med["distributed"],
                           "wire": wire[v] / wire["distributed"]} for v in VARIANTS}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
