@@ -200,9 +200,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
     _counter[0] += 1
     name = f"checkpoint.save.{_counter[0]}"
     tmp = f"{path}.partial"
-    if r == 0:
+    if r == 0:  # the other ranks write only after the plan exchange, i.e. after this
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        os.makedirs(tmp, exist_ok=True)  # another rank's writer may have made it meanwhile
     part = _local_part(model, optimizer, extra, r, n)
     if not blocking:
         part = _to_cpu(part)
