@@ -119,6 +119,37 @@ def _keep_gradient_views(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad})
 
 
+def _zero_optimizer(opt: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], stage: int,
+                    passes: int, compression: Any, op: Any, predivide: float) -> Any:
+    """``opt``'s parameter groups and options in a ``hvd.ZeroRedundancyOptimizer``."""
+    import inspect
+
+    groups = [dict(group) for group in opt.param_groups]
+    accepted = inspect.signature(type(opt).__init__).parameters
+    options = {k: v for k, v in opt.defaults.items() if k in accepted}
+    return hvd.ZeroRedundancyOptimizer(groups, type(opt), stage=stage, named_parameters=named,
+                                       backward_passes_per_step=passes, compression=compression,
+                                       op=op, gradient_predivide_factor=predivide, **options)
+
+
+def _clip_across_shards(plugin: Any, lightning_optimizer_cls: type) -> None:
+    """Lightning's ``gradient_clip_val`` (by norm) on a ``ZeroRedundancyOptimizer``: the norm of
+    the whole gradient, computed across the shards (stage 2 keeps only this rank's gradients)."""
+    original = plugin.clip_grad_by_norm
+    if getattr(original, "_hvd_zero", False):
+        return
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
+        opt = _unwrap(optimizer, lightning_optimizer_cls)
+        if isinstance(opt, hvd.ZeroRedundancyOptimizer):
+            opt.clip_grad_norm_(float(clip_val))
+        else:
+            original(optimizer, clip_val)
+
+    clip_grad_by_norm._hvd_zero = True  # type: ignore[attr-defined]
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
 def _unwrap(optimizer: Any, lightning_optimizer_cls: type) -> Any:
     return optimizer._optimizer if isinstance(optimizer, lightning_optimizer_cls) else optimizer
 
@@ -184,6 +215,10 @@ def _build(package: str) -> type:
             op: gradient reduction, ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
             gradient_predivide_factor: as for ``hvd.DistributedOptimizer``.
             sparse_as_dense: as for ``hvd.DistributedOptimizer``.
+            zero_stage: 1 or 2 wraps the optimizers in ``hvd.ZeroRedundancyOptimizer`` (optimizer
+                state, and with 2 the gradients, sharded across ranks) instead of
+                ``hvd.DistributedOptimizer``; ``Trainer(strategy="horovod_zero")`` is stage 1.
+                Lightning's checkpoints hold the consolidated (plain) optimizer state.
         """
 
         strategy_name = "horovod"
@@ -192,7 +227,14 @@ def _build(package: str) -> type:
                      checkpoint_io: Any = None, precision_plugin: Any = None,
                      compression: Any = hvd.Compression.none, op: Any = hvd.Average,
                      gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                     flat_gradients: bool = False) -> None:
+                     flat_gradients: bool = False, zero_stage: int = 0) -> None:
+            if zero_stage not in (0, 1, 2):
+                raise ValueError(f"HorovodStrategy: zero_stage={zero_stage!r}; use 0 (no sharding), "
+                                 "1 (optimizer state) or 2 (optimizer state and gradients)")
+            if zero_stage and flat_gradients:
+                raise ValueError("HorovodStrategy: flat_gradients applies to DistributedOptimizer, "
+                                 "not to zero_stage; use one of them")
+            self._zero_stage = zero_stage
             hvd.init()
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                              cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
@@ -263,6 +305,8 @@ def _build(package: str) -> type:
             automatic = self.lightning_module.automatic_optimization
             passes = trainer.accumulate_grad_batches if automatic else 1
             self.optimizers = self._wrap_optimizers(self.optimizers, passes)
+            if self._zero_stage:
+                _clip_across_shards(self.precision_plugin, LightningOptimizer)
             for opt in self.optimizers:
                 self._broadcast_optimizer_state(_unwrap(opt, LightningOptimizer))
             if automatic:
@@ -282,6 +326,13 @@ def _build(package: str) -> type:
                     out.append(opt)  # the user wrapped it already
                     continue
                 mine = {id(p) for group in opt.param_groups for p in group["params"]}
+                if self._zero_stage:
+                    wrapped = _zero_optimizer(opt, [(n, p) for n, p in named if id(p) in mine],
+                                              self._zero_stage, passes, self._compression, self._op,
+                                              self._gradient_predivide_factor)
+                    wrapped_for[id(opt)] = wrapped
+                    out.append(wrapped)
+                    continue
                 views = _flat_gradients(opt) if self._flat_gradients else []
                 self._views += views
                 wrapped = hvd.DistributedOptimizer(
@@ -305,6 +356,8 @@ def _build(package: str) -> type:
 
         @staticmethod
         def _broadcast_optimizer_state(opt: torch.optim.Optimizer) -> None:
+            if isinstance(opt, hvd.ZeroRedundancyOptimizer):
+                return  # sharded: each rank holds (only) its own part
             # A fresh optimizer has no state: broadcasting it would take a step on zero gradients
             # to create some (which moves weights under decoupled weight decay). Then only the
             # hyper-parameters travel.
@@ -324,6 +377,7 @@ def _build(package: str) -> type:
             for opt in self.optimizers:
                 opt = _unwrap(opt, LightningOptimizer)
                 # A later fit() builds new optimizers: this one's gradient hooks must go.
+                opt = getattr(opt, "_reducer", None) or opt  # a ZeroRedundancyOptimizer's
                 for handle in getattr(opt, "_hook_handles", ()):
                     handle.remove()
                 if hasattr(opt, "_hook_handles"):
@@ -392,10 +446,21 @@ def _build(package: str) -> type:
             if hvd.size() > 1:
                 hvd.barrier()
 
+        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+            """A ``ZeroRedundancyOptimizer``'s whole state, consolidated on rank 0 (every rank
+            calls this while Lightning builds a checkpoint; rank 0 writes it)."""
+            opt = _unwrap(optimizer, LightningOptimizer)
+            if isinstance(opt, hvd.ZeroRedundancyOptimizer):
+                opt.consolidate_state_dict(to=0)
+                return opt.state_dict() if opt.rank == 0 else {}
+            return super().optimizer_state(optimizer)
+
         @classmethod
         def register_strategies(cls, strategy_registry: Any) -> None:
             strategy_registry.register(cls.strategy_name, cls, description="Horovod (horovod.lightning)",
                                        override=True)
+            strategy_registry.register("horovod_zero", cls, override=True, zero_stage=1,
+                                       description="Horovod with ZeRO stage 1 (sharded optimizer state)")
 
     HorovodStrategy.__module__ = HorovodEnvironment.__module__ = "horovod.lightning"
     HorovodStrategy.__qualname__ = "HorovodStrategy"

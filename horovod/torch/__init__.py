@@ -85,9 +85,10 @@ from horovod.torch.mpi_ops import (
 from horovod.torch.optimizer import DistributedOptimizer
 from horovod.torch.powersgd import PowerSGD
 from horovod.torch.sync_batch_norm import SyncBatchNorm
+from horovod.torch.zero import ZeroRedundancyOptimizer
 
 # isort: split
-from horovod.torch import elastic  # hvd.elastic, imported last: it needs the names above
+from horovod.torch import checkpoint, elastic  # hvd.elastic, imported last: it needs the names above
 
 __all__ = [
     # process-level API (horovod.common.BASICS; a test checks this list covers it)
@@ -107,7 +108,7 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async",
     "poll", "synchronize", "join", "barrier",
     # training helpers
-    "Compression", "PowerSGD", "DistributedOptimizer", "SyncBatchNorm",
+    "Compression", "PowerSGD", "DistributedOptimizer", "SyncBatchNorm", "ZeroRedundancyOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "elastic",
+    "elastic", "checkpoint",
 ]

@@ -19,8 +19,10 @@ from horovod.common.basics import rank
 from horovod.common.elastic import ObjectState
 from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.functions import broadcast_object, broadcast_parameters
+from horovod.torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
+           "ZeroOptimizerStateHandler",
            "LRSchedulerStateHandler", "SamplerStateHandler", "get_handler_registry",
            "set_handler_registry"]
 
@@ -103,6 +105,45 @@ class OptimizerStateHandler(StateHandler):
             self.value.load_state_dict(state)
 
 
+class ZeroOptimizerStateHandler(StateHandler):
+    """A ``ZeroRedundancyOptimizer``'s state: each commit gathers the whole state on every rank
+    (so it survives the loss of the ranks that owned parts of it); after a reset the optimizer is
+    re-partitioned over the new world and each rank loads its new shard from that copy.
+
+    The commit is collective (every rank commits together); the first copy is made by the first
+    ``sync``, so that a worker joining a running job does not wait in a gather the others never
+    make. Memory: the committed copy is the whole optimizer state, on every rank.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__(optimizer)
+        self._saved: Any = None
+
+    def save(self) -> None:
+        with torch.no_grad():
+            self._saved = _copy_into(self._saved, self.value.full_state_dict(None))
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            self.value.load_state_dict(_copy_into(None, self._saved))
+
+    def reset(self) -> None:
+        """The world changed: re-partition, and load the new shard from the committed copy."""
+        self.value.repartition()
+        self.restore()
+
+    def sync(self) -> None:
+        has = broadcast_object(self._saved is not None if rank() == 0 else None, root_rank=0,
+                               name="elastic.zero_state.has")
+        self.value.repartition()
+        if has:
+            self._saved = broadcast_object(self._saved if rank() == 0 else None, root_rank=0,
+                                           name="elastic.zero_state")
+            self.restore()
+        else:  # no commit yet: the live shards, gathered
+            self.save()
+
+
 class _StateDictHandler(StateHandler):
     """Keeps a deep copy of ``value.state_dict()``; syncs it from rank 0 by object broadcast."""
 
@@ -133,6 +174,7 @@ class SamplerStateHandler(_StateDictHandler):
 
 _handler_registry: list[tuple[type, type[StateHandler]]] = [
     (torch.nn.Module, ModelStateHandler),
+    (ZeroRedundancyOptimizer, ZeroOptimizerStateHandler),  # before every other optimizer
     (torch.optim.Optimizer, OptimizerStateHandler),
     (torch.optim.lr_scheduler.LRScheduler, LRSchedulerStateHandler),
     (ElasticSampler, SamplerStateHandler),
@@ -160,7 +202,8 @@ class TorchState(ObjectState):
 
     Args:
         model: a ``torch.nn.Module`` (optional).
-        optimizer: a ``torch.optim.Optimizer`` or ``DistributedOptimizer`` (optional).
+        optimizer: a ``torch.optim.Optimizer``, ``DistributedOptimizer`` or
+            ``ZeroRedundancyOptimizer`` (optional; its shards are re-partitioned after a reset).
         kwargs: more models, optimizers, LR schedulers, ``ElasticSampler`` objects, or plain
             values (epoch, batch...), all exposed as attributes.
     """
@@ -195,6 +238,15 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def reset(self) -> None:
+        """After a reset (before ``sync``): handlers whose state depends on the world size (a
+        ``ZeroRedundancyOptimizer``'s shards) adjust to the new one."""
+        for handler in self._handlers.values():
+            reset = getattr(handler, "reset", None)
+            if reset is not None:
+                reset()
+        super().reset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers")

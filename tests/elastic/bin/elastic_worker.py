@@ -23,8 +23,9 @@ Environment:
                   It prints "KILLING <point>" first (the test times the recovery from there).
   HOSTS_FILE, HOSTS_AT   JSON {"<step>": "<file content>"}: rank 0 writes the discovery file
                   when it first reaches that step
-  WAIT_FOR_SIZE   "<n>@<step>": the workers wait at that step (at most 90 s) until the job
-                  has n workers
+  WAIT_FOR_SIZE   "<n>@<step>[,<n>@<step>...]": the workers wait at that step (at most 90 s)
+                  until the job has n workers
+  ZERO            "1": a ZeroRedundancyOptimizer (stage 1) instead of DistributedOptimizer
 Prints "COMMIT {json}" after every commit and "FINAL {json}" at the end.
 """
 
@@ -136,7 +137,12 @@ def main() -> None:
 
     hvd.init()
     model, opt = make_model()
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    zero = os.environ.get("ZERO") == "1"
+    if zero:
+        opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.05,
+                                          momentum=0.9, named_parameters=model.named_parameters())
+    else:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 
     def on_reset() -> None:
         print(f"RESET {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size()})}",
@@ -158,11 +164,11 @@ def main() -> None:
                     fh.write(content)
                 os.replace(os.environ["HOSTS_FILE"] + ".tmp", os.environ["HOSTS_FILE"])
                 open(marker, "w").close()
-            if wait_for:
-                n, _, at = wait_for.partition("@")
+            for spec in filter(None, wait_for.split(",")):
+                n, _, at = spec.partition("@")
                 # Every rank loops the same number of times (check_host_updates is collective).
                 for _ in range(450):
-                    if state.step != int(at) or hvd.size() >= int(n):
+                    if state.step != int(at) or hvd.size() == int(n):
                         break
                     time.sleep(0.2)
                     state.check_host_updates()
@@ -193,8 +199,12 @@ def main() -> None:
     state.sync = sync_hook  # type: ignore[method-assign]
     state.register_reset_callbacks([on_reset])
     train(state)
-    momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()
-                if p in opt.state]
+    if zero:  # the whole state, gathered from the shards
+        full = opt.full_state_dict(None)["state"]
+        momentum = [full[i]["momentum_buffer"].flatten().tolist() for i in sorted(full)]
+    else:
+        momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()
+                    if p in opt.state]
     final = {"me": me, "rank": hvd.rank(), "size": hvd.size(), "step": state.step,
              "w": [p.detach().flatten().tolist() for p in model.parameters()], "momentum": momentum,
              "sizes": state.sizes}

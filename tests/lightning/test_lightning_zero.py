@@ -1,0 +1,91 @@
+"""``HorovodStrategy(zero_stage=...)`` and ``Trainer(strategy="horovod_zero")`` on real ranks:
+the same weights as ``strategy="horovod"`` (AdamW, StepLR, gradient clipping), a Lightning
+checkpoint whose optimizer state is the plain (consolidated) one, and resuming from it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from horovod.testing import run_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                 reason="the `lightning` package is not installed")]
+
+
+def _zero_fits(tmp: str) -> dict:
+    import os
+
+    import lightning.pytorch as L  # noqa: N812
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import horovod.lightning  # noqa: F401  (registers "horovod" and "horovod_zero")
+    import horovod.torch as hvd
+    from horovod.lightning import HorovodStrategy
+
+    hvd.init()
+    r = hvd.rank()
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(5, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.05)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
+
+    g = torch.Generator().manual_seed(3)
+    n = 8 * hvd.size()
+    data = TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 1, generator=g))
+
+    def fit(strategy, epochs=3, ckpt=None):
+        model = Net()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=epochs, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, gradient_clip_val=0.3)
+        trainer.fit(model, DataLoader(data, batch_size=2), ckpt_path=ckpt)
+        return trainer, model
+
+    out = {"rank": r}
+    _, ref = fit("horovod")
+    want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    for label, strategy in (("horovod_zero", "horovod_zero"),
+                            ("zero_stage=2", HorovodStrategy(zero_stage=2))):
+        trainer, model = fit(strategy)
+        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[label] = float((got - want).abs().max() / want.abs().max())
+        opt = trainer.strategy.optimizers[0]
+        out[label + " type"] = type(getattr(opt, "_optimizer", opt)).__name__
+    # a checkpoint written by Lightning: the optimizer state is the plain AdamW one
+    trainer, model = fit("horovod_zero", epochs=2)
+    path = os.path.join(tmp, "zero.ckpt")
+    trainer.save_checkpoint(path)
+    hvd.barrier()
+    ckpt = torch.load(path, weights_only=False)
+    plain = torch.optim.AdamW(Net().parameters(), lr=0.02)
+    plain.load_state_dict(ckpt["optimizer_states"][0])
+    out["ckpt_state_entries"] = len(ckpt["optimizer_states"][0]["state"])
+    # resume for one more epoch == three epochs uninterrupted
+    _, resumed = fit("horovod_zero", epochs=3, ckpt=path)
+    got = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()])
+    out["resumed"] = float((got - want).abs().max() / want.abs().max())
+    return out
+
+
+def test_lightning_zero_strategy(tmp_path):
+    results = run_ranks(_zero_fits, np=2, args=(str(tmp_path),), timeout=300)
+    for res in results:
+        assert res["horovod_zero type"] == "ZeroRedundancyOptimizer", res
+        assert res["zero_stage=2 type"] == "ZeroRedundancyOptimizer", res
+        assert res["horovod_zero"] <= 1e-5 and res["zero_stage=2"] <= 1e-5, res
+        assert res["ckpt_state_entries"] == 4, res
+        assert res["resumed"] <= 1e-5, res
