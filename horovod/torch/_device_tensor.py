@@ -54,8 +54,8 @@ class DeviceTensor:
     """A torch tensor handed to the engine for the plane, with its ordering events.
 
     Carries what the engine's checks and counters read (``shape``, ``dtype`` name, ``ndim``,
-    ``nbytes``) so that the core treats it like an array without knowing torch. ``ready`` is an event recorded on ``stream``,
-    the caller's stream at submission.
+    ``nbytes``) so that the core treats it like an array without knowing torch. ``ready`` is an
+    event recorded on ``stream``, the caller's stream at submission.
     """
 
     __slots__ = ("tensor", "shape", "dtype", "ndim", "ready", "stream", "seq", "done", "parent")
