@@ -130,7 +130,7 @@ def fetch(ref: str, source: str | None, cache: Path, folder: str = "test") -> Pa
             else:
                 raise SystemExit(f"{source} has no {folder}/ folder: give upstream's source checkout")
         tmp = Path(tempfile.mkdtemp(dir=cache))
-        shutil.copytree(found, tmp / folder)
+        shutil.copytree(found, tmp / folder, symlinks=True)  # upstream links examples to each other
         os.replace(tmp / folder, target / folder)
         shutil.rmtree(tmp, ignore_errors=True)
         return target / folder

@@ -108,3 +108,4 @@ def test_upstream_lightning_spark_mnist_example(tmp_path: Path) -> None:
     assert len(re.findall(r"Training ends:epcoh_end_counter=24, train_epcoh_end_counter=12", out)) == 2, out[-3000:]
     acc = [float(a) for a in re.findall(r"Test accuracy: ([0-9.]+)", out)]
     assert len(acc) == 1 and acc[0] >= 0.80, out[-3000:]
+    print(f"upstream {EXAMPLE}: test accuracy {acc[0]:.4f}")
