@@ -114,46 +114,55 @@ def default_cache() -> Path:
     return Path(base) / "horovod-py" / "upstream"
 
 
-def fetch(ref: str, source: str | None, cache: Path) -> Path:
-    """The ``test`` folder of upstream's source at ``ref`` (downloaded and unpacked once)."""
+def fetch(ref: str, source: str | None, cache: Path, folder: str = "test") -> Path:
+    """The ``folder`` (``test``, ``examples``) of upstream's source at ``ref``, downloaded and
+    unpacked once into ``cache/<ref>/<folder>``."""
     target = cache / ref.replace("/", "_")
-    if (target / "test").is_dir():
-        return target / "test"
+    if (target / folder).is_dir():
+        return target / folder
     cache.mkdir(parents=True, exist_ok=True)
+    target.mkdir(exist_ok=True)
     if source is not None and Path(source).is_dir():
-        tests = Path(source) / "test" if (Path(source) / "test").is_dir() else Path(source)
+        found = Path(source) / folder
+        if not found.is_dir():
+            if folder == "test" and Path(source).name == "test":
+                found = Path(source)  # the test folder itself
+            else:
+                raise SystemExit(f"{source} has no {folder}/ folder: give upstream's source checkout")
         tmp = Path(tempfile.mkdtemp(dir=cache))
-        shutil.copytree(tests, tmp / "test")
-        os.replace(tmp, target)
-        return target / "test"
+        shutil.copytree(found, tmp / folder, symlinks=True)  # upstream links examples to each other
+        os.replace(tmp / folder, target / folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target / folder
     archive = Path(source) if source is not None and Path(source).is_file() else None
     if archive is None:
         url = source or ARCHIVE_URL.format(ref=ref)
         print(f"fetching {url} ...", file=sys.stderr)
         archive = cache / f"{ref.replace('/', '_')}.tar.gz"
-        try:
-            with urllib.request.urlopen(url, timeout=120) as resp, open(archive, "wb") as fh:  # noqa: S310
-                shutil.copyfileobj(resp, fh)
-        except OSError as exc:
-            archive.unlink(missing_ok=True)
-            raise SystemExit(f"cannot download {url}: {exc}\nGive a local copy with --source "
-                             "FILE.tar.gz or an unpacked source directory.") from None
+        if not archive.is_file():
+            try:
+                with urllib.request.urlopen(url, timeout=120) as resp, open(archive, "wb") as fh:  # noqa: S310
+                    shutil.copyfileobj(resp, fh)
+            except OSError as exc:
+                archive.unlink(missing_ok=True)
+                raise SystemExit(f"cannot download {url}: {exc}\nGive a local copy with --source "
+                                 "FILE.tar.gz or an unpacked source directory.") from None
     tmp = Path(tempfile.mkdtemp(dir=cache))
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers()
-                   if len(Path(m.name).parts) > 1 and Path(m.name).parts[1] == "test"]
+                   if len(Path(m.name).parts) > 1 and Path(m.name).parts[1] == folder]
         if not members:
             shutil.rmtree(tmp)
-            raise SystemExit(f"{archive} has no test/ folder (upstream's PyPI sdist does not ship "
-                             "its tests; use the GitHub archive or a git checkout)")
+            raise SystemExit(f"{archive} has no {folder}/ folder (upstream's PyPI sdist does not ship "
+                             "its tests and examples; use the GitHub archive or a git checkout)")
         try:
             tar.extractall(tmp, members=members, filter="data")
         except TypeError:  # Python without extraction filters (before 3.10.12 / 3.11.4)
-            tar.extractall(tmp, members=members)  # noqa: S202 - members are under test/ only
+            tar.extractall(tmp, members=members)  # noqa: S202 - members are under folder/ only
     top = next(tmp.iterdir())
-    os.replace(top, target)
+    os.replace(top / folder, target / folder)
     shutil.rmtree(tmp, ignore_errors=True)
-    return target / "test"
+    return target / folder
 
 
 def summarize(work: Path, file: str, np_: int, launcher: str, rc: int) -> int:

@@ -4,6 +4,8 @@ Importing this module registers the strategy name ``"horovod"`` in the strategy 
 installed Lightning 2 package: the unified ``lightning`` (``lightning.pytorch``) and the standalone
 ``pytorch_lightning``. A package already imported is registered at once; one imported later is
 registered as soon as its import finishes (this module does not import Lightning itself).
+Lightning 1's ``Trainer(accelerator="horovod")`` is registered too, as an error that names
+``strategy="horovod"`` (a Lightning 2 accelerator cannot choose the strategy).
 
 ``HorovodStrategy(...)`` builds the strategy for the Lightning package your script uses: the one
 that is imported (``lightning.pytorch`` when both are), or ``package=`` names it. ``isinstance(s,
@@ -21,6 +23,7 @@ import sys
 import threading
 from typing import Any
 
+from horovod.lightning.accelerator import register_accelerator_name
 from horovod.lightning.strategy import PACKAGES, strategy_class
 
 __all__ = ["HorovodStrategy", "strategy_class", "registered_packages"]
@@ -44,6 +47,7 @@ def _register(package: str) -> None:
     cls = strategy_class(package)
     registry = sys.modules[package + ".strategies"].StrategyRegistry
     cls.register_strategies(registry)
+    register_accelerator_name(package)
 
 
 def registered_packages() -> list[str]:

@@ -15,7 +15,8 @@ classes). What the strategy does, in Lightning's hook order:
 - automatic optimization: gradients are averaged in ``post_backward`` (``synchronize()``) and the
   optimizer steps inside ``skip_synchronize()``, so Lightning's gradient clipping and AMP unscaling
   see averaged gradients; micro-batches of an accumulation window skip the synchronization.
-  Manual optimization: ``optimizer.step()`` synchronizes, as in a plain Horovod script.
+  Manual optimization: the same after every ``manual_backward``, for every wrapped optimizer
+  (DDP's behaviour; a GAN's generator loss fills the discriminator's gradients too).
 - ``reduce`` / ``all_gather`` / ``broadcast`` / ``barrier`` / ``reduce_boolean_decision`` are
   Horovod collectives (``self.log(..., sync_dist=True)``, early stopping, checkpoint names).
 """
@@ -148,6 +149,12 @@ def _clip_across_shards(plugin: Any, lightning_optimizer_cls: type) -> None:
 
     clip_grad_by_norm._hvd_zero = True  # type: ignore[attr-defined]
     plugin.clip_grad_by_norm = clip_grad_by_norm
+
+
+def _pending(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (a ``hvd.DistributedOptimizer``) has gradient allreduces in flight."""
+    return bool(getattr(optimizer, "_handles", None) or getattr(optimizer, "_bundles", None)
+                or getattr(optimizer, "_collected", None))
 
 
 def _unwrap(optimizer: Any, lightning_optimizer_cls: type) -> Any:
@@ -309,11 +316,11 @@ def _build(package: str) -> type:
                 _clip_across_shards(self.precision_plugin, LightningOptimizer)
             for opt in self.optimizers:
                 self._broadcast_optimizer_state(_unwrap(opt, LightningOptimizer))
-            if automatic:
-                # Gradients are synchronized in post_backward; step() must not do it again.
-                self._skip_sync = contextlib.ExitStack()
-                for opt in self.optimizers:
-                    self._skip_sync.enter_context(_unwrap(opt, LightningOptimizer).skip_synchronize())
+            # Gradients are synchronized in post_backward (every wrapped optimizer, after every
+            # backward, automatic or manual optimization); step() must not do it again.
+            self._skip_sync = contextlib.ExitStack()
+            for opt in self.optimizers:
+                self._skip_sync.enter_context(_unwrap(opt, LightningOptimizer).skip_synchronize())
 
         def _wrap_optimizers(self, optimizers: list[Any], passes: int) -> list[Any]:
             assert self.lightning_module is not None
@@ -408,10 +415,32 @@ def _build(package: str) -> type:
                     opt.set_backward_passes_per_step(passes)
 
         def post_backward(self, closure_loss: torch.Tensor) -> None:
+            """Average the gradients of every wrapped optimizer, as DDP does in each backward.
+
+            Under manual optimization a backward may fill the gradients of several optimizers
+            (a GAN's generator loss reaches the discriminator's parameters) while only one of them
+            steps: each one's allreduces must end here, or its next ``zero_grad()`` finds them in
+            flight. Averaging is linear, so gradients accumulated over several backward passes
+            before a step come out as under DDP. An optimizer none of whose parameters require a
+            gradient now (``toggle_optimizer`` switched them off, on every rank) received none.
+            """
             if self._blocked or self._skip_sync is None:
-                return  # accumulating, or manual optimization (step() synchronizes)
+                return  # a micro-batch of an accumulation window, or not fitting
+            self._synchronize_all()
+
+        def _synchronize_all(self) -> None:
             for opt in self.optimizers:
-                _unwrap(opt, LightningOptimizer).synchronize()
+                opt = _unwrap(opt, LightningOptimizer)
+                if any(p.requires_grad for group in opt.param_groups for p in group["params"]):
+                    opt.synchronize()
+
+        def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+            if (self._skip_sync is not None and self.lightning_module is not None
+                    and not self.lightning_module.automatic_optimization
+                    and any(_pending(_unwrap(o, LightningOptimizer)) for o in self.optimizers)):
+                # loss.backward() instead of self.manual_backward(): no post_backward ran.
+                self._synchronize_all()
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         # ---------------------------------------------------------------- collectives
         def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

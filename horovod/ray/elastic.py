@@ -47,7 +47,10 @@ class RayHostDiscovery:
 
     @staticmethod
     def host_name(node: dict[str, Any]) -> str:
-        return f"{node['NodeManagerAddress']}-{node['NodeID'][:8]}"
+        """``<ip>-<node id prefix>`` (several raylets may share an address), or the address alone
+        for an entry without ``NodeID`` (as upstream names hosts)."""
+        node_id = node.get("NodeID")
+        return f"{node['NodeManagerAddress']}-{node_id[:8]}" if node_id else str(node["NodeManagerAddress"])
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
         import ray
@@ -62,8 +65,9 @@ class RayHostDiscovery:
                 slots = min(slots, math.floor(res.get("GPU", 0) / self.gpus_per_worker))
             if slots > 0:
                 name = self.host_name(node)
-                self.node_ids[name] = node["NodeID"]
-                hosts[name] = int(slots)
+                if node.get("NodeID"):
+                    self.node_ids[name] = node["NodeID"]
+                hosts[name] = hosts.get(name, 0) + int(slots)  # entries without ids: one host per address
         return hosts
 
 

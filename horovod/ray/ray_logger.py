@@ -2,7 +2,9 @@
 
 In the training function: ``from horovod.ray import ray_logger; ray_logger.log({"loss": l})``.
 ``RayExecutor.run(fn, callbacks=[cb])`` calls ``cb(info)`` on the driver for every value logged
-by rank 0 (by any rank with ``chief_only=False``), while the function runs.
+while the function runs: by rank 0 in a static job, by every worker in an elastic job (as
+upstream's elastic executor; workers come and go, so each reports its own events), or by every
+rank of either kind with ``chief_only=False`` (``chief_only=True``: rank 0 only).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def configure(queue: Any) -> None:
     _queue = queue
 
 
-def log(info_dict: dict[str, Any], chief_only: bool = True) -> None:
-    """Send ``info_dict`` to the driver's callbacks (only from rank 0 when ``chief_only``)."""
+def log(info_dict: dict[str, Any], chief_only: bool | None = None) -> None:
+    """Send ``info_dict`` to the driver's callbacks (only from rank 0 when ``chief_only``; by
+    default every worker of an elastic job, rank 0 of a static one)."""
     global _warned
+    if chief_only is None:
+        chief_only = os.environ.get("HOROVOD_ELASTIC") != "1"
     if chief_only and os.environ.get("HOROVOD_RANK") != "0":
         return
     if _queue is None:

@@ -9,6 +9,7 @@ successive ``run`` calls reuse them. Elastic mode (``min_workers``): see ``horov
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horovod.common import exceptions as errors
+from horovod.ray.client import client_connected, start_remote
 from horovod.ray.waiting import FAILURE_GRACE_SECONDS, failure_error, wait_all  # noqa: F401 - re-exported
 
 __all__ = ["RayExecutor", "MiniSettings"]
@@ -138,6 +140,14 @@ class RayExecutor:
         self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
         self.elastic_timeout, self.override_discovery = elastic_timeout, override_discovery
         self.adapter: Any = None
+        self._remote: Any = None  # under Ray Client: the actor running this job's driver side
+        self._kwargs = dict(num_workers=num_workers, num_hosts=num_hosts,
+                            num_workers_per_host=num_workers_per_host, cpus_per_worker=cpus_per_worker,
+                            use_gpu=use_gpu, gpus_per_worker=gpus_per_worker,
+                            use_current_placement_group=use_current_placement_group,
+                            min_workers=min_workers, max_workers=max_workers, reset_limit=reset_limit,
+                            cooldown_range=cooldown_range, elastic_timeout=elastic_timeout,
+                            override_discovery=override_discovery)
 
     # ------------------------------------------------------------------ public API
     def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
@@ -157,15 +167,15 @@ class RayExecutor:
         """
         import ray
 
-        if _ray_client_connected():
-            raise errors.LaunchError(
-                "RayExecutor: Ray Client mode (ray.init('ray://...')) is not supported: the driver "
-                "runs the job's rendezvous service, which the workers must reach. Run the driver "
-                "on a node of the cluster (ray job submit, or ray.init(address='auto') there).")
+        if self.adapter is not None or self._remote is not None:
+            self.shutdown()
+        if client_connected():
+            # Ray Client: the job's driver side runs in an actor on the cluster (horovod.ray.client).
+            self._remote = start_remote(_RemoteExecutor, self.settings, self._kwargs,
+                                        (executable_cls, executable_args, executable_kwargs, extra_env_vars))
+            return
         if not ray.is_initialized():
             ray.init()
-        if self.adapter is not None:
-            self.shutdown()
         if self.settings.elastic:
             from horovod.ray.elastic import ElasticAdapter
 
@@ -206,6 +216,10 @@ class RayExecutor:
             NotImplementedError: in elastic mode (its workers come and go).
         """
         a, kw = tuple(args or ()), dict(kwargs or {})
+        if self._remote is not None:
+            import ray
+
+            return ray.get(self._remote.run_remote.remote(lambda _executable: fn(*a, **kw)))
         return self._adapter().run_remote(lambda _executable: fn(*a, **kw))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
@@ -214,6 +228,10 @@ class RayExecutor:
         Raises:
             NotImplementedError: in elastic mode.
         """
+        if self._remote is not None:
+            import ray
+
+            return ray.get(self._remote.execute_single.remote(fn))
         return self._adapter().execute_single(fn)
 
     def shutdown(self) -> None:
@@ -221,17 +239,31 @@ class RayExecutor:
         adapter, self.adapter = self.adapter, None
         if adapter is not None:
             adapter.shutdown()
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            import ray
+
+            try:
+                ray.get(remote.shutdown.remote())
+            finally:
+                ray.kill(remote)
 
     # ------------------------------------------------------------------ internals
     def _call(self, fn: Callable[[Any], Any], label: str,
               callbacks: list[Callable[..., Any]] | None) -> list[Any]:
-        adapter = self._adapter()
+        if self._remote is not None:
+            import ray
+
+            def run(f: Callable[[Any], Any]) -> list[Any]:
+                return ray.get(self._remote.call.remote(f, label))
+        else:
+            run = functools.partial(self._adapter().run, label=label)
         if not callbacks:
-            return adapter.run(fn, label)
+            return run(fn)
         from horovod.ray.ray_logger import CallbackPump
 
-        with CallbackPump(callbacks) as pump:
-            return adapter.run(pump.wrap(fn), label)
+        with CallbackPump(callbacks) as pump:  # on this side, under Ray Client too
+            return run(pump.wrap(fn))
 
     def _adapter(self) -> Any:
         if self.adapter is None:
@@ -244,16 +276,30 @@ class RayExecutor:
             import sys
 
             ray = sys.modules.get("ray")
-            if self.adapter is not None and ray is not None and ray.is_initialized():
+            if (self.adapter is not None or self._remote is not None) and ray is not None \
+                    and ray.is_initialized():
                 self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
 
-def _ray_client_connected() -> bool:
-    try:
-        from ray.util.client import ray as client
+class _RemoteExecutor:
+    """Under Ray Client: the actor holding the cluster-side ``RayExecutor`` of a job."""
 
-        return bool(client.is_connected())
-    except Exception:  # noqa: BLE001 - no client support in this Ray: not connected through it
-        return False
+    def __init__(self, settings: MiniSettings, kwargs: dict[str, Any]) -> None:
+        self.executor = RayExecutor(settings, **kwargs)
+
+    def start(self, *args: Any) -> None:
+        self.executor.start(*args)
+
+    def call(self, fn: Callable[[Any], Any], label: str) -> list[Any]:
+        return self.executor._adapter().run(fn, label)
+
+    def run_remote(self, fn: Callable[[Any], Any]) -> list[Any]:
+        return self.executor._adapter().run_remote(fn)
+
+    def execute_single(self, fn: Callable[[Any], Any]) -> Any:
+        return self.executor._adapter().execute_single(fn)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

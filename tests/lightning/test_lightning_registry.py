@@ -28,9 +28,22 @@ s = hl.HorovodStrategy()                             # only pytorch_lightning is
 out["pl_instance"] = isinstance(s, PL.strategies.ParallelStrategy) and isinstance(s, hl.HorovodStrategy)
 t = PL.Trainer(strategy="horovod", accelerator="cpu", logger=False, enable_progress_bar=False)
 out["pl_trainer"] = [type(t.strategy).__name__, t.world_size, t.global_rank]
+try:
+    PL.Trainer(accelerator="horovod")                # Lightning 1.x's spelling
+except ValueError as e:
+    out["pl_accelerator"] = str(e)
+out["pl_accel_listed"] = "horovod" in PL.accelerators.AcceleratorRegistry.available_accelerators()
 import lightning.pytorch as L
 out["after_both"] = sorted(hl.registered_packages())
 out["l_registry"] = "horovod" in L.strategies.StrategyRegistry
+try:
+    L.Trainer(accelerator="horovod", logger=False)
+except ValueError as e:
+    out["l_accelerator"] = str(e)
+try:
+    L.Trainer(accelerator="nosuch")                  # Lightning's own message, "horovod" not usable
+except ValueError as e:
+    out["l_unknown"] = str(e)
 s2 = hl.HorovodStrategy()                            # both imported: lightning.pytorch
 s3 = hl.HorovodStrategy(package="pytorch_lightning")
 out["default_both"] = isinstance(s2, L.strategies.ParallelStrategy) and not isinstance(s2, PL.strategies.Strategy)
@@ -67,4 +80,9 @@ def test_registration_and_package_choice():
     assert out["default_both"] and out["explicit_pl"] and out["subclass"]
     assert "unknown Lightning package 'lightning.fabric'" in out["bad_package"]
     assert out["ops"] == [True] * 5
+    # accelerator="horovod" cannot choose a strategy in Lightning 2: it says which spelling does
+    for key in ("pl_accelerator", "l_accelerator"):
+        assert "strategy='horovod'" in out[key] and "Lightning 1.x" in out[key], out.get(key)
+    assert out["pl_accel_listed"]
+    assert "invalid accelerator name" in out["l_unknown"]
     assert "unsupported reduce_op 'median'" in out["bad_op"]

@@ -22,8 +22,10 @@ def _elastic_train(kill_host_suffix, min_steps, max_steps):
     import torch
 
     import horovod.torch as hvd
+    from horovod.ray import ray_logger
 
     hvd.init()
+    ray_logger.log({"started": os.getpid(), "host": os.environ["HOROVOD_ELASTIC_HOST"]})
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -50,6 +52,7 @@ def _elastic_train(kill_host_suffix, min_steps, max_steps):
             state.commit()
 
     train(state)
+    ray_logger.log({"finished": os.getpid()})
     return {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "sizes": state.sizes,
             "step_sizes": state.step_sizes,
             "host": os.environ["HOROVOD_ELASTIC_HOST"],
@@ -91,10 +94,11 @@ def test_killed_actor_survived_and_new_node_taken_in(free_cluster):
     ex.start()
     added: list = []
     outcome: dict = {}
+    logged: list = []
 
     def run():
         try:
-            outcome["out"] = ex.run(_elastic_train, args=[second, 10, 1500])
+            outcome["out"] = ex.run(_elastic_train, args=[second, 10, 1500], callbacks=[logged.append])
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             outcome["error"] = exc
 
@@ -138,6 +142,13 @@ def test_killed_actor_survived_and_new_node_taken_in(free_cluster):
     for got, want in zip(out[0]["params"], _expected_params(step_sizes)):
         # no committed step lost, applied twice or left unaveraged across the two resets
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Every worker's ray_logger values reach the callbacks (as upstream's elastic executor): the
+    # three first workers, the one on the new node; the three that finished.
+    started = [e for e in logged if "started" in e]
+    assert len(started) == 4 and len({e["started"] for e in started}) == 4, logged
+    assert any(e["host"].endswith(added[0].node_id[:8]) for e in started), started
+    assert sorted(e["finished"] for e in logged if "finished" in e) == sorted(
+        e["started"] for e in started if not e["host"].endswith(second)), logged
     text = "\n".join(events)
     assert "killed by signal 9" in text and "round 1: training resumes with 2 workers" in text, text
     assert "round 2: training resumes with 3 workers" in text, text

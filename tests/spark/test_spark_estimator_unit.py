@@ -205,3 +205,115 @@ def test_keras_flavours_serialize(tmp_path: Path) -> None:
         m2 = model_from_bytes(model_to_bytes(m), flavour)
         x = np.ones((1, 3), np.float32)
         np.testing.assert_allclose(m2.predict(x, verbose=0), m.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_keras_optimizer_state_round_trip() -> None:
+    """What the Keras estimator's checkpoint keeps of the optimizer (step count, learning rate,
+    Adam's moments) comes back into a fresh compiled model's optimizer, for both flavours: the
+    next step then matches the uninterrupted one."""
+    pytest.importorskip("tensorflow")
+    import keras
+    tf_keras = pytest.importorskip("tf_keras")
+    from horovod.spark.keras.remote import optimizer_values, restore_optimizer
+
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+    for k in (keras, tf_keras):
+        def compiled(k: Any = k) -> Any:
+            m = k.Sequential([k.Input((3,)), k.layers.Dense(1)])
+            m.compile(optimizer=k.optimizers.Adam(0.05), loss="mse")
+            return m
+
+        a = compiled()
+        a.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        saved, weights = optimizer_values(a.optimizer), a.get_weights()
+        assert int(saved[0]) == 8, (k.__name__, saved[0])  # the step count: 2 epochs of 4 batches
+        b = compiled()
+        b.set_weights(weights)
+        restore_optimizer(b.optimizer, b, saved)
+        for s, r in zip(saved, optimizer_values(b.optimizer)):
+            np.testing.assert_array_equal(s, r)
+        a.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        b.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        for wa, wb in zip(a.get_weights(), b.get_weights()):
+            np.testing.assert_allclose(wa, wb, rtol=1e-6, atol=1e-7)
+        c = compiled()
+        with pytest.raises(ValueError, match="optimizer variables"):
+            restore_optimizer(c.optimizer, c, saved[:2])
+
+
+def test_upstream_names_import() -> None:
+    """The public names of upstream's horovod.spark.{common,keras,torch,lightning} modules that
+    user code imports (upstream's examples and tests)."""
+    from horovod.spark.common import backend, constants, store, util
+    from horovod.spark.keras import estimator as keras_est
+    from horovod.spark.keras import remote as keras_remote
+    from horovod.spark.keras import util as keras_util
+    from horovod.spark.lightning import estimator as pl_est
+    from horovod.spark.lightning import remote as pl_remote
+    from horovod.spark.lightning import util as pl_util
+    from horovod.spark.torch import estimator as torch_est
+    from horovod.spark.torch import remote as torch_remote
+    from horovod.spark.torch import util as torch_util
+
+    expected = {
+        backend: ["Backend", "SparkBackend", "default_num_proc"],
+        store: ["Store", "AbstractFilesystemStore", "FilesystemStore", "LocalStore", "HDFSStore",
+                "DBFSLocalStore"],
+        constants: ["PETASTORM_HDFS_DRIVER", "METRIC_PRINT_FREQUENCY", "ARRAY", "CUSTOM_SPARSE", "NOCHANGE",
+                    "MIXED_SPARSE_DENSE_VECTOR", "SPARSE_VECTOR", "DENSE_VECTOR",
+                    "TOTAL_BUFFER_MEMORY_CAP_GIB", "BYTES_PER_GIB"],
+        util: ["prepare_data", "get_dataset_properties", "host_hash", "data_type_to_str",
+               "numpy_type_to_str", "spark_scalar_to_python_type", "pyarrow_to_spark_data_type",
+               "data_type_to_numpy", "check_shape_compatibility", "check_validation",
+               "clear_training_cache", "to_list", "is_databricks", "get_output_cols",
+               "get_spark_df_output_schema", "get_simple_meta_from_parquet", "to_petastorm_fn"],
+        keras_est: ["KerasEstimator", "KerasModel", "EstimatorParams", "KerasEstimatorParamsWriter",
+                    "KerasEstimatorParamsReader", "KerasEstimatorParamsWritable",
+                    "KerasEstimatorParamsReadable"],
+        keras_util: ["TF_KERAS"],
+        keras_remote: ["BYTES_PER_GIB", "TOTAL_BUFFER_MEMORY_CAP_GIB"],
+        torch_est: ["TorchEstimator", "TorchModel", "EstimatorParams", "TorchEstimatorParamsWriter",
+                    "TorchEstimatorParamsReader", "TorchEstimatorParamsWritable",
+                    "TorchEstimatorParamsReadable"],
+        torch_remote: ["PETASTORM_HDFS_DRIVER", "METRIC_PRINT_FREQUENCY", "TOTAL_BUFFER_MEMORY_CAP_GIB",
+                       "BYTES_PER_GIB", "CUSTOM_SPARSE"],
+        pl_est: ["TorchEstimator", "TorchModel", "MIN_PL_VERSION", "EstimatorParams",
+                 "TorchEstimatorParamsWriter", "TorchEstimatorParamsReader",
+                 "TorchEstimatorParamsWritable", "TorchEstimatorParamsReadable"],
+        pl_remote: ["METRIC_PRINT_FREQUENCY", "TOTAL_BUFFER_MEMORY_CAP_GIB", "BYTES_PER_GIB", "CUSTOM_SPARSE"],
+    }
+    for utils in (torch_util, pl_util):
+        expected[utils] = ["is_module_available", "is_module_available_fn", "serialize_fn", "deserialize_fn",
+                           "save_into_bio", "save_into_bio_fn"]
+    missing = {m.__name__: [n for n in names if not hasattr(m, n)] for m, names in expected.items()}
+    assert not any(missing.values()), missing
+    import lightning
+    from packaging.version import Version
+    assert Version(lightning.__version__) >= Version(pl_est.MIN_PL_VERSION)
+    assert util.to_list(3, 2) == [3, 3] and util.to_list([1, 2], 2) == [1, 2] and util.to_list(None, 2) is None
+    with pytest.raises(ValueError, match="must be length 3"):
+        util.to_list([1, 2], 3)
+    util.check_validation(0.2)
+    with pytest.raises(ValueError, match="range"):
+        util.check_validation(1.5)
+    with pytest.raises(ValueError, match="float.*str"):
+        util.check_validation(3)
+    meta = {"f": {"shape": [64]}, "y": {"shape": []}}
+    util.check_shape_compatibility(meta, ["f"], ["y"], input_shapes=[[-1, 8, 8]], output_shapes=[[-1]])
+    with pytest.raises(ValueError, match="Feature column 'f' with size 64"):
+        util.check_shape_compatibility(meta, ["f"], ["y"], input_shapes=[[-1, 7, 8]])
+    assert util.host_hash() == util.host_hash() != util.host_hash(salt="x")
+    ser = torch_util.serialize_fn()({"a": [1, 2]})
+    assert isinstance(ser, str) and torch_util.deserialize_fn()(ser) == {"a": [1, 2]}
+    assert torch_util.is_module_available("numpy") and not torch_util.is_module_available("no_such_mod_xyz")
+    assert torch_util.save_into_bio(b"xyz", lambda o, f: f.write(o)).read() == b"xyz"
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql.types import DoubleType, LongType, StructField, StructType
+
+    assert util.data_type_to_str(VectorUDT) == "Vector" and util.data_type_to_str(DoubleType()) == "Double"
+    assert util.data_type_to_numpy(LongType) is np.int64 and util.numpy_type_to_str(np.float32) == "Float"
+    schema = StructType([StructField("x", DoubleType())])
+    out = util.get_spark_df_output_schema(schema, ["y"], ["y_pred"], {"y": {"spark_data_type": "Vector"}})
+    assert [f.name for f in out.fields] == ["x", "y_pred"] and isinstance(out.fields[1].dataType, VectorUDT)
+    assert util.get_output_cols(schema, ["p"]) == ["x", "p"]

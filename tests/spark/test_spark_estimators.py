@@ -240,12 +240,22 @@ def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[
     loaded = KerasModel.load(str(tmp_path / "kmodel"))
     np.testing.assert_allclose(_predictions(loaded, test_df, "label_prob"),
                                _predictions(model, test_df, "label_prob"), rtol=1e-5, atol=1e-6)
-    # Resume by run_id: epochs 3 -> 4 trains one epoch from the checkpoint.
-    est = KerasEstimator(num_proc=2, store=Store.create(keras_fit["work"]), model=ex.build_model(),
+    # The checkpoint keeps the optimizer's variables: Adam's step count is 3 epochs of steps.
+    import pickle
+
+    store = Store.create(keras_fit["work"])
+    ckpt = pickle.loads(store.read_bytes(store.get_checkpoint_path("keras-run")))
+    steps3 = int(ckpt["optimizer"][0])
+    assert ckpt["epoch"] == 2 and steps3 > 0 and steps3 % 3 == 0, (ckpt["epoch"], steps3)
+    # Resume by run_id: epochs 3 -> 4 trains one epoch from the checkpoint, with the optimizer's
+    # state; a TensorBoard callback writes under the run's logs path in the store (rank 0 only).
+    user_logs = tmp_path / "tb-user"
+    est = KerasEstimator(num_proc=2, store=store, model=ex.build_model(),
                          optimizer=keras.optimizers.Adam(0.005), loss="categorical_crossentropy",
                          metrics=["accuracy"], feature_cols=["features"], label_cols=["label_vec"],
                          batch_size=32, epochs=4, validation=0.1, random_seed=1,
-                         run_id="keras-run", verbose=0, partitions_per_process=2)
+                         run_id="keras-run", verbose=0, partitions_per_process=2,
+                         callbacks=[keras.callbacks.TensorBoard(log_dir=str(user_logs))])
     est.save(str(tmp_path / "kest"))
     est2 = KerasEstimator.load(str(tmp_path / "kest"))
     assert est2.getRunId() == "keras-run" and est2.getLoss() == "categorical_crossentropy"
@@ -257,17 +267,45 @@ def test_keras_example_fits_digits_save_load_resume(spark: Any, keras_fit: dict[
     hist = resumed.getHistory()
     assert len(hist["loss"]) == 4
     assert hist["loss"][:3] == pytest.approx(model.getHistory()["loss"])
+    ckpt = pickle.loads(store.read_bytes(store.get_checkpoint_path("keras-run")))
+    assert int(ckpt["optimizer"][0]) == steps3 // 3 * 4, "the optimizer's step count must continue"
+    logs = Path(store.get_logs_path("keras-run"))
+    events = sorted(p.relative_to(logs).parts[0] for p in logs.rglob("events.out.tfevents.*"))
+    assert "train" in events and "validation" in events, sorted(logs.rglob("*"))
+    assert not user_logs.exists(), "TensorBoard must write into the store, not its own log_dir"
 
 
 def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> None:
     pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
+    import torch
+
+    from horovod.spark.common.store import Store
     from horovod.spark.lightning import TorchModel
 
     ex = _example("pytorch_lightning_spark_mnist")
-    model, acc = ex.train_and_evaluate(spark, str(tmp_path / "store"), num_proc=2, epochs=3,
-                                       partitions_per_process=2)
+    work = str(tmp_path / "store")
+    store = Store.create(work)
+
+    def lightning_checkpoint() -> dict[str, Any]:
+        import io
+
+        ckpt = torch.load(io.BytesIO(store.read_bytes(store.get_checkpoint_path("pl-run"))), weights_only=False)
+        return torch.load(io.BytesIO(ckpt["lightning"]), weights_only=False)
+
+    # Two epochs, then a resume by run_id to three: Lightning's checkpoint brings back the epoch,
+    # the step and Adam's state (its step count continues).
+    ex.train_and_evaluate(spark, work, num_proc=2, epochs=2, partitions_per_process=2, run_id="pl-run")
+    first = lightning_checkpoint()
+    steps = first["global_step"]
+    assert first["epoch"] == 1 and steps > 0 and steps % 2 == 0, (first["epoch"], steps)
+    assert {int(s["step"]) for s in first["optimizer_states"][0]["state"].values()} == {steps}
+    model, acc = ex.train_and_evaluate(spark, work, num_proc=2, epochs=3, partitions_per_process=2,
+                                       run_id="pl-run")
     assert acc >= 0.85, acc
     assert len(model.getHistory()["val_loss"]) == 3
+    last = lightning_checkpoint()
+    assert last["epoch"] == 2 and last["global_step"] == steps // 2 * 3, (last["epoch"], last["global_step"])
+    assert {int(s["step"]) for s in last["optimizer_states"][0]["state"].values()} == {steps // 2 * 3}
     model.save(str(tmp_path / "lmodel"))
     loaded = TorchModel.load(str(tmp_path / "lmodel"))
     _, test_df = ex.digits_dataframes(spark)

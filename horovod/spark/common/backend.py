@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Backend", "SparkBackend"]
+__all__ = ["Backend", "SparkBackend", "default_num_proc"]
+
+
+def default_num_proc() -> int:
+    """The active SparkContext's ``defaultParallelism`` (the backend's default ``num_proc``)."""
+    from horovod.spark.runner import _spark_context
+
+    return int(_spark_context().defaultParallelism)
 
 
 class Backend:
@@ -40,7 +47,5 @@ class SparkBackend(Backend):
 
     def num_processes(self) -> int:
         if self._num_proc is None:
-            from horovod.spark.runner import _spark_context
-
-            self._num_proc = int(_spark_context().defaultParallelism)
+            self._num_proc = default_num_proc()
         return self._num_proc

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pyspark.ml.util import MLReader, MLWriter
+from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
-__all__ = ["HorovodWriter", "HorovodReader"]
+__all__ = ["HorovodWriter", "HorovodReader", "HorovodWritable", "HorovodReadable"]
 
 
 def _plain(v: Any) -> bool:
@@ -76,3 +76,18 @@ class HorovodReader(MLReader):
         obj = self.cls(**values)
         obj._resetUid(info["uid"])
         return obj
+
+
+class HorovodWritable(MLWritable):
+    """``obj.save(path)`` / ``obj.write()`` through ``HorovodWriter`` (upstream's ``*ParamsWritable``)."""
+
+    def write(self) -> HorovodWriter:
+        return HorovodWriter(self)
+
+
+class HorovodReadable(MLReadable):
+    """``Cls.load(path)`` / ``Cls.read()`` through ``HorovodReader`` (upstream's ``*ParamsReadable``)."""
+
+    @classmethod
+    def read(cls) -> HorovodReader:
+        return HorovodReader(cls)

@@ -12,12 +12,27 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import socket
 from typing import Any
 
+from horovod.spark.common import constants
 from horovod.spark.common.store import METADATA_FILE, AbstractFilesystemStore
+from horovod.spark.common.types import (
+    data_type_to_numpy,
+    data_type_to_str,
+    numpy_type_to_str,
+    pyarrow_to_spark_data_type,
+    spark_scalar_to_python_type,
+)
 
 __all__ = ["prepare_data", "get_dataset_properties", "check_columns", "column_metadata",
-           "read_data_metadata", "DataPreparationError"]
+           "read_data_metadata", "DataPreparationError",
+           # upstream's helpers
+           "host_hash", "data_type_to_str", "numpy_type_to_str", "spark_scalar_to_python_type",
+           "pyarrow_to_spark_data_type", "data_type_to_numpy", "check_shape_compatibility",
+           "check_validation", "clear_training_cache", "to_list", "is_databricks", "get_output_cols",
+           "get_spark_df_output_schema", "get_simple_meta_from_parquet", "to_petastorm_fn"]
 
 _NUMERIC = {"ByteType": "int8", "ShortType": "int16", "IntegerType": "int32", "LongType": "int64",
             "FloatType": "float32", "DoubleType": "float64", "BooleanType": "bool"}
@@ -25,6 +40,19 @@ _SPARSE_SUFFIX = ("__sparse_indices", "__sparse_values")
 
 # Prepared datasets of this process: key of (DataFrame plan, columns, options) -> dataset index.
 _PREPARED: dict[str, str] = {}
+# Dataset index -> the store it was written to (upstream's one-argument get_dataset_properties).
+_STORES: dict[str, AbstractFilesystemStore] = {}
+
+
+class DatasetIndex(str):
+    """The index ``prepare_data`` returns: a string, usable as upstream's context manager too
+    (``with util.prepare_data(...) as idx:``)."""
+
+    def __enter__(self) -> DatasetIndex:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 class DataPreparationError(ValueError):
@@ -115,7 +143,8 @@ def prepare_data(num_processes: int, store: AbstractFilesystemStore, df: Any,
                  verbose: int = 0) -> str:
     """Write ``df``'s columns as Parquet into ``store`` (train and validation sets) and return the
     dataset index (``store.get_train_data_path(idx)``). The same DataFrame with the same options
-    in the same process reuses the data already written."""
+    in the same process reuses the data already written. The index is also a context manager, as
+    upstream's ``prepare_data`` was: ``with prepare_data(...) as idx:``."""
     roles = {**{c: "feature" for c in feature_columns}, **{c: "label" for c in label_columns}}
     columns = list(dict.fromkeys(feature_columns + label_columns))
     if sample_weight_col:
@@ -135,12 +164,13 @@ def prepare_data(num_processes: int, store: AbstractFilesystemStore, df: Any,
     if idx is not None and store.is_complete(store.get_train_data_path(idx)):
         if verbose:
             print(f"horovod.spark: reusing prepared data {store.get_train_data_path(idx)}")
-        return idx
+        return DatasetIndex(idx)
     idx = key
     meta = column_metadata(df, columns, compress_sparse)
     _write(store, df, idx, columns, meta, validation, num_processes * partitions_per_process)
     _PREPARED[key] = idx
-    return idx
+    _STORES[idx] = store
+    return DatasetIndex(idx)
 
 
 def _write(store: AbstractFilesystemStore, df: Any, idx: str, columns: list[str],
@@ -255,6 +285,206 @@ def _metadata_from_parquet(store: AbstractFilesystemStore, path: str,
             "columns": list(meta)}
 
 
-def get_dataset_properties(store: AbstractFilesystemStore, idx: Any) -> tuple[int, int, dict]:
+def get_dataset_properties(store: Any, idx: Any = None) -> tuple[Any, ...]:
+    """``(train_rows, val_rows, metadata)`` of prepared data; upstream's one-argument form
+    ``get_dataset_properties(idx)`` (an index this process prepared) gives upstream's
+    ``(train_rows, val_rows, metadata, avg_row_size)``."""
+    if idx is None and not isinstance(store, AbstractFilesystemStore):
+        idx = store
+        if idx not in _STORES:
+            raise DataPreparationError(f"Dataset index {idx!r} was not prepared by this process; "
+                                       "call get_dataset_properties(store, idx) with its store.")
+        info = read_data_metadata(_STORES[idx], idx)
+        return (info["train_rows"], info["val_rows"], info["metadata"],
+                _avg_row_size(_STORES[idx], _STORES[idx].get_train_data_path(idx)))
     info = read_data_metadata(store, idx)
     return info["train_rows"], info["val_rows"], info["metadata"]
+
+
+def _avg_row_size(store: AbstractFilesystemStore, path: str) -> float:
+    import pyarrow.parquet as pq
+
+    rows = size = 0
+    for f in store.list_parquet_files(path):
+        with store.fs.open_input_file(f) as fh:
+            md = pq.ParquetFile(fh).metadata
+        rows += md.num_rows
+        size += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+    return size / rows if rows else 0.0
+
+
+# ---------------------------------------------------------------------------- upstream's helpers
+def host_hash(salt: Any = None) -> str:
+    """This host's identity for grouping tasks: the host name and a hash of its kernel
+    namespaces (containers on one host differ), of ``CONTAINER_ID`` (a YARN container is a host
+    of its own) and of ``salt``."""
+    parts = [str(salt)] if salt else []
+    if os.environ.get("CONTAINER_ID") is not None:
+        parts.append(os.environ["CONTAINER_ID"])
+    for ns in ("mnt", "pid", "net", "uts", "ipc"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{ns}"))
+        except OSError:
+            pass
+    digest = hashlib.md5("-".join(parts).encode(), usedforsecurity=False).hexdigest()
+    return f"{socket.gethostname()}-{digest}"
+
+
+def is_databricks() -> bool:
+    return "DATABRICKS_RUNTIME_VERSION" in os.environ
+
+
+def to_list(var: Any, length: int) -> list[Any] | None:
+    """``var`` as a list of ``length`` items (one item is repeated); ``None`` stays ``None``."""
+    if var is None:
+        return None
+    if not isinstance(var, list):
+        var = [var]
+    if len(var) == 1:
+        return var * length
+    if len(var) != length:
+        raise ValueError(f"List {var} must be length {length} (found: {len(var)})")
+    return var
+
+
+def check_validation(validation: Any, df: Any = None) -> None:
+    """``validation`` is a fraction in [0, 1) or the name of a column of ``df``."""
+    if not validation:
+        return
+    if isinstance(validation, float):
+        if not 0 <= validation < 1:
+            raise ValueError(f"Validation split {validation} must be in the range: [0, 1)")
+    elif isinstance(validation, str):
+        if df is not None and validation not in df.columns:
+            raise ValueError(f"Validation column {validation} does not exist in the DataFrame")
+    else:
+        raise ValueError(f'Param validation must be of type "float" or "str", found: {type(validation)}')
+
+
+def _col_size(meta: dict[str, Any]) -> int | None:
+    shape = meta.get("shape")
+    if shape is None:
+        return None
+    return int(math.prod(shape)) if isinstance(shape, (list, tuple)) else int(shape)
+
+
+def check_shape_compatibility(metadata: dict[str, Any], feature_columns: list[str],
+                              label_columns: list[str], input_shapes: Any = None,
+                              output_shapes: Any = None, label_shapes: Any = None) -> None:
+    """Each column's element count equals that of its model input, output or label shape."""
+    def sizes(cols: list[str], shapes: Any, what: str, kind: str) -> None:
+        for i, (col, shape) in enumerate(zip(cols, shapes)):
+            have = _col_size(metadata[col])
+            want = abs(int(math.prod(shape)))
+            if have is not None and have != want:
+                raise ValueError(f"{kind} column '{col}' with size {have} must equal that of the "
+                                 f"{what} at index {i} with size {want}")
+
+    if input_shapes is not None:
+        if len(feature_columns) != len(input_shapes):
+            raise ValueError(f"Feature column count {len(feature_columns)} must equal model inputs "
+                             f"count {len(input_shapes)}")
+        sizes(feature_columns, input_shapes, "model input", "Feature")
+    if label_shapes is not None and len(label_columns) != len(label_shapes):
+        raise ValueError(f"Label column count {len(label_columns)} must equal provided label shapes "
+                         f"count {len(label_shapes)}")
+    if output_shapes is not None and len(label_columns) != len(output_shapes):
+        raise ValueError(f"Label column count {len(label_columns)} must equal model outputs count "
+                         f"{len(output_shapes)}")
+    if label_shapes is not None:
+        sizes(label_columns, label_shapes, "label shape", "Label")
+    elif output_shapes is not None:
+        sizes(label_columns, output_shapes, "model output shape", "Label")
+
+
+def clear_training_cache() -> None:
+    """Forget the data this process prepared (the next ``fit`` writes it again)."""
+    _PREPARED.clear()
+    _STORES.clear()
+
+
+def get_output_cols(input_df_schema: Any, output_cols: list[str]) -> list[str]:
+    return [f.name for f in input_df_schema.fields] + list(output_cols)
+
+
+def _spark_type(value: Any) -> Any:
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql.types import DataType, _parse_datatype_string
+
+    if isinstance(value, type):
+        return VectorUDT() if value.__name__ in ("DenseVector", "SparseVector", "VectorUDT") else value()
+    if isinstance(value, DataType):
+        return value
+    if value in ("Vector", "vector"):
+        return VectorUDT()
+    return _parse_datatype_string(str(value))
+
+
+def get_spark_df_output_schema(input_df_schema: Any, label_cols: list[str], output_cols: list[str],
+                               metadata: dict[str, Any]) -> Any:
+    """The input schema plus one output column per label column, of the label's type."""
+    from pyspark.sql.types import StructField, StructType
+
+    if len(label_cols) != len(output_cols):
+        raise ValueError("Number of output columns must equal to number of label columns.")
+    have = {f.name for f in input_df_schema.fields}
+    for col in output_cols:
+        if col in have:
+            raise ValueError(f"Output col '{col}' exists in original df schema: {have}")
+    fields = list(input_df_schema.fields)
+    for label, out in zip(label_cols, output_cols):
+        fields.append(StructField(out, _spark_type(metadata[label]["spark_data_type"]), True))
+    return StructType(fields)
+
+
+def get_simple_meta_from_parquet(store: AbstractFilesystemStore, label_columns: list[str],
+                                 feature_columns: list[str], sample_weight_col: str | None,
+                                 dataset_idx: Any = None) -> tuple[int, int, dict[str, Any], float]:
+    """Upstream's metadata of Parquet data already in the store (no DataFrame):
+    ``(train_rows, val_rows, metadata, avg_row_size)``."""
+    import pyarrow.parquet as pq
+
+    path = store.get_train_data_path(dataset_idx)
+    if not store.exists(path):
+        raise ValueError(f"{path} path does not exist in the store")
+    files = store.list_parquet_files(path)
+    if not files:
+        raise ValueError(f"{path} holds no Parquet files")
+    with store.fs.open_input_file(files[0]) as fh:
+        schema = pq.ParquetFile(fh).schema_arrow
+    cols = list(feature_columns) + list(label_columns) + ([sample_weight_col] if sample_weight_col else [])
+    metadata = {c: {"spark_data_type": pyarrow_to_spark_data_type(schema.field(c).type),
+                    "is_sparse_vector_only": False, "shape": None,
+                    "intermediate_format": constants.NOCHANGE, "max_size": None} for c in cols}
+    val_path = store.get_val_data_path(dataset_idx)
+    val_rows = _rows(store, val_path) if store.exists(val_path) else 0
+    return _rows(store, path), val_rows, metadata, _avg_row_size(store, path)
+
+
+def to_petastorm_fn(schema_cols: list[str], metadata: dict[str, Any] | None) -> Any:
+    """A row function that turns the Spark ML vectors of ``schema_cols`` into lists (``ARRAY``)
+    or ``[n, indices..., values..., zero padding]`` (``CUSTOM_SPARSE``), as upstream wrote them."""
+    def to_petastorm(row: Any) -> Any:
+        import numpy as np
+        from pyspark import Row
+        from pyspark.ml.linalg import Vector
+
+        converted = {}
+        for col in schema_cols:
+            value = row[col]
+            if not isinstance(value, Vector):
+                continue
+            fmt = metadata[col]["intermediate_format"] if metadata else constants.ARRAY
+            if fmt == constants.ARRAY:
+                converted[col] = value.toArray().tolist()
+            elif fmt == constants.CUSTOM_SPARSE:
+                pad = 2 * (metadata[col]["max_size"] - len(value.indices))  # type: ignore[index]
+                converted[col] = np.concatenate(([len(value.indices)], value.indices, value.values,
+                                                 np.zeros(pad))).tolist()
+        if not converted:
+            return row
+        d = row.asDict()
+        d.update(converted)
+        return Row(**d)
+
+    return to_petastorm

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
-from horovod.spark.common.params import declare_params
+from horovod.spark.common.params import EstimatorParams, declare_params
+from horovod.spark.common.persistence import HorovodReadable, HorovodReader, HorovodWritable, HorovodWriter
 from horovod.spark.common.util import DataPreparationError
 from horovod.spark.keras.util import (
     _shaped,
@@ -25,7 +26,9 @@ from horovod.spark.keras.util import (
     model_to_bytes,
 )
 
-__all__ = ["KerasEstimator", "KerasModel"]
+__all__ = ["KerasEstimator", "KerasModel", "KerasEstimatorParamsWriter",
+           "KerasEstimatorParamsReader", "KerasEstimatorParamsWritable",
+           "KerasEstimatorParamsReadable", "EstimatorParams"]
 
 
 class KerasEstimator(HorovodEstimator):
@@ -42,6 +45,14 @@ class KerasEstimator(HorovodEstimator):
                             f"{type(self.getModel()).__name__}.")
         if self.getOptimizer() is None or self.getLoss() is None:
             raise ValueError("KerasEstimator: give optimizer= and loss= (as model.compile takes).")
+        boards = [c for c in self.getCallbacks() or [] if type(c).__name__ == "TensorBoard"]
+        if boards:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError("KerasEstimator: callbacks holds a TensorBoard callback, but the "
+                                 "tensorboard package is not installed (its summaries need it): "
+                                 "pip install tensorboard, or drop the callback.")
 
     def _check_shapes(self, metadata: dict[str, Any]) -> None:
         shapes = input_shapes_of(self.getModel())
@@ -161,3 +172,10 @@ class KerasModel(HorovodModel):
 
 declare_params(KerasModel, [("custom_objects", {}, "custom objects for loading the model"),
                             ("_floatx", "float32", "Keras floatx of the trained model")])
+
+
+# Upstream's names for the persistence classes and the params (imported by user code and tests).
+KerasEstimatorParamsWriter = HorovodWriter
+KerasEstimatorParamsReader = HorovodReader
+KerasEstimatorParamsWritable = HorovodWritable
+KerasEstimatorParamsReadable = HorovodReadable

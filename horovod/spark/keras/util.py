@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["keras_flavour", "keras_module", "model_to_bytes", "model_from_bytes", "input_shapes_of"]
+__all__ = ["keras_flavour", "keras_module", "model_to_bytes", "model_from_bytes", "input_shapes_of", "TF_KERAS"]
+
+TF_KERAS = "tf_keras"  # upstream's name of the Keras flavour bundled with TensorFlow
 
 
 def keras_flavour(model: Any) -> str:

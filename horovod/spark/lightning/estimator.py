@@ -11,12 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 from horovod.spark.common.estimator import HorovodEstimator, TrainingSpec
-from horovod.spark.common.params import declare_params
+from horovod.spark.common.params import EstimatorParams, declare_params
+from horovod.spark.common.persistence import HorovodReadable, HorovodReader, HorovodWritable, HorovodWriter
 from horovod.spark.torch.estimator import TorchModel as _TorchModel
 from horovod.spark.torch.estimator import trained_model
 from horovod.spark.torch.util import _module_bytes, _module_from_bytes, check_input_shapes
 
-__all__ = ["TorchEstimator", "TorchModel", "lightning_package"]
+__all__ = ["TorchEstimator", "TorchModel", "lightning_package", "TorchEstimatorParamsWriter",
+           "TorchEstimatorParamsReader", "TorchEstimatorParamsWritable",
+           "TorchEstimatorParamsReadable", "EstimatorParams", "MIN_PL_VERSION"]
 
 
 def lightning_package(model: Any) -> str:
@@ -87,3 +90,14 @@ declare_params(TorchEstimator, [
     ("train_async_data_loader_queue_size", None, "batches queued by the training reader"),
     ("val_async_data_loader_queue_size", None, "batches queued by the validation reader"),
 ])
+
+
+# Upstream's names for the persistence classes and the params (imported by user code and tests).
+TorchEstimatorParamsWriter = HorovodWriter
+TorchEstimatorParamsReader = HorovodReader
+TorchEstimatorParamsWritable = HorovodWritable
+TorchEstimatorParamsReadable = HorovodReadable
+
+# The oldest Lightning this estimator trains with (upstream's examples compare the installed
+# version with it and skip below it). Lightning 2 removed the hooks 1.x estimators relied on.
+MIN_PL_VERSION = "2.0.0"

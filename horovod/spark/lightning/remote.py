@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import importlib
 import io
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+# upstream's module constants, imported from here by user code
+from horovod.spark.common.constants import (  # noqa: F401
+    BYTES_PER_GIB,
+    CUSTOM_SPARSE,
+    METRIC_PRINT_FREQUENCY,
+    TOTAL_BUFFER_MEMORY_CAP_GIB,
+)
 from horovod.spark.common.estimator import TrainingSpec
 
 __all__ = ["make_train_fn"]
@@ -53,30 +63,44 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
             torch.manual_seed(spec["random_seed"])
         model = _module_from_bytes(spec["model_bytes"])
         history: dict[str, list[float]] = {}
-        start = 0
+        start = offset = 0
+        resume_from = None  # Lightning's own checkpoint of the last epoch, as a local file
+        scratch = tempfile.mkdtemp(prefix="hvd-lightning-")
         ckpt = load_checkpoint(spec)
         if ckpt is not None:
-            model.load_state_dict(ckpt["model"])
             history, start = ckpt["history"], ckpt["epoch"] + 1
+            if ckpt.get("lightning") is not None:
+                # weights, optimizer states, LR schedulers, epoch and step: Lightning restores them
+                resume_from = os.path.join(scratch, "resume.ckpt")
+                with open(resume_from, "wb") as f:
+                    f.write(ckpt["lightning"])
+            else:  # a checkpoint of weights only
+                model.load_state_dict(ckpt["model"])
+                offset = start
 
         class Record(pl.Callback):  # type: ignore[name-defined,misc]
-            """Per-epoch metrics into the history; rank 0 checkpoints the epoch (atomically)."""
+            """Per-epoch metrics into the history; rank 0 checkpoints the epoch (atomically):
+            the weights, and Lightning's full checkpoint for resuming (optimizer states too)."""
 
             def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
                 if trainer.sanity_checking:
                     return
-                epoch = start + trainer.current_epoch
+                epoch = offset + trainer.current_epoch
                 for k, v in trainer.callback_metrics.items():
                     history.setdefault(k, []).append(float(v))
+                path = os.path.join(scratch, "epoch.ckpt")
+                trainer.save_checkpoint(path)  # every rank: it ends with a barrier
                 if rank == 0:
+                    with open(path, "rb") as f:
+                        full = f.read()
                     save_checkpoint(spec, {"model": module.state_dict(), "optimizer": None,
-                                           "epoch": epoch, "history": history})
+                                           "lightning": full, "epoch": epoch, "history": history})
 
         use_gpu = spec["use_gpu"] and torch.cuda.is_available() and spec["num_gpus"] != 0
         args: dict[str, Any] = {
             "strategy": HorovodStrategy(package=spec["package"]),
             "accelerator": "gpu" if use_gpu else "cpu", "devices": 1,
-            "max_epochs": spec["epochs"] - start, "logger": spec["logger"] or False,
+            "max_epochs": spec["epochs"] - offset, "logger": spec["logger"] or False,
             "log_every_n_steps": spec["log_every_n_steps"], "profiler": spec["profiler"],
             "enable_checkpointing": False, "enable_progress_bar": False,
             "enable_model_summary": False, "num_sanity_val_steps": 0,
@@ -89,7 +113,9 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
             val_loader = _Loader(dm.val_data(), spec["val_steps"]) if spec["val_path"] else None
             if start < spec["epochs"]:
                 trainer = pl.Trainer(**args)
-                trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader)
+                trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader,
+                            ckpt_path=resume_from)
+        shutil.rmtree(scratch, ignore_errors=True)
         if rank != 0:
             return None
         buf = io.BytesIO()

@@ -8,10 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
-from horovod.spark.common.params import declare_params
+from horovod.spark.common.params import EstimatorParams, declare_params
+from horovod.spark.common.persistence import HorovodReadable, HorovodReader, HorovodWritable, HorovodWriter
 from horovod.spark.torch.util import _module_bytes, _module_from_bytes, _to_tensor, check_input_shapes
 
-__all__ = ["TorchEstimator", "TorchModel"]
+__all__ = ["TorchEstimator", "TorchModel", "TorchEstimatorParamsWriter",
+           "TorchEstimatorParamsReader", "TorchEstimatorParamsWritable",
+           "TorchEstimatorParamsReadable", "EstimatorParams"]
 
 
 class TorchEstimator(HorovodEstimator):
@@ -140,3 +143,10 @@ def trained_model(model_cls: type[TorchModel], estimator: Any, result: dict[str,
     return model_cls(history=result["history"], model=model, feature_columns=spec["feature_cols"],
                      label_columns=spec["label_cols"], input_shapes=estimator.getInputShapes(),
                      run_id=spec["run_id"], _metadata=spec["metadata"])
+
+
+# Upstream's names for the persistence classes and the params (imported by user code and tests).
+TorchEstimatorParamsWriter = HorovodWriter
+TorchEstimatorParamsReader = HorovodReader
+TorchEstimatorParamsWritable = HorovodWritable
+TorchEstimatorParamsReadable = HorovodReadable

@@ -8,6 +8,14 @@ from typing import Any
 
 import numpy as np
 
+# upstream's module constants, imported from here by user code
+from horovod.spark.common.constants import (  # noqa: F401
+    BYTES_PER_GIB,
+    CUSTOM_SPARSE,
+    METRIC_PRINT_FREQUENCY,
+    PETASTORM_HDFS_DRIVER,
+    TOTAL_BUFFER_MEMORY_CAP_GIB,
+)
 from horovod.spark.common.estimator import TrainingSpec
 
 __all__ = ["make_train_fn", "load_checkpoint", "save_checkpoint"]

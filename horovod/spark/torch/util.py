@@ -9,7 +9,59 @@ import numpy as np
 
 from horovod.spark.common.util import DataPreparationError
 
-__all__ = ["check_input_shapes"]
+__all__ = ["check_input_shapes", "is_module_available", "is_module_available_fn", "serialize_fn",
+           "deserialize_fn", "save_into_bio", "save_into_bio_fn"]
+
+
+# -- upstream's helpers: each *_fn returns a function that ships to the executors by value ------
+def is_module_available_fn() -> Any:
+    def _is_module_available(module_name: str) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec(module_name) is not None
+    return _is_module_available
+
+
+def is_module_available(module_name: str) -> bool:
+    """Whether ``module_name`` can be imported here (without importing it)."""
+    return is_module_available_fn()(module_name)
+
+
+def serialize_fn() -> Any:
+    def _serialize(obj: Any) -> str:
+        """``obj`` (a model, an optimizer, a function) as base64 text of its cloudpickle."""
+        import base64
+
+        import cloudpickle
+
+        return base64.b64encode(cloudpickle.dumps(obj)).decode("ascii")
+    return _serialize
+
+
+def deserialize_fn() -> Any:
+    def _deserialize(data: str | bytes) -> Any:
+        """The object ``serialize_fn()`` encoded (loading runs pickled code: trusted data only)."""
+        import base64
+        import pickle
+
+        return pickle.loads(base64.b64decode(data))
+    return _deserialize
+
+
+def save_into_bio_fn() -> Any:
+    def _save_into_bio(obj: Any, save_obj_fn: Any) -> io.BytesIO:
+        """``save_obj_fn(obj, buffer)`` into a new ``BytesIO``, rewound."""
+        import io as _io
+
+        bio = _io.BytesIO()
+        save_obj_fn(obj, bio)
+        bio.seek(0)
+        return bio
+    return _save_into_bio
+
+
+def save_into_bio(obj: Any, save_obj_fn: Any) -> io.BytesIO:
+    return save_into_bio_fn()(obj, save_obj_fn)
 
 
 def _module_bytes(module: Any) -> bytes:
