@@ -151,7 +151,7 @@ def group_of(process_set: ProcessSet | None, what: str) -> tuple[int, list[int]]
     return ps_id, ranks
 
 
-def check_adasum(process_set_id: int, dtype: str, what: str = "allreduce") -> None:
+def check_adasum(process_set_id: int | None, dtype: str, what: str = "allreduce") -> None:
     """Upstream's preconditions of an Adasum allreduce on the CPU.
 
     Raises:

@@ -30,7 +30,7 @@ def start_remote(actor_cls: type, settings: Any, kwargs: dict[str, Any], start_a
     job's workers from it; returns the actor handle."""
     import ray
 
-    actor = ray.remote(num_cpus=0)(actor_cls).remote(settings, kwargs)
+    actor: Any = ray.remote(num_cpus=0)(actor_cls).remote(settings, kwargs)
     try:
         ray.get(actor.start.remote(*start_args))
     except BaseException:

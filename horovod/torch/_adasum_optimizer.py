@@ -38,8 +38,8 @@ class DistributedAdasumOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, parameter_names: dict[torch.Tensor, str], compression: Any,
                  backward_passes_per_step: int) -> None:
-        self._hvd_base = type(self).__mro__[2]  # [new class, this mixin, wrapped optimizer class]
-        self._hvd_base.__init__(self, params)
+        self._hvd_base: Any = type(self).__mro__[2]  # [new class, this mixin, wrapped optimizer class]
+        self._hvd_base.__init__(self, params)  # type: ignore[misc]  # the wrapped class, known at run time
         self._compression = compression
         self._parameter_names = parameter_names
         self.backward_passes_per_step = backward_passes_per_step

@@ -221,7 +221,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     if key is not None and tensors:
         signatures = tuple(_repeat_signature(t, h.request) for t in tensors)
         if all(sig is not None for sig in signatures):
-            _remember(key, _GroupRepeat(signatures))
+            _remember(key, _GroupRepeat(signatures))  # type: ignore[arg-type]  # None ruled out above
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 

@@ -79,8 +79,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Any, compression: Any,
                  backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
                  groups: Any, sparse_as_dense: bool, process_set: ProcessSet) -> None:
-        self._hvd_base = type(self).__mro__[2]  # [new class, this mixin, wrapped optimizer class]
-        self._hvd_base.__init__(self, params)
+        self._hvd_base: Any = type(self).__mro__[2]  # [new class, this mixin, wrapped optimizer class]
+        self._hvd_base.__init__(self, params)  # type: ignore[misc]  # the wrapped class, known at run time
         self._compression = compression
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -127,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 yield gi, p
 
-    def _names(self, named_parameters: Any) -> dict[torch.Tensor, str]:
+    def _names(self: Any, named_parameters: Any) -> dict[torch.Tensor, str]:
         if named_parameters is not None:
             named = list(named_parameters)
         else:
@@ -285,7 +285,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not collected:
             return
         params = [p for p, _ in collected]
-        handle = _resubmit_many([p.grad for p in params], [sig for _, sig in collected], defer=True)
+        grads: list[Any] = [p.grad for p in params]  # set: their hooks ran
+        handle = _resubmit_many(grads, [sig for _, sig in collected], defer=True)
         if handle is not None:
             self._bundles.append((handle, params))
             return
@@ -320,7 +321,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self.sparse_as_dense:
                 tensor = tensor.to_dense()
             else:
-                return sparse_allreduce_async(tensor, name=name, op=self.op,
+                return sparse_allreduce_async(tensor, name=str(name), op=self.op,
                                               process_set=self.process_set), None
         compressed, ctx = self._compression.compress(tensor)
         pre, post = self._scale_factors()
@@ -434,8 +435,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         passes = self.backward_passes_per_step
         for slot in self._slots.values():
             slot.delay = passes
-        for g in self._group_counts:
-            self._group_counts[g] = 0
+        for gid in self._group_counts:
+            self._group_counts[gid] = 0
 
     def _reduce_whole_step(self) -> None:
         """Hand every gradient to update (zeros where none came; sparse ones made dense), in

@@ -445,7 +445,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._reducer.set_backward_passes_per_step(passes)
 
     # ------------------------------------------------------------------ state
-    def _local_to_full(self, local: dict[str, Any]) -> dict[str, Any]:
+    def _local_to_full(self, local: dict[str, Any]) -> dict[int, Any]:
         return {self._local_index[k]: v for k, v in local["state"].items()}
 
     def full_state_dict(self, to: int | None = None) -> dict[str, Any] | None:

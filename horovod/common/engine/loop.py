@@ -180,7 +180,7 @@ class Engine:
         self._first_submit = self._last_submit = 0.0
         self._round_done = False  # this round completed some of this rank's entries
         # Bytes and tensors of memoized batches of fixed-shape operations, by batch identity.
-        self._batch_sizes: dict[int, tuple[list[Response], int, int]] = {}
+        self._batch_sizes: dict[int, tuple[Sequence[Response], int, int]] = {}
         self._straggler: StragglerDetector | None = None
         self._exchange_every = config.straggler_interval_seconds
         if self.rank == 0 and self.size > 1 and self._exchange_every > 0:
