@@ -218,7 +218,8 @@ def _build(package: str) -> type:
         Args:
             accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning
                 strategy (usually left to the Trainer's ``accelerator=``/``precision=``).
-            compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
+            compression: ``hvd.Compression.none`` (default), ``hvd.Compression.fp16``/``bf16``, or
+                ``hvd.PowerSGD(...)`` (docs/compression.md).
             op: gradient reduction, ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
             gradient_predivide_factor: as for ``hvd.DistributedOptimizer``.
             sparse_as_dense: as for ``hvd.DistributedOptimizer``.
@@ -340,7 +341,9 @@ def _build(package: str) -> type:
                     wrapped_for[id(opt)] = wrapped
                     out.append(wrapped)
                     continue
-                views = _flat_gradients(opt) if self._flat_gradients else []
+                # A stateful compression (PowerSGD) reduces every gradient of a step at once: no groups.
+                stateful = isinstance(self._compression, hvd.compression.StatefulCompressor)
+                views = _flat_gradients(opt) if self._flat_gradients and not stateful else []
                 self._views += views
                 wrapped = hvd.DistributedOptimizer(
                     opt, named_parameters=[(n, p) for n, p in named if id(p) in mine],

@@ -34,7 +34,7 @@ import torch
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average, Max, Sum
-from horovod.torch.compression import Compression
+from horovod.torch.compression import Compression, StatefulCompressor
 from horovod.torch.mpi_ops import allgather_async, allreduce_, reducescatter_async, synchronize
 from horovod.torch.optimizer import DistributedOptimizer
 
@@ -110,7 +110,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_set: the ranks that share the work; a rank outside it trains alone.
         backward_passes_per_step: backward passes accumulated locally before gradients are
             averaged (as ``DistributedOptimizer``).
-        compression: ``Compression.none``/``fp16``/``bf16`` for the gradient reduction.
+        compression: ``Compression.none``/``fp16``/``bf16`` for the gradient reduction; with
+            ``stage=1`` also a stateful compression such as ``hvd.PowerSGD``.
         op: ``Average`` or ``Sum`` (Adasum is not a sharded reduction).
         gradient_predivide_factor: divide by this before the sum, multiply after (Average only).
         named_parameters: optional ``model.named_parameters()``: names for the reductions and the
@@ -180,6 +181,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return "gradient_predivide_factor not supported with op != Average"
         if self.backward_passes_per_step <= 0:
             return "backward_passes_per_step must be > 0"
+        if self.stage == 2 and isinstance(self._compression, StatefulCompressor):
+            return (f"compression={self._compression!r} reduces the whole gradient set itself; stage 2 "
+                    "reduce-scatters the gradients: use stage=1 with it, or a stateless compression")
         if not isinstance(self._optimizer_class, type) or not issubclass(
                 self._optimizer_class, torch.optim.Optimizer):
             return f"optimizer_class must be a torch.optim.Optimizer class, got {self._optimizer_class!r}"

@@ -78,6 +78,21 @@ def _zero_fits(tmp: str) -> dict:
     _, resumed = fit("horovod_zero", epochs=3, ckpt=path)
     got = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()])
     out["resumed"] = float((got - want).abs().max() / want.abs().max())
+    # PowerSGD through the strategy: plain and ZeRO stage 1 apply the same compressed averages
+    # (identical weights), which differ from the uncompressed run's; stage 2 refuses it
+    _, plain_psgd = fit(HorovodStrategy(compression=hvd.PowerSGD(rank=1, start_iter=2)))
+    _, zero_psgd = fit(HorovodStrategy(zero_stage=1, compression=hvd.PowerSGD(rank=1, start_iter=2)))
+    a = torch.cat([p.detach().reshape(-1) for p in plain_psgd.parameters()])
+    b = torch.cat([p.detach().reshape(-1) for p in zero_psgd.parameters()])
+    out["powersgd_zero1_vs_plain"] = float((a - b).abs().max())
+    out["powersgd_vs_uncompressed"] = float((a - want).abs().max())
+    out["powersgd_ranks_agree"] = len({tuple(w.tolist()) for w in hvd.allgather_object(a)}) == 1
+    try:
+        hvd.ZeroRedundancyOptimizer(Net().parameters(), torch.optim.AdamW, stage=2,
+                                    compression=hvd.PowerSGD(rank=1), lr=0.02)
+        out["powersgd_stage2"] = "accepted"
+    except ValueError as exc:
+        out["powersgd_stage2"] = str(exc)
     return out
 
 
@@ -89,3 +104,7 @@ def test_lightning_zero_strategy(tmp_path):
         assert res["horovod_zero"] <= 1e-5 and res["zero_stage=2"] <= 1e-5, res
         assert res["ckpt_state_entries"] == 4, res
         assert res["resumed"] <= 1e-5, res
+        assert res["powersgd_ranks_agree"], res
+        assert res["powersgd_zero1_vs_plain"] <= 1e-6, res
+        assert res["powersgd_vs_uncompressed"] > 1e-4, res  # the compression took effect
+        assert "use stage=1" in res["powersgd_stage2"], res
