@@ -16,6 +16,8 @@ import tempfile
 
 import pytest
 
+from tests import _apt
+
 _NAMES = ("chromium", "chromium-browser")
 
 
@@ -30,21 +32,7 @@ def _find() -> str | None:
 @functools.cache
 def _install() -> str | None:
     """Install the ``chromium`` package; the reason it failed, or None."""
-    if shutil.which("apt-get") is None:
-        return "the page test needs Chromium and there is no apt-get to install it"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        if res.returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600, env=env)
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the page test needs Chromium; apt-get install chromium failed: {exc}"
-    if res.returncode != 0 or _find() is None:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
-        return f"the page test needs Chromium; apt-get install chromium failed: {tail[0]}"
-    return None
+    return _apt.install(["chromium"], "the page test", lambda: _find() is None)
 
 
 def chromium() -> str:

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests import _apt
+
 __all__ = ["FakeHosts", "FakeHostsError", "unavailable_reason"]
 
 RUN_DIR = Path("/run/horovod-fakehosts")
@@ -79,30 +81,7 @@ def _install_packages() -> str | None:
     if not missing:
         return None
     pkgs = sorted({_PACKAGES[c] for c in missing})
-    if shutil.which("apt-get") is None:
-        return f"fake hosts need {', '.join(pkgs)} and there is no apt-get to install them"
-    # Keep the package's maintainer scripts from starting a system-wide sshd.
-    policy = Path("/usr/sbin/policy-rc.d")
-    ours = not policy.exists()
-    if ours:
-        policy.write_text("#!/bin/sh\nexit 101\n")
-        policy.chmod(0o755)
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *pkgs]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        if res.returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600, env=env)
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"fake hosts need {', '.join(pkgs)}; apt-get install failed: {exc}"
-    finally:
-        if ours:
-            policy.unlink(missing_ok=True)
-    if res.returncode != 0 or _missing_commands():
-        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
-        return f"fake hosts need {', '.join(pkgs)}; apt-get install failed: {tail[0]}"
-    return None
+    return _apt.install(pkgs, "fake hosts", _missing_commands)
 
 
 @functools.cache

@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tests import _apt
+
 __all__ = ["SlurmCluster", "SlurmError", "unavailable_reason"]
 
 RUN_DIR = Path("/run/horovod-slurm")
@@ -67,29 +69,7 @@ def _install_packages() -> str | None:
     if not missing:
         return None
     pkgs = sorted({_PACKAGES[c] for c in missing})
-    if shutil.which("apt-get") is None:
-        return f"a Slurm cluster needs {', '.join(pkgs)} and there is no apt-get to install them"
-    policy = Path("/usr/sbin/policy-rc.d")  # keep the packages from starting system daemons
-    ours = not policy.exists()
-    if ours:
-        policy.write_text("#!/bin/sh\nexit 101\n")
-        policy.chmod(0o755)
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600", *pkgs]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        if res.returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600, env=env)
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"a Slurm cluster needs {', '.join(pkgs)}; apt-get install failed: {exc}"
-    finally:
-        if ours:
-            policy.unlink(missing_ok=True)
-    if res.returncode != 0 or _missing_commands():
-        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
-        return f"a Slurm cluster needs {', '.join(pkgs)}; apt-get install failed: {tail[0]}"
-    return None
+    return _apt.install(pkgs, "a Slurm cluster", _missing_commands)
 
 
 @functools.cache
