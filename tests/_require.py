@@ -2,7 +2,7 @@
 failure that names the flag and the skip's reason (``.ci/run`` sets them; ``HVD_TEST_REQUIRE_GPU``
 works the same way in ``tests/gpu/conftest.py``).
 
-A test belongs to a tier by its marker (``-m fakehosts``, ``spark``, ``ray``), by its directory
+A test belongs to a tier by its marker (``-m fakehosts``, ``spark``, ``ray``, ``slurm``), by its directory
 (``tests/spark``, ``tests/ray``), or, for fake hosts, by using the ``fakehosts_factory`` fixture.
 """
 
@@ -16,7 +16,7 @@ __all__ = ["REQUIRE_FLAGS", "required_tier", "enforce"]
 
 #: tier -> the variable that makes its skips failures
 REQUIRE_FLAGS = {"fakehosts": "HVD_TEST_REQUIRE_FAKEHOSTS", "spark": "HVD_TEST_REQUIRE_SPARK",
-                 "ray": "HVD_TEST_REQUIRE_RAY"}
+                 "ray": "HVD_TEST_REQUIRE_RAY", "slurm": "HVD_TEST_REQUIRE_SLURM"}
 
 
 def required_tier(item: Any, environ: Mapping[str, str]) -> str | None:

@@ -2,7 +2,7 @@
 
 Skipped, with the reason, where it cannot run (not root, no apt to install ``slurm-wlm``/``munge``;
 a cluster that is installed but does not come up is a failure);
-``HOROVOD_TEST_REQUIRE_SLURM=1`` turns that skip into a failure (CI sets it).
+``HVD_TEST_REQUIRE_SLURM=1`` turns that skip into a failure (CI sets it).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tests._slurm import SlurmCluster, SlurmError, unavailable_reason
 
 
 def _unavailable(reason: str) -> None:
-    if os.environ.get("HOROVOD_TEST_REQUIRE_SLURM", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"HOROVOD_TEST_REQUIRE_SLURM is set but no Slurm cluster can run here: {reason}",
+    if os.environ.get("HVD_TEST_REQUIRE_SLURM", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"HVD_TEST_REQUIRE_SLURM is set but no Slurm cluster can run here: {reason}",
                     pytrace=False)
     pytest.skip(reason)
 
