@@ -11,7 +11,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 
@@ -52,3 +52,18 @@ def install(pkgs: Sequence[str], need: str, still_missing: Callable[[], object])
         tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
         return f"{need} needs {names}; apt-get install failed: {tail[0]}"
     return None
+
+
+def missing_commands(packages: Mapping[str, str]) -> list[str]:
+    """The commands of ``packages`` (command or absolute path -> the package providing it) that
+    are not there."""
+    return [c for c in packages if not (os.access(c, os.X_OK) if c.startswith("/") else shutil.which(c))]
+
+
+def install_missing(packages: Mapping[str, str], need: str) -> str | None:
+    """Install the packages of the commands that are missing; None when all are there."""
+    missing = missing_commands(packages)
+    if not missing:
+        return None
+    pkgs = sorted({packages[c] for c in missing})
+    return install(pkgs, need, lambda: missing_commands(packages))

@@ -59,17 +59,9 @@ def _sh(argv: Sequence[str], *, check: bool = True, timeout: float = 60,
     return res
 
 
-def _missing_commands() -> list[str]:
-    return [c for c in _PACKAGES if not (os.access(c, os.X_OK) if c.startswith("/") else shutil.which(c))]
-
-
 def _install_packages() -> str | None:
     """Install what is missing with apt-get; the reason it failed, or None."""
-    missing = _missing_commands()
-    if not missing:
-        return None
-    pkgs = sorted({_PACKAGES[c] for c in missing})
-    return _apt.install(pkgs, "a Slurm cluster", _missing_commands)
+    return _apt.install_missing(_PACKAGES, "a Slurm cluster")
 
 
 @functools.cache

@@ -9,6 +9,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import StatefulCompressor
 from horovod.torch.powersgd import PowerSGD, _orthogonalize_
+from tests.torch.test_powersgd import resnet18_shapes
 
 pytestmark = pytest.mark.unit
 
@@ -64,21 +65,8 @@ def test_exported_and_an_instance_of_the_interface():
     assert repr(PowerSGD(rank=2, seed=3)).startswith("PowerSGD(rank=2, start_iter=10")
 
 
-def _resnet18_shapes():
-    """torchvision's ResNet-18 parameter shapes (as ``test_powersgd.resnet18_shapes``)."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]
-    inp = 64
-    for width in (64, 128, 256, 512):
-        for b in range(2):
-            shapes += [(width, inp, 3, 3), (width,), (width,), (width, width, 3, 3), (width,), (width,)]
-            if b == 0 and inp != width:
-                shapes += [(width, inp, 1, 1), (width,), (width,)]
-            inp = width
-    return shapes + [(1000, 512), (1000,)]
-
-
 def test_resnet18_plan_is_under_a_tenth():
-    before, after = PowerSGD(rank=2, min_compression_rate=2).compressed_numel(_resnet18_shapes())
+    before, after = PowerSGD(rank=2, min_compression_rate=2).compressed_numel(resnet18_shapes())
     assert before == 11_689_512
     assert after * 10 <= before, (before, after)
 
