@@ -40,6 +40,9 @@ class MiniSettings:
     extra: dict[str, Any] = field(default_factory=dict)
     # Elastic mode with override_discovery=False: find_available_hosts_and_slots() -> {host: slots}
     discovery: Any = None
+    # The job's live view on the driver (horovodrun --monitor-port; docs/monitor.md): None is off.
+    monitor_port: int | None = None
+    monitor_address: str | None = None
 
 
 def _label(fn: Callable[..., Any]) -> str:
@@ -72,7 +75,8 @@ class RayExecutor:
     @classmethod
     def create_settings(cls, timeout_s: int = 30, ssh_identity_file: str | None = None,
                         ssh_str: str | None = None, placement_group_timeout_s: int = 100,
-                        nics: set[str] | None = None) -> MiniSettings:
+                        nics: set[str] | None = None, monitor_port: int | None = None,
+                        monitor_address: str | None = None) -> MiniSettings:
         """Settings for ``RayExecutor``.
 
         Args:
@@ -81,13 +85,18 @@ class RayExecutor:
                 ``ssh_identity_file`` with mode 0600); Ray starts the workers, so no ssh is used.
             placement_group_timeout_s: how long ``start()`` waits for the resources.
             nics: network interfaces for Gloo (the first one is used).
+            monitor_port / monitor_address: serve the job's live view, Prometheus metrics and
+                JSON from the driver between ``start()`` and ``shutdown()``
+                (``horovodrun --monitor-port``; docs/monitor.md); port 0 picks a free port, and
+                ``start()`` prints the URL. The ranks report over the job's rendezvous service.
         """
         if ssh_str and ssh_identity_file and not os.path.exists(ssh_identity_file):
             fd = os.open(ssh_identity_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(ssh_str)
         return MiniSettings(ssh_identity_file=ssh_identity_file, timeout_s=timeout_s,
-                            placement_group_timeout_s=placement_group_timeout_s, nics=nics)
+                            placement_group_timeout_s=placement_group_timeout_s, nics=nics,
+                            monitor_port=monitor_port, monitor_address=monitor_address)
 
     def __init__(self, settings: MiniSettings, num_workers: int | None = None,
                  num_hosts: int | None = None, num_workers_per_host: int | None = 1,
@@ -140,6 +149,7 @@ class RayExecutor:
         self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
         self.elastic_timeout, self.override_discovery = elastic_timeout, override_discovery
         self.adapter: Any = None
+        self.monitor: Any = None  # horovod.runner.monitor.MonitorService, with settings.monitor_port
         self._remote: Any = None  # under Ray Client: the actor running this job's driver side
         self._kwargs = dict(num_workers=num_workers, num_hosts=num_hosts,
                             num_workers_per_host=num_workers_per_host, cpus_per_worker=cpus_per_worker,
@@ -184,8 +194,14 @@ class RayExecutor:
             from horovod.ray.static import StaticAdapter
 
             adapter = StaticAdapter(self)
-        adapter.start(executable_cls, executable_args, executable_kwargs, extra_env_vars or {})
-        self.adapter = adapter
+        self._open_monitor()  # before any worker starts: a port in use fails here
+        try:
+            adapter.start(executable_cls, executable_args, executable_kwargs, extra_env_vars or {})
+            self.adapter = adapter
+            self._attach_monitor()
+        except BaseException:
+            self._close_monitor()
+            raise
 
     def run(self, fn: Callable[..., Any], args: list[Any] | tuple[Any, ...] | None = None,
             kwargs: dict[str, Any] | None = None, callbacks: list[Callable[..., Any]] | None = None,
@@ -235,10 +251,13 @@ class RayExecutor:
         return self._adapter().execute_single(fn)
 
     def shutdown(self) -> None:
-        """Stop the workers and release their resources and the rendezvous service."""
+        """Stop the workers and release their resources, the rendezvous service and the monitor."""
         adapter, self.adapter = self.adapter, None
-        if adapter is not None:
-            adapter.shutdown()
+        try:
+            if adapter is not None:
+                adapter.shutdown()
+        finally:
+            self._close_monitor()
         remote, self._remote = self._remote, None
         if remote is not None:
             import ray
@@ -257,13 +276,58 @@ class RayExecutor:
             def run(f: Callable[[Any], Any]) -> list[Any]:
                 return ray.get(self._remote.call.remote(f, label))
         else:
-            run = functools.partial(self._adapter().run, label=label)
+            run = functools.partial(self._run_adapter, label=label)
         if not callbacks:
             return run(fn)
         from horovod.ray.ray_logger import CallbackPump
 
         with CallbackPump(callbacks) as pump:  # on this side, under Ray Client too
             return run(pump.wrap(fn))
+
+    def _run_adapter(self, fn: Callable[[Any], Any], label: str) -> list[Any]:
+        try:
+            return list(self._adapter().run(fn, label))
+        except errors.WorkerFailedError as exc:
+            if self.monitor is not None:  # the page shows the failure and its culprit
+                from horovod.runner.monitor.cluster import job_failed
+
+                job_failed(self.monitor, exc)
+            raise
+
+    # ------------------------------------------------------------------ the monitor
+    def _open_monitor(self) -> None:
+        from horovod.runner.monitor.cluster import open_monitor
+        from horovod.runner.rendezvous import make_secret
+
+        # Reports come over the job's rendezvous service (attach); nothing posts to the
+        # service's own port, whose secret is therefore one nobody holds.
+        self.monitor = open_monitor(getattr(self.settings, "monitor_port", None),
+                                    getattr(self.settings, "monitor_address", None), make_secret(),
+                                    self.num_workers or (self.num_hosts or 0) * self.num_workers_per_host,
+                                    "RayExecutor")
+
+    def _attach_monitor(self) -> None:
+        """Point every rank's reports at the monitor, over the job's rendezvous service."""
+        if self.monitor is None:
+            return
+        import ray
+
+        from horovod.runner.monitor.cluster import attach
+
+        adapter = self.adapter
+        if self.settings.elastic:  # workers start with each run, with the adapter's extra env
+            adapter.extra_env.update(attach(self.monitor, adapter.job, lambda: adapter.driver))
+        else:  # the actors read their environment at hvd.init(), in run()
+            env = attach(self.monitor, adapter.job)
+            self.monitor.state.world_size = len(adapter.workers)
+            ray.get([w.update_env_vars.remote(env) for w in adapter.workers])
+
+    def _close_monitor(self) -> None:
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            from horovod.runner.monitor.cluster import close
+
+            close(monitor)
 
     def _adapter(self) -> Any:
         if self.adapter is None:
@@ -293,7 +357,7 @@ class _RemoteExecutor:
         self.executor.start(*args)
 
     def call(self, fn: Callable[[Any], Any], label: str) -> list[Any]:
-        return self.executor._adapter().run(fn, label)
+        return self.executor._run_adapter(fn, label)
 
     def run_remote(self, fn: Callable[[Any], Any]) -> list[Any]:
         return self.executor._adapter().run_remote(fn)

@@ -322,7 +322,8 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
                 nics: list[str] | set[str] | None = None,
                 prefix_output_with_timestamp: bool = False, min_np: int | None = None,
-                max_np: int | None = None) -> list[Any]:
+                max_np: int | None = None, monitor_port: int | None = None,
+                monitor_address: str | None = None) -> list[Any]:
     """Run ``fn`` as an elastic Horovod job over Spark executors (Gloo).
 
     ``fn`` should be an elastic training function (``hvd.elastic.run`` around the loop, state
@@ -339,7 +340,8 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
             workers is ``elastic_timeout``.
         elastic_timeout: seconds to wait for enough workers (``HOROVOD_ELASTIC_TIMEOUT``, 600).
         reset_limit: most resets before the job fails.
-        env, stdout, stderr, verbose, nics, prefix_output_with_timestamp: as ``run``.
+        env, stdout, stderr, verbose, nics, prefix_output_with_timestamp, monitor_port,
+            monitor_address: as ``run`` (the monitor also shows the elastic rounds).
 
     Returns:
         The values returned by the workers of the final round, in rank order.
@@ -371,4 +373,7 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
                       elastic_timeout, reset_limit, env, stdout, stderr,
                       sorted(nics) if isinstance(nics, set) else list(nics or []),
                       prefix_output_with_timestamp)
-    return job.run()
+    from horovod.runner.monitor.cluster import run_monitored
+
+    return run_monitored(job, monitor_port, monitor_address, "horovod.spark.run_elastic", stderr,
+                         lambda: job.driver)

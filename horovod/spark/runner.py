@@ -235,7 +235,8 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, An
         extra_mpi_args: str | None = None, env: dict[str, str] | None = None,
         stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
         nics: list[str] | set[str] | None = None, prefix_output_with_timestamp: bool = False,
-        executable: str | None = None) -> list[Any]:
+        executable: str | None = None, monitor_port: int | None = None,
+        monitor_address: str | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as a Horovod job of ``num_proc`` Spark tasks.
 
     Every task runs one rank; ranks are grouped by executor host, so ``hvd.local_rank()`` and
@@ -255,6 +256,10 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, An
         nics: network interfaces to use (the first one binds the service and Gloo).
         prefix_output_with_timestamp: put ``time.asctime()`` before every output line.
         executable: the Python that runs the ranks on the executors (default: the executor's).
+        monitor_port / monitor_address: serve the job's live view, Prometheus metrics and JSON
+            on the driver while the job runs (``horovodrun --monitor-port``; docs/monitor.md);
+            port 0 picks a free port, the URL is printed to ``stderr``. The ranks report over
+            the job's rendezvous service.
 
     Returns:
         One return value per rank, in rank order.
@@ -286,4 +291,6 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, An
     job = _Job(sc, fn, tuple(args), dict(kwargs or {}), num_proc, timeout, env, stdout, stderr,
                sorted(nics) if isinstance(nics, set) else list(nics or []),
                prefix_output_with_timestamp, executable)
-    return job.run()
+    from horovod.runner.monitor.cluster import run_monitored
+
+    return run_monitored(job, monitor_port, monitor_address, "horovod.spark.run", stderr)

@@ -24,14 +24,14 @@ _LINGERING: list[tuple[MonitorService, float]] = []
 
 def start_monitor(secret: str, port: int, address: str | None, world_size: int,
                   ranks: dict[int, tuple[str, int]] | None = None,
-                  out: IO[str] | None = None) -> MonitorService:
-    """Bind and start the service, and print its URL.
+                  out: IO[str] | None = None, who: str = "horovodrun") -> MonitorService:
+    """Bind and start the service, and print its URL (after ``who``: the launcher's name).
 
     Raises:
         LaunchError: the port is in use or the address is not this host's.
     """
     svc = MonitorService(secret, port, address or "127.0.0.1", JobState(world_size, ranks))
-    print(f"horovodrun: monitor at {svc.url} (metrics: /metrics, JSON: /api/job)",
+    print(f"{who}: monitor at {svc.url} (metrics: /metrics, JSON: /api/job)",
           file=out or sys.stderr, flush=True)
     return svc
 

@@ -40,7 +40,7 @@ from horovod.common.rendezvous import AUTH_HEADER, MAX_SKEW_SECONDS, SIG_HEADER,
 from horovod.runner.monitor import exposition, page
 from horovod.runner.monitor.state import JobState
 
-__all__ = ["MonitorService", "MAX_CONNECTIONS", "MAX_REPORT_BYTES"]
+__all__ = ["MonitorService", "MAX_CONNECTIONS", "MAX_REPORT_BYTES", "answer_report"]
 
 log = logging.getLogger("horovod.runner")
 
@@ -147,13 +147,23 @@ class _Handler(BaseHTTPRequestHandler):
         if urlsplit(self.path).path != "/api/report":
             self._answer(404, b"", request_mac=mac)
             return
-        try:
-            report = json.loads(body)
-            self.server.service.state.ingest(report)
-        except (ValueError, KeyError, TypeError) as exc:
-            self._answer(400, str(exc).encode(), "text/plain", request_mac=mac)
-            return
-        self._answer(200, b"{}", request_mac=mac)
+        status, answer = answer_report(self.server.service.state, body)
+        self._answer(status, answer, "application/json" if status == 200 else "text/plain",
+                     request_mac=mac)
+
+
+def answer_report(state: JobState, body: bytes) -> tuple[int, bytes]:
+    """Take one signed rank report (a JSON body) into ``state``: (HTTP status, answer body).
+
+    The one place a report is accepted, whether it came to this service or to a job's rendezvous
+    service (``horovod.runner.monitor.cluster``: Spark and Ray jobs)."""
+    if len(body) > MAX_REPORT_BYTES:
+        return 413, b"report too large"
+    try:
+        state.ingest(json.loads(body))
+    except (ValueError, KeyError, TypeError) as exc:
+        return 400, str(exc).encode()
+    return 200, b"{}"
 
 
 def _loopback(addr: str) -> bool:

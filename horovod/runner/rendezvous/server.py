@@ -183,6 +183,10 @@ class _Handler(BaseHTTPRequestHandler):
                 log.exception("rendezvous: elastic call %s failed", parts[1])
                 status, answer = 500, str(exc).encode()
             self._answer(status, answer, mac)
+        elif parts == ["api", "report"] and self.command == "POST":
+            report = self.server.report_handler
+            status, answer = report(body) if report is not None else (404, b"")
+            self._answer(status, answer, mac)
         elif len(parts) == 2 and parts[0] == "slot" and self.command == "GET":
             info = self.server.slots.get(parts[1])
             self._answer(404 if info is None else 200, json.dumps(info).encode() if info else b"",
@@ -210,6 +214,9 @@ class _Server(ThreadingHTTPServer):
         self.log = RefusalLog(log, f"rendezvous {addr[0]}:{self.server_address[1]}")
         # POST /elastic/<call>: (call, body) -> (status, answer), set by the elastic driver.
         self.elastic_handler: Callable[[str, bytes], tuple[int, bytes]] | None = None
+        # POST /api/report: body -> (status, answer), set when a monitor takes the ranks' reports
+        # over this service (horovod.runner.monitor.cluster: Spark and Ray jobs).
+        self.report_handler: Callable[[bytes], tuple[int, bytes]] | None = None
         self._nonces: dict[str, float] = {}
         self.max_connections, self.max_unauthenticated = max_connections, max_unauthenticated
         self.max_per_address, self.header_seconds = max_per_address, header_seconds
@@ -431,6 +438,10 @@ class RendezvousServer:
     def set_elastic_handler(self, handler: Callable[[str, bytes], tuple[int, bytes]] | None) -> None:
         """Answer ``POST /elastic/<call>`` with ``handler(call, body) -> (status, body)``."""
         self._server.elastic_handler = handler
+
+    def set_report_handler(self, handler: Callable[[bytes], tuple[int, bytes]] | None) -> None:
+        """Answer ``POST /api/report`` (a rank's monitor report) with ``handler(body)``."""
+        self._server.report_handler = handler
 
     def stop(self) -> None:
         self._server.shutdown()

@@ -1,0 +1,106 @@
+"""The monitor of jobs whose ranks a cluster engine starts: ``horovod.spark.run``,
+``horovod.spark.run_elastic`` and ``RayExecutor`` (docs/monitor.md).
+
+The service itself is the one ``horovodrun --monitor-port`` starts (``MonitorService``), in the
+process where the job's driver lives (the Spark driver, the Ray driver). The ranks do not need to
+reach it: they post their reports to the job's rendezvous service (``FunctionJob``), which the
+executors or actors already reach and which checks the job secret on every request; that service
+hands each report to the monitor in process (``attach``). So a monitor on ``127.0.0.1`` serves a
+job whose ranks run on other machines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import IO, Any
+
+from horovod.common import wire
+from horovod.runner.monitor import start_monitor
+from horovod.runner.monitor.service import MonitorService, answer_report
+
+__all__ = ["open_monitor", "attach", "job_failed", "close", "run_monitored"]
+
+
+def open_monitor(port: int | None, address: str | None, secret: str, world_size: int,
+                 who: str, out: IO[str] | None = None) -> MonitorService | None:
+    """Start the service when ``port`` is not None and print its URL; call before any rank starts.
+
+    Raises:
+        LaunchError: the port is in use or the address is not this host's (no rank started).
+    """
+    if port is None:
+        return None
+    return start_monitor(secret, port, address, world_size, out=out, who=who)
+
+
+def attach(svc: MonitorService, job: Any,
+           driver: Callable[[], Any] | None = None) -> dict[str, str]:
+    """Take the ranks' reports over ``job``'s rendezvous service (a ``FunctionJob``) into ``svc``.
+
+    ``driver`` returns the job's elastic driver (or None between runs): the monitor then shows its
+    rounds and workers. Returns the variables every rank needs to report (add them to its
+    environment; the job secret reaches the ranks as it already does).
+    """
+    state = svc.state
+    job.server.set_report_handler(lambda body: answer_report(state, body))
+    if driver is not None:
+        from horovod.runner.elastic.launch import elastic_status
+
+        def elastic() -> dict[str, Any]:
+            d = driver()
+            return elastic_status(d) if d is not None else {"rounds": 0, "resets": 0, "workers": {}}
+
+        state.elastic = elastic
+    return {wire.MONITOR_ADDR_ENV: str(job.addr), wire.MONITOR_PORT_ENV: str(job.port)}
+
+
+def job_failed(svc: MonitorService, error: BaseException) -> None:
+    """Show ``error`` (a ``WorkerFailedError`` names its rank and host) as the job's failure."""
+    rank = getattr(error, "rank", None)
+    host = getattr(error, "host", None) or ""
+    if not host and isinstance(rank, int):
+        row = next((r for r in svc.state.job()["ranks"] if r["rank"] == rank), None)
+        host = row["host"] if row is not None else ""
+    svc.state.set_failure(rank if isinstance(rank, int) else None, str(host),
+                          type(error).__name__, str(error)[:4000])
+    for other in getattr(error, "ranks", None) or []:
+        if isinstance(other, int) and other != rank:
+            svc.state.set_stopped(other)
+
+
+def close(svc: MonitorService | None, error: BaseException | None = None) -> None:
+    """The job ended (with ``error``, or not): record how, and stop the service."""
+    if svc is None:
+        return
+    try:
+        if error is not None:
+            job_failed(svc, error)
+        svc.state.set_finished(0 if error is None else 1)
+    finally:
+        svc.stop()
+
+
+def run_monitored(job: Any, port: int | None, address: str | None, who: str,
+                  out: IO[str] | None = None, driver: Callable[[], Any] | None = None) -> Any:
+    """``job.run()`` for a job of ``horovod.spark.run`` or ``run_elastic`` (``job.job``: its
+    ``FunctionJob``; ``job.env``: what its ranks get), with the monitor started first when
+    ``port`` is given (a port in use fails before any task starts), the ranks' reports taken over
+    the job's rendezvous service, and the job's outcome shown at its end. ``driver``: the elastic
+    driver, whose rounds the monitor shows (the world size then comes from the ranks' reports).
+    """
+    try:
+        monitor = open_monitor(port, address, job.job.secret,
+                               0 if driver is not None else job.num_proc, who, out)
+    except BaseException:
+        job.job.stop()
+        raise
+    if monitor is not None:
+        job.env.update(attach(monitor, job.job, driver))
+    error: BaseException | None = None
+    try:
+        return job.run()
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        close(monitor, error)
