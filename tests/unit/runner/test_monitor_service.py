@@ -244,3 +244,49 @@ def test_command_line_options() -> None:
     assert s.monitor_port is None
     with pytest.raises(ConfigError, match="--monitor-port 70000"):
         settings_from_args(parse_args(["-np", "2", "--monitor-port", "70000", "python", "train.py"]))
+
+
+def test_reports_over_a_jobs_rendezvous_service() -> None:
+    """Spark and Ray jobs: the ranks post to the job's rendezvous service (which they reach
+    already), signed with the job secret; it hands the reports to the monitor in process."""
+    from horovod.common import wire
+    from horovod.runner.function_job import FunctionJob
+    from horovod.runner.monitor.cluster import attach, close
+    from horovod.runner.monitor.service import MAX_REPORT_BYTES
+
+    svc = MonitorService(make_secret(), 0, state=JobState(2))
+    with FunctionJob("127.0.0.1", bind_addr="127.0.0.1") as job:
+        forged = RendezvousClient("127.0.0.1", job.port, job.secret)
+        assert forged.request("POST", REPORT_PATH, json.dumps(report(0)).encode())[0] == 404  # no monitor yet
+        env = attach(svc, job)
+        assert env == {wire.MONITOR_ADDR_ENV: "127.0.0.1", wire.MONITOR_PORT_ENV: str(job.port)}
+        client = RendezvousClient(env[wire.MONITOR_ADDR_ENV], int(env[wire.MONITOR_PORT_ENV]), job.secret)
+        for rank in (0, 1):
+            assert client.request("POST", REPORT_PATH, json.dumps(report(rank)).encode())[0] == 200
+        with pytest.raises(RendezvousError, match="refused"):  # not this job's secret
+            RendezvousClient("127.0.0.1", job.port, make_secret()).request(
+                "POST", REPORT_PATH, json.dumps(report(0, steps=99)).encode())
+        assert client.request("POST", REPORT_PATH, b"{not json")[0] == 400
+        assert client.request("POST", REPORT_PATH, b" " * (MAX_REPORT_BYTES + 1))[0] == 413
+        text = get(svc, "/metrics")[1]
+        assert text.count("horovod_rank_info{") == 2
+        assert 'horovod_collective_bytes_total{rank="1",op="allreduce"} 640' in text
+        assert 'horovod_steps_total{rank="0"} 10' in text  # the forged report was not taken
+    close(svc)
+    assert svc.state.finished == {"returncode": 0, "text": "", "time": svc.state.finished["time"]}
+    with pytest.raises(OSError):
+        get(svc, "/metrics")
+
+
+def test_cluster_job_failure_names_the_culprit() -> None:
+    from horovod.common.exceptions import WorkerFailedError
+    from horovod.runner.monitor.cluster import close
+
+    svc = MonitorService(make_secret(), 0, state=JobState(3))
+    for rank in range(3):
+        svc.state.ingest(report(rank, size=3))
+    close(svc, WorkerFailedError("rank 1 raised ValueError: bad batch", rank=1, ranks=[1, 2]))
+    job = svc.state.job()
+    assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
+    assert "bad batch" in job["failure"]["error"] and job["finished"]["returncode"] == 1
+    assert [r["state"] for r in job["ranks"]] == ["running", "failed", "stopped"]
