@@ -3,7 +3,10 @@
     mpirun -np 2 python benchmarks/step_cost.py                  # torch (DistributedOptimizer's path)
     mpirun -np 2 python benchmarks/step_cost.py --profile step.prof   # rank 0 profiles one mode
     mpirun -np 2 python benchmarks/step_cost.py --phases    # rank 0: time per phase of a step
-    horovodrun -np 2 --monitor-port 0 python benchmarks/step_cost.py --monitor   # monitor on vs off
+    horovodrun -np 2 --monitor-port 0 python benchmarks/step_cost.py --monitor --reps 2000 \
+        --monitor-block-s 2   # monitor on vs off: paired blocks, median ratio + bootstrap 95%
+                              # interval, the counters' cost per step, the reporter's CPU per push
+    HOROVOD_MONITOR_INTERVAL=0.1 horovodrun ... --monitor-block-s 0.5   # the same at 10 reports/s
     mpirun -np 2 -x HOROVOD_TORCH_CPU_PLANE=1 python benchmarks/step_cost.py   # the torch device
                  # plane (its CPU twin): every mode but hooks and bundle (host tensors only)
 
@@ -55,7 +58,8 @@ parser.add_argument("--ab", action="store_true",
                          "one-call pack/unpack, inlined resubmission")
 parser.add_argument("--monitor", action="store_true",
                     help="under horovodrun --monitor-port: alternate blocks of --monitor-block-s seconds "
-                         "with every rank's monitor reporter running and stopped; medians per state")
+                         "with every rank's monitor reporter running and stopped (4 blocks per 100 "
+                         "--reps); paired ratios with a bootstrap interval, and the parts' costs")
 parser.add_argument("--monitor-block-s", type=float, default=2.0)
 parser.add_argument("--phases", action="store_true",
                     help="also time each phase of a step (submission, AND, fusion plan, execution, "
@@ -261,7 +265,9 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
 
     Adjacent blocks pair up (on, off, off, on, ...: pairs (0, 1), (3, 2), ...); each pair gives
     the ratio of its on block's median step time to its off block's, per mode and for the sum of
-    the modes' medians (``step``). Rank 0 prints the median of the pairs' ratios with a bootstrap
+    the modes' medians (``step``), and of this rank's CPU time per step over the block, every
+    thread counted (``cpu_per_step``: what the reporter's thread adds shows there, and machine
+    load only where it makes MPI spin longer). Rank 0 prints the median of the pairs' ratios with a bootstrap
     95% interval, the reporter's CPU per second (every push timed in the reporter's thread), the
     counters' cost per step and the straggler exchange's time per second."""
     from horovod.common import reporter as rep_mod
@@ -278,6 +284,7 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
     on_seconds = 0.0
     times: dict[tuple[str, bool], list[float]] = {(m, on): [] for m in modes for on in (True, False)}
     block_medians: dict[str, list[tuple[bool, float]]] = {m: [] for m in modes}
+    cpu_blocks: list[tuple[bool, float]] = []  # (on, this rank's CPU seconds per step: all threads)
     t_start = time.perf_counter()
     for block in range(4 * max(1, reps // 100)):
         on = block % 4 in (0, 3)  # on, off, off, on, ...: neither state always comes first
@@ -289,7 +296,7 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
             ctx.reporter.stop(final=False)
             ctx.reporter = None
         comm.Barrier()
-        t_block = time.perf_counter()
+        t_block, c_block = time.perf_counter(), time.process_time()
         end = comm.bcast(time.perf_counter() + block_s if hvd.rank() == 0 else None)
         block: dict[str, list[float]] = {m: [] for m in modes}
         while True:
@@ -300,6 +307,7 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
                 block[label].append(time.perf_counter() - t0)
             if comm.bcast(time.perf_counter() >= end if hvd.rank() == 0 else None):
                 break
+        cpu_blocks.append((on, (time.process_time() - c_block) / sum(len(v) for v in block.values())))
         if on:
             on_seconds += time.perf_counter() - t_block
         for label, ts in block.items():
@@ -328,7 +336,7 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
             return [bm[i][1] / bm[i + 1][1] if bm[i][0] else bm[i + 1][1] / bm[i][1]
                     for i in range(0, len(bm) - 1, 2)]
 
-        for label, bm in [*block_medians.items(), ("step", step_bm)]:
+        for label, bm in [*block_medians.items(), ("step", step_bm), ("cpu_per_step", cpu_blocks)]:
             pairs = paired(bm)
             lo, hi = _bootstrap(pairs)
             row: dict[str, Any] = {"ratio_paired_median": round(statistics.median(pairs), 4),
