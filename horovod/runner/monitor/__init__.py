@@ -2,7 +2,9 @@
 
 ``service.MonitorService`` serves ``/`` (``page.py``), ``/metrics`` (``exposition.py``) and
 ``/api/job`` from a ``state.JobState`` that the ranks' reporters (``horovod.common.reporter``)
-and the launcher (failures, elastic rounds) update. ``start_monitor`` is the launcher's one call.
+and the launcher (failures, elastic rounds) update. ``start_monitor`` is the launcher's one call;
+``cluster`` wires the same service into Spark and Ray jobs, whose ranks report over the job's
+rendezvous service.
 """
 
 from __future__ import annotations
