@@ -91,7 +91,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         start_timeout=start_timeout or default_start_timeout(), verbose=int(verbose or 0),
         output_filename=output_filename, disable_cache=bool(disable_cache),
         controller="gloo" if use_gloo else "mpi" if use_mpi else None, mpi_args=mpi_args,
-        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}), run_func=True,
+        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}),
         min_np=min_num_proc, max_np=max_num_proc, host_discovery_script=host_discovery_script,
         slots_per_host=slots, reset_limit=reset_limit,
         blacklist_cooldown_range=(tuple(cooldown_range)  # type: ignore[arg-type]

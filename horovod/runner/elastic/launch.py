@@ -17,6 +17,7 @@ from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key
 from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import ElasticSettings
 from horovod.runner.elastic.workers import WorkerProcess
+from horovod.runner.failures import RankExit
 from horovod.runner.hosts import HostSpec, SlotInfo
 from horovod.runner.plan import RankPlan, build_plan
 from horovod.runner.settings import LaunchSettings
@@ -36,8 +37,10 @@ class ElasticJobResult:
     exits: list[Any] = field(default_factory=list)
 
     @property
-    def first_failure(self) -> None:
-        return None
+    def first_failure(self) -> RankExit | None:
+        """The root cause's exit (``failures.root_cause``, as for static jobs)."""
+        root = self.result.root_cause()
+        return None if root is None else root.as_exit()
 
     def report(self) -> str:
         if self.error is None:
@@ -45,7 +48,7 @@ class ElasticJobResult:
         root = self.result.root_cause()
         error = "" if root is None else root.as_exit().error
         first = ("" if root is None else
-                 f"; first failure: worker {key_name(root.key)}"
+                 f"; root cause: worker {key_name(root.key)}"
                  f"{'' if root.rank is None else f' (rank {root.rank})'} {root.status}"
                  f"{f': {error}' if error else ''}")
         return (f"horovodrun: elastic job failed: {self.error}\n"
