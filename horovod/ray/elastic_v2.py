@@ -27,7 +27,7 @@ from typing import Any
 from horovod.common import exceptions as errors
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostManager
-from horovod.runner.elastic.driver import Key, key_name
+from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
 from horovod.runner.elastic.session import ElasticSession, Outcome
 from horovod.runner.elastic.settings import ElasticSettings
@@ -156,6 +156,11 @@ class ElasticAdapter:
         self.executable: tuple[Any, Any, Any] = (None, None, None)
         self.session: ElasticSession | None = None
         self.events: list[str] = []  # what the driver of the last run logged
+
+    @property
+    def driver(self) -> ElasticDriver | None:
+        """The driver of the run in progress (None between runs)."""
+        return None if self.session is None else self.session.driver
 
     def start(self, executable_cls: type | None, executable_args: list[Any] | None,
               executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
