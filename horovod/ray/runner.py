@@ -4,7 +4,7 @@ Static mode (``num_workers`` or ``num_hosts``): ``start()`` reserves the workers
 placement group, starts one actor per rank, numbers the ranks node by node and hands every actor
 the environment ``horovodrun --gloo`` gives a worker; the Gloo rendezvous service runs in the
 driver (``horovod.runner.function_job``). The actors stay up until ``shutdown()``, so
-successive ``run`` calls reuse them. Elastic mode (``min_workers``): see ``horovod.ray.elastic``.
+successive ``run`` calls reuse them. Elastic mode (``min_workers``): see ``horovod.ray.elastic_v2``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class RayExecutor:
         cpus_per_worker / use_gpu / gpus_per_worker: resources of each rank's actor.
         use_current_placement_group: inside a placement group (a Ray Tune trial), place the
             ranks in it instead of creating one.
-        min_workers / max_workers: elastic mode (``horovod.ray.elastic``): go on with at least
+        min_workers / max_workers: elastic mode (``horovod.ray.elastic_v2``): go on with at least
             ``min_workers`` ranks, use at most ``max_workers`` (default: every slot found).
         reset_limit / cooldown_range / elastic_timeout: as ``horovodrun``'s ``--reset-limit``,
             ``--blacklist-cooldown-range`` and ``--elastic-timeout``.
@@ -187,7 +187,7 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init()
         if self.settings.elastic:
-            from horovod.ray.elastic import ElasticAdapter
+            from horovod.ray.elastic_v2 import ElasticAdapter
 
             adapter: Any = ElasticAdapter(self)
         else:

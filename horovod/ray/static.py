@@ -130,7 +130,8 @@ class StaticAdapter:
         self._check()
         refs = [w.execute_reported.remote(fn) for w in self.workers]
         what = f"RayExecutor.run({label})"
-        values, failures, stuck = wait_all(refs, self.describe, what)
+        times: dict[int, float] = {}
+        values, failures, stuck = wait_all(refs, self.describe, what, times=times)
         if not failures:
             return values
         died = [r for r, f in failures.items() if f[0] == "died"]
@@ -140,7 +141,7 @@ class StaticAdapter:
             tail = ("The job cannot go on without those ranks: every worker was stopped; call "
                     "start() again to run more (or use min_workers for an elastic job).")
             self._stop_workers()
-        err = failure_error(what, failures, stuck, self.describe, tail)
+        err = failure_error(what, failures, stuck, self.describe, tail, times)
         exc = getattr(err, "exception", None)
         cause = exc if isinstance(exc, BaseException) else None
         raise err from cause

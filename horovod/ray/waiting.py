@@ -10,7 +10,7 @@ from typing import Any
 
 from horovod.common import exceptions as errors
 
-__all__ = ["FAILURE_GRACE_SECONDS", "failure_error", "wait_all"]
+__all__ = ["FAILURE_GRACE_SECONDS", "failure_error", "wait_all", "ranks_by_cause"]
 
 log = logging.getLogger("horovod.ray")
 
@@ -20,12 +20,13 @@ FAILURE_GRACE_SECONDS = 5.0
 
 
 def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
-             grace: float = FAILURE_GRACE_SECONDS) -> tuple[list[Any], dict[int, tuple[Any, ...]],
-                                                             list[int]]:
+             grace: float = FAILURE_GRACE_SECONDS, times: dict[int, float] | None = None,
+             ) -> tuple[list[Any], dict[int, tuple[Any, ...]], list[int]]:
     """Wait for every rank's ``execute_reported`` call.
 
     Returns (values by rank, failures by rank as ``("error", exc, tb)`` or ``("died", exc)``,
-    ranks still running ``grace`` seconds after the first failure).
+    ranks still running ``grace`` seconds after the first failure). ``times`` (when given)
+    receives when each failure was seen (seconds since the epoch).
     """
     import ray
     import ray.exceptions
@@ -52,6 +53,8 @@ def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
                     failures[rank] = ("error", SystemExit(out[1]), f"SystemExit({out[1]})")
                 else:
                     failures[rank] = out
+            if rank in failures and times is not None:
+                times[rank] = time.time()
         if failures and first_failure is None:
             first_failure = time.monotonic()
             log.debug("%s: %s failed; waiting up to %g s for the other ranks", what,
@@ -62,19 +65,14 @@ def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
 
 
 def failure_error(what: str, failures: dict[int, tuple[Any, ...]], stuck: list[int],
-                  describe: Callable[[int], str], tail: str = "") -> Exception:
-    """The ``WorkerFailedError`` for failed ranks: the root cause first (a dead actor, then a
-    rank whose own error was not only a peer's loss, then the lowest rank), each rank named with
-    its node."""
-    from horovod.common.exceptions import HorovodInternalError
-
-    def cause_order(rank: int) -> tuple[int, int]:
-        f = failures[rank]
-        if f[0] == "died":
-            return (0, rank)
-        return (2 if isinstance(f[1], HorovodInternalError) else 1, rank)
-
-    ordered = sorted(failures, key=cause_order)
+                  describe: Callable[[int], str], tail: str = "",
+                  times: dict[int, float] | None = None) -> Exception:
+    """The ``WorkerFailedError`` for failed ranks: the root cause first, by the rule of every
+    launcher (``horovod.runner.failures.root_cause``: a rank's own error before errors that only
+    say a peer left, then the earliest, a dead actor before a rank that raised at the same
+    moment), then the other ranks; each rank named with its node. ``times``: when each failure
+    was seen (``wait_all``); without it they count as simultaneous."""
+    ordered = ranks_by_cause(failures, times or {})
     root = ordered[0]
     f = failures[root]
     if f[0] == "died":
@@ -100,3 +98,22 @@ def failure_error(what: str, failures: dict[int, tuple[Any, ...]], stuck: list[i
         lines.append(f"Traceback of rank {root}:\n{tb}")
     return errors.WorkerFailedError("\n".join(lines), rank=root, exception=exc,
                                     ranks=ordered, stuck_ranks=stuck)
+
+
+def ranks_by_cause(failures: dict[int, tuple[Any, ...]], times: dict[int, float]) -> list[int]:
+    """The failed ranks, the root cause first (``failures.root_cause`` over their exits: a dead
+    actor as killed by SIGKILL, a raised exception with the record it makes), then by rank."""
+    import signal
+
+    from horovod.runner.failures import RankExit, exception_record, root_cause
+
+    exits = []
+    for rank, f in failures.items():
+        t = times.get(rank, 0.0)
+        if f[0] == "died":
+            exits.append(RankExit(rank, "", None, int(signal.SIGKILL), t))
+        else:
+            exits.append(RankExit.with_record(exception_record(f[1], t), rank, "", 1, None, t))
+    first = root_cause(exits)
+    root = first.rank if first is not None and first.rank is not None else min(failures)
+    return [root] + sorted(r for r in failures if r != root)

@@ -91,7 +91,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         start_timeout=start_timeout or default_start_timeout(), verbose=int(verbose or 0),
         output_filename=output_filename, disable_cache=bool(disable_cache),
         controller="gloo" if use_gloo else "mpi" if use_mpi else None, mpi_args=mpi_args,
-        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}), run_func=True,
+        prefix_timestamp=prefix_output_with_timestamp, extra_env=dict(env or {}),
         min_np=min_num_proc, max_np=max_num_proc, host_discovery_script=host_discovery_script,
         slots_per_host=slots, reset_limit=reset_limit,
         blacklist_cooldown_range=(tuple(cooldown_range)  # type: ignore[arg-type]
@@ -117,6 +117,22 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
                                     f"{getattr(result, 'error', None)}")
         num_proc = settings.min_np or num_proc
     return collect_results(server.get, num_proc, result, "horovod.run")
+
+
+def _raised_root(exits: list[Any], errors: list[tuple[int, BaseException, str]]) -> int:
+    """The rank to name among those that raised: the root cause (``failures.root_cause``) of the
+    exits, each raised exception counting as that rank's exit record where it left none."""
+    import dataclasses
+
+    from horovod.runner.failures import RankExit, exception_record, root_cause
+
+    by_rank = {e.rank: dataclasses.replace(e) for e in exits if e.rank is not None}
+    for rank, exc, _tb in errors:
+        e = by_rank.setdefault(rank, RankExit(rank, "", 1, None, 0.0))
+        if e.error_kind is None:
+            e.apply_record(exception_record(exc, e.time, e.code or 1))
+    first = root_cause([by_rank[r] for r, _, _ in errors])
+    return first.rank if first is not None and first.rank is not None else errors[0][0]
 
 
 def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, result: Any,
@@ -151,13 +167,8 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
             errors.append((rank, item[1], item[2]))
     hosts_by_rank = {e.rank: e.host for e in result.exits}
     if errors:
-        # Named first: a rank whose error is its own rather than "a peer left" (HorovodShutdownError,
-        # a transport failure), then the root cause of the exit records, then the lowest rank.
-        from horovod.common.lifecycle import classify
-
-        root = result.first_failure
-        errors.sort(key=lambda e: (classify(e[1]) == "consequence",
-                                   e[0] != (root.rank if root is not None else None)))
+        root = _raised_root(result.exits, errors)
+        errors.sort(key=lambda e: e[0] != root)
         rank, exc, tb = errors[0]
         others = f" (ranks {[r for r, _, _ in errors]} raised)" if len(errors) > 1 else ""
         raise WorkerFailedError(with_upstream_sentence(

@@ -22,7 +22,7 @@ from typing import IO, Any
 from horovod.common import wire
 from horovod.runner.failures import RankExit, format_report, root_cause
 from horovod.runner.launchers.base import Command
-from horovod.runner.output import LineSplitter, TagParser, prefix_line
+from horovod.runner.output import LineSplitter, TagParser, prefix_line, write_line
 
 __all__ = ["Executor", "JobResult"]
 
@@ -145,12 +145,7 @@ class Executor:
             self.line_hook(rank, stream, text)
         line = prefix_line(rank, stream, text, self.timestamp) + (term or "\n")
         with self._write_lock:
-            target = self.err if stream == "stderr" else self.out
-            try:
-                target.write(line)
-                target.flush()
-            except (OSError, ValueError):
-                pass
+            write_line(self.err if stream == "stderr" else self.out, line)
             if self.output_dir is not None and rank is not None:
                 self._file(rank, stream).write(text + (term or "\n"))
 

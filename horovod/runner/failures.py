@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal as _signal
 from dataclasses import dataclass, field
 
-__all__ = ["RankExit", "root_cause", "format_report", "describe_status", "EXITED_NON_ZERO",
+__all__ = ["RankExit", "root_cause", "exception_record", "format_report", "describe_status", "EXITED_NON_ZERO",
            "RESET_LIMIT_EXCEEDED", "with_upstream_sentence"]
 
 # Upstream Horovod's sentences, which log-scraping tools and upstream's tests look for: every failed
@@ -60,6 +60,8 @@ class RankExit:
         error_kind: "cause" (an error of its own), "consequence" (raised because a peer left),
             or None when the program recorded nothing (not a Horovod program, killed, ...).
         error_time: when the program recorded the error (the worker host's clock).
+        error_code: the exit code the recorded error gave.
+        hung: an elastic worker that did not rejoin its peers in time (the driver stopped it).
     """
 
     rank: int | None
@@ -75,6 +77,7 @@ class RankExit:
     error_kind: str | None = None
     error_time: float | None = None
     error_code: int | None = None
+    hung: bool = False
 
     @classmethod
     def with_record(cls, record: object, *args: object, **kwargs: object) -> RankExit:
@@ -101,10 +104,12 @@ class RankExit:
 
     @property
     def failed(self) -> bool:
-        return bool(self.signal) or (self.code is not None and self.code != 0)
+        return self.hung or bool(self.signal) or (self.code is not None and self.code != 0)
 
     @property
     def status(self) -> str:
+        if self.hung and self.code is None and not self.signal:
+            return "hung"
         return describe_status(self.code, self.signal)
 
     @property
@@ -125,6 +130,16 @@ class RankExit:
         lr = f", local rank {self.local_rank}" if self.local_rank is not None else ""
         who = f"rank {self.rank}" if self.rank is not None else "mpirun"
         return f"{who} (host {self.host}{lr})"
+
+
+def exception_record(exc: BaseException, time: float, code: int = 1) -> dict[str, object]:
+    """The exit record of a rank whose function raised ``exc``, for launchers that get the
+    exception itself (``horovod.run``, Spark, Ray): the shape of the record a program leaves
+    (``horovod/common/lifecycle.py``), its kind decided by the same rule."""
+    from horovod.common.lifecycle import classify
+
+    return {"kind": classify(exc), "error": f"{type(exc).__name__}: {exc}", "time": time,
+            "code": code}
 
 
 # Failures this close to the first one count as simultaneous (each worker host's shim notices

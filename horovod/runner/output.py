@@ -6,10 +6,11 @@ from __future__ import annotations
 import codecs
 import re
 import time
+from typing import IO
 
 from horovod.common.wire import ERROR_MARKER, EXIT_MARKER
 
-__all__ = ["LineSplitter", "TagParser", "prefix_line", "MARKER", "ERROR_MARKER"]
+__all__ = ["LineSplitter", "TagParser", "prefix_line", "write_line", "MARKER", "ERROR_MARKER"]
 
 # The markers are spelled in horovod.common.wire (with strip_markers, the one reader); kept here
 # under their former names.
@@ -109,3 +110,12 @@ def prefix_line(rank: int | None, stream: str, text: str, timestamp: bool = Fals
     if rank is None:
         return prefix + text
     return f"{prefix}[{rank}]<{stream}>:{text}"
+
+
+def write_line(target: IO[str], line: str) -> None:
+    """Write and flush ``line``; a stream the user closed (or a broken pipe) drops it."""
+    try:
+        target.write(line)
+        target.flush()
+    except (OSError, ValueError):
+        pass

@@ -205,8 +205,6 @@ class LaunchSettings:
     tunable_env: dict[str, str] = field(default_factory=dict)
     log_level: str | None = None
     dry_run: bool = False
-    # horovod.run(): run workers through run_task and collect results (not set by the CLI).
-    run_func: bool = False
     # Elastic mode (chosen by any of these; see horovod/runner/elastic/).
     min_np: int | None = None
     max_np: int | None = None

@@ -25,7 +25,8 @@ from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
 from horovod.common.wire import SECRET_ENV
-from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
+from horovod.runner.elastic.driver import Key, key_name
+from horovod.runner.elastic.session import ElasticSession, SessionResult
 from horovod.runner.elastic.settings import ElasticSettings
 from horovod.runner.hosts import SlotInfo
 from horovod.spark.task import AGENT_SCOPE, COMMAND_SCOPE, EXIT_SCOPE, HEARTBEAT_SCOPE, JobSpec
@@ -151,10 +152,9 @@ class _ElasticJob:
         # environment with env= over it (HOROVOD_ELASTIC_NOTIFY_WHEN_READY used to be ignored).
         settings = ElasticSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
                                             reset_limit=reset_limit)
-        self.driver = ElasticDriver.from_settings(settings, HostManager(self.agents, None),
-                                                  num_proc, min_np, max_np, self.start_worker,
-                                                  put_kv=self.job.put, discovery_interval=0.5)
-        self.job.set_elastic_handler(self.driver.handle)
+        self.session = ElasticSession(settings, HostManager(self.agents, None), num_proc, min_np,
+                                      max_np, self.start_worker, self.job, discovery_interval=0.5)
+        self.driver = self.session.driver
         self.procs: dict[str, _AgentWorker] = {}  # agent -> its current worker
         self.key_of: dict[str, Key] = {}
         self._cmd_seq: dict[str, int] = {}
@@ -190,8 +190,8 @@ class _ElasticJob:
         if not free:
             # The executor went away between discovery and now: report the worker as lost.
             proc = _AgentWorker(self, key, f"none-{seq}", seq)
-            threading.Thread(target=self.driver.worker_exited, args=(key, None, int(signal.SIGKILL)),
-                             daemon=True).start()
+            threading.Thread(target=self.session.worker_exited,
+                             args=(key, None, int(signal.SIGKILL)), daemon=True).start()
             proc.finished = True
             return proc
         agent = free[0]
@@ -218,12 +218,13 @@ class _ElasticJob:
             if raw is not None:
                 ended = json.loads(raw)
                 p.finished = True
-                self.driver.worker_exited(p.key, ended["code"], ended["signal"])
+                self.session.worker_exited(p.key, ended["code"], ended["signal"],
+                                           ended.get("record"))
             elif not self.agents.alive(p.agent):
                 p.finished = True
                 log.warning("elastic: the Spark task of worker %s (agent %s) stopped sending "
                             "heartbeats: its executor is lost", key_name(p.key), p.agent)
-                self.driver.worker_exited(p.key, None, int(signal.SIGKILL))
+                self.session.worker_exited(p.key, None, int(signal.SIGKILL))
 
     def _submit(self) -> None:
         from horovod.spark.task import elastic_agent
@@ -248,15 +249,8 @@ class _ElasticJob:
         spark = threading.Thread(target=self._submit, name="hvd-spark-elastic-job", daemon=True)
         monitor = threading.Thread(target=self._monitor, name="hvd-spark-elastic-monitor",
                                    daemon=True)
-        spark.start()
-        monitor.start()
-        try:
-            result = self.driver.run()
-        finally:
-            self.driver.stop_all()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(not p.finished for p in self.procs.values()):
-                time.sleep(0.1)
+
+        def finish() -> None:  # every worker has ended: end the agents, read the results
             self.done.set()
             monitor.join(5)
             self.check()
@@ -266,52 +260,32 @@ class _ElasticJob:
             if spark.is_alive():
                 self.sc.cancelJobGroup(self.group)
                 spark.join(10)
-            self.job.stop()
-        if result.error is not None:
-            raise self._failure(result)
-        return self._results(result.final_ranks)
+            self.session.collect_outcomes(self.server.get)
 
-    def _failure(self, result: Any) -> WorkerFailedError:
-        """The driver's reason, and the first worker that raised with its traceback."""
-        import cloudpickle
+        spark.start()
+        monitor.start()
+        outcome = self.session.run(finish)
+        if outcome.error is not None:
+            raise self._failure(outcome)
+        return outcome.values()
 
-        from horovod.runner.run_task import RESULT_SCOPE
-
-        raised = []
-        for key in self.driver.workers:
-            raw = self.server.get(RESULT_SCOPE, key_name(key))
-            if raw is not None:
-                item = cloudpickle.loads(raw)
-                if item[0] == "error":
-                    raised.append((key, item[1], item[2]))
+    def _failure(self, outcome: SessionResult) -> WorkerFailedError:
+        """The driver's reason, and the worker that raised first by the root-cause rule, with
+        its traceback."""
+        result = outcome.result
+        raised = [(k, o) for k, o in outcome.failed() if o.kind == "error"]
         text = (f"horovod.spark.run_elastic: the elastic job failed: {result.error}\n"
                 f"({result.rounds} round(s), {result.resets} reset(s))")
         if not raised:
             return WorkerFailedError(text, events=result.events, resets=result.resets)
-        root = result.root_cause(k for k, _, _ in raised)
-        raised.sort(key=lambda r: 0 if root is not None and r[0] == root.key else 1)
-        key, exc, tb = raised[0]
-        others = f" (also raised: {', '.join(key_name(k) for k, _, _ in raised[1:])})" if raised[1:] else ""
+        key, first = raised[0]
+        exc = first.exception
+        others = f" (also raised: {', '.join(key_name(k) for k, _ in raised[1:])})" if raised[1:] else ""
         err = WorkerFailedError(f"{text}\nworker {key_name(key)} raised {type(exc).__name__}: {exc}"
-                                f"{others}\n{tb}", events=result.events, resets=result.resets,
-                                exception=exc, host=key[0])
+                                f"{others}\n{first.traceback}", events=result.events,
+                                resets=result.resets, exception=exc, host=key[0])
         err.__cause__ = exc
         return err
-
-    def _results(self, final_ranks: dict[Key, int]) -> list[Any]:
-        import cloudpickle
-
-        from horovod.runner.run_task import RESULT_SCOPE
-
-        values = []
-        for key, _rank in sorted(final_ranks.items(), key=lambda kv: kv[1]):
-            raw = self.server.get(RESULT_SCOPE, key_name(key))
-            if raw is None:
-                continue
-            item = cloudpickle.loads(raw)
-            if item[0] == "ok":
-                values.append(item[1])
-        return values
 
 
 def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),

@@ -135,7 +135,7 @@ def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str
     ended = threading.Event()
     status: list[tuple[int | None, int | None]] = []
 
-    def on_exit(code: int | None, sig: int | None) -> None:
+    def on_exit(code: int | None, sig: int | None, _record: object) -> None:
         status.append((code, sig))
         ended.set()
 
@@ -256,10 +256,11 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
             if cmd["op"] == "start":
                 seq = cmd["seq"]
 
-                def on_exit(code: int | None, sig: int | None, seq: int = seq) -> None:
+                def on_exit(code: int | None, sig: int | None, record: object,
+                            seq: int = seq) -> None:
                     output.close_batch()
-                    client.put(EXIT_SCOPE, f"{agent}.{seq}",
-                               json.dumps({"code": code, "signal": sig}).encode())
+                    client.put(EXIT_SCOPE, f"{agent}.{seq}", json.dumps(
+                        {"code": code, "signal": sig, "record": record}).encode())
 
                 proc = WorkerProcess(_worker_command(spec, cmd["env"], (), agent), agent, lambda: None, on_exit,
                                      stdout=output.stdout, stderr=output.stderr)  # type: ignore[arg-type]

@@ -92,6 +92,9 @@ def test_all_workers_failing_ends_the_job_with_a_message(tmp_path: Path) -> None
     assert "failed (exit code 1); blacklisting host 127.0.0.1" in log, log
     assert "elastic job failed" in res.stderr and (
         "no worker holds the committed training state" in log or "all 2 workers failed" in log), log
+    # the report names one of them with the error its program recorded
+    assert re.search(r"root cause: worker (localhost|127\.0\.0\.1)\[0\] \(rank \d\) exit code 1: "
+                     r"RuntimeError: worker \S+ raises at step 5", res.stderr), res.stderr[-3000:]
 
 
 def test_too_few_hosts_for_longer_than_the_timeout(tmp_path: Path) -> None:
@@ -102,6 +105,9 @@ def test_too_few_hosts_for_longer_than_the_timeout(tmp_path: Path) -> None:
     log = driver_log(res)
     assert "waiting for hosts: 1 slot(s) available (localhost:1), --min-np is 2" in log, log
     assert "too few hosts: only 1 slot(s) available for longer than --elastic-timeout 4 s" in log
+    # the killed worker is the root cause, not the survivor the driver stopped
+    assert "root cause: worker 127.0.0.1[0] (rank 1) killed by signal 9 (SIGKILL)" in res.stderr, \
+        res.stderr[-3000:]
 
 
 def test_reset_limit_stops_the_job(tmp_path: Path) -> None:
@@ -113,3 +119,7 @@ def test_reset_limit_stops_the_job(tmp_path: Path) -> None:
     log = driver_log(res)
     assert "round 1: training resumes with 2 workers" in log, log
     assert "this would be reset number 2, more than --reset-limit 1" in log, log
+    # a worker's own error comes before a worker killed earlier (failures.root_cause, as for
+    # static jobs); the peers' errors (a member left) are no root cause
+    assert re.search(r"root cause: worker 127\.0\.0\.1\[0\] \(rank \d\) exit code 1: RuntimeError: "
+                     r"worker 127\.0\.0\.1\[0\] raises at step 12", res.stderr), res.stderr[-3000:]

@@ -18,13 +18,8 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "horovod"
 
-# Cycles still allowed, each with its owner and why. A cycle found that is not listed here (or a
-# listed one that grew) fails the test; a listed one that is gone fails too, so the list shrinks.
-ALLOWED = {
-    # ray.elastic's deprecated ElasticRayExecutor wraps RayExecutor, which starts ray.elastic's
-    # ElasticAdapter: part of the elastic session's rewrite (engineer elastic).
-    frozenset({"horovod.ray.elastic", "horovod.ray.runner"}),
-}
+# No cycle is allowed: a cycle found fails the test.
+ALLOWED: set[frozenset[str]] = set()
 
 
 def _module_name(path: Path, top: Path) -> str:

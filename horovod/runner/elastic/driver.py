@@ -28,13 +28,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from horovod.runner.elastic.discovery import HostManager, order_hosts
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
-from horovod.runner.failures import RESET_LIMIT_EXCEEDED, describe_status, with_upstream_sentence
+from horovod.runner.failures import RESET_LIMIT_EXCEEDED, RankExit, describe_status, root_cause, with_upstream_sentence
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ class Worker:
     exit: tuple[int | None, int | None] | None = None
     exit_handled: bool = False
     started: float = 0.0
+    record: object = None  # the exit record its program left (horovod/common/lifecycle.py)
+    ended: float = 0.0  # when it ended (seconds since the epoch)
 
     @property
     def alive(self) -> bool:
@@ -90,11 +92,22 @@ class Worker:
 
 @dataclass(frozen=True)
 class WorkerFailure:
-    """One worker failure as the driver saw it (in ``ElasticResult.failures``, in order)."""
+    """One worker failure as the driver saw it (in ``ElasticResult.failures``, in order), with
+    its exit: code, signal, when (seconds since the epoch) and the exit record its program left
+    (``{"kind": "cause" | "consequence", "error", "time", "code"}``, or None)."""
 
     key: Key
     rank: int | None
     status: str  # "exit code 1", "killed by signal 9 (SIGKILL)", "hung"
+    code: int | None = None
+    signal: int | None = None
+    time: float = 0.0
+    record: object = None
+
+    def as_exit(self) -> RankExit:
+        """This failure as a rank's exit, for the one root-cause rule (``failures.root_cause``)."""
+        return RankExit.with_record(self.record, self.rank, self.key[0], self.code, self.signal,
+                                    self.time, hung=self.status == "hung")
 
 
 @dataclass
@@ -108,15 +121,12 @@ class ElasticResult:
     final_ranks: dict[Key, int] = field(default_factory=dict)
     failures: list[WorkerFailure] = field(default_factory=list)
 
-    def root_cause(self, detailed: Iterable[Key] = ()) -> WorkerFailure | None:
-        """The failure to report first: the earliest the driver saw among the workers the
-        launcher has details for (``detailed``: an exception, a traceback), else the earliest.
-        (The one rule for horovodrun, Spark and Ray.)"""
-        known = set(detailed)
-        for f in self.failures:
-            if f.key in known:
-                return f
-        return self.failures[0] if self.failures else None
+    def root_cause(self) -> WorkerFailure | None:
+        """The failure to report first, by the rule of static jobs (``failures.root_cause``): a
+        worker's own error before errors that only say a peer left, then the earliest."""
+        exits = [f.as_exit() for f in self.failures]
+        first = root_cause(exits)
+        return next((f for f, e in zip(self.failures, exits) if e is first), None)
 
 
 class ElasticDriver:
@@ -279,11 +289,15 @@ class ElasticDriver:
                 self.cv.wait(left)
             return {"version": self.notice_version, "update": self.notice_update}
 
-    def worker_exited(self, key: Key, code: int | None, signum: int | None) -> None:
+    def worker_exited(self, key: Key, code: int | None, signum: int | None,
+                      record: object = None) -> None:
+        """The launcher's report that the worker on ``key`` ended (``record``: the exit record
+        its program left, if any)."""
         with self.cv:
             w = self.workers.get(key)
             if w is not None:
                 w.state, w.exit = "exited", (code, signum)
+                w.record, w.ended = record, time.time()
                 self.cv.notify_all()
 
     # ------------------------------------------------------------------ main loop
@@ -381,7 +395,7 @@ class ElasticDriver:
                         w.proc.stop()
                     w.state = "exited"
                     w.exit_handled = True
-                    self.failures.append(WorkerFailure(w.key, w.rank, "hung"))
+                    self.failures.append(WorkerFailure(w.key, w.rank, "hung", time=time.time()))
                     self._blacklist(w.key[0], f"worker {key_name(w.key)} hung")
                 stuck = []
             if not stuck:
@@ -414,7 +428,8 @@ class ElasticDriver:
                         if other.proc is not None:
                             other.proc.stop()
                 continue
-            self.failures.append(WorkerFailure(w.key, w.rank, status))
+            self.failures.append(WorkerFailure(w.key, w.rank, status, code, sig, w.ended or time.time(),
+                                               w.record))
             if w.key in self.members:
                 self._abandon(f"{who} failed ({status})")
             self._blacklist(w.key[0], f"{who} failed ({status})")

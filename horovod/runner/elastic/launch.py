@@ -14,8 +14,10 @@ from typing import IO, Any
 
 from horovod.runner.elastic.discovery import FixedHosts, HostDiscoveryScript, HostManager
 from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key_name
+from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import ElasticSettings
 from horovod.runner.elastic.workers import WorkerProcess
+from horovod.runner.failures import RankExit
 from horovod.runner.hosts import HostSpec, SlotInfo
 from horovod.runner.plan import RankPlan, build_plan
 from horovod.runner.settings import LaunchSettings
@@ -35,16 +37,20 @@ class ElasticJobResult:
     exits: list[Any] = field(default_factory=list)
 
     @property
-    def first_failure(self) -> None:
-        return None
+    def first_failure(self) -> RankExit | None:
+        """The root cause's exit (``failures.root_cause``, as for static jobs)."""
+        root = self.result.root_cause()
+        return None if root is None else root.as_exit()
 
     def report(self) -> str:
         if self.error is None:
             return ""
         root = self.result.root_cause()
+        error = "" if root is None else root.as_exit().error
         first = ("" if root is None else
-                 f"; first failure: worker {key_name(root.key)}"
-                 f"{'' if root.rank is None else f' (rank {root.rank})'} {root.status}")
+                 f"; root cause: worker {key_name(root.key)}"
+                 f"{'' if root.rank is None else f' (rank {root.rank})'} {root.status}"
+                 f"{f': {error}' if error else ''}")
         return (f"horovodrun: elastic job failed: {self.error}\n"
                 f"({self.result.rounds} round(s), {self.result.resets} reset(s){first})")
 
@@ -100,10 +106,9 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                                         host_discovery_script=None, hosts=None, hostfile=None)
     base = build_plan(base_settings, [HostSpec("localhost", 1)], environ, set(), "gloo",
                       ("127.0.0.1", port))
-    if server is not None:
-        base.job_env.update({"HOROVOD_RUNNER_ADDR": "127.0.0.1", "HOROVOD_RUNNER_PORT": port})
+    base.job_env.update({"HOROVOD_RUNNER_ADDR": "127.0.0.1", "HOROVOD_RUNNER_PORT": port})
     write_lock = threading.Lock()
-    driver: ElasticDriver
+    session: ElasticSession
 
     def start_worker(key: Key, slot: SlotInfo) -> WorkerProcess:
         host = key[0]
@@ -122,19 +127,17 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         plan = dataclasses.replace(base, ranks=[rank])
         cmd = (local_command(plan, rank, environ, secret) if is_local
                else ssh_command(plan, rank, settings, secret))
-        w = driver.workers[key]
+        w = session.driver.workers[key]
         return WorkerProcess(cmd, key_name(key), lambda: w.rank,
-                             lambda code, sig: driver.worker_exited(key, code, sig),
+                             lambda code, sig, record: session.worker_exited(key, code, sig, record),
                              stdout=stdout, stderr=stderr, timestamp=settings.prefix_timestamp,
                              write_lock=write_lock)
 
     elastic = ElasticSettings.from_env(environ, timeout=settings.elastic_timeout,
-                                       reset_limit=settings.reset_limit,
-                                       cooldown_range=settings.blacklist_cooldown_range)
-    driver = ElasticDriver.from_settings(elastic, manager, settings.np, settings.min_np,
-                                         settings.max_np, start_worker, put_kv=server.put,
-                                         discovery_interval=discovery_interval)
-    server.set_elastic_handler(driver.handle)
+                                       reset_limit=settings.reset_limit)
+    session = ElasticSession(elastic, manager, settings.np, settings.min_np, settings.max_np,
+                             start_worker, server, discovery_interval=discovery_interval)
+    driver = session.driver
     if monitor is not None:  # horovod.runner.monitor.MonitorService: the driver reports in-process
         from horovod.runner.monitor import worker_env
 
@@ -143,17 +146,12 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
     if on_rendezvous is not None:
         on_rendezvous(server)
     try:
-        result = driver.run()
+        result = session.run().result
     except KeyboardInterrupt:
-        log.warning("elastic: interrupted (SIGINT): stopping every worker")
-        driver.stop_all(grace=2.0)
+        log.warning("elastic: interrupted (SIGINT): every worker was stopped")
         result = ElasticResult("interrupted by SIGINT; every worker was stopped", driver.round + 1,
                                driver.resets, list(driver.events))
         return ElasticJobResult(130, result.error, result)
-    finally:
-        driver.stop_all()
-        _wait_for_exits(driver, timeout=10.0)
-        server.stop()
     return ElasticJobResult(0 if result.error is None else 1, result.error, result)
 
 
@@ -161,21 +159,6 @@ def elastic_status(driver: ElasticDriver) -> dict[str, Any]:
     """Rounds formed so far and workers by state (the monitor's view of the driver)."""
     states = collections.Counter(w.state for w in list(driver.workers.values()))
     return {"rounds": driver.round + 1, "resets": driver.resets, "workers": dict(states)}
-
-
-def _wait_for_exits(driver: ElasticDriver, timeout: float) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with driver.cv:
-            if not any(w.alive for w in driver.workers.values()):
-                return
-            driver.cv.wait(0.1)
-    with driver.cv:
-        procs = [w.proc for w in driver.workers.values() if w.alive and w.proc is not None]
-    for p in procs:
-        p.kill()
 
 
 def configure_logging() -> None:

@@ -60,15 +60,13 @@ class ElasticSettings:
 
     timeout: float = DEFAULT_ELASTIC_TIMEOUT
     reset_limit: int | None = None
-    cooldown_range: tuple[float, float] | None = None
     notify_when_ready: bool = False
     rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT
     finish_grace: float = DEFAULT_FINISH_GRACE
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, timeout: float | None = None,
-                 reset_limit: int | None = None,
-                 cooldown_range: tuple[float, float] | None = None) -> ElasticSettings:
+                 reset_limit: int | None = None) -> ElasticSettings:
         """The launcher's arguments (not None) over the environment over the defaults.
 
         Raises:
@@ -79,7 +77,6 @@ class ElasticSettings:
             timeout=float(timeout) if timeout is not None else _seconds(
                 environ, "HOROVOD_ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT),
             reset_limit=reset_limit,
-            cooldown_range=cooldown_range,
             notify_when_ready=_flag(environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY")),
             rejoin_timeout=_seconds(environ, "HOROVOD_ELASTIC_REJOIN_TIMEOUT",
                                     DEFAULT_REJOIN_TIMEOUT),

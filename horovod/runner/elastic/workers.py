@@ -8,22 +8,22 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import IO
 
 from horovod.common import wire
 from horovod.runner.launchers.base import Command
-from horovod.runner.output import LineSplitter, prefix_line
+from horovod.runner.output import LineSplitter, prefix_line, write_line
 
 __all__ = ["WorkerProcess"]
 
 
 class WorkerProcess:
-    """A started worker. ``on_exit(code, signal)`` is called once, from a watcher thread."""
+    """A started worker. ``on_exit(code, signal, record)`` is called once, from a watcher thread
+    (``record``: the exit record the worker's program left, or None; see ``exit_record``)."""
 
     def __init__(self, cmd: Command, name: str, rank_of: Callable[[], int | None],
-                 on_exit: Callable[[int | None, int | None], None], *,
+                 on_exit: Callable[[int | None, int | None, dict[str, object] | None], None], *,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
                  timestamp: bool = False, write_lock: threading.Lock | None = None) -> None:
         self.cmd, self.name, self.rank_of, self.on_exit = cmd, name, rank_of, on_exit
@@ -33,6 +33,7 @@ class WorkerProcess:
         self.exit_info: dict[str, object] | None = None  # the shim's exit report
         self.error_record: dict[str, object] | None = None  # the rank's failure record
         self.returncode: int | None = None
+        self._ended = threading.Event()  # the process ended (set before its output is drained)
         self.popen = subprocess.Popen(
             cmd.argv, env=cmd.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.PIPE, start_new_session=True)
@@ -56,6 +57,13 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.popen.pid
 
+    @property
+    def exit_record(self) -> dict[str, object] | None:
+        """The exit record of the worker's program: the one in the shim's exit report, else the
+        one it sent at the moment of failure (``horovod/common/lifecycle.py``)."""
+        record = (self.exit_info or {}).get("error")
+        return record if isinstance(record, dict) else self.error_record
+
     def _emit(self, stream: str, text: str, term: str) -> None:
         found = wire.strip_markers(text, term)
         if found.error is not None and self.error_record is None:
@@ -67,12 +75,7 @@ class WorkerProcess:
         text, term = found.text, found.terminator
         line = prefix_line(self.rank_of(), stream, text, self.timestamp) + (term or "\n")
         with self.lock:
-            target = self.err if stream == "stderr" else self.out
-            try:
-                target.write(line)
-                target.flush()
-            except (OSError, ValueError):
-                pass
+            write_line(self.err if stream == "stderr" else self.out, line)
 
     def _read(self, pipe: IO[bytes], stream: str) -> None:
         splitter = LineSplitter()
@@ -92,6 +95,7 @@ class WorkerProcess:
 
     def _wait(self) -> None:
         rc = self.popen.wait()
+        self._ended.set()
         for t in self._readers:
             t.join(timeout=2.0)  # the exit report comes on stderr just before the end
         self.returncode = rc
@@ -103,7 +107,7 @@ class WorkerProcess:
             sig = info.get("signal")  # type: ignore[assignment]
         else:
             code, sig = (None, -rc) if rc < 0 else (rc, None)
-        self.on_exit(code, sig)
+        self.on_exit(code, sig, self.exit_record)
 
     def stop(self, grace: float = 5.0) -> None:
         """Ask the worker to stop (SIGTERM through the shim); SIGKILL after ``grace`` seconds."""
@@ -120,12 +124,8 @@ class WorkerProcess:
             pass
 
         def kill_later() -> None:
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                if self.popen.poll() is not None:
-                    return
-                time.sleep(0.1)
-            self.kill()
+            if not self._ended.wait(grace):
+                self.kill()
 
         threading.Thread(target=kill_later, daemon=True).start()
 

@@ -87,8 +87,9 @@ class Harness:
             self.d.workers[k].state = "running"
             self.d.workers[k].after = self.d.round
 
-    def exit(self, key: tuple[str, int], code: int | None, sig: int | None = None) -> None:
-        self.d.worker_exited(key, code, sig)
+    def exit(self, key: tuple[str, int], code: int | None, sig: int | None = None,
+             record: object = None) -> None:
+        self.d.worker_exited(key, code, sig, record)
 
     def step(self) -> None:
         with self.d.cv:
@@ -371,18 +372,56 @@ def test_round_answer_is_one_dataclass_on_both_sides() -> None:
         RoundInfo.from_wire({k: v for k, v in wire.items() if k != "rank"})
 
 
-def test_failures_are_kept_in_order_and_one_rule_names_the_root_cause() -> None:
+def _two_failures(record_a: object = None, record_c: object = None) -> list:
+    """c is killed, then a exits 1 (each with the exit record given)."""
     h = Harness({"a": 1, "b": 1, "c": 1}, np=3, min_np=1)
     first_round(h)
-    h.exit(("c", 0), None, 9)
+    h.exit(("c", 0), None, 9, record_c)
     h.step()
-    h.exit(("a", 0), 1)
+    h.exit(("a", 0), 1, None, record_a)
     h.step()
+    return list(h.d.failures)
+
+
+def test_failures_are_kept_in_order_and_one_rule_names_the_root_cause() -> None:
     from horovod.runner.elastic.driver import ElasticResult
 
-    res = ElasticResult("x", 1, 0, failures=list(h.d.failures))
+    res = ElasticResult("x", 1, 0, failures=_two_failures())
     assert [(f.key, f.status) for f in res.failures] == [
         (("c", 0), "killed by signal 9 (SIGKILL)"), (("a", 0), "exit code 1")]
-    assert res.root_cause().key == ("c", 0)  # the earliest
-    assert res.root_cause([("a", 0)]).key == ("a", 0)  # the earliest the launcher has details for
+    assert res.root_cause().key == ("c", 0)  # the earliest; killed before an exit code
     assert ElasticResult(None, 1, 0).root_cause() is None
+
+
+def test_elastic_root_cause_reads_the_exit_records_as_static_jobs_do() -> None:
+    import time
+
+    from horovod.runner.elastic.driver import ElasticResult
+
+    now = time.time()
+    cause = {"kind": "cause", "error": "ValueError: bad batch", "time": now, "code": 1}
+    consequence = {"kind": "consequence", "error": "HorovodInternalError: peer left",
+                   "time": now - 5, "code": 1}
+    # a's own error comes before c's death, although c ended first
+    res = ElasticResult("x", 1, 0, failures=_two_failures(record_a=cause))
+    root = res.root_cause()
+    assert root is not None and root.key == ("a", 0) and root.record == cause
+    assert root.as_exit().error == "ValueError: bad batch" and root.as_exit().rank == 0
+    # an error that only says a peer left is not a root cause, even recorded earlier
+    res = ElasticResult("x", 1, 0, failures=_two_failures(record_a=consequence))
+    assert res.root_cause().key == ("c", 0)
+    # the same function decides for static jobs
+    from horovod.runner.failures import root_cause
+
+    exits = [f.as_exit() for f in _two_failures(record_a=cause)]
+    assert root_cause(exits) is exits[1]
+
+
+def test_hung_worker_is_a_failure_and_named_when_nothing_else_failed() -> None:
+    from horovod.runner.elastic.driver import ElasticResult, WorkerFailure
+
+    hung = WorkerFailure(("b", 0), 1, "hung", time=10.0)
+    killed = WorkerFailure(("c", 0), 2, "killed by signal 9 (SIGKILL)", None, 9, 5.0)
+    assert hung.as_exit().failed and hung.as_exit().status == "hung"
+    assert ElasticResult("x", 1, 1, failures=[hung]).root_cause() is hung
+    assert ElasticResult("x", 1, 1, failures=[hung, killed]).root_cause() is killed

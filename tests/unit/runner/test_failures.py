@@ -113,3 +113,78 @@ def test_a_rank_that_exited_zero_is_never_the_cause() -> None:
     bad = RankExit(1, "a", None, 9, 2.0)
     assert root_cause([ok, bad]) is bad
     assert root_cause([ok]) is None
+
+
+# ------------------------------------------------------------ one rule for every launcher
+# horovodrun (static and elastic), horovod.run, Spark and Ray all name the root cause with
+# failures.root_cause; a raised exception counts as the rank's exit record where it left none.
+
+def test_exception_record_has_the_shape_and_kind_of_a_programs_record() -> None:
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.runner.failures import exception_record
+
+    own = exception_record(ValueError("bad batch"), 7.0)
+    assert own == {"kind": "cause", "error": "ValueError: bad batch", "time": 7.0, "code": 1}
+    assert exception_record(HorovodInternalError("peer left"), 7.0, 3)["kind"] == "consequence"
+    e = RankExit.with_record(own, 1, "a", 1, None, 7.0)
+    assert (e.error_kind, e.error, e.error_time) == ("cause", "ValueError: bad batch", 7.0)
+
+
+def _payloads(items: dict[int, tuple[object, ...]]):  # type: ignore[no-untyped-def]
+    import cloudpickle
+
+    from horovod.runner.run_task import RESULT_SCOPE
+
+    def get(scope: str, key: str) -> bytes | None:
+        assert scope == RESULT_SCOPE
+        item = items.get(int(key))
+        return None if item is None else cloudpickle.dumps(item)
+    return get
+
+
+def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
+    import pytest
+
+    from horovod.common.exceptions import HorovodInternalError, WorkerFailedError
+    from horovod.runner.api import collect_results
+    from horovod.runner.execute import JobResult
+
+    # rank 0 only lost its peer (and ended first), rank 2 raised its own error
+    get = _payloads({0: ("error", HorovodInternalError("peer left"), "tb0"), 1: ("ok", 1),
+                     2: ("error", KeyError("label"), "tb2")})
+    exits = [RankExit(0, "a", 1, None, 1.0), RankExit(1, "a", 0, None, 2.0),
+             RankExit(2, "b", 1, None, 3.0)]
+    with pytest.raises(WorkerFailedError) as info:
+        collect_results(get, 3, JobResult(exits, 1), "test")
+    assert info.value.rank == 2 and isinstance(info.value.exception, KeyError)
+    assert "rank 2 on host b raised KeyError" in str(info.value)
+    # two own errors: the one recorded first, by the records the programs left
+    get = _payloads({0: ("error", ValueError("late"), "tb0"), 1: ("error", ValueError("early"), "tb1")})
+    exits = [RankExit.with_record({"kind": "cause", "error": "ValueError: late", "time": 9.0}, 0, "a",
+                                  1, None, 1.0),
+             RankExit.with_record({"kind": "cause", "error": "ValueError: early", "time": 4.0}, 1, "a",
+                                  1, None, 5.0)]
+    with pytest.raises(WorkerFailedError) as info:
+        collect_results(get, 2, JobResult(exits, 1), "test")
+    assert info.value.rank == 1, str(info.value)
+    # without exit records (a cluster launcher that lost them): the lowest own error
+    get = _payloads({0: ("error", HorovodInternalError("peer left"), "t"), 1: ("error", ValueError("x"), "t"),
+                     2: ("error", ValueError("y"), "t")})
+    with pytest.raises(WorkerFailedError) as info:
+        collect_results(get, 3, JobResult([], 1), "test")
+    assert info.value.rank == 1 and info.value.ranks == [1, 0, 2]
+
+
+def test_ray_failures_are_ordered_by_the_same_rule() -> None:
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.ray.waiting import ranks_by_cause
+
+    lost = ("error", HorovodInternalError("peer left"), "tb")
+    died = ("died", RuntimeError("actor died"))
+    # a dead actor before the ranks that only lost it, whichever was seen first
+    assert ranks_by_cause({0: lost, 1: died, 2: lost}, {0: 1.0, 1: 2.0, 2: 1.5}) == [1, 0, 2]
+    # a rank's own error before a peer's death, as for horovodrun's ranks
+    own = ("error", ValueError("bad batch"), "tb")
+    assert ranks_by_cause({0: lost, 1: died, 2: own}, {0: 1.0, 1: 1.2, 2: 1.1}) == [2, 0, 1]
+    # no times known (simultaneous): still the dead actor
+    assert ranks_by_cause({0: lost, 1: died}, {}) == [1, 0]

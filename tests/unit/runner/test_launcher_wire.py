@@ -70,9 +70,11 @@ def test_elastic_worker_output_hides_both_markers(tmp_path: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
     done = threading.Event()
     ended: list[tuple[int | None, int | None]] = []
+    records: list[object] = []
 
-    def on_exit(code: int | None, sig: int | None) -> None:
+    def on_exit(code: int | None, sig: int | None, record: object) -> None:
         ended.append((code, sig))
+        records.append(record)
         done.set()
 
     proc = WorkerProcess(cmd, "w0", lambda: 0, on_exit, stdout=out, stderr=err)
@@ -83,6 +85,8 @@ def test_elastic_worker_output_hides_both_markers(tmp_path: Path) -> None:
     assert wire.ERROR_MARKER.strip() not in text and wire.EXIT_MARKER.strip() not in text, text
     assert proc.exit_info is not None and proc.exit_info["error"]["error"] == "RuntimeError: boom"
     assert proc.error_record is not None and proc.error_record["rank"] == 0
+    # the launcher gets the record with the exit (the elastic root cause reads it)
+    assert records == [proc.exit_record] and proc.exit_record["kind"] == "cause", records
 
 
 def test_slot_identity_is_what_the_worker_side_reads(monkeypatch: pytest.MonkeyPatch) -> None:

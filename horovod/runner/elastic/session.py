@@ -1,0 +1,212 @@
+"""One elastic session: the part of an elastic job every launcher shares.
+
+``horovodrun`` (processes over ssh or local), Spark (``horovod.spark.run_elastic``: workers in
+agent tasks) and Ray (``RayExecutor`` with ``min_workers``: actors) run the same driver
+(``driver.ElasticDriver``). What differs between them is only how a worker is started on a slot
+and how it is stopped or killed: the launcher gives ``ElasticSession`` a
+``start_worker(key, slot) -> WorkerHandle`` and reports every worker's end with
+``session.worker_exited(key, code, signal, record)``. The session owns the rest:
+
+* the rendezvous service's elastic handler, attached for the run and detached after it (and the
+  service itself, stopped at the end, when ``own_service``);
+* the end of the job: every worker still alive is asked to stop (``WorkerHandle.stop``), the
+  session waits on the driver's condition until each has ended, and kills those still alive after
+  ``exit_wait`` seconds (``WorkerHandle.kill``);
+* the results: what each worker's function returned or raised (``record_outcome``, or
+  ``collect_outcomes`` from the run-task results in the rendezvous store), the final round's
+  values in rank order, and the failure to name first (``SessionResult.root_cause``, by the rule
+  of static jobs: ``horovod.runner.failures.root_cause`` over the workers' exit records).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from horovod.runner.elastic.discovery import HostManager
+from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, WorkerFailure, WorkerHandle, key_name
+from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.failures import exception_record
+from horovod.runner.hosts import SlotInfo
+
+__all__ = ["ElasticSession", "SessionResult", "Outcome", "ElasticService", "EXIT_WAIT_SECONDS"]
+
+log = logging.getLogger("horovod.runner.elastic")
+
+# How long the workers get to end after the job is over before they are killed.
+EXIT_WAIT_SECONDS = 10.0
+
+
+class ElasticService(Protocol):
+    """The rendezvous service the workers reach the driver through (``RendezvousServer``, or a
+    ``FunctionJob`` around one)."""
+
+    def put(self, scope: str, key: str, value: bytes) -> None: ...
+
+    def set_elastic_handler(self, handler: Callable[[str, bytes], tuple[int, bytes]] | None,
+                            ) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a worker's function gave back: ``kind`` is ``"ok"`` (``value``), ``"error"`` (it
+    raised ``exception``, with ``traceback``) or ``"died"`` (its process was lost: ``exception``
+    says how, as the launcher saw it)."""
+
+    kind: str
+    value: Any = None
+    exception: BaseException | None = None
+    traceback: str = ""
+
+    @classmethod
+    def from_payload(cls, item: tuple[Any, ...]) -> Outcome:
+        """From ``horovod.runner.run_task``'s result: ``("ok", value)`` or
+        ``("error", exception, traceback)``."""
+        if item[0] == "ok":
+            return cls("ok", item[1])
+        return cls("error", None, item[1], str(item[2]) if len(item) > 2 else "")
+
+
+@dataclass
+class SessionResult:
+    """How an elastic job ended (``result``) and what its workers' functions gave back."""
+
+    result: ElasticResult
+    outcomes: dict[Key, Outcome] = field(default_factory=dict)
+
+    @property
+    def error(self) -> str | None:
+        return self.result.error
+
+    def root_cause(self) -> WorkerFailure | None:
+        return self.result.root_cause()
+
+    def values(self) -> list[Any]:
+        """The values the workers of the final round returned, in their rank order."""
+        final = sorted(self.result.final_ranks.items(), key=lambda kv: kv[1])
+        return [o.value for o in (self.outcomes.get(k) for k, _ in final)
+                if o is not None and o.kind == "ok"]
+
+    def failed(self) -> list[tuple[Key, Outcome]]:
+        """The workers whose function raised or whose process was lost, the root cause first,
+        then in the order they ended."""
+        bad = [(k, o) for k, o in self.outcomes.items() if o.kind != "ok"]
+        root = self.root_cause()
+        bad.sort(key=lambda ko: root is None or ko[0] != root.key)
+        return bad
+
+
+class ElasticSession:
+    """One elastic job around an ``ElasticDriver`` (see the module docstring).
+
+    Args:
+        settings, hosts, np, min_np, max_np: as ``ElasticDriver.from_settings``.
+        start_worker: ``f(key, slot) -> WorkerHandle``: start a worker on a slot (the launcher's
+            one job); the launcher reports its end with ``worker_exited``.
+        service: the rendezvous service the workers reach the driver through.
+        own_service: stop ``service`` when the run ends (False: the launcher keeps it for more
+            runs, as ``RayExecutor`` does).
+        discovery_interval: seconds between host discovery runs.
+        exit_wait: seconds the workers get to end after the job before they are killed.
+    """
+
+    def __init__(self, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
+                 max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
+                 service: ElasticService, *, own_service: bool = True,
+                 discovery_interval: float = 1.0, exit_wait: float = EXIT_WAIT_SECONDS) -> None:
+        self.service, self.own_service, self.exit_wait = service, own_service, exit_wait
+        self.driver = ElasticDriver.from_settings(settings, hosts, np, min_np, max_np,
+                                                  start_worker, put_kv=service.put,
+                                                  discovery_interval=discovery_interval)
+        self._lock = threading.Lock()
+        self._outcomes: dict[Key, Outcome] = {}
+
+    # ------------------------------------------------------------------ the launcher's reports
+    def worker_exited(self, key: Key, code: int | None, signum: int | None,
+                      record: object = None) -> None:
+        """The worker on ``key`` ended (``record``: the exit record its program left)."""
+        self.driver.worker_exited(key, code, signum, record)
+
+    def record_outcome(self, key: Key, outcome: Outcome) -> None:
+        """What the function of the worker on ``key`` returned or raised (the last one wins)."""
+        with self._lock:
+            self._outcomes[key] = outcome
+
+    def collect_outcomes(self, get: Callable[[str, str], bytes | None]) -> None:
+        """Read every worker's ``run_task`` result from the rendezvous store (``get``), stored
+        under its slot name (``RESULT_KEY_ENV``)."""
+        import cloudpickle
+
+        from horovod.runner.run_task import RESULT_SCOPE
+
+        with self.driver.cv:
+            keys = list(self.driver.workers)
+        for key in keys:
+            raw = get(RESULT_SCOPE, key_name(key))
+            if raw is not None:
+                self.record_outcome(key, Outcome.from_payload(cloudpickle.loads(raw)))
+
+    # ------------------------------------------------------------------ the job
+    def run(self, finish: Callable[[], None] | None = None) -> SessionResult:
+        """Drive the job to its end, end every worker, then call ``finish`` (the launcher's own
+        clean-up: its workers are all gone by then) and stop the service if it is ours.
+
+        Raises:
+            KeyboardInterrupt: (or any error of the driver) after the workers were ended.
+        """
+        self.service.set_elastic_handler(self.driver.handle)
+        try:
+            try:
+                result = self.driver.run()
+            except BaseException:
+                self.end_workers(grace=2.0)
+                raise
+            self.end_workers()
+        finally:
+            try:
+                if finish is not None:
+                    finish()
+            finally:
+                self.service.set_elastic_handler(None)
+                if self.own_service:
+                    self.service.stop()
+        with self._lock:
+            outcomes = dict(self._outcomes)
+        return SessionResult(self._with_outcome_records(result, outcomes), outcomes)
+
+    def end_workers(self, grace: float = 5.0) -> None:
+        """Ask every live worker to stop (killed after ``grace`` seconds by its handle), wait on
+        the driver's condition until all have ended, and kill those still alive after
+        ``exit_wait`` seconds."""
+        driver = self.driver
+        driver.stop_all(grace)
+        with driver.cv:
+            if driver.cv.wait_for(lambda: not any(w.alive for w in driver.workers.values()),
+                                  timeout=self.exit_wait):
+                return
+            left = [w for w in driver.workers.values() if w.alive and w.proc is not None]
+        log.warning("elastic: %d worker(s) still running %g s after the job ended: killing %s",
+                    len(left), self.exit_wait, ", ".join(key_name(w.key) for w in left))
+        for w in left:
+            assert w.proc is not None
+            w.proc.kill()
+
+    @staticmethod
+    def _with_outcome_records(result: ElasticResult,
+                              outcomes: dict[Key, Outcome]) -> ElasticResult:
+        """The failures of workers that left no exit record but whose function raised, with the
+        record the exception makes (the last failure of that worker's slot)."""
+        last = {f.key: i for i, f in enumerate(result.failures)}
+        failures = list(result.failures)
+        for key, i in last.items():
+            o, f = outcomes.get(key), failures[i]
+            if f.record is None and o is not None and o.kind == "error" and o.exception is not None:
+                failures[i] = dataclasses.replace(f, record=exception_record(
+                    o.exception, f.time, f.code or 1))
+        return dataclasses.replace(result, failures=failures)

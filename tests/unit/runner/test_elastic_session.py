@@ -1,0 +1,134 @@
+"""The elastic session every launcher shares (horovodrun, Spark, Ray), with fake workers: the
+service's handler, the end of the workers (stop, wait on the driver's condition, kill), the
+results and the root cause."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from horovod.common.exceptions import HorovodInternalError
+from horovod.runner.elastic.discovery import FixedHosts, HostManager
+from horovod.runner.elastic.session import ElasticSession, Outcome
+from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.hosts import SlotInfo
+
+pytestmark = pytest.mark.unit
+
+Key = tuple[str, int]
+
+
+class Service:
+    def __init__(self) -> None:
+        self.handlers: list[Any] = []
+        self.stopped = False
+        self.kv: dict[tuple[str, str], bytes] = {}
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        self.kv[(scope, key)] = value
+
+    def set_elastic_handler(self, handler: Any) -> None:
+        self.handlers.append(handler)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Worker:
+    """A fake worker: ``behaviour(key)`` decides how it ends by itself; ``stop`` ends it unless
+    it is stubborn; ``kill`` always does."""
+
+    def __init__(self, session: ElasticSession, key: Key, stubborn: bool) -> None:
+        self.session, self.key, self.stubborn = session, key, stubborn
+        self.calls: list[str] = []
+
+    def end(self, code: int | None, sig: int | None, record: object = None) -> None:
+        threading.Thread(target=self.session.worker_exited,
+                         args=(self.key, code, sig, record)).start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.calls.append("stop")
+        if not self.stubborn:
+            self.end(None, 15)
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+        self.end(None, 9)
+
+
+def make(hosts: dict[str, int], np: int, fail: dict[str, tuple[int, object]], *,
+         stubborn: bool = False, timeout: float = 0.5, own: bool = True,
+         ) -> tuple[ElasticSession, Service, dict[Key, Worker]]:
+    """A session whose workers on the hosts in ``fail`` end at once with (code, record)."""
+    service = Service()
+    workers: dict[Key, Worker] = {}
+    session: ElasticSession
+
+    def start_worker(key: Key, slot: SlotInfo) -> Worker:
+        w = Worker(session, key, stubborn)
+        workers[key] = w
+        if key[0] in fail:
+            code, record = fail[key[0]]
+            w.end(code, None, record)
+        return w
+
+    session = ElasticSession(ElasticSettings(timeout=timeout), HostManager(FixedHosts(hosts)), np,
+                             np, None, start_worker, service, own_service=own,
+                             discovery_interval=0.05, exit_wait=0.3)
+    return session, service, workers
+
+
+def test_every_worker_failing_ends_the_job_and_the_session_cleans_up() -> None:
+    own = {"kind": "cause", "error": "ValueError: bad batch", "time": 5.0, "code": 1}
+    lost = {"kind": "consequence", "error": "HorovodInternalError: peer left", "time": 1.0, "code": 1}
+    session, service, _ = make({"a": 1, "b": 1}, 2, {"a": (1, lost), "b": (1, own)})
+    finished: list[bool] = []
+    out = session.run(lambda: finished.append(service.stopped))
+    assert out.error is not None and "failed before training started" in out.error
+    assert [f.key for f in out.result.failures] and len(out.result.failures) == 2
+    # the worker whose error is its own, whichever ended first
+    root = out.root_cause()
+    assert root is not None and root.key == ("b", 0) and root.as_exit().error == own["error"]
+    # the handler was attached for the run, then detached; finish ran before the service stopped
+    assert service.handlers == [session.driver.handle, None] and finished == [False]
+    assert service.stopped
+
+
+def test_outcomes_give_values_in_rank_order_and_records_for_raised_errors() -> None:
+    session, service, _ = make({"a": 1, "b": 1}, 2, {"a": (1, None), "b": (1, None)}, own=False)
+    session.record_outcome(("a", 0), Outcome("error", exception=HorovodInternalError("peer left")))
+    session.record_outcome(("b", 0), Outcome("error", exception=KeyError("label"), traceback="tb"))
+    out = session.run()
+    assert not service.stopped  # the launcher keeps its service (RayExecutor)
+    root = out.root_cause()
+    assert root is not None and root.key == ("b", 0)  # its own error, from the exception
+    assert root.record is not None and root.as_exit().error_kind == "cause"
+    assert [k for k, _ in out.failed()][0] == ("b", 0)
+    assert out.values() == []  # no final round
+
+
+def test_values_are_the_final_rounds_in_rank_order() -> None:
+    import dataclasses
+
+    from horovod.runner.elastic.driver import ElasticResult
+    from horovod.runner.elastic.session import SessionResult
+
+    result = ElasticResult(None, 2, 1, final_ranks={("b", 0): 0, ("a", 0): 1})
+    out = SessionResult(result, {("a", 0): Outcome("ok", "A"), ("b", 0): Outcome("ok", "B"),
+                                 ("c", 0): Outcome("ok", "left earlier")})
+    assert out.values() == ["B", "A"]
+    assert SessionResult(dataclasses.replace(result, final_ranks={}), out.outcomes).values() == []
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+def test_workers_left_are_stopped_and_killed_only_if_they_do_not_end(stubborn: bool) -> None:
+    # a fails at once and its host is blacklisted; b waits for a second slot that never comes
+    session, _, workers = make({"a": 1, "b": 1}, 2, {"a": (1, None)}, stubborn=stubborn,
+                               timeout=0.2)
+    out = session.run()
+    assert out.error is not None and "too few hosts" in out.error
+    b = workers[("b", 0)]
+    assert b.calls == (["stop", "kill"] if stubborn else ["stop"])
+    assert not any(w.alive for w in session.driver.workers.values())
