@@ -483,6 +483,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("ZeroRedundancyOptimizer.load_state_dict expects a full optimizer "
                              "state dict with 'state' and 'param_groups'")
+        sizes = [len(s["params"]) for s in groups]
+        if sizes != [len(g["params"]) for g in self.param_groups] and self.world > 1 and sizes == [
+                len(g["params"]) for g in self.optim.param_groups]:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.load_state_dict on rank {self.rank}: the state dict has "
+                f"groups of sizes {sizes}, this rank's shard's sizes: it looks like one rank's "
+                "sharded state (opt.optim.state_dict()), which does not say which parameters it "
+                "holds. Load the full state: opt.full_state_dict() or consolidate_state_dict() then "
+                "state_dict() when saving, or hvd.checkpoint.save/load")
         if len(groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups)):
             raise ValueError(

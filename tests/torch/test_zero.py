@@ -198,6 +198,34 @@ def _scaler_and_compile_cases():
                 if _rel(p.detach(), q.detach()) > 1e-5:
                     bad.append(f"rank {r}: GradScaler stage {i}: {pn} differs by "
                                f"{_rel(p.detach(), q.detach()):.2e}")
+    # fewer parameters than ranks at np=3 (Linear: 2): a rank that owns nothing still steps
+    # with the scaler, and skips the overflowing step with the others
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(7, 3)
+    ref_opt = hvd.DistributedOptimizer(torch.optim.Adam(ref.parameters(), lr=1e-2),
+                                       named_parameters=ref.named_parameters())
+    runs = [(ref, ref_opt)] + [
+        (m, hvd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, stage=stage, lr=1e-2))
+        for stage, m in ((1, copy.deepcopy(ref)), (2, copy.deepcopy(ref)))]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in runs]
+    for k, (x, y) in enumerate(batches[:4]):
+        for (m, o), sc in zip(runs, scalers):
+            o.zero_grad()
+            out = m(x)
+            if k == 2 and r == 0:
+                out = out * float("inf")  # overflow on rank 0 only
+            sc.scale(F.cross_entropy(out, y)).backward()
+            o.synchronize()
+            sc.unscale_(o)
+            with o.skip_synchronize():
+                sc.step(o)
+            sc.update()
+    for i, ((m, _o), sc) in enumerate(zip(runs, scalers)):
+        scales = hvd.allgather_object(sc.get_scale())
+        if len(set(scales)) != 1 or scales[0] != 2.0 ** 9:
+            bad.append(f"rank {r}: 2 parameters, run {i}: scales {scales}")
+        if i and any(_rel(p.detach(), q.detach()) > 1e-5 for p, q in zip(m.parameters(), ref.parameters())):
+            bad.append(f"rank {r}: 2 parameters, GradScaler stage {i} differs from DistributedOptimizer")
     # torch.compile'd model (aot_eager: the compiled autograd path without a C++ toolchain's cost)
     ref = _model()
     ref_opt = hvd.DistributedOptimizer(torch.optim.AdamW(ref.parameters(), lr=1e-2),
@@ -257,6 +285,8 @@ def _bad_input_cases():
         out["unconsolidated"] = "no error"
     except RuntimeError as exc:
         out["unconsolidated"] = str(exc)
+    # one rank's shard instead of the full state (it does not say which parameters it holds)
+    attempt("shard_state", lambda: z.load_state_dict(z.optim.state_dict()))
     attempt("wrong_state", lambda: z.load_state_dict(
         torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1).state_dict()))
     return out
@@ -284,6 +314,8 @@ def test_zero_bad_input_fails_on_every_rank(np_):
         assert "rank 0: stage=3" in out["stage3_one_rank"], (r, out["stage3_one_rank"])
         assert f"on rank {r}" in out["unconsolidated"] and "consolidate_state_dict" in out["unconsolidated"]
         assert "groups of sizes" in out["wrong_state"], out["wrong_state"]
+        assert f"on rank {r}" in out["shard_state"] and "opt.optim.state_dict()" in out["shard_state"], \
+            out["shard_state"]
 
 
 def test_partition_is_balanced_by_bytes():
