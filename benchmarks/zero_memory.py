@@ -146,6 +146,13 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
     opts = {v: _optimizer(v, model) for v in VARIANTS}
     for opt in opts.values():
         _hooks(opt, False)
+    # stage 2's schedule "auto" times its two reduce-scatter schedules over its first 4 steps
+    _hooks(opts["zero2"], True)
+    for _ in range(4):
+        opts["zero2"].zero_grad()
+        model(x).square().mean().backward()
+        opts["zero2"].step()
+    _hooks(opts["zero2"], False)
     wire = _Wire(get_context().backend, hvd.size())
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(cfg["reps"] + 1):  # the first round warms up
@@ -164,7 +171,8 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
             _hooks(opt, False)
             if rep:
                 times[v].append(dt)
-    return {"rank": hvd.rank(), "times": times,
+    return {"rank": hvd.rank(), "times": times, "zero2_schedule": opts["zero2"].chosen_schedule,
+            "zero2_trial_s": opts["zero2"]._reducer._trial,
             "wire_bytes_per_step": {v: b / cfg["reps"] for v, b in wire.bytes.items()}}
 
 
@@ -285,6 +293,8 @@ def main() -> int:
     med = {v: statistics.median(max(t[v][i] for t in [r["times"] for r in timing])
                                 for i in range(args.reps)) for v in VARIANTS}
     wire = timing[0]["wire_bytes_per_step"]
+    print(f"stage 2 chose the {timing[0]['zero2_schedule']} schedule (trial, slowest rank: "
+          + ", ".join(f"{k} {t:.3f} s" for k, t in timing[0]["zero2_trial_s"].items()) + ")")
     print(f"\nstep time (median of {args.reps}, slowest rank per step), interleaved:")
     for v in VARIANTS:
         print(f"  {v:<12}{med[v]:8.3f} s   x{med[v] / med['distributed']:.3f} of distributed   "
@@ -306,7 +316,8 @@ def main() -> int:
           f"{held['wait']:.3f} s")
     out = {"config": cfg, "np": n, "parameters": psi, "formula_bytes": formula, "memory": memory,
            "median_step_s": med, "wire_bytes_per_step": wire, "checkpoint_s": held,
-           "reduce_scatter_schedules_s": sched, "load_average": {"start": load_start, "end": os.getloadavg()},
+           "reduce_scatter_schedules_s": sched, "zero2_schedule": timing[0]["zero2_schedule"],
+           "zero2_trial_s": timing[0]["zero2_trial_s"], "load_average": {"start": load_start, "end": os.getloadavg()},
            "ratios": {v: {"time": med[v] / med["distributed"],
                           "wire": wire[v] / wire["distributed"]} for v in VARIANTS}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

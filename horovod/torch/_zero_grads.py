@@ -8,9 +8,15 @@ it, and releases the gradient right away (``p.grad = None``): from then on the b
 The send buffer is laid out by owner (rank 0's parameters first), so one ``alltoall`` with those
 splits hands each owner every rank's copy of its parameters' gradients; the owner sums them
 locally. That is a reduce-scatter: each rank sends (N-1)/N of the bucket, as in a ring
-reduce-scatter, and receives as much. It is done as an alltoall plus a local sum because that
-schedule ran 3x faster than ``MPI_Reduce_scatter`` and faster than an allreduce of the same buffer
-with Open MPI on shared memory (``benchmarks/zero_memory.py`` compares the variants).
+reduce-scatter, and receives as much. It is done as an alltoall plus a local sum because Open
+MPI's ``MPI_Reduce_scatter`` ran 2-3x slower than both that and an allreduce of the same buffer
+on shared memory (``benchmarks/zero_memory.py`` times the schedules).
+
+Schedule ``"auto"`` (the default) also tries the other schedule, an allreduce of the whole
+bucket of which each rank keeps its own part (twice the bytes on the wire, but the engine's
+chunked allreduce path): the first flush of each is a warm-up, the second is timed (the slowest
+rank's time, agreed by the allreduce that follows every flush), and the faster one is kept, the
+same on every rank. ``"alltoall"`` or ``"allreduce"`` fixes it.
 
 A bucket whose gradients are all in starts at once when the engine overlaps gradient reductions
 with backward (``tunables.overlap``); otherwise, as ``DistributedOptimizer``'s hooks, it waits
@@ -21,15 +27,20 @@ gradients are views of the summed row (``p.grad`` after ``synchronize()``).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from horovod.common.process_sets import ProcessSet
-from horovod.common.types import Average, Max
-from horovod.torch.mpi_ops import allreduce_, alltoall_async, synchronize
+from horovod.common.types import Average, Max, Sum
+from horovod.torch.mpi_ops import allreduce_, allreduce_async_, alltoall_async, synchronize
 
-__all__ = ["ShardedGradients", "MANY_PASSES"]
+__all__ = ["ShardedGradients", "MANY_PASSES", "SCHEDULES"]
+
+SCHEDULES = ("auto", "alltoall", "allreduce")
+# flush k of schedule "auto" (k from 0): which schedule it uses, and whether it is timed
+_TRIAL = (("alltoall", False), ("alltoall", True), ("allreduce", False), ("allreduce", True))
 
 MANY_PASSES = ("ZeroRedundancyOptimizer(stage=2): the gradient of {name!r} was computed more than "
                "backward_passes_per_step={passes} times before step() or synchronize(); its bucket "
@@ -46,7 +57,7 @@ class _Bucket:
     numel)."""
 
     __slots__ = ("name", "dtype", "send", "splits", "mine", "mine_len", "numel", "offset",
-                 "waiting", "buf", "handle", "ctx")
+                 "waiting", "buf", "handle", "ctx", "start")
 
     def __init__(self, name: str, members: list[int], params: list[torch.Tensor], owner: list[int],
                  rank: int, world: int) -> None:
@@ -68,6 +79,7 @@ class _Bucket:
         start = sum(self.splits[:rank])
         self.mine = [(i, off - start, n) for i, off, n in self.send if owner[i] == rank]
         self.mine_len = self.splits[rank]
+        self.start = start
         self.waiting = len(members)
         self.buf: torch.Tensor | None = None
         self.handle: Any = None
@@ -102,7 +114,8 @@ class ShardedGradients:
 
     def __init__(self, params: list[torch.Tensor], names: list[str], owner: list[int], rank: int,
                  world: int, bucket_bytes: int, process_set: ProcessSet, op: int,
-                 scale: tuple[float, float], compression: Any, passes: int) -> None:
+                 scale: tuple[float, float], compression: Any, passes: int,
+                 schedule: str = "auto") -> None:
         self.params, self.names, self.owner = params, names, owner
         self.rank, self.world, self.process_set = rank, world, process_set
         self.op, self.scale, self.compression = op, scale, compression
@@ -117,6 +130,10 @@ class ShardedGradients:
         self._sentinel = None
         if rank not in owner and params:
             self._sentinel = min(range(len(params)), key=lambda i: (params[i].numel(), i))
+        self.schedule = schedule
+        self._flushes = 0  # of schedule "auto" (see _TRIAL)
+        self._trial: dict[str, float] = {}
+        self.current = "alltoall" if schedule == "auto" else schedule
         self._hook_handles: list[Any] = []
         if world > 1:
             self._register_hooks()
@@ -181,14 +198,19 @@ class ShardedGradients:
         if pre != 1.0:
             buf.mul_(pre)
         compressed, bucket.ctx = self.compression.compress(buf)
-        bucket.handle = alltoall_async(compressed, splits=bucket.splits, name=bucket.name,
-                                       process_set=self.process_set)
+        if self.current == "alltoall":
+            bucket.handle = alltoall_async(compressed, splits=bucket.splits, name=bucket.name,
+                                           process_set=self.process_set)
+        else:
+            bucket.handle = allreduce_async_(compressed, name=bucket.name + ".ar", op=Sum,
+                                             process_set=self.process_set)
         bucket.buf = None
 
     # ------------------------------------------------------------------ reduction
     def synchronize(self) -> None:
         """Submit what backward left, wait for every bucket and give each owned parameter its
         averaged gradient; then agree on non-finite gradients (``_agree_finite``)."""
+        t0 = time.perf_counter()
         for bucket in self.buckets:
             if bucket.handle is None:
                 self._submit(bucket)
@@ -196,17 +218,28 @@ class ShardedGradients:
         for bucket in self.buckets:
             finite = self._finish(bucket) and finite
         self.reset()
-        self._agree_finite(finite)
+        slowest = self._agree_finite(finite, time.perf_counter() - t0)
+        if self.schedule == "auto" and self._flushes < len(_TRIAL):
+            name, timed = _TRIAL[self._flushes]
+            if timed:
+                self._trial[name] = slowest
+            self._flushes += 1
+            self.current = (_TRIAL[self._flushes][0] if self._flushes < len(_TRIAL)
+                             else min(self._trial, key=lambda k: (self._trial[k], k)))
 
     def _finish(self, bucket: _Bucket) -> bool:
-        out, _ = synchronize(bucket.handle)
-        out = self.compression.decompress(out, bucket.ctx)
+        out = synchronize(bucket.handle)
+        alltoall = isinstance(out, tuple)
+        out = self.compression.decompress(out[0] if alltoall else out, bucket.ctx)
         bucket.handle = bucket.ctx = None
         if not bucket.mine_len:
             return True
-        rows = out.view(self.world, bucket.mine_len)
         wide = torch.float32 if bucket.dtype in (torch.float16, torch.bfloat16) else None
-        total = rows.sum(0, dtype=wide) if wide is not None else rows.sum(0)
+        if alltoall:
+            rows = out.view(self.world, bucket.mine_len)
+            total = rows.sum(0, dtype=wide) if wide is not None else rows.sum(0)
+        else:  # the whole bucket's sum: keep this rank's part
+            total = out[bucket.start:bucket.start + bucket.mine_len].to(wide or out.dtype, copy=True)
         post = self.scale[1] / self.world if self.op == Average else self.scale[1]
         if post != 1.0:
             total.mul_(post)
@@ -218,22 +251,24 @@ class ShardedGradients:
                 p.grad = total[off:off + n].view_as(p)
         return bool(torch.isfinite(total).all())
 
-    def _agree_finite(self, finite: bool) -> None:
-        """One 1-element allreduce: if any rank's averaged gradients are not finite, make one of
-        this rank's gradients infinite as well, so that ``GradScaler`` skips the step on every
-        rank alike (each rank sees only its own parameters' gradients)."""
+    def _agree_finite(self, finite: bool, elapsed: float) -> float:
+        """One 2-element allreduce (Max): if any rank's averaged gradients are not finite, make one
+        of this rank's gradients infinite as well, so that ``GradScaler`` skips the step on every
+        rank alike (each rank sees only its own parameters' gradients). Returns the slowest
+        rank's ``elapsed``."""
         if self._sentinel is not None:
             p = self.params[self._sentinel]
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        flag = torch.tensor([0.0 if finite else 1.0])
+        flag = torch.tensor([0.0 if finite else 1.0, elapsed], dtype=torch.float64)
         allreduce_(flag, name="zero.nonfinite", op=Max, process_set=self.process_set)
-        if flag.item() and finite:
+        if flag[0].item() and finite:
             for p in self.params:
                 g = p.grad
                 if g is not None and g.numel():
                     g.view(-1)[0] = float("inf")
                     break
+        return float(flag[1])
 
     def reset(self) -> None:
         """Forget this step's packing and pass counts (after the reduction, or to drop it)."""

@@ -33,7 +33,7 @@ import torch
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average, Max, Sum
-from horovod.torch._zero_grads import ShardedGradients
+from horovod.torch._zero_grads import SCHEDULES, ShardedGradients
 from horovod.torch.compression import Compression, StatefulCompressor
 from horovod.torch.mpi_ops import allgather_async, allreduce_, synchronize
 from horovod.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
@@ -144,6 +144,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._bucket_bytes = BUCKET_BYTES
+        self._schedule = "auto"
         self._consolidated: dict[str, Any] | None = None
         self._reducer: Any = None
         if stage == 1:
@@ -266,11 +267,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._reducer.remove_hooks()
             self._reducer = self._sharded_gradients()
 
+    @property
+    def reduce_schedule(self) -> str:
+        """How stage 2 reduce-scatters a bucket: ``"alltoall"`` (by owner, then a local sum),
+        ``"allreduce"`` (of the whole bucket, each rank keeping its part) or ``"auto"`` (the
+        default: time both over the first steps and keep the faster one; ``chosen_schedule``
+        then says which). Set it on every rank alike, between steps."""
+        return self._schedule
+
+    @reduce_schedule.setter
+    def reduce_schedule(self, value: str) -> None:
+        if value not in SCHEDULES:
+            raise ValueError(f"reduce_schedule={value!r}; use one of {SCHEDULES}")
+        self._schedule = value
+        self.bucket_bytes = self._bucket_bytes  # new buckets with it
+
+    @property
+    def chosen_schedule(self) -> str | None:
+        """Stage 2: the schedule the next reduction uses (None for stage 1)."""
+        return self._reducer.current if isinstance(self._reducer, ShardedGradients) else None
+
     def _sharded_gradients(self) -> ShardedGradients:
         return ShardedGradients(self._all, self._names, self.layout.owner, self.rank, self.world,
                                 self._bucket_bytes, self.process_set, self.op,
                                 self._scale_factors(), self._compression,
-                                self.backward_passes_per_step)
+                                self.backward_passes_per_step, self._schedule)
 
     def _drop_pending(self) -> None:
         """Forget the reductions of a step that will not finish (a failed step, a reload)."""
