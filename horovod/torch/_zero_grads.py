@@ -209,14 +209,19 @@ class ShardedGradients:
     # ------------------------------------------------------------------ reduction
     def synchronize(self) -> None:
         """Submit what backward left, wait for every bucket and give each owned parameter its
-        averaged gradient; then agree on non-finite gradients (``_agree_finite``)."""
+        averaged gradient; then agree on non-finite gradients (``_agree_finite``). Buckets that
+        backward did not start go two at a time, so that at most two buckets' received buffers
+        exist at once."""
         t0 = time.perf_counter()
-        for bucket in self.buckets:
+        finite, previous = True, None
+        for bucket in self.buckets:  # submit one, finish the one before (two in flight)
             if bucket.handle is None:
                 self._submit(bucket)
-        finite = True
-        for bucket in self.buckets:
-            finite = self._finish(bucket) and finite
+            if previous is not None:
+                finite = self._finish(previous) and finite
+            previous = bucket
+        if previous is not None:
+            finite = self._finish(previous) and finite
         self.reset()
         slowest = self._agree_finite(finite, time.perf_counter() - t0)
         if self.schedule == "auto" and self._flushes < len(_TRIAL):
