@@ -2,9 +2,10 @@
 averaged gradients of the parameters it owns.
 
 The parameters are cut into buckets (one dtype each, at most ``bucket_bytes``, in reverse order
-of the parameters, the order in which backward produces their gradients). A hook on every
-parameter copies its gradient into its bucket's send buffer as soon as autograd has accumulated
-it, and releases the gradient right away (``p.grad = None``): from then on the bucket holds it.
+of the parameters, the order in which backward produces their gradients). With the alltoall
+schedule, a hook on every parameter copies its gradient into its bucket's send buffer as soon as
+autograd has accumulated it, and releases the gradient right away (``p.grad = None``): from then
+on the bucket holds it.
 The send buffer is laid out by owner (rank 0's parameters first), so one ``alltoall`` with those
 splits hands each owner every rank's copy of its parameters' gradients; the owner sums them
 locally. That is a reduce-scatter: each rank sends (N-1)/N of the bucket, as in a ring
@@ -12,11 +13,12 @@ reduce-scatter, and receives as much. It is done as an alltoall plus a local sum
 MPI's ``MPI_Reduce_scatter`` ran 2-3x slower than both that and an allreduce of the same buffer
 on shared memory (``benchmarks/zero_memory.py`` times the schedules).
 
-Schedule ``"auto"`` (the default) also tries the other schedule, an allreduce of the whole
-bucket of which each rank keeps its own part (twice the bytes on the wire, but the engine's
-chunked allreduce path): the first flush of each is a warm-up, the second is timed (the slowest
-rank's time, agreed by the allreduce that follows every flush), and the faster one is kept, the
-same on every rank. ``"alltoall"`` or ``"allreduce"`` fixes it.
+Schedule ``"auto"`` (the default) also tries the other schedule: the bucket's gradients averaged
+in place by one grouped allreduce, as ``DistributedOptimizer`` does (no copy into a bucket; twice
+the bytes on the wire, through the engine's chunked allreduce path), after which each rank keeps
+its own parameters' gradients and releases the others. The first flush of each is a warm-up,
+the second is timed (the slowest rank's time, agreed by the allreduce that follows every flush),
+and the faster one is kept, the same on every rank. ``"alltoall"`` or ``"allreduce"`` fixes it.
 
 A bucket whose gradients are all in starts at once when the engine overlaps gradient reductions
 with backward (``tunables.overlap``); otherwise, as ``DistributedOptimizer``'s hooks, it waits
@@ -33,8 +35,8 @@ from typing import Any
 import torch
 
 from horovod.common.process_sets import ProcessSet
-from horovod.common.types import Average, Max, Sum
-from horovod.torch.mpi_ops import allreduce_, allreduce_async_, alltoall_async, synchronize
+from horovod.common.types import Average, Max
+from horovod.torch.mpi_ops import allreduce_, alltoall_async, grouped_allreduce_async_, synchronize
 
 __all__ = ["ShardedGradients", "MANY_PASSES", "SCHEDULES"]
 
@@ -57,7 +59,7 @@ class _Bucket:
     numel)."""
 
     __slots__ = ("name", "dtype", "send", "splits", "mine", "mine_len", "numel", "offset",
-                 "waiting", "buf", "handle", "ctx", "start")
+                 "waiting", "buf", "handle", "ctx", "kind")
 
     def __init__(self, name: str, members: list[int], params: list[torch.Tensor], owner: list[int],
                  rank: int, world: int) -> None:
@@ -79,11 +81,11 @@ class _Bucket:
         start = sum(self.splits[:rank])
         self.mine = [(i, off - start, n) for i, off, n in self.send if owner[i] == rank]
         self.mine_len = self.splits[rank]
-        self.start = start
         self.waiting = len(members)
         self.buf: torch.Tensor | None = None
         self.handle: Any = None
         self.ctx: Any = None
+        self.kind = ""  # the schedule of the reduction in flight
 
 
 def _buckets(params: list[torch.Tensor], owner: list[int], rank: int, world: int,
@@ -159,7 +161,11 @@ class ShardedGradients:
                 raise AssertionError(MANY_PASSES.format(name=self.names[i],
                                                         passes=self.backward_passes_per_step))
             bucket = self._bucket_of[i]
-            self._pack(bucket, i, p)
+            if self.current == "alltoall":
+                self._pack(bucket, i, p)
+            else:  # reduced in place: only counted
+                self._busy = self._packed[i] = True
+                bucket.waiting -= 1
             if bucket.waiting == 0 and self._overlap():
                 self._submit(bucket)
         return hook
@@ -189,6 +195,9 @@ class ShardedGradients:
         bucket.waiting -= 1
 
     def _submit(self, bucket: _Bucket) -> None:
+        if self.current == "allreduce":
+            self._submit_allreduce(bucket)
+            return
         for i, _, _ in bucket.send:
             if not self._packed[i]:
                 self._pack(bucket, i, self.params[i])
@@ -198,13 +207,28 @@ class ShardedGradients:
         if pre != 1.0:
             buf.mul_(pre)
         compressed, bucket.ctx = self.compression.compress(buf)
-        if self.current == "alltoall":
-            bucket.handle = alltoall_async(compressed, splits=bucket.splits, name=bucket.name,
-                                           process_set=self.process_set)
-        else:
-            bucket.handle = allreduce_async_(compressed, name=bucket.name + ".ar", op=Sum,
-                                             process_set=self.process_set)
-        bucket.buf = None
+        bucket.handle = alltoall_async(compressed, splits=bucket.splits, name=bucket.name,
+                                       process_set=self.process_set)
+        bucket.buf, bucket.kind = None, "alltoall"
+
+    def _submit_allreduce(self, bucket: _Bucket) -> None:
+        """The bucket's gradients averaged in place, as ``DistributedOptimizer`` does (one
+        grouped allreduce, fused by the engine); zeros for those that did not come."""
+        tensors, ctxs = [], []
+        for i, _, _ in bucket.send:
+            p = self.params[i]
+            g = p.grad
+            if g is None or g.is_sparse:
+                p.grad = g = torch.zeros_like(p) if g is None else g.to_dense()
+            self._packed[i] = True
+            compressed, ctx = self.compression.compress(g)
+            tensors.append(compressed)
+            ctxs.append(ctx)
+        self._busy = True
+        bucket.ctx, bucket.kind = ctxs, "allreduce"
+        bucket.handle = grouped_allreduce_async_(
+            tensors, name=bucket.name + ".ar", op=self.op, prescale_factor=self.scale[0],
+            postscale_factor=self.scale[1], process_set=self.process_set)
 
     # ------------------------------------------------------------------ reduction
     def synchronize(self) -> None:
@@ -234,17 +258,15 @@ class ShardedGradients:
 
     def _finish(self, bucket: _Bucket) -> bool:
         out = synchronize(bucket.handle)
-        alltoall = isinstance(out, tuple)
-        out = self.compression.decompress(out[0] if alltoall else out, bucket.ctx)
-        bucket.handle = bucket.ctx = None
+        ctx, bucket.handle, bucket.ctx = bucket.ctx, None, None
+        if bucket.kind == "allreduce":
+            return self._finish_allreduce(bucket, out, ctx)
+        out = self.compression.decompress(out[0], ctx)
         if not bucket.mine_len:
             return True
         wide = torch.float32 if bucket.dtype in (torch.float16, torch.bfloat16) else None
-        if alltoall:
-            rows = out.view(self.world, bucket.mine_len)
-            total = rows.sum(0, dtype=wide) if wide is not None else rows.sum(0)
-        else:  # the whole bucket's sum: keep this rank's part
-            total = out[bucket.start:bucket.start + bucket.mine_len].to(wide or out.dtype, copy=True)
+        rows = out.view(self.world, bucket.mine_len)
+        total = rows.sum(0, dtype=wide) if wide is not None else rows.sum(0)
         post = self.scale[1] / self.world if self.op == Average else self.scale[1]
         if post != 1.0:
             total.mul_(post)
@@ -255,6 +277,22 @@ class ShardedGradients:
             if p.requires_grad:
                 p.grad = total[off:off + n].view_as(p)
         return bool(torch.isfinite(total).all())
+
+    def _finish_allreduce(self, bucket: _Bucket, outputs: Any, ctxs: list[Any]) -> bool:
+        """Keep the averaged gradients of this rank's parameters, release the others."""
+        finite = True
+        for (i, _, _), out, ctx in zip(bucket.send, outputs, ctxs):
+            p = self.params[i]
+            g = p.grad
+            assert g is not None
+            if self.owner[i] != self.rank or not p.requires_grad:
+                p.grad = None
+                continue
+            result = self.compression.decompress(out, ctx)
+            if result is not g:
+                g.copy_(result)
+            finite = finite and bool(torch.isfinite(g).all())
+        return finite
 
     def _agree_finite(self, finite: bool, elapsed: float) -> float:
         """One 2-element allreduce (Max): if any rank's averaged gradients are not finite, make one
