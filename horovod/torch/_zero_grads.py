@@ -11,7 +11,7 @@ splits hands each owner every rank's copy of its parameters' gradients; the owne
 locally. That is a reduce-scatter: each rank sends (N-1)/N of the bucket, as in a ring
 reduce-scatter, and receives as much. It is done as an alltoall plus a local sum because Open
 MPI's ``MPI_Reduce_scatter`` ran 2-3x slower than both that and an allreduce of the same buffer
-on shared memory (``benchmarks/zero_memory.py`` times the schedules).
+on shared memory on a quiet 2-core machine (``benchmarks/zero_memory.py`` times the schedules).
 
 Schedule ``"auto"`` (the default) also tries the other schedule: the bucket's gradients averaged
 in place by one grouped allreduce, as ``DistributedOptimizer`` does (no copy into a bucket; twice

@@ -10,10 +10,11 @@ One step:
 
 - stage 1: gradients are averaged during backward exactly as ``DistributedOptimizer`` averages
   them (the same hooks, bundling and fusion: an internal ``DistributedOptimizer`` does it);
-- stage 2: gradient hooks pack each gradient into its bucket as backward produces it and release
-  it (``p.grad = None``); each bucket is reduce-scattered (an alltoall by owner plus a local sum,
-  ``_zero_grads.ShardedGradients``), so each rank receives only its own parameters' averaged
-  gradients;
+- stage 2: gradient hooks hand each gradient to its bucket as backward produces it; each bucket
+  is reduce-scattered (an alltoall by owner plus a local sum, or an in-place allreduce after which
+  the other ranks' parameters' gradients are released: ``reduce_schedule``, see
+  ``_zero_grads.ShardedGradients``), so each rank keeps only its own parameters' averaged
+  gradients (``p.grad = None`` for the others);
 - each rank runs the wrapped optimizer (``.optim``, built on its shard only) and the updated
   parameters are shared with one allgather per dtype (the same ``[N, L]`` layout).
 
