@@ -16,9 +16,12 @@ Time: one more launch holds one model and the three optimizers (only the active 
 hooks are registered) and times their steps interleaved, in a rotating order, ``--reps`` times
 each; medians and ratios to DistributedOptimizer are printed. Bytes on the wire: the payload of
 every collective the engine hands to the transport is recorded during each variant's steps and
-converted to what one rank sends in a ring algorithm (allreduce 2(N-1)/N x B, reduce-scatter and
-allgather (N-1)/N x B of the whole buffer). A last launch times how long
-``hvd.checkpoint.save`` holds the loop, blocking and not (interleaved, ``--ckpt-reps`` each).
+converted to what one rank sends in a ring algorithm (allreduce 2(N-1)/N x B, reduce-scatter,
+alltoall and allgather (N-1)/N x B of the whole buffer). Another launch times the schedules a
+reduce-scatter of one ``--transport-mib`` buffer can take (allreduce of the buffer, the transport's
+reduce-scatter, alltoall plus a local sum: stage 2 uses the last), interleaved. A last launch
+times how long ``hvd.checkpoint.save`` holds the loop, blocking and not (interleaved,
+``--ckpt-reps`` each).
 
 Writes benchmarks/results/zero_memory.json.
 """
@@ -107,7 +110,7 @@ class _Wire:
         self.n, self.current, self.bytes = n, "", {v: 0.0 for v in VARIANTS}
         ring = (n - 1) / n
         for name, factor, arg in (("allreduce", 2 * ring, 0), ("reducescatter", ring, 0),
-                                  ("allgatherv", ring, 1)):
+                                  ("allgatherv", ring, 1), ("alltoallv", ring, 0)):
             original = getattr(backend, name)
             setattr(backend, name, self._wrap(original, factor, arg))
 
@@ -143,6 +146,13 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
     opts = {v: _optimizer(v, model) for v in VARIANTS}
     for opt in opts.values():
         _hooks(opt, False)
+    # stage 2's schedule "auto" times its two reduce-scatter schedules over its first 4 steps
+    _hooks(opts["zero2"], True)
+    for _ in range(4):
+        opts["zero2"].zero_grad()
+        model(x).square().mean().backward()
+        opts["zero2"].step()
+    _hooks(opts["zero2"], False)
     wire = _Wire(get_context().backend, hvd.size())
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(cfg["reps"] + 1):  # the first round warms up
@@ -161,8 +171,43 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
             _hooks(opt, False)
             if rep:
                 times[v].append(dt)
-    return {"rank": hvd.rank(), "times": times,
+    return {"rank": hvd.rank(), "times": times, "zero2_schedule": opts["zero2"].chosen_schedule,
+            "zero2_trial_s": opts["zero2"]._reducer._trial,
             "wire_bytes_per_step": {v: b / cfg["reps"] for v, b in wire.bytes.items()}}
+
+
+def _transports(mib: int, reps: int) -> dict[str, list[float]]:
+    """One reduce-scatter of a ``mib`` MiB fp32 buffer, three schedules, interleaved."""
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    n = hvd.size()
+    x = torch.randn(n, (mib << 18) // n)  # mib MiB of fp32
+    work = x.clone()
+
+    def allreduce() -> None:
+        work.copy_(x)
+        hvd.allreduce_(work, name="t.allreduce", op=hvd.Sum)
+
+    def reducescatter() -> None:
+        hvd.reducescatter(x, name="t.reducescatter", op=hvd.Sum)
+
+    def alltoall_sum() -> None:
+        out = hvd.alltoall(x.view(-1), name="t.alltoall")
+        out.view(n, -1).sum(0)
+
+    variants = {"allreduce": allreduce, "reducescatter": reducescatter, "alltoall+sum": alltoall_sum}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for rep in range(reps + 1):
+        for k, fn in variants.items():
+            hvd.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rep:
+                times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def _checkpoint(cfg: dict[str, int], root: str) -> dict[str, Any]:
@@ -211,6 +256,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--mem-steps", type=int, default=3)
     parser.add_argument("--ckpt-reps", type=int, default=3)
+    parser.add_argument("--transport-mib", type=int, default=32)
+    parser.add_argument("--skip-memory", action="store_true", help="time only (no memory launches)")
     parser.add_argument("--checkpoint-dir", default=None, help="where the timed checkpoints go")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "zero_memory.json"))
@@ -224,6 +271,8 @@ def main() -> int:
     psi = args.layers * (args.width * args.width + args.width)
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {psi / 1e6:.1f} M parameters, "
           f"fp32 AdamW, np={n}")
+    load_start = os.getloadavg()
+    print(f"load average at the start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}")
     formula = {"distributed": (4 * psi, 4 * psi, 8 * psi),
                "zero1": (4 * psi, 4 * psi, 8 * psi / n),
                "zero2": (4 * psi, 4 * psi / n, 8 * psi / n)}
@@ -231,7 +280,7 @@ def main() -> int:
     memory = {}
     print(f"{'variant':<12}{'rank':>5}{'state MiB':>11}{'(formula)':>11}{'grads MiB':>11}{'(formula)':>11}"
           f"{'model-state MiB':>17}{'(formula)':>11}{'peak RSS MiB':>14}{'RSS w/o opt':>13}")
-    for v in VARIANTS:
+    for v in () if args.skip_memory else VARIANTS:
         memory[v] = run_ranks(_memory, np=n, args=(v, cfg), timeout=1800)
         p, g, s = formula[v]
         for res in memory[v]:
@@ -244,10 +293,17 @@ def main() -> int:
     med = {v: statistics.median(max(t[v][i] for t in [r["times"] for r in timing])
                                 for i in range(args.reps)) for v in VARIANTS}
     wire = timing[0]["wire_bytes_per_step"]
+    print(f"stage 2 chose the {timing[0]['zero2_schedule']} schedule (trial, slowest rank: "
+          + ", ".join(f"{k} {t:.3f} s" for k, t in timing[0]["zero2_trial_s"].items()) + ")")
     print(f"\nstep time (median of {args.reps}, slowest rank per step), interleaved:")
     for v in VARIANTS:
         print(f"  {v:<12}{med[v]:8.3f} s   x{med[v] / med['distributed']:.3f} of distributed   "
               f"wire {wire[v] / mib:9.1f} MiB/step/rank   x{wire[v] / wire['distributed']:.3f}")
+    schedules = run_ranks(_transports, np=n, args=(args.transport_mib, 2 * args.reps), timeout=600)
+    sched = {k: statistics.median(max(r[k][i] for r in schedules) for i in range(2 * args.reps))
+             for k in schedules[0]}
+    print(f"\nreduce-scatter of {args.transport_mib} MiB (median of {2 * args.reps}, slowest rank): "
+          + ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in sched.items()))
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="zero-ckpt-", dir=args.checkpoint_dir) as root:
@@ -260,11 +316,14 @@ def main() -> int:
           f"{held['wait']:.3f} s")
     out = {"config": cfg, "np": n, "parameters": psi, "formula_bytes": formula, "memory": memory,
            "median_step_s": med, "wire_bytes_per_step": wire, "checkpoint_s": held,
+           "reduce_scatter_schedules_s": sched, "zero2_schedule": timing[0]["zero2_schedule"],
+           "zero2_trial_s": timing[0]["zero2_trial_s"], "load_average": {"start": load_start, "end": os.getloadavg()},
            "ratios": {v: {"time": med[v] / med["distributed"],
                           "wire": wire[v] / wire["distributed"]} for v in VARIANTS}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
+    print(f"load average at the end: {out['load_average']['end']}")
     print(f"written: {os.path.relpath(args.out)}")
     return 0
 

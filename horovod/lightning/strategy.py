@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import horovod.torch as hvd
+from horovod.lightning import _sharded_checkpoint as sharded
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -226,7 +227,10 @@ def _build(package: str) -> type:
             zero_stage: 1 or 2 wraps the optimizers in ``hvd.ZeroRedundancyOptimizer`` (optimizer
                 state, and with 2 the gradients, sharded across ranks) instead of
                 ``hvd.DistributedOptimizer``; ``Trainer(strategy="horovod_zero")`` is stage 1.
-                Lightning's checkpoints hold the consolidated (plain) optimizer state.
+                With one optimizer, Lightning's checkpoints are then sharded: a directory at the
+                checkpoint's path where each rank writes its part (``hvd.checkpoint``), which
+                ``ckpt_path=`` resumes from at any world size; with several optimizers they are
+                one file holding the consolidated (plain) optimizer states.
         """
 
         strategy_name = "horovod"
@@ -479,13 +483,53 @@ def _build(package: str) -> type:
                 hvd.barrier()
 
         def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-            """A ``ZeroRedundancyOptimizer``'s whole state, consolidated on rank 0 (every rank
-            calls this while Lightning builds a checkpoint; rank 0 writes it)."""
+            """A ``ZeroRedundancyOptimizer``'s state: a marker when the checkpoint is sharded
+            (``save_checkpoint`` writes each rank's shard), else the whole state consolidated on
+            rank 0 (every rank calls this while Lightning builds a checkpoint; rank 0 writes it)."""
             opt = _unwrap(optimizer, LightningOptimizer)
             if isinstance(opt, hvd.ZeroRedundancyOptimizer):
+                if opt is self._sharded_optimizer():
+                    return {sharded.MARK: True}
                 opt.consolidate_state_dict(to=0)
                 return opt.state_dict() if opt.rank == 0 else {}
             return super().optimizer_state(optimizer)
+
+        # ---------------------------------------------------------------- checkpoints
+        def _sharded_optimizer(self) -> Any:
+            """The optimizer whose checkpoints are sharded: the only one, a ZeRO one."""
+            opts = [_unwrap(o, LightningOptimizer) for o in self.optimizers]
+            if len(opts) == 1 and isinstance(opts[0], hvd.ZeroRedundancyOptimizer):
+                return opts[0]
+            return None
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                            storage_options: Any = None) -> None:
+            """With ``zero_stage`` and one optimizer: a sharded checkpoint directory at
+            ``filepath``, each rank writing its part (collective); otherwise Lightning's file."""
+            opt = self._sharded_optimizer()
+            if opt is None or self.lightning_module is None:
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if storage_options is not None:
+                raise TypeError("HorovodStrategy(zero_stage=...).save_checkpoint(..., storage_options=...) "
+                                "is not supported: each rank writes its shard with hvd.checkpoint, "
+                                "not through the CheckpointIO plugin")
+            path = hvd.broadcast_object(os.fspath(filepath), 0, name="HorovodStrategy.ckpt_path")
+            sharded.save(checkpoint, path, self.lightning_module, opt, self.global_rank)
+
+        def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            """A sharded checkpoint directory (``hvd.checkpoint``, any world size): the module's
+            weights are loaded here, the optimizer's shard in ``load_optimizer_state_dict``; a
+            file: Lightning's loading."""
+            path = hvd.broadcast_object(os.fspath(checkpoint_path), 0, name="HorovodStrategy.load_path")
+            if sharded.is_sharded(path) and self.lightning_module is not None:
+                return sharded.load(path, self.lightning_module)
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+            opts = [_unwrap(o, LightningOptimizer) for o in self.optimizers]
+            if self.lightning_module is None or not sharded.load_optimizer(
+                    checkpoint, self.lightning_module, opts):
+                super().load_optimizer_state_dict(checkpoint)
 
         @classmethod
         def register_strategies(cls, strategy_registry: Any) -> None:

@@ -27,6 +27,7 @@ writes ``.metadata`` and renames the directory to ``<path>``. A save that fails 
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import threading
@@ -39,7 +40,7 @@ from horovod.common.basics import is_initialized, rank, size
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.torch.zero import ZeroRedundancyOptimizer, partition_by_bytes
 
-__all__ = ["save", "load", "SaveHandle", "FORMAT_VERSION"]
+__all__ = ["save", "load", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
 
 FORMAT_VERSION = 1
 _counter = [0]
@@ -104,19 +105,75 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
     return out
 
 
-def _to_cpu(part: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-            for k, v in part.items()}
+class _Snapshot:
+    """One host buffer that ``save(blocking=False)`` copies a rank's tensors into, kept for the
+    next save: a buffer whose pages are already mapped copies several times faster than fresh
+    allocations (``release_buffers()`` frees it)."""
+
+    lock = threading.Lock()
+    buf: torch.Tensor | None = None
+    busy = False
+
+    @classmethod
+    def take(cls, part: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """``part`` with every tensor replaced by a copy in the host buffer (a fresh buffer when
+        the kept one is too small or still being written); True if the kept one was taken."""
+        spans, end = {}, 0
+        for k, v in part.items():
+            if isinstance(v, torch.Tensor):
+                spans[k] = end
+                end += -(-v.numel() * v.element_size() // 64) * 64  # 64-byte aligned
+        with cls.lock:
+            kept = not cls.busy and cls.buf is not None and cls.buf.numel() >= end
+            if kept:
+                cls.busy = True
+                buf = cls.buf
+            elif not cls.busy:
+                cls.buf, cls.busy, kept = torch.empty(end, dtype=torch.uint8), True, True
+                buf = cls.buf
+            else:
+                buf = torch.empty(end, dtype=torch.uint8)
+        assert buf is not None
+        out = dict(part)
+        with torch.no_grad():
+            for k, off in spans.items():
+                v = part[k]
+                dst = buf[off:off + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+                dst.copy_(v.detach())
+                out[k] = dst
+        for k, v in part.items():  # written later: a copy, as of now
+            if k not in spans:
+                out[k] = copy.deepcopy(v)
+        return out, kept
+
+    @classmethod
+    def give_back(cls) -> None:
+        with cls.lock:
+            cls.busy = False
+
+
+def release_buffers() -> None:
+    """Free the host buffer that non-blocking saves keep for the next one (it is as large as
+    this rank's part of a checkpoint)."""
+    with _Snapshot.lock:
+        if not _Snapshot.busy:
+            _Snapshot.buf = None
+
+
+class _Failed(str):
+    """A rank's error while planning, sent to the other ranks in place of its plan."""
 
 
 class SaveHandle:
     """A save in progress (``save(..., blocking=False)``): ``wait()`` (collective: every rank
     calls it) finishes it and raises what failed on any rank."""
 
-    def __init__(self, path: str, tmp: str, writer: Any, planner: Any, plan: Any,
-                 metadata: Any, r: int, n: int, name: str, background: bool) -> None:
-        self.path, self._tmp, self._writer, self._planner = path, tmp, writer, planner
-        self._plan, self._metadata, self._r, self._n, self._name = plan, metadata, r, n, name
+    def __init__(self, path: str, tmp: str, part: dict[str, Any], r: int, n: int, name: str,
+                 background: bool, kept: bool = False) -> None:
+        self.path, self._tmp, self._part = path, tmp, part
+        self._r, self._n, self._name, self._kept = r, n, name, kept
+        self._writer: Any = None
+        self._metadata: Any = None
         self._result: Any = None
         self._done = False
         self._thread: threading.Thread | None = None
@@ -127,13 +184,53 @@ class SaveHandle:
             self._write()
 
     def _write(self) -> None:
+        """Plan (the plans travel by Horovod's object collectives, every rank taking part even
+        after an error of its own) and write this rank's file."""
         try:
-            final = self._planner.finish_plan(self._plan)
-            fut = self._writer.write_data(final, self._planner)
+            planner, plan = self._plan()
+            fut = self._writer.write_data(plan, planner)
             fut.wait()
             self._result = fut.value()
         except BaseException as exc:  # noqa: BLE001 - reported by wait() on every rank
             self._result = exc
+        finally:
+            self._part = {}
+            if self._kept:
+                _Snapshot.give_back()
+
+    def _plan(self) -> tuple[Any, Any]:
+        from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+        r, n, name = self._r, self._n, self._name
+        planner = DefaultSavePlanner(flatten_state_dict=False)  # objects stay one entry each
+        local: Any
+        try:
+            if r == 0:  # the other ranks write only after the plan exchange, i.e. after this
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                os.makedirs(self._tmp, exist_ok=True)  # another rank's writer may have made it
+            self._writer = FileSystemWriter(self._tmp, sync_files=False)
+            planner.set_up_planner(state_dict=self._part, storage_meta=self._writer.storage_meta(),
+                                   is_coordinator=r == 0)
+            self._writer.set_up_storage_writer(r == 0, rank=r, use_collectives=True)
+            local = self._writer.prepare_local_plan(planner.create_local_plan())
+        except Exception as exc:  # noqa: BLE001 - sent to every rank instead of the plan
+            local = _Failed(f"rank {r} (planning): {exc!r}")
+        plans = [local] if n == 1 else allgather_object(local, name=f"{name}.plans")
+        failed = [p for p in plans if isinstance(p, _Failed)]
+        out: Any = None
+        if not failed and r == 0:
+            try:
+                plans, self._metadata = planner.create_global_plan(plans)
+                out = self._writer.prepare_global_plan(plans)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank instead of the plan
+                out = _Failed(f"rank 0 (global plan): {exc!r}")
+        if not failed and n > 1:
+            out = broadcast_object(out, 0, name=f"{name}.global")
+        if isinstance(out, _Failed):
+            failed.append(out)
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return planner, planner.finish_plan(out[r])
 
     def done(self) -> bool:
         """True once this rank's files are written (``wait()`` still commits)."""
@@ -150,7 +247,13 @@ class SaveHandle:
         self._done = True
         results = [self._result] if self._n == 1 else allgather_object(
             self._result, name=f"{self._name}.results")
-        failed = [f"rank {i}: {res!r}" for i, res in enumerate(results) if isinstance(res, BaseException)]
+        by_error: dict[str, list[str]] = {}
+        for i, res in enumerate(results):
+            if isinstance(res, BaseException):
+                by_error.setdefault(str(res) if isinstance(res, RuntimeError) else repr(res),
+                                    []).append(str(i))
+        failed = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}: {msg}"
+                  for msg, rs in by_error.items()]
         status = None
         if not failed and self._r == 0:
             try:
@@ -186,40 +289,25 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
     only its part. Collective: every rank calls it with the same path (on a file system every
     rank sees).
 
-    With ``blocking=False`` the tensors are first copied to host memory, the files are written by
-    a background thread while training continues, and the returned ``SaveHandle``'s ``wait()``
-    (on every rank) commits the checkpoint. Returns the path when blocking.
+    With ``blocking=False`` the tensors are first copied into one host buffer (kept for the next
+    non-blocking save; ``release_buffers()`` frees it), then ``save`` returns: the plans are
+    exchanged and the files written by a background thread while training continues, and the
+    returned ``SaveHandle``'s ``wait()`` (on every rank) commits the checkpoint. Returns the path
+    when blocking.
 
     Raises:
-        RuntimeError: a rank failed to write; raised on every rank, and nothing is committed.
+        RuntimeError: a rank failed to plan or write; raised on every rank, and nothing is
+            committed.
     """
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-
     path = os.fspath(path)
     r, n = _world()
     _counter[0] += 1
-    name = f"checkpoint.save.{_counter[0]}"
-    tmp = f"{path}.partial"
-    if r == 0:  # the other ranks write only after the plan exchange, i.e. after this
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)  # another rank's writer may have made it meanwhile
     part = _local_part(model, optimizer, extra, r, n)
+    kept = False
     if not blocking:
-        part = _to_cpu(part)
-    planner = DefaultSavePlanner(flatten_state_dict=False)  # objects stay one entry each
-    writer = FileSystemWriter(tmp, sync_files=False)
-    planner.set_up_planner(state_dict=part, storage_meta=writer.storage_meta(), is_coordinator=r == 0)
-    writer.set_up_storage_writer(r == 0, rank=r, use_collectives=True)
-    local_plan = writer.prepare_local_plan(planner.create_local_plan())
-    plans = [local_plan] if n == 1 else allgather_object(local_plan, name=f"{name}.plans")
-    metadata = None
-    if r == 0:
-        plans, metadata = planner.create_global_plan(plans)
-        plans = writer.prepare_global_plan(plans)
-    if n > 1:
-        plans = broadcast_object(plans if r == 0 else None, 0, name=f"{name}.global")
-    handle = SaveHandle(path, tmp, writer, planner, plans[r], metadata, r, n, name,
-                        background=not blocking)
+        part, kept = _Snapshot.take(part)
+    handle = SaveHandle(path, f"{path}.partial", part, r, n, f"checkpoint.save.{_counter[0]}",
+                        background=not blocking, kept=kept)
     return handle.wait() if blocking else handle
 
 

@@ -10,10 +10,11 @@ One step:
 
 - stage 1: gradients are averaged during backward exactly as ``DistributedOptimizer`` averages
   them (the same hooks, bundling and fusion: an internal ``DistributedOptimizer`` does it);
-- stage 2: at ``synchronize()``/``step()`` the gradients are reduce-scattered, one row per rank
-  (a ``[N, L]`` buffer per dtype, row r holding rank r's parameters' gradients), so each rank
-  receives only its own parameters' averaged gradients; the gradients of the parameters it does
-  not own are released (``p.grad = None``);
+- stage 2: gradient hooks hand each gradient to its bucket as backward produces it; each bucket
+  is reduce-scattered (an alltoall by owner plus a local sum, or an in-place allreduce after which
+  the other ranks' parameters' gradients are released: ``reduce_schedule``, see
+  ``_zero_grads.ShardedGradients``), so each rank keeps only its own parameters' averaged
+  gradients (``p.grad = None`` for the others);
 - each rank runs the wrapped optimizer (``.optim``, built on its shard only) and the updated
   parameters are shared with one allgather per dtype (the same ``[N, L]`` layout).
 
@@ -23,7 +24,6 @@ optimizer and the plain optimizer's format in ``consolidate_state_dict``/``load_
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -34,9 +34,10 @@ import torch
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average, Max, Sum
+from horovod.torch._zero_grads import SCHEDULES, ShardedGradients
 from horovod.torch.compression import Compression, StatefulCompressor
-from horovod.torch.mpi_ops import allgather_async, allreduce_, reducescatter_async, synchronize
-from horovod.torch.optimizer import DistributedOptimizer
+from horovod.torch.mpi_ops import allgather_async, allreduce_, synchronize
+from horovod.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
 
 __all__ = ["ZeroRedundancyOptimizer", "partition_by_bytes"]
 
@@ -135,19 +136,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._initialized = False
         super().__init__(params, optimizer_kwargs)
         self._all = [p for g in self.param_groups for p in g["params"]]
-        self.stage = stage
-        self.process_set = process_set
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
+        self.stage, self.process_set, self.op = stage, process_set, op
+        self.gradient_predivide_factor, self._compression = gradient_predivide_factor, compression
         self.backward_passes_per_step = backward_passes_per_step
-        self._compression = compression
-        self._optimizer_class = optimizer_class
-        self._optimizer_kwargs = optimizer_kwargs
+        self._optimizer_class, self._optimizer_kwargs = optimizer_class, optimizer_kwargs
         self._names = self._param_names(named_parameters)
         self._check(self._local_problems())
         self._synchronized = False
         self._should_synchronize = True
-        self.bucket_bytes = BUCKET_BYTES
+        self._bucket_bytes = BUCKET_BYTES
+        self._schedule = "auto"
         self._consolidated: dict[str, Any] | None = None
         self._reducer: Any = None
         if stage == 1:
@@ -250,7 +248,57 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state  # type: ignore[assignment]
         self._consolidated = None
         self._synchronized = False
-        if self._reducer is not None:  # drop reductions a failed step left pending
+        if self.stage == 2:
+            if self._reducer is not None:
+                self._reducer.remove_hooks()
+            self._reducer = self._sharded_gradients()
+        self._drop_pending()
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The most bytes one collective of the gradient reduction (stage 2) or of the parameter
+        allgather moves; set it between steps."""
+        return self._bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value: int) -> None:
+        self._bucket_bytes = int(value)
+        if isinstance(self._reducer, ShardedGradients):  # new buckets
+            self._reducer.check_idle()
+            self._reducer.remove_hooks()
+            self._reducer = self._sharded_gradients()
+
+    @property
+    def reduce_schedule(self) -> str:
+        """How stage 2 reduce-scatters a bucket: ``"alltoall"`` (by owner, then a local sum),
+        ``"allreduce"`` (of the whole bucket, each rank keeping its part) or ``"auto"`` (the
+        default: time both over the first steps and keep the faster one; ``chosen_schedule``
+        then says which). Set it on every rank alike, between steps."""
+        return self._schedule
+
+    @reduce_schedule.setter
+    def reduce_schedule(self, value: str) -> None:
+        if value not in SCHEDULES:
+            raise ValueError(f"reduce_schedule={value!r}; use one of {SCHEDULES}")
+        self._schedule = value
+        self.bucket_bytes = self._bucket_bytes  # new buckets with it
+
+    @property
+    def chosen_schedule(self) -> str | None:
+        """Stage 2: the schedule the next reduction uses (None for stage 1)."""
+        return self._reducer.current if isinstance(self._reducer, ShardedGradients) else None
+
+    def _sharded_gradients(self) -> ShardedGradients:
+        return ShardedGradients(self._all, self._names, self.layout.owner, self.rank, self.world,
+                                self._bucket_bytes, self.process_set, self.op,
+                                self._scale_factors(), self._compression,
+                                self.backward_passes_per_step, self._schedule)
+
+    def _drop_pending(self) -> None:
+        """Forget the reductions of a step that will not finish (a failed step, a reload)."""
+        if isinstance(self._reducer, ShardedGradients):
+            self._reducer.reset()
+        elif self._reducer is not None:
             self._reducer.load_state_dict(self._reducer.state_dict())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -267,14 +315,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         Stage 2 then agrees, with one 1-element allreduce, on whether any gradient is not finite,
         and if so makes one of this rank's gradients infinite as well, so that ``GradScaler``
-        skips the step on every rank alike. A second call before ``step()`` does nothing.
+        skips the step on every rank alike; a rank that owns no parameter keeps a zero gradient
+        on the smallest parameter for that. A second call before ``step()`` does nothing.
         """
         if self._synchronized:
             return
-        if self.stage == 1:
+        if self.stage == 1 or self.world > 1:
             self._reducer.synchronize()
-        elif self.world > 1:
-            self._reduce_scatter()
         self._synchronized = True
 
     def _scale_factors(self) -> tuple[float, float]:
@@ -303,56 +350,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if pending is not None:
             finish(*pending)
 
-    def _reduce_scatter(self) -> None:
-        pre, post = self._scale_factors()
-        params, rank, device = self._all, self.rank, self._all[0].device
-
-        def submit(k: int, chunk: Any) -> Any:
-            dtype, rows, c0, c1 = chunk
-            buf = torch.zeros(self.world, c1 - c0, dtype=dtype, device=device)
-            for r, row in enumerate(rows):
-                for i, ps, cs, n, last in _pieces(row, c0, c1):
-                    g = params[i].grad
-                    if g is not None:
-                        buf[r, cs:cs + n].copy_(g.reshape(-1)[ps:ps + n])
-                        if last and r != rank:
-                            params[i].grad = None  # released: its owner receives the average
-            compressed, ctx = self._compression.compress(buf)
-            return ctx, reducescatter_async(compressed, name=f"zero.grads.{dtype}.{k}", op=self.op,
-                                            process_set=self.process_set, prescale_factor=pre,
-                                            postscale_factor=post)
-
-        def finish(chunk: Any, pending: Any) -> None:
-            _, rows, c0, c1 = chunk
-            ctx, handle = pending
-            mine = self._compression.decompress(synchronize(handle), ctx).reshape(-1)
-            for i, ps, cs, n, _ in _pieces(rows[rank], c0, c1):
-                p = params[i]
-                if p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.view(-1)[ps:ps + n].copy_(mine[cs:cs + n])
-
-        self._pipelined(submit, finish)
-        finite = all(bool(torch.isfinite(params[i].grad.sum())) for i in self._local_index
-                     if params[i].grad is not None)
-        flag = torch.tensor([0.0 if finite else 1.0])
-        allreduce_(flag, name="zero.nonfinite", op=Max, process_set=self.process_set)
-        if flag.item() and finite:
-            for i in self._local_index:
-                g = params[i].grad
-                if g is not None and g.numel():
-                    g.view(-1)[0] = float("inf")
-                    break
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Make ``step()`` skip synchronization (after an explicit ``synchronize()``)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
+    # the same context as DistributedOptimizer's (it sets ``_should_synchronize``)
+    skip_synchronize = _DistributedOptimizer.skip_synchronize
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -434,7 +433,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset every parameter's gradient (forbidden while stage 1's allreduces are in flight)."""
-        if self._reducer is not None:
+        if isinstance(self._reducer, ShardedGradients):
+            self._reducer.check_idle()
+            super().zero_grad(set_to_none)
+        elif self._reducer is not None:
             self._reducer.zero_grad(set_to_none)
         else:
             super().zero_grad(set_to_none)
@@ -503,6 +505,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("ZeroRedundancyOptimizer.load_state_dict expects a full optimizer "
                              "state dict with 'state' and 'param_groups'")
+        sizes = [len(s["params"]) for s in groups]
+        if sizes != [len(g["params"]) for g in self.param_groups] and self.world > 1 and sizes == [
+                len(g["params"]) for g in self.optim.param_groups]:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.load_state_dict on rank {self.rank}: the state dict has "
+                f"groups of sizes {sizes}, this rank's shard's sizes: it looks like one rank's "
+                "sharded state (opt.optim.state_dict()), which does not say which parameters it "
+                "holds. Load the full state: opt.full_state_dict() or consolidate_state_dict() then "
+                "state_dict() when saving, or hvd.checkpoint.save/load")
         if len(groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups)):
             raise ValueError(
@@ -532,8 +543,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             local_groups.append({**{k: v for k, v in g.items() if k != "params"},
                                  "params": list(range(start, start + n))})
             start += n
-        if self._reducer is not None:  # drop pending reductions
-            self._reducer.load_state_dict(self._reducer.state_dict())
+        self._drop_pending()
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self.optim.state  # type: ignore[assignment]
         self._synchronized = False

@@ -1,6 +1,8 @@
 """``HorovodStrategy(zero_stage=...)`` and ``Trainer(strategy="horovod_zero")`` on real ranks:
-the same weights as ``strategy="horovod"`` (AdamW, StepLR, gradient clipping), a Lightning
-checkpoint whose optimizer state is the plain (consolidated) one, and resuming from it."""
+the same weights as ``strategy="horovod"`` (AdamW, StepLR, gradient clipping); Lightning's
+checkpoints (ModelCheckpoint, ``trainer.save_checkpoint``) sharded, one file per rank, loadable
+by ``hvd.checkpoint.load`` into a plain AdamW, and resuming a fit from them (stage 1 and 2) equal
+to the uninterrupted fit."""
 
 from __future__ import annotations
 
@@ -47,11 +49,12 @@ def _zero_fits(tmp: str) -> dict:
     n = 8 * hvd.size()
     data = TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 1, generator=g))
 
-    def fit(strategy, epochs=3, ckpt=None):
+    def fit(strategy, epochs=3, ckpt=None, callbacks=None):
         model = Net()
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=epochs, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, gradient_clip_val=0.3)
+                            enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            gradient_clip_val=0.3)
         trainer.fit(model, DataLoader(data, batch_size=2), ckpt_path=ckpt)
         return trainer, model
 
@@ -65,19 +68,31 @@ def _zero_fits(tmp: str) -> dict:
         out[label] = float((got - want).abs().max() / want.abs().max())
         opt = trainer.strategy.optimizers[0]
         out[label + " type"] = type(getattr(opt, "_optimizer", opt)).__name__
-    # a checkpoint written by Lightning: the optimizer state is the plain AdamW one
-    trainer, model = fit("horovod_zero", epochs=2)
-    path = os.path.join(tmp, "zero.ckpt")
-    trainer.save_checkpoint(path)
+    # ModelCheckpoint (stage 1) writes sharded checkpoints: a directory, one data file per rank
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt_dir = os.path.join(tmp, "zero1")
+    fit("horovod_zero", epochs=2, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)])
     hvd.barrier()
-    ckpt = torch.load(path, weights_only=False)
-    plain = torch.optim.AdamW(Net().parameters(), lr=0.02)
-    plain.load_state_dict(ckpt["optimizer_states"][0])
-    out["ckpt_state_entries"] = len(ckpt["optimizer_states"][0]["state"])
-    # resume for one more epoch == three epochs uninterrupted
+    path = os.path.join(ckpt_dir, sorted(os.listdir(ckpt_dir))[-1])  # epoch=1-...
+    out["ckpt_files"] = sorted(os.listdir(path)) if os.path.isdir(path) else "not a directory"
+    # loadable without Lightning, into a plain AdamW
+    plain_model = Net()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=0.02)
+    extra = hvd.checkpoint.load(path, model=plain_model, optimizer=plain)
+    out["ckpt_epoch"] = extra["lightning"]["epoch"]
+    out["ckpt_state_entries"] = len(plain.state_dict()["state"])
+    # resume for one more epoch == three epochs uninterrupted (stage 1, then stage 2 from a
+    # checkpoint written by trainer.save_checkpoint)
     _, resumed = fit("horovod_zero", epochs=3, ckpt=path)
     got = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()])
     out["resumed"] = float((got - want).abs().max() / want.abs().max())
+    trainer, _ = fit(HorovodStrategy(zero_stage=2), epochs=2)
+    path2 = os.path.join(tmp, "zero2.ckpt")
+    trainer.save_checkpoint(path2)
+    _, resumed = fit(HorovodStrategy(zero_stage=2), epochs=3, ckpt=path2)
+    got = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()])
+    out["resumed stage 2"] = float((got - want).abs().max() / want.abs().max())
     # PowerSGD through the strategy: plain and ZeRO stage 1 apply the same compressed averages
     # (identical weights), which differ from the uncompressed run's; stage 2 refuses it
     _, plain_psgd = fit(HorovodStrategy(compression=hvd.PowerSGD(rank=1, start_iter=2)))
@@ -102,8 +117,9 @@ def test_lightning_zero_strategy(tmp_path):
         assert res["horovod_zero type"] == "ZeroRedundancyOptimizer", res
         assert res["zero_stage=2 type"] == "ZeroRedundancyOptimizer", res
         assert res["horovod_zero"] <= 1e-5 and res["zero_stage=2"] <= 1e-5, res
-        assert res["ckpt_state_entries"] == 4, res
-        assert res["resumed"] <= 1e-5, res
+        assert res["ckpt_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"], res
+        assert res["ckpt_epoch"] == 1 and res["ckpt_state_entries"] == 4, res
+        assert res["resumed"] <= 1e-5 and res["resumed stage 2"] <= 1e-5, res
         assert res["powersgd_ranks_agree"], res
         assert res["powersgd_zero1_vs_plain"] <= 1e-6, res
         assert res["powersgd_vs_uncompressed"] > 1e-4, res  # the compression took effect

@@ -1,8 +1,8 @@
-"""hvd.checkpoint on real ranks: saved at np=3 by every rank (ZeroRedundancyOptimizer and
-DistributedOptimizer, blocking and not), loaded at np=2 and in one plain process with the same
-consolidated state, training continued from it equal to training that never stopped; really
-sharded files; a failed save leaves nothing loadable; a checkpoint of another model fails on
-every rank."""
+"""hvd.checkpoint on real ranks: saved at np=4 by every rank (ZeroRedundancyOptimizer and
+DistributedOptimizer, blocking and not), loaded at np=2, at np=3 and in one plain process with the
+same consolidated state, training continued from it equal to training that never stopped (one
+launch per world size); really sharded files; a failed save leaves nothing loadable; a checkpoint
+of another model, an optimizer the checkpoint lacks, fail on every rank."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ def _model():
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(7, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30),
-                               torch.nn.ReLU(), torch.nn.Linear(30, 3))
+    # four equal layers: four ranks can share the bytes evenly
+    return torch.nn.Sequential(torch.nn.Linear(7, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
 
 
 def _batch(k, r, n):
@@ -51,7 +53,7 @@ def _close(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) <= 1e-5
 
 
-def _save_at_3():
+def _save_at_4():
     """Train 10 steps, save (sharded and unsharded), train 10 more as the reference; a save that
     fails on one rank must commit nothing."""
     import copy
@@ -76,9 +78,11 @@ def _save_at_3():
                                  extra={"step": 10}, blocking=False)
     _train(plain, popt, range(10, 12), r, n)  # training goes on while the files are written
     handle.wait()
+    plain12 = [p.detach().clone() for p in plain.parameters()]
     _train(model, opt, range(10, 20), r, n)
     if r == 0:
-        torch.save({"state10": state10, "final": [p.detach() for p in model.parameters()]},
+        torch.save({"state10": state10, "final": [p.detach() for p in model.parameters()],
+                    "plain12": plain12},
                    os.path.join(_DIR, "ref.pt"))
     # a failed write on the last rank: RuntimeError everywhere, nothing committed
     from torch.distributed.checkpoint import FileSystemWriter
@@ -100,9 +104,11 @@ def _save_at_3():
     return failed
 
 
-def _load_at_2():
-    """Load the np=3 checkpoints at np=2 (stage 2 now): the same consolidated state, and the
-    continued training equals the uninterrupted one; errors on every rank for bad input."""
+def _load_and_continue():
+    """Load the np=4 checkpoints at np=2 (into stage 2) or np=3 (into stage 1): the same
+    consolidated state, and the continued training equals the uninterrupted one; the sharded
+    checkpoint into DistributedOptimizer and the unsharded one into the other stage; errors on
+    every rank for bad input."""
     import torch
 
     import horovod.torch as hvd
@@ -115,15 +121,17 @@ def _load_at_2():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # not the saved values: the load must set them
-    opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.5)
+    stage = 2 if n == 2 else 1
+    opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=0.5)
     extra = hvd.checkpoint.load(os.path.join(_DIR, "zero"), model=model, optimizer=opt)
     if extra != {"step": 10}:
         bad.append(f"rank {r}: extra {extra}")
-    bad += _compare_state(opt.full_state_dict(None), ref["state10"], f"rank {r}: np=2 stage 2")
+    bad += _compare_state(opt.full_state_dict(None), ref["state10"], f"rank {r}: np={n} stage {stage}")
     _train(model, opt, range(10, 20), r, n)
     for i, (p, q) in enumerate(zip(model.parameters(), ref["final"])):
         if not _close(p.detach(), q):
-            bad.append(f"rank {r}: continued at np=2: parameter {i} differs from the uninterrupted run")
+            bad.append(f"rank {r}: continued at np={n}: parameter {i} differs from the "
+                       "uninterrupted run")
     # the sharded checkpoint into an unsharded optimizer, and the unsharded one into ZeRO
     m2 = _model()
     dopt = hvd.DistributedOptimizer(torch.optim.AdamW(m2.parameters(), lr=1e-2),
@@ -131,13 +139,18 @@ def _load_at_2():
     hvd.checkpoint.load(os.path.join(_DIR, "zero"), model=m2, optimizer=dopt)
     bad += _compare_state(dopt.state_dict(), ref["state10"], f"rank {r}: into DistributedOptimizer")
     m3 = _model()
-    zopt = hvd.ZeroRedundancyOptimizer(m3.parameters(), torch.optim.AdamW, stage=1, lr=1e-2)
+    zopt = hvd.ZeroRedundancyOptimizer(m3.parameters(), torch.optim.AdamW, stage=3 - stage, lr=1e-2)
     hvd.checkpoint.load(os.path.join(_DIR, "plain"), model=m3, optimizer=zopt)
     if len(zopt.optim.state) != len(zopt._local_index):
         bad.append(f"rank {r}: the unsharded checkpoint gave {len(zopt.optim.state)} states")
+    _train(m3, zopt, range(10, 12), r, n)
+    for i, (p, q) in enumerate(zip(m3.parameters(), ref["plain12"])):
+        if not _close(p.detach(), q):
+            bad.append(f"rank {r}: the unsharded checkpoint continued at np={n} (stage {3 - stage}): "
+                       f"parameter {i} differs from the uninterrupted run")
     # bad input: another model; an optimizer the checkpoint does not have; half-written saves
     errors = {}
-    other = torch.nn.Sequential(torch.nn.Linear(7, 41), torch.nn.Tanh(), torch.nn.Linear(41, 3))
+    other = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3))
     before = [p.detach().clone() for p in other.parameters()]
     try:
         hvd.checkpoint.load(os.path.join(_DIR, "zero"), model=other)
@@ -145,9 +158,10 @@ def _load_at_2():
         errors["other_model"] = str(exc)
     if any(not torch.equal(p, q) for p, q in zip(other.parameters(), before)):
         bad.append(f"rank {r}: a failed load changed the model")
-    hvd.checkpoint.save(os.path.join(_DIR, "model_only"), model=model)
+    only = os.path.join(_DIR, f"model_only_np{n}")
+    hvd.checkpoint.save(only, model=model)
     try:
-        hvd.checkpoint.load(os.path.join(_DIR, "model_only"), model=model, optimizer=opt)
+        hvd.checkpoint.load(only, model=model, optimizer=opt)
     except ValueError as exc:
         errors["no_optimizer"] = str(exc)
     for name in ("broken", "uncommitted"):
@@ -173,8 +187,8 @@ def _compare_state(got, want, label):
     return bad
 
 
-_SAVE = SharedLaunch(3, {"save": _save_at_3}, timeout=240)
-_LOAD = SharedLaunch(2, {"load": _load_at_2}, timeout=240)
+_SAVE = SharedLaunch(4, {"save": _save_at_4}, timeout=300)
+_LOAD = {n: SharedLaunch(n, {"load": _load_and_continue}, timeout=240) for n in (2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -191,30 +205,32 @@ def test_checkpoint_files_are_sharded(saved):
     for name in ("zero", "plain"):
         root = os.path.join(_DIR, name)
         sizes = {f: os.path.getsize(os.path.join(root, f)) for f in os.listdir(root)}
-        assert len([f for f in sizes if f.endswith(".distcp")]) == 3, sizes
+        assert len([f for f in sizes if f.endswith(".distcp")]) == 4, sizes
         assert max(sizes.values()) <= 0.6 * sum(sizes.values()), sizes
 
 
 def test_failed_save_commits_nothing(saved):
     for r, msg in enumerate(saved):
-        assert msg is not None and "disk full (injected)" in msg and "rank 2" in msg, (r, msg)
+        assert msg is not None and "disk full (injected)" in msg and "rank 3" in msg, (r, msg)
     assert not os.path.exists(os.path.join(_DIR, "broken"))
     assert not os.path.exists(os.path.join(_DIR, "broken.partial"))
 
 
-def test_load_at_np2_and_continue(saved):
-    results = _LOAD.results("load")
+@pytest.mark.parametrize("n", [2, 3])
+def test_load_at_another_size_and_continue(saved, n):
+    results = _LOAD[n].results("load")
+    assert len(results) == n
     for bad, errors in results:
         assert not bad, "\n".join(bad)
-        assert "unexpected model keys ['4.bias', '4.weight']" in errors["other_model"], errors
-        assert "shape (40, 7) in the checkpoint, (41, 7) in the model" in errors["other_model"]
+        assert "unexpected model keys ['4.bias', '4.weight'" in errors["other_model"], errors
+        assert "shape (32, 7) in the checkpoint, (33, 7) in the model" in errors["other_model"]
         assert "no optimizer state" in errors["no_optimizer"], errors
         assert "no checkpoint" in errors["broken"], errors
         assert "not a complete checkpoint" in errors["uncommitted"], errors
 
 
 def test_load_in_one_plain_process(saved):
-    """No launcher, no hvd.init(): the np=3 sharded checkpoint into a plain AdamW."""
+    """No launcher, no hvd.init(): the np=4 sharded checkpoint into a plain AdamW."""
     import torch
 
     import horovod.torch as hvd

@@ -73,6 +73,8 @@ def _equivalence_cases():
                                             backward_passes_per_step=passes, **kw)
             if "groups" in label:  # tiny buckets: many collectives, parameters split across them
                 o.bucket_bytes = 200
+            if stage == 2 and label != "AdamW":  # one schedule throughout ("auto" tries both)
+                o.reduce_schedule = "allreduce" if "groups" in label else "alltoall"
             runs.append((m, o, f"stage {stage}"))
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=10, gamma=0.5) if sched else None
                   for _, o, _ in runs]
@@ -151,6 +153,55 @@ def _equivalence_cases():
     return bad
 
 
+def _scaled_runs(ref, batches, at, on, label):
+    """DistributedOptimizer, stage 1 and stage 2 under GradScaler, an overflow in the last
+    parameter's gradient at step ``at`` on rank ``on`` only: one step skipped on every rank, the
+    same weights."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import horovod.torch as hvd
+
+    r = hvd.rank()
+    bad = []
+    ref_opt = hvd.DistributedOptimizer(torch.optim.Adam(ref.parameters(), lr=1e-2),
+                                       named_parameters=ref.named_parameters())
+    runs = [(ref, ref_opt)]
+    for stage in (1, 2):
+        m = copy.deepcopy(ref)
+        runs.append((m, hvd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, stage=stage,
+                                                    lr=1e-2)))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in runs]
+    for k, (x, y) in enumerate(batches):
+        for (m, o), sc in zip(runs, scalers):
+            o.zero_grad()
+            hook = None
+            if k == at and r == on:
+                hook = list(m.parameters())[-1].register_hook(
+                    lambda grad: grad.index_fill(0, torch.tensor([0]), float("inf")))
+            sc.scale(F.cross_entropy(m(x), y)).backward()
+            if hook is not None:
+                hook.remove()
+            o.synchronize()
+            sc.unscale_(o)
+            with o.skip_synchronize():
+                sc.step(o)
+            sc.update()
+    for i, ((m, _o), sc) in enumerate(zip(runs, scalers)):
+        scales = hvd.allgather_object(sc.get_scale())
+        if len(set(scales)) != 1 or scales[0] != 2.0 ** 9:
+            bad.append(f"rank {r}: {label}: run {i}: scales {scales} (one skipped step expected "
+                       "everywhere)")
+        if i:
+            for (pn, p), q in zip(m.named_parameters(), ref.parameters()):
+                if _rel(p.detach(), q.detach()) > 1e-5:
+                    bad.append(f"rank {r}: {label} stage {i}: {pn} differs by "
+                               f"{_rel(p.detach(), q.detach()):.2e}")
+    return bad
+
+
 def _scaler_and_compile_cases():
     """GradScaler (an overflow on one rank skips the step on every rank) and a compiled model."""
     import copy
@@ -165,39 +216,11 @@ def _scaler_and_compile_cases():
     bad = []
     g = torch.Generator().manual_seed(7 + r)
     batches = [(torch.randn(6, 7, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(6)]
-    ref = _model()
-    ref_opt = hvd.DistributedOptimizer(torch.optim.Adam(ref.parameters(), lr=1e-2),
-                                       named_parameters=ref.named_parameters())
-    runs = [(ref, ref_opt)]
-    for stage in (1, 2):
-        m = copy.deepcopy(ref)
-        runs.append((m, hvd.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, stage=stage,
-                                                    lr=1e-2)))
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in runs]
-    for k, (x, y) in enumerate(batches):
-        for (m, o), sc in zip(runs, scalers):
-            o.zero_grad()
-            hook = None
-            if k == 3 and r == n - 1:  # an overflow in backward, on the last rank only, in the last layer
-                hook = list(m.parameters())[-1].register_hook(
-                    lambda grad: grad.index_fill(0, torch.tensor([0]), float("inf")))
-            sc.scale(F.cross_entropy(m(x), y)).backward()
-            if hook is not None:
-                hook.remove()
-            o.synchronize()
-            sc.unscale_(o)
-            with o.skip_synchronize():
-                sc.step(o)
-            sc.update()
-    for i, ((m, _o), sc) in enumerate(zip(runs, scalers)):
-        scales = hvd.allgather_object(sc.get_scale())
-        if len(set(scales)) != 1 or scales[0] != 2.0 ** 9:
-            bad.append(f"rank {r}: run {i}: scales {scales} (one skipped step expected everywhere)")
-        if i:
-            for (pn, p), q in zip(m.named_parameters(), ref.parameters()):
-                if _rel(p.detach(), q.detach()) > 1e-5:
-                    bad.append(f"rank {r}: GradScaler stage {i}: {pn} differs by "
-                               f"{_rel(p.detach(), q.detach()):.2e}")
+    bad += _scaled_runs(_model(), batches, at=3, on=n - 1, label="GradScaler")
+    # fewer parameters than ranks at np=3 (Linear: 2): a rank that owns nothing still steps
+    # with the scaler, and skips the overflowing step with the others
+    torch.manual_seed(1)
+    bad += _scaled_runs(torch.nn.Linear(7, 3), batches[:4], at=2, on=0, label="2 parameters")
     # torch.compile'd model (aot_eager: the compiled autograd path without a C++ toolchain's cost)
     ref = _model()
     ref_opt = hvd.DistributedOptimizer(torch.optim.AdamW(ref.parameters(), lr=1e-2),
@@ -257,6 +280,8 @@ def _bad_input_cases():
         out["unconsolidated"] = "no error"
     except RuntimeError as exc:
         out["unconsolidated"] = str(exc)
+    # one rank's shard instead of the full state (it does not say which parameters it holds)
+    attempt("shard_state", lambda: z.load_state_dict(z.optim.state_dict()))
     attempt("wrong_state", lambda: z.load_state_dict(
         torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1).state_dict()))
     return out
@@ -284,6 +309,8 @@ def test_zero_bad_input_fails_on_every_rank(np_):
         assert "rank 0: stage=3" in out["stage3_one_rank"], (r, out["stage3_one_rank"])
         assert f"on rank {r}" in out["unconsolidated"] and "consolidate_state_dict" in out["unconsolidated"]
         assert "groups of sizes" in out["wrong_state"], out["wrong_state"]
+        assert f"on rank {r}" in out["shard_state"] and "opt.optim.state_dict()" in out["shard_state"], \
+            out["shard_state"]
 
 
 def test_partition_is_balanced_by_bytes():

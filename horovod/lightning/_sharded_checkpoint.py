@@ -1,0 +1,73 @@
+"""Lightning checkpoints of ``HorovodStrategy(zero_stage=1|2)``, sharded: each rank writes its part
+with ``hvd.checkpoint`` (a ``torch.distributed.checkpoint`` directory at the checkpoint's path), as
+Lightning's FSDP strategy writes its sharded checkpoints.
+
+- ``optimizer_state`` gives Lightning a marker instead of the state (no consolidation);
+- ``save_checkpoint`` (every rank) writes the module's state dict and the optimizer's shard, and
+  the rest of Lightning's checkpoint dict (loops, callbacks, schedulers, hyper-parameters) as the
+  checkpoint's ``extra`` under ``"lightning"``;
+- ``load_checkpoint`` of such a directory loads the module's weights and returns Lightning's dict
+  with the loaded ``state_dict`` and, for the optimizer, a marker that ``load_optimizer_state_dict``
+  resolves by reading each rank's shard (at any world size).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import horovod.torch as hvd
+
+__all__ = ["MARK", "is_sharded", "save", "load", "load_optimizer"]
+
+MARK = "horovod_sharded_checkpoint"
+
+
+def is_sharded(path: str) -> bool:
+    """Whether ``path`` is a checkpoint directory written by ``hvd.checkpoint``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module,
+         optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Write Lightning's ``checkpoint`` dict to the directory ``path``, each rank its part;
+    collective."""
+    rest = dict(checkpoint)
+    rest.pop("state_dict", None)  # written from ``module``, split across the ranks
+    with_optimizer = rest.pop("optimizer_states", None) is not None  # absent: weights only
+    if rank == 0 and os.path.isfile(path):
+        os.remove(path)  # a single-file checkpoint of the same name
+    hvd.checkpoint.save(path, model=module, optimizer=optimizer if with_optimizer else None,
+                        extra={"lightning": rest})
+
+
+def load(path: str, module: torch.nn.Module) -> dict[str, Any]:
+    """Load the module's weights from the directory ``path`` and return Lightning's checkpoint
+    dict (its ``optimizer_states`` a marker for ``load_optimizer``)."""
+    extra = hvd.checkpoint.load(path, model=module)
+    checkpoint = dict(extra.get("lightning") or {})
+    if not checkpoint:
+        raise ValueError(f"HorovodStrategy: {path!r} is an hvd.checkpoint directory without "
+                         "Lightning's checkpoint data; load it with hvd.checkpoint.load")
+    checkpoint["state_dict"] = module.state_dict()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if "optim.param_groups" in FileSystemReader(path).read_metadata().state_dict_metadata:
+        checkpoint["optimizer_states"] = [{MARK: path}]
+    return checkpoint
+
+
+def load_optimizer(checkpoint: dict[str, Any], module: torch.nn.Module,
+                   optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Load the optimizer of a sharded checkpoint (each rank its shard); False if
+    ``checkpoint`` is not one."""
+    states = checkpoint.get("optimizer_states") or []
+    if not (len(states) == 1 and isinstance(states[0], dict) and MARK in states[0]):
+        return False
+    if len(optimizers) != 1:
+        raise RuntimeError(f"HorovodStrategy: the checkpoint {states[0][MARK]!r} holds one "
+                           f"optimizer's state, this run has {len(optimizers)} optimizers")
+    hvd.checkpoint.load(states[0][MARK], model=module, optimizer=optimizers[0])
+    return True
