@@ -1,7 +1,7 @@
 """What the launcher and its workers say to each other, spelled once (standard library only).
 
 (The messages the ranks' engines exchange during negotiation are another protocol:
-``horovod/common/engine/wire.py``.)
+``horovod/common/engine/negotiation_codec.py``.)
 
 Both sides import this module: the worker (``horovod.common.lifecycle``), the worker shim
 (``horovod/runner/_shim.py``, which runs by file path and loads this file by path too), and the

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from horovod.common.engine.negotiation import Coordinator, validate
-from horovod.common.engine.wire import (
+from horovod.common.engine.negotiation_codec import (
     Message,
     decode_requests,
     decode_responses,
