@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.hosts import HostSpec, SlotInfo
 from horovod.runner.plan import SECRET_ENV, build_plan
 from horovod.runner.rendezvous import RendezvousServer, make_secret
@@ -47,8 +47,8 @@ class FunctionJob:
 
     def base_env(self) -> dict[str, str]:
         """The variables every rank (and every elastic worker) of this job needs to find it."""
-        return {SECRET_ENV: self.secret, wire.RUNNER_ADDR_ENV: self.addr,
-                wire.RUNNER_PORT_ENV: str(self.port)}
+        return {SECRET_ENV: self.secret, protocol.RUNNER_ADDR_ENV: self.addr,
+                protocol.RUNNER_PORT_ENV: str(self.port)}
 
     def worker_envs(self, hosts: Sequence[HostSpec], np: int | None = None, *,
                     nics: Sequence[str] | None = None,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from horovod.common import exceptions as errors
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.execute import Executor, JobResult
 from horovod.runner.hosts import resolve_hosts
 from horovod.runner.launchers.base import Command
@@ -186,8 +186,8 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         if server is not None:
             # Where run_task workers of horovod.run() find the launcher, in both modes (the
             # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).
-            plan.job_env.update({wire.RUNNER_ADDR_ENV: rdv_addr[0],
-                                 wire.RUNNER_PORT_ENV: rdv_addr[1]})
+            plan.job_env.update({protocol.RUNNER_ADDR_ENV: rdv_addr[0],
+                                 protocol.RUNNER_PORT_ENV: rdv_addr[1]})
         if monitor is not None:
             from horovod.runner.monitor import worker_env
 

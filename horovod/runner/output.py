@@ -7,11 +7,11 @@ import codecs
 import re
 import time
 
-from horovod.common.wire import ERROR_MARKER, EXIT_MARKER
+from horovod.common.protocol import ERROR_MARKER, EXIT_MARKER
 
 __all__ = ["LineSplitter", "TagParser", "prefix_line", "MARKER", "ERROR_MARKER"]
 
-# The markers are spelled in horovod.common.wire (with strip_markers, the one reader); kept here
+# The markers are spelled in horovod.common.protocol (with strip_markers, the one reader); kept here
 # under their former names.
 MARKER = EXIT_MARKER
 

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from horovod.common import exceptions as errors
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots, used_hosts
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["RankPlan", "LaunchPlan", "build_plan", "exportable_env", "format_plan", "SECRET_ENV"]
 
-SECRET_ENV = wire.SECRET_ENV
+SECRET_ENV = protocol.SECRET_ENV
 
 # Variables never forwarded to workers: shell internals, per-host identity, the job secret, and
 # an enclosing MPI job's variables (a horovodrun started inside mpirun must not leak them).

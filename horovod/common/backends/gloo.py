@@ -153,7 +153,7 @@ class GlooBackend:
             if self._launch.launcher != "horovod":
                 self.rank, self.size = self._launch.rank or 0, self._launch.size or 1
             if round_info is not None:
-                self.rank, self.size = round_info.rank, round_info.size
+                self.rank, self.size = round_info.slot.rank, round_info.slot.size
         except ValueError as exc:
             raise BackendUnavailableError(f"HOROVOD_RANK/HOROVOD_SIZE are not integers: {exc}",
                                           backend="gloo") from exc

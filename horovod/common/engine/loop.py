@@ -44,8 +44,8 @@ from horovod.common.exceptions import (
     HorovodInternalError,
     HorovodShutdownError,
 )
+from horovod.common.protocol import job_secret
 from horovod.common.types import RequestType, Response
-from horovod.common.wire import job_secret
 
 __all__ = ["Engine"]
 

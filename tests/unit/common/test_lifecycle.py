@@ -136,7 +136,7 @@ def test_error_line_a_failing_rank_writes_is_read_back_by_the_launcher(tmp_path:
     # The rank's side (record_failure writing its stderr line, after output it left unterminated)
     # against the launcher's side (strip_markers on each line it reads): the record travels whole,
     # the rank's own text stays, and no marker text reaches the user.
-    from horovod.common.wire import ERROR_MARKER, strip_markers
+    from horovod.common.protocol import ERROR_MARKER, strip_markers
 
     code = """
         import sys

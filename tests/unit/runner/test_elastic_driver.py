@@ -95,7 +95,7 @@ class Harness:
             self.d._step()
 
     def ranks(self) -> dict[tuple[str, int], int]:
-        return {k: self.d.answers[k].rank for k in self.d.members}
+        return {k: self.d.answers[k].slot.rank for k in self.d.members}
 
 
 def test_first_round_waits_for_every_started_worker() -> None:
@@ -108,7 +108,7 @@ def test_first_round_waits_for_every_started_worker() -> None:
     h.ready(("b", 0), reason="start")
     h.step()
     assert h.d.round == 0 and h.ranks() == {("a", 0): 0, ("a", 1): 1, ("b", 0): 2}
-    assert h.d.answers[("b", 0)].local_size == 1 and h.d.answers[("a", 1)].local_rank == 1
+    assert h.d.answers[("b", 0)].slot.local_size == 1 and h.d.answers[("a", 1)].slot.local_rank == 1
 
 
 def first_round(h: Harness) -> None:
@@ -286,11 +286,12 @@ def test_a_member_forming_an_abandoned_round_stops_waiting_within_a_second() -> 
 
     from horovod.common.elastic.worker import ABANDONED_KEY, RoundInfo, form_round
     from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import RankIdentity
     from horovod.common.rendezvous import RendezvousClient
     from horovod.runner.rendezvous import RendezvousServer, make_secret
 
-    info = RoundInfo(round=4, rank=1, size=3, local_rank=0, local_size=1, cross_rank=1,
-                     cross_size=3, hostname="h", skip_sync=False, notice=0)
+    info = RoundInfo(4, RankIdentity(hostname="h", rank=1, local_rank=0, cross_rank=1, size=3,
+                     local_size=1, cross_size=3), skip_sync=False, notice=0)
     secret = make_secret()
     release = threading.Event()
     closed: list[str] = []
