@@ -29,7 +29,7 @@ from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT
-from horovod.runner.elastic.settings import ElasticSettings as SessionSettings
+from horovod.runner.elastic.settings import DriverSettings as SessionSettings
 from horovod.runner.hosts import SlotInfo
 
 __all__ = ["RayHostDiscovery", "ElasticAdapter", "ElasticRayExecutor", "ElasticSettings"]

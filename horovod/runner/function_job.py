@@ -16,7 +16,7 @@ from typing import Any
 
 from horovod.common import protocol
 from horovod.runner.hosts import HostSpec, SlotInfo
-from horovod.runner.plan import SECRET_ENV, build_plan
+from horovod.runner.launch_plan import SECRET_ENV, build_plan
 from horovod.runner.rendezvous import RendezvousServer, make_secret
 from horovod.runner.settings import LaunchSettings
 
@@ -68,7 +68,7 @@ class FunctionJob:
                                   extra_env=dict(extra_env or {}))
         plan = build_plan(settings, list(hosts), environ={}, local_hosts=set(), mode="gloo",
                           rendezvous=(self.addr, str(self.port)))
-        self.server.set_slots({r.rank: {**r.slot.__dict__} for r in plan.ranks})
+        self.server.set_slots({r.slot.rank: {**r.slot.__dict__} for r in plan.ranks})
         common = {**plan.job_env, **self.base_env()}
         return [(r.slot, {**common, **r.env}) for r in plan.ranks]
 

@@ -32,7 +32,7 @@ from horovod.common.protocol import (
     SPARK_HEARTBEAT_SCOPE,
 )
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.hosts import SlotInfo
 from horovod.spark.task import JobSpec
 
@@ -155,7 +155,7 @@ class _ElasticJob:
         self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())
         # The job's env= reaches the workers; the elastic settings come from the driver's
         # environment with env= over it (HOROVOD_ELASTIC_NOTIFY_WHEN_READY used to be ignored).
-        settings = ElasticSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
+        settings = DriverSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
                                             reset_limit=reset_limit)
         self.driver = ElasticDriver.from_settings(settings, HostManager(self.agents, None),
                                                   num_proc, min_np, max_np, self.start_worker,

@@ -35,7 +35,7 @@ from typing import Protocol
 from horovod.common import protocol
 from horovod.common.protocol import Notice, ReadyAnswer, Removed, RoundInfo, Stop, Wait
 from horovod.runner.elastic.discovery import HostManager, order_hosts
-from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
+from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, DriverSettings
 from horovod.runner.failures import RESET_LIMIT_EXCEEDED, describe_status, with_upstream_sentence
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
 
@@ -174,7 +174,7 @@ class ElasticDriver:
         self._abandoned: set[int] = set()
 
     @classmethod
-    def from_settings(cls, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
+    def from_settings(cls, settings: DriverSettings, hosts: HostManager, np: int, min_np: int,
                       max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                       put_kv: Callable[[str, str, bytes], None] | None = None,
                       discovery_interval: float = 1.0) -> ElasticDriver:

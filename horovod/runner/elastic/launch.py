@@ -14,10 +14,10 @@ from typing import IO, Any
 
 from horovod.runner.elastic.discovery import FixedHosts, HostDiscoveryScript, HostManager
 from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key_name
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.elastic.workers import WorkerProcess
 from horovod.runner.hosts import HostSpec, SlotInfo
-from horovod.runner.plan import RankPlan, build_plan
+from horovod.runner.launch_plan import RankPlan, build_plan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["launch_elastic", "ElasticJobResult", "configure_logging"]
@@ -128,7 +128,7 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                              stdout=stdout, stderr=stderr, timestamp=settings.prefix_timestamp,
                              write_lock=write_lock)
 
-    elastic = ElasticSettings.from_env(environ, timeout=settings.elastic_timeout,
+    elastic = DriverSettings.from_env(environ, timeout=settings.elastic_timeout,
                                        reset_limit=settings.reset_limit,
                                        cooldown_range=settings.blacklist_cooldown_range)
     driver = ElasticDriver.from_settings(elastic, manager, settings.np, settings.min_np,

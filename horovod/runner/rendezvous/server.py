@@ -222,16 +222,8 @@ class _Server(ThreadingHTTPServer):
         self.evicted = self.busy = self.accept_errors = 0
 
     @property
-    def rejected(self) -> int:
-        return self.log.refused
-
-    @property
     def unauthenticated(self) -> int:
         return len(self._unauth)
-
-    @property
-    def live(self) -> int:
-        return self._live
 
     # ---------------------------------------------------------------- connection accounting
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -410,7 +402,7 @@ class RendezvousServer:
     @property
     def rejected(self) -> int:
         """How many requests were refused (bad or missing signature, malformed, too slow)."""
-        return self._server.rejected
+        return self._server.log.refused
 
     def put(self, scope: str, key: str, value: bytes) -> None:
         with self._server.lock:

@@ -9,7 +9,6 @@ aborting in interpreter finalization. Prints ``ABANDONED <seconds>`` and ``ORPHA
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ import time
 from horovod.common.backends.gloo import GlooBackend
 from horovod.common.config import EngineConfig
 from horovod.common.elastic import worker as elastic_worker
+from horovod.common.elastic.rounds import RoundHandler
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.protocol import ABANDONED_KEY, RankIdentity, RoundInfo
 from horovod.common.rendezvous import RendezvousClient
@@ -45,7 +45,8 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             elastic_worker.form_round(
-                functools.partial(GlooBackend, config, env, info, cancel=cancel), client, info,
+                lambda: GlooBackend(config, RoundHandler(config, env, info, cancel).next_rendezvous()),
+                client, info,
                 close=GlooBackend.close, cancel=cancel)
         except HorovodInternalError as exc:
             print(f"ABANDONED {time.monotonic() - t0:.2f} {exc}", flush=True)

@@ -161,10 +161,10 @@ def test_thread_level_of_mpi_init_follows_config(level: str, tmp_path: Path) -> 
         import mpi4py
         mpi4py.rc.initialize = False
         from mpi4py import MPI
-        from horovod.common.backends import mpi
+        from horovod.common.rendezvous_handlers import create_mpi
         from horovod.common.config import EngineConfig
         import os
-        b = mpi.create(EngineConfig.from_env(os.environ), os.environ)
+        b = create_mpi(EngineConfig.from_env(os.environ), os.environ)
         print("LEVEL", MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         b.close()
     """)

@@ -42,14 +42,6 @@ class RankPlan:
     argv: list[str]
     env: dict[str, str]
 
-    @property
-    def rank(self) -> int:
-        return self.slot.rank
-
-    @property
-    def host(self) -> str:
-        return self.slot.hostname
-
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -68,7 +60,7 @@ class LaunchPlan:
         seen: dict[str, None] = {}
         for r in self.ranks:
             if not r.local:
-                seen.setdefault(r.host, None)
+                seen.setdefault(r.slot.hostname, None)
         return list(seen)
 
     @property
@@ -153,7 +145,7 @@ def format_plan(plan: LaunchPlan, commands_text: list[str] | None = None) -> str
     lines += [f"  {k}={v}" for k, v in sorted(plan.job_env.items())]
     for r in plan.ranks:
         where = "local" if r.local else "remote (ssh)"
-        lines.append(f"rank {r.rank}: host {r.host} [{where}] local_rank {r.slot.local_rank} "
+        lines.append(f"rank {r.slot.rank}: host {r.slot.hostname} [{where}] local_rank {r.slot.local_rank} "
                      f"cross_rank {r.slot.cross_rank}")
         lines.append(f"  command: {shlex.join(r.argv)}")
         if r.env:
