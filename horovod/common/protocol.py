@@ -46,7 +46,8 @@ from typing import Any
 
 __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_SIZE_VARS",
            "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV", "RENDEZVOUS_ADDR_ENV",
-           "RENDEZVOUS_PORT_ENV", "ELASTIC_ENV", "ELASTIC_HOST_ENV", "ELASTIC_SLOT_ENV", "RESULT_KEY_ENV",
+           "RENDEZVOUS_PORT_ENV", "ELASTIC_ENV", "elastic_env", "ELASTIC_HOST_ENV", "ELASTIC_SLOT_ENV",
+           "RESULT_KEY_ENV",
            "job_secret", "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers",
            "env_rank", "error_line", "exit_line", "parse_signal_line", "signal_line", "strip_markers",
            "RankIdentity", "RoundInfo", "ReadyRequest", "Wait", "Removed", "Stop", "ReadyAnswer",
@@ -88,6 +89,11 @@ RESULT_KEY_ENV = "HOROVOD_RUN_TASK_RESULT_KEY"
 MONITOR_ADDR_ENV = "HOROVOD_MONITOR_ADDR"
 MONITOR_PORT_ENV = "HOROVOD_MONITOR_PORT"
 MONITOR_INTERVAL_ENV = "HOROVOD_MONITOR_INTERVAL"
+
+
+def elastic_env(host: str, slot: int) -> dict[str, str]:
+    """The variables of an elastic worker the driver knows as slot ``host[slot]`` for its life."""
+    return {ELASTIC_ENV: "1", ELASTIC_HOST_ENV: host, ELASTIC_SLOT_ENV: str(slot)}
 
 
 def job_secret(backend: Any = None, env: Mapping[str, str] | None = None) -> str | None:

@@ -81,8 +81,8 @@ class FunctionJob:
                                   extra_env=dict(extra_env or {}))
         plan = build_plan(settings, [HostSpec(slot.hostname, 1)], environ={}, local_hosts=set(),
                           mode="gloo", rendezvous=(self.addr, str(self.port)))
-        return {**plan.job_env, **self.base_env(), **slot.env(), "HOROVOD_ELASTIC": "1",
-                "HOROVOD_ELASTIC_HOST": slot.hostname, "HOROVOD_ELASTIC_SLOT": str(slot.local_rank)}
+        return {**plan.job_env, **self.base_env(), **slot.env(),
+                **protocol.elastic_env(slot.hostname, slot.local_rank)}
 
     def set_elastic_handler(self, handler: Any) -> None:
         """Answer the elastic workers' calls (``ElasticDriver.handle``; None: no elastic job)."""

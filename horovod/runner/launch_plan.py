@@ -113,8 +113,8 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
         if rendezvous is None:
             raise errors.ConfigError("Gloo mode needs the rendezvous address of the launcher.")
         job_env.update({
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
+            protocol.RENDEZVOUS_ADDR_ENV: rendezvous[0],
+            protocol.RENDEZVOUS_PORT_ENV: str(rendezvous[1]),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
         })

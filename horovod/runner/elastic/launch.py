@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from horovod.common import protocol
 from horovod.runner.elastic.discovery import FixedHosts, HostDiscoveryScript, HostManager
 from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key_name
 from horovod.runner.elastic.settings import DriverSettings
@@ -115,9 +116,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         else:
             addr = route_address(host)
         env = slot.env()
-        env.update({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_HOST": host,
-                    "HOROVOD_ELASTIC_SLOT": str(key[1]), "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
-                    "HOROVOD_RUNNER_ADDR": addr})
+        env.update({**protocol.elastic_env(host, key[1]), protocol.RENDEZVOUS_ADDR_ENV: addr,
+                    protocol.RUNNER_ADDR_ENV: addr})
         rank = RankPlan(slot=slot, local=is_local, argv=list(settings.command), env=env)
         plan = dataclasses.replace(base, ranks=[rank])
         cmd = (local_command(plan, rank, environ, secret) if is_local

@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
+from horovod.common import protocol
 from horovod.common.refusals import RefusalLog
 from horovod.common.rendezvous import (
     AUTH_HEADER,
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
 LARGE_BODY = 1 << 30
 # Scopes whose PUT bodies may be LARGE_BODY: a horovod.run() function's return value per rank.
-LARGE_BODY_SCOPES = frozenset({"runfunc_result"})
+LARGE_BODY_SCOPES = frozenset({protocol.RESULT_SCOPE})
 _AUTH = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?):([0-9A-Za-z_-]{1,64}):([0-9a-f]{64})")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _LENGTH = re.compile(r"[0-9]{1,12}")
