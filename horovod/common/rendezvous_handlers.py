@@ -34,7 +34,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -134,12 +134,10 @@ def single_store(environ: Mapping[str, str], rank: int = 0) -> StoreRendezvous:
                            environ.get(protocol.SECRET_ENV) or None)
 
 
-@contextlib.contextmanager
-def _connecting(rank: int) -> Iterator[None]:
-    from horovod.common.backends.gloo import translated
+def _connecting(rank: int) -> contextlib.AbstractContextManager[None]:
+    from horovod.common.backends.gloo import GlooErrors
 
-    with translated("connecting to the job's store", rank):
-        yield
+    return GlooErrors("connecting to the job's store", rank)
 
 
 # ----------------------------------------------------------------------- horovod's launchers

@@ -18,7 +18,7 @@ import contextlib
 import datetime
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from horovod.common.types import ReduceOp
 if TYPE_CHECKING:
     from horovod.common.rendezvous_handlers import StoreRendezvous
 
-__all__ = ["GlooBackend", "check_torch", "translated"]
+__all__ = ["GlooBackend", "GlooErrors", "check_torch"]
 
 
 def check_torch() -> None:
@@ -49,17 +49,19 @@ def check_torch() -> None:
                                       "use a standard PyTorch wheel or MPI.", backend="gloo")
 
 
-@contextlib.contextmanager
-def translated(what: str, rank: int) -> Iterator[None]:
-    """The one place where torch/Gloo errors become Horovod errors."""
-    try:
-        yield
-    except HorovodInternalError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses and others
+class GlooErrors(contextlib.AbstractContextManager[None]):
+    """The one place where torch/Gloo errors become Horovod errors: ``with GlooErrors(what, rank):``
+    turns any other exception raised inside into ``HorovodInternalError`` naming the rank."""
+
+    def __init__(self, what: str, rank: int) -> None:
+        self.what, self.rank = what, rank
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if not isinstance(exc, Exception) or isinstance(exc, HorovodInternalError):
+            return  # none, ours already, or not an error (KeyboardInterrupt, SystemExit)
         raise HorovodInternalError(
-            f"Gloo {what} failed on rank {rank}: {exc}. A peer process may have died; "
-            "check the other ranks' output.", rank=rank, op=what) from exc
+            f"Gloo {self.what} failed on rank {self.rank}: {exc}. A peer process may have died; "
+            "check the other ranks' output.", rank=self.rank, op=self.what) from exc
 
 
 # --------------------------------------------------------------------------- backend
@@ -110,8 +112,8 @@ class GlooBackend:
         self._pgs.append(pg)
         return pg
 
-    def _translate(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return translated(what, self.rank)
+    def _translate(self, what: str) -> GlooErrors:
+        return GlooErrors(what, self.rank)
 
     def _t(self, arr: np.ndarray) -> Any:
         if arr.flags.writeable:
