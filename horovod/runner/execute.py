@@ -24,7 +24,7 @@ from horovod.runner.failures import RankExit, format_report, root_cause
 from horovod.runner.launchers.base import Command
 from horovod.runner.output import LineSplitter, TagParser, prefix_line
 
-__all__ = ["Executor", "JobResult"]
+__all__ = ["Supervisor", "JobResult"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class _Proc:
         self.readers: list[threading.Thread] = []
 
 
-class Executor:
+class Supervisor:
     """Start ``commands`` and supervise them until every one has ended.
 
     Args:

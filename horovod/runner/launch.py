@@ -22,7 +22,7 @@ from typing import IO
 
 from horovod.common import exceptions as errors
 from horovod.common import protocol
-from horovod.runner.execute import Executor, JobResult
+from horovod.runner.execute import JobResult, Supervisor
 from horovod.runner.hosts import resolve_hosts
 from horovod.runner.launch_plan import LaunchPlan, build_plan, format_plan
 from horovod.runner.launchers.base import Command
@@ -198,7 +198,7 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         cmds = _commands(plan, settings, environ, impl, secret)
         for c in cmds:
             log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
-        executor = Executor(
+        executor = Supervisor(
             cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
             local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
             timestamp=settings.prefix_timestamp,
