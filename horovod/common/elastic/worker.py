@@ -12,8 +12,9 @@ everything:
 * ``notice`` (``protocol.NoticeRequest``): the driver holds the request until a host-change
   notice newer than ``after`` exists (or a few seconds pass) and answers ``protocol.Notice``.
 
-The Gloo backend calls ``join_round`` from ``hvd.init()``; ``NotificationManager`` runs one
-background thread per worker that long-polls ``notice`` and hands notices to registered states.
+``horovod.common.elastic.rounds`` calls ``join_round`` from ``hvd.init()``;
+``NotificationManager`` runs one background thread per worker that long-polls ``notice`` and
+hands notices to registered states.
 """
 
 from __future__ import annotations
