@@ -42,7 +42,7 @@ from shapes import resnet50  # noqa: E402
 
 from horovod.common.engine.cache import ResponseCache  # noqa: E402
 from horovod.common.engine.negotiation import Coordinator  # noqa: E402
-from horovod.common.engine.wire import encode_requests, encode_responses  # noqa: E402
+from horovod.common.engine.negotiation_codec import encode_requests, encode_responses  # noqa: E402
 from horovod.common.types import Request, RequestType, Response  # noqa: E402
 
 parser = argparse.ArgumentParser()

@@ -4,7 +4,7 @@ This package imports only the standard library and NumPy (plus mpi4py when the M
 starts). It never imports a deep-learning framework or ``horovod.runner``.
 
 Importing the package itself loads nothing else: ``import horovod.common.exceptions`` or
-``horovod.common.wire`` (what ``horovodrun`` needs) does not start the engine's imports. The
+``horovod.common.protocol`` (what ``horovodrun`` needs) does not start the engine's imports. The
 process-level names below (``horovod.common.init``, ``rank``, ``Sum``...) load their module on
 first use.
 """

@@ -147,7 +147,7 @@ def cross_rank() -> int:
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
-    return _topo().is_homogeneous
+    return bool(_ctx.get_context().is_homogeneous)
 
 
 def mpi_threads_supported() -> bool:

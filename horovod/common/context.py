@@ -16,7 +16,8 @@ from horovod.common.engine.executor import Entry
 from horovod.common.engine.handles import Handle, HandleCounter
 from horovod.common.engine.loop import Engine
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.common.topology import Topology, topology_from_hostnames
+from horovod.common.protocol import RankIdentity
+from horovod.common.topology import homogeneous, topology_from_hostnames
 from horovod.common.types import Request, RequestType
 
 __all__ = ["Context", "get_context", "set_context", "peek_context"]
@@ -75,7 +76,8 @@ class Context:
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         hostnames = _node_names(self.backend.allgather_object((host, self.launch.node_rank)))
         self.hostnames: list[str] = list(hostnames)
-        self.topology: Topology = topology_from_hostnames(hostnames, self.backend.rank)
+        self.topology: RankIdentity = topology_from_hostnames(hostnames, self.backend.rank)
+        self.is_homogeneous = homogeneous(hostnames)
         self.counter = HandleCounter()
         self.handles: dict[int, tuple[Handle, Any]] = {}
         self.groups = {0: self.backend.world_group()}

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from horovod.common import protocol
 from horovod.common.exceptions import HorovodError
 
 __all__ = ["Launch", "LauncherError", "detect", "expand_nodelist", "first_node", "torch_default_group",
@@ -41,7 +42,7 @@ TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
 SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NODEID",
                    "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
                    "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_STEP_TASKS_PER_NODE")
-HOROVOD_VARIABLES = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_RANK",
+HOROVOD_VARIABLES = (protocol.RENDEZVOUS_ADDR_ENV, protocol.RENDEZVOUS_PORT_ENV, "HOROVOD_RANK",
                      "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CONTROLLER",
                      "HOROVOD_CPU_OPERATIONS")
 LAUNCHER_VARIABLES = HOROVOD_VARIABLES + MPI_VARIABLES + TORCH_VARIABLES + SLURM_VARIABLES
@@ -217,11 +218,11 @@ def detect(environ: Mapping[str, str], torch_group: tuple[int, int] | None = Non
 def _detect(environ: Mapping[str, str], torch_group: tuple[int, int] | None, comm: Any) -> Launch:
     if comm is not None and not isinstance(comm, (list, tuple)):
         return Launch("mpi", "mpi", seen=_seen(environ, MPI_VARIABLES))
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ:
+    if protocol.RENDEZVOUS_ADDR_ENV in environ:
         return Launch("horovod", "gloo", rank=_int(environ, "HOROVOD_RANK"),
                       size=_int(environ, "HOROVOD_SIZE"), local_rank=_int(environ, "HOROVOD_LOCAL_RANK"),
                       local_size=_int(environ, "HOROVOD_LOCAL_SIZE"),
-                      seen=_seen(environ, ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT",
+                      seen=_seen(environ, (protocol.RENDEZVOUS_ADDR_ENV, protocol.RENDEZVOUS_PORT_ENV,
                                            "HOROVOD_RANK", "HOROVOD_SIZE")))
     if any(k in environ for k in MPI_VARIABLES) or comm is not None:
         return Launch("mpi", "mpi", seen=_seen(environ, MPI_VARIABLES))

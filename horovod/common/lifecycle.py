@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.common.exceptions import HorovodInternalError, HorovodShutdownError
 
 __all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", "install", "installed", "uninstall",
@@ -49,11 +49,11 @@ __all__ = ["EXIT_RECORD_ENV", "ERROR_MARKER", "Failure", "classify", "failure", 
            "note_mpi_initialized",
            "note_multi_rank", "record_failure", "end_process"]
 
-EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
+EXIT_RECORD_ENV = protocol.EXIT_RECORD_ENV
 # The same record, as one stderr line the launcher removes from the output: it travels with the
 # rank's output at once, so the launcher has it even when mpirun stops the rank before its shim
 # can report (mpirun stops forwarding a job's output once it terminates it).
-ERROR_MARKER = wire.ERROR_MARKER
+ERROR_MARKER = protocol.ERROR_MARKER
 
 log = logging.getLogger("horovod")
 
@@ -162,9 +162,9 @@ def record_failure(code: int, kind: str, error: str) -> None:
         with contextlib.suppress(OSError):
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(asdict(_failure), fh)
-        rank = wire.env_rank() or ""
+        rank = protocol.env_rank() or ""
         if rank.isdigit():
-            line = wire.error_line(dict(asdict(_failure), rank=int(rank)))
+            line = protocol.error_line(dict(asdict(_failure), rank=int(rank)))
             with contextlib.suppress(Exception):
                 sys.stderr.flush()
             with contextlib.suppress(OSError):
@@ -233,9 +233,9 @@ def _excepthook(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def wanted(size: int) -> bool:
     """Whether ``hvd.init()`` installs the fail-fast hook in a job of ``size`` ranks (see above)."""
-    if os.environ.get(wire.LIFECYCLE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(protocol.LIFECYCLE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return size > 1 or wire.EXIT_RECORD_ENV in os.environ
+    return size > 1 or protocol.EXIT_RECORD_ENV in os.environ
 
 
 def installed() -> bool:

@@ -1,6 +1,6 @@
 """A byte format for plain values that cannot run code: what ranks send each other through the
 controller for Horovod's own purposes (host names at init, process-set lists, the autotuner's
-decisions, and the negotiation messages, which ``engine/wire.py`` encodes to bytes itself).
+decisions, and the negotiation messages, which ``engine/negotiation_codec.py`` encodes to bytes itself).
 
 Unlike pickle, decoding only ever builds ``None``, ``bool``, ``int``, ``float``, ``str``,
 ``bytes``, ``tuple``, ``list``, ``dict`` and ``ArgumentError``; malformed or hostile input raises

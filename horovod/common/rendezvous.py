@@ -35,16 +35,18 @@ import http.client
 import json
 import os
 import secrets
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
+from horovod.common import protocol
 from horovod.common.exceptions import HorovodError
 
 __all__ = ["AUTH_HEADER", "DIGEST_HEADER", "SIG_HEADER", "MAX_SKEW_SECONDS", "EMPTY_DIGEST",
            "RendezvousError", "RendezvousClient", "make_secret", "sign_header", "sign_request",
-           "sign_response", "kv_path"]
+           "sign_response", "kv_path", "route_address"]
 
 AUTH_HEADER = "X-Horovod-Auth"
 DIGEST_HEADER = "X-Horovod-Body-Digest"
@@ -84,6 +86,17 @@ def sign_response(secret: str, request_mac: str, status: int, body: bytes) -> st
     return _mac(secret, "resp", request_mac, str(status), hashlib.sha256(body).hexdigest())
 
 
+def route_address(remote: str) -> str:
+    """The local address this machine uses to reach ``remote`` (an IPv4 address; no packet is
+    sent), or ``127.0.0.1`` when no route leads there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((remote, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
 def kv_path(scope: str, key: str) -> str:
     return f"/kv/{quote(scope, safe='')}/{quote(key, safe='')}"
 
@@ -103,8 +116,8 @@ class RendezvousClient:
         """
         environ = os.environ if environ is None else environ
         try:
-            return cls(environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"],
-                       int(environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]), environ["HOROVOD_SECRET_KEY"])
+            return cls(environ[protocol.RENDEZVOUS_ADDR_ENV], int(environ[protocol.RENDEZVOUS_PORT_ENV]),
+                       environ[protocol.SECRET_ENV])
         except KeyError as exc:
             raise RendezvousError(f"{exc.args[0]} is not set: this process was not started by "
                                   "horovodrun or horovod.run().") from exc

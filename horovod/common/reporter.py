@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
 __all__ = ["Reporter", "REPORT_PATH", "from_env"]
@@ -83,16 +83,16 @@ class Reporter:
 def from_env(environ: Mapping[str, str], snapshot: Callable[[], dict[str, Any]], rank: int,
              local_rank: int, host: str | None = None) -> Reporter | None:
     """A started ``Reporter`` when the launcher asked for one, else None."""
-    addr, port = environ.get(wire.MONITOR_ADDR_ENV), environ.get(wire.MONITOR_PORT_ENV)
-    secret = environ.get(wire.SECRET_ENV)
+    addr, port = environ.get(protocol.MONITOR_ADDR_ENV), environ.get(protocol.MONITOR_PORT_ENV)
+    secret = environ.get(protocol.SECRET_ENV)
     if not addr or not port:
         return None
     if not secret:
         log.warning("%s is set but %s is not: cannot sign monitor reports; not reporting",
-                    wire.MONITOR_ADDR_ENV, wire.SECRET_ENV)
+                    protocol.MONITOR_ADDR_ENV, protocol.SECRET_ENV)
         return None
     try:
-        interval = float(environ.get(wire.MONITOR_INTERVAL_ENV) or 1.0)
+        interval = float(environ.get(protocol.MONITOR_INTERVAL_ENV) or 1.0)
     except ValueError:
         interval = 1.0
     identity = {"rank": rank, "local_rank": local_rank,

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
 
-__all__ = ["Topology", "topology_from_hostnames"]
+from horovod.common.protocol import RankIdentity
 
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits in the job."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    is_homogeneous: bool
-    hostnames: tuple[str, ...]
+__all__ = ["topology_from_hostnames", "homogeneous"]
 
 
-def topology_from_hostnames(hostnames: list[str] | tuple[str, ...], rank: int) -> Topology:
+def topology_from_hostnames(hostnames: Sequence[str], rank: int) -> RankIdentity:
     """Derive local and cross ranks from every rank's host name (index = global rank).
 
     Local rank is the index of a process among the processes of its host, in global-rank order.
@@ -47,13 +36,11 @@ def topology_from_hostnames(hostnames: list[str] | tuple[str, ...], rank: int) -
     me = hostnames[rank]
     local_rank = local_ranks[rank]
     cross_hosts = [h for h in host_order if counts[h] > local_rank]
-    return Topology(
-        rank=rank,
-        size=size,
-        local_rank=local_rank,
-        local_size=counts[me],
-        cross_rank=cross_hosts.index(me),
-        cross_size=len(cross_hosts),
-        is_homogeneous=len(set(counts.values())) == 1,
-        hostnames=tuple(hostnames),
-    )
+    return RankIdentity(hostname=me, rank=rank, local_rank=local_rank,
+                        cross_rank=cross_hosts.index(me), size=size, local_size=counts[me],
+                        cross_size=len(cross_hosts))
+
+
+def homogeneous(hostnames: Sequence[str]) -> bool:
+    """True when every host runs the same number of processes."""
+    return len(set(Counter(hostnames).values())) <= 1

@@ -12,7 +12,7 @@ Run by file path (standard library only; the package ``horovod`` is not imported
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
 on to that group. When the command ends, the rest of its group is stopped and one line
-``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr (spelled in ``horovod/common/wire.py``, which the
+``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr (spelled in ``horovod/common/protocol.py``, which the
 shim loads by its path): rank, host, pid, exit code or signal, time, and
 why the shim stopped it, if it did. The command finds a file name in ``HOROVOD_EXIT_RECORD``;
 Horovod writes there, the moment a rank fails, whether its error is a cause of its own or only
@@ -36,10 +36,10 @@ from types import FrameType, ModuleType
 from typing import Any
 
 
-def _load_wire() -> ModuleType:
-    """``horovod/common/wire.py`` (the protocol, standard library only), loaded by its path."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "wire.py")
-    spec = importlib.util.spec_from_file_location("_horovod_wire", path)
+def _load_protocol() -> ModuleType:
+    """``horovod/common/protocol.py`` (the protocol, standard library only), loaded by its path."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "protocol.py")
+    spec = importlib.util.spec_from_file_location("_horovod_protocol", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses looks the module up while building its classes
@@ -47,9 +47,9 @@ def _load_wire() -> ModuleType:
     return module
 
 
-wire = _load_wire()
-MARKER = wire.EXIT_MARKER
-EXIT_RECORD_ENV = wire.EXIT_RECORD_ENV
+protocol = _load_protocol()
+MARKER = protocol.EXIT_MARKER
+EXIT_RECORD_ENV = protocol.EXIT_RECORD_ENV
 GRACE_SECONDS = 3.0
 
 
@@ -96,7 +96,7 @@ def _watch_stdin(stopper: _Stopper) -> None:
     # The launcher may send "signal <N>" lines (Ctrl-C reaching remote workers) before closing.
     try:
         for line in sys.stdin.buffer:
-            signum = wire.parse_signal_line(line)
+            signum = protocol.parse_signal_line(line)
             if signum is not None:
                 stopper.stop(f"horovodrun sent {signal.Signals(signum).name}", signum)
     except (OSError, ValueError):
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
         except (ValueError, KeyError) as exc:
             sys.stderr.write(f"horovod shim: bad environment line from the launcher: {exc}\n")
             return 2
-    rank = wire.env_rank(env) or "?"
+    rank = protocol.env_rank(env) or "?"
     host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
     record_path = os.path.join(os.environ.get("TMPDIR") or "/tmp",
@@ -166,7 +166,7 @@ def main(argv: list[str]) -> int:
                 "signame": signal.Signals(signum).name if signum else None,
                 "time": time.time(), "stopped_by": reason, "error": read_record()}
         sys.stdout.flush()
-        sys.stderr.write(wire.exit_line(info))
+        sys.stderr.write(protocol.exit_line(info))
         sys.stderr.flush()
 
     child_pid = None

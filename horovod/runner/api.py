@@ -57,8 +57,8 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     """
     import cloudpickle
 
+    from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
     from horovod.runner.launch import launch
-    from horovod.runner.run_task import FUNC_SCOPE
 
     if np is not None:
         warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)
@@ -102,7 +102,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     servers: list[Any] = []
 
     def publish(server: Any) -> None:
-        server.put(FUNC_SCOPE, "func", payload)
+        server.put(FUNC_SCOPE, FUNC_KEY, payload)
         servers.append(server)
 
     from horovod.runner.rendezvous import make_secret
@@ -151,8 +151,8 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
     """
     import cloudpickle
 
+    from horovod.common.protocol import RESULT_SCOPE, Returned
     from horovod.runner.failures import with_upstream_sentence
-    from horovod.runner.run_task import RESULT_SCOPE
 
     values: list[Any] = []
     errors: list[tuple[int, BaseException, str]] = []
@@ -160,11 +160,11 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
         raw = get(RESULT_SCOPE, str(rank))
         if raw is None:
             continue
-        item = cloudpickle.loads(raw)
-        if item[0] == "ok":
-            values.append(item[1])
+        outcome = cloudpickle.loads(raw)
+        if isinstance(outcome, Returned):
+            values.append(outcome.value)
         else:
-            errors.append((rank, item[1], item[2]))
+            errors.append((rank, outcome.error, outcome.traceback))
     hosts_by_rank = {e.rank: e.host for e in result.exits}
     if errors:
         root = _raised_root(result.exits, errors)

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.failures import RankExit, format_report, root_cause
 from horovod.runner.launchers.base import Command
 from horovod.runner.output import LineSplitter, TagParser, prefix_line, write_line
 
-__all__ = ["Executor", "JobResult"]
+__all__ = ["Supervisor", "JobResult"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class _Proc:
         self.readers: list[threading.Thread] = []
 
 
-class Executor:
+class Supervisor:
     """Start ``commands`` and supervise them until every one has ended.
 
     Args:
@@ -118,7 +118,7 @@ class Executor:
         self._write_lock = threading.Lock()
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._markers: dict[int, dict[str, Any]] = {}
-        self._errors: dict[int, dict[str, Any]] = {}  # wire.ERROR_MARKER records, by rank
+        self._errors: dict[int, dict[str, Any]] = {}  # protocol.ERROR_MARKER records, by rank
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
         self._files: dict[tuple[int, str], IO[str]] = {}
@@ -129,7 +129,7 @@ class Executor:
 
     # ----------------------------------------------------------------- output
     def _emit(self, rank: int | None, stream: str, text: str, term: str) -> None:
-        found = wire.strip_markers(text, term)
+        found = protocol.strip_markers(text, term)
         if found.error is not None and isinstance(found.error.get("rank"), int):
             self._errors.setdefault(found.error["rank"], found.error)
         if found.exit is not None and isinstance(found.exit.get("rank"), int):

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.hosts import HostSpec, SlotInfo
-from horovod.runner.plan import SECRET_ENV, build_plan
+from horovod.runner.launch_plan import SECRET_ENV, build_plan
 from horovod.runner.rendezvous import RendezvousServer, make_secret
 from horovod.runner.settings import LaunchSettings
 
@@ -47,8 +47,8 @@ class FunctionJob:
 
     def base_env(self) -> dict[str, str]:
         """The variables every rank (and every elastic worker) of this job needs to find it."""
-        return {SECRET_ENV: self.secret, wire.RUNNER_ADDR_ENV: self.addr,
-                wire.RUNNER_PORT_ENV: str(self.port)}
+        return {SECRET_ENV: self.secret, protocol.RUNNER_ADDR_ENV: self.addr,
+                protocol.RUNNER_PORT_ENV: str(self.port)}
 
     def worker_envs(self, hosts: Sequence[HostSpec], np: int | None = None, *,
                     nics: Sequence[str] | None = None,
@@ -68,7 +68,7 @@ class FunctionJob:
                                   extra_env=dict(extra_env or {}))
         plan = build_plan(settings, list(hosts), environ={}, local_hosts=set(), mode="gloo",
                           rendezvous=(self.addr, str(self.port)))
-        self.server.set_slots({r.rank: {**r.slot.__dict__} for r in plan.ranks})
+        self.server.set_slots({r.slot.rank: {**r.slot.__dict__} for r in plan.ranks})
         common = {**plan.job_env, **self.base_env()}
         return [(r.slot, {**common, **r.env}) for r in plan.ranks]
 
@@ -81,8 +81,8 @@ class FunctionJob:
                                   extra_env=dict(extra_env or {}))
         plan = build_plan(settings, [HostSpec(slot.hostname, 1)], environ={}, local_hosts=set(),
                           mode="gloo", rendezvous=(self.addr, str(self.port)))
-        return {**plan.job_env, **self.base_env(), **slot.env(), "HOROVOD_ELASTIC": "1",
-                "HOROVOD_ELASTIC_HOST": slot.hostname, "HOROVOD_ELASTIC_SLOT": str(slot.local_rank)}
+        return {**plan.job_env, **self.base_env(), **slot.env(),
+                **protocol.elastic_env(slot.hostname, slot.local_rank)}
 
     def set_elastic_handler(self, handler: Any) -> None:
         """Answer the elastic workers' calls (``ElasticDriver.handle``; None: no elastic job)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from horovod.common import exceptions as errors
-from horovod.common import wire
+from horovod.common import protocol
 
 if TYPE_CHECKING:
     from horovod.runner.settings import LaunchSettings
@@ -35,22 +35,8 @@ class HostSpec:
         return f"{self.name}:{self.slots}"
 
 
-@dataclass(frozen=True)
-class SlotInfo:
-    """Where one rank runs and its place in the job's topology."""
-
-    hostname: str
-    rank: int
-    local_rank: int
-    cross_rank: int
-    size: int
-    local_size: int
-    cross_size: int
-
-    def env(self) -> dict[str, str]:
-        """The identity variables a worker of this slot reads (upstream names)."""
-        return wire.slot_env(self.hostname, self.rank, self.size, self.local_rank, self.local_size,
-                             self.cross_rank, self.cross_size)
+# Where one rank runs and its place in the job's topology (upstream's name for it).
+SlotInfo = protocol.RankIdentity
 
 
 def parse_hosts(text: str) -> list[HostSpec]:

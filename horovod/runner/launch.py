@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from horovod.common import exceptions as errors
-from horovod.common import wire
-from horovod.runner.execute import Executor, JobResult
+from horovod.common import protocol
+from horovod.runner.execute import JobResult, Supervisor
 from horovod.runner.hosts import resolve_hosts
+from horovod.runner.launch_plan import LaunchPlan, build_plan, format_plan
 from horovod.runner.launchers.base import Command
-from horovod.runner.plan import LaunchPlan, build_plan, format_plan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text"]
@@ -161,7 +161,7 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
 
         secret = secret or make_secret()  # reports are signed with the job secret
         monitor = start_monitor(secret, settings.monitor_port, settings.monitor_address, plan.np,
-                                {r.rank: (r.host, r.slot.local_rank) for r in plan.ranks})
+                                {r.slot.rank: (r.slot.hostname, r.slot.local_rank) for r in plan.ranks})
         if plan.remote_hosts and monitor.read_token is None:
             log.warning("the monitor listens on %s only: ranks on %s cannot report to it (set "
                         "--monitor-address to an address they reach)", monitor.address,
@@ -182,12 +182,12 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
     try:
         if mode == "gloo":
             plan = build_plan(settings, hosts, environ, local, mode, rdv_addr)
-            server.set_slots({r.rank: {**r.slot.__dict__} for r in plan.ranks})  # type: ignore[union-attr]
+            server.set_slots({r.slot.rank: {**r.slot.__dict__} for r in plan.ranks})  # type: ignore[union-attr]
         if server is not None:
             # Where run_task workers of horovod.run() find the launcher, in both modes (the
             # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).
-            plan.job_env.update({wire.RUNNER_ADDR_ENV: rdv_addr[0],
-                                 wire.RUNNER_PORT_ENV: rdv_addr[1]})
+            plan.job_env.update({protocol.RUNNER_ADDR_ENV: rdv_addr[0],
+                                 protocol.RUNNER_PORT_ENV: rdv_addr[1]})
         if monitor is not None:
             from horovod.runner.monitor import worker_env
 
@@ -198,9 +198,9 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         cmds = _commands(plan, settings, environ, impl, secret)
         for c in cmds:
             log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
-        executor = Executor(
-            cmds, plan.np, hosts_by_rank={r.rank: r.host for r in plan.ranks},
-            local_rank_by_rank={r.rank: r.slot.local_rank for r in plan.ranks},
+        executor = Supervisor(
+            cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
+            local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
             timestamp=settings.prefix_timestamp,
             output_dir=settings.output_filename if mode == "gloo" else None,
             stdout=stdout, stderr=stderr, line_hook=line_hook)

@@ -7,6 +7,7 @@ import ipaddress
 import socket
 
 from horovod.common import exceptions as errors
+from horovod.common.rendezvous import route_address as _route
 
 __all__ = ["is_local_host", "local_addresses", "route_address", "interface_address",
            "resolve", "free_port"]
@@ -59,13 +60,7 @@ def is_local_host(host: str) -> bool:
 
 def route_address(remote: str) -> str:
     """The local address this machine uses to reach ``remote`` (no packet is sent)."""
-    addr = resolve(remote) or remote
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((addr, 9))
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+    return _route(resolve(remote) or remote)
 
 
 def interface_address(nic: str) -> str:

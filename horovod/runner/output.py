@@ -8,11 +8,11 @@ import re
 import time
 from typing import IO
 
-from horovod.common.wire import ERROR_MARKER, EXIT_MARKER
+from horovod.common.protocol import ERROR_MARKER, EXIT_MARKER
 
 __all__ = ["LineSplitter", "TagParser", "prefix_line", "write_line", "MARKER", "ERROR_MARKER"]
 
-# The markers are spelled in horovod.common.wire (with strip_markers, the one reader); kept here
+# The markers are spelled in horovod.common.protocol (with strip_markers, the one reader); kept here
 # under their former names.
 MARKER = EXIT_MARKER
 

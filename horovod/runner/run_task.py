@@ -11,32 +11,31 @@ import os
 import sys
 import traceback
 
-FUNC_SCOPE = "runfunc"
-RESULT_SCOPE = "runfunc_result"
-RESULT_KEY_ENV = "HOROVOD_RUN_TASK_RESULT_KEY"
+from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE, RESULT_KEY_ENV, RESULT_SCOPE, env_rank
+
+__all__ = ["FUNC_SCOPE", "RESULT_SCOPE", "RESULT_KEY_ENV", "main"]
 
 
 def _rank() -> int:
-    from horovod.common.wire import env_rank
-
     return int(env_rank() or 0)
 
 
 def main() -> int:
     import cloudpickle
 
-    from horovod.common import wire
+    from horovod.common import protocol
+    from horovod.common.protocol import Raised, Returned
     from horovod.runner.rendezvous import RendezvousClient
 
-    client = RendezvousClient(os.environ[wire.RUNNER_ADDR_ENV], int(os.environ[wire.RUNNER_PORT_ENV]),
-                              os.environ[wire.SECRET_ENV])
+    client = RendezvousClient(os.environ[protocol.RUNNER_ADDR_ENV], int(os.environ[protocol.RUNNER_PORT_ENV]),
+                              os.environ[protocol.SECRET_ENV])
     # The key the result is stored under: the rank, or a name the launcher chose (an elastic
     # worker of horovod.spark.run_elastic changes rank between rounds; its slot name does not).
     key = os.environ.get(RESULT_KEY_ENV) or str(_rank())
-    func, args, kwargs = cloudpickle.loads(client.wait(FUNC_SCOPE, "func", timeout=60))
+    func, args, kwargs = cloudpickle.loads(client.wait(FUNC_SCOPE, FUNC_KEY, timeout=60))
     try:
         value = func(*args, **kwargs)
-        payload = cloudpickle.dumps(("ok", value))
+        payload = cloudpickle.dumps(Returned(value))
     except SystemExit as exc:
         if exc.code in (0, None):
             return 0  # an elastic worker the job went on without: no result
@@ -45,9 +44,9 @@ def main() -> int:
         tb = traceback.format_exc()
         print(f"User function raise error: {exc!r}\n{tb}", file=sys.stderr, flush=True)
         try:
-            payload = cloudpickle.dumps(("error", exc, tb))
+            payload = cloudpickle.dumps(Raised(exc, tb))
         except Exception:  # noqa: BLE001 - an exception that cannot be pickled goes as text
-            payload = cloudpickle.dumps(("error", RuntimeError(repr(exc)), tb))
+            payload = cloudpickle.dumps(Raised(RuntimeError(repr(exc)), tb))
         client.put(RESULT_SCOPE, key, payload)
         return 1
     client.put(RESULT_SCOPE, key, payload)

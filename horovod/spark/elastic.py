@@ -24,12 +24,18 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
-from horovod.common.wire import SECRET_ENV
+from horovod.common.protocol import (
+    SECRET_ENV,
+    SPARK_AGENT_SCOPE,
+    SPARK_COMMAND_SCOPE,
+    SPARK_EXIT_SCOPE,
+    SPARK_HEARTBEAT_SCOPE,
+)
 from horovod.runner.elastic.driver import Key, key_name
 from horovod.runner.elastic.session import ElasticSession, SessionResult
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.hosts import SlotInfo
-from horovod.spark.task import AGENT_SCOPE, COMMAND_SCOPE, EXIT_SCOPE, HEARTBEAT_SCOPE, JobSpec
+from horovod.spark.task import JobSpec
 
 __all__ = ["run_elastic", "SparkAgents"]
 
@@ -80,12 +86,12 @@ class SparkAgents:
                     agent = f"{p}.{a}"
                     if agent in self.hosts:
                         continue
-                    raw = self.get(AGENT_SCOPE, agent)
+                    raw = self.get(SPARK_AGENT_SCOPE, agent)
                     if raw is not None:
                         self.hosts[agent] = str(json.loads(raw)["host"])
                         self._beats[agent] = (None, now)
             for agent in self.hosts:
-                beat = self.get(HEARTBEAT_SCOPE, agent)
+                beat = self.get(SPARK_HEARTBEAT_SCOPE, agent)
                 if beat != self._beats[agent][0]:
                     self._beats[agent] = (beat, now)
 
@@ -131,10 +137,10 @@ class _ElasticJob:
                  nics: list[str], timestamp: bool) -> None:
         import cloudpickle
 
+        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
         from horovod.runner.elastic.discovery import HostManager
         from horovod.runner.function_job import FunctionJob
         from horovod.runner.output import prefix_line
-        from horovod.runner.run_task import FUNC_SCOPE
         from horovod.spark.driver import _driver_address
         from horovod.spark.output import OutputPump
 
@@ -144,13 +150,13 @@ class _ElasticJob:
         bind, advertised = _driver_address(sc, nics)
         self.job = FunctionJob(advertised, bind_addr=bind)
         self.server = self.job.server
-        self.server.put(FUNC_SCOPE, "func", cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, timestamp=timestamp, start_timeout=start_timeout)
         self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())
         # The job's env= reaches the workers; the elastic settings come from the driver's
         # environment with env= over it (HOROVOD_ELASTIC_NOTIFY_WHEN_READY used to be ignored).
-        settings = ElasticSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
+        settings = DriverSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
                                             reset_limit=reset_limit)
         self.session = ElasticSession(settings, HostManager(self.agents, None), num_proc, min_np,
                                       max_np, self.start_worker, self.job, discovery_interval=0.5)
@@ -174,10 +180,10 @@ class _ElasticJob:
         with self._lock:
             n = self._cmd_seq.get(agent, 0)
             self._cmd_seq[agent] = n + 1
-        self.server.put(COMMAND_SCOPE, f"{agent}.{n}", json.dumps(cmd).encode())
+        self.server.put(SPARK_COMMAND_SCOPE, f"{agent}.{n}", json.dumps(cmd).encode())
 
     def start_worker(self, key: Key, slot: SlotInfo) -> _AgentWorker:
-        from horovod.runner.run_task import RESULT_KEY_ENV
+        from horovod.common.protocol import RESULT_KEY_ENV
 
         with self._lock:
             busy = {a for a, p in self.procs.items() if not p.finished}
@@ -214,7 +220,7 @@ class _ElasticJob:
         with self._lock:
             running = [p for p in self.procs.values() if not p.finished]
         for p in running:
-            raw = self.server.get(EXIT_SCOPE, f"{p.agent}.{p.seq}")
+            raw = self.server.get(SPARK_EXIT_SCOPE, f"{p.agent}.{p.seq}")
             if raw is not None:
                 ended = json.loads(raw)
                 p.finished = True

@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["OUTPUT_SCOPE", "RemoteOutput", "OutputPump"]
+from horovod.common.protocol import SPARK_OUTPUT_SCOPE
 
-OUTPUT_SCOPE = "spark_output"
+__all__ = ["RemoteOutput", "OutputPump"]
+
 _BATCH_SECONDS = 0.1
 _BATCH_BYTES = 256 * 1024
 
@@ -78,7 +79,7 @@ class RemoteOutput:
             body = json.dumps(items).encode()
             for _ in range(2):
                 try:
-                    self.put(OUTPUT_SCOPE, key, body)
+                    self.put(SPARK_OUTPUT_SCOPE, key, body)
                     return
                 except Exception:  # noqa: BLE001 - the driver may be gone; output is best effort
                     time.sleep(0.2)
@@ -125,10 +126,10 @@ class OutputPump:
                 seq = self._next.get(source, 0)
                 while True:
                     key = f"{source}.{seq}"
-                    raw = self.get(OUTPUT_SCOPE, key)
+                    raw = self.get(SPARK_OUTPUT_SCOPE, key)
                     if raw is None:
                         break
-                    self.pop(OUTPUT_SCOPE, key)
+                    self.pop(SPARK_OUTPUT_SCOPE, key)
                     seq += 1
                     for stream, text in json.loads(raw):
                         if self.fmt is not None:

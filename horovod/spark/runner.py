@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
-from horovod.common.wire import SECRET_ENV
+from horovod.common.protocol import SECRET_ENV, SPARK_ENV_SCOPE, SPARK_TASK_SCOPE
 from horovod.spark.driver import (
     _configure_logging,
     _driver_address,
@@ -29,7 +29,7 @@ from horovod.spark.driver import (
     spark_failure_reason,
 )
 from horovod.spark.elastic import run_elastic  # upstream's home of both
-from horovod.spark.task import TASK_SCOPE, JobSpec
+from horovod.spark.task import JobSpec
 
 __all__ = ["run", "run_elastic", "SparkStartTimeoutError", "default_start_timeout"]
 
@@ -58,8 +58,8 @@ class _Job:
                  nics: list[str] | None, timestamp: bool, executable: str | None) -> None:
         import cloudpickle
 
+        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
         from horovod.runner.function_job import FunctionJob
-        from horovod.runner.run_task import FUNC_SCOPE
         from horovod.spark.output import OutputPump
 
         self.sc, self.num_proc, self.start_timeout = sc, num_proc, start_timeout
@@ -68,7 +68,7 @@ class _Job:
         bind, advertised = _driver_address(sc, self.nics)
         self.job = FunctionJob(advertised, bind_addr=bind)
         self.server = self.job.server
-        self.server.put(FUNC_SCOPE, "func", cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, executable=executable, timestamp=timestamp,
                             start_timeout=start_timeout)
@@ -80,7 +80,7 @@ class _Job:
 
     def assign(self, started: dict[int, dict[str, Any]]) -> None:
         """Once a task has reported every task's executor, publish each partition's rank and env."""
-        from horovod.spark.task import ENV_SCOPE, group_by_host
+        from horovod.spark.task import group_by_host
 
         if self.ranks or not started:
             return
@@ -92,7 +92,7 @@ class _Job:
             # The secret stays out of the rendezvous (plain HTTP): the task has it from its Spark
             # closure (JobSpec) and adds it to the rank's environment itself.
             env = {k: v for k, v in env.items() if k != SECRET_ENV}
-            self.server.put(ENV_SCOPE, str(partition), json.dumps({
+            self.server.put(SPARK_ENV_SCOPE, str(partition), json.dumps({
                 "rank": rank, "host": slot.hostname, "local_rank": slot.local_rank,
                 "env": env}).encode())
         self.ranks = ranks
@@ -101,7 +101,7 @@ class _Job:
     def started(self) -> dict[int, dict[str, Any]]:
         out = {}
         for p in range(self.num_proc):
-            raw = self.server.get(TASK_SCOPE, str(p))
+            raw = self.server.get(SPARK_TASK_SCOPE, str(p))
             if raw is not None:
                 out[p] = json.loads(raw)
         return out
@@ -177,9 +177,9 @@ class _Job:
             "allocated on demand.", started=started, num_proc=self.num_proc)
 
     def _spark_failure(self, started: dict[int, dict[str, Any]]) -> WorkerFailedError:
+        from horovod.common.protocol import RESULT_SCOPE
         from horovod.runner.api import collect_results
         from horovod.runner.execute import JobResult
-        from horovod.runner.run_task import RESULT_SCOPE
 
         exc = self.spark_error
         assert exc is not None

@@ -22,17 +22,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from horovod.common.wire import SECRET_ENV
+from horovod.common.protocol import (
+    SECRET_ENV,
+    SPARK_AGENT_SCOPE,
+    SPARK_COMMAND_SCOPE,
+    SPARK_ENV_SCOPE,
+    SPARK_EXIT_SCOPE,
+    SPARK_HEARTBEAT_SCOPE,
+    SPARK_TASK_SCOPE,
+)
 from horovod.runner.hosts import HostSpec
 
-__all__ = ["JobSpec", "TASK_SCOPE", "ENV_SCOPE", "run_rank", "elastic_agent", "executor_name",
+__all__ = ["JobSpec", "run_rank", "elastic_agent", "executor_name",
            "group_by_host", "host_of_address", "barrier_task",
            "get_available_devices"]
 
 # Where each task reports that it started (key: partition id; JSON: every task's executor
 # address), and where the driver answers with the rank and environment of each partition.
-TASK_SCOPE = "spark_task"
-ENV_SCOPE = "spark_env"
 
 
 @dataclass(frozen=True)
@@ -164,17 +170,13 @@ def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     partition = ctx.partitionId()
     addresses = [info.address for info in ctx.getTaskInfos()]
     client = _client(spec)
-    client.put(TASK_SCOPE, str(partition), json.dumps({
+    client.put(SPARK_TASK_SCOPE, str(partition), json.dumps({
         "addresses": addresses, "attempt": ctx.attemptNumber(), "pid": os.getpid()}).encode())
-    mine = json.loads(client.wait(ENV_SCOPE, str(partition), timeout=spec.start_timeout))
+    mine = json.loads(client.wait(SPARK_ENV_SCOPE, str(partition), timeout=spec.start_timeout))
     yield json.dumps(run_rank(spec, mine["rank"], mine["host"], mine["local_rank"], mine["env"]))
 
 
 # Elastic agents (run_elastic): registration, heartbeats, commands from the driver, worker exits.
-AGENT_SCOPE = "spark_agent"
-HEARTBEAT_SCOPE = "spark_agent_hb"
-COMMAND_SCOPE = "spark_agent_cmd"
-EXIT_SCOPE = "spark_agent_exit"
 # An agent whose driver has not answered for this long stops its worker and ends its task.
 DRIVER_LOST_SECONDS = 30.0
 
@@ -209,10 +211,10 @@ def executor_name(route_to: str) -> str:
 def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     """The body of every Spark task of ``run_elastic``: a slot the elastic driver starts workers in.
 
-    The agent registers (``AGENT_SCOPE/<partition>.<attempt>``), sends a heartbeat every 0.5 s,
-    and follows the driver's numbered commands (``COMMAND_SCOPE/<agent>.<n>``): ``start`` a
+    The agent registers (``SPARK_AGENT_SCOPE/<partition>.<attempt>``), sends a heartbeat every 0.5 s,
+    and follows the driver's numbered commands (``SPARK_COMMAND_SCOPE/<agent>.<n>``): ``start`` a
     worker with the given environment, ``stop`` or ``kill`` it, ``exit``. Each worker's end goes
-    to ``EXIT_SCOPE/<agent>.<n>``; its output to the driver under the agent's name.
+    to ``SPARK_EXIT_SCOPE/<agent>.<n>``; its output to the driver under the agent's name.
     """
     from pyspark import TaskContext
 
@@ -222,7 +224,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     ctx = TaskContext.get()
     agent = f"{ctx.partitionId()}.{ctx.attemptNumber()}"
     client = _client(spec)
-    client.put(AGENT_SCOPE, agent, json.dumps({"host": executor_name(spec.addr), "pid": os.getpid(),
+    client.put(SPARK_AGENT_SCOPE, agent, json.dumps({"host": executor_name(spec.addr), "pid": os.getpid(),
                                                "attempt": ctx.attemptNumber()}).encode())
     stop = threading.Event()
     last_ok = [time.monotonic()]
@@ -232,7 +234,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
         while not stop.wait(0.5):
             beat += 1
             try:
-                client.put(HEARTBEAT_SCOPE, agent, str(beat).encode())
+                client.put(SPARK_HEARTBEAT_SCOPE, agent, str(beat).encode())
                 last_ok[0] = time.monotonic()
             except Exception:  # noqa: BLE001 - counted below
                 if time.monotonic() - last_ok[0] > DRIVER_LOST_SECONDS:
@@ -245,7 +247,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     try:
         while not stop.is_set():
             try:
-                raw = client.get(COMMAND_SCOPE, f"{agent}.{n}")
+                raw = client.get(SPARK_COMMAND_SCOPE, f"{agent}.{n}")
             except Exception:  # noqa: BLE001 - the heartbeat decides when the driver is gone
                 raw = None
             if raw is None:
@@ -259,7 +261,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
                 def on_exit(code: int | None, sig: int | None, record: object,
                             seq: int = seq) -> None:
                     output.close_batch()
-                    client.put(EXIT_SCOPE, f"{agent}.{seq}", json.dumps(
+                    client.put(SPARK_EXIT_SCOPE, f"{agent}.{seq}", json.dumps(
                         {"code": code, "signal": sig, "record": record}).encode())
 
                 proc = WorkerProcess(_worker_command(spec, cmd["env"], (), agent), agent, lambda: None, on_exit,

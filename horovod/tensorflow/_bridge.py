@@ -20,7 +20,6 @@ and carries the engine's text (in eager mode the Horovod exception is chained as
 from __future__ import annotations
 
 import re
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +28,8 @@ import numpy as np
 import tensorflow as tf
 
 from horovod.common import collectives as C
-from horovod.common.engine.executor import SMALL_OUTPUT_BYTES, aligned_empty
+from horovod.common.engine.executor import SMALL_OUTPUT_BYTES
+from horovod.common.engine.outputs import OutputPool
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import ReduceOp
 from horovod.tensorflow import _errors
@@ -121,7 +121,7 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
         try:
             if layout is None:
                 return fn(cell[0], list(arrays))
-            flat = output_pool.take(cell[0], -1, (layout.total,), layout.dtype)
+            flat = pooled_empty((layout.total,), layout.dtype)
             fn(cell[0], list(arrays), layout.views(flat))  # type: ignore[call-arg]
             return flat
         except Exception as exc:  # noqa: BLE001 - translated, re-raised
@@ -218,55 +218,27 @@ def _by_dtype(arrays: Sequence[np.ndarray]) -> dict[str, list[int]]:
     return groups
 
 
-class OutputPool:
-    """Output arrays kept warm across steps, one small set per (engine key, output index).
-
-    ``numpy_function`` must hand TF new arrays, and MPI writing 100 MB of never-touched memory each
-    step pays a page fault per 4 KiB (1.3-3x the time of the same reduction into warm memory). TF
-    wraps an aligned array without copying and holds a reference to it while any tensor uses the
-    buffer, so an array whose reference count is back to the pool's own is free to be written again.
-    TF drops those references lazily (at its next call into Python), so a slot settles at two or
-    three arrays; at most ``per_slot`` are kept, beyond that outputs are new as before.
-    """
-
-    # References to a free array: the pool's list, getrefcount's argument and the loop variable.
-    _FREE_REFS = 3
-
-    def __init__(self, per_slot: int = 3, min_bytes: int = SMALL_OUTPUT_BYTES) -> None:
-        self.per_slot = per_slot
-        self.min_bytes = min_bytes
-        self._slots: dict[tuple[str, int], list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: str, index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A free array of this shape and dtype (a new one, not kept, when it is small)."""
-        if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes:
-            return np.empty(shape, dtype)  # unaligned, so TF copies it anyway: nothing to keep
-        slot_key = (key, index)
-        with self._lock:
-            slot = self._slots.get(slot_key)
-            if slot is None:
-                slot = self._slots[slot_key] = []
-            elif slot[0].shape != shape or slot[0].dtype != dtype:
-                slot.clear()  # the op's shape changed (unknown static shape): start again
-            for arr in slot:
-                if sys.getrefcount(arr) <= self._FREE_REFS:
-                    return arr
-            arr = aligned_empty(shape, dtype)
-            if len(slot) < self.per_slot:
-                slot.append(arr)
-            return arr
+# Output arrays kept warm across steps. ``numpy_function`` must hand TF new arrays, and MPI
+# writing 100 MB of never-touched memory each step pays a page fault per 4 KiB (1.3-3x the time of
+# the same reduction into warm memory). TF wraps an aligned array without copying and holds it
+# while any tensor uses the buffer; the engine's pool hands a buffer out again only once nothing
+# reaches it (``horovod.common.engine.outputs``). TF runs ops on several threads: one lock.
+output_pool = OutputPool(min_bytes=SMALL_OUTPUT_BYTES)
+_pool_lock = threading.Lock()
 
 
-output_pool = OutputPool()
+def pooled_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A warm output array of this shape and dtype (a plain new one when it is small)."""
+    with _pool_lock:
+        return output_pool.empty(shape, dtype)
 
 
-def _outputs(key: Any, indices: Sequence[int], arrays: Sequence[np.ndarray]) -> list[np.ndarray] | None:
-    """Pooled outputs for ``arrays`` (outputs ``indices`` of op ``key``), or None when the op has
-    no stable key (ops named by call order)."""
+def _outputs(key: Any, arrays: Sequence[np.ndarray]) -> list[np.ndarray] | None:
+    """Pooled outputs shaped like ``arrays`` (outputs of op ``key``), or None when the op has no
+    stable key (ops named by call order)."""
     if key is None:
         return None
-    return [output_pool.take(key, i, a.shape, a.dtype) for i, a in zip(indices, arrays)]
+    return [pooled_empty(a.shape, a.dtype) for a in arrays]
 
 
 def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale: float, postscale: float,
@@ -282,7 +254,7 @@ def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale:
         x = _reduce_ready(arrays[0])
         h = C.allreduce_async([x], name=key, op=op, prescale_factor=prescale,
                               postscale_factor=postscale, process_set=process_set,
-                              out=None if _is_bf16(arrays[0]) else out or _outputs(key, [0], [x]))
+                              out=None if _is_bf16(arrays[0]) else out or _outputs(key, [x]))
         res0 = h.wait()[0]
         return [res0.astype(arrays[0].dtype) if _is_bf16(arrays[0]) else res0]
     parts = [list(g) for g in groups] if groups else [list(range(len(arrays)))]
@@ -293,7 +265,7 @@ def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale:
             idx = [part[j] for j in local]
             suffix = ("" if len(parts) == 1 else f".g{gi}") + ("" if len(by_dt) == 1 else f".{dt}")
             xs = [_reduce_ready(arrays[i]) for i in idx]
-            outs = None if dt == "bfloat16" else [out[i] for i in idx] if out else _outputs(key, idx, xs)
+            outs = None if dt == "bfloat16" else [out[i] for i in idx] if out else _outputs(key, xs)
             h = C.allreduce_async(xs, name=_sub(key, suffix), op=op,
                                   prescale_factor=prescale, postscale_factor=postscale,
                                   process_set=process_set, grouped=True, out=outs)

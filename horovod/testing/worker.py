@@ -9,7 +9,7 @@ import traceback
 
 
 def _rank() -> int:
-    from horovod.common.wire import env_rank
+    from horovod.common.protocol import env_rank
 
     return int(env_rank() or 0)
 

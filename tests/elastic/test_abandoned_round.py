@@ -54,14 +54,14 @@ def test_cancel_runs_each_hook_once_and_late_hooks_at_once() -> None:
 
 
 def test_form_round_cancels_the_build_when_the_driver_gives_the_round_up() -> None:
-    from horovod.common.elastic_rounds import ABANDONED_KEY, RoundInfo
     from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import ABANDONED_KEY, RankIdentity, RoundInfo
     from horovod.common.rendezvous import RendezvousClient
     from horovod.runner.rendezvous.server import RendezvousServer
     from horovod.runner.secret import make_secret
 
-    info = RoundInfo(round=7, rank=1, size=2, local_rank=0, local_size=1, cross_rank=1,
-                     cross_size=2, hostname="h", skip_sync=False, notice=0)
+    info = RoundInfo(7, RankIdentity(hostname="h", rank=1, local_rank=0, cross_rank=1, size=2,
+                     local_size=1, cross_size=2), skip_sync=False, notice=0)
     secret = make_secret()
     cancel = elastic_worker.Cancel()
     woken = threading.Event()

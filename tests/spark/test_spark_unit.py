@@ -9,9 +9,11 @@ import json
 import pytest
 
 from horovod.common.exceptions import ConfigError
+from horovod.common.protocol import SPARK_AGENT_SCOPE as AGENT_SCOPE
+from horovod.common.protocol import SPARK_HEARTBEAT_SCOPE as HEARTBEAT_SCOPE
 from horovod.runner.function_job import FunctionJob
 from horovod.spark.output import OutputPump, RemoteOutput
-from horovod.spark.task import AGENT_SCOPE, HEARTBEAT_SCOPE, group_by_host, host_of_address
+from horovod.spark.task import group_by_host, host_of_address
 
 
 def test_host_of_address_ipv4_and_ipv6():
@@ -73,7 +75,7 @@ def test_lost_executor_names_the_rank_spark_names(reported):
     # The killed executor ran partition 1 (rank 1). Rank 0 may have reported its own "a peer
     # left" result in time, or its task may have been cancelled with the stage first: either
     # way the error is rank 1's, and rank 0 is named only as stopping with it.
-    from horovod.runner.run_task import RESULT_SCOPE
+    from horovod.common.protocol import RESULT_SCOPE
     from horovod.spark.runner import _Job
 
     class Store:
@@ -174,9 +176,10 @@ def test_the_secret_reaches_tasks_only_through_their_closure():
     the job secret; the task adds the secret from its pickled JobSpec (Spark's own channel)."""
     import pickle
 
-    from horovod.common.wire import SECRET_ENV
+    from horovod.common.protocol import SECRET_ENV
+    from horovod.common.protocol import SPARK_ENV_SCOPE as ENV_SCOPE
     from horovod.spark.runner import _Job
-    from horovod.spark.task import ENV_SCOPE, _worker_command
+    from horovod.spark.task import _worker_command
 
     class _Conf:
         def get(self, key, default=None):

@@ -234,33 +234,29 @@ def test_tf1_graph_ops_and_broadcast_hook():
 
 
 # ------------------------------------------------------------------ output pool and packed outputs
-def test_output_pool_reuses_only_arrays_nobody_holds():
-    from horovod.tensorflow._bridge import OutputPool
+def test_bridge_outputs_reuse_only_arrays_nobody_holds():
+    from horovod.tensorflow import _bridge
 
-    pool = OutputPool(per_slot=2)
-    a = pool.take("op", 0, (1024,), np.dtype(np.float32))
-    assert a.ctypes.data % 64 == 0
-    b = pool.take("op", 0, (1024,), np.dtype(np.float32))
-    assert b is not a  # `a` is still held here
+    like = [np.empty(1031, np.float32)]  # a size no other test pools
+    a = _bridge._outputs("op", like)[0]
+    assert a.ctypes.data % 64 == 0 and a.shape == (1031,)
+    b = _bridge._outputs("op", like)[0]
+    assert not np.shares_memory(a, b)  # `a` is still held here
+    view = a[10:]
+    kept, freed = a.ctypes.data, b.ctypes.data
     del a, b
-    c = pool.take("op", 0, (1024,), np.dtype(np.float32))
-    d = pool.take("op", 0, (1024,), np.dtype(np.float32))
-    assert c is not d
-    held = [pool.take("op", 0, (1024,), np.dtype(np.float32)) for _ in range(3)]
-    assert len({id(x) for x in held + [c, d]}) == 5  # past per_slot: new arrays, not kept
-    assert len(pool._slots[("op", 0)]) == 2
-    small = pool.take("op", 1, (4,), np.dtype(np.float32))
-    assert small.shape == (4,) and ("op", 1) not in pool._slots
-    del c, d, held
-    other = pool.take("op", 0, (2048,), np.dtype(np.float32))  # shape changed: the slot restarts
-    assert other.shape == (2048,) and len(pool._slots[("op", 0)]) == 1
+    c = _bridge._outputs("op", like)[0]
+    assert c.ctypes.data == freed  # b's buffer is free; a's is still reached through `view`
+    assert not np.shares_memory(c, view) and view.ctypes.data == kept + 40
+    small = _bridge._outputs("op", [np.empty(4, np.float32)])[0]
+    assert small.shape == (4,)
+    assert _bridge._outputs(None, like) is None  # an op named by call order: no pooling
 
 
 def test_output_pool_sees_references_tensorflow_holds():
-    from horovod.tensorflow._bridge import OutputPool
+    from horovod.tensorflow._bridge import pooled_empty
 
-    pool = OutputPool()
-    box = [pool.take("k", 0, (4096,), np.dtype(np.float32))]
+    box = [pooled_empty((4096,), np.dtype(np.float32))]
     box[0][:] = 1.0
 
     @tf.function
@@ -268,12 +264,10 @@ def test_output_pool_sees_references_tensorflow_holds():
         return tf.numpy_function(lambda: box[0], [], tf.float32, stateful=True)
 
     held = f()
-    ident = id(box[0])
     box.clear()
-    again = pool.take("k", 0, (4096,), np.dtype(np.float32))
-    assert id(again) != ident  # TF's tensor still wraps the first array
+    again = pooled_empty((4096,), np.dtype(np.float32))
     again[:] = 2.0
-    assert float(tf.reduce_min(held)) == 1.0
+    assert float(tf.reduce_min(held)) == 1.0  # TF's tensor still holds the first array
 
 
 def test_packed_layout_aligns_every_piece():

@@ -285,7 +285,8 @@ class StoreServer:
         self._per_peer.setdefault(p.peer, {})[conn] = p
         sel.register(conn, selectors.EVENT_READ, p)
 
-    def _drop(self, sel: selectors.BaseSelector, p: _Pending, answer: bytes | None) -> None:
+    def _forget(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        """The handshake of ``p`` is over (done or dropped): stop tracking and watching it."""
         self._pending.pop(p.sock, None)
         mine = self._per_peer.get(p.peer)
         if mine is not None:
@@ -296,6 +297,9 @@ class StoreServer:
             sel.unregister(p.sock)
         except (KeyError, ValueError):
             pass
+
+    def _drop(self, sel: selectors.BaseSelector, p: _Pending, answer: bytes | None) -> None:
+        self._forget(sel, p)
         if answer is not None:
             try:
                 p.sock.send(answer)
@@ -341,13 +345,7 @@ class StoreServer:
             self._drop(sel, p, _REFUSED)
             self.log.refuse(p.peer, "not signed with this job's secret", p.port)
             return
-        self._pending.pop(p.sock, None)
-        mine = self._per_peer.get(p.peer)
-        if mine is not None:
-            mine.pop(p.sock, None)
-            if not mine:
-                del self._per_peer[p.peer]
-        sel.unregister(p.sock)
+        self._forget(sel, p)
         conn = p.sock
         try:
             if conn.send(_mac(self.key, b"s", nonce_c, p.nonce)) != _MAC:

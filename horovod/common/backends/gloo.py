@@ -1,21 +1,10 @@
 """Gloo through ``torch.distributed``: negotiation and CPU collectives on NumPy buffers.
 
-Workers started by ``horovodrun --gloo`` (or ``horovod.run(..., use_gloo=True)``) find each other
-like this: rank 0 opens an authenticated store (``horovod.common.backends.authstore``: every
-connection and request HMAC-checked with a key derived from the job secret, listening on the
-job's interface only) on a free port and publishes its address through the launcher's rendezvous
-service; the other ranks read it there. Requests to that service
-are HMAC-signed with the job secret (``HOROVOD_SECRET_KEY``) and its answers are checked the same
-way (protocol: ``horovod.common.rendezvous``), so a worker never connects to an address it did not
-get from its own launcher. In an elastic job (``HOROVOD_ELASTIC=1``) every ``init()`` first asks
-the elastic driver for this worker's place in the next round (``horovod.common.elastic.worker``)
-and meets the round's other members under that round's scope. Process groups are ``ProcessGroupGloo`` objects made
-directly on that store, without torch's global default group, so ``hvd.init(); hvd.shutdown();
-hvd.init()`` works and nothing leaks into a user's own ``torch.distributed`` use.
-
-Workers started by another launcher (``horovod.common.launcher``: torchrun, an initialised torch
-group, srun) meet on that launcher's store instead, under a ``horovod/...`` key prefix; under srun
-task 0 opens the authenticated store on the step's first node (docs/launcher.md).
+The transport takes a store and this rank's place (``StoreRendezvous``, from a rendezvous handler:
+``horovod.common.rendezvous_handlers`` for every launcher, ``horovod.common.elastic.rounds`` for an
+elastic round) and builds its process groups on it: ``ProcessGroupGloo`` objects made directly on
+that store, without torch's global default group, so ``hvd.init(); hvd.shutdown(); hvd.init()``
+works and nothing leaks into a user's own ``torch.distributed`` use.
 
 Buffers are handed to Gloo through ``torch.from_numpy`` (no copy). Data-movement collectives
 (allgather, broadcast, alltoall) run on a byte view of the buffer, so every dtype works; reductions
@@ -27,101 +16,52 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
-import itertools
-import logging
-import os
-import socket
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from horovod.common import launcher as _launcher
-from horovod.common import plain, slurm_secret
-from horovod.common.backends import authstore
+from horovod.common import plain
 from horovod.common.backends.base import Group
 from horovod.common.config import EngineConfig
-from horovod.common.elastic import worker as elastic_worker
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
-from horovod.common.rendezvous import RendezvousClient, RendezvousError, sign_request, sign_response
 from horovod.common.types import ReduceOp
 
-__all__ = ["GlooBackend", "create", "sign_request", "sign_response"]
+if TYPE_CHECKING:
+    from horovod.common.rendezvous_handlers import StoreRendezvous
 
-log = logging.getLogger("horovod")
-
-# One rendezvous scope per backend created in this process: every rank creates its backends in
-# the same order (init, shutdown, init ...), so the n-th init of every rank meets the others'.
-_INIT_SEQUENCE = itertools.count()
-# Likewise for the stores of jobs Horovod did not start (every rank counts its inits alike).
-_JOIN_SEQUENCE = itertools.count()
+__all__ = ["GlooBackend", "GlooErrors", "check_torch"]
 
 
-# --------------------------------------------------------------------- rendezvous client
-class _Rendezvous:
-    """The two calls the backend needs from the launcher's service: put and wait-for a key."""
-
-    def __init__(self, addr: str, port: int, secret: str, rank: int) -> None:
-        self.client = RendezvousClient(addr, port, secret)
-        self.addr, self.port, self.rank = addr, port, rank
-
-    def put(self, scope: str, key: str, value: bytes) -> None:
-        try:
-            self.client.put(scope, key, value)
-        except RendezvousError as exc:
-            raise HorovodInternalError(f"Gloo rendezvous: rank {self.rank}: {exc}",
-                                       rank=self.rank) from exc
-
-    def wait(self, scope: str, key: str, timeout: float) -> bytes:
-        try:
-            value = self.client.wait(scope, key, timeout)
-        except RendezvousError as exc:
-            if getattr(exc, "key", None) == key:
-                raise HorovodInternalError(
-                    f"Gloo rendezvous: rank {self.rank} waited {timeout:g} s for rank 0 to publish "
-                    f"its store address ({scope}/{key}). Did rank 0 start? Raise "
-                    "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank) from exc
-            if getattr(exc, "refused", False):
-                raise HorovodInternalError(
-                    f"Gloo rendezvous: the launcher at {self.addr}:{self.port} refused rank "
-                    f"{self.rank} (wrong HOROVOD_SECRET_KEY: this process belongs to another job).",
-                    rank=self.rank) from exc
-            raise HorovodInternalError(
-                f"Gloo rendezvous: rank {self.rank} cannot use the launcher's service at "
-                f"{self.addr}:{self.port}: {exc}. Check that this host can reach that address "
-                "(horovodrun --network-interfaces selects it).", rank=self.rank) from exc
-        if value == ABANDONED:
-            raise HorovodInternalError(
-                f"Gloo rendezvous: round {scope} was abandoned by the elastic driver (a member "
-                "left before it formed).", rank=self.rank)
-        return value
+def check_torch() -> None:
+    """Raise ``BackendUnavailableError`` with the fix when PyTorch's Gloo cannot be used here."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"The Gloo transport needs PyTorch, which cannot be imported here ({exc}). Install it "
+            "(pip install 'horovod-py[torch]') or start the job with MPI (horovodrun --mpi).",
+            backend="gloo") from exc
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise BackendUnavailableError("This PyTorch build has no torch.distributed Gloo support; "
+                                      "use a standard PyTorch wheel or MPI.", backend="gloo")
 
 
-# What the elastic driver writes under a round's store key when a member left before it formed.
-ABANDONED = b"abandoned"
+class GlooErrors(contextlib.AbstractContextManager[None]):
+    """The one place where torch/Gloo errors become Horovod errors: ``with GlooErrors(what, rank):``
+    turns any other exception raised inside into ``HorovodInternalError`` naming the rank."""
 
+    def __init__(self, what: str, rank: int) -> None:
+        self.what, self.rank = what, rank
 
-def _local_address(environ: Mapping[str, str], rendezvous_addr: str) -> str:
-    """The address the other ranks can reach this one at."""
-    iface = environ.get("HOROVOD_GLOO_IFACE")
-    if iface:
-        import psutil
-
-        for entry in psutil.net_if_addrs().get(iface, []):
-            if entry.family == socket.AF_INET:
-                return str(entry.address)
-        raise BackendUnavailableError(f"HOROVOD_GLOO_IFACE={iface!r}: no such interface with an IPv4 "
-                                      "address on this host.", backend="gloo")
-    # The interface that routes to the launcher is the one the job's hosts share.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((rendezvous_addr, 9))
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if not isinstance(exc, Exception) or isinstance(exc, HorovodInternalError):
+            return  # none, ours already, or not an error (KeyboardInterrupt, SystemExit)
+        raise HorovodInternalError(
+            f"Gloo {self.what} failed on rank {self.rank}: {exc}. A peer process may have died; "
+            "check the other ranks' output.", rank=self.rank, op=self.what) from exc
 
 
 # --------------------------------------------------------------------------- backend
@@ -130,33 +70,14 @@ class GlooBackend:
 
     name = "gloo"
 
-    def __init__(self, config: EngineConfig, environ: Mapping[str, str],
-                 round_info: elastic_worker.RoundInfo | None = None,
-                 launch: _launcher.Launch | None = None,
-                 cancel: elastic_worker.Cancel | None = None) -> None:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"The Gloo transport needs PyTorch, which cannot be imported here ({exc}). Install it "
-                "(pip install 'horovod-py[torch]') or start the job with MPI (horovodrun --mpi).",
-                backend="gloo") from exc
-        if not dist.is_available() or not dist.is_gloo_available():
-            raise BackendUnavailableError("This PyTorch build has no torch.distributed Gloo support; "
-                                          "use a standard PyTorch wheel or MPI.", backend="gloo")
+    def __init__(self, config: EngineConfig, rendezvous: StoreRendezvous) -> None:
+        check_torch()
+        import torch
+        import torch.distributed as dist
+
         self._torch, self._dist = torch, dist
-        self._launch = launch or _launcher.Launch("horovod", "gloo")
-        try:
-            self.rank = int(environ.get("HOROVOD_RANK", "0"))
-            self.size = int(environ.get("HOROVOD_SIZE", "1"))
-            if self._launch.launcher != "horovod":
-                self.rank, self.size = self._launch.rank or 0, self._launch.size or 1
-            if round_info is not None:
-                self.rank, self.size = round_info.rank, round_info.size
-        except ValueError as exc:
-            raise BackendUnavailableError(f"HOROVOD_RANK/HOROVOD_SIZE are not integers: {exc}",
-                                          backend="gloo") from exc
+        self._rendezvous = rendezvous
+        self.rank, self.size = rendezvous.rank, rendezvous.size
         self._timeout = datetime.timedelta(seconds=config.gloo_timeout_seconds or 30.0)
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
@@ -168,21 +89,9 @@ class GlooBackend:
         self._pgs: list[Any] = []
         self._groups: list[Group] = []
         # The job's secret where this backend has one (the device plane keys its stores with it).
-        self.job_secret: str | None = environ.get("HOROVOD_SECRET_KEY") or None
-        self._key_service: slurm_secret.KeyService | None = None
-        scope = f"gloo.{next(_INIT_SEQUENCE)}"
-        if round_info is not None:
-            scope = f"elastic.{round_info.round}"
-        if self.size == 1:
-            self._store: Any = dist.HashStore()
-            my_addr = "127.0.0.1"
-        elif self._launch.launcher == "horovod":
-            self._store, my_addr = self._connect_store(environ, scope)
-            if cancel is not None:  # an abandoned elastic round: its waits on the store end now
-                cancel.on_cancel(self._store.close)
-        else:
-            self._store, my_addr = self._join_store(environ, self._launch)
-        iface = environ.get("HOROVOD_GLOO_IFACE")
+        self.job_secret: str | None = rendezvous.job_secret
+        self._store: Any = rendezvous.store
+        iface, my_addr = rendezvous.interface, rendezvous.address
         with self._translate("creating the Gloo device"):
             self._device: Any = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
                                  else dist.ProcessGroupGloo.create_device(hostname=my_addr) if my_addr
@@ -190,101 +99,9 @@ class GlooBackend:
             try:
                 self._world = self._make_pg("world", self.rank, self.size)
             finally:  # every rank has joined (or failed to): task 0's srun key service ends
-                self._close_key_service()
+                rendezvous.joined()
         self._world_group = Group(list(range(self.size)), self.rank, self._world)
         self._groups.append(self._world_group)
-
-    def _connect_store(self, environ: Mapping[str, str], scope: str) -> tuple[Any, str]:
-        try:
-            addr = environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
-            port = int(environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
-            secret = environ["HOROVOD_SECRET_KEY"]
-        except (KeyError, ValueError) as exc:
-            raise BackendUnavailableError(
-                f"Gloo needs HOROVOD_GLOO_RENDEZVOUS_ADDR, HOROVOD_GLOO_RENDEZVOUS_PORT and "
-                f"HOROVOD_SECRET_KEY ({exc} is missing or invalid): start the job with "
-                "horovodrun --gloo or horovod.run(..., use_gloo=True).", backend="gloo") from exc
-        rdv = _Rendezvous(addr, port, secret, self.rank)
-        my_addr = _local_address(environ, addr)
-        wait = self._timeout.total_seconds()
-        key = authstore.derive_key(secret)
-        with self._translate("connecting to the job's store"):
-            if self.rank == 0:
-                store = authstore.open_store(my_addr, key, wait)
-                rdv.put(scope, "store", f"{my_addr}:{store.server.port}".encode())
-            else:
-                host, _, p = rdv.wait(scope, "store", wait).decode().rpartition(":")
-                store = authstore.connect_store(host, int(p), key, wait)
-        return store, my_addr
-
-    def _join_store(self, environ: Mapping[str, str], launch: _launcher.Launch) -> tuple[Any, str]:
-        """The store of a job Horovod did not start (torchrun, a torch group, srun): see docs/launcher.md."""
-        dist = self._dist
-        wait = self._timeout.total_seconds()
-        seen = ", ".join(f"{k}={v}" for k, v in launch.seen.items())
-        seq = next(_JOIN_SEQUENCE)
-        prefix = f"horovod/{launch.scope}/{seq}"
-        try:
-            if launch.launcher == "torch-group":
-                store = dist.distributed_c10d._get_default_store()
-                addr = launch.master_addr or environ.get("MASTER_ADDR")
-                my_addr = _local_address(environ, addr) if addr else ""
-            elif launch.launcher == "torchrun":
-                assert launch.master_addr and launch.master_port
-                my_addr = _local_address(environ, launch.master_addr)
-                # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE); a plain
-                # RANK/WORLD_SIZE environment means rank 0 opens it, as torch's env:// does:
-                # Horovod's authenticated store when the ranks share HOROVOD_SECRET_KEY, else
-                # torch's TCPStore (every interface, anybody: docs/security.md).
-                if not launch.master_is_store and self.job_secret:
-                    key = authstore.derive_key(self.job_secret)
-                    if self.rank == 0:
-                        host = socket.gethostbyname(launch.master_addr)
-                        store = authstore.open_store(host, key, wait, port=launch.master_port)
-                    else:
-                        store = authstore.connect_store(launch.master_addr, launch.master_port, key, wait)
-                else:
-                    master = self.rank == 0 and not launch.master_is_store
-                    if master:
-                        log.warning("rank 0 opens torch's TCPStore on port %d of every interface, which "
-                                    "anybody who reaches it can read and write; export the same "
-                                    "HOROVOD_SECRET_KEY=$(python -m horovod.runner.secret) to every rank "
-                                    "to use Horovod's authenticated store (docs/security.md)",
-                                    launch.master_port)
-                    store = dist.TCPStore(launch.master_addr, launch.master_port, self.size, master,
-                                          timeout=self._timeout, wait_for_workers=False)
-            else:  # slurm: task 0 opens an authenticated store on the step's first node
-                assert launch.master_addr and launch.master_port
-                my_addr = _local_address(environ, launch.master_addr)
-                host = socket.gethostbyname(launch.master_addr) if self.rank == 0 else launch.master_addr
-                # The step's secret: HOROVOD_SECRET_KEY, else one only this user can get (MUNGE or
-                # a private key file), else a LauncherError (horovod.common.slurm_secret).
-                self.job_secret, self._key_service = slurm_secret.step_secret(
-                    environ, launch, self.rank, host, wait, seq)
-                key = authstore.derive_key(self.job_secret)
-                if self.rank == 0:
-                    store = authstore.open_store(host, key, wait, port=launch.master_port)
-                else:
-                    store = authstore.connect_store(launch.master_addr, launch.master_port, key, wait)
-        except _launcher.LauncherError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses, OSError...
-            self._close_key_service()
-            raise _launcher.LauncherError(
-                f"Rank {self.rank} of a job started by {launch.launcher} cannot reach the job's "
-                f"store at {launch.master_addr}:{launch.master_port} within {wait:g} s ({exc}). "
-                f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
-                "of SLURM_STEP_NODELIST), that HOROVOD_SECRET_KEY is exported to every rank or to none, "
-                "and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
-                "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
-        # A Python store lives only while its Python object does: keep it beside the prefix store.
-        self._joined_store = store
-        return dist.PrefixStore(prefix, store), my_addr
-
-    def _close_key_service(self) -> None:
-        if self._key_service is not None:
-            self._key_service.close()
-            self._key_service = None
 
     def _make_pg(self, prefix: str, rank: int, size: int) -> Any:
         dist = self._dist
@@ -295,17 +112,8 @@ class GlooBackend:
         self._pgs.append(pg)
         return pg
 
-    @contextlib.contextmanager
-    def _translate(self, what: str) -> Iterator[None]:
-        """The one place where torch/Gloo errors become Horovod errors."""
-        try:
-            yield
-        except HorovodInternalError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses and others
-            raise HorovodInternalError(
-                f"Gloo {what} failed on rank {self.rank}: {exc}. A peer process may have died; "
-                "check the other ranks' output.", rank=self.rank, op=what) from exc
+    def _translate(self, what: str) -> GlooErrors:
+        return GlooErrors(what, self.rank)
 
     def _t(self, arr: np.ndarray) -> Any:
         if arr.flags.writeable:
@@ -562,44 +370,6 @@ class GlooBackend:
         self._pgs.clear()
         self._world = None
         self._device = None
-        self._close_key_service()
-        for store in (self._store, getattr(self, "_joined_store", None)):
-            if isinstance(store, authstore.torch_store_type()):
-                store.close()
-        self._store = self._joined_store = None
+        self._rendezvous.close()
+        self._store = None
 
-
-def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> GlooBackend:
-    """Make the Gloo backend for this worker (see the module docstring for how ranks meet).
-
-    Raises:
-        BackendUnavailableError: PyTorch is missing, or the process was not started by a Gloo
-            launcher (no rendezvous variables).
-        HorovodInternalError: the rendezvous or the store connection failed.
-        ValueError: ``comm`` was given (sub-communicators need MPI).
-    """
-    if comm is not None:
-        raise ValueError("hvd.init(comm=...) needs MPI; under Gloo every started process joins the "
-                         "job (use process sets for subsets).")
-    environ = os.environ if environ is None else environ
-    launch = _launcher.detect(environ, _launcher.torch_default_group())
-    if launch.launcher in ("torchrun", "torch-group", "slurm") and (launch.size or 1) > 1:
-        return GlooBackend(config, environ, launch=launch)
-    if not elastic_worker.is_elastic(environ):
-        return GlooBackend(config, environ)
-    # Elastic: join the driver's next round; a round that fails to form (a member died while it
-    # formed) is left for the next one, so a failure elsewhere never crashes this worker.
-    client = RendezvousClient.from_env(environ)
-    while True:
-        info = elastic_worker.join_round(client, environ)  # type: ignore[arg-type]
-        try:
-            # Waits on the round's members (store, Gloo device, process group) end within a
-            # fraction of a second when the driver abandons the round (a member died or left).
-            cancel = elastic_worker.Cancel()
-            return elastic_worker.form_round(
-                functools.partial(GlooBackend, config, environ, info, cancel=cancel), client, info,
-                close=GlooBackend.close, cancel=cancel)
-        except HorovodInternalError as exc:
-            log.warning("elastic: round %d did not form (%s); asking the driver for the next one",
-                        info.round, exc)
-            elastic_worker.set_ready_reason("retry")

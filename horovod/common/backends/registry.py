@@ -19,10 +19,13 @@ from horovod.common.exceptions import BackendUnavailableError
 __all__ = ["BACKENDS", "create_backend", "select_backend_name", "detect_launch", "launched_by_mpi"]
 
 BACKENDS: dict[str, str] = {
-    "mpi": "horovod.common.backends.mpi:create",
-    "gloo": "horovod.common.backends.gloo:create",
+    "mpi": "horovod.common.rendezvous_handlers:create_mpi",
+    "gloo": "horovod.common.rendezvous_handlers:create_gloo",
     "local": "horovod.common.backends.local:create",
 }
+
+# An elastic worker builds its transport round by round (horovod.common.elastic.rounds).
+ELASTIC_BACKENDS: dict[str, str] = {"gloo": "horovod.common.elastic.rounds:create_gloo"}
 
 _MPI_ENV = _launcher.MPI_VARIABLES
 
@@ -66,7 +69,13 @@ def create_backend(name: str, config: EngineConfig, environ: Mapping[str, str] |
         hint = difflib.get_close_matches(name, BACKENDS, n=1)
         extra = f" Did you mean {hint[0]!r}?" if hint else ""
         raise ValueError(f"Unknown backend {name!r}. Available: {', '.join(sorted(BACKENDS))}.{extra}")
-    module_name, factory = BACKENDS[name].split(":")
+    spec = BACKENDS[name]
+    if name in ELASTIC_BACKENDS:
+        from horovod.common.rendezvous_handlers import elastic_round
+
+        if elastic_round(environ):
+            spec = ELASTIC_BACKENDS[name]
+    module_name, factory = spec.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

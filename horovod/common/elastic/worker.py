@@ -5,16 +5,16 @@ driver by its slot: the host name and local rank it was started with. Two calls 
 protocol (``horovod.common.rendezvous``, ``POST /elastic/<call>``, JSON both ways) carry
 everything:
 
-* ``ready`` ``{host, slot, after, reason}``: "I am ready for the next round after round
-  ``after``". The driver holds the request for a moment and answers ``{"status": "wait"}``
-  (ask again), ``RoundInfo.to_wire()`` (``{"status": "round", "round", "rank", "size", ...}``:
-  this worker's place in the new round), ``{"status": "removed", "message"}`` (the job goes on
-  without this worker) or ``{"status": "stop", "message"}`` (the job is over).
-* ``notice`` ``{after}``: the driver holds the request until a host-change notice newer than
-  ``after`` exists (or a few seconds pass) and answers ``{"version", "update"}``.
+* ``ready`` (``protocol.ReadyRequest``): "I am ready for the next round after round ``after``".
+  The driver holds the request for a moment and answers ``Wait`` (ask again), ``RoundInfo``
+  (this worker's place in the new round), ``Removed`` (the job goes on without this worker) or
+  ``Stop`` (the job is over).
+* ``notice`` (``protocol.NoticeRequest``): the driver holds the request until a host-change
+  notice newer than ``after`` exists (or a few seconds pass) and answers ``protocol.Notice``.
 
-The Gloo backend calls ``join_round`` from ``hvd.init()``; ``NotificationManager`` runs one
-background thread per worker that long-polls ``notice`` and hands notices to registered states.
+``horovod.common.elastic.rounds`` calls ``join_round`` from ``hvd.init()``;
+``NotificationManager`` runs one background thread per worker that long-polls ``notice`` and
+hands notices to registered states.
 """
 
 from __future__ import annotations
@@ -28,13 +28,9 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
-from horovod.common.elastic_rounds import (
-    ABANDON_POLL_SECONDS,
-    ABANDONED_KEY,
-    RoundInfo,
-    round_scope,
-)
+from horovod.common import protocol
 from horovod.common.exceptions import HorovodError, HorovodInternalError
+from horovod.common.protocol import ABANDON_POLL_SECONDS, ABANDONED_KEY, RoundInfo, round_scope
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
 __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedError", "is_elastic",
@@ -45,7 +41,7 @@ __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedErr
 log = logging.getLogger("horovod")
 T = TypeVar("T")
 
-ELASTIC_ENV = "HOROVOD_ELASTIC"
+ELASTIC_ENV = protocol.ELASTIC_ENV
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -194,7 +190,7 @@ def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo
                     cancel.cancel()
                 raise HorovodInternalError(
                     f"elastic: round {info.round} was abandoned by the driver while rank "
-                    f"{info.rank} was joining it ({why.decode(errors='replace')})", rank=info.rank)
+                    f"{info.slot.rank} was joining it ({why.decode(errors='replace')})", rank=info.slot.rank)
         break
     done.wait()
     if "error" in box:
@@ -203,8 +199,8 @@ def form_round(build: Callable[[], T], client: RendezvousClient, info: RoundInfo
 
 
 def _identity(environ: Mapping[str, str]) -> tuple[str, int]:
-    host = environ.get("HOROVOD_ELASTIC_HOST") or environ.get("HOROVOD_HOSTNAME") or "localhost"
-    slot = int(environ.get("HOROVOD_ELASTIC_SLOT") or environ.get("HOROVOD_LOCAL_RANK") or 0)
+    host = environ.get(protocol.ELASTIC_HOST_ENV) or environ.get("HOROVOD_HOSTNAME") or "localhost"
+    slot = int(environ.get(protocol.ELASTIC_SLOT_ENV) or environ.get("HOROVOD_LOCAL_RANK") or 0)
     return host, slot
 
 
@@ -225,11 +221,11 @@ def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | Non
     host, slot = _identity(environ)
     if after is None:
         after = _current.round if _current is not None else -1
-    payload = {"host": host, "slot": slot, "after": after, "reason": _reason, "pid": os.getpid()}
+    request = protocol.ReadyRequest(host, slot, after, _reason, os.getpid()).to_wire()
     failures = 0
     while True:
         try:
-            ans = client.call("ready", payload, timeout=poll_timeout)
+            ans = protocol.ready_answer(client.call(protocol.READY_CALL, request, timeout=poll_timeout))
             failures = 0
         except RendezvousError as exc:
             failures += 1
@@ -238,28 +234,19 @@ def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | Non
                     f"elastic worker {host}[{slot}] cannot reach the elastic driver: {exc}") from exc
             time.sleep(0.2 * failures)
             continue
-        status = ans.get("status")
-        if status == "wait":
+        if isinstance(ans, protocol.Wait):
             continue
-        if status == "removed":
-            raise WorkerRemovedError(ans.get("message") or
-                                     f"{host}[{slot}] has been removed from the elastic job")
-        if status == "stop":
-            raise JobStoppedError(ans.get("message") or "the elastic job has stopped")
-        if status != "round":
-            raise HorovodInternalError(f"elastic driver answered {ans!r} to {host}[{slot}]")
-        info = RoundInfo.from_wire(ans)
-        environ.update({
-            "HOROVOD_HOSTNAME": info.hostname, "HOROVOD_RANK": str(info.rank),
-            "HOROVOD_SIZE": str(info.size), "HOROVOD_LOCAL_RANK": str(info.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(info.local_size), "HOROVOD_CROSS_RANK": str(info.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(info.cross_size),
-            "HOROVOD_ELASTIC_HOST": host, "HOROVOD_ELASTIC_SLOT": str(slot)})
+        if isinstance(ans, protocol.Removed):
+            raise WorkerRemovedError(ans.message or f"{host}[{slot}] has been removed from the elastic job")
+        if isinstance(ans, protocol.Stop):
+            raise JobStoppedError(ans.message or "the elastic job has stopped")
+        environ.update({**ans.slot.env(), protocol.ELASTIC_HOST_ENV: host,
+                        protocol.ELASTIC_SLOT_ENV: str(slot)})
         with _lock:
-            _current = info
+            _current = ans
             _reason = "retry"
-        notification_manager.set_floor(info.notice)
-        return info
+        notification_manager.set_floor(ans.notice)
+        return ans
 
 
 class NotificationManager:
@@ -312,16 +299,16 @@ class NotificationManager:
         delay = 0.2
         while True:
             try:
-                ans = client.call("notice", {"after": seen}, timeout=60)
+                ans = protocol.Notice.from_wire(client.call(
+                    protocol.NOTICE_CALL, protocol.NoticeRequest(seen).to_wire(), timeout=60))
                 delay = 0.2
             except RendezvousError:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            version = int(ans.get("version", 0))
-            if version > seen:
-                seen = version
-                self.handle_notice(version, int(ans.get("update", 0)))
+            if ans.version > seen:
+                seen = ans.version
+                self.handle_notice(ans.version, ans.update)
 
 
 notification_manager = NotificationManager()

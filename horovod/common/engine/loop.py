@@ -34,18 +34,18 @@ from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.fusion import plan_batches
 from horovod.common.engine.metrics import Counters, StragglerDetector
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
+from horovod.common.engine.negotiation_codec import decode_requests, decode_responses, encode_requests, encode_responses
 from horovod.common.engine.stall import StallInspector
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
-from horovod.common.engine.wire import decode_requests, decode_responses, encode_requests, encode_responses
 from horovod.common.exceptions import (
     SHUT_DOWN_MESSAGE,
     CollectiveMismatchError,
     HorovodInternalError,
     HorovodShutdownError,
 )
+from horovod.common.protocol import job_secret
 from horovod.common.types import RequestType, Response
-from horovod.common.wire import job_secret
 
 __all__ = ["Engine"]
 

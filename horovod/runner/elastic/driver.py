@@ -30,15 +30,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
+from horovod.common import protocol
+from horovod.common.protocol import Notice, ReadyAnswer, Removed, RoundInfo, Stop, Wait
 from horovod.runner.elastic.discovery import HostManager, order_hosts
-from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, ElasticSettings
+from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, DriverSettings
 from horovod.runner.failures import RESET_LIMIT_EXCEEDED, RankExit, describe_status, root_cause, with_upstream_sentence
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots
-
-if TYPE_CHECKING:
-    from horovod.common.elastic_rounds import RoundInfo
 
 __all__ = ["ElasticDriver", "Worker", "WorkerHandle", "ElasticResult", "WorkerFailure"]
 
@@ -185,7 +184,7 @@ class ElasticDriver:
         self._abandoned: set[int] = set()
 
     @classmethod
-    def from_settings(cls, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
+    def from_settings(cls, settings: DriverSettings, hosts: HostManager, np: int, min_np: int,
                       max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                       put_kv: Callable[[str, str, bytes], None] | None = None,
                       discovery_interval: float = 1.0) -> ElasticDriver:
@@ -243,22 +242,22 @@ class ElasticDriver:
     def handle(self, call: str, body: bytes) -> tuple[int, bytes]:
         """The rendezvous server's ``POST /elastic/<call>`` handler."""
         req = json.loads(body or b"{}")
-        if call == "ready":
-            ans = self._ready((str(req["host"]), int(req["slot"])), int(req.get("after", -1)),
-                              str(req.get("reason", "")))
-        elif call == "notice":
-            ans = self._notice(int(req.get("after", 0)))
+        ans: ReadyAnswer | Notice
+        if call == protocol.READY_CALL:
+            ready = protocol.ReadyRequest.from_wire(req)
+            ans = self._ready((ready.host, ready.slot), ready.after, ready.reason)
+        elif call == protocol.NOTICE_CALL:
+            ans = self._notice(protocol.NoticeRequest.from_wire(req).after)
         else:
             return 404, f"unknown elastic call {call!r}".encode()
-        return 200, json.dumps(ans).encode()
+        return 200, json.dumps(ans.to_wire()).encode()
 
-    def _ready(self, key: Key, after: int, reason: str) -> dict[str, Any]:
+    def _ready(self, key: Key, after: int, reason: str) -> ReadyAnswer:
         deadline = self.clock() + HOLD_SECONDS
         with self.cv:
             w = self.workers.get(key)
             if w is None or w.removed:
-                return {"status": "removed", "message": f"{key_name(key)} is not part of this "
-                        "elastic job any more"}
+                return Removed(f"{key_name(key)} is not part of this elastic job any more")
             if w.state != "exited":
                 if w.state != "ready":
                     w.reason = reason
@@ -266,20 +265,19 @@ class ElasticDriver:
                 self.cv.notify_all()
             while True:
                 if self.error is not None or self.done or self._finishing_since is not None:
-                    return {"status": "stop", "message": self.error or "the elastic job is over"}
+                    return Stop(self.error or "the elastic job is over")
                 if w.removed:
-                    return {"status": "removed", "message": f"{key_name(key)} has been removed "
-                            "from the elastic job"}
+                    return Removed(f"{key_name(key)} has been removed from the elastic job")
                 ans = self.answers.get(key)
                 if ans is not None and ans.round > after:
                     w.state = "running"
-                    return ans.to_wire()
+                    return ans
                 left = deadline - self.clock()
                 if left <= 0:
-                    return {"status": "wait"}
+                    return Wait()
                 self.cv.wait(left)
 
-    def _notice(self, after: int) -> dict[str, Any]:
+    def _notice(self, after: int) -> Notice:
         deadline = self.clock() + HOLD_SECONDS * 5
         with self.cv:
             while self.notice_version <= after and not self.done:
@@ -287,7 +285,7 @@ class ElasticDriver:
                 if left <= 0:
                     break
                 self.cv.wait(left)
-            return {"version": self.notice_version, "update": self.notice_update}
+            return Notice(self.notice_version, self.notice_update)
 
     def worker_exited(self, key: Key, code: int | None, signum: int | None,
                       record: object = None) -> None:
@@ -317,7 +315,7 @@ class ElasticDriver:
                 self.done = True
                 self.cv.notify_all()
         return ElasticResult(self.error, self.round + 1, self.resets, list(self.events),
-                             {k: a.rank for k, a in self.answers.items()
+                             {k: a.slot.rank for k, a in self.answers.items()
                               if a.round == self.round}, list(self.failures))
 
     def stop_all(self, grace: float = 5.0) -> None:
@@ -457,13 +455,12 @@ class ElasticDriver:
         (store, Gloo device, process group) within a fraction of a second and ask for the next."""
         if self.put_kv is None or self.round < 0 or self.round in self._abandoned:
             return
-        from horovod.common.elastic_rounds import ABANDONED_KEY, round_scope
-
         self._abandoned.add(self.round)
-        scope = round_scope(self.round)
+        scope = protocol.round_scope(self.round)
         try:
-            self.put_kv(scope, ABANDONED_KEY, why.encode())
-            self.put_kv(scope, "store", b"abandoned")  # a member still waiting for rank 0's address
+            self.put_kv(scope, protocol.ABANDONED_KEY, why.encode())
+            # a member still waiting for rank 0's address
+            self.put_kv(scope, protocol.STORE_KEY, protocol.ABANDONED_STORE)
         except Exception:  # noqa: BLE001 - best effort: the members' own timeouts remain
             log.debug("elastic: could not mark round %d abandoned", self.round, exc_info=True)
 
@@ -636,7 +633,6 @@ class ElasticDriver:
         return assign_slots(specs, n) if n else []
 
     def _publish(self, plan: list[SlotInfo], first: bool) -> None:
-        from horovod.common.elastic_rounds import RoundInfo
         keys = [(s.hostname, s.local_rank) for s in plan]
         if not first:
             self.resets += 1
@@ -656,10 +652,7 @@ class ElasticDriver:
             key = (s.hostname, s.local_rank)
             w = self.workers[key]
             w.rank = s.rank
-            self.answers[key] = RoundInfo(
-                round=self.round, rank=s.rank, size=s.size, local_rank=s.local_rank,
-                local_size=s.local_size, cross_rank=s.cross_rank, cross_size=s.cross_size,
-                hostname=s.hostname, skip_sync=skip_sync, notice=self.notice_version)
+            self.answers[key] = RoundInfo(self.round, s, skip_sync, self.notice_version)
         # Workers that were ready but are not in the round (beyond --max-np) go.
         for w in self.workers.values():
             if w.alive and not w.removed and w.key not in keys and w.key in old:

@@ -12,14 +12,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from horovod.common import protocol
 from horovod.runner.elastic.discovery import FixedHosts, HostDiscoveryScript, HostManager
 from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key_name
 from horovod.runner.elastic.session import ElasticSession
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.elastic.workers import WorkerProcess
 from horovod.runner.failures import RankExit
 from horovod.runner.hosts import HostSpec, SlotInfo
-from horovod.runner.plan import RankPlan, build_plan
+from horovod.runner.launch_plan import RankPlan, build_plan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["launch_elastic", "ElasticJobResult", "configure_logging"]
@@ -120,9 +121,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         else:
             addr = route_address(host)
         env = slot.env()
-        env.update({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_HOST": host,
-                    "HOROVOD_ELASTIC_SLOT": str(key[1]), "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
-                    "HOROVOD_RUNNER_ADDR": addr})
+        env.update({**protocol.elastic_env(host, key[1]), protocol.RENDEZVOUS_ADDR_ENV: addr,
+                    protocol.RUNNER_ADDR_ENV: addr})
         rank = RankPlan(slot=slot, local=is_local, argv=list(settings.command), env=env)
         plan = dataclasses.replace(base, ranks=[rank])
         cmd = (local_command(plan, rank, environ, secret) if is_local
@@ -133,7 +133,7 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                              stdout=stdout, stderr=stderr, timestamp=settings.prefix_timestamp,
                              write_lock=write_lock)
 
-    elastic = ElasticSettings.from_env(environ, timeout=settings.elastic_timeout,
+    elastic = DriverSettings.from_env(environ, timeout=settings.elastic_timeout,
                                        reset_limit=settings.reset_limit)
     session = ElasticSession(elastic, manager, settings.np, settings.min_np, settings.max_np,
                              start_worker, server, discovery_interval=discovery_interval)

@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from horovod.common import protocol
 from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, WorkerFailure, WorkerHandle, key_name
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.failures import exception_record
 from horovod.runner.hosts import SlotInfo
 
@@ -65,9 +66,13 @@ class Outcome:
     traceback: str = ""
 
     @classmethod
-    def from_payload(cls, item: tuple[Any, ...]) -> Outcome:
-        """From ``horovod.runner.run_task``'s result: ``("ok", value)`` or
-        ``("error", exception, traceback)``."""
+    def from_payload(cls, item: protocol.Returned | protocol.Raised | tuple[Any, ...]) -> Outcome:
+        """From ``horovod.runner.run_task``'s result (``protocol.Returned``/``protocol.Raised``)
+        or a Ray worker's: ``("ok", value)`` or ``("error", exception, traceback)``."""
+        if isinstance(item, protocol.Returned):
+            return cls("ok", item.value)
+        if isinstance(item, protocol.Raised):
+            return cls("error", None, item.error, item.traceback)
         if item[0] == "ok":
             return cls("ok", item[1])
         return cls("error", None, item[1], str(item[2]) if len(item) > 2 else "")
@@ -116,7 +121,7 @@ class ElasticSession:
         exit_wait: seconds the workers get to end after the job before they are killed.
     """
 
-    def __init__(self, settings: ElasticSettings, hosts: HostManager, np: int, min_np: int,
+    def __init__(self, settings: DriverSettings, hosts: HostManager, np: int, min_np: int,
                  max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                  service: ElasticService, *, own_service: bool = True,
                  discovery_interval: float = 1.0, exit_wait: float = EXIT_WAIT_SECONDS) -> None:
@@ -143,7 +148,7 @@ class ElasticSession:
         under its slot name (``RESULT_KEY_ENV``)."""
         import cloudpickle
 
-        from horovod.runner.run_task import RESULT_SCOPE
+        from horovod.common.protocol import RESULT_SCOPE
 
         with self.driver.cv:
             keys = list(self.driver.workers)

@@ -1,6 +1,6 @@
 """The elastic settings, read in one place for ``horovodrun``, Spark and Ray.
 
-Every elastic driver builds its ``ElasticDriver`` from ``ElasticSettings.from_env``: the
+Every elastic driver builds its ``ElasticDriver`` from ``DriverSettings.from_env``: the
 launcher's own arguments (``--elastic-timeout``, ``--reset-limit``, ``elastic_timeout=`` ...) win,
 then the environment, then the defaults below.
 
@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ElasticSettings", "DEFAULT_ELASTIC_TIMEOUT"]
+__all__ = ["DriverSettings", "DEFAULT_ELASTIC_TIMEOUT"]
 
 DEFAULT_ELASTIC_TIMEOUT = 600.0
 DEFAULT_REJOIN_TIMEOUT = 90.0
@@ -55,7 +55,7 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
 
 
 @dataclass(frozen=True)
-class ElasticSettings:
+class DriverSettings:
     """What an ``ElasticDriver`` needs beyond the hosts and the process counts."""
 
     timeout: float = DEFAULT_ELASTIC_TIMEOUT
@@ -66,7 +66,7 @@ class ElasticSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, timeout: float | None = None,
-                 reset_limit: int | None = None) -> ElasticSettings:
+                 reset_limit: int | None = None) -> DriverSettings:
         """The launcher's arguments (not None) over the environment over the defaults.
 
         Raises:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.launchers.base import Command
 from horovod.runner.output import LineSplitter, prefix_line, write_line
 
@@ -65,7 +65,7 @@ class WorkerProcess:
         return record if isinstance(record, dict) else self.error_record
 
     def _emit(self, stream: str, text: str, term: str) -> None:
-        found = wire.strip_markers(text, term)
+        found = protocol.strip_markers(text, term)
         if found.error is not None and self.error_record is None:
             self.error_record = found.error
         if found.exit is not None:
@@ -116,7 +116,7 @@ class WorkerProcess:
         stdin = self.popen.stdin
         try:
             if self.cmd.remote and stdin is not None and not stdin.closed:
-                stdin.write(wire.signal_line(signal.SIGTERM))
+                stdin.write(protocol.signal_line(signal.SIGTERM))
                 stdin.close()
             else:
                 os.killpg(self.popen.pid, signal.SIGTERM)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from horovod.runner.launch_plan import SECRET_ENV, LaunchPlan, RankPlan
 from horovod.runner.launchers.base import Command, shim_argv
-from horovod.runner.plan import SECRET_ENV, LaunchPlan, RankPlan
 
 __all__ = ["LocalLauncher", "local_command"]
 
@@ -19,7 +19,7 @@ def local_command(plan: LaunchPlan, rank: RankPlan, environ: Mapping[str, str],
     if secret is not None:
         env[SECRET_ENV] = secret
     return Command(argv=shim_argv(rank.argv, python=python, watch_stdin=True), env=env,
-                   ranks=(rank.rank,), host=rank.host, lifeline=True,
+                   ranks=(rank.slot.rank,), host=rank.slot.hostname, lifeline=True,
                    shown_env={**plan.job_env, **rank.env})
 
 

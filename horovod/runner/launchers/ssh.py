@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from horovod.common.exceptions import ConfigError
+from horovod.runner.launch_plan import SECRET_ENV, LaunchPlan, RankPlan
 from horovod.runner.launchers.base import Command, shim_argv
-from horovod.runner.plan import SECRET_ENV, LaunchPlan, RankPlan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["SshLauncher", "ssh_base_argv", "host_key_checking", "HOST_KEY_ENV", "ssh_command", "check_hosts",
@@ -71,10 +71,10 @@ def ssh_command(plan: LaunchPlan, rank: RankPlan, settings: LaunchSettings,
     remote = (f"cd {shlex.quote(cwd)} > /dev/null 2>&1 ; exec "
               + shlex.join(shim_argv(rank.argv, python=python or sys.executable, watch_stdin=True,
                                      stdin_env=True)))
-    argv = ssh_base_argv(rank.host, settings.ssh_port, settings.ssh_identity_file,
+    argv = ssh_base_argv(rank.slot.hostname, settings.ssh_port, settings.ssh_identity_file,
                          host_keys=settings.ssh_strict_host_key_checking) + [remote]
     blob = (json.dumps({"env": env}) + "\n").encode()
-    return Command(argv=argv, env=None, ranks=(rank.rank,), host=rank.host, stdin_data=blob,
+    return Command(argv=argv, env=None, ranks=(rank.slot.rank,), host=rank.slot.hostname, stdin_data=blob,
                    lifeline=True, remote=True, shown_env={**plan.job_env, **rank.env})
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import IO, Any
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.monitor.service import MonitorService
 from horovod.runner.monitor.state import JobState
 
@@ -43,7 +43,7 @@ def worker_env(svc: MonitorService, advertised: str | None = None) -> dict[str, 
     addr = svc.address
     if addr in ("0.0.0.0", "::", ""):
         addr = advertised or "127.0.0.1"
-    return {wire.MONITOR_ADDR_ENV: addr, wire.MONITOR_PORT_ENV: str(svc.port)}
+    return {protocol.MONITOR_ADDR_ENV: addr, protocol.MONITOR_PORT_ENV: str(svc.port)}
 
 
 def record_result(svc: MonitorService, result: Any) -> None:

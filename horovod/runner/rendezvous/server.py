@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
+from horovod.common import protocol
 from horovod.common.refusals import RefusalLog
 from horovod.common.rendezvous import (
     AUTH_HEADER,
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
 LARGE_BODY = 1 << 30
 # Scopes whose PUT bodies may be LARGE_BODY: a horovod.run() function's return value per rank.
-LARGE_BODY_SCOPES = frozenset({"runfunc_result"})
+LARGE_BODY_SCOPES = frozenset({protocol.RESULT_SCOPE})
 _AUTH = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?):([0-9A-Za-z_-]{1,64}):([0-9a-f]{64})")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _LENGTH = re.compile(r"[0-9]{1,12}")
@@ -229,16 +230,8 @@ class _Server(ThreadingHTTPServer):
         self.evicted = self.busy = self.accept_errors = 0
 
     @property
-    def rejected(self) -> int:
-        return self.log.refused
-
-    @property
     def unauthenticated(self) -> int:
         return len(self._unauth)
-
-    @property
-    def live(self) -> int:
-        return self._live
 
     # ---------------------------------------------------------------- connection accounting
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -417,7 +410,7 @@ class RendezvousServer:
     @property
     def rejected(self) -> int:
         """How many requests were refused (bad or missing signature, malformed, too slow)."""
-        return self._server.rejected
+        return self._server.log.refused
 
     def put(self, scope: str, key: str, value: bytes) -> None:
         with self._server.lock:

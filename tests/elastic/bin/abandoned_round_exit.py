@@ -9,7 +9,6 @@ aborting in interpreter finalization. Prints ``ABANDONED <seconds>`` and ``ORPHA
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -17,8 +16,9 @@ import time
 from horovod.common.backends.gloo import GlooBackend
 from horovod.common.config import EngineConfig
 from horovod.common.elastic import worker as elastic_worker
-from horovod.common.elastic_rounds import ABANDONED_KEY, RoundInfo
+from horovod.common.elastic.rounds import RoundHandler
 from horovod.common.exceptions import HorovodInternalError
+from horovod.common.protocol import ABANDONED_KEY, RankIdentity, RoundInfo
 from horovod.common.rendezvous import RendezvousClient
 from horovod.runner.rendezvous.server import RendezvousServer
 from horovod.runner.secret import make_secret
@@ -31,8 +31,8 @@ def main() -> int:
                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port), "HOROVOD_SECRET_KEY": secret,
                "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "40"}
         config = EngineConfig.from_env(env)
-        info = RoundInfo(round=1, rank=0, size=2, local_rank=0, local_size=1, cross_rank=0,
-                         cross_size=2, hostname="localhost", skip_sync=False, notice=0)
+        info = RoundInfo(1, RankIdentity(hostname="localhost", rank=0, local_rank=0, cross_rank=0, size=2,
+                     local_size=1, cross_size=2), skip_sync=False, notice=0)
 
         def driver() -> None:  # the member's peer died: give the round up once rank 0 waits in it
             while server.get("elastic.1", "store") is None:
@@ -45,7 +45,8 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             elastic_worker.form_round(
-                functools.partial(GlooBackend, config, env, info, cancel=cancel), client, info,
+                lambda: GlooBackend(config, RoundHandler(config, env, info, cancel).next_rendezvous()),
+                client, info,
                 close=GlooBackend.close, cancel=cancel)
         except HorovodInternalError as exc:
             print(f"ABANDONED {time.monotonic() - t0:.2f} {exc}", flush=True)

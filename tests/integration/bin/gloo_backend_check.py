@@ -13,8 +13,8 @@ import warnings
 
 import numpy as np
 
-from horovod.common.backends.gloo import create
 from horovod.common.config import EngineConfig
+from horovod.common.rendezvous_handlers import create_gloo
 from horovod.common.types import ReduceOp
 
 
@@ -22,7 +22,7 @@ def main() -> int:
     import torch.distributed  # noqa: F401 - torch's own import adds filters of its own
 
     filters = list(warnings.filters)
-    b = create(EngineConfig.from_env(), os.environ)
+    b = create_gloo(EngineConfig.from_env(), os.environ)
     r, n = b.rank, b.size
     world = b.world_group()
     out: dict[str, object] = {"rank": r, "size": n}

@@ -15,7 +15,7 @@ import time
 import torch
 
 import horovod.torch as hvd
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.common.context import get_context
 
 mode = sys.argv[1]
@@ -34,7 +34,7 @@ s = hvd.allreduce(torch.arange(4, dtype=torch.float64) + r, op=hvd.Sum)
 g = hvd.allgather(torch.full((r + 1,), float(r)))
 b = hvd.broadcast(torch.tensor([float(r)]), root_rank=n - 1)
 # The secret the device plane keys its stores with (None: it would send a random key instead).
-plane_keyed = wire.job_secret(get_context().backend) is not None
+plane_keyed = protocol.job_secret(get_context().backend) is not None
 print("JOB " + json.dumps({
     "rank": r, "size": n, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
     "cross_size": hvd.cross_size(), "procid": os.environ.get("SLURM_PROCID"),

@@ -12,7 +12,7 @@ from horovod.common.backends.registry import create_backend, select_backend_name
 from horovod.common.config import EngineConfig
 from horovod.common.engine.timeline import Timeline
 from horovod.common.exceptions import ConfigError
-from horovod.common.topology import topology_from_hostnames
+from horovod.common.topology import homogeneous, topology_from_hostnames
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -58,14 +58,14 @@ def test_topology_local_and_cross_ranks_follow_upstream():
     assert [x.local_size for x in t] == [2, 2, 1]
     assert [x.cross_size for x in t] == [2, 1, 2]
     assert [x.cross_rank for x in t] == [0, 0, 1]
-    assert not t[0].is_homogeneous
+    assert not homogeneous(hosts) and t[2].hostname == "b"
 
 
 def test_topology_interleaved_hosts():
     hosts = ["h1", "h2", "h1", "h2"]
     t = [topology_from_hostnames(hosts, r) for r in range(4)]
     assert [(x.local_rank, x.cross_rank) for x in t] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(x.is_homogeneous and x.cross_size == 2 and x.local_size == 2 for x in t)
+    assert homogeneous(hosts) and all(x.cross_size == 2 and x.local_size == 2 for x in t)
 
 
 def test_backend_selection_order():

@@ -15,6 +15,7 @@ from horovod.common.exceptions import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
 )
+from horovod.common.protocol import RankIdentity
 
 
 def make_state(**kw: Any) -> ObjectState:
@@ -69,7 +70,7 @@ class Recorder:
 
     def reset(self) -> None:
         self.calls.append("reset")
-        elastic_worker._current = RoundInfo(len(self.calls), 0, 1, 0, 1, 0, 1, "h", self.skip, 0)
+        elastic_worker._current = RoundInfo(len(self.calls), RankIdentity("h", 0, 0, 0, 1, 1, 1), self.skip, 0)
 
 
 def test_run_loop_restores_on_error_and_keeps_state_on_host_change() -> None:

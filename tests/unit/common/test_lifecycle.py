@@ -136,7 +136,7 @@ def test_error_line_a_failing_rank_writes_is_read_back_by_the_launcher(tmp_path:
     # The rank's side (record_failure writing its stderr line, after output it left unterminated)
     # against the launcher's side (strip_markers on each line it reads): the record travels whole,
     # the rank's own text stays, and no marker text reaches the user.
-    from horovod.common.wire import ERROR_MARKER, strip_markers
+    from horovod.common.protocol import ERROR_MARKER, strip_markers
 
     code = """
         import sys
@@ -161,10 +161,10 @@ def test_thread_level_of_mpi_init_follows_config(level: str, tmp_path: Path) -> 
         import mpi4py
         mpi4py.rc.initialize = False
         from mpi4py import MPI
-        from horovod.common.backends import mpi
+        from horovod.common.rendezvous_handlers import create_mpi
         from horovod.common.config import EngineConfig
         import os
-        b = mpi.create(EngineConfig.from_env(os.environ), os.environ)
+        b = create_mpi(EngineConfig.from_env(os.environ), os.environ)
         print("LEVEL", MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         b.close()
     """)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from horovod.common import plain
-from horovod.common.engine import wire
+from horovod.common.engine import negotiation_codec as codec
 from horovod.common.types import ArgumentError, ReduceOp, Request, RequestType, Response
 
 COMMON = Path(__file__).resolve().parents[3] / "horovod" / "common"
@@ -57,18 +57,18 @@ class _Exploit:
 def test_a_pickle_never_runs_in_the_engine(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     evil = pickle.dumps([_Exploit()])
-    for decode in (plain.loads, wire.decode_responses):
+    for decode in (plain.loads, codec.decode_responses):
         with pytest.raises(ValueError, match="malformed"):
             decode(evil)
     # A request message whose detail blob is a pickle: refused when the details are read.
     req = Request("t", RequestType.ALLREDUCE, "float32", ((2,),), rank=0)
-    good = wire.encode_requests([req])
-    head = wire._HEAD.unpack_from(good)
-    detail_at = wire._HEAD.size + wire.RECORD.itemsize * head[1] + head[2]
-    forged = (wire._HEAD.pack(head[0], head[1], head[2], len(evil)) + good[wire._HEAD.size:detail_at]
+    good = codec.encode_requests([req])
+    head = codec._HEAD.unpack_from(good)
+    detail_at = codec._HEAD.size + codec.RECORD.itemsize * head[1] + head[2]
+    forged = (codec._HEAD.pack(head[0], head[1], head[2], len(evil)) + good[codec._HEAD.size:detail_at]
               + evil)
     with pytest.raises(ValueError, match="malformed"):
-        wire.decode_requests(forged, 0)
+        codec.decode_requests(forged, 0)
     assert not (tmp_path / "pwned.txt").exists()
 
 
@@ -78,11 +78,11 @@ def test_messages_round_trip_without_pickle():
             Request("b", RequestType.ALLGATHER, "int64", ((7, 2), (3,)), rank=1),
             Request("c", RequestType.BROADCAST, "uint8", ((1,),), payload=ArgumentError("E", "m"),
                     rank=1)]
-    back = wire.decode_requests(wire.encode_requests(reqs), 1)
+    back = codec.decode_requests(codec.encode_requests(reqs), 1)
     assert [(r.name, r.kind, r.shapes, r.payload, r.prescale) for r in back] == [
         (r.name, r.kind, r.shapes, r.payload, r.prescale) for r in reqs]
     resp = [Response(reqs[0], None, {}, (1,), 7), Response(reqs[2], "bad", {"ranks": [1]})]
-    out = wire.decode_responses(wire.encode_responses(resp))
+    out = codec.decode_responses(codec.encode_responses(resp))
     assert [(r.name, r.error, r.error_fields, r.joined, r.result) for r in out] == [
         ("a", None, {}, (1,), 7), ("c", "bad", {"ranks": [1]}, (), None)]
 
@@ -105,7 +105,7 @@ def test_deep_nesting_is_refused_not_a_recursion_error():
     with pytest.raises(ValueError, match="nesting"):
         plain.loads(b"l\x01\x00\x00\x00" * 10_000 + b"N")
     with pytest.raises(ValueError, match="malformed"):
-        wire.decode_responses(b"[" * 100_000)
+        codec.decode_responses(b"[" * 100_000)
 
 
 # ------------------------------------------------------------------ where unpickling is allowed

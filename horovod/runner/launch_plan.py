@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from horovod.common import exceptions as errors
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.hosts import HostSpec, SlotInfo, assign_slots, used_hosts
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["RankPlan", "LaunchPlan", "build_plan", "exportable_env", "format_plan", "SECRET_ENV"]
 
-SECRET_ENV = wire.SECRET_ENV
+SECRET_ENV = protocol.SECRET_ENV
 
 # Variables never forwarded to workers: shell internals, per-host identity, the job secret, and
 # an enclosing MPI job's variables (a horovodrun started inside mpirun must not leak them).
@@ -42,14 +42,6 @@ class RankPlan:
     argv: list[str]
     env: dict[str, str]
 
-    @property
-    def rank(self) -> int:
-        return self.slot.rank
-
-    @property
-    def host(self) -> str:
-        return self.slot.hostname
-
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -68,7 +60,7 @@ class LaunchPlan:
         seen: dict[str, None] = {}
         for r in self.ranks:
             if not r.local:
-                seen.setdefault(r.host, None)
+                seen.setdefault(r.slot.hostname, None)
         return list(seen)
 
     @property
@@ -121,8 +113,8 @@ def build_plan(settings: LaunchSettings, hosts: list[HostSpec], environ: Mapping
         if rendezvous is None:
             raise errors.ConfigError("Gloo mode needs the rendezvous address of the launcher.")
         job_env.update({
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
+            protocol.RENDEZVOUS_ADDR_ENV: rendezvous[0],
+            protocol.RENDEZVOUS_PORT_ENV: str(rendezvous[1]),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
         })
@@ -153,7 +145,7 @@ def format_plan(plan: LaunchPlan, commands_text: list[str] | None = None) -> str
     lines += [f"  {k}={v}" for k, v in sorted(plan.job_env.items())]
     for r in plan.ranks:
         where = "local" if r.local else "remote (ssh)"
-        lines.append(f"rank {r.rank}: host {r.host} [{where}] local_rank {r.slot.local_rank} "
+        lines.append(f"rank {r.slot.rank}: host {r.slot.hostname} [{where}] local_rank {r.slot.local_rank} "
                      f"cross_rank {r.slot.cross_rank}")
         lines.append(f"  command: {shlex.join(r.argv)}")
         if r.env:

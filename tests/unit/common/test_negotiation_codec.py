@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from horovod.common.engine.negotiation import Coordinator, validate
-from horovod.common.engine.wire import (
+from horovod.common.engine.negotiation_codec import (
     Message,
     decode_requests,
     decode_responses,
@@ -182,7 +182,7 @@ def test_join_process_sets_stalls_and_argument_errors_at_many_ranks(path):
 def test_job_secret_from_the_environment_or_the_transport():
     from types import SimpleNamespace
 
-    from horovod.common.wire import job_secret
+    from horovod.common.protocol import job_secret
 
     assert job_secret(None, {}) is None
     assert job_secret(SimpleNamespace(), {}) is None  # MPI: no secret, the plane draws a key

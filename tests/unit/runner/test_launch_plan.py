@@ -6,7 +6,7 @@ import pytest
 
 from horovod.common.exceptions import ConfigError
 from horovod.runner.hosts import parse_hosts
-from horovod.runner.plan import build_plan, exportable_env, format_plan
+from horovod.runner.launch_plan import build_plan, exportable_env, format_plan
 from horovod.runner.settings import LaunchSettings
 
 ENV = {"PATH": "/bin", "HOME": "/root", "OLDPWD": "/x", "HOROVOD_SECRET_KEY": "s", "SSH_CLIENT": "1",
@@ -22,7 +22,7 @@ def plan_for(mode: str = "gloo", np: int = 4, hosts: str = "a:2,b:2", local: set
 
 def test_gloo_plan_per_rank_identity_and_rendezvous() -> None:
     plan = plan_for()
-    assert [(r.rank, r.host, r.local) for r in plan.ranks] == [
+    assert [(r.slot.rank, r.slot.hostname, r.local) for r in plan.ranks] == [
         (0, "a", True), (1, "a", True), (2, "b", False), (3, "b", False)]
     assert plan.remote_hosts == ["b"]
     r2 = plan.ranks[2].env
