@@ -30,7 +30,7 @@ from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
 from horovod.runner.elastic.session import ElasticSession, Outcome
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.failures import exception_record
 from horovod.runner.hosts import SlotInfo
 
@@ -205,7 +205,7 @@ class ElasticAdapter:
         ex = self.ex
         what = f"RayExecutor.run({label}) [elastic]"
         manager = HostManager(self.discovery, tuple(ex.cooldown_range) if ex.cooldown_range else None)
-        settings = ElasticSettings.from_env(os.environ, timeout=float(ex.elastic_timeout),
+        settings = DriverSettings.from_env(os.environ, timeout=float(ex.elastic_timeout),
                                             reset_limit=ex.reset_limit)
 
         def start_worker(key: Key, slot: SlotInfo) -> _ActorWorker:

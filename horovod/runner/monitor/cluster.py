@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import IO, Any
 
-from horovod.common import wire
+from horovod.common import protocol
 from horovod.runner.monitor import start_monitor
 from horovod.runner.monitor.service import MonitorService, answer_report
 
@@ -51,7 +51,7 @@ def attach(svc: MonitorService, job: Any,
             return elastic_status(d) if d is not None else {"rounds": 0, "resets": 0, "workers": {}}
 
         state.elastic = elastic
-    return {wire.MONITOR_ADDR_ENV: str(job.addr), wire.MONITOR_PORT_ENV: str(job.port)}
+    return {protocol.MONITOR_ADDR_ENV: str(job.addr), protocol.MONITOR_PORT_ENV: str(job.port)}
 
 
 def job_failed(svc: MonitorService, error: BaseException) -> None:

@@ -249,7 +249,7 @@ def test_command_line_options() -> None:
 def test_reports_over_a_jobs_rendezvous_service() -> None:
     """Spark and Ray jobs: the ranks post to the job's rendezvous service (which they reach
     already), signed with the job secret; it hands the reports to the monitor in process."""
-    from horovod.common import wire
+    from horovod.common import protocol
     from horovod.runner.function_job import FunctionJob
     from horovod.runner.monitor.cluster import attach, close
     from horovod.runner.monitor.service import MAX_REPORT_BYTES
@@ -259,8 +259,8 @@ def test_reports_over_a_jobs_rendezvous_service() -> None:
         forged = RendezvousClient("127.0.0.1", job.port, job.secret)
         assert forged.request("POST", REPORT_PATH, json.dumps(report(0)).encode())[0] == 404  # no monitor yet
         env = attach(svc, job)
-        assert env == {wire.MONITOR_ADDR_ENV: "127.0.0.1", wire.MONITOR_PORT_ENV: str(job.port)}
-        client = RendezvousClient(env[wire.MONITOR_ADDR_ENV], int(env[wire.MONITOR_PORT_ENV]), job.secret)
+        assert env == {protocol.MONITOR_ADDR_ENV: "127.0.0.1", protocol.MONITOR_PORT_ENV: str(job.port)}
+        client = RendezvousClient(env[protocol.MONITOR_ADDR_ENV], int(env[protocol.MONITOR_PORT_ENV]), job.secret)
         for rank in (0, 1):
             assert client.request("POST", REPORT_PATH, json.dumps(report(rank)).encode())[0] == 200
         with pytest.raises(RendezvousError, match="refused"):  # not this job's secret
