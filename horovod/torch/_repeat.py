@@ -57,15 +57,16 @@ _REPEAT_MAX = 4096
 
 
 class _HostView:
-    """A host signature's last NumPy view (``array``), made once per tensor object.
+    """A host signature's NumPy view of the tensor it last saw twice (``array``).
 
-    ``tensor.numpy()`` costs about a microsecond, the largest part of a resubmission. The view is
-    kept for the next call with the same tensor object at the same address (a weak reference
-    and the data pointer; dtype, shape and contiguity are checked by the caller, so the view is
-    of the tensor's current memory). It does not reference the tensor or its storage: keeping a
-    gradient alive past ``zero_grad(set_to_none=True)`` would hold a second gradient set. It is
-    handed out only while the caller holds the tensor, whose handle keeps it alive until
-    ``synchronize``."""
+    ``tensor.numpy()`` costs about a microsecond, the largest part of a resubmission. A tensor
+    object seen again at the same address (a weak reference and the data pointer; dtype, shape
+    and contiguity are checked by the caller, so the view is of the tensor's current memory) gets
+    a view made once, on its second call, and reused from then on. The view does not reference
+    the tensor or its storage: keeping a gradient alive past ``zero_grad(set_to_none=True)``
+    would hold a second gradient set. It is handed out only while the caller holds the tensor,
+    whose handle keeps it alive until ``synchronize``. A new tensor every step (``set_to_none``)
+    costs one weak reference more than ``numpy()`` alone."""
 
     __slots__ = ("ref", "ptr", "array")
     host = True
@@ -78,14 +79,16 @@ class _HostView:
     def view(self, tensor: torch.Tensor) -> np.ndarray:
         ref = self.ref
         if ref is not None and ref() is tensor and tensor.data_ptr() == self.ptr:
-            return self.array  # type: ignore[return-value]  # set with ref
-        arr = tensor.numpy()
-        if arr.nbytes:
-            ptr = tensor.data_ptr()
-            raw = (ctypes.c_char * arr.nbytes).from_address(ptr)
-            self.array = np.frombuffer(raw, arr.dtype).reshape(arr.shape)
-            self.ref, self.ptr = weakref.ref(tensor), ptr
-        return arr
+            arr = self.array
+            if arr is not None:
+                return arr
+            arr = tensor.numpy()
+            if arr.nbytes:  # the second call with this tensor: make the view that is kept
+                raw = (ctypes.c_char * arr.nbytes).from_address(self.ptr)
+                self.array = arr = np.frombuffer(raw, arr.dtype).reshape(arr.shape)
+            return arr
+        self.ref, self.ptr, self.array = weakref.ref(tensor), tensor.data_ptr(), None
+        return tensor.numpy()
 
 
 class _PlaneView:
@@ -150,11 +153,11 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
                 return _C.resubmit_registered(ctx, req, [memo.view(tensor)], _Same(tensor), defer, wake)
         elif not memo.cuda:
             if tensor.is_cpu:  # the CPU twin: no events, nothing to wait for in synchronize
-                w = again(tensor, memo.shape, memo.dtype, memo.ndim, False)
-                return _C.resubmit_registered(ctx, req, [w], _Same(tensor), defer, wake)
+                w: list[Any] = [again(tensor, memo.shape, memo.dtype, memo.ndim, False)]
+                return _C.resubmit_registered(ctx, req, w, _Same(tensor), defer, wake)
         elif tensor.is_cuda and tensor.get_device() == torch.cuda.current_device():
-            w = again(tensor, memo.shape, memo.dtype, memo.ndim, True)
-            return _C.resubmit_registered(ctx, req, [w], _PlaneSame(w), defer, wake)
+            cw: list[Any] = [again(tensor, memo.shape, memo.dtype, memo.ndim, True)]
+            return _C.resubmit_registered(ctx, req, cw, _PlaneSame(cw[0]), defer, wake)
     return None
 
 
@@ -274,11 +277,17 @@ class _GroupRepeat:
             if (sctx is ctx and ctx.groups.get(ps_id) is group
                     and list(map(_DATA_PTR, tensors)) == self.ptrs
                     and list(map(_PROBE, tensors)) == self.probes and all(map(_CONTIGUOUS, tensors))):
-                return self._again() if self.cuda else self.arrays
+                if not self.cuda:
+                    return self.arrays
+                if torch.cuda.current_device() == tensors[0].get_device():
+                    return self._again()
+                return None  # the checked path says which tensor is on another GPU
         if not _all_match(ctx, tensors, self.signatures):
             return None
-        if self.cuda and torch.cuda.current_device() != tensors[0].get_device():
-            return None  # the checked path says which tensor is on another GPU
+        if self.cuda:  # on this process's GPU, all of them (else the checked path says which is not)
+            current = torch.cuda.current_device()
+            if any(t.get_device() != current for t in tensors):
+                return None
         self.tensors = tuple(tensors)
         self.ptrs = list(map(_DATA_PTR, self.tensors))
         if self.facts is None:

@@ -260,14 +260,25 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
     Differentiable. All ranks of the set must pass lists of the same length, dtypes and shapes.
     """
+    ts, rop = _grouped_checked(tensors, "grouped_allreduce", _ALLREDUCE, name, process_set, average, op)
+    return _compressed(ts, compression, lambda *cs: HorovodGroupedAllreduce.apply(
+        name, rop, prescale_factor, postscale_factor, process_set, *cs))
+
+
+def _grouped_checked(tensors: Any, what: str, kind: RequestType, name: str | None, process_set: ProcessSet,
+                     average: bool | None, op: int | None) -> tuple[list[torch.Tensor], ReduceOp]:
+    """A grouped reduction's tensors and op, checked; a bad argument fails on every rank of the set."""
     try:
-        ts = _tensors(tensors, "grouped_allreduce", _RED)
-        rop = _C.resolve_op(average, op)
+        return _tensors(tensors, what, _RED), _C.resolve_op(average, op)
     except _BAD as exc:
-        _fail(_ALLREDUCE, name, process_set, exc, True)
+        _fail(kind, name, process_set, exc, True)
+
+
+def _compressed(ts: Sequence[torch.Tensor], compression: Any,
+                apply: Callable[..., Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """``apply`` on the compressed tensors, each output decompressed with its input's context."""
     pairs = [compression.compress(t) for t in ts]
-    outs = HorovodGroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set,
-                                         *[c for c, _ in pairs])
+    outs = apply(*[c for c, _ in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
@@ -635,15 +646,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each tensor of the list as one unit; returns a list. Differentiable."""
-    try:
-        ts = _tensors(tensors, "grouped_reducescatter", _RED)
-        rop = _C.resolve_op(None, op)
-    except _BAD as exc:
-        _fail(_REDUCESCATTER, name, process_set, exc, True)
-    pairs = [compression.compress(t) for t in ts]
-    outs = HorovodGroupedReducescatter.apply(name, rop, process_set, prescale_factor, postscale_factor,
-                                             *[c for c, _ in pairs])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+    ts, rop = _grouped_checked(tensors, "grouped_reducescatter", _REDUCESCATTER, name, process_set, None, op)
+    return _compressed(ts, compression, lambda *cs: HorovodGroupedReducescatter.apply(
+        name, rop, process_set, prescale_factor, postscale_factor, *cs))
 
 
 # ---------------------------------------------------------------------------- control
