@@ -50,6 +50,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tensors", type=int, default=161)
 parser.add_argument("--elements", type=int, default=4)
 parser.add_argument("--reps", type=int, default=300)
+parser.add_argument("--modes", default="", help="comma-separated modes to time (default: all)")
 parser.add_argument("--profile", default="", help="write a cProfile of --profile-mode on rank 0")
 parser.add_argument("--profile-mode", default="async_sync")
 parser.add_argument("--ab", action="store_true",
@@ -357,6 +358,10 @@ def main() -> None:
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
+    if args.modes:
+        keep = set(args.modes.split(",")) | ({"plain"} if any(m.startswith("optimizer") for m in args.modes.split(","))
+                                            else set())
+        modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep}
     if args.monitor:
         monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
                        args.reps, args.monitor_block_s, comm)
@@ -385,12 +390,12 @@ def main() -> None:
     if hvd.rank() == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         for mode in ("optimizer", "optimizer_unopt", "optimizer_groups1"):
-            if mode in times:
+            if mode in times and "plain" in times:
                 med[mode.replace("optimizer", "optimizer_overhead")] = statistics.median(
                     a - b for a, b in zip(times[mode], times["plain"])) * 1e3
         # Horovod's host cost per tensor: the step less the transport's floor, per tensor.
         per_tensor = {f"{k}_us_per_tensor": round((med[k] - med["floor"]) * 1e3 / args.tensors, 3)
-                      for k in ("async_sync", "hooks", "grouped") if k in med}
+                      for k in ("async_sync", "hooks", "grouped") if k in med and "floor" in med}
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                           **per_tensor}), flush=True)
