@@ -9,8 +9,8 @@ The command runs ``--runs`` times per tree, alternating (before, after, after, b
 tree always goes first), with ``PYTHONPATH`` set to the tree; the script path in the command is
 taken from the tree too when it names a file under ``benchmarks/``. Every line of the output that
 is a JSON object is read, and each numeric key's values are reported per tree (each run's figure,
-and their median) with the ratio after/before of the medians. Machine noise between runs hits
-both trees alike; compare ratios, not absolute figures across runs.
+their median and the fastest) with the median over run pairs of after/before (the two runs of a
+pair ran next to each other). Compare ratios, not absolute figures across runs.
 """
 
 from __future__ import annotations
@@ -89,9 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         b = [r[k] for r in results["before"] if k in r]
         a = [r[k] for r in results["after"] if k in r]
         mb, ma = statistics.median(b), statistics.median(a)
-        report["figures"][k] = {"before": b, "after": a, "ratio": round(ma / mb, 3) if mb else None}
-        print(f"{k:40s} before {mb:10.3f}  after {ma:10.3f}  after/before {ma / mb if mb else float('nan'):6.3f}"
-              f"   runs: {b} / {a}", flush=True)
+        # Run i of each tree ran next to each other: on a machine whose load moves, the median of
+        # the pairs' ratios follows the code more than a ratio of medians over all runs does.
+        pairs = [y / x for x, y in zip(b, a) if x]
+        paired = round(statistics.median(pairs), 3) if pairs else None
+        report["figures"][k] = {"before": b, "after": a, "ratio": round(ma / mb, 3) if mb else None,
+                                "paired_ratio": paired, "min_before": min(b), "min_after": min(a)}
+        print(f"{k:32s} median before {mb:9.3f} after {ma:9.3f} | fastest before {min(b):9.3f} "
+              f"after {min(a):9.3f} | after/before paired {paired}", flush=True)
     print(json.dumps(report), flush=True)
 
 
