@@ -29,6 +29,9 @@ Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as
                allreduce of every gradient (``optimizer_groups1_overhead`` against ``plain``)
   grouped      one ``hvd.grouped_allreduce_`` of the 161 tensors
   raw          ``torch.distributed``-free floor: one mpi4py ``Allreduce`` per tensor (the transport)
+  floor        one reduction of all the elements in one buffer on the mode's transport (mpi4py;
+               the plane's Gloo process group on the twin); ``*_us_per_tensor`` is a mode's time
+               less this floor, per tensor: Horovod's host cost per tensor
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tensors", type=int, default=161)
 parser.add_argument("--elements", type=int, default=4)
 parser.add_argument("--reps", type=int, default=300)
+parser.add_argument("--modes", default="", help="comma-separated modes to time (default: all)")
 parser.add_argument("--profile", default="", help="write a cProfile of --profile-mode on rank 0")
 parser.add_argument("--profile-mode", default="async_sync")
 parser.add_argument("--ab", action="store_true",
@@ -352,6 +356,18 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
         print(json.dumps(out), flush=True)
 
 
+def _plane_group() -> Any:
+    """The torch device plane's process group of the global set (the CPU twin), or None."""
+    from horovod.common.context import get_context
+
+    eng = get_context().engine
+    plane = getattr(getattr(eng, "_executor", None), "planes", None)
+    for p in getattr(plane, "_planes", {}).values() if plane is not None else ():
+        for tr in getattr(p, "_transports", {}).values():
+            return tr.pg
+    return None
+
+
 def main() -> None:
     args = parser.parse_args()
     hvd.init()
@@ -376,9 +392,11 @@ def main() -> None:
     from horovod.common.context import get_context
 
     sigs = [_repeat_signature(t, get_context().handles[h][0].request) for t, h in zip(tensors, first)]
-    # The repeat path takes host tensors only: with HOROVOD_TORCH_CPU_PLANE=1 (the torch device
-    # plane's CPU twin) there are no signatures, and the modes built on them are left out.
+    # Trees from before the device plane's repeat path have no signatures for the plane's tensors
+    # (HOROVOD_TORCH_CPU_PLANE=1): the modes built on them are left out there. Bundles are for
+    # host signatures only (the plane's are resubmitted one by one).
     repeat = all(s is not None for s in sigs)
+    host_sigs = repeat and all(len(s) < 8 or s[7].host for s in sigs)  # type: ignore[index, union-attr]
     for h in first:
         hvd.synchronize(h)
 
@@ -400,6 +418,19 @@ def main() -> None:
     def raw() -> None:
         for a in arrays:
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+
+    # The transport's floor for the fused step: one reduction of all the tensors' elements in one
+    # buffer, on the transport the mode runs on (mpi4py on the host path; the plane's own Gloo
+    # process group on the twin, which the grouped step has made by now).
+    flat = torch.ones(args.tensors * args.elements)
+    grouped()
+    plane = _plane_group()
+
+    def floor() -> None:
+        if plane is not None:
+            plane.allreduce([flat]).wait()
+        else:
+            comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
 
     # A real optimizer step; the bare optimizer on a copy of the model costs the same autograd.
     def model() -> list[torch.nn.Parameter]:
@@ -435,8 +466,8 @@ def main() -> None:
         optimizer_groups1()
     modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "bundle": bundle,
                                             "optimizer": optimizer, "optimizer_groups1": optimizer_groups1,
-                                            "plain": plain, "grouped": grouped, "raw": raw}
-    if not hasattr(mpi_ops, "_resubmit_many") or not repeat:  # a tree from before bundles
+                                            "plain": plain, "grouped": grouped, "raw": raw, "floor": floor}
+    if not hasattr(mpi_ops, "_resubmit_many") or not host_sigs:  # a tree from before bundles
         modes.pop("bundle")
     if not repeat:
         modes.pop("hooks")
@@ -460,10 +491,14 @@ def main() -> None:
             finally:
                 del opt._collect  # type: ignore[attr-defined]
 
-        local = ("raw", "plain")
+        local = ("raw", "plain", "floor")
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
+    if args.modes:
+        keep = set(args.modes.split(",")) | ({"plain"} if any(m.startswith("optimizer") for m in args.modes.split(","))
+                                            else set())
+        modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep}
     if args.monitor:
         monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
                        args.reps, args.monitor_block_s, comm)
@@ -492,11 +527,15 @@ def main() -> None:
     if hvd.rank() == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         for mode in ("optimizer", "optimizer_unopt", "optimizer_groups1"):
-            if mode in times:
+            if mode in times and "plain" in times:
                 med[mode.replace("optimizer", "optimizer_overhead")] = statistics.median(
                     a - b for a, b in zip(times[mode], times["plain"])) * 1e3
+        # Horovod's host cost per tensor: the step less the transport's floor, per tensor.
+        per_tensor = {f"{k}_us_per_tensor": round((med[k] - med["floor"]) * 1e3 / args.tensors, 3)
+                      for k in ("async_sync", "hooks", "grouped") if k in med and "floor" in med}
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
-                          **{f"{k}_ms": round(v, 3) for k, v in med.items()}}), flush=True)
+                          "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+                          **per_tensor}), flush=True)
     if args.phases:
         split = phases({**modes, "hooks_submit": hooks_submit}, tensors, names, args.reps, comm.Barrier)
         if hvd.rank() == 0:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceTensor", "current_stream", "latest_ready", "set_join_device", "join_device", "unwrap",
-           "user_tensors", "wait_done"]
+__all__ = ["DeviceTensor", "again", "again_many", "current_stream", "latest_ready", "set_join_device",
+           "join_device", "unwrap", "user_tensors", "wait_done"]
 
 _join_device: list[torch.device | None] = [None]
 
@@ -92,6 +92,41 @@ class DeviceTensor:
     def nbytes(self) -> int:
         """Bytes of the tensor (the engine's counters read it as they read an array's)."""
         return self.tensor.numel() * self.tensor.element_size()
+
+
+_new = object.__new__
+
+
+def again(tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, ndim: int, cuda: bool) -> DeviceTensor:
+    """``DeviceTensor.of(tensor)`` for a tensor whose shape, dtype name and rank are known (a
+    resubmission checked them): the same wrapper without reading them from the tensor again."""
+    w: DeviceTensor = _new(DeviceTensor)
+    w.tensor, w.shape, w.dtype, w.ndim, w.parent, w.done = tensor, shape, dtype, ndim, None, None
+    if cuda:
+        stream = current_stream(tensor.get_device())
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        w.ready, w.stream, w.seq = ready, stream, next(_SEQ)
+    else:
+        w.ready = w.stream = None
+        w.seq = 0
+    return w
+
+
+def again_many(tensors: Sequence[torch.Tensor], facts: Sequence[Any], cuda: bool) -> list[DeviceTensor]:
+    """``again`` for the tensors of one grouped call (``facts``: each one's shape, dtype name and
+    rank), sharing one ready event on CUDA: the tensors are all handed over at one point of the
+    caller's stream, and an event marks that point for every one of them (one event and one
+    record instead of one per tensor)."""
+    out = [again(t, f.shape, f.dtype, f.ndim, False) for t, f in zip(tensors, facts)]
+    if cuda and out:
+        stream = current_stream(tensors[0].get_device())
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        seq = next(_SEQ)
+        for w in out:
+            w.ready, w.stream, w.seq = ready, stream, seq
+    return out
 
 
 # (stream, done event) the caller's stream last waited for: every handle of a batch shares one

@@ -93,6 +93,13 @@ class TorchBuffers:
             return [unwrap(o) for o in given]
         return [torch.empty_like(unwrap(x)) for x in inputs]
 
+    @staticmethod
+    def item(new: Any, name: str, x: Any) -> Item:
+        """The item of one tensor reduced in place (``items`` of ``[x], [x]``): ``batch_items``'
+        per-tensor fast path (a resubmitted ``allreduce_async_``); ``new`` is ``tuple.__new__``."""
+        t = unwrap(x)
+        return new(Item, (t, t, True, name, t.numel()))
+
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
         new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
@@ -136,6 +143,13 @@ class TorchBuffers:
             pieces = torch._C._nn.unflatten_dense_tensors(buf, dsts)
             if not scaled:
                 torch._foreach_copy_(dsts, pieces)
+                return
+            work = buf.dtype
+            if all(o.dtype == work for o in dsts):
+                # Copied exactly, then scaled in place as scale_into would scale the piece: the
+                # same rounding, in one call for all tensors instead of one per tensor.
+                torch._foreach_copy_(dsts, pieces)
+                self.scale_all(dsts, post, div)
                 return
             for o, piece in zip(dsts, pieces):
                 scale_into(o, piece, post, div)

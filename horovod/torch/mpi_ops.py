@@ -175,14 +175,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         ValueError, NotImplementedError: as ``allreduce_async``.
         HorovodInternalError: ranks disagree on dtype/shape/op, or the transport failed.
     """
-    try:
-        _cv.check_tensor(tensor, "allreduce", _RED)
-        rop = _C.resolve_op(average, op)
-    except _BAD as exc:
-        _fail(_ALLREDUCE, name, process_set, exc)
-    compressed, cctx = compression.compress(tensor)
-    out = HorovodAllreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(out, cctx)
+    ts, rop = _checked(tensor, "allreduce", _ALLREDUCE, name, process_set, average, op, False)
+    return _compressed(ts, compression, lambda c: (HorovodAllreduce.apply(
+        c, name, rop, prescale_factor, postscale_factor, process_set),))[0]
 
 
 # ---------------------------------------------------------------------------- grouped allreduce
@@ -260,14 +255,27 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
     Differentiable. All ranks of the set must pass lists of the same length, dtypes and shapes.
     """
+    ts, rop = _checked(tensors, "grouped_allreduce", _ALLREDUCE, name, process_set, average, op)
+    return _compressed(ts, compression, lambda *cs: HorovodGroupedAllreduce.apply(
+        name, rop, prescale_factor, postscale_factor, process_set, *cs))
+
+
+def _checked(tensors: Any, what: str, kind: RequestType, name: str | None, process_set: ProcessSet,
+             average: bool | None, op: int | None, grouped: bool = True) -> tuple[list[torch.Tensor], ReduceOp]:
+    """A reduction's tensors (a list, or one tensor unless ``grouped``) and op, checked; a bad
+    argument fails on every rank of the set."""
     try:
-        ts = _tensors(tensors, "grouped_allreduce", _RED)
-        rop = _C.resolve_op(average, op)
+        ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
+        return ts, _C.resolve_op(average, op)
     except _BAD as exc:
-        _fail(_ALLREDUCE, name, process_set, exc, True)
+        _fail(kind, name, process_set, exc, grouped)
+
+
+def _compressed(ts: Sequence[torch.Tensor], compression: Any,
+                apply: Callable[..., Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """``apply`` on the compressed tensors, each output decompressed with its input's context."""
     pairs = [compression.compress(t) for t in ts]
-    outs = HorovodGroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set,
-                                         *[c for c, _ in pairs])
+    outs = apply(*[c for c, _ in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
@@ -604,14 +612,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
                   op: int = Average, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over the set and return this rank's rows; blocks. Differentiable."""
-    try:
-        _cv.check_tensor(tensor, "reducescatter", _RED)
-        rop = _C.resolve_op(None, op)
-    except _BAD as exc:
-        _fail(_REDUCESCATTER, name, process_set, exc)
-    compressed, cctx = compression.compress(tensor)
-    out = HorovodReducescatter.apply(compressed, name, rop, process_set, prescale_factor, postscale_factor)
-    return compression.decompress(out, cctx)
+    ts, rop = _checked(tensor, "reducescatter", _REDUCESCATTER, name, process_set, None, op, False)
+    return _compressed(ts, compression, lambda c: (HorovodReducescatter.apply(
+        c, name, rop, process_set, prescale_factor, postscale_factor),))[0]
 
 
 class HorovodGroupedReducescatter(torch.autograd.Function):
@@ -635,15 +638,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each tensor of the list as one unit; returns a list. Differentiable."""
-    try:
-        ts = _tensors(tensors, "grouped_reducescatter", _RED)
-        rop = _C.resolve_op(None, op)
-    except _BAD as exc:
-        _fail(_REDUCESCATTER, name, process_set, exc, True)
-    pairs = [compression.compress(t) for t in ts]
-    outs = HorovodGroupedReducescatter.apply(name, rop, process_set, prescale_factor, postscale_factor,
-                                             *[c for c, _ in pairs])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+    ts, rop = _checked(tensors, "grouped_reducescatter", _REDUCESCATTER, name, process_set, None, op)
+    return _compressed(ts, compression, lambda *cs: HorovodGroupedReducescatter.apply(
+        name, rop, process_set, prescale_factor, postscale_factor, *cs))
 
 
 # ---------------------------------------------------------------------------- control

@@ -219,7 +219,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return
             if self._groups is None:
                 signature = slot.fast
-                if signature is not None:
+                if signature is not None and signature[7].host:  # bundles: host tensors only
                     if self._collected:  # a bundle of this pass is open: join it
                         self._collected.append((p, signature))
                         return

@@ -166,6 +166,7 @@ def _collective_cases():
         bad.append(f"rank {r}: the process set's operations did not make a plane process group")
     if any(k[0].ranks == members for k in plane._transports):
         bad.append(f"rank {r}: the plane kept the removed process set's process group")
+    _repeat_cases(hvd, r, n, check, bad)
     # differentiable ops keep working on the plane
     w = torch.full((3,), float(r + 1), requires_grad=True)
     hvd.allreduce(w, op=hvd.Sum, name="grad.ar").sum().backward()
@@ -174,6 +175,50 @@ def _collective_cases():
         bad.append(f"rank {r}: the device plane never ran (HOROVOD_TORCH_CPU_PLANE ignored?)")
     hvd.shutdown()
     return bad
+
+
+def _repeat_cases(hvd, r, n, check, bad):
+    """Named in-place allreduces repeated step after step take the plane's repeat path (the
+    checked request resubmitted on new wrappers): exact values on the same tensors, on new
+    tensors, after a shape change (checked again), and for grouped calls."""
+    import torch
+
+    from horovod.torch import _repeat
+
+    same = torch.zeros(5)
+    for step in range(4):
+        same.copy_(torch.arange(5.0) * (r + 1) + step)
+        fresh = torch.full((2, 3), float(r + step), dtype=torch.float64)
+        hs = [hvd.allreduce_async_(same, name="rep.same", op=hvd.Sum),
+              hvd.allreduce_async_(fresh, name="rep.fresh", op=hvd.Average)]
+        got = [hvd.synchronize(h) for h in hs]
+        if got[0] is not same or got[1] is not fresh:
+            bad.append(f"rank {r}: repeated allreduce_async_ did not return its tensor (step {step})")
+        check(f"repeat same tensor (step {step})", same, torch.arange(5.0) * (n * (n + 1) // 2) + n * step)
+        check(f"repeat new tensor (step {step})", fresh,
+              torch.full((2, 3), (n - 1) / 2 + step, dtype=torch.float64), tol=0)
+    sig = _repeat._REPEAT.get(("rep.same", hvd.Sum, 1.0, 1.0, 0))
+    if sig is None or sig[7].host or sig[7].cuda:
+        bad.append(f"rank {r}: no device-plane repeat signature for a repeated twin allreduce_: {sig}")
+    changed = torch.full((7,), float(r))  # another shape: the checked path, same name
+    check("repeat after a shape change", hvd.allreduce_(changed, name="rep.same", op=hvd.Sum),
+          torch.full((7,), float(sum(range(n)))))
+    group = [torch.full((k + 1,), float(r * 10 + k)) for k in range(9)] + [torch.full((3,), r, dtype=torch.int32)]
+    for step in range(3):
+        for k, t in enumerate(group[:9]):
+            t.fill_(float(r * 10 + k + step))
+        group[9].fill_(r + step)
+        out = hvd.grouped_allreduce_(group[:9], name="rep.group", op=hvd.Average)
+        ints = hvd.grouped_allreduce_([group[9]], name="rep.group.int", op=hvd.Sum)
+        if any(o is not t for o, t in zip(out, group[:9])) or ints[0] is not group[9]:
+            bad.append(f"rank {r}: repeated grouped_allreduce_ did not return its tensors (step {step})")
+        for k, t in enumerate(group[:9]):
+            check(f"repeat grouped[{k}] (step {step})", t, torch.full((k + 1,), 10 * (n - 1) / 2 + k + step), tol=0)
+        check(f"repeat grouped int (step {step})", group[9],
+              torch.full((3,), n * (n - 1) // 2 + n * step, dtype=torch.int32), tol=0)
+    rep = _repeat._REPEAT.get(("grouped", "rep.group", hvd.Average, 1.0, 1.0, 0))
+    if rep is None or rep.facts is None or rep.arrays[0].tensor is not group[0]:
+        bad.append(f"rank {r}: the grouped twin call did not keep its wrappers for the repeat path")
 
 
 @pytest.mark.parametrize("np_", NPS)

@@ -273,3 +273,30 @@ def test_optimizer_hooks_hash_tensors_a_bounded_number_of_times_per_parameter(hv
         for p in params:  # the gradient is averaged over one rank: unchanged; SGD steps by it
             assert torch.allclose(p, torch.full((3,), 1.0 - 0.1 * (step + 1)))
     assert len(calls) <= 8 * n, f"{len(calls)} tensor hashes in one step of {n} parameters"
+
+
+def test_repeat_host_view_is_reused_for_the_same_tensor_and_never_keeps_it_alive():
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from horovod.torch._repeat import _HostView
+
+    memo = _HostView()
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    first = memo.view(t)  # first sighting: the tensor's own numpy() view
+    second = memo.view(t)  # second: the view kept for later calls
+    assert memo.view(t) is second and second.shape == (2, 3) and second.dtype == np.float32
+    second[1, 2] = 42.0  # the kept view writes the tensor's memory
+    assert t[1, 2].item() == 42.0 and first[1, 2] == 42.0
+    t.data = torch.zeros(3, 4)  # new memory under the same tensor object: a fresh view, never the old one
+    again = memo.view(t)
+    assert again.shape == (3, 4) and again is not second
+    other = torch.ones(2, 3)
+    assert memo.view(other) is not second  # another tensor object: its own view
+    ref = weakref.ref(t)
+    memo.view(t), memo.view(t)
+    del t, first, again
+    gc.collect()
+    assert ref() is None, "the kept view must not keep its tensor alive"

@@ -68,6 +68,17 @@ class Entry:
         self.splits = splits
 
 
+def _tunable(name: str, convert: Callable[[Any], Any]) -> Any:
+    """A read-write property on ``self.tunables.<name>`` (read every batch; set as ``convert(value)``)."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.tunables, name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(self.tunables, name, convert(value))
+    return property(get, put, doc=f"``tunables.{name}``")
+
+
 _HUGE_PAGE = 2 * 1024 * 1024
 
 
@@ -157,41 +168,14 @@ class Executor:
         return calls
 
     # ------------------------------------------------------------------ tunables (read every batch)
-    @property
-    def max_tensor_bytes(self) -> int:
-        return self.tunables.max_tensor_bytes
-
-    @max_tensor_bytes.setter
-    def max_tensor_bytes(self, value: int) -> None:
-        self.tunables.max_tensor_bytes = int(value)
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.tunables.chunk_bytes
-
-    @chunk_bytes.setter
-    def chunk_bytes(self, value: int) -> None:
-        self.tunables.chunk_bytes = int(value)
+    max_tensor_bytes = _tunable("max_tensor_bytes", int)
+    chunk_bytes = _tunable("chunk_bytes", int)
+    hierarchical_allreduce = _tunable("hierarchical_allreduce", bool)
+    hierarchical_allgather = _tunable("hierarchical_allgather", bool)
 
     @property
     def fusion_enabled(self) -> bool:
         return self.tunables.fusion_threshold > 0
-
-    @property
-    def hierarchical_allreduce(self) -> bool:
-        return self.tunables.hierarchical_allreduce
-
-    @hierarchical_allreduce.setter
-    def hierarchical_allreduce(self, value: bool) -> None:
-        self.tunables.hierarchical_allreduce = bool(value)
-
-    @property
-    def hierarchical_allgather(self) -> bool:
-        return self.tunables.hierarchical_allgather
-
-    @hierarchical_allgather.setter
-    def hierarchical_allgather(self, value: bool) -> None:
-        self.tunables.hierarchical_allgather = bool(value)
 
     # ------------------------------------------------------------------ lanes
     def host_lane(self, group: Group) -> Lane:

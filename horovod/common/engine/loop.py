@@ -187,6 +187,7 @@ class Engine:
             self._straggler = StragglerDetector(self.size)
         self._exchange_due = clock() + self._exchange_every
         self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
+        self._helper = self.help_until  # what handles call to drive rounds (one bound method)
 
     # ================================================================ caller side
     def start(self) -> None:
@@ -209,15 +210,23 @@ class Engine:
             HorovodShutdownError: the engine has shut down.
         """
         name = entry.request.name
+        in_flight = self._in_flight
         with self._lock:
             if self._stopped:
                 raise HorovodShutdownError(self._stop_reason)
-            if name in self._in_flight:
+            if name in in_flight:
                 raise ValueError(DUPLICATE_NAME_MESSAGE.format(name=name))
-            self._in_flight[name] = entry
-            entry.handle.helper = self.help_until
+            in_flight[name] = entry
+            entry.handle.helper = self._helper
             entry.t_submit = self._clock()
-            self._enqueue([entry], wake, defer)
+            if defer and not self.tunables.overlap:
+                self._enqueue([entry], wake, defer)
+                return
+            # _enqueue of one entry, inlined (once per tensor of a step)
+            self._queue.append(entry)
+            if wake and self._idle:
+                self._idle = False
+                self._cv.notify()
 
     def submit_many(self, entries: list[Entry], wake: bool = True, defer: bool = False) -> None:
         """``submit`` for several entries at once (one lock, one wake-up): a gradient bundle.
@@ -239,7 +248,7 @@ class Engine:
                 name = next(n for n in names if n in in_flight)
                 raise ValueError(DUPLICATE_NAME_MESSAGE.format(name=name))
             now = self._clock()
-            helper = self.help_until
+            helper = self._helper
             for e in entries:
                 e.t_submit = now
                 e.handle.helper = helper
@@ -730,7 +739,7 @@ class Engine:
         if kind == RequestType.BARRIER:
             self._complete(entries)
             return
-        if any(e is None for e in entries) and not (self._joined and kind == RequestType.ALLREDUCE):
+        if None in entries and not (self._joined and kind == RequestType.ALLREDUCE):
             missing = [r.name for r, e in zip(batch, entries) if e is None]
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise HorovodInternalError(f"engine state diverged: rank {self.rank} was asked to run {shown}, "
