@@ -89,6 +89,25 @@ def env(**values):
                 os.environ[k] = v
 
 
+class _NotProvided:
+    """An upstream internal this project does not provide: importing it works (so that the rest of
+    the test file runs), using it fails and says so."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.name} is an upstream internal that horovod-py does not provide")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _NotProvided(f"{self.name}.{attr}")
+
+
+RAY_INTERNALS = {"horovod.ray.runner": ["Coordinator"], "horovod.ray.strategy": ["create_placement_group"]}
+
+
 def executing_eagerly():
     import tensorflow as tf
     return tf.executing_eagerly()
@@ -103,6 +122,9 @@ def pytest_configure(config):
     _supply("horovod.runner.util")
     _supply("horovod.runner.util.threads", in_thread=in_thread)
     _supply("horovod.common.util", is_version_greater_equal_than=is_version_greater_equal_than, env=env)
+    if any("test_ray" in str(a) for a in config.args):
+        for module, names in RAY_INTERNALS.items():
+            _supply(module, **{n: _NotProvided(f"{module}.{n}") for n in names})
     if any("tensorflow" in str(a) or "keras" in str(a) for a in config.args):
         _supply("horovod.tensorflow.util", _executing_eagerly=executing_eagerly)
         _supply("horovod.tensorflow", _executing_eagerly=executing_eagerly)

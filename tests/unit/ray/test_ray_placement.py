@@ -64,3 +64,11 @@ def test_every_rank_of_a_node_sees_the_gpus_of_its_node_in_rank_order():
     assert shared_visible_devices(["a", "a", "b", "b"], [[3], [1], [0], [2]]) == \
         ["3,1", "3,1", "0,2", "0,2"]
     assert shared_visible_devices(["a"], [[]]) == [""]
+
+
+def test_upstream_elastic_v2_module_names_the_same_discovery():
+    pytest.importorskip("ray")
+    from horovod.ray import elastic, elastic_v2
+
+    assert elastic_v2.RayHostDiscovery is elastic.RayHostDiscovery
+    assert elastic_v2.ElasticAdapter is elastic.ElasticAdapter

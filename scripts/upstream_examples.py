@@ -1,0 +1,498 @@
+#!/usr/bin/env python3
+"""Run upstream Horovod's own examples against the installed ``horovod`` package.
+
+Upstream's ``examples/`` folder (GitHub's source archive at a pinned tag, never the PyPI sdist) is
+fetched once into the cache that ``scripts/upstream_tests.py`` uses. Every example that applies to
+this project (PyTorch, TensorFlow 2, Keras, elastic, Spark, Ray, Adasum; MXNet is not provided) runs
+as a user runs it, on data this script generates in the format the example reads:
+
+- MNIST as IDX files where torchvision looks (``<data-dir>/MNIST/raw``), as Keras' ``mnist.npz``
+  (and the per-rank names the examples ask for) under ``$KERAS_HOME/datasets``, and as LIBSVM
+  ``mnist.bz2`` where the Spark examples look: scikit-learn's digits drawn at MNIST's size;
+- ImageNet as a small ImageFolder tree of JPEG files (``train/`` and ``validation/``);
+- nothing for the synthetic benchmarks.
+
+Runs are short (the example's own flags for epochs and batches where it has them), at np=2 under
+``horovodrun`` (elastic examples in elastic mode with a discovery script; Spark and Ray examples
+start their own jobs, Ray's on a local cluster this script starts and stops), each with a timeout.
+The only edits are the ones today's frameworks force; each is a text patch listed in ``EXAMPLES``
+with the framework change that forces it, and is applied only where its text is found exactly once
+(an edit that no longer applies fails the example, naming it)::
+
+    python scripts/upstream_examples.py                       # every example, the table at the end
+    python scripts/upstream_examples.py --source horovod-0.28.1.tar.gz pytorch/pytorch_mnist.py
+    python scripts/upstream_examples.py --list                # the examples and their status
+
+Options: ``--source`` (a ``.tar.gz``, URL or unpacked checkout instead of GitHub), ``--ref``,
+``--cache``, ``--out DIR`` (work folders, logs and ``results.md``; default a new temporary folder),
+``--timeout`` (seconds per example, default each example's own). Keras verifies the SHA-256 of its
+MNIST download, which a generated file cannot match: the runs' ``sitecustomize`` (in ``--out``)
+accepts the files under the generated ``$KERAS_HOME`` and nothing else. Exit status: 0 when every
+example that applies passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import gzip
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import upstream_tests  # noqa: E402 - the fetch and cache of upstream's source
+
+# (what the example has, what it needs instead, the framework change that forces it)
+Edit = tuple[str, str, str]
+
+KERAS_OPT_LR = "Keras 3 optimizers take `learning_rate`; the `lr` alias is gone"
+LIGHTNING_EPOCH_END = ("Lightning 2.0 removed LightningModule.validation_epoch_end and refuses a module "
+                       "defining it")
+LIGHTNING_ON_EPOCH_END = ("Lightning 2.0 no longer calls Callback.on_epoch_end; the example's callback "
+                          "asserts on its count")
+
+LIGHTNING_SPARK_EDITS: list[Edit] = [
+    ("""        def validation_epoch_end(self, outputs):
+            avg_loss = torch.stack([x['val_loss'] for x in outputs]).mean() if len(outputs) > 0 else float('inf')
+            self.log('avg_val_loss', avg_loss)
+""", "", LIGHTNING_EPOCH_END),
+    ("""            print('A train epoch ended.')
+""", """            print('A train epoch ended.')
+            self.on_epoch_end(trainer, model)
+""", LIGHTNING_ON_EPOCH_END),
+    ("""            print('A val epoch ended.')
+""", """            print('A val epoch ended.')
+            self.on_epoch_end(trainer, model)
+""", LIGHTNING_ON_EPOCH_END + " (validation epochs)"),
+]
+
+
+@dataclass
+class Example:
+    path: str                          # under upstream's examples/
+    launch: str = "horovodrun"         # horovodrun | elastic | python (Spark, Ray: their own launcher)
+    args: str = ""                     # {data} {work} are filled in
+    data: str = ""                     # mnist_idx | keras_npz | libsvm | imagefolder | ""
+    edits: list[Edit] = field(default_factory=list)
+    timeout: int = 600
+    ray: str = ""                      # ray start options: the example needs a running cluster
+    skip: str = ""                     # why it does not apply (then it is listed, never run)
+    metric: tuple[str, str] | None = None  # (label, pattern) where METRICS does not fit its output
+
+
+TF1 = ("TensorFlow 1 graph mode (`tf.Session`, `tf.placeholder`, `tf.estimator`): TensorFlow 2.16 "
+       "removed `tf.estimator`, and TensorFlow 2 has no `tf.Session` outside `tf.compat.v1`")
+
+EXAMPLES: list[Example] = [
+    Example("pytorch/pytorch_mnist.py", args="--epochs 2 --data-dir {data}", data="mnist_idx"),
+    Example("pytorch/pytorch_synthetic_benchmark.py",
+            args="--model resnet18 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+    Example("pytorch/pytorch_lightning_mnist.py", args="--epochs 2 --data-dir {data}", data="mnist_idx"),
+    Example("pytorch/pytorch_imagenet_resnet50.py",
+            args="--train-dir {data}/train --val-dir {data}/validation --batch-size 8 --val-batch-size 8 "
+                 "--epochs 1 --warmup-epochs 0", data="imagefolder", timeout=900),
+    Example("tensorflow2/tensorflow2_mnist.py", data="keras_npz"),
+    Example("tensorflow2/tensorflow2_keras_mnist.py", data="keras_npz"),
+    Example("tensorflow2/tensorflow2_synthetic_benchmark.py",
+            args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+    Example("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
+            args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+    Example("tensorflow2/tensorflow2_mnist_data_service.py",
+            skip="needs `horovod.tensorflow.data.compute_service` (tf.data service workers run by "
+                 "Horovod), which this project does not provide"),
+    Example("tensorflow2/tensorflow2_mnist_data_service_train_fn_compute_side_dispatcher.py",
+            skip="a module of tensorflow2_mnist_data_service.py, not a program"),
+    Example("tensorflow2/tensorflow2_mnist_data_service_train_fn_training_side_dispatcher.py",
+            skip="a module of tensorflow2_mnist_data_service.py, not a program"),
+    Example("keras/keras_mnist.py", data="keras_npz"),
+    Example("keras/keras_mnist_advanced.py", args="--epochs 2", data="keras_npz"),
+    Example("keras/keras_imagenet_resnet50.py",
+            args="--train-dir {data}/train --val-dir {data}/validation --batch-size 8 --val-batch-size 8 "
+                 "--epochs 1 --warmup-epochs 0", data="imagefolder", timeout=900),
+    Example("tensorflow/tensorflow_mnist.py", skip=TF1),
+    Example("tensorflow/tensorflow_mnist_estimator.py", skip=TF1),
+    Example("tensorflow/tensorflow_keras_mnist.py", skip=TF1),
+    Example("tensorflow/tensorflow_synthetic_benchmark.py", skip=TF1),
+    Example("tensorflow/tensorflow_word2vec.py", skip=TF1),
+    Example("tensorflow/tensorflow_mnist_eager.py", data="keras_npz"),
+    Example("elastic/pytorch/pytorch_mnist_elastic.py", launch="elastic", args="--epochs 2 --data-dir {data}",
+            data="mnist_idx"),
+    Example("elastic/pytorch/pytorch_synthetic_benchmark_elastic.py", launch="elastic",
+            args="--model resnet18 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+    Example("elastic/pytorch/pytorch_imagenet_resnet50_elastic.py", launch="elastic",
+            args="--train-dir {data}/train --val-dir {data}/validation --batch-size 8 --val-batch-size 8 "
+                 "--epochs 1 --warmup-epochs 0", data="imagefolder", timeout=900),
+    Example("elastic/tensorflow2/tensorflow2_mnist_elastic.py", launch="elastic", data="keras_npz"),
+    Example("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", launch="elastic", data="keras_npz"),
+    Example("elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py", launch="elastic",
+            args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+    Example("elastic/tensorflow/tensorflow_keras_mnist_elastic.py", launch="elastic",
+            args="--epochs 2 --batches-per-epoch 20", data="keras_npz"),
+    Example("adasum/adasum_small_model.py", args="--op Adasum",
+            metric=("steps to converge (100: not within 50)", r"<stdout>:\S+ Adasum \S+ \d+ (\d+)")),
+    Example("spark/pytorch/pytorch_spark_mnist.py", launch="python",
+            args="--num-proc 2 --epochs 4 --data-dir {data} --work-dir {work}", data="libsvm", timeout=1200),
+    Example("spark/keras/keras_spark_mnist.py", launch="python",
+            args="--num-proc 2 --epochs 4 --data-dir {data} --work-dir {work}", data="libsvm", timeout=1200),
+    Example("spark/pytorch/pytorch_lightning_spark_mnist.py", launch="python",
+            args="--num-proc 2 --data-dir {data} --work-dir {work}", data="libsvm",
+            edits=LIGHTNING_SPARK_EDITS, timeout=1800),
+    Example("spark/pytorch/pytorch_lightning_spark_mnist_legacy.py", launch="python",
+            args="--num-proc 2 --epochs 4 --data-dir {data} --work-dir {work}", data="libsvm", timeout=1200),
+    Example("spark/keras/keras_spark_rossmann_estimator.py",
+            skip="needs Kaggle's Rossmann store-sales CSV files (seven tables, joined by the example's "
+                 "feature engineering); none is generated here"),
+    Example("spark/keras/keras_spark_rossmann_run.py",
+            skip="needs Kaggle's Rossmann CSV files and Petastorm's `make_batch_reader`"),
+    Example("spark/keras/keras_spark3_rossmann.py",
+            skip="needs Kaggle's Rossmann CSV files, Petastorm and GPU resources (Spark 3 GPU scheduling)"),
+    Example("spark/tensorflow2/tensorflow2_mnist_data_service.py",
+            skip="needs `horovod.tensorflow.data.compute_service`, which this project does not provide"),
+    Example("ray/tensorflow2_mnist_ray.py", launch="python", args="--address auto", data="keras_npz",
+            ray="--num-cpus 64", timeout=900),
+    Example("ray/pytorch_ray_elastic.py", launch="python", args="--epochs 1 --data-dir {data}", data="mnist_idx",
+            ray="--num-cpus 4 --num-gpus 2", timeout=900),
+    Example("ray/basic_ray_elastic.py", launch="python", args="--epochs 1 --data-dir {data}", data="mnist_idx",
+            ray="--num-cpus 4 --num-gpus 2", timeout=900),
+]
+
+SITECUSTOMIZE = '''"""Accept generated MNIST files under $KERAS_HOME in place of Keras' hashed download."""
+import importlib.abc, importlib.machinery, os, sys
+
+_HOME = os.path.realpath(os.environ.get("KERAS_HOME", "")) if os.environ.get("KERAS_HOME") else None
+_TARGETS = {"keras.src.utils.file_utils", "tf_keras.src.utils.data_utils"}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _TARGETS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name.rpartition(".")[2], path)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            original = module.validate_file
+
+            def validate_file(fpath, *args, **kwargs):
+                if os.path.realpath(str(fpath)).startswith(_HOME + os.sep):
+                    return True  # a generated stand-in for the download
+                return original(fpath, *args, **kwargs)
+
+            module.validate_file = validate_file
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _HOME:
+    sys.meta_path.insert(0, _Finder())
+'''
+
+METRICS = [  # (label, pattern): the last match of the first pattern found is the result
+    ("test accuracy", r"Test accuracy:? \(?([0-9.]+)"),
+    ("test accuracy", r"Test set: Average loss: [0-9.]+, Accuracy: ([0-9.]+%)"),
+    ("img/sec", r"Total img/sec on \d+ \w+\(s\): ([0-9.]+ \+-[0-9.]+)"),
+    ("val accuracy", r"val_accuracy: ([0-9.]+)"),
+    ("train accuracy", r"\baccuracy: ([0-9.]+)"),
+    ("loss", r"[Ll]oss: ([0-9.]+)"),
+]
+
+
+# ---------------------------------------------------------------------------------------- data
+
+def mnist_like(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as MNIST: 8x8 images scaled to 24x24 in a 28x28 frame, 0-255 (uint8),
+    each also shifted by 2 pixels up, down, left and right: 8985 images, shuffled."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    imgs = np.pad(np.kron(x.reshape(-1, 8, 8) / 16.0, np.ones((3, 3))), ((0, 0), (2, 2), (2, 2)))
+    shifted = [np.roll(imgs, s, axis=a) for s, a in ((0, 1), (2, 1), (-2, 1), (2, 2), (-2, 2))]
+    pixels = np.round(np.concatenate(shifted) * 255).astype(np.uint8)
+    labels = np.tile(y, 5).astype(np.uint8)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    return pixels[order], labels[order]
+
+
+def split(n_test: int = 1000) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    x, y = mnist_like()
+    return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
+
+
+def write_mnist_libsvm(path: Path) -> int:
+    """MNIST-shaped rows as LIBSVM lines (label, then 1-based index:value of nonzero pixels), bz2,
+    as the LIBSVM site's ``mnist.bz2``."""
+    x, y = mnist_like()
+    rows = x.reshape(len(x), -1)
+    lines = []
+    for label, row in zip(y, rows):
+        nz = np.nonzero(row)[0]
+        lines.append(f"{label} " + " ".join(f"{i + 1}:{row[i]}" for i in nz))
+    path.write_bytes(bz2.compress(("\n".join(lines) + "\n").encode()))
+    return len(lines)
+
+
+def write_mnist_idx(root: Path) -> None:
+    """The four IDX files of MNIST, unpacked and gzipped, where torchvision's ``MNIST(root)`` looks."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    (xtr, ytr), (xte, yte) = split()
+    for name, arr in (("train-images-idx3-ubyte", xtr), ("train-labels-idx1-ubyte", ytr),
+                      ("t10k-images-idx3-ubyte", xte), ("t10k-labels-idx1-ubyte", yte)):
+        header = struct.pack(">HBB", 0, 0x08, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+        data = header + arr.tobytes()
+        (raw / name).write_bytes(data)
+        (raw / f"{name}.gz").write_bytes(gzip.compress(data))
+
+
+KERAS_NAMES = ["mnist.npz", "mnist-0.npz", "mnist-1.npz", "MNIST-data-0", "MNIST-data-1"]
+
+
+def write_keras_mnist(keras_home: Path) -> None:
+    """Keras' ``mnist.npz`` (x_train, y_train, x_test, y_test) under every name the examples pass."""
+    folder = keras_home / "datasets"
+    folder.mkdir(parents=True, exist_ok=True)
+    (xtr, ytr), (xte, yte) = split()
+    for name in KERAS_NAMES:
+        with open(folder / name, "wb") as fh:
+            np.savez(fh, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte)
+
+
+def write_imagefolder(root: Path, classes: int = 4, train: int = 8, val: int = 4) -> None:
+    """``train/`` and ``validation/`` ImageFolder trees of JPEG files, one folder per class, each
+    class a different colour (so that a model can learn it)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split_name, count in (("train", train), ("validation", val)):
+        for c in range(classes):
+            folder = root / split_name / f"n{c:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            base = np.zeros(3)
+            base[c % 3] = 200
+            for i in range(count):
+                img = np.clip(base + rng.normal(0, 30, (96, 96, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(img).save(folder / f"img_{i}.JPEG", quality=90)
+
+
+def prepare(kind: str, data: Path, keras_home: Path) -> None:
+    marker = data / f".{kind or 'none'}"
+    if marker.exists() or not kind:
+        return
+    data.mkdir(parents=True, exist_ok=True)
+    if kind == "mnist_idx":
+        write_mnist_idx(data)
+    elif kind == "keras_npz":
+        write_keras_mnist(keras_home)
+    elif kind == "libsvm":
+        write_mnist_libsvm(data / "mnist.bz2")
+    elif kind == "imagefolder":
+        write_imagefolder(data)
+    else:
+        raise ValueError(kind)
+    marker.touch()
+
+
+# ----------------------------------------------------------------------------------------- run
+
+def apply_edits(text: str, edits: list[Edit]) -> str:
+    for old, new, why in edits:
+        if text.count(old) != 1:
+            raise ValueError(f"the example changed: the edit for {why!r} no longer applies")
+        text = text.replace(old, new)
+    return text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayCluster:
+    """A local Ray head started with ``ray start --head --block`` in its own process group and
+    stopped by that group's id (never ``ray stop``, which stops every cluster on the machine)."""
+
+    def __init__(self, options: str, work: Path, env: dict[str, str]) -> None:
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
+        self.log = open(work / "ray.log", "w")
+        self.proc = subprocess.Popen(
+            ["ray", "start", "--head", "--block", f"--port={port}", f"--temp-dir={tmp}",
+             "--include-dashboard=false", *shlex.split(options)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited {self.proc.returncode}; see {work / 'ray.log'}")
+            probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{self.address}'); "
+                                    "print(ray.cluster_resources())"], capture_output=True, text=True, env=env)
+            if probe.returncode == 0:
+                return
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError("the Ray head did not come up in 120 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def metric(out: str, own: tuple[str, str] | None = None) -> str:
+    for label, pattern in ([own] if own else METRICS):
+        found = re.findall(pattern, out)
+        if found:
+            return f"{label} {found[-1]}"
+    return ""
+
+
+def why_failed(out: str) -> str:
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.search(r"(Error|Exception|error:)\b", ln) and "Traceback" not in ln:
+            return re.sub(r"^\[\d+\]<std(err|out)>:", "", ln)[:200]
+    return lines[-1][:200] if lines else "no output"
+
+
+def run_one(ex: Example, examples: Path, out: Path, env: dict[str, str], np_: int,
+            timeout: int | None) -> dict[str, str]:
+    work = out / ex.path.replace("/", "__").removesuffix(".py")
+    work.mkdir(parents=True, exist_ok=True)
+    data = out / "data" / (ex.data or "none")
+    keras_home = out / "data" / "keras"
+    prepare(ex.data, data, keras_home)
+    src = examples / ex.path
+    script = work / src.name
+    script.write_text(apply_edits(src.read_text(), ex.edits))
+    for sibling in src.parent.glob("*.py"):  # examples import their neighbours
+        if sibling.name != src.name and not (work / sibling.name).exists():
+            shutil.copy(sibling, work / sibling.name)
+    args = shlex.split(ex.args.format(data=data, work=work))
+    run_env = dict(env, KERAS_HOME=str(keras_home))
+    if ex.launch == "horovodrun":
+        cmd = ["horovodrun", "-np", str(np_), sys.executable, script.name, *args]
+    elif ex.launch == "elastic":
+        discover = work / "discover.sh"
+        discover.write_text(f"#!/bin/sh\necho localhost:{np_}\n")
+        discover.chmod(0o755)
+        cmd = ["horovodrun", "-np", str(np_), "--min-np", str(np_), "--max-np", str(np_),
+               "--host-discovery-script", str(discover), sys.executable, script.name, *args]
+    else:
+        cmd = [sys.executable, script.name, *args]
+    shown = " ".join(shlex.quote(a) for a in cmd).replace(str(out), "$OUT").replace(sys.executable, "python")
+    cluster = None
+    start = time.monotonic()
+    try:
+        if ex.ray:
+            cluster = RayCluster(ex.ray, work, run_env)
+            run_env["RAY_ADDRESS"] = cluster.address
+        res = subprocess.run(cmd, cwd=work, env=run_env, capture_output=True, text=True,
+                             timeout=timeout or ex.timeout, start_new_session=True)
+        output, status = res.stdout + res.stderr, "passed" if res.returncode == 0 else f"failed ({res.returncode})"
+    except subprocess.TimeoutExpired as exc:
+        output = _text(exc.stdout) + _text(exc.stderr)
+        status = f"timeout ({timeout or ex.timeout} s)"
+    except RuntimeError as exc:
+        output, status = str(exc), "failed (cluster)"
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    seconds = time.monotonic() - start
+    (work / "output.log").write_text(output)
+    return {"example": ex.path, "command": shown, "status": status, "metric": metric(output, ex.metric),
+            "time": f"{seconds:.0f} s", "edits": "; ".join(why for _, _, why in ex.edits) or "none",
+            "why": "" if status == "passed" else why_failed(output), "log": str(work / "output.log")}
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def table(rows: list[dict[str, str]]) -> str:
+    lines = ["| example | command | status | accuracy / metric | time | edits |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        status = r["status"] if not r.get("why") else f"{r['status']}: {r['why']}"
+        lines.append(f"| `{r['example']}` | `{r['command']}` | {status.replace('|', '/')} | {r['metric']} | "
+                     f"{r['time']} | {r['edits']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ref", default=upstream_tests.PINNED_REF, help="upstream tag or commit")
+    parser.add_argument("--source", help="a .tar.gz, URL or unpacked checkout instead of GitHub")
+    parser.add_argument("--cache", type=Path, default=None, help="cache folder (shared with upstream_tests.py)")
+    parser.add_argument("--out", type=Path, default=None, help="work folders, logs and results.md")
+    parser.add_argument("--np", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--timeout", type=int, default=None, help="seconds per example (default its own)")
+    parser.add_argument("--list", action="store_true", help="list the examples and exit")
+    parser.add_argument("examples", nargs="*", help="paths under examples/ (default: all that apply)")
+    args = parser.parse_args(argv)
+
+    known = {ex.path: ex for ex in EXAMPLES}
+    if args.list:
+        for ex in EXAMPLES:
+            print(f"{ex.path}: {'not run: ' + ex.skip if ex.skip else ex.launch}")
+        return 0
+    unknown = [p for p in args.examples if p not in known]
+    if unknown:
+        print(f"unknown examples: {', '.join(unknown)} (see --list)", file=sys.stderr)
+        return 2
+    examples = upstream_tests.fetch(args.ref, args.source, args.cache or upstream_tests.default_cache(),
+                                    "examples")
+    out = (args.out or Path(tempfile.mkdtemp(prefix="upstream-examples-"))).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    harness = out / "harness"
+    harness.mkdir(exist_ok=True)
+    (harness / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+                   p for p in (str(harness), os.environ.get("PYTHONPATH")) if p))
+    chosen = [known[p] for p in args.examples] if args.examples else EXAMPLES
+    rows = []
+    for ex in chosen:
+        if ex.skip:
+            rows.append({"example": ex.path, "command": "", "status": "not run", "metric": "", "time": "",
+                         "edits": "", "why": ex.skip})
+            continue
+        if not (examples / ex.path).is_file():
+            rows.append({"example": ex.path, "command": "", "status": "missing", "metric": "", "time": "",
+                         "edits": "", "why": f"not in upstream's examples at {args.ref}"})
+            continue
+        row = run_one(ex, examples, out, env, args.np, args.timeout)
+        print(f"{row['status']:>16}  {row['time']:>7}  {ex.path}  {row['metric']}  {row['why']}", flush=True)
+        rows.append(row)
+    text = table(rows)
+    (out / "results.md").write_text(text)
+    print(text + f"\nlogs and results.md in {out}")
+    ran = [r for r in rows if r["status"] != "not run"]
+    return 0 if all(r["status"] == "passed" for r in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
