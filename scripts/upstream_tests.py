@@ -108,6 +108,25 @@ class _NotProvided:
 RAY_INTERNALS = {"horovod.ray.runner": ["Coordinator"], "horovod.ray.strategy": ["create_placement_group"]}
 
 
+def supply_ray_internals():
+    """Also run in every Ray worker (ray.init's worker_process_setup_hook), where the test module
+    is imported again to unpickle its functions."""
+    for module, names in RAY_INTERNALS.items():
+        _supply(module, **{n: _NotProvided(f"{module}.{n}") for n in names})
+
+
+def _ray_init_of_today(init):
+    def ray_init(*args, **kwargs):
+        # Ray keeps its state in the GCS without Redis now and refuses this argument of upstream's fixture
+        kwargs.pop("_redis_max_memory", None)
+        runtime_env = dict(kwargs.get("runtime_env") or {})
+        runtime_env.setdefault("worker_process_setup_hook", "hvd_upstream_plugin.supply_ray_internals")
+        kwargs["runtime_env"] = runtime_env
+        return init(*args, **kwargs)
+
+    return ray_init
+
+
 def executing_eagerly():
     import tensorflow as tf
     return tf.executing_eagerly()
@@ -123,8 +142,10 @@ def pytest_configure(config):
     _supply("horovod.runner.util.threads", in_thread=in_thread)
     _supply("horovod.common.util", is_version_greater_equal_than=is_version_greater_equal_than, env=env)
     if any("test_ray" in str(a) for a in config.args):
-        for module, names in RAY_INTERNALS.items():
-            _supply(module, **{n: _NotProvided(f"{module}.{n}") for n in names})
+        import ray
+
+        supply_ray_internals()
+        ray.init = _ray_init_of_today(ray.init)
     if any("tensorflow" in str(a) or "keras" in str(a) for a in config.args):
         _supply("horovod.tensorflow.util", _executing_eagerly=executing_eagerly)
         _supply("horovod.tensorflow", _executing_eagerly=executing_eagerly)
