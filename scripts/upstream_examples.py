@@ -174,7 +174,7 @@ EXAMPLES: list[Example] = [
             shorten=[steps("dataset.take(10000 // hvd.size())", "dataset.take(600 // hvd.size())")]),
     Example("tensorflow2/tensorflow2_keras_mnist.py", data="keras_npz",
             edits=[no_run_tf_function(" " * 24), H5_CHECKPOINT],
-            shorten=[steps("epochs=24, verbose=verbose", "epochs=4, verbose=verbose")]),
+            shorten=[steps("epochs=24, verbose=verbose", "epochs=2, verbose=verbose")]),
     Example("tensorflow2/tensorflow2_synthetic_benchmark.py",
             args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3",
             edits=[OPT_VARIABLES]),
