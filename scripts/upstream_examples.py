@@ -49,6 +49,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -155,6 +156,8 @@ class Example:
     shorten: list[Edit] = field(default_factory=list)  # fewer steps where the example has no flag for it
 
 
+SYNTHETIC = "--model {model} --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"
+DATA_SERVICE_MODULE = "a module of tensorflow2_mnist_data_service.py, not a program"
 KERAS_GENERATORS = ("Keras 3 removed `ImageDataGenerator` and `Model.fit_generator`/`evaluate_generator`, "
                     "on which the example's whole input pipeline is built (and TensorFlow 2 has no "
                     "`tf.Session` for its GPU set-up): porting it is a rewrite, not an edit")
@@ -164,7 +167,7 @@ TF1 = ("TensorFlow 1 graph mode (`tf.Session`, `tf.placeholder`, `tf.estimator`)
 EXAMPLES: list[Example] = [
     Example("pytorch/pytorch_mnist.py", args="--epochs 4 --data-dir {data}", data="mnist_idx"),
     Example("pytorch/pytorch_synthetic_benchmark.py",
-            args="--model resnet18 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+            args=SYNTHETIC.format(model="resnet18")),
     Example("pytorch/pytorch_lightning_mnist.py", args="--epochs 4 --data-dir {data}", data="mnist_idx",
             edits=LIGHTNING_MNIST_EDITS),
     Example("pytorch/pytorch_imagenet_resnet50.py",
@@ -176,18 +179,18 @@ EXAMPLES: list[Example] = [
             edits=[no_run_tf_function(" " * 24), H5_CHECKPOINT],
             shorten=[steps("epochs=24, verbose=verbose", "epochs=2, verbose=verbose")]),
     Example("tensorflow2/tensorflow2_synthetic_benchmark.py",
-            args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3",
+            args=SYNTHETIC.format(model="ResNet50"),
             edits=[OPT_VARIABLES]),
     Example("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
-            args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3",
+            args=SYNTHETIC.format(model="ResNet50"),
             edits=[no_run_tf_function(" " * 14)]),
     Example("tensorflow2/tensorflow2_mnist_data_service.py",
             skip="needs `horovod.tensorflow.data.compute_service` (tf.data service workers run by "
                  "Horovod), which this project does not provide"),
     Example("tensorflow2/tensorflow2_mnist_data_service_train_fn_compute_side_dispatcher.py",
-            skip="a module of tensorflow2_mnist_data_service.py, not a program"),
+            skip=DATA_SERVICE_MODULE),
     Example("tensorflow2/tensorflow2_mnist_data_service_train_fn_training_side_dispatcher.py",
-            skip="a module of tensorflow2_mnist_data_service.py, not a program"),
+            skip=DATA_SERVICE_MODULE),
     Example("keras/keras_mnist.py", data="keras_npz", edits=[TF_SESSION, H5_CHECKPOINT]),
     Example("keras/keras_mnist_advanced.py", skip=KERAS_GENERATORS),
     Example("keras/keras_imagenet_resnet50.py", skip=KERAS_GENERATORS),
@@ -201,7 +204,7 @@ EXAMPLES: list[Example] = [
     Example("elastic/pytorch/pytorch_mnist_elastic.py", launch="elastic", args="--epochs 2 --data-dir {data}",
             data="mnist_idx"),
     Example("elastic/pytorch/pytorch_synthetic_benchmark_elastic.py", launch="elastic",
-            args="--model resnet18 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3"),
+            args=SYNTHETIC.format(model="resnet18")),
     Example("elastic/pytorch/pytorch_imagenet_resnet50_elastic.py", launch="elastic",
             args="--train-dir {data}/train --val-dir {data}/validation --batch-size 8 --val-batch-size 8 "
                  "--epochs 1 --warmup-epochs 0", data="imagefolder", timeout=900),
@@ -212,7 +215,7 @@ EXAMPLES: list[Example] = [
                    lr_attribute("state.model.optimizer.lr,", "state.model.optimizer.learning_rate,")],
             shorten=[steps("epochs=24-state.epoch", "epochs=4-state.epoch")]),
     Example("elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py", launch="elastic",
-            args="--model ResNet50 --batch-size 8 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 3",
+            args=SYNTHETIC.format(model="ResNet50"),
             edits=[lr_attribute("opt.lr.assign(", "opt.learning_rate.assign(")]),
     Example("elastic/tensorflow/tensorflow_keras_mnist_elastic.py", launch="elastic",
             args="--epochs 2 --batches-per-epoch 20", data="keras_npz",
@@ -442,12 +445,7 @@ class RayCluster:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                end_group(proc, 60)
         self.log.close()
 
 
@@ -513,6 +511,16 @@ def run_one(ex: Example, examples: Path, out: Path, env: dict[str, str], np_: in
             "why": "" if status == "passed" else why_failed(output), "log": str(work / "output.log")}
 
 
+def end_group(proc: subprocess.Popen[Any], grace: float) -> None:
+    """SIGTERM to the process group ``proc`` leads, SIGKILL after ``grace`` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> tuple[int | None, str]:
     """Runs the launcher in its own process group; past the timeout it gets SIGTERM (horovodrun
     then ends its ranks), then the group SIGKILL. Returns (exit code or None, output)."""
@@ -523,12 +531,7 @@ def run_launcher(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -
             rc: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             rc = None
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            end_group(proc, 30)
         out.seek(0)
         return rc, out.read()
 
