@@ -41,7 +41,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -135,7 +134,7 @@ def no_run_tf_function(indent: str) -> Edit:
 
 
 def steps(old: str, new: str) -> Edit:
-    return (old, new, f"shortened: `{old}` -> `{new}`")
+    return (old, new, "shortened: the example has no flag for its length")
 
 
 def lr_attribute(old: str, new: str) -> Edit:
@@ -150,7 +149,7 @@ class Example:
     data: str = ""                     # mnist_idx | keras_npz | libsvm | imagefolder | ""
     edits: list[Edit] = field(default_factory=list)
     timeout: int = 600
-    ray: tuple[str, ...] = ()          # `ray start` options per node: the example needs a running cluster
+    ray: tuple[dict[str, float], ...] = ()  # Ray nodes (num_cpus, num_gpus): the example needs a cluster
     skip: str = ""                     # why it does not apply (then it is listed, never run)
     metric: tuple[str, str] | None = None  # (label, pattern) where METRICS does not fit its output
     shorten: list[Edit] = field(default_factory=list)  # fewer steps where the example has no flag for it
@@ -241,9 +240,9 @@ EXAMPLES: list[Example] = [
     Example("spark/tensorflow2/tensorflow2_mnist_data_service.py",
             skip="needs `horovod.tensorflow.data.compute_service`, which this project does not provide"),
     Example("ray/tensorflow2_mnist_ray.py", launch="python", args="--address auto", data="keras_npz",
-            ray=("--num-cpus 32", "--num-cpus 32"), timeout=900, edits=[no_run_tf_function(" " * 8), H5_CHECKPOINT]),
+            ray=({"num_cpus": 32}, {"num_cpus": 32}), timeout=900, edits=[no_run_tf_function(" " * 8), H5_CHECKPOINT]),
     Example("ray/pytorch_ray_elastic.py", launch="python", args="--epochs 1 --data-dir {data}", data="mnist_idx",
-            ray=("--num-cpus 4 --num-gpus 2",), timeout=900),
+            ray=({"num_cpus": 4, "num_gpus": 2},), timeout=900),
     Example("ray/basic_ray_elastic.py",
             skip="imports `horovod.ray.elastic.TestDiscovery`, upstream's test discovery that hides and "
                  "brings back Ray nodes at random, which this project does not provide; it also asks for "
@@ -401,47 +400,35 @@ def apply_edits(text: str, edits: list[Edit]) -> str:
     return text
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RayCluster:
-    """A local Ray cluster: a head and more nodes on this machine, each started with ``ray start
-    --block`` in its own process group and stopped by that group's id (never ``ray stop``, which
-    stops every cluster on the machine). Resources are logical: ``--num-cpus 32`` on a 2-core
-    machine gives the 32 CPU slots an example asks for."""
+    """A local Ray cluster (``ray.cluster_utils.Cluster``: a head and more nodes on this machine)
+    held by a helper process in its own process group, stopped by that group's id (never ``ray
+    stop``, which stops every cluster on the machine). Resources are logical: ``num_cpus=32`` on a
+    2-core machine gives the 32 CPU slots an example asks for."""
 
-    def __init__(self, nodes: tuple[str, ...], work: Path, env: dict[str, str]) -> None:
-        port = free_port()
-        self.address = f"127.0.0.1:{port}"
-        tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
-        self.log = open(work / "ray.log", "w")
-        self.procs: list[subprocess.Popen[bytes]] = []
-        for i, options in enumerate(nodes):
-            where = ["--head", f"--port={port}", f"--temp-dir={tmp}", "--include-dashboard=false"] if i == 0 \
-                else [f"--address={self.address}"]
-            where.append("--node-ip-address=127.0.0.1")  # the address the cluster is reached at
-            self.procs.append(subprocess.Popen(["ray", "start", "--block", *where, *shlex.split(options)],
-                                               stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
-            self._wait(i + 1, work, env)
+    HELPER = """import json, sys, time
+from ray.cluster_utils import Cluster
+nodes = json.loads(sys.argv[1])
+cluster = Cluster(initialize_head=True, head_node_args=dict(nodes[0], include_dashboard=False))
+for args in nodes[1:]:
+    cluster.add_node(**args)
+cluster.wait_for_nodes()
+print(cluster.address, flush=True)
+time.sleep(1e6)
+"""
 
-    def _wait(self, count: int, work: Path, env: dict[str, str]) -> None:
-        deadline = time.monotonic() + 180
-        probe = (f"import ray; ray.init(address='{self.address}'); "
-                 "print(sum(1 for n in ray.nodes() if n['Alive']))")
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.procs):
-                self.stop()
-                raise RuntimeError(f"ray start exited; see {work / 'ray.log'}")
-            res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
-            if res.returncode == 0 and res.stdout.split()[-1:] == [str(count)]:
-                return
-            time.sleep(2)
-        self.stop()
-        raise RuntimeError(f"the Ray cluster did not reach {count} node(s) in 180 s")
+    def __init__(self, nodes: tuple[dict[str, float], ...], work: Path, env: dict[str, str]) -> None:
+        import json
+
+        self.log = open(work / "ray.log", "w+")
+        self.procs = [subprocess.Popen([sys.executable, "-c", self.HELPER, json.dumps(list(nodes))],
+                                       stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
+                                       start_new_session=True)]
+        line = self.procs[0].stdout.readline().strip() if self.procs[0].stdout else ""
+        if not line:
+            self.stop()
+            raise RuntimeError(f"the Ray cluster did not start; see {work / 'ray.log'}")
+        self.address = line
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
