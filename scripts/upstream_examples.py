@@ -240,7 +240,13 @@ EXAMPLES: list[Example] = [
     Example("spark/tensorflow2/tensorflow2_mnist_data_service.py",
             skip="needs `horovod.tensorflow.data.compute_service`, which this project does not provide"),
     Example("ray/tensorflow2_mnist_ray.py", launch="python", args="--address auto", data="keras_npz",
-            ray=({"num_cpus": 32}, {"num_cpus": 32}), timeout=900, edits=[no_run_tf_function(" " * 8), H5_CHECKPOINT]),
+            ray=({"num_cpus": 32}, {"num_cpus": 32}), timeout=900,
+            edits=[no_run_tf_function(" " * 8), H5_CHECKPOINT,
+                   ("num_slots=4, use_gpu=False, cpus_per_slot=8",
+                    "num_workers_per_host=4, use_gpu=False, cpus_per_worker=8",
+                    "not a framework: Horovod's RayExecutor renamed `num_slots`/`cpus_per_slot` to "
+                    "`num_workers_per_host`/`cpus_per_worker` before 0.28.1, whose RayExecutor refuses "
+                    "the old names too")]),
     Example("ray/pytorch_ray_elastic.py", launch="python", args="--epochs 1 --data-dir {data}", data="mnist_idx",
             ray=({"num_cpus": 4, "num_gpus": 2},), timeout=900),
     Example("ray/basic_ray_elastic.py",
