@@ -348,7 +348,8 @@ def write_mnist_idx(root: Path) -> None:
         (raw / f"{name}.gz").write_bytes(gzip.compress(data))
 
 
-KERAS_NAMES = ["mnist.npz", "mnist-0.npz", "mnist-1.npz", "MNIST-data-0", "MNIST-data-1"]
+KERAS_NAMES = ["mnist.npz"] + [f"{name}-{rank}{ext}" for rank in range(8)  # up to 8 ranks (the Ray example)
+                               for name, ext in (("mnist", ".npz"), ("MNIST-data", ""))]
 
 
 def write_keras_mnist(keras_home: Path) -> None:
