@@ -430,7 +430,7 @@ time.sleep(1e6)
         self.log = open(work / "ray.log", "w+")
         self.procs = [subprocess.Popen([sys.executable, "-c", self.HELPER, json.dumps(list(nodes))],
                                        stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
-                                       start_new_session=True)]
+                                       cwd=work, start_new_session=True)]  # workers write in cwd
         line = self.procs[0].stdout.readline().strip() if self.procs[0].stdout else ""
         if not line:
             self.stop()
