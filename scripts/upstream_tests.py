@@ -10,6 +10,7 @@ way upstream's CI does: every rank runs the same pytest session, under ``mpirun`
     python scripts/upstream_tests.py --gloo --np 3 parallel/test_torch.py -k allreduce
     TF_USE_LEGACY_KERAS=1 python scripts/upstream_tests.py parallel/test_tensorflow2_keras.py
     python scripts/upstream_tests.py --list            # the test files of the pinned tag
+    python scripts/upstream_tests.py --single single/test_ray.py   # one process: the file starts its own job
 
 Options: ``--ref`` (a tag or commit of github.com/horovod/horovod, default the pinned tag),
 ``--source`` (a ``.tar.gz`` file, a URL or an unpacked directory instead of GitHub, e.g. a mirror),
@@ -89,6 +90,46 @@ def env(**values):
                 os.environ[k] = v
 
 
+class _NotProvided:
+    """An upstream internal this project does not provide: importing it works (so that the rest of
+    the test file runs), using it fails and says so."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.name} is an upstream internal that horovod-py does not provide")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _NotProvided(f"{self.name}.{attr}")
+
+
+RAY_INTERNALS = {"horovod.ray.runner": ["Coordinator"], "horovod.ray.strategy": ["create_placement_group"]}
+
+
+def supply_ray_internals():
+    """Also run in every Ray worker (ray.init's worker_process_setup_hook), where the test module
+    is imported again to unpickle its functions."""
+    for module, names in RAY_INTERNALS.items():
+        _supply(module, **{n: _NotProvided(f"{module}.{n}") for n in names})
+
+
+def _ray_init_of_today(init):
+    def ray_init(*args, **kwargs):
+        # Ray keeps its state in the GCS without Redis now and refuses this argument of upstream's fixture
+        kwargs.pop("_redis_max_memory", None)
+        if not args and "address" not in kwargs and not os.environ.get("RAY_ADDRESS"):
+            kwargs["address"] = "local"  # a cluster of its own, as the fixture means, not another one running here
+        runtime_env = dict(kwargs.get("runtime_env") or {})
+        runtime_env.setdefault("worker_process_setup_hook", "hvd_upstream_plugin.supply_ray_internals")
+        kwargs["runtime_env"] = runtime_env
+        return init(*args, **kwargs)
+
+    return ray_init
+
+
 def executing_eagerly():
     import tensorflow as tf
     return tf.executing_eagerly()
@@ -103,6 +144,11 @@ def pytest_configure(config):
     _supply("horovod.runner.util")
     _supply("horovod.runner.util.threads", in_thread=in_thread)
     _supply("horovod.common.util", is_version_greater_equal_than=is_version_greater_equal_than, env=env)
+    if any("test_ray" in str(a) for a in config.args):
+        import ray
+
+        supply_ray_internals()
+        ray.init = _ray_init_of_today(ray.init)
     if any("tensorflow" in str(a) or "keras" in str(a) for a in config.args):
         _supply("horovod.tensorflow.util", _executing_eagerly=executing_eagerly)
         _supply("horovod.tensorflow", _executing_eagerly=executing_eagerly)
@@ -190,6 +236,8 @@ def summarize(work: Path, file: str, np_: int, launcher: str, rc: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gloo", action="store_true", help="launch with horovodrun --gloo, not mpirun")
+    parser.add_argument("--single", action="store_true",
+                        help="one pytest process, no launcher (files that start their own jobs, e.g. Ray's)")
     parser.add_argument("--np", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per test (default 120)")
     parser.add_argument("--ref", default=PINNED_REF, help=f"upstream tag or commit (default {PINNED_REF})")
@@ -222,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
               *args.pytest_args]
     body = (" ".join(_quote(a) for a in pytest) + f" --junitxml={work}/rank{rank}.xml"
             f" > {work}/rank{rank}.log 2>&1")
-    if args.gloo:
+    if args.single:
+        launch, args.np = [], 1
+        body = body.replace("${HOROVOD_RANK:-${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}}", "0")
+    elif args.gloo:
         launch = [shutil.which("horovodrun") or "horovodrun", "--gloo", "-np", str(args.np)]
     else:
         launch = ["mpirun", "--oversubscribe", "-np", str(args.np), "-x", "PATH", "-x", "PYTHONPATH",
@@ -230,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(work / "launcher.log", "w") as log:
         rc = subprocess.call([*launch, "sh", "-c", body], cwd=rundir, env=env, stdout=log,
                              stderr=subprocess.STDOUT)
-    return summarize(work, args.file, args.np, "gloo" if args.gloo else "mpirun", rc)
+    return summarize(work, args.file, args.np, "single" if args.single else "gloo" if args.gloo else "mpirun", rc)
 
 
 def _quote(arg: str) -> str:

@@ -42,8 +42,11 @@ log = logging.getLogger("horovod.ray")
 class RayHostDiscovery:
     """Ray's alive nodes and the worker slots each offers (upstream's ``RayHostDiscovery``)."""
 
-    def __init__(self, use_gpu: bool = False, cpus_per_worker: float = 1,
-                 gpus_per_worker: float = 1) -> None:
+    def __init__(self, use_gpu: bool = False, cpus_per_worker: float = 1, gpus_per_worker: float = 1, *,
+                 cpus_per_slot: float | None = None, gpus_per_slot: float | None = None) -> None:
+        # *_per_slot: the names of upstream's horovod.ray.elastic (*_per_worker: of elastic_v2)
+        cpus_per_worker = cpus_per_worker if cpus_per_slot is None else cpus_per_slot
+        gpus_per_worker = gpus_per_worker if gpus_per_slot is None else gpus_per_slot
         self.use_gpu, self.cpus_per_worker, self.gpus_per_worker = use_gpu, cpus_per_worker, gpus_per_worker
         self.node_ids: dict[str, str] = {}
 

@@ -109,8 +109,8 @@ class RayExecutor:
             raise ValueError("RayExecutor: max_workers was given without a positive min_workers; "
                              "elastic jobs need min_workers >= 1.")
         if min_workers and num_workers:
-            raise ValueError("RayExecutor: give either num_workers (a static job) or min_workers "
-                             "(an elastic job), not both.")
+            raise ValueError("RayExecutor: Both `min_workers` and `num_workers` provided. Give either "
+                             "num_workers (a static job) or min_workers (an elastic job), not both.")
         if gpus_per_worker and not use_gpu:
             raise ValueError("RayExecutor: gpus_per_worker is set but use_gpu is False; set "
                              "use_gpu=True.")

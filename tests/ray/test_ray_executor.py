@@ -165,7 +165,7 @@ def test_num_workers_per_host_none_with_num_workers_places_num_workers(free_clus
 
 def test_argument_errors():
     s = _settings()
-    with pytest.raises(ValueError, match="either num_workers .* or min_workers"):
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers` provided. Give either num_workers"):
         RayExecutor(s, num_workers=2, min_workers=1)
     with pytest.raises(ValueError, match="max_workers was given without a positive min_workers"):
         RayExecutor(s, max_workers=2)

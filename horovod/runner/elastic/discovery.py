@@ -2,7 +2,9 @@
 
 ``HostDiscoveryScript`` runs the user's script and parses its output: one host per line,
 ``hostname:slots`` or ``hostname`` (then ``--slots-per-host``); blank lines and duplicates are
-ignored. ``HostManager`` keeps the discovered hosts in first-seen order and the blacklist of
+ignored. ``HostDiscovery`` is upstream's base class of every discovery: user code subclasses it
+(e.g. for a Ray job's ``settings.discovery``) and implements ``find_available_hosts_and_slots``.
+``HostManager`` keeps the discovered hosts in first-seen order and the blacklist of
 hosts whose worker failed, with upstream's cooldown: a blacklisted host may come back after
 ``clamp(MIN * 2^failures + U(0,1) * MIN, MIN, MAX)`` (upstream's rule) seconds with
 ``--blacklist-cooldown-range MIN MAX``; without it, never. All time comes from ``clock``.
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 from horovod.common import exceptions as errors
 
-__all__ = ["HostDiscoveryScript", "FixedHosts", "HostManager", "parse_discovery_output",
+__all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "HostManager", "parse_discovery_output",
            "cooldown_seconds"]
 
 
@@ -53,7 +55,15 @@ def parse_discovery_output(text: str, default_slots: int | None, source: str) ->
     return hosts
 
 
-class HostDiscoveryScript:
+class HostDiscovery:
+    """Where an elastic job may run now; subclasses implement ``find_available_hosts_and_slots``."""
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        """Returns a dict mapping each available host name to its number of slots."""
+        raise NotImplementedError(f"{type(self).__name__} must implement find_available_hosts_and_slots()")
+
+
+class HostDiscoveryScript(HostDiscovery):
     """Runs ``script`` (no arguments) and returns its hosts."""
 
     def __init__(self, script: str, default_slots: int | None, timeout: float = 30.0) -> None:
@@ -72,7 +82,7 @@ class HostDiscoveryScript:
         return parse_discovery_output(res.stdout, self.default_slots, self.script)
 
 
-class FixedHosts:
+class FixedHosts(HostDiscovery):
     """The hosts of ``-H``/``--hostfile`` in an elastic job: always the same."""
 
     def __init__(self, hosts: dict[str, int]) -> None:

@@ -3,6 +3,8 @@
 The model is a ``LightningModule`` whose ``training_step``/``validation_step`` receive a batch as
 a dict ``{column name: tensor}`` (floating columns as float32), as upstream's. Its
 ``configure_optimizers`` gives the optimizer; ``loss``/``optimizer`` parameters are not used.
+A plain ``torch.nn.Module`` with ``optimizer=`` and ``loss=`` (upstream's older way) is trained
+through ``legacy.to_lightning_module``; the trained ``TorchModel`` then holds that plain module.
 """
 
 from __future__ import annotations
@@ -42,7 +44,27 @@ class TorchEstimator(HorovodEstimator):
 
     def _check_model(self) -> None:
         super()._check_model()
-        lightning_package(self.getModel())
+        lightning_package(self._lightning_module())
+
+    def _is_plain_module(self) -> bool:
+        model = self.getModel()
+        try:
+            lightning_package(model)
+            return False
+        except TypeError:
+            import torch
+
+            return isinstance(model, torch.nn.Module)
+
+    def _lightning_module(self) -> Any:
+        """The model to train: the user's LightningModule, or a plain module wrapped in one."""
+        if not self._is_plain_module():
+            return self.getModel()
+        from horovod.spark.lightning.legacy import to_lightning_module
+
+        return to_lightning_module(self.getModel(), self.getOptimizer(), self.getLoss(), self.getLossWeights(),
+                                   list(self.getFeatureCols()), list(self.getLabelCols()),
+                                   self.getSampleWeightCol(), self.getValidation(), self.getInputShapes())
 
     def _check_shapes(self, metadata: dict[str, Any]) -> None:
         check_input_shapes(metadata, list(self.getFeatureCols()), self.getInputShapes())
@@ -50,8 +72,9 @@ class TorchEstimator(HorovodEstimator):
     def _train_fn(self, spec: TrainingSpec) -> Callable[[], Any]:
         from horovod.spark.lightning.remote import make_train_fn
 
-        spec.update(model_bytes=_module_bytes(self.getModel()),
-                    package=lightning_package(self.getModel()), callbacks=self.getCallbacks(),
+        module = self._lightning_module()
+        spec.update(model_bytes=_module_bytes(module),
+                    package=lightning_package(module), callbacks=self.getCallbacks(),
                     logger=self.getLogger(), log_every_n_steps=self.getLogEveryNSteps(),
                     profiler=self.getProfiler(), trainer_args=dict(self.getTrainerArgs() or {}),
                     num_gpus=self.getNumGpus(), use_gpu=self.getUseGpu(),
@@ -59,6 +82,15 @@ class TorchEstimator(HorovodEstimator):
         return make_train_fn(spec)
 
     def _make_model(self, result: dict[str, Any], spec: TrainingSpec) -> TorchModel:
+        if self._is_plain_module():  # the wrapper's weights are the plain module's, under "model."
+            import io
+
+            import torch
+
+            state = torch.load(io.BytesIO(result["state"]), weights_only=True)
+            buf = io.BytesIO()
+            torch.save({k.removeprefix("model."): v for k, v in state.items()}, buf)
+            result = dict(result, state=buf.getvalue())
         return trained_model(TorchModel, self, result, spec)
 
     @classmethod

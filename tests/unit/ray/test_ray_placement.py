@@ -58,9 +58,21 @@ def test_ray_host_discovery_counts_slots_per_alive_node(monkeypatch):
     gpu = RayHostDiscovery(use_gpu=True, cpus_per_worker=1, gpus_per_worker=1)
     assert gpu.find_available_hosts_and_slots() == {"10.0.0.1-aaaaaaaa": 2}
     assert gpu.node_ids == {"10.0.0.1-aaaaaaaa": "a" * 40}
+    # upstream's horovod.ray.elastic names the same per slot
+    assert RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots() == {"10.0.0.1-aaaaaaaa": 4}
+    assert RayHostDiscovery(True, cpus_per_slot=1, gpus_per_slot=2).find_available_hosts_and_slots() == {
+        "10.0.0.1-aaaaaaaa": 1}
 
 
 def test_every_rank_of_a_node_sees_the_gpus_of_its_node_in_rank_order():
     assert shared_visible_devices(["a", "a", "b", "b"], [[3], [1], [0], [2]]) == \
         ["3,1", "3,1", "0,2", "0,2"]
     assert shared_visible_devices(["a"], [[]]) == [""]
+
+
+def test_upstream_elastic_v2_module_names_the_same_discovery():
+    pytest.importorskip("ray")
+    from horovod.ray import elastic, elastic_v2
+
+    assert elastic_v2.RayHostDiscovery is elastic.RayHostDiscovery
+    assert elastic_v2.ElasticAdapter is elastic.ElasticAdapter

@@ -8,11 +8,28 @@ import pytest
 from horovod.common.exceptions import ConfigError
 from horovod.runner.elastic.discovery import (
     FixedHosts,
+    HostDiscovery,
+    HostDiscoveryScript,
     HostManager,
     cooldown_seconds,
     parse_discovery_output,
 )
 from horovod.runner.elastic.driver import ElasticDriver
+
+
+def test_host_discovery_is_the_base_user_discoveries_subclass() -> None:
+    """Upstream's ``HostDiscovery``: user code subclasses it (a Ray job's ``settings.discovery``);
+    the base names the missing method, the launcher's discoveries are its subclasses."""
+
+    class Two(HostDiscovery):
+        def find_available_hosts_and_slots(self) -> dict[str, int]:
+            return {"a": 2}
+
+    assert Two().find_available_hosts_and_slots() == {"a": 2}
+    with pytest.raises(NotImplementedError, match="HostDiscovery must implement find_available_hosts_and_slots"):
+        HostDiscovery().find_available_hosts_and_slots()
+    assert isinstance(FixedHosts({"a": 1}), HostDiscovery)
+    assert isinstance(HostDiscoveryScript("discover.sh", 1), HostDiscovery)
 
 
 def test_discovery_output_parsing() -> None:

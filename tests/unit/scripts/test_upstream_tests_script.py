@@ -65,6 +65,8 @@ def test_fetches_once_and_runs_a_file_on_every_rank(tmp_path: Path) -> None:
     res = _run("--cache", str(cache), "--ref", "vX", "--np", "2", "parallel/test_fake.py")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "parallel/test_fake.py np=2 (mpirun): 1 passed, 0 failed, 1 skipped of 2" in res.stdout, res.stdout
+    res = _run("--cache", str(cache), "--ref", "vX", "--single", "parallel/test_fake.py")
+    assert "parallel/test_fake.py np=1 (single): 1 passed, 0 failed, 1 skipped of 2" in res.stdout, res.stdout
     res = _run("--cache", str(cache), "--ref", "vX", "parallel/test_none.py")
     assert res.returncode == 2 and "no such upstream test file" in res.stderr
 
