@@ -12,7 +12,7 @@ import pytest
 from horovod.common.exceptions import HorovodInternalError
 from horovod.runner.elastic.discovery import FixedHosts, HostManager
 from horovod.runner.elastic.session import ElasticSession, Outcome
-from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.hosts import SlotInfo
 
 pytestmark = pytest.mark.unit
@@ -74,7 +74,7 @@ def make(hosts: dict[str, int], np: int, fail: dict[str, tuple[int, object]], *,
             w.end(code, None, record)
         return w
 
-    session = ElasticSession(ElasticSettings(timeout=timeout), HostManager(FixedHosts(hosts)), np,
+    session = ElasticSession(DriverSettings(timeout=timeout), HostManager(FixedHosts(hosts)), np,
                              np, None, start_worker, service, own_service=own,
                              discovery_interval=0.05, exit_wait=0.3)
     return session, service, workers
