@@ -99,13 +99,13 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
     if tf.executing_eagerly():
         arrays = [np.asarray(t) if isinstance(t, np.ndarray) else t.numpy() for t in inputs]
         try:
-            outs = fn(name, arrays)
+            results = fn(name, arrays)
         except Exception as exc:  # noqa: BLE001 - translated, re-raised
             err = _errors.eager_error(op_type, name, exc)
             if err is exc:
                 raise
             raise err from exc
-        return [tf.convert_to_tensor(o) for o in outs]
+        return [tf.convert_to_tensor(o) for o in results]
 
     check_not_xla(op_type)
     _errors.install()  # a mismatch in this graph op surfaces as FailedPreconditionError (upstream's)
@@ -131,12 +131,13 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
             raise err from exc
 
     if layout is not None:
-        packed_out = tf.numpy_function(_run, inputs, layout.tf_dtype, stateful=True, name=base)
+        # In a graph numpy_function returns tensors (TensorFlow annotates it with NumPy's types).
+        packed_out: Any = tf.numpy_function(_run, inputs, layout.tf_dtype, stateful=True, name=base)
         packed_out.set_shape([layout.total])
         cell[0] = _key(packed_out.op.name, ignore_name_scope)
         return [tf.reshape(packed_out[o:o + n], s)
                 for o, n, s in zip(layout.offsets, layout.sizes, layout.shapes)]
-    outs = tf.numpy_function(_run, inputs, list(tout), stateful=True, name=base)
+    outs: Any = tf.numpy_function(_run, inputs, list(tout), stateful=True, name=base)
     if not isinstance(outs, list | tuple):
         outs = [outs]
     outs = list(outs)

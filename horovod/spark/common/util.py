@@ -196,18 +196,18 @@ def _write(store: AbstractFilesystemStore, df: Any, idx: str, columns: list[str]
     if isinstance(validation, str):
         flag = F.col(validation).cast("double")
         train_df, val_df = df.where((flag == 0) | flag.isNull()), df.where(flag > 0)
+        val_part = partitions // 4 or 1
     elif validation:
         train_df, val_df = df.randomSplit([1.0 - float(validation), float(validation)], seed=17)
+        val_part = max(1, math.ceil(partitions * float(validation)))
     else:
-        train_df, val_df = df, None
+        train_df, val_df, val_part = df, None, 0
     train_df = converted(train_df).repartition(partitions)
     writer = train_df.write.mode("overwrite").option("parquet.block.size", 8 << 20)
     writer.parquet(store.spark_path(train_path))
     train_rows = _rows(store, train_path)
     val_rows = 0
     if val_df is not None:
-        val_part = max(1, math.ceil(partitions * float(validation)) if not isinstance(validation, str)
-                       else partitions // 4 or 1)
         converted(val_df).repartition(val_part).write.mode("overwrite") \
             .option("parquet.block.size", 8 << 20).parquet(store.spark_path(val_path))
         val_rows = _rows(store, val_path)
@@ -467,7 +467,7 @@ def to_petastorm_fn(schema_cols: list[str], metadata: dict[str, Any] | None) -> 
     def to_petastorm(row: Any) -> Any:
         import numpy as np
         from pyspark import Row
-        from pyspark.ml.linalg import Vector
+        from pyspark.ml.linalg import SparseVector, Vector
 
         converted = {}
         for col in schema_cols:
@@ -478,9 +478,16 @@ def to_petastorm_fn(schema_cols: list[str], metadata: dict[str, Any] | None) -> 
             if fmt == constants.ARRAY:
                 converted[col] = value.toArray().tolist()
             elif fmt == constants.CUSTOM_SPARSE:
-                pad = 2 * (metadata[col]["max_size"] - len(value.indices))  # type: ignore[index]
-                converted[col] = np.concatenate(([len(value.indices)], value.indices, value.values,
-                                                 np.zeros(pad))).tolist()
+                indices: np.ndarray
+                values: np.ndarray
+                if isinstance(value, SparseVector):
+                    indices, values = value.indices, value.values
+                else:  # a dense vector in a column of sparse ones
+                    dense = value.toArray()
+                    indices = np.flatnonzero(dense)
+                    values = dense[indices]
+                pad = 2 * (metadata[col]["max_size"] - len(indices))  # type: ignore[index]
+                converted[col] = np.concatenate(([len(indices)], indices, values, np.zeros(pad))).tolist()
         if not converted:
             return row
         d = row.asDict()

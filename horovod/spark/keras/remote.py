@@ -53,7 +53,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         rank, size = hvd.rank(), hvd.size()
         if spec["random_seed"] is not None:
             tf.random.set_seed(spec["random_seed"])
-        k = keras_module(spec["flavour"])
+        k: Any = keras_module(spec["flavour"])  # Keras 3 or tf_keras: the model's own
         store, ckpt_path = spec["store"], spec["checkpoint_path"]
         model = model_from_bytes(spec["model_bytes"], spec["flavour"], spec["custom_objects"])
         history: dict[str, list[float]] = {}

@@ -50,7 +50,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         import torch
 
         import horovod.torch as hvd
-        from horovod.lightning import HorovodStrategy
+        from horovod.lightning import strategy_class
         from horovod.spark.common.estimator import data_module_for
         from horovod.spark.torch.remote import load_checkpoint, save_checkpoint
         from horovod.spark.torch.util import _module_from_bytes
@@ -98,7 +98,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
 
         use_gpu = spec["use_gpu"] and torch.cuda.is_available() and spec["num_gpus"] != 0
         args: dict[str, Any] = {
-            "strategy": HorovodStrategy(package=spec["package"]),
+            "strategy": strategy_class(spec["package"])(),
             "accelerator": "gpu" if use_gpu else "cpu", "devices": 1,
             "max_epochs": spec["epochs"] - offset, "logger": spec["logger"] or False,
             "log_every_n_steps": spec["log_every_n_steps"], "profiler": spec["profiler"],
