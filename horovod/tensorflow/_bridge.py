@@ -270,6 +270,17 @@ def _outputs(key: Any, indices: Sequence[int], arrays: Sequence[np.ndarray]) -> 
     return [output_pool.take(key, i, a.shape, a.dtype) for i, a in zip(indices, arrays)]
 
 
+def _gathered(arrays: Sequence[np.ndarray], pending: list[tuple[list[int], Any]],
+              restore: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> list[Any]:
+    """Wait for each ``(indices, handle)`` and place its results at those indices of ``arrays``;
+    ``restore(result, original)`` gives a bfloat16 result its dtype back."""
+    res: list[Any] = [None] * len(arrays)
+    for idx, h in pending:
+        for i, r in zip(idx, h.wait()):
+            res[i] = restore(r, arrays[i]) if _is_bf16(arrays[i]) else r
+    return res
+
+
 def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale: float, postscale: float,
                  process_set: ProcessSet | None, grouped: bool,
                  groups: Sequence[Sequence[int]] | None = None,
@@ -299,11 +310,7 @@ def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale:
                                   prescale_factor=prescale, postscale_factor=postscale,
                                   process_set=process_set, grouped=True, out=outs)
             pending.append((idx, h))
-    res: list[Any] = [None] * len(arrays)
-    for idx, h in pending:
-        for i, r in zip(idx, h.wait()):
-            res[i] = r.astype(arrays[i].dtype) if _is_bf16(arrays[i]) else r
-    return res
+    return _gathered(arrays, pending, lambda r, a: r.astype(a.dtype))  # bfloat16 was reduced as float32
 
 
 def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet | None,
@@ -321,11 +328,7 @@ def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet
         h = C.allgather_async([_move_ready(arrays[i]) for i in idx], name=_sub(key, suffix),
                               process_set=process_set, grouped=True)
         pending.append((idx, h))
-    res: list[Any] = [None] * len(arrays)
-    for idx, h in pending:
-        for i, r in zip(idx, h.wait()):
-            res[i] = r.view(arrays[i].dtype) if _is_bf16(arrays[i]) else r
-    return res
+    return _gathered(arrays, pending, lambda r, a: r.view(a.dtype))  # bfloat16 moved as its bits
 
 
 def np_broadcast(key: Any, arrays: Sequence[np.ndarray], root_rank: int,

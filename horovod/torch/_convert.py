@@ -202,6 +202,13 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
     return _host_reduce_input(tensor, op, inplace, what)
 
 
+# dtypes NumPy has no type for: reduced on the host in a wider one, and turned back after.
+_HOST_WIDENED: dict[torch.dtype, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]] = {
+    torch.bfloat16: (torch.float32, lambda t: t.to(torch.bfloat16)),
+    torch.bool: (torch.uint8, lambda t: t != 0),
+}
+
+
 def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str
                        ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
     dt = tensor.dtype
@@ -219,28 +226,19 @@ def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool,
                 return tensor
             return work, back
         return t.contiguous().numpy(), torch.from_numpy
-    if dt == torch.bfloat16:
-        work = _plain(tensor).to(torch.float32).contiguous().numpy()
+    widened = _HOST_WIDENED.get(dt)
+    if widened is not None:
+        wide, narrow = widened
+        work = _plain(tensor).to(wide).contiguous().numpy()
 
-        def from_f32(r: np.ndarray) -> torch.Tensor:
-            out = torch.from_numpy(r).to(torch.bfloat16)
+        def from_wide(r: np.ndarray) -> torch.Tensor:
+            out = narrow(torch.from_numpy(r))
             if inplace:
                 with torch.no_grad():
                     tensor.copy_(out)
                 return tensor
             return out
-        return work, from_f32
-    if dt == torch.bool:
-        work = _plain(tensor).to(torch.uint8).contiguous().numpy()
-
-        def from_u8(r: np.ndarray) -> torch.Tensor:
-            out = torch.from_numpy(r) != 0
-            if inplace:
-                with torch.no_grad():
-                    tensor.copy_(out)
-                return tensor
-            return out
-        return work, from_u8
+        return work, from_wide
     raise ValueError(f"Tensor type {tensor.type()} is not supported.")
 
 

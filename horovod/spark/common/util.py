@@ -30,7 +30,7 @@ __all__ = ["prepare_data", "get_dataset_properties", "check_columns", "column_me
            "read_data_metadata", "DataPreparationError",
            # upstream's helpers
            "host_hash", "data_type_to_str", "numpy_type_to_str", "spark_scalar_to_python_type",
-           "pyarrow_to_spark_data_type", "data_type_to_numpy", "check_shape_compatibility",
+           "pyarrow_to_spark_data_type", "data_type_to_numpy", "check_shape_compatibility", "check_feature_shapes",
            "check_validation", "clear_training_cache", "to_list", "is_databricks", "get_output_cols",
            "get_spark_df_output_schema", "get_simple_meta_from_parquet", "to_petastorm_fn"]
 
@@ -366,6 +366,26 @@ def _col_size(meta: dict[str, Any]) -> int | None:
     if shape is None:
         return None
     return int(math.prod(shape)) if isinstance(shape, (list, tuple)) else int(shape)
+
+
+def check_feature_shapes(metadata: dict[str, Any], feature_cols: list[str], shapes: list[list[int]],
+                         source: str) -> None:
+    """Each feature column's values per row match the element count of its entry in ``shapes``
+    (``-1``/None, a batch dimension, is not counted); ``source`` names the shapes in errors.
+
+    Raises:
+        DataPreparationError: a count of shapes or of values that differs (before training).
+    """
+    if len(shapes) != len(feature_cols):
+        raise DataPreparationError(f"{source} has {len(shapes)} shape(s) for {len(feature_cols)} feature "
+                                   f"column(s) {feature_cols}.")
+    for col, shape in zip(feature_cols, shapes):
+        have = int(math.prod(metadata[col]["shape"])) if metadata[col]["shape"] else 1
+        want = int(math.prod([d for d in shape if d not in (-1, None)]))
+        if want != have:
+            raise DataPreparationError(
+                f"Feature column {col!r} has {have} value(s) per row, but {source} gives it shape "
+                f"{list(shape)} ({want} values per row). Fix {source} or the column.")
 
 
 def check_shape_compatibility(metadata: dict[str, Any], feature_columns: list[str],
