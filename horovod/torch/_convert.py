@@ -154,6 +154,15 @@ def _stage(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """``out``; with ``inplace``, ``tensor`` holding ``out``'s values."""
+    if not inplace:
+        return out
+    with torch.no_grad():
+        tensor.copy_(out)
+    return tensor
+
+
 def _to_device(result: torch.Tensor, tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Bring a staged result back onto ``tensor``'s GPU (ordered on the caller's stream)."""
     if inplace:
@@ -219,26 +228,13 @@ def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool,
                 arr = t.numpy()
                 return arr, lambda _r: tensor
             work = t.contiguous().numpy()
-
-            def back(r: np.ndarray) -> torch.Tensor:
-                with torch.no_grad():
-                    tensor.copy_(torch.from_numpy(r))
-                return tensor
-            return work, back
+            return work, lambda r: _result(tensor, torch.from_numpy(r), True)
         return t.contiguous().numpy(), torch.from_numpy
     widened = _HOST_WIDENED.get(dt)
     if widened is not None:
         wide, narrow = widened
         work = _plain(tensor).to(wide).contiguous().numpy()
-
-        def from_wide(r: np.ndarray) -> torch.Tensor:
-            out = narrow(torch.from_numpy(r))
-            if inplace:
-                with torch.no_grad():
-                    tensor.copy_(out)
-                return tensor
-            return out
-        return work, from_wide
+        return work, lambda r: _result(tensor, narrow(torch.from_numpy(r)), inplace)
     raise ValueError(f"Tensor type {tensor.type()} is not supported.")
 
 
@@ -282,13 +278,7 @@ def _host_move_input(tensor: torch.Tensor, inplace: bool
 
     def back(r: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(r)
-        if bf16:
-            out = out.view(torch.bfloat16)
-        if inplace:
-            with torch.no_grad():
-                tensor.copy_(out)
-            return tensor
-        return out
+        return _result(tensor, out.view(torch.bfloat16) if bf16 else out, inplace)
     return arr, back
 
 
