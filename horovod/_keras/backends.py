@@ -31,10 +31,10 @@ def backend_compression(backend: str, compression: Any) -> Any:
     if kind is None:
         return compression
     if backend == "torch":
-        from horovod.torch.compression import Compression
-    else:
-        from horovod.jax.compression import Compression
-    return getattr(Compression, kind)
+        from horovod.torch import compression as torch_compression
+        return getattr(torch_compression.Compression, kind)
+    from horovod.jax import compression as jax_compression
+    return getattr(jax_compression.Compression, kind)
 
 
 def make_reduce(backend: str, op: int, compression: Any, prescale: float, postscale: float,

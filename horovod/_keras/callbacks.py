@@ -53,13 +53,21 @@ def _optimizer_variables(opt: Any) -> list[Any]:
     return list(v() if callable(v) else v)
 
 
-class BroadcastGlobalVariablesCallbackImpl:
+class _CallbackState:
+    """What the implementations read from the class they are mixed into: ``keras_backend`` (set by
+    the binding: ``keras.backend`` of the Keras it serves) and Keras's ``Callback`` state
+    (``set_model``, ``set_params``)."""
+
+    keras_backend: Any
+    model: Any
+    params: dict[str, Any]
+
+
+class BroadcastGlobalVariablesCallbackImpl(_CallbackState):
     """After the first batch, broadcast model and optimizer variables from ``root_rank``."""
 
-    def __init__(self, backend: Any, root_rank: int, device: str = "", local_variables: Any = None,
-                 *args: Any) -> None:
-        super().__init__(*args)
-        self.backend = backend
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
+        super().__init__()
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
@@ -78,7 +86,8 @@ class BroadcastGlobalVariablesCallbackImpl:
         if self.broadcast_done:
             return
 
-        backend = self.backend.backend() if callable(getattr(self.backend, "backend", None)) else "tensorflow"
+        kb = self.keras_backend
+        backend = kb.backend() if callable(getattr(kb, "backend", None)) else "tensorflow"
         if backend != "tensorflow":  # Keras 3 on torch or JAX (self.model syncs JAX's state first)
             model = self.model
             opt = model.optimizer
@@ -99,12 +108,11 @@ class BroadcastGlobalVariablesCallbackImpl:
         self.broadcast_done = True
 
 
-class MetricAverageCallbackImpl:
+class MetricAverageCallbackImpl(_CallbackState):
     """At the end of every epoch, replace each value in ``logs`` by its average over all ranks."""
 
-    def __init__(self, backend: Any, device: str = "", *args: Any) -> None:
-        super().__init__(*args)
-        self.backend = backend
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
         self.device = device
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -134,14 +142,13 @@ def _is_number(v: Any) -> bool:
         return False
 
 
-class LearningRateScheduleCallbackImpl:
+class LearningRateScheduleCallbackImpl(_CallbackState):
     """Set ``lr = initial_lr * multiplier(epoch)`` within ``[start_epoch, end_epoch)``."""
 
-    def __init__(self, backend: Any, initial_lr: float, multiplier: Any, start_epoch: int = 0,
-                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None, *args: Any) -> None:
-        super().__init__(*args)
-        self.backend = backend
+    def __init__(self, initial_lr: float, multiplier: Any, start_epoch: int = 0, end_epoch: int | None = None,
+                 staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None) -> None:
+        super().__init__()
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase
@@ -157,6 +164,12 @@ class LearningRateScheduleCallbackImpl:
             self.multiplier = multiplier
         if self.initial_lr is None:
             raise ValueError("Parameter `initial_lr` is required")
+
+    def _steps(self) -> int:
+        """``steps_per_epoch``, detected from the training's parameters when it was not given."""
+        if not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
+        return self.steps_per_epoch
 
     def _autodetect_steps_per_epoch(self) -> int:
         params = getattr(self, "params", None) or {}
@@ -185,8 +198,8 @@ class LearningRateScheduleCallbackImpl:
 
     def on_train_begin(self, logs: Any = None) -> None:
         fix_jit(self.model)
-        if not self.staircase and not self.steps_per_epoch:
-            self.steps_per_epoch = self._autodetect_steps_per_epoch()
+        if not self.staircase:
+            self._steps()
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.current_epoch = epoch
@@ -198,7 +211,7 @@ class LearningRateScheduleCallbackImpl:
         if self.staircase and batch == 0:
             self._adjust_learning_rate(epoch)
         elif not self.staircase:
-            self._adjust_learning_rate(epoch + float(batch) / self.steps_per_epoch)
+            self._adjust_learning_rate(epoch + float(batch) / self._steps())
 
     def on_batch_end(self, batch: int, logs: Any = None) -> None:
         self._restore_momentum_if_needed()
@@ -211,21 +224,20 @@ class LearningRateScheduleCallbackImpl:
 class LearningRateWarmupCallbackImpl(LearningRateScheduleCallbackImpl):
     """Ramp the LR linearly from ``initial_lr / size()`` to ``initial_lr`` over ``warmup_epochs``."""
 
-    def __init__(self, backend: Any, initial_lr: float, warmup_epochs: int = 5,
-                 momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None, verbose: int = 0, *args: Any) -> None:
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
         def multiplier(epoch: float) -> float:
             # Shift by one step so the value at each epoch end is round (nicer LR plots).
-            epoch += 1.0 / self.steps_per_epoch
+            epoch += 1.0 / self._steps()
             size = _basics.size()
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
-        super().__init__(backend, initial_lr, multiplier, 0, warmup_epochs, False, momentum_correction,
-                         steps_per_epoch, *args)
+        super().__init__(initial_lr, multiplier, 0, warmup_epochs, False, momentum_correction, steps_per_epoch)
+        self.warmup_epochs = warmup_epochs
         self.verbose = verbose
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and _basics.rank() == 0:
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and _basics.rank() == 0:
             new_lr = get_lr(self.model.optimizer)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {new_lr:g}.")  # noqa: T201

@@ -173,6 +173,17 @@ def check_adasum(process_set_id: int | None, dtype: str, what: str = "allreduce"
                          "cast the tensor to a float type or use op=hvd.Sum.")
 
 
+def _rows_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str, verb: str,
+                shape: str) -> str:
+    """``_one_dtype`` of arrays that are split or joined along their first dimension (none is a scalar)."""
+    dtype = _one_dtype(arrays, allowed, what)
+    for a in arrays:
+        if a.ndim == 0:
+            raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be {verb} along its first "
+                             f"dimension; reshape it to shape {shape} first.")
+    return dtype
+
+
 def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str) -> str:
     if not arrays:
         raise ValueError(f"{what}: no tensors given")
@@ -307,11 +318,7 @@ def allgather_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     what = "grouped_allgather" if grouped else "allgather"
     ps_id, _ = group_of(process_set, what)
     try:
-        dtype = _one_dtype(arrays, MOVE_DTYPES, what)
-        for a in arrays:
-            if a.ndim == 0:
-                raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be gathered along its "
-                                 "first dimension; reshape it to shape (1,) first.")
+        dtype = _rows_dtype(arrays, MOVE_DTYPES, what, "gathered", "(1,)")
     except ARGUMENT_ERRORS as exc:
         fail_everywhere(RequestType.ALLGATHER, name, ps_id, exc, grouped)
     return _submit(RequestType.ALLGATHER, arrays, None, name, grouped, ps_id, dtype, device, wake=wake)
@@ -407,11 +414,7 @@ def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise NotImplementedError(
                 f"Reducescatter currently only supports AVERAGE and SUM (got op={_OP_TEXT.get(op, op)}).")
-        dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
-        for a in arrays:
-            if a.ndim == 0:
-                raise ValueError(f"{what}: a rank-zero tensor (scalar) cannot be scattered along its "
-                                 "first dimension; reshape it to shape (1,) or more rows first.")
+        dtype = _rows_dtype(arrays, REDUCE_DTYPES, what, "scattered", "(1,) or more rows")
     except ARGUMENT_ERRORS as exc:
         fail_everywhere(RequestType.REDUCESCATTER, name, ps_id, exc, grouped)
     return _submit(RequestType.REDUCESCATTER, arrays, None, name, grouped, ps_id, dtype, device,

@@ -75,6 +75,16 @@ def _setting(env: str, default: Any, help: str, parse: Callable[[str], Any] | No
     })
 
 
+
+_GPU_TRANSPORTS = ("", "NCCL", "MPI", "GLOO")
+
+
+def _gpu_op_setting(env: str, op: str) -> Any:
+    """The transport of one GPU operation; it wins over HOROVOD_GPU_OPERATIONS for that operation."""
+    return _setting(env, "", f"NCCL, MPI or GLOO for GPU {op} (overrides HOROVOD_GPU_OPERATIONS).",
+                    _parse_upper, choices=_GPU_TRANSPORTS)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of the collective engine of one worker process."""
@@ -145,22 +155,12 @@ class EngineConfig:
         "HOROVOD_GPU_OPERATIONS", "",
         "NCCL, MPI or GLOO: how GPU tensors are reduced and moved. NCCL runs torch.distributed NCCL "
         "on the device; MPI and GLOO stage them through host memory over the job's CPU transport "
-        "(default: NCCL when available).", _parse_upper, choices=("", "NCCL", "MPI", "GLOO"))
-    gpu_allreduce: str = _setting(
-        "HOROVOD_GPU_ALLREDUCE", "", "NCCL, MPI or GLOO for GPU allreduce (overrides "
-        "HOROVOD_GPU_OPERATIONS).", _parse_upper, choices=("", "NCCL", "MPI", "GLOO"))
-    gpu_allgather: str = _setting(
-        "HOROVOD_GPU_ALLGATHER", "", "NCCL, MPI or GLOO for GPU allgather.", _parse_upper,
-        choices=("", "NCCL", "MPI", "GLOO"))
-    gpu_broadcast: str = _setting(
-        "HOROVOD_GPU_BROADCAST", "", "NCCL, MPI or GLOO for GPU broadcast.", _parse_upper,
-        choices=("", "NCCL", "MPI", "GLOO"))
-    gpu_alltoall: str = _setting(
-        "HOROVOD_GPU_ALLTOALL", "", "NCCL, MPI or GLOO for GPU alltoall.", _parse_upper,
-        choices=("", "NCCL", "MPI", "GLOO"))
-    gpu_reducescatter: str = _setting(
-        "HOROVOD_GPU_REDUCESCATTER", "", "NCCL, MPI or GLOO for GPU reducescatter.", _parse_upper,
-        choices=("", "NCCL", "MPI", "GLOO"))
+        "(default: NCCL when available).", _parse_upper, choices=_GPU_TRANSPORTS)
+    gpu_allreduce: str = _gpu_op_setting("HOROVOD_GPU_ALLREDUCE", "allreduce")
+    gpu_allgather: str = _gpu_op_setting("HOROVOD_GPU_ALLGATHER", "allgather")
+    gpu_broadcast: str = _gpu_op_setting("HOROVOD_GPU_BROADCAST", "broadcast")
+    gpu_alltoall: str = _gpu_op_setting("HOROVOD_GPU_ALLTOALL", "alltoall")
+    gpu_reducescatter: str = _gpu_op_setting("HOROVOD_GPU_REDUCESCATTER", "reducescatter")
     torch_cpu_plane: bool = _setting(
         "HOROVOD_TORCH_CPU_PLANE", False,
         "Run CPU torch tensors through the device plane on torch.distributed Gloo (the CPU twin of "

@@ -6,51 +6,30 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from horovod.common.compression import CastCompressor, Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 
 
-class Compressor:
-    """Interface: ``compress(array) -> (array, ctx)`` before sending, ``decompress(array, ctx)`` after.
+class FP16Compressor(CastCompressor):
+    """Send floating-point arrays as float16 and cast them back; other dtypes pass unchanged.
 
-    Both run inside ``jax.jit`` too, so they must be traceable (jnp operations only).
+    Runs inside ``jax.jit`` too (jnp operations only).
     """
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
+    wire = jnp.dtype(jnp.float16)
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Send arrays unchanged."""
+    def dtype_of(tensor: Any) -> Any:
+        return jnp.dtype(tensor.dtype)
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
+    def is_float(dtype: Any) -> bool:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class FP16Compressor(Compressor):
-    """Send floating-point arrays as float16 and cast them back; other dtypes pass unchanged."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        dtype = jnp.dtype(tensor.dtype)
-        if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.float16:
-            return tensor.astype(jnp.float16), dtype
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        if ctx is not None and jnp.dtype(tensor.dtype) != ctx:
-            return tensor.astype(ctx)
-        return tensor
+    def cast(tensor: Any, dtype: Any) -> Any:
+        return tensor.astype(dtype)
 
 
 class Compression:

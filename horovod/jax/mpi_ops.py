@@ -128,6 +128,24 @@ def _same(arrays: Sequence[Any]) -> Callable[[], list[jax.ShapeDtypeStruct]]:
     return lambda: [_spec(a.shape, a.dtype) for a in arrays]
 
 
+def _with_gradient(forward: Callable[[Any], Any], gradient: Callable[[Any], Any], x: Any) -> Any:
+    """``forward(x)`` as a JAX function whose vector-Jacobian product is ``gradient(g)`` (``x`` is
+    an array or a list of arrays; ``forward`` returns the same kind)."""
+
+    @jax.custom_vjp
+    def f(v: Any) -> Any:
+        return forward(v)
+
+    def fwd(v: Any) -> tuple[Any, None]:
+        return f(v), None
+
+    def bwd(_: None, g: Any) -> tuple[Any]:
+        return (gradient(g),)
+
+    f.defvjp(fwd, bwd)
+    return f(x)
+
+
 # ---------------------------------------------------------------------------- allreduce
 def _allreduce_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: float, post: float,
                     ps: ProcessSet, grouped: bool) -> list[Any]:
@@ -148,18 +166,8 @@ def _allreduce_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: floa
             _C.allreduce_async(xs, name=name, op=op, prescale_factor=pre, postscale_factor=post,
                                process_set=ps, grouped=grouped, wake=False, out=outs).wait()
 
-    @jax.custom_vjp
-    def f(xs: list[Any]) -> list[Any]:
-        return _run(host, xs, _same(xs), into, alias)
-
-    def fwd(xs: list[Any]) -> tuple[list[Any], None]:
-        return f(xs), None
-
-    def bwd(_: None, gs: list[Any]) -> tuple[list[Any]]:
-        return (_allreduce_list(list(gs), None, op, pre, post, ps, grouped),)
-
-    f.defvjp(fwd, bwd)
-    return f(list(arrays))
+    return _with_gradient(lambda xs: _run(host, xs, _same(xs), into, alias),
+                          lambda gs: _allreduce_list(list(gs), None, op, pre, post, ps, grouped), list(arrays))
 
 
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
@@ -212,17 +220,13 @@ def _gather_host(name: str | None, ps: ProcessSet, grouped: bool, equal_dims: bo
 
 
 def _allgather_list(arrays: list[Any], name: str | None, ps: ProcessSet, grouped: bool) -> list[Any]:
-    @jax.custom_vjp
-    def f(xs: list[Any]) -> list[Any]:
+    def forward(xs: list[Any]) -> list[Any]:
         traced = is_traced(*xs)
         n = ps.size() or 1
         return _run(_gather_host(name, ps, grouped, traced), xs,
                     lambda: [_spec((a.shape[0] * n,) + tuple(a.shape[1:]), a.dtype) for a in xs])
 
-    def fwd(xs: list[Any]) -> tuple[list[Any], None]:
-        return f(xs), None
-
-    def bwd(_: None, gs: list[Any]) -> tuple[list[Any]]:
+    def gradient(gs: list[Any]) -> list[Any]:
         gs = list(gs)
         reduced = _allreduce_list(gs, None, ReduceOp.AVERAGE, 1.0, 1.0, ps, True)
         dims = [a.shape[0] for a in arrays]
@@ -232,10 +236,9 @@ def _allgather_list(arrays: list[Any], name: str | None, ps: ProcessSet, grouped
         else:
             every = _np_ops.allgather(np.array([dims], np.int64), None, ps)
             offsets = every[:r].sum(axis=0).tolist() if r else [0] * len(dims)
-        return ([g[int(o):int(o) + d] for g, o, d in zip(reduced, offsets, dims)],)
+        return [g[int(o):int(o) + d] for g, o, d in zip(reduced, offsets, dims)]
 
-    f.defvjp(fwd, bwd)
-    return f(list(arrays))
+    return _with_gradient(forward, gradient, list(arrays))
 
 
 def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Any:
@@ -261,19 +264,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     def host(xs: list[np.ndarray]) -> list[np.ndarray]:
         return [_np_ops.broadcast(xs[0], root, name, process_set)]
 
-    @jax.custom_vjp
-    def f(x: Any) -> Any:
-        return _run(host, [x], _same([x]))[0]
-
-    def fwd(x: Any) -> tuple[Any, None]:
-        return f(x), None
-
-    def bwd(_: None, g: Any) -> tuple[Any]:
+    def gradient(g: Any) -> Any:
         grad = _allreduce_list([g], None, ReduceOp.AVERAGE, 1.0, 1.0, process_set, False)[0]
-        return (grad if _rank() == root else jnp.zeros_like(grad),)
+        return grad if _rank() == root else jnp.zeros_like(grad)
 
-    f.defvjp(fwd, bwd)
-    return f(jnp.asarray(tensor))
+    return _with_gradient(lambda x: _run(host, [x], _same([x]))[0], gradient, jnp.asarray(tensor))
 
 
 # ---------------------------------------------------------------------------- alltoall
@@ -298,18 +293,8 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     def host(xs: list[np.ndarray]) -> list[np.ndarray]:
         return [_np_ops.alltoall(xs[0], None, name, process_set)]
 
-    @jax.custom_vjp
-    def f(v: Any) -> Any:
-        return _run(host, [v], _same([v]))[0]
-
-    def fwd(v: Any) -> tuple[Any, None]:
-        return f(v), None
-
-    def bwd(_: None, g: Any) -> tuple[Any]:
-        return (alltoall(g, None, None, process_set),)
-
-    f.defvjp(fwd, bwd)
-    return f(x)
+    return _with_gradient(lambda v: _run(host, [v], _same([v]))[0],
+                          lambda g: alltoall(g, None, None, process_set), x)
 
 
 # ---------------------------------------------------------------------------- reducescatter
@@ -325,21 +310,16 @@ def _reducescatter_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: 
             return _np_ops.grouped_reducescatter(xs, name, op, ps, pre, post)
         return [_np_ops.reducescatter(xs[0], name, op, ps, pre, post)]
 
-    @jax.custom_vjp
-    def f(xs: list[Any]) -> list[Any]:
+    def forward(xs: list[Any]) -> list[Any]:
         return _run(host, xs, lambda: [_spec((_scatter_rows(a.shape[0], ps),) + tuple(a.shape[1:]), a.dtype)
                                        for a in xs])
 
-    def fwd(xs: list[Any]) -> tuple[list[Any], None]:
-        return f(xs), None
-
-    def bwd(_: None, gs: list[Any]) -> tuple[list[Any]]:
+    def gradient(gs: list[Any]) -> list[Any]:
         scale = (float(ps.size() or 1) if op == ReduceOp.SUM else 1.0) * pre * post
         gathered = _allgather_list(list(gs), None, ps, True)
-        return ([g * scale if scale != 1.0 else g for g in gathered],)
+        return [g * scale if scale != 1.0 else g for g in gathered]
 
-    f.defvjp(fwd, bwd)
-    return f(list(arrays))
+    return _with_gradient(forward, gradient, list(arrays))
 
 
 def reducescatter(tensor: Any, name: str | None = None, compression: Any = Compression.none,

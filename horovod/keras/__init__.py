@@ -116,7 +116,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
     return _impl.broadcast_global_variables(root_rank)
 
 
-def allreduce(value: Any, name: str | None = None, average: bool = True, prescale_factor: float = 1.0,
+def allreduce(value: Any, name: str | None = None, average: bool | None = True, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, op: int | None = None,
               compression: Any = Compression.none) -> Any:
     """Return the reduction (default: average) of ``value`` over all ranks, evaluated now."""

@@ -37,10 +37,10 @@ from horovod.lightning import _sharded_checkpoint as sharded
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
-_built: dict[str, type] = {}
+_built: dict[str, type[Any]] = {}
 
 
-def strategy_class(package: str) -> type:
+def strategy_class(package: str) -> type[Any]:
     """``HorovodStrategy`` for ``package`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``)."""
     if package not in PACKAGES:
         raise ValueError(f"unknown Lightning package {package!r}; expected one of {', '.join(PACKAGES)}")
@@ -158,14 +158,15 @@ def _pending(optimizer: Any) -> bool:
                 or getattr(optimizer, "_collected", None))
 
 
-def _unwrap(optimizer: Any, lightning_optimizer_cls: type) -> Any:
+def _unwrap(optimizer: Any, lightning_optimizer_cls: type[Any]) -> Any:
     return optimizer._optimizer if isinstance(optimizer, lightning_optimizer_cls) else optimizer
 
 
-def _build(package: str) -> type:
+def _build(package: str) -> type[Any]:
     pl = importlib.import_module(package)
-    fabric_envs = importlib.import_module(_FABRIC[package] + ".plugins.environments")
-    strategies = importlib.import_module(package + ".strategies")
+    # Lightning's classes, from the package the caller named (lightning.pytorch or pytorch_lightning).
+    fabric_envs: Any = importlib.import_module(_FABRIC[package] + ".plugins.environments")
+    strategies: Any = importlib.import_module(package + ".strategies")
     states = importlib.import_module(package + ".trainer.states")
     core_optimizer = importlib.import_module(package + ".core.optimizer")
     pl_rank_zero = importlib.import_module(package + ".utilities.rank_zero")
@@ -262,22 +263,8 @@ def _build(package: str) -> type:
             self._set_rank_zero()
 
         # ---------------------------------------------------------------- ranks and devices
-        @property
-        def global_rank(self) -> int:
-            return hvd.rank()
-
-        @property
-        def local_rank(self) -> int:
-            return hvd.local_rank()
-
-        @property
-        def node_rank(self) -> int:
-            return hvd.cross_rank()
-
-        @property
-        def world_size(self) -> int:
-            return hvd.size()
-
+        # global_rank, local_rank, node_rank and world_size: ParallelStrategy's, read from the
+        # HorovodEnvironment given as cluster_environment.
         @property
         def is_distributed(self) -> bool:
             return True  # Lightning inserts the DistributedSampler for strategies that say so
@@ -298,7 +285,8 @@ def _build(package: str) -> type:
 
         def _set_rank_zero(self) -> None:
             pl_rank_zero.rank_zero_only.rank = self.global_rank
-            utils_rank_zero.rank_zero_only.rank = self.global_rank
+            # lightning_utilities types rank_zero_only as a function; Lightning sets this attribute too.
+            utils_rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
         def set_world_ranks(self) -> None:
             self._set_rank_zero()
@@ -316,7 +304,7 @@ def _build(package: str) -> type:
                 return
             automatic = self.lightning_module.automatic_optimization
             passes = trainer.accumulate_grad_batches if automatic else 1
-            self.optimizers = self._wrap_optimizers(self.optimizers, passes)
+            self.optimizers: list[Any] = self._wrap_optimizers(self.optimizers, passes)
             if self._zero_stage:
                 _clip_across_shards(self.precision_plugin, LightningOptimizer)
             for opt in self.optimizers:
@@ -331,7 +319,7 @@ def _build(package: str) -> type:
             assert self.lightning_module is not None
             named = list(self.lightning_module.named_parameters())
             wrapped_for: dict[int, Any] = {}
-            out = []
+            out: list[Any] = []
             for opt in optimizers:
                 opt = _unwrap(opt, LightningOptimizer)
                 if isinstance(opt, hvd.optimizer._DistributedOptimizer):

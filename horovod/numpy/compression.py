@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from horovod.common.compression import CastCompressor, Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "round_bf16"]
 
 
@@ -25,58 +27,40 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(f), f, rounded)
 
 
-class Compressor:
-    """Interface: ``compress(array) -> (array, ctx)`` before sending, ``decompress(array, ctx)`` after."""
+class _NumpyCast(CastCompressor):
+    @staticmethod
+    def dtype_of(tensor: np.ndarray) -> np.dtype:
+        return np.asarray(tensor).dtype
 
     @staticmethod
-    def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
-        raise NotImplementedError
+    def is_float(dtype: np.dtype) -> bool:
+        return dtype.kind == "f"
 
     @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-        raise NotImplementedError
+    def cast(tensor: np.ndarray, dtype: Any) -> np.ndarray:
+        return np.asarray(tensor).astype(dtype)
 
 
-class NoneCompressor(Compressor):
-    """Send arrays unchanged."""
-
-    @staticmethod
-    def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_NumpyCast):
     """Send floating-point arrays as float16 and cast them back; other dtypes pass unchanged."""
 
-    @staticmethod
-    def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
-        a = np.asarray(tensor)
-        if a.dtype.kind == "f" and a.dtype != np.float16:
-            return a.astype(np.float16), a.dtype
-        return a, None
-
-    @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-        return tensor if ctx is None else np.asarray(tensor).astype(ctx)
+    wire = np.dtype(np.float16)
 
 
-class BF16Compressor(Compressor):
-    """Reduce floating-point arrays at bfloat16 precision and restore their dtype."""
+class BF16Compressor(_NumpyCast):
+    """Reduce floating-point arrays at bfloat16 precision (in float32) and restore their dtype."""
 
-    @staticmethod
-    def compress(tensor: np.ndarray) -> tuple[np.ndarray, Any]:
-        a = np.asarray(tensor)
-        if a.dtype.kind == "f":
-            return round_bf16(a), a.dtype
-        return a, None
+    @classmethod
+    def narrows(cls, dtype: np.dtype) -> bool:
+        return dtype.kind == "f"
 
-    @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-        return tensor if ctx is None else round_bf16(tensor).astype(ctx)
+    @classmethod
+    def narrow(cls, tensor: np.ndarray) -> np.ndarray:
+        return round_bf16(tensor)
+
+    @classmethod
+    def widen(cls, tensor: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return round_bf16(tensor).astype(dtype)
 
 
 class Compression:

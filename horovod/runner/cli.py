@@ -249,6 +249,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+
+# LaunchSettings fields taken as given from the merged command line and config file (None: unset).
+_AS_GIVEN = (
+    "np", "hosts", "hostfile", "ssh_port", "ssh_identity_file", "ssh_strict_host_key_checking",
+    "output_filename", "controller", "mpi_args", "binding_args", "min_np", "max_np",
+    "host_discovery_script", "slots_per_host", "elastic_timeout", "reset_limit", "monitor_port",
+    "monitor_address",
+)
+# LaunchSettings switches (absent: False).
+_FLAGS = ("disable_cache", "tcp", "prefix_timestamp", "dry_run")
+
+
 def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                        ) -> LaunchSettings:
     """Merge command line, config file and environment into ``LaunchSettings``.
@@ -275,37 +287,19 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
     start_timeout = merged.get("start_timeout")
     if start_timeout is None:
         start_timeout = default_start_timeout(environ)
+    as_given: dict[str, Any] = {name: merged.get(name) for name in _AS_GIVEN}
+    flags: dict[str, Any] = {name: bool(merged.get(name, False)) for name in _FLAGS}
     return LaunchSettings(
         command=list(merged.get("command") or []),
-        np=merged.get("np"),
-        hosts=merged.get("hosts"),
-        hostfile=merged.get("hostfile"),
-        ssh_port=merged.get("ssh_port"),
-        ssh_identity_file=merged.get("ssh_identity_file"),
-        ssh_strict_host_key_checking=merged.get("ssh_strict_host_key_checking"),
         nics=nics,
         start_timeout=float(start_timeout),
         verbose=2 if merged.get("verbose") else 0,
-        output_filename=merged.get("output_filename"),
-        disable_cache=bool(merged.get("disable_cache", False)),
-        controller=merged.get("controller"),
-        mpi_args=merged.get("mpi_args"),
-        tcp=bool(merged.get("tcp", False)),
-        binding_args=merged.get("binding_args"),
-        prefix_timestamp=bool(merged.get("prefix_timestamp", False)),
         extra_env=dict(merged.get("extra_env") or {}),
         tunable_env=tunables_to_env(tunable_values, tcp=bool(merged.get("tcp", False))),
         log_level=tunable_values.get("log_level"),
-        dry_run=bool(merged.get("dry_run", False)),
-        min_np=merged.get("min_np"),
-        max_np=merged.get("max_np"),
-        host_discovery_script=merged.get("host_discovery_script"),
-        slots_per_host=merged.get("slots_per_host"),
-        elastic_timeout=merged.get("elastic_timeout"),
-        reset_limit=merged.get("reset_limit"),
         blacklist_cooldown_range=(tuple(merged["blacklist_cooldown_range"])  # type: ignore[arg-type]
                                   if merged.get("blacklist_cooldown_range") else None),
-        monitor_port=merged.get("monitor_port"),
-        monitor_address=merged.get("monitor_address"),
         monitor_linger=float(merged.get("monitor_linger") or 0.0),
+        **as_given,
+        **flags,
     )

@@ -157,8 +157,9 @@ def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str
         output.close()
     code, sig = status[0]
     info = proc.exit_info or {}
+    ended_at = info.get("time")
     return {"rank": rank, "host": host, "local_rank": local_rank, "code": code,
-            "signal": sig, "time": float(info.get("time") or time.time()),
+            "signal": sig, "time": float(ended_at) if isinstance(ended_at, int | float) and ended_at else time.time(),
             "record": info.get("error"), "stderr_tail": tail[-20:]}
 
 
@@ -222,6 +223,8 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     from horovod.spark.output import RemoteOutput
 
     ctx = TaskContext.get()
+    if ctx is None:
+        raise RuntimeError("the elastic agent runs inside a Spark task (TaskContext.get() is None here)")
     agent = f"{ctx.partitionId()}.{ctx.attemptNumber()}"
     client = _client(spec)
     client.put(SPARK_AGENT_SCOPE, agent, json.dumps({"host": executor_name(spec.addr), "pid": os.getpid(),

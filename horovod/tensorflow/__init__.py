@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -179,6 +179,12 @@ def _check_sparse(op: ReduceOp, prescale_factor: float, postscale_factor: float)
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
 
 
+def _through(compression: Any, tensor: Any, collective: Callable[[Any], Any]) -> Any:
+    """``collective`` applied to ``tensor`` compressed, and its result decompressed."""
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    return compression.decompress(collective(compressed), ctx)
+
+
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
               compression: Any = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None,
@@ -202,11 +208,9 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
                                      ignore_name_scope=ignore_name_scope)[0]
     _check_adasum(op, process_set)
     with tf.device(device_dense):
-        compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-                             process_set=process_set)
-        return compression.decompress(reduced, ctx)
+        return _through(compression, tensor, lambda t: _allreduce(
+            t, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            ignore_name_scope=ignore_name_scope, process_set=process_set))
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
@@ -255,11 +259,9 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     With N rows and P ranks, ranks 0 .. N%P-1 get N//P+1 rows and the others N//P.
     """
     with tf.device(device_dense):
-        compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        out = _reducescatter(compressed, name=name, op=op, ignore_name_scope=ignore_name_scope,
-                             process_set=process_set, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor)
-        return compression.decompress(out, ctx)
+        return _through(compression, tensor, lambda t: _reducescatter(
+            t, name=name, op=op, ignore_name_scope=ignore_name_scope, process_set=process_set,
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor))
 
 
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Any = Compression.none,

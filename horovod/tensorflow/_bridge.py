@@ -99,13 +99,13 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
     if tf.executing_eagerly():
         arrays = [np.asarray(t) if isinstance(t, np.ndarray) else t.numpy() for t in inputs]
         try:
-            outs = fn(name, arrays)
+            results = fn(name, arrays)
         except Exception as exc:  # noqa: BLE001 - translated, re-raised
             err = _errors.eager_error(op_type, name, exc)
             if err is exc:
                 raise
             raise err from exc
-        return [tf.convert_to_tensor(o) for o in outs]
+        return [tf.convert_to_tensor(o) for o in results]
 
     check_not_xla(op_type)
     _errors.install()  # a mismatch in this graph op surfaces as FailedPreconditionError (upstream's)
@@ -131,12 +131,13 @@ def engine_call(op_type: str, fn: NpFn, inputs: Sequence[Any], tout: Sequence[tf
             raise err from exc
 
     if layout is not None:
-        packed_out = tf.numpy_function(_run, inputs, layout.tf_dtype, stateful=True, name=base)
+        # In a graph numpy_function returns tensors (TensorFlow annotates it with NumPy's types).
+        packed_out: Any = tf.numpy_function(_run, inputs, layout.tf_dtype, stateful=True, name=base)
         packed_out.set_shape([layout.total])
         cell[0] = _key(packed_out.op.name, ignore_name_scope)
         return [tf.reshape(packed_out[o:o + n], s)
                 for o, n, s in zip(layout.offsets, layout.sizes, layout.shapes)]
-    outs = tf.numpy_function(_run, inputs, list(tout), stateful=True, name=base)
+    outs: Any = tf.numpy_function(_run, inputs, list(tout), stateful=True, name=base)
     if not isinstance(outs, list | tuple):
         outs = [outs]
     outs = list(outs)
@@ -241,6 +242,17 @@ def _outputs(key: Any, arrays: Sequence[np.ndarray]) -> list[np.ndarray] | None:
     return [pooled_empty(a.shape, a.dtype) for a in arrays]
 
 
+def _gathered(arrays: Sequence[np.ndarray], pending: list[tuple[list[int], Any]],
+              restore: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> list[Any]:
+    """Wait for each ``(indices, handle)`` and place its results at those indices of ``arrays``;
+    ``restore(result, original)`` gives a bfloat16 result its dtype back."""
+    res: list[Any] = [None] * len(arrays)
+    for idx, h in pending:
+        for i, r in zip(idx, h.wait()):
+            res[i] = restore(r, arrays[i]) if _is_bf16(arrays[i]) else r
+    return res
+
+
 def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale: float, postscale: float,
                  process_set: ProcessSet | None, grouped: bool,
                  groups: Sequence[Sequence[int]] | None = None,
@@ -270,11 +282,7 @@ def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale:
                                   prescale_factor=prescale, postscale_factor=postscale,
                                   process_set=process_set, grouped=True, out=outs)
             pending.append((idx, h))
-    res: list[Any] = [None] * len(arrays)
-    for idx, h in pending:
-        for i, r in zip(idx, h.wait()):
-            res[i] = r.astype(arrays[i].dtype) if _is_bf16(arrays[i]) else r
-    return res
+    return _gathered(arrays, pending, lambda r, a: r.astype(a.dtype))  # bfloat16 was reduced as float32
 
 
 def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet | None,
@@ -292,11 +300,7 @@ def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet
         h = C.allgather_async([_move_ready(arrays[i]) for i in idx], name=_sub(key, suffix),
                               process_set=process_set, grouped=True)
         pending.append((idx, h))
-    res: list[Any] = [None] * len(arrays)
-    for idx, h in pending:
-        for i, r in zip(idx, h.wait()):
-            res[i] = r.view(arrays[i].dtype) if _is_bf16(arrays[i]) else r
-    return res
+    return _gathered(arrays, pending, lambda r, a: r.view(a.dtype))  # bfloat16 moved as its bits
 
 
 def np_broadcast(key: Any, arrays: Sequence[np.ndarray], root_rank: int,

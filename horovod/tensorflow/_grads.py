@@ -21,7 +21,7 @@ from horovod.tensorflow import _bridge as B
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import allreduce_grads_nograd
 
-__all__ = ["make_allreduce_grads_fn", "check_op_args", "normalize_groups", "sparse_allreduce"]
+__all__ = ["make_allreduce_grads_fn", "reduce_except_local", "check_op_args", "normalize_groups", "sparse_allreduce"]
 
 
 def check_op_args(op: int, gradient_predivide_factor: float, average_aggregated_gradients: bool = False,
@@ -77,6 +77,24 @@ def _var_key(v: Any) -> Any:
         return v.ref()
     except (AttributeError, TypeError):
         return id(v)
+
+
+def reduce_except_local(grads: Sequence[Any], variables: Sequence[Any], local_keys: set[Any],
+                        allreduce: Callable[[list[Any], list[Any]], list[Any]], process_set: ProcessSet,
+                        scale_local: bool) -> list[Any]:
+    """``grads`` with those of variables not in ``local_keys`` (``_var_key``) passed through
+    ``allreduce`` (one call for all of them); local ones stay, divided by the set's size when
+    ``scale_local`` (upstream's ``scale_local_gradients``)."""
+    glob = [i for i, v in enumerate(variables) if _var_key(v) not in local_keys]
+    out = list(grads)
+    for i, g in zip(glob, allreduce([grads[i] for i in glob], [variables[i] for i in glob])):
+        out[i] = g
+    if local_keys and scale_local and process_set.included():
+        n = process_set.size()
+        for i in set(range(len(grads))) - set(glob):
+            if out[i] is not None:
+                out[i] = out[i] / tf.cast(n, out[i].dtype)
+    return out
 
 
 def _index_groups(groups: Any, positions: list[int],

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 from typing import Any
-
-import tensorflow as tf
 
 from horovod._keras.backends import KERAS3_BACKENDS, make_reduce
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
+from horovod.tensorflow._grads import (
+    _var_key,
+    check_op_args,
+    make_allreduce_grads_fn,
+    normalize_groups,
+    reduce_except_local,
+)
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
 __all__ = ["create_distributed_optimizer", "distributed_class", "is_distributed", "disable_jit_for",
@@ -58,16 +63,8 @@ class HvdConfig:
                                                       average_aggregated_gradients)
 
     def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
-        glob = [i for i, v in enumerate(variables) if _var_key(v) not in self.local_vars]
-        out = list(grads)
-        for i, g in zip(glob, self.allreduce_grads([grads[i] for i in glob], [variables[i] for i in glob])):
-            out[i] = g
-        if self.local_vars and self.scale_local_gradients and self.process_set.included():
-            n = self.process_set.size()
-            for i in set(range(len(grads))) - set(glob):
-                if out[i] is not None:
-                    out[i] = out[i] / tf.cast(n, out[i].dtype)
-        return out
+        return reduce_except_local(grads, variables, self.local_vars, self.allreduce_grads, self.process_set,
+                                   self.scale_local_gradients)
 
 
 def _hvd(opt: Any) -> HvdConfig:
@@ -90,7 +87,7 @@ def disable_jit_for(model: Any) -> bool:
 def _disable_jit_on_calling_model(opt: Any) -> None:
     # Keras 3 builds the optimizer from Trainer._symbolic_build(), before make_train_function()
     # reads model.jit_compile. Find that model on the stack and turn XLA off while it still matters.
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(8):
         if frame is None:
             return
@@ -101,7 +98,7 @@ def _disable_jit_on_calling_model(opt: Any) -> None:
         frame = frame.f_back
 
 
-def _keras3_native_methods(base: type) -> dict[str, Any]:
+def _keras3_native_methods(base: type[Any]) -> dict[str, Any]:
     # torch and JAX backends: reduce where Keras hands the step's gradients to the update (see
     # horovod._keras.backends); the train step stays compiled on JAX.
     def _clip_gradients(self: Any, grads: Any) -> Any:
@@ -114,7 +111,7 @@ def _keras3_native_methods(base: type) -> dict[str, Any]:
     return {"_clip_gradients": _clip_gradients}
 
 
-def _keras3_methods(base: type) -> dict[str, Any]:
+def _keras3_methods(base: type[Any]) -> dict[str, Any]:
     def build(self: Any, variables: Any) -> Any:
         _disable_jit_on_calling_model(self)  # TensorFlow backend: XLA cannot run Horovod's ops
         return base.build(self, variables)
@@ -136,7 +133,7 @@ def _keras3_methods(base: type) -> dict[str, Any]:
     return {"build": build, "apply": apply}
 
 
-def _keras2_methods(base: type) -> dict[str, Any]:
+def _keras2_methods(base: type[Any]) -> dict[str, Any]:
     # Gradients are averaged where upstream does it: in _compute_gradients (what Keras 2's legacy
     # minimize() calls; scripts call it too), with the local aggregation of backward_passes_per_step
     # there. apply_gradients() averages gradients that did not come from _compute_gradients (the
@@ -189,7 +186,7 @@ def is_distributed(optimizer: Any) -> bool:
     return getattr(type(optimizer), "_hvd_distributed", False)
 
 
-def distributed_class(base: type, cfg: HvdConfig) -> type:
+def distributed_class(base: type[Any], cfg: HvdConfig) -> type[Any]:
     """A subclass of ``base`` with the same name whose gradient application averages across ranks."""
     if getattr(base, "_hvd_distributed", False):
         base = base.__mro__[1]

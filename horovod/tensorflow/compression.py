@@ -6,68 +6,36 @@ from typing import Any
 
 import tensorflow as tf
 
+from horovod.common.compression import CastCompressor, Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
 
-class Compressor:
-    """Interface for compressing and decompressing a tensor around a collective."""
+class _TFCast(CastCompressor):
+    @staticmethod
+    def dtype_of(tensor: Any) -> Any:
+        return tensor.dtype
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        """Return the tensor to send and the context that ``decompress`` needs."""
-        raise NotImplementedError
+    def is_float(dtype: Any) -> bool:
+        return bool(dtype.is_floating)
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        """Return the tensor restored from what the collective produced."""
-        raise NotImplementedError
+    def cast(tensor: Any, dtype: Any) -> Any:
+        return tf.cast(tensor, dtype)
 
 
-class NoneCompressor(Compressor):
-    """Send tensors unchanged."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_TFCast):
     """Send floating-point tensors as float16; other dtypes pass through."""
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != tf.float16:
-            tensor = tf.cast(tensor, tf.float16)
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        if ctx is not None and ctx.is_floating and tensor.dtype != ctx:
-            tensor = tf.cast(tensor, ctx)
-        return tensor
+    wire = tf.float16
 
 
-class BF16Compressor(Compressor):
+class BF16Compressor(_TFCast):
     """Send floating-point tensors as bfloat16 (float32's range, 8 bits of mantissa); other dtypes
     pass through. Unlike fp16, large gradients cannot overflow."""
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != tf.bfloat16:
-            tensor = tf.cast(tensor, tf.bfloat16)
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        if ctx is not None and ctx.is_floating and tensor.dtype != ctx:
-            tensor = tf.cast(tensor, ctx)
-        return tensor
+    wire = tf.bfloat16
 
 
 class Compression:

@@ -26,6 +26,7 @@ from horovod.common.elastic import ObjectState, State, run_fn
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.objects import broadcast_object
 from horovod.tensorflow import _errors
+from horovod.tensorflow.functions import assign_values
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowKerasState", "TensorFlowState",
            "HorovodInternalError", "HostsUpdatedInterrupt"]
@@ -82,12 +83,8 @@ def _values(variables: Sequence[Any]) -> list[np.ndarray]:
 
 
 def _assign(variables: Sequence[Any], values: Sequence[np.ndarray], what: str) -> None:
-    if len(variables) != len(values):
-        raise ValueError(f"elastic state: rank {rank()} has {len(variables)} {what} variables but "
-                         f"the state holds {len(values)}; every worker must build the same model "
-                         "and optimizer.")
-    for v, val in zip(variables, values):
-        v.assign(val)
+    assign_values(variables, values, f"elastic state: rank {rank()} has {{have}} {what} variables but the "
+                  "state holds {want}; every worker must build the same model and optimizer.")
 
 
 class _VariablesState(ObjectState):

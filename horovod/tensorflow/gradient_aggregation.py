@@ -48,7 +48,7 @@ class LocalGradientAggregationHelper:
 
     def _build(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         self.counter = _local_variable((), tf.int32, "hvd_aggregation_counter")
-        accs = []
+        accs: list[Any] = []
         for i, (g, v) in enumerate(zip(grads, variables)):
             if g is None:
                 accs.append(None)
@@ -72,23 +72,24 @@ class LocalGradientAggregationHelper:
                 grads[i] = tf.convert_to_tensor(g)
         if self.accumulators is None:
             self._build(grads, variables)
-        assert self.accumulators is not None
-        updates = [a.assign_add(g, read_value=False) for a, g in zip(self.accumulators, grads)
+        accumulators = self.accumulators
+        assert accumulators is not None
+        updates = [a.assign_add(g, read_value=False) for a, g in zip(accumulators, grads)
                    if a is not None]
         with tf.control_dependencies([] if tf.executing_eagerly() else updates):
             count = tf.convert_to_tensor(self.counter.assign_add(1, read_value=True))
         k = self.backward_passes_per_step
-        live = [i for i, a in enumerate(self.accumulators) if a is not None]
+        live = [i for i, a in enumerate(accumulators) if a is not None]
 
         def reduce_branch() -> list[Any]:
-            values = [self.accumulators[i].read_value() for i in live]
+            values = [accumulators[i].read_value() for i in live]
             reduced = self.allreduce_grads(values, [variables[i] for i in live])
             if self.average_aggregated_gradients:
                 reduced = [r / tf.cast(k, r.dtype) for r in reduced]
             return reduced
 
         def local_branch() -> list[Any]:
-            return [tf.identity(self.accumulators[i].read_value()) for i in live]
+            return [tf.identity(accumulators[i].read_value()) for i in live]
 
         if tf.executing_eagerly():
             out = reduce_branch() if int(count) >= k else local_branch()

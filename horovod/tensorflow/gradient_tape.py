@@ -10,7 +10,13 @@ import tensorflow as tf
 
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average
-from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
+from horovod.tensorflow._grads import (
+    _var_key,
+    check_op_args,
+    make_allreduce_grads_fn,
+    normalize_groups,
+    reduce_except_local,
+)
 from horovod.tensorflow.compression import Compression
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
@@ -49,16 +55,9 @@ class _DistributedGradientTape(tf.GradientTape):
     def _reduce(self, gradients: Sequence[Any], sources: Sequence[Any],
                 use_generic_names: bool) -> tuple[list[Any], list[int], list[int]]:
         local, glob = self._split(sources)
-        out = list(gradients)
-        reduced = self._allreduce_grads([gradients[i] for i in glob], [sources[i] for i in glob],
-                                        use_generic_names)
-        for i, g in zip(glob, reduced):
-            out[i] = g
-        if local and self._scale_local_gradients and self._process_set.included():
-            n = self._process_set.size()
-            for i in local:
-                if out[i] is not None:
-                    out[i] = out[i] / tf.cast(n, out[i].dtype)
+        out = reduce_except_local(gradients, sources, self._local_sources,
+                                  lambda g, s: self._allreduce_grads(g, s, use_generic_names), self._process_set,
+                                  self._scale_local_gradients)
         return out, local, glob
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,

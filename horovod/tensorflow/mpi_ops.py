@@ -32,6 +32,26 @@ def _ps(process_set: ProcessSet | None) -> ProcessSet:
     return global_process_set if process_set is None else process_set
 
 
+def _set_size(process_set: ProcessSet | None) -> int:
+    ps = _ps(process_set)
+    size = ps.size()
+    if size is None:
+        raise ValueError(f"{ps} is not registered (hvd.add_process_set) on this rank; its size is unknown.")
+    return size
+
+
+def _reduction(raw: Callable[..., list[Any]], backward: Callable[..., Callable[..., list[Any]]],
+               tensors: list[Any], name: str | None, op: int, prescale: float, postscale: float,
+               ignore_name_scope: bool, process_set: ProcessSet | None, grouped: bool) -> list[Any]:
+    """Run ``raw`` (an allreduce or a reducescatter) on ``tensors`` with ``backward``'s gradient."""
+    if not tensors:
+        return []
+    rop = ReduceOp(int(op))
+    fwd = lambda xs: raw(xs, name, rop, prescale, postscale, ignore_name_scope, process_set, grouped)
+    bwd = backward(rop, prescale, postscale, ignore_name_scope, process_set, grouped)
+    return _differentiable(fwd, bwd, tensors)
+
+
 def _differentiable(forward: Callable[[list[Any]], list[Any]],
                     backward: Callable[[list[Any], list[Any], list[Any]], list[Any]],
                     tensors: Sequence[Any]) -> list[Any]:
@@ -42,8 +62,8 @@ def _differentiable(forward: Callable[[list[Any]], list[Any]],
         ys = forward(list(xs))
 
         def _grad(*dys: Any) -> Any:
-            dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]
-            dxs = backward(list(xs), ys, dys)
+            grads = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]
+            dxs = backward(list(xs), ys, grads)
             return dxs if len(dxs) > 1 else dxs[0]
 
         return (ys if len(ys) > 1 else ys[0]), _grad
@@ -84,11 +104,8 @@ def _allreduce(tensor: Any, name: str | None = None, op: int = ReduceOp.SUM, pre
                postscale_factor: float = 1.0, ignore_name_scope: bool = False,
                process_set: ProcessSet = global_process_set) -> Any:
     """Allreduce one dense tensor (differentiable). Default op is Sum, as upstream's ``_allreduce``."""
-    op = ReduceOp(int(op))
-    fwd = lambda xs: _raw_allreduce(xs, name, op, prescale_factor, postscale_factor, ignore_name_scope,
-                                    process_set, False)
-    bwd = _allreduce_backward(op, prescale_factor, postscale_factor, ignore_name_scope, process_set, False)
-    return _differentiable(fwd, bwd, [tensor])[0]
+    return _reduction(_raw_allreduce, _allreduce_backward, [tensor], name, op, prescale_factor, postscale_factor,
+                      ignore_name_scope, process_set, False)[0]
 
 
 def _grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: int = ReduceOp.SUM,
@@ -96,14 +113,8 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: int 
                        ignore_name_scope: bool = False,
                        process_set: ProcessSet = global_process_set) -> list[Any]:
     """Allreduce a list of dense tensors as one negotiated, fused unit (differentiable)."""
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    op = ReduceOp(int(op))
-    fwd = lambda xs: _raw_allreduce(xs, name, op, prescale_factor, postscale_factor, ignore_name_scope,
-                                    process_set, True)
-    bwd = _allreduce_backward(op, prescale_factor, postscale_factor, ignore_name_scope, process_set, True)
-    return _differentiable(fwd, bwd, tensors)
+    return _reduction(_raw_allreduce, _allreduce_backward, list(tensors), name, op, prescale_factor,
+                      postscale_factor, ignore_name_scope, process_set, True)
 
 
 def allreduce_grads_nograd(tensors: Sequence[Any], name: str | None, op: int, prescale_factor: float,
@@ -280,12 +291,12 @@ def _raw_reducescatter(tensors: list[Any], name: str | None, op: ReduceOp, presc
 
 
 def _reducescatter_backward(op: ReduceOp, prescale: float, postscale: float, ignore_name_scope: bool,
-                            process_set: ProcessSet | None) -> Callable[..., list[Any]]:
+                            process_set: ProcessSet | None, grouped: bool) -> Callable[..., list[Any]]:
     # Upstream's definition: Sum -> allgather(dy) * set size, Average -> allgather(dy); the
     # scale factors multiply in as the chain rule says.
     def backward(xs: list[Any], ys: list[Any], dys: list[Any]) -> list[Any]:
-        gathered = _raw_allgather(dys, None, ignore_name_scope, process_set, len(dys) > 1)
-        scale = prescale * postscale * (_ps(process_set).size() if op == ReduceOp.SUM else 1)
+        gathered = _raw_allgather(dys, None, ignore_name_scope, process_set, grouped)
+        scale = prescale * postscale * (_set_size(process_set) if op == ReduceOp.SUM else 1)
         return [g * tf.cast(scale, g.dtype) if scale != 1 else g for g in gathered]
 
     return backward
@@ -295,25 +306,16 @@ def _reducescatter(tensor: Any, name: str | None = None, op: int = ReduceOp.AVER
                    ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set,
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """Reduce ``tensor`` over the set and return this rank's rows (differentiable)."""
-    op = ReduceOp(int(op))
-    fwd = lambda xs: _raw_reducescatter(xs, name, op, prescale_factor, postscale_factor, ignore_name_scope,
-                                        process_set, False)
-    bwd = _reducescatter_backward(op, prescale_factor, postscale_factor, ignore_name_scope, process_set)
-    return _differentiable(fwd, bwd, [tensor])[0]
+    return _reduction(_raw_reducescatter, _reducescatter_backward, [tensor], name, op, prescale_factor,
+                      postscale_factor, ignore_name_scope, process_set, False)[0]
 
 
 def _grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, op: int = ReduceOp.AVERAGE,
                            ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set,
                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[Any]:
     """Reducescatter each tensor of the list as one unit (all must share a dtype)."""
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    op = ReduceOp(int(op))
-    fwd = lambda xs: _raw_reducescatter(xs, name, op, prescale_factor, postscale_factor, ignore_name_scope,
-                                        process_set, True)
-    bwd = _reducescatter_backward(op, prescale_factor, postscale_factor, ignore_name_scope, process_set)
-    return _differentiable(fwd, bwd, tensors)
+    return _reduction(_raw_reducescatter, _reducescatter_backward, list(tensors), name, op, prescale_factor,
+                      postscale_factor, ignore_name_scope, process_set, True)
 
 
 # ---------------------------------------------------------------------------- join and queries

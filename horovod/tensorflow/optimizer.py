@@ -8,7 +8,13 @@ import tensorflow as tf
 
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp
-from horovod.tensorflow._grads import _var_key, check_op_args, make_allreduce_grads_fn, normalize_groups
+from horovod.tensorflow._grads import (
+    _var_key,
+    check_op_args,
+    make_allreduce_grads_fn,
+    normalize_groups,
+    reduce_except_local,
+)
 from horovod.tensorflow._keras_optimizer import create_distributed_optimizer
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
@@ -47,17 +53,8 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._local_vars.add(_var_key(var))
 
     def _reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
-        glob = [i for i, v in enumerate(variables) if _var_key(v) not in self._local_vars]
-        out = list(grads)
-        reduced = self._allreduce_grads([grads[i] for i in glob], [variables[i] for i in glob])
-        for i, g in zip(glob, reduced):
-            out[i] = g
-        if self._local_vars and self._scale_local_gradients and self._process_set.included():
-            n = self._process_set.size()
-            for i in set(range(len(grads))) - set(glob):
-                if out[i] is not None:
-                    out[i] = out[i] / tf.cast(n, out[i].dtype)
-        return out
+        return reduce_except_local(grads, variables, self._local_vars, self._allreduce_grads, self._process_set,
+                                   self._scale_local_gradients)
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
         """Compute gradients with the wrapped optimizer, then average them across ranks (one op)."""

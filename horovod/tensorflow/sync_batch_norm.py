@@ -12,7 +12,7 @@ from horovod.tensorflow.mpi_ops import _allreduce
 
 __all__ = ["SyncBatchNormalization"]
 
-_BatchNormalization = tf.keras.layers.BatchNormalization
+_BatchNormalization: Any = tf.keras.layers.BatchNormalization  # Keras 3's, or tf_keras's (chosen at run time)
 # Keras 3 computes statistics in _moments(inputs, mask); Keras 2 (tf_keras, also has a _moments)
 # in _calculate_mean_and_var(inputs, reduction_axes, keep_dims, mask=None).
 _KERAS3 = not hasattr(_BatchNormalization, "_calculate_mean_and_var")

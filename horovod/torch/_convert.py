@@ -154,6 +154,15 @@ def _stage(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """``out``; with ``inplace``, ``tensor`` holding ``out``'s values."""
+    if not inplace:
+        return out
+    with torch.no_grad():
+        tensor.copy_(out)
+    return tensor
+
+
 def _to_device(result: torch.Tensor, tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Bring a staged result back onto ``tensor``'s GPU (ordered on the caller's stream)."""
     if inplace:
@@ -202,6 +211,13 @@ def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what:
     return _host_reduce_input(tensor, op, inplace, what)
 
 
+# dtypes NumPy has no type for: reduced on the host in a wider one, and turned back after.
+_HOST_WIDENED: dict[torch.dtype, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]] = {
+    torch.bfloat16: (torch.float32, lambda t: t.to(torch.bfloat16)),
+    torch.bool: (torch.uint8, lambda t: t != 0),
+}
+
+
 def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str
                        ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
     dt = tensor.dtype
@@ -212,35 +228,13 @@ def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool,
                 arr = t.numpy()
                 return arr, lambda _r: tensor
             work = t.contiguous().numpy()
-
-            def back(r: np.ndarray) -> torch.Tensor:
-                with torch.no_grad():
-                    tensor.copy_(torch.from_numpy(r))
-                return tensor
-            return work, back
+            return work, lambda r: _result(tensor, torch.from_numpy(r), True)
         return t.contiguous().numpy(), torch.from_numpy
-    if dt == torch.bfloat16:
-        work = _plain(tensor).to(torch.float32).contiguous().numpy()
-
-        def from_f32(r: np.ndarray) -> torch.Tensor:
-            out = torch.from_numpy(r).to(torch.bfloat16)
-            if inplace:
-                with torch.no_grad():
-                    tensor.copy_(out)
-                return tensor
-            return out
-        return work, from_f32
-    if dt == torch.bool:
-        work = _plain(tensor).to(torch.uint8).contiguous().numpy()
-
-        def from_u8(r: np.ndarray) -> torch.Tensor:
-            out = torch.from_numpy(r) != 0
-            if inplace:
-                with torch.no_grad():
-                    tensor.copy_(out)
-                return tensor
-            return out
-        return work, from_u8
+    widened = _HOST_WIDENED.get(dt)
+    if widened is not None:
+        wide, narrow = widened
+        work = _plain(tensor).to(wide).contiguous().numpy()
+        return work, lambda r: _result(tensor, narrow(torch.from_numpy(r)), inplace)
     raise ValueError(f"Tensor type {tensor.type()} is not supported.")
 
 
@@ -284,13 +278,7 @@ def _host_move_input(tensor: torch.Tensor, inplace: bool
 
     def back(r: np.ndarray) -> torch.Tensor:
         out = torch.from_numpy(r)
-        if bf16:
-            out = out.view(torch.bfloat16)
-        if inplace:
-            with torch.no_grad():
-                tensor.copy_(out)
-            return tensor
-        return out
+        return _result(tensor, out.view(torch.bfloat16) if bf16 else out, inplace)
     return arr, back
 
 

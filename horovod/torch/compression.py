@@ -12,69 +12,37 @@ from typing import Any
 
 import torch
 
+from horovod.common.compression import CastCompressor, Compressor, NoneCompressor
+
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
            "StatefulCompressor"]
 
 
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)`` before sending, ``decompress(tensor, ctx)`` after."""
+class _TorchCast(CastCompressor):
+    @staticmethod
+    def dtype_of(tensor: torch.Tensor) -> torch.dtype:
+        return tensor.dtype
 
     @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Compress a tensor and return it with the context needed to decompress it."""
-        raise NotImplementedError
+    def is_float(dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point
 
     @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Decompress the tensor with the given context."""
-        raise NotImplementedError
+    def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return tensor.to(dtype)
 
 
-class NoneCompressor(Compressor):
-    """Send tensors unchanged."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_TorchCast):
     """Send floating-point tensors as float16 and cast them back; other dtypes pass unchanged."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating_point and dtype != torch.float16:
-            return tensor.type(torch.float16), dtype
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
-            return tensor.type(ctx)
-        return tensor
+    wire = torch.float16
 
 
-class BF16Compressor(Compressor):
+class BF16Compressor(_TorchCast):
     """Send floating-point tensors as bfloat16 (float32's range, 8 bits of mantissa) and cast them
     back; other dtypes pass unchanged. Unlike fp16, large gradients cannot overflow."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating_point and dtype != torch.bfloat16:
-            return tensor.to(torch.bfloat16), dtype
-        return tensor, dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
-            return tensor.to(ctx)
-        return tensor
+    wire = torch.bfloat16
 
 
 class Compression:

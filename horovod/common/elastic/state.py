@@ -15,10 +15,26 @@ from typing import Any
 from horovod.common.elastic.worker import HostUpdateResult
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
-__all__ = ["State", "ObjectState"]
+__all__ = ["Committed", "State", "ObjectState"]
 
 
-class State:
+class Committed:
+    """Something with a committed copy in memory: ``save`` it, ``restore`` it, ``sync`` it from rank 0."""
+
+    def save(self) -> None:
+        """Copy the state to host memory."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Go back to the last saved state."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Make every rank's state equal to rank 0's."""
+        raise NotImplementedError()
+
+
+class State(Committed):
     """State of a worker that is kept in memory across resets of an elastic job.
 
     Args:
@@ -74,18 +90,6 @@ class State:
         self._last_updated_timestamp = last
         if last > prev:
             raise HostsUpdatedInterrupt(HostUpdateResult(update) == HostUpdateResult.removed)
-
-    def save(self) -> None:
-        """Copy the state to host memory."""
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        """Go back to the last saved state."""
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        """Make every rank's state equal to rank 0's."""
-        raise NotImplementedError()
 
     def reset(self) -> None:
         """Adjust to a new set of workers (called after a reset, before ``sync``)."""

@@ -34,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from horovod.common.backends.base import CollectiveBackend, Group
+from horovod.common.types import Response
+
 __all__ = ["ADASUM_DTYPES", "SQRT_DBL_MIN", "is_power_of_two", "pair_coefficients", "combine",
            "adasum_pair", "adasum_reference", "vhdd_allreduce", "Exchange", "AdasumRunner"]
 
@@ -208,7 +211,7 @@ class AdasumRunner:
     offer ``sendrecv(send, recv, peer, group)``.
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: CollectiveBackend) -> None:
         self.backend = backend
         self._buffers: dict[str, np.ndarray] = {}
 
@@ -218,7 +221,7 @@ class AdasumRunner:
             buf = self._buffers[key + dtype.str] = np.empty(max(n, 1024), dtype)
         return buf[:n]
 
-    def run(self, batch: Sequence[Any], entries: Sequence[Any], group: Any,
+    def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
             new_output: Callable[[tuple[int, ...], Any], np.ndarray]) -> None:
         req = batch[0].request
         dtype = np.dtype(req.dtype)

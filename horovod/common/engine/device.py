@@ -26,8 +26,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import Group, Transport
 from horovod.common.engine.transport import Lane
+from horovod.common.engine.tunables import Tunables
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.types import RequestType, Response
 
@@ -76,8 +77,8 @@ class PlaneServices:
         secret: the job secret that keys the plane's stores (None: a key travels over ``backend``).
     """
 
-    backend: Any
-    tunables: Any
+    backend: Transport
+    tunables: Tunables
     timeline: Callable[[], Any]
     timeout_s: float = 30.0
     hostnames: tuple[str, ...] | None = None

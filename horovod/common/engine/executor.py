@@ -40,6 +40,7 @@ from horovod.common.engine.buffers import (
     run_reduction,
 )
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
+from horovod.common.engine.handles import Handle
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
@@ -47,7 +48,7 @@ from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factor
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.transport import HostTransport, Lane, logical_op, reduce_dtype
 from horovod.common.engine.tunables import Tunables
-from horovod.common.types import ReduceOp, RequestType, Response
+from horovod.common.types import ReduceOp, Request, RequestType, Response
 
 __all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "end_to_end", "SMALL_OUTPUT_BYTES"]
 
@@ -56,8 +57,8 @@ class Entry:
 
     __slots__ = ("request", "inputs", "outputs", "handle", "state", "slot", "t_submit", "splits")
 
-    def __init__(self, request: Any, inputs: list[np.ndarray], outputs: list[np.ndarray] | None,
-                 handle: Any, splits: np.ndarray | None = None) -> None:
+    def __init__(self, request: Request, inputs: list[np.ndarray], outputs: list[np.ndarray] | None,
+                 handle: Handle, splits: np.ndarray | None = None) -> None:
         self.request = request
         self.inputs = inputs
         self.outputs = outputs

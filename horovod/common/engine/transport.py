@@ -25,6 +25,7 @@ import numpy as np
 from horovod.common.backends.base import CollectiveBackend, Group
 from horovod.common.engine.buffers import BufferOps, Placement
 from horovod.common.engine.hierarchy import Hierarchy
+from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp
 
 __all__ = ["Transport", "HostTransport", "Lane", "reduce_dtype", "logical_op"]
@@ -126,7 +127,7 @@ class HostTransport:
 
     __slots__ = ("backend", "group", "name", "native", "_tunables", "_hierarchy")
 
-    def __init__(self, backend: CollectiveBackend, group: Group, tunables: Any,
+    def __init__(self, backend: CollectiveBackend, group: Group, tunables: Tunables,
                  hierarchy: Callable[[Group], Hierarchy | None]) -> None:
         self.backend = backend
         self.group = group

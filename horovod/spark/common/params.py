@@ -3,7 +3,7 @@ pair for every parameter, settable through the constructor's keyword arguments."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.ml.param import Param, Params
 
@@ -42,6 +42,10 @@ class _KwargParams(Params):
     """Params set from constructor keyword arguments; an unknown one is a ``TypeError``."""
 
     _param_defaults: dict[str, Any] = {}
+
+    if TYPE_CHECKING:
+        # The get<Name>/set<Name> methods that declare_params adds to the class at import.
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()

@@ -53,7 +53,7 @@ class HorovodWriter(MLWriter):
 
 
 class HorovodReader(MLReader):
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type[Any]) -> None:  # a HorovodReadable estimator or model class
         super().__init__()
         self.cls = cls
 

@@ -30,7 +30,7 @@ __all__ = ["prepare_data", "get_dataset_properties", "check_columns", "column_me
            "read_data_metadata", "DataPreparationError",
            # upstream's helpers
            "host_hash", "data_type_to_str", "numpy_type_to_str", "spark_scalar_to_python_type",
-           "pyarrow_to_spark_data_type", "data_type_to_numpy", "check_shape_compatibility",
+           "pyarrow_to_spark_data_type", "data_type_to_numpy", "check_shape_compatibility", "check_feature_shapes",
            "check_validation", "clear_training_cache", "to_list", "is_databricks", "get_output_cols",
            "get_spark_df_output_schema", "get_simple_meta_from_parquet", "to_petastorm_fn"]
 
@@ -196,18 +196,18 @@ def _write(store: AbstractFilesystemStore, df: Any, idx: str, columns: list[str]
     if isinstance(validation, str):
         flag = F.col(validation).cast("double")
         train_df, val_df = df.where((flag == 0) | flag.isNull()), df.where(flag > 0)
+        val_part = partitions // 4 or 1
     elif validation:
         train_df, val_df = df.randomSplit([1.0 - float(validation), float(validation)], seed=17)
+        val_part = max(1, math.ceil(partitions * float(validation)))
     else:
-        train_df, val_df = df, None
+        train_df, val_df, val_part = df, None, 0
     train_df = converted(train_df).repartition(partitions)
     writer = train_df.write.mode("overwrite").option("parquet.block.size", 8 << 20)
     writer.parquet(store.spark_path(train_path))
     train_rows = _rows(store, train_path)
     val_rows = 0
     if val_df is not None:
-        val_part = max(1, math.ceil(partitions * float(validation)) if not isinstance(validation, str)
-                       else partitions // 4 or 1)
         converted(val_df).repartition(val_part).write.mode("overwrite") \
             .option("parquet.block.size", 8 << 20).parquet(store.spark_path(val_path))
         val_rows = _rows(store, val_path)
@@ -368,6 +368,26 @@ def _col_size(meta: dict[str, Any]) -> int | None:
     return int(math.prod(shape)) if isinstance(shape, (list, tuple)) else int(shape)
 
 
+def check_feature_shapes(metadata: dict[str, Any], feature_cols: list[str], shapes: list[list[int]],
+                         source: str) -> None:
+    """Each feature column's values per row match the element count of its entry in ``shapes``
+    (``-1``/None, a batch dimension, is not counted); ``source`` names the shapes in errors.
+
+    Raises:
+        DataPreparationError: a count of shapes or of values that differs (before training).
+    """
+    if len(shapes) != len(feature_cols):
+        raise DataPreparationError(f"{source} has {len(shapes)} shape(s) for {len(feature_cols)} feature "
+                                   f"column(s) {feature_cols}.")
+    for col, shape in zip(feature_cols, shapes):
+        have = int(math.prod(metadata[col]["shape"])) if metadata[col]["shape"] else 1
+        want = int(math.prod([d for d in shape if d not in (-1, None)]))
+        if want != have:
+            raise DataPreparationError(
+                f"Feature column {col!r} has {have} value(s) per row, but {source} gives it shape "
+                f"{list(shape)} ({want} values per row). Fix {source} or the column.")
+
+
 def check_shape_compatibility(metadata: dict[str, Any], feature_columns: list[str],
                               label_columns: list[str], input_shapes: Any = None,
                               output_shapes: Any = None, label_shapes: Any = None) -> None:
@@ -467,7 +487,7 @@ def to_petastorm_fn(schema_cols: list[str], metadata: dict[str, Any] | None) -> 
     def to_petastorm(row: Any) -> Any:
         import numpy as np
         from pyspark import Row
-        from pyspark.ml.linalg import Vector
+        from pyspark.ml.linalg import SparseVector, Vector
 
         converted = {}
         for col in schema_cols:
@@ -478,9 +498,16 @@ def to_petastorm_fn(schema_cols: list[str], metadata: dict[str, Any] | None) -> 
             if fmt == constants.ARRAY:
                 converted[col] = value.toArray().tolist()
             elif fmt == constants.CUSTOM_SPARSE:
-                pad = 2 * (metadata[col]["max_size"] - len(value.indices))  # type: ignore[index]
-                converted[col] = np.concatenate(([len(value.indices)], value.indices, value.values,
-                                                 np.zeros(pad))).tolist()
+                indices: np.ndarray
+                values: np.ndarray
+                if isinstance(value, SparseVector):
+                    indices, values = value.indices, value.values
+                else:  # a dense vector in a column of sparse ones
+                    dense = value.toArray()
+                    indices = np.flatnonzero(dense)
+                    values = dense[indices]
+                pad = 2 * (metadata[col]["max_size"] - len(indices))  # type: ignore[index]
+                converted[col] = np.concatenate(([len(indices)], indices, values, np.zeros(pad))).tolist()
         if not converted:
             return row
         d = row.asDict()

@@ -16,7 +16,7 @@ import numpy as np
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
 from horovod.spark.common.params import EstimatorParams, declare_params
 from horovod.spark.common.persistence import HorovodReadable, HorovodReader, HorovodWritable, HorovodWriter
-from horovod.spark.common.util import DataPreparationError
+from horovod.spark.common.util import check_feature_shapes
 from horovod.spark.keras.util import (
     _shaped,
     input_shapes_of,
@@ -31,7 +31,30 @@ __all__ = ["KerasEstimator", "KerasModel", "KerasEstimatorParamsWriter",
            "KerasEstimatorParamsReadable", "EstimatorParams"]
 
 
-class KerasEstimator(HorovodEstimator):
+class _KerasModelParams:
+    """Estimator or model params whose ``model`` is a Keras model: saved as its flavour and
+    bytes (``model_to_bytes``), loaded with the ``custom_objects`` param; a ``Backend`` is never
+    saved."""
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        model = out.get("model")
+        if model is not None:
+            out["model"] = ("__keras__", keras_flavour(model), model_to_bytes(model))
+        out.pop("backend", None)
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        m = out.get("model")
+        if isinstance(m, tuple) and m and m[0] == "__keras__":
+            out["model"] = model_from_bytes(m[2], m[1], out.get("custom_objects"))
+        return out
+
+
+class KerasEstimator(_KerasModelParams, HorovodEstimator):
     """Trains a compiled-on-each-rank Keras model with Horovod on the rows of a DataFrame.
 
     ``optimizer`` a Keras optimizer (wrapped in ``hvd.DistributedOptimizer`` on every rank),
@@ -56,19 +79,9 @@ class KerasEstimator(HorovodEstimator):
 
     def _check_shapes(self, metadata: dict[str, Any]) -> None:
         shapes = input_shapes_of(self.getModel())
-        feats = list(self.getFeatureCols())
-        if shapes is None:
-            return
-        if len(shapes) != len(feats):
-            raise DataPreparationError(f"The model has {len(shapes)} input(s) but feature_cols "
-                                       f"names {len(feats)}: {feats}.")
-        for col, shape in zip(feats, shapes):
-            have = int(np.prod(metadata[col]["shape"])) if metadata[col]["shape"] else 1
-            want = int(np.prod([d for d in shape[1:] if d != -1]))
-            if want != have:
-                raise DataPreparationError(
-                    f"Feature column {col!r} has {have} value(s) per row, but the model's input "
-                    f"takes shape {shape[1:]} ({want} values). Fix the model's input or the column.")
+        if shapes is not None:  # each without its batch dimension
+            check_feature_shapes(metadata, list(self.getFeatureCols()), [list(s[1:]) for s in shapes],
+                                 "the model's input")
 
     def _train_fn(self, spec: TrainingSpec) -> Callable[[], Any]:
         from horovod.spark.keras.remote import make_train_fn
@@ -101,23 +114,17 @@ class KerasEstimator(HorovodEstimator):
 
     @classmethod
     def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
+        out = super()._params_to_bytes(values)
         model = out.get("model")
-        if model is not None:
-            flavour = keras_flavour(model)
-            out["model"] = ("__keras__", flavour, model_to_bytes(model))
-            if out.get("optimizer") is not None:
-                out["optimizer"] = ("__keras_opt__", flavour,
-                                    keras_module(flavour).optimizers.serialize(out["optimizer"]))
-        out.pop("backend", None)
+        if model is not None and out.get("optimizer") is not None:
+            flavour = model[1]
+            out["optimizer"] = ("__keras_opt__", flavour,
+                                keras_module(flavour).optimizers.serialize(out["optimizer"]))
         return out
 
     @classmethod
     def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        m = out.get("model")
-        if isinstance(m, tuple) and m and m[0] == "__keras__":
-            out["model"] = model_from_bytes(m[2], m[1], out.get("custom_objects"))
+        out = super()._params_from_bytes(values)
         o = out.get("optimizer")
         if isinstance(o, tuple) and o and o[0] == "__keras_opt__":
             out["optimizer"] = keras_module(o[1]).optimizers.deserialize(o[2])
@@ -131,7 +138,7 @@ declare_params(KerasEstimator, [
 ])
 
 
-class KerasModel(HorovodModel):
+class KerasModel(_KerasModelParams, HorovodModel):
     """A trained Keras model; ``transform(df)`` adds its predictions (a double for a single value
     per row, else a dense vector)."""
 
@@ -153,21 +160,6 @@ class KerasModel(HorovodModel):
                 return [np.asarray(o).reshape(len(features[0]), -1) for o in outs]
             return predict
         return factory
-
-    @classmethod
-    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if out.get("model") is not None:
-            out["model"] = ("__keras__", keras_flavour(out["model"]), model_to_bytes(out["model"]))
-        return out
-
-    @classmethod
-    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        m = out.get("model")
-        if isinstance(m, tuple) and m and m[0] == "__keras__":
-            out["model"] = model_from_bytes(m[2], m[1], out.get("custom_objects"))
-        return out
 
 
 declare_params(KerasModel, [("custom_objects", {}, "custom objects for loading the model"),

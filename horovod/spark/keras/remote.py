@@ -53,7 +53,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         rank, size = hvd.rank(), hvd.size()
         if spec["random_seed"] is not None:
             tf.random.set_seed(spec["random_seed"])
-        k = keras_module(spec["flavour"])
+        k: Any = keras_module(spec["flavour"])  # Keras 3 or tf_keras: the model's own
         store, ckpt_path = spec["store"], spec["checkpoint_path"]
         model = model_from_bytes(spec["model_bytes"], spec["flavour"], spec["custom_objects"])
         history: dict[str, list[float]] = {}
@@ -130,15 +130,13 @@ def optimizer_values(opt: Any) -> list[Any]:
 def restore_optimizer(opt: Any, model: Any, values: list[Any]) -> None:
     """Give a compiled model's optimizer the variables ``optimizer_values`` saved (it builds
     its slots first, which Keras otherwise does at the first step)."""
+    from horovod.tensorflow.functions import assign_values
+
     if hasattr(opt, "build"):
         opt.build(model.trainable_variables)  # idempotent in Keras 3 and tf_keras
-    variables = _variables(opt)
-    if len(variables) != len(values):
-        raise ValueError(f"The checkpoint holds {len(values)} optimizer variables, but the optimizer "
-                         f"{type(opt).__name__} has {len(variables)}: resume with the optimizer the run "
-                         "started with, or give a new run_id.")
-    for var, value in zip(variables, values):
-        var.assign(value)
+    assign_values(_variables(opt), values, f"The checkpoint holds {{want}} optimizer variables, but the "
+                  f"optimizer {type(opt).__name__} has {{have}}: resume with the optimizer the run started "
+                  "with, or give a new run_id.")
 
 
 def _sync_logs(k: Any, local: str, store: Any, dest: str) -> Any:

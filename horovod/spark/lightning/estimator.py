@@ -17,7 +17,7 @@ from horovod.spark.common.params import EstimatorParams, declare_params
 from horovod.spark.common.persistence import HorovodReadable, HorovodReader, HorovodWritable, HorovodWriter
 from horovod.spark.torch.estimator import TorchModel as _TorchModel
 from horovod.spark.torch.estimator import trained_model
-from horovod.spark.torch.util import _module_bytes, _module_from_bytes, check_input_shapes
+from horovod.spark.torch.util import ModuleParams, _module_bytes, check_input_shapes
 
 __all__ = ["TorchEstimator", "TorchModel", "lightning_package", "TorchEstimatorParamsWriter",
            "TorchEstimatorParamsReader", "TorchEstimatorParamsWritable",
@@ -39,7 +39,7 @@ class TorchModel(_TorchModel):
     """A trained LightningModule; ``transform(df)`` calls its ``forward`` on batches of rows."""
 
 
-class TorchEstimator(HorovodEstimator):
+class TorchEstimator(ModuleParams, HorovodEstimator):
     """Trains a ``LightningModule`` with ``Trainer(strategy=HorovodStrategy())`` on every rank."""
 
     def _check_model(self) -> None:
@@ -92,21 +92,6 @@ class TorchEstimator(HorovodEstimator):
             torch.save({k.removeprefix("model."): v for k, v in state.items()}, buf)
             result = dict(result, state=buf.getvalue())
         return trained_model(TorchModel, self, result, spec)
-
-    @classmethod
-    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if out.get("model") is not None:
-            out["model"] = _module_bytes(out["model"])
-        out.pop("backend", None)
-        return out
-
-    @classmethod
-    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if isinstance(out.get("model"), bytes):
-            out["model"] = _module_from_bytes(out["model"])
-        return out
 
 
 declare_params(TorchEstimator, [

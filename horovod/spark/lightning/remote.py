@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import io
 import os
 import shutil
 import tempfile
@@ -50,9 +49,9 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         import torch
 
         import horovod.torch as hvd
-        from horovod.lightning import HorovodStrategy
+        from horovod.lightning import strategy_class
         from horovod.spark.common.estimator import data_module_for
-        from horovod.spark.torch.remote import load_checkpoint, save_checkpoint
+        from horovod.spark.torch.remote import load_checkpoint, save_checkpoint, trained_result
         from horovod.spark.torch.util import _module_from_bytes
 
         pl = importlib.import_module(spec["package"])
@@ -98,7 +97,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
 
         use_gpu = spec["use_gpu"] and torch.cuda.is_available() and spec["num_gpus"] != 0
         args: dict[str, Any] = {
-            "strategy": HorovodStrategy(package=spec["package"]),
+            "strategy": strategy_class(spec["package"])(),
             "accelerator": "gpu" if use_gpu else "cpu", "devices": 1,
             "max_epochs": spec["epochs"] - offset, "logger": spec["logger"] or False,
             "log_every_n_steps": spec["log_every_n_steps"], "profiler": spec["profiler"],
@@ -116,9 +115,5 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
                 trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader,
                             ckpt_path=resume_from)
         shutil.rmtree(scratch, ignore_errors=True)
-        if rank != 0:
-            return None
-        buf = io.BytesIO()
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, buf)
-        return {"state": buf.getvalue(), "history": history}
+        return trained_result(model, history) if rank == 0 else None
     return train

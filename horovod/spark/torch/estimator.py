@@ -10,14 +10,14 @@ from typing import Any
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel, TrainingSpec
 from horovod.spark.common.params import EstimatorParams, declare_params
 from horovod.spark.common.persistence import HorovodReadable, HorovodReader, HorovodWritable, HorovodWriter
-from horovod.spark.torch.util import _module_bytes, _module_from_bytes, _to_tensor, check_input_shapes
+from horovod.spark.torch.util import ModuleParams, _module_bytes, _module_from_bytes, _to_tensor, check_input_shapes
 
 __all__ = ["TorchEstimator", "TorchModel", "TorchEstimatorParamsWriter",
            "TorchEstimatorParamsReader", "TorchEstimatorParamsWritable",
            "TorchEstimatorParamsReadable", "EstimatorParams"]
 
 
-class TorchEstimator(HorovodEstimator):
+class TorchEstimator(ModuleParams, HorovodEstimator):
     """Trains a ``torch.nn.Module`` with Horovod on the rows of a DataFrame.
 
     ``optimizer`` is an optimizer built on ``model.parameters()`` (its class and defaults are used
@@ -60,20 +60,15 @@ class TorchEstimator(HorovodEstimator):
 
     @classmethod
     def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if out.get("model") is not None:
-            out["model"] = _module_bytes(out["model"])
+        out = super()._params_to_bytes(values)
         opt = out.get("optimizer")
         if opt is not None:  # an optimizer refers to the model's tensors: keep its recipe
             out["optimizer"] = ("__optimizer__", type(opt), dict(opt.defaults))
-        out.pop("backend", None)
         return out
 
     @classmethod
     def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if isinstance(out.get("model"), bytes):
-            out["model"] = _module_from_bytes(out["model"])
+        out = super()._params_from_bytes(values)
         opt = out.get("optimizer")
         if isinstance(opt, tuple) and opt and opt[0] == "__optimizer__" and out.get("model") is not None:
             out["optimizer"] = opt[1](out["model"].parameters(), **opt[2])
@@ -88,7 +83,7 @@ declare_params(TorchEstimator, [
 ])
 
 
-class TorchModel(HorovodModel):
+class TorchModel(ModuleParams, HorovodModel):
     """A trained ``torch.nn.Module``; ``transform(df)`` adds its predictions (a double for a
     single value per row, else a dense vector)."""
 
@@ -112,20 +107,6 @@ class TorchModel(HorovodModel):
                 return [o.detach().cpu().double().numpy().reshape(len(features[0]), -1) for o in outs]
             return predict
         return factory
-
-    @classmethod
-    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if out.get("model") is not None:
-            out["model"] = _module_bytes(out["model"])
-        return out
-
-    @classmethod
-    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
-        out = dict(values)
-        if isinstance(out.get("model"), bytes):
-            out["model"] = _module_from_bytes(out["model"])
-        return out
 
 
 declare_params(TorchModel, [("input_shapes", None, "shape of each feature column's tensor")])

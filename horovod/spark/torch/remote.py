@@ -18,7 +18,7 @@ from horovod.spark.common.constants import (  # noqa: F401
 )
 from horovod.spark.common.estimator import TrainingSpec
 
-__all__ = ["make_train_fn", "load_checkpoint", "save_checkpoint"]
+__all__ = ["make_train_fn", "load_checkpoint", "save_checkpoint", "trained_result"]
 
 
 def load_checkpoint(spec: TrainingSpec) -> dict[str, Any] | None:
@@ -40,6 +40,16 @@ def save_checkpoint(spec: TrainingSpec, state: dict[str, Any]) -> None:
     store.write_bytes(spec["checkpoint_path"], buf.getvalue())
     store.write_json(store.join(store.get_logs_path(spec["run_id"]), "history.json"),
                      state["history"])
+
+
+def trained_result(model: Any, history: dict[str, list[float]]) -> dict[str, Any]:
+    """What rank 0's training returns to the driver: the weights (on the CPU, as the bytes
+    ``torch.save`` writes) and the per-epoch history."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, buf)
+    return {"state": buf.getvalue(), "history": history}
 
 
 def _losses(spec: TrainingSpec) -> list[Callable[..., Any]]:
@@ -164,9 +174,5 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
                               flush=True)
                     save_checkpoint(spec, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                            "epoch": epoch, "history": history})
-        if rank != 0:
-            return None
-        buf = io.BytesIO()
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, buf)
-        return {"state": buf.getvalue(), "history": history}
+        return trained_result(model, history) if rank == 0 else None
     return train

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.spark.common.util import DataPreparationError
+from horovod.spark.common.util import check_feature_shapes
 
 __all__ = ["check_input_shapes", "is_module_available", "is_module_available_fn", "serialize_fn",
            "deserialize_fn", "save_into_bio", "save_into_bio_fn"]
@@ -79,21 +79,31 @@ def _module_from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+class ModuleParams:
+    """Estimator or model params whose ``model`` is a ``torch.nn.Module``: saved as the bytes
+    ``torch.save`` writes, loaded back with ``torch.load``; a ``Backend`` is never saved."""
+
+    @classmethod
+    def _params_to_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if out.get("model") is not None:
+            out["model"] = _module_bytes(out["model"])
+        out.pop("backend", None)
+        return out
+
+    @classmethod
+    def _params_from_bytes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        out = dict(values)
+        if isinstance(out.get("model"), bytes):
+            out["model"] = _module_from_bytes(out["model"])
+        return out
+
+
 def check_input_shapes(metadata: dict[str, Any], feature_cols: list[str],
                        input_shapes: list[list[int]] | None) -> None:
     """Each feature's element count matches its ``input_shapes`` entry (before training)."""
-    if input_shapes is None:
-        return
-    if len(input_shapes) != len(feature_cols):
-        raise DataPreparationError(f"input_shapes has {len(input_shapes)} shape(s) for "
-                                   f"{len(feature_cols)} feature column(s) {feature_cols}.")
-    for col, shape in zip(feature_cols, input_shapes):
-        have = int(np.prod(metadata[col]["shape"])) if metadata[col]["shape"] else 1
-        want = int(np.prod([d for d in shape if d not in (-1, None)]))
-        if want != have:
-            raise DataPreparationError(
-                f"Feature column {col!r} has {have} value(s) per row, but input_shapes gives it "
-                f"shape {list(shape)} ({want} values per row). Fix input_shapes or the column.")
+    if input_shapes is not None:
+        check_feature_shapes(metadata, feature_cols, input_shapes, "input_shapes")
 
 
 def _to_tensor(x: np.ndarray, shape: list[int] | None = None) -> Any:

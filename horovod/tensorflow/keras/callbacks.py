@@ -11,7 +11,7 @@ from horovod._keras import callbacks as _impl
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]
 
-keras = tf.keras
+keras: Any = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1 (chosen at run time)
 _backend = keras.backend
 
 
@@ -22,8 +22,7 @@ class BroadcastGlobalVariablesCallback(_impl.BroadcastGlobalVariablesCallbackImp
     rank 0 restored). Put it first in the callback list.
     """
 
-    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
-        super().__init__(_backend, root_rank, device, local_variables)
+    keras_backend = _backend
 
 
 class MetricAverageCallback(_impl.MetricAverageCallbackImpl, keras.callbacks.Callback):
@@ -32,8 +31,7 @@ class MetricAverageCallback(_impl.MetricAverageCallbackImpl, keras.callbacks.Cal
     Put it before callbacks that read metrics (ReduceLROnPlateau, TensorBoard, checkpoints).
     """
 
-    def __init__(self, device: str = "") -> None:
-        super().__init__(_backend, device)
+    keras_backend = _backend
 
 
 class LearningRateScheduleCallback(_impl.LearningRateScheduleCallbackImpl, keras.callbacks.Callback):
@@ -44,19 +42,13 @@ class LearningRateScheduleCallback(_impl.LearningRateScheduleCallbackImpl, keras
     applies where the optimizer's momentum is a variable (Keras 2 legacy optimizers).
     """
 
-    def __init__(self, initial_lr: float, multiplier: Any, start_epoch: int = 0, end_epoch: int | None = None,
-                 staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None) -> None:
-        super().__init__(_backend, initial_lr, multiplier, start_epoch, end_epoch, staircase,
-                         momentum_correction, steps_per_epoch)
+    keras_backend = _backend
 
 
 class LearningRateWarmupCallback(_impl.LearningRateWarmupCallbackImpl, keras.callbacks.Callback):
     """Ramp the LR from ``initial_lr / hvd.size()`` to ``initial_lr`` over ``warmup_epochs``."""
 
-    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
-        super().__init__(_backend, initial_lr, warmup_epochs, momentum_correction, steps_per_epoch, verbose)
+    keras_backend = _backend
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):

@@ -17,6 +17,7 @@ import torch
 
 from horovod.common.basics import rank
 from horovod.common.elastic import ObjectState
+from horovod.common.elastic.state import Committed
 from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.functions import broadcast_object, broadcast_parameters
 from horovod.torch.zero import ZeroRedundancyOptimizer
@@ -46,32 +47,27 @@ def _copy_into(prev: Any, new: Any) -> Any:
     return copy.deepcopy(new)
 
 
-class StateHandler:
+class StateHandler(Committed):
     """Keeps one object's committed state: ``save``, ``restore``, ``sync``."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        raise NotImplementedError()
 
     def set_value(self, value: Any) -> None:
         self.value = value
         self.save()
 
 
-class ModelStateHandler(StateHandler):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+class _SavedAtOnce(StateHandler):
+    """A handler whose first copy is made when it is created."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
         self._saved: Any = None
         self.save()
 
+
+class ModelStateHandler(_SavedAtOnce):
     def save(self) -> None:
         with torch.no_grad():
             self._saved = _copy_into(self._saved, dict(self.value.state_dict()))
@@ -84,12 +80,7 @@ class ModelStateHandler(StateHandler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
-        self._saved: Any = None
-        self.save()
-
+class OptimizerStateHandler(_SavedAtOnce):
     def save(self) -> None:
         with torch.no_grad():
             self._saved = _copy_into(self._saved, self.value.state_dict())
@@ -144,14 +135,10 @@ class ZeroOptimizerStateHandler(StateHandler):
             self.save()
 
 
-class _StateDictHandler(StateHandler):
+class _StateDictHandler(_SavedAtOnce):
     """Keeps a deep copy of ``value.state_dict()``; syncs it from rank 0 by object broadcast."""
 
     sync_name = ""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(value)
-        self.save()
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
