@@ -17,10 +17,11 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from horovod.common import exceptions as errors
 
-__all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "HostManager", "parse_discovery_output",
+__all__ = ["FindsHosts", "HostDiscovery", "HostDiscoveryScript", "FixedHosts", "HostManager", "parse_discovery_output",
            "cooldown_seconds"]
 
 
@@ -53,6 +54,12 @@ def parse_discovery_output(text: str, default_slots: int | None, source: str) ->
                                      "'hostname:slots' or pass --slots-per-host.", line=lineno)
         hosts.setdefault(name, slots)
     return hosts
+
+
+class FindsHosts(Protocol):
+    """What ``HostManager`` asks of a discovery: the hosts available now and their slots."""
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]: ...
 
 
 class HostDiscovery:
@@ -116,7 +123,7 @@ class _Blacklisted:
 class HostManager:
     """Discovered hosts (first-seen order) minus blacklisted ones."""
 
-    discovery: HostDiscoveryScript | FixedHosts
+    discovery: FindsHosts
     cooldown_range: tuple[float, float] | None = None
     clock: Callable[[], float] = time.monotonic
     rand: Callable[[], float] = random.random

@@ -16,11 +16,12 @@ __all__ = ["to_lightning_module", "lightning_base"]
 
 def lightning_base() -> Any:
     """``LightningModule`` of the installed package: ``lightning.pytorch``, else ``pytorch_lightning``."""
+    module: Any
     try:
-        from lightning.pytorch import LightningModule
+        import lightning.pytorch as module
     except ImportError:
-        from pytorch_lightning import LightningModule
-    return LightningModule
+        import pytorch_lightning as module
+    return module.LightningModule
 
 
 def _columns(batch: dict[str, Any], cols: list[str], shapes: list[Any] | None) -> list[Any]:
