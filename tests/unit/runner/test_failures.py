@@ -131,14 +131,19 @@ def test_exception_record_has_the_shape_and_kind_of_a_programs_record() -> None:
 
 
 def _payloads(items: dict[int, tuple[object, ...]]):  # type: ignore[no-untyped-def]
+    """A result store's ``get`` holding what run_task writes: ``("ok", v)`` -> ``Returned(v)``,
+    ``("error", e, tb)`` -> ``Raised(e, tb)``."""
     import cloudpickle
 
-    from horovod.runner.run_task import RESULT_SCOPE
+    from horovod.common.protocol import RESULT_SCOPE, Raised, Returned
 
     def get(scope: str, key: str) -> bytes | None:
         assert scope == RESULT_SCOPE
         item = items.get(int(key))
-        return None if item is None else cloudpickle.dumps(item)
+        if item is None:
+            return None
+        outcome = Returned(item[1]) if item[0] == "ok" else Raised(item[1], str(item[2]))  # type: ignore[arg-type]
+        return cloudpickle.dumps(outcome)
     return get
 
 
