@@ -71,6 +71,19 @@ def _tensors(tensors: Any, what: str, allowed: frozenset[torch.dtype]) -> list[t
     return out
 
 
+def _one_tensor(tensor: Any, what: str, kind: RequestType, name: str | None, process_set: ProcessSet,
+                inplace: bool = False) -> tuple[torch.Tensor, Any, Any, Callable[[Any], Any]]:
+    """A data-moving collective's one input, checked (a bad one fails on every rank), routed and
+    moved: ``(tensor, device, array, back)``."""
+    try:
+        t = _cv.check_tensor(tensor, what, _MOVE)
+    except _BAD as exc:
+        _fail(kind, name, process_set, exc)
+    dev = _cv.route(t, kind)
+    arr, back = _cv.move_input(t, inplace, dev)
+    return t, dev, arr, back
+
+
 # ---------------------------------------------------------------------------- allreduce
 def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: str | None,
                       prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
@@ -310,12 +323,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     Raises:
         ValueError: unsupported dtype, a 0-d tensor, a name still in flight, a process set problem.
     """
-    try:
-        t = _cv.check_tensor(tensor, "allgather_async", _MOVE)
-    except _BAD as exc:
-        _fail(_ALLGATHER, name, process_set, exc)
-    dev = _cv.route(t, _ALLGATHER)
-    arr, _ = _cv.move_input(t, False, dev)
+    t, dev, arr, _ = _one_tensor(tensor, "allgather_async", _ALLGATHER, name, process_set)
     h = _C.allgather_async([arr], name=name, process_set=process_set, device=dev)
     return _register(h, lambda r: _cv.move_output(r[0], t, arr))
 
@@ -408,12 +416,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     Raises:
         ValueError: unsupported dtype, root not in the set, a name still in flight.
     """
-    try:
-        t = _cv.check_tensor(tensor, "broadcast_async", _MOVE)
-    except _BAD as exc:
-        _fail(_BROADCAST, name, process_set, exc)
-    dev = _cv.route(t, _BROADCAST)
-    arr, back = _cv.move_input(t, False, dev)
+    t, dev, arr, back = _one_tensor(tensor, "broadcast_async", _BROADCAST, name, process_set)
     h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, device=dev, wake=_wake)
 
     def post(r: list[Any]) -> torch.Tensor:
@@ -426,12 +429,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set, _wake: bool = True) -> int:
     """Start overwriting ``tensor`` with the root rank's values; ``synchronize`` returns it."""
-    try:
-        t = _cv.check_tensor(tensor, "broadcast_async_", _MOVE)
-    except _BAD as exc:
-        _fail(_BROADCAST, name, process_set, exc)
-    dev = _cv.route(t, _BROADCAST)
-    arr, back = _cv.move_input(t, True, dev)
+    t, dev, arr, back = _one_tensor(tensor, "broadcast_async_", _BROADCAST, name, process_set, inplace=True)
     h = _C.broadcast_async([arr], root_rank, name=name, process_set=process_set, inplace=True, device=dev,
                            wake=_wake)
     return _register(h, lambda r: back(r[0]))
