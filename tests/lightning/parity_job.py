@@ -201,6 +201,14 @@ def main() -> None:
         save(name, m)
     with open(os.path.join(args.out, f"{args.strategy}-r{rank}.json"), "w") as f:
         json.dump(summary, f)
+    if args.strategy == "ddp":
+        # The reference run ends its process group itself: left to interpreter exit, Gloo's threads
+        # can be torn down while one still runs (std::terminate, SIGABRT) after all work is done.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
