@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import socket
+import sys
+from http.server import ThreadingHTTPServer
+from typing import Any
 
 from horovod.common import exceptions as errors
 from horovod.common.rendezvous import route_address as _route
 
 __all__ = ["is_local_host", "local_addresses", "route_address", "interface_address",
-           "resolve", "free_port"]
+           "resolve", "free_port", "QuietHTTPServer"]
 
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "127.0.0.1", "::1", "ip6-localhost"}
 
@@ -86,3 +90,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class QuietHTTPServer(ThreadingHTTPServer):
+    """The launcher's HTTP servers (rendezvous, monitor): a client gone mid-answer (a departing
+    worker, a browser tab closed, a connection cut for being past its deadline) is expected and
+    costs one debug line; anything else is a fault of ours and is logged with its traceback."""
+
+    service_name = "http"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        log = logging.getLogger(type(self).__module__)
+        if isinstance(exc, OSError):
+            log.debug("%s: %s closed its connection before the answer (%s)", self.service_name,
+                      client_address[0], type(exc).__name__)
+        else:
+            log.warning("%s: a request from %s failed", self.service_name, client_address[0], exc_info=True)

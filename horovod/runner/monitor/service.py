@@ -31,7 +31,7 @@ import secrets
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -39,6 +39,7 @@ from horovod.common.exceptions import LaunchError
 from horovod.common.rendezvous import AUTH_HEADER, MAX_SKEW_SECONDS, SIG_HEADER, sign_request, sign_response
 from horovod.runner.monitor import exposition, page
 from horovod.runner.monitor.state import JobState
+from horovod.runner.network import QuietHTTPServer
 
 __all__ = ["MonitorService", "MAX_CONNECTIONS", "MAX_REPORT_BYTES", "answer_report"]
 
@@ -51,7 +52,8 @@ ANSWER_DEADLINE = 15.0
 _CHUNK = 64 * 1024
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(QuietHTTPServer):
+    service_name = "monitor"
     daemon_threads = True
     request_queue_size = 64
 

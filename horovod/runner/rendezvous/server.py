@@ -26,11 +26,10 @@ import json
 import logging
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import unquote
 
@@ -45,6 +44,7 @@ from horovod.common.rendezvous import (
     sign_header,
     sign_response,
 )
+from horovod.runner.network import QuietHTTPServer
 
 __all__ = ["RendezvousServer", "MAX_BODY", "LARGE_BODY", "LARGE_BODY_SCOPES"]
 
@@ -198,7 +198,8 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_PUT = do_DELETE = do_POST = _handle
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(QuietHTTPServer):
+    service_name = "rendezvous"
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
@@ -365,17 +366,6 @@ class _Server(ThreadingHTTPServer):
         for sock, peer in expired:
             self._cut(sock)
             self.log.refuse(peer, f"no signed request within {self.header_seconds:g} s")
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client gone mid-answer (a departing worker, one killed while it long-polls, a
-        # connection closed for being past its deadline) is expected: one line, no traceback.
-        # Anything else is a fault of ours and keeps its traceback.
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            log.debug("rendezvous: %s closed its connection before the answer (%s)", client_address[0],
-                      type(exc).__name__)
-        else:
-            log.warning("rendezvous: a request from %s failed", client_address[0], exc_info=True)
 
     def fresh_nonce(self, nonce: str) -> bool:
         """Accept each nonce once (within the skew window), so a captured request cannot replay."""
