@@ -144,6 +144,8 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     x = torch.randn(cfg["batch"], cfg["width"])
     opts = {v: _optimizer(v, model) for v in VARIANTS}
+    if cfg["stage2_schedule"] != "auto":
+        opts["zero2"].reduce_schedule = cfg["stage2_schedule"]
     for opt in opts.values():
         _hooks(opt, False)
     # stage 2's schedule "auto" times its two reduce-scatter schedules over its first 4 steps
@@ -257,6 +259,8 @@ def main() -> int:
     parser.add_argument("--mem-steps", type=int, default=3)
     parser.add_argument("--ckpt-reps", type=int, default=3)
     parser.add_argument("--transport-mib", type=int, default=32)
+    parser.add_argument("--stage2-schedule", default="auto", choices=("auto", "alltoall", "allreduce"),
+                        help="stage 2's reduce_schedule in the timing launch (auto: its own trial)")
     parser.add_argument("--skip-memory", action="store_true", help="time only (no memory launches)")
     parser.add_argument("--checkpoint-dir", default=None, help="where the timed checkpoints go")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -266,7 +270,7 @@ def main() -> int:
     from horovod.testing import run_ranks
 
     cfg = {"layers": args.layers, "width": args.width, "batch": args.batch, "reps": args.reps,
-           "mem_steps": args.mem_steps, "ckpt_reps": args.ckpt_reps}
+           "mem_steps": args.mem_steps, "ckpt_reps": args.ckpt_reps, "stage2_schedule": args.stage2_schedule}
     n = args.np
     psi = args.layers * (args.width * args.width + args.width)
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {psi / 1e6:.1f} M parameters, "
@@ -293,8 +297,9 @@ def main() -> int:
     med = {v: statistics.median(max(t[v][i] for t in [r["times"] for r in timing])
                                 for i in range(args.reps)) for v in VARIANTS}
     wire = timing[0]["wire_bytes_per_step"]
-    print(f"stage 2 chose the {timing[0]['zero2_schedule']} schedule (trial, slowest rank: "
-          + ", ".join(f"{k} {t:.3f} s" for k, t in timing[0]["zero2_trial_s"].items()) + ")")
+    trial = ", ".join(f"{k} {t:.3f} s" for k, t in timing[0]["zero2_trial_s"].items())
+    print(f"stage 2 used the {timing[0]['zero2_schedule']} schedule"
+          + (f" (its trial, slowest rank: {trial})" if trial else " (set by --stage2-schedule)"))
     print(f"\nstep time (median of {args.reps}, slowest rank per step), interleaved:")
     for v in VARIANTS:
         print(f"  {v:<12}{med[v]:8.3f} s   x{med[v] / med['distributed']:.3f} of distributed   "
