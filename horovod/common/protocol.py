@@ -24,8 +24,16 @@ launchers (``horovodrun``'s static and elastic jobs, the elastic driver, Spark, 
 * **Elastic calls** (``POST /elastic/<call>``, JSON both ways): :class:`ReadyRequest` answered by
   :class:`Wait`, :class:`RoundInfo`, :class:`Removed` or :class:`Stop` (:func:`ready_answer`
   reads one back); :class:`NoticeRequest` answered by :class:`Notice`.
-* **Outcomes**: what a worker's function ended with (:class:`Returned`, :class:`Raised`), as
-  ``horovod.runner.run_task`` stores it under :data:`RESULT_SCOPE`.
+* **Outcomes**: what a worker's function ended with (:data:`TaskOutcome`: :class:`Returned`,
+  :class:`Raised`, :class:`Exited`), as ``horovod.runner.run_task`` stores it under
+  :data:`RESULT_SCOPE` and a Ray worker returns it; :class:`Died`, the launcher's record of a
+  worker that never reported (:data:`WorkerOutcome`: any of the four). :func:`task_outcome`
+  checks what a launcher read.
+* **Spark messages** (JSON in the rendezvous store, ``encode()``/``decode()``): a barrier task's
+  :class:`SparkTaskStarted`, answered by :class:`SparkRankAssignment`, and its row
+  :class:`SparkRankExit`; an elastic agent's :class:`SparkAgentRegistration`, the driver's
+  :data:`AgentCommand` (:class:`StartWorker`, :class:`StopWorker`, :class:`KillWorker`,
+  :class:`ExitAgent`; :func:`agent_command` reads one), and :class:`SparkWorkerExit`.
 * **Markers**: two stderr lines a launcher removes from the output it shows.
   ``__HOROVOD_RANK_ERROR__ {json}`` is written by a failing Horovod rank the moment it fails
   (``{"code", "kind", "error", "time", "rank"}``: whether its error is its own or the consequence of
@@ -45,17 +53,21 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_SIZE_VARS",
-           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV", "RENDEZVOUS_ADDR_ENV",
-           "RENDEZVOUS_PORT_ENV", "ELASTIC_ENV", "elastic_env", "ELASTIC_HOST_ENV", "ELASTIC_SLOT_ENV",
-           "RESULT_KEY_ENV",
-           "job_secret", "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers",
-           "env_rank", "error_line", "exit_line", "parse_signal_line", "signal_line", "strip_markers",
+           "LIFECYCLE_ENV", "RUNNER_ADDR_ENV", "RUNNER_PORT_ENV", "SECRET_ENV",
+           "RENDEZVOUS_ADDR_ENV", "RENDEZVOUS_PORT_ENV", "ELASTIC_ENV", "elastic_env",
+           "ELASTIC_HOST_ENV", "ELASTIC_SLOT_ENV", "RESULT_KEY_ENV", "job_secret",
+           "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers", "env_rank",
+           "error_line", "exit_line", "parse_signal_line", "signal_line", "strip_markers",
            "RankIdentity", "RoundInfo", "ReadyRequest", "Wait", "Removed", "Stop", "ReadyAnswer",
-           "ready_answer", "NoticeRequest", "Notice", "READY_CALL", "NOTICE_CALL", "Returned", "Raised",
-           "Outcome", "STORE_KEY", "ABANDONED_KEY", "ABANDONED_STORE", "ABANDON_POLL_SECONDS",
-           "gloo_scope", "round_scope", "FUNC_SCOPE", "FUNC_KEY", "RESULT_SCOPE", "SPARK_TASK_SCOPE",
-           "SPARK_ENV_SCOPE", "SPARK_AGENT_SCOPE", "SPARK_HEARTBEAT_SCOPE", "SPARK_COMMAND_SCOPE",
-           "SPARK_EXIT_SCOPE", "SPARK_OUTPUT_SCOPE"]
+           "ready_answer", "NoticeRequest", "Notice", "READY_CALL", "NOTICE_CALL", "Returned",
+           "Raised", "Exited", "Died", "TaskOutcome", "WorkerOutcome", "task_outcome",
+           "SparkTaskStarted", "SparkRankAssignment", "SparkRankExit", "SparkAgentRegistration",
+           "StartWorker", "StopWorker", "KillWorker", "ExitAgent", "AgentCommand",
+           "agent_command", "SparkWorkerExit", "STORE_KEY", "ABANDONED_KEY", "ABANDONED_STORE",
+           "ABANDON_POLL_SECONDS", "gloo_scope", "round_scope", "FUNC_SCOPE", "FUNC_KEY",
+           "RESULT_SCOPE", "SPARK_TASK_SCOPE", "SPARK_ENV_SCOPE", "SPARK_AGENT_SCOPE",
+           "SPARK_HEARTBEAT_SCOPE", "SPARK_COMMAND_SCOPE", "SPARK_EXIT_SCOPE",
+           "SPARK_OUTPUT_SCOPE"]
 
 ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
 EXIT_MARKER = "__HOROVOD_RUNNER_EXIT__ "
@@ -204,11 +216,13 @@ class RankIdentity:
                 "HOROVOD_CROSS_SIZE": str(self.cross_size)}
 
 
-def _malformed(what: str, answer: Mapping[str, Any], exc: Exception) -> Exception:
+def _malformed(what: str, answer: Any, exc: Exception) -> Exception:
     from horovod.common.exceptions import HorovodInternalError  # a worker reads answers; the shim never
 
-    return HorovodInternalError(f"elastic driver's {what} {dict(answer)!r} is malformed ({exc!r}): "
-                                "the launcher and this worker run different horovod-py versions?")
+    shown = (dict(answer) if isinstance(answer, Mapping)
+             else answer.decode(errors="replace") if isinstance(answer, bytes) else answer)
+    return HorovodInternalError(f"{what} {shown!r:.300} is malformed ({exc!r}): the launcher and "
+                                "this worker run different horovod-py versions?")
 
 
 _FIELD_TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "str": str, "bool": bool}
@@ -334,7 +348,7 @@ class RoundInfo:
             return cls(int(answer["round"]), RankIdentity(**_read_fields(RankIdentity, answer)),
                        bool(answer["skip_sync"]), int(answer["notice"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise _malformed("round answer", answer, exc) from exc
+            raise _malformed("elastic driver's round answer", answer, exc) from exc
 
 
 ReadyAnswer = Wait | Removed | Stop | RoundInfo
@@ -353,7 +367,7 @@ def ready_answer(answer: Mapping[str, Any]) -> ReadyAnswer:
         return RoundInfo.from_wire(answer)
     if status in ("removed", "stop"):
         return (Removed if status == "removed" else Stop)(str(answer.get("message") or ""))
-    raise _malformed("answer", answer, ValueError(f"unknown status {status!r}"))
+    raise _malformed("elastic driver's answer", answer, ValueError(f"unknown status {status!r}"))
 
 
 @dataclass(frozen=True)
@@ -386,6 +400,10 @@ class Notice:
 
 
 # ------------------------------------------------------------------------------ outcomes
+# What a worker's function ended with, as the worker reports it (pickled: the value and the
+# exception go as they are). ``horovod.runner.run_task`` stores Returned or Raised under
+# RESULT_SCOPE; a Ray worker (``BaseHorovodWorker.execute_reported``) returns one of the three
+# through Ray's object store. Died is the launcher's own record of a worker that never reported.
 @dataclass(frozen=True)
 class Returned:
     """A worker's function returned ``value``."""
@@ -401,4 +419,218 @@ class Raised:
     traceback: str = ""
 
 
-Outcome = Returned | Raised
+@dataclass(frozen=True)
+class Exited:
+    """A worker's function called ``sys.exit(code)`` (an elastic worker the job went on without
+    exits 0); a non-integer exit code counts as 1."""
+
+    code: int = 0
+
+
+@dataclass(frozen=True)
+class Died:
+    """The launcher's record of a worker whose process was lost before it reported (killed, out
+    of memory, its node or executor gone): ``error`` is how the launcher saw it."""
+
+    error: BaseException
+
+
+TaskOutcome = Returned | Raised | Exited
+WorkerOutcome = Returned | Raised | Exited | Died
+
+
+def task_outcome(item: object, who: str = "a worker") -> TaskOutcome:
+    """``item`` if it is what a worker reports (:data:`TaskOutcome`), for the launcher reading it.
+
+    Raises:
+        HorovodInternalError: anything else (a worker of another horovod-py version).
+    """
+    if isinstance(item, Returned | Raised | Exited):
+        return item
+    from horovod.common.exceptions import HorovodInternalError  # the launcher reads; the shim never
+
+    raise HorovodInternalError(f"{who} reported {type(item).__name__} {item!r:.200}, not an outcome "
+                               "(Returned, Raised or Exited): the launcher and this worker run "
+                               "different horovod-py versions?")
+
+
+# ------------------------------------------------------------------------------ Spark messages
+# What horovod.spark.run's barrier tasks and horovod.spark.run_elastic's agents exchange with the
+# Spark driver through its rendezvous store: JSON bytes, written with ``encode()`` and read with
+# the class's ``decode()`` (or :func:`agent_command`), each under the scope its docstring names.
+def _decode(what: str, raw: bytes | str, build: Callable[[dict[str, Any]], Any]) -> Any:
+    try:
+        message = json.loads(raw)
+        if not isinstance(message, dict):
+            raise TypeError(f"a JSON {type(message).__name__}, not an object")
+        return build(message)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _malformed(what, raw, exc) from exc
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _env(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise TypeError(f"env is a {type(value).__name__}, not an object")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class SparkTaskStarted:
+    """A barrier task of ``horovod.spark.run`` started (:data:`SPARK_TASK_SCOPE`/<partition>):
+    every task's executor address (``BarrierTaskContext.getTaskInfos()``), its attempt and pid."""
+
+    addresses: tuple[str, ...]
+    attempt: int = 0
+    pid: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"addresses": list(self.addresses), "attempt": self.attempt,
+                           "pid": self.pid}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> SparkTaskStarted:
+        return _decode("Spark task's start report", raw, lambda m: cls(
+            tuple(str(a) for a in m["addresses"]), int(m.get("attempt", 0)), int(m.get("pid", 0))))
+
+
+@dataclass(frozen=True)
+class SparkRankAssignment:
+    """The driver's answer to a barrier task (:data:`SPARK_ENV_SCOPE`/<partition>): the rank it
+    runs, its host and local rank, and the rank's environment (without the job secret, which the
+    task has from its Spark closure)."""
+
+    rank: int
+    host: str
+    local_rank: int
+    env: dict[str, str]
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> SparkRankAssignment:
+        return _decode("Spark driver's rank assignment", raw, lambda m: cls(
+            int(m["rank"]), str(m["host"]), int(m["local_rank"]), _env(m["env"])))
+
+
+@dataclass(frozen=True)
+class SparkRankExit:
+    """How a rank of ``horovod.spark.run`` ended: what its barrier task returns to the driver
+    (a row of the Spark job, pickled by Spark). ``record``: the failure record the rank left
+    (``{"code", "kind", "error", "time"}``, or None); ``stderr_tail``: its last stderr lines."""
+
+    rank: int
+    host: str
+    local_rank: int
+    code: int | None
+    signal: int | None
+    time: float
+    record: dict[str, Any] | None = None
+    stderr_tail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SparkAgentRegistration:
+    """An agent of ``run_elastic`` registered (:data:`SPARK_AGENT_SCOPE`/<partition>.<attempt>):
+    the executor it runs on (the elastic "host"), its pid and task attempt."""
+
+    host: str
+    pid: int = 0
+    attempt: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> SparkAgentRegistration:
+        return _decode("Spark agent's registration", raw, lambda m: cls(
+            str(m["host"]), int(m.get("pid", 0)), int(m.get("attempt", 0))))
+
+
+# The driver's numbered commands to an agent (SPARK_COMMAND_SCOPE/<agent>.<n>).
+@dataclass(frozen=True)
+class StartWorker:
+    """Start elastic worker number ``seq`` with ``env`` (the job secret is the agent's own)."""
+
+    seq: int
+    env: dict[str, str]
+
+    def encode(self) -> bytes:
+        return json.dumps({"op": "start", "seq": self.seq, "env": self.env}).encode()
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    """Stop the agent's worker (SIGTERM, SIGKILL after ``grace`` seconds)."""
+
+    grace: float = 5.0
+
+    def encode(self) -> bytes:
+        return json.dumps({"op": "stop", "grace": self.grace}).encode()
+
+
+@dataclass(frozen=True)
+class KillWorker:
+    """Kill the agent's worker now."""
+
+    def encode(self) -> bytes:
+        return json.dumps({"op": "kill"}).encode()
+
+
+@dataclass(frozen=True)
+class ExitAgent:
+    """The job is over: the agent ends its Spark task."""
+
+    def encode(self) -> bytes:
+        return json.dumps({"op": "exit"}).encode()
+
+
+AgentCommand = StartWorker | StopWorker | KillWorker | ExitAgent
+
+
+def agent_command(raw: bytes | str) -> AgentCommand:
+    """Read a command the driver wrote with ``encode()``.
+
+    Raises:
+        HorovodInternalError: an unknown or malformed command.
+    """
+    def build(m: dict[str, Any]) -> AgentCommand:
+        op = m["op"]
+        if op == "start":
+            return StartWorker(int(m["seq"]), _env(m["env"]))
+        if op == "stop":
+            return StopWorker(float(m.get("grace", 5.0)))
+        if op == "kill":
+            return KillWorker()
+        if op == "exit":
+            return ExitAgent()
+        raise ValueError(f"unknown op {op!r}")
+
+    return _decode("Spark driver's agent command", raw, build)
+
+
+@dataclass(frozen=True)
+class SparkWorkerExit:
+    """How an agent's worker ended (:data:`SPARK_EXIT_SCOPE`/<agent>.<seq>): exit code or
+    signal, and the failure record it left (``{"code", "kind", "error", "time"}``, or None)."""
+
+    code: int | None
+    signal: int | None
+    record: dict[str, Any] | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> SparkWorkerExit:
+        def build(m: dict[str, Any]) -> SparkWorkerExit:
+            record = m.get("record")
+            if record is not None and not isinstance(record, dict):
+                raise TypeError(f"record is a {type(record).__name__}, not an object")
+            return cls(_optional_int(m["code"]), _optional_int(m["signal"]), record)
+
+        return _decode("Spark agent's worker exit", raw, build)

@@ -25,11 +25,13 @@ import time
 from typing import Any
 
 from horovod.common import exceptions as errors
+from horovod.common.protocol import Died, Exited, Raised, Returned, WorkerOutcome, task_outcome
+from horovod.ray.waiting import first_line
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
 from horovod.runner.elastic.launch import configure_logging
-from horovod.runner.elastic.session import ElasticSession, Outcome
+from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.failures import exception_record
 from horovod.runner.hosts import SlotInfo
@@ -108,20 +110,22 @@ class _ActorWorker:
         sig: int | None = None
         record: object = None
         try:
-            out = ray.get(self.ref)
+            out = task_outcome(ray.get(self.ref), f"worker {key_name(self.key)}")
         except ray.exceptions.RayActorError as exc:
             code, sig = None, int(signal.SIGKILL)
             if not self.stopped:  # a worker the driver stopped (its node blacklisted) did not fail
-                self.session.record_outcome(self.key, Outcome("died", exception=exc))
+                self.session.record_outcome(self.key, Died(exc))
         except Exception as exc:  # noqa: BLE001 - any other Ray failure is this worker's failure
             code, record = 1, exception_record(exc, time.time())
-            self.session.record_outcome(self.key, Outcome("error", exception=exc, traceback=str(exc)))
+            self.session.record_outcome(self.key, Raised(exc, str(exc)))
         else:
-            code = 0 if out[0] == "ok" else out[1] if out[0] == "exit" else 1
-            if out[0] in ("ok", "error"):
-                self.session.record_outcome(self.key, Outcome.from_payload(out))
-            if out[0] == "error":
-                record = exception_record(out[1], time.time())
+            if isinstance(out, Exited):
+                code = out.code  # an elastic worker the job went on without exits 0
+            else:
+                code = 0 if isinstance(out, Returned) else 1
+                self.session.record_outcome(self.key, out)
+            if isinstance(out, Raised):
+                record = exception_record(out.error, time.time())
         self.kill()
         self.session.worker_exited(self.key, code, sig, record)
 
@@ -233,11 +237,11 @@ class ElasticAdapter:
                 self._failure_text(what, result.error, ranks, outcome.outcomes),
                 events=result.events, resets=result.resets,
                 rank=ranks.get(root[0]) if root else None, host=root[0][0] if root else None,
-                exception=root[1].exception if root else None)
+                exception=root[1].error if root and isinstance(root[1], Raised | Died) else None)
         return outcome.values()
 
     def _failure_text(self, what: str, error: str, ranks: dict[Key, int | None],
-                      outcomes: dict[Key, Outcome]) -> str:
+                      outcomes: dict[Key, WorkerOutcome]) -> str:
         ex = self.ex
         try:
             offered = self.discovery.find_available_hosts_and_slots()
@@ -250,10 +254,10 @@ class ElasticAdapter:
                  f"{', '.join(f'{h}:{n}' for h, n in offered.items()) or 'none'})"]
         for key, out in outcomes.items():  # in the order they ended
             who = f"worker {key_name(key)}" + (f" (rank {ranks[key]})" if ranks.get(key) is not None else "")
-            if out.kind == "died":
-                lines.append(f"  {who} died: {str(out.exception).strip().splitlines()[0]}")
-            elif out.kind == "error":
-                lines.append(f"  {who} raised {type(out.exception).__name__}: {out.exception}\n"
+            if isinstance(out, Died):
+                lines.append(f"  {who} died: {first_line(out.error)}")
+            elif isinstance(out, Raised):
+                lines.append(f"  {who} raised {type(out.error).__name__}: {out.error}\n"
                              f"{out.traceback}")
         return "\n".join(lines)
 

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from horovod.common import exceptions as errors
+from horovod.common.protocol import Died
 from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve, shared_visible_devices
 from horovod.ray.waiting import failure_error, wait_all
 from horovod.ray.worker import BaseHorovodWorker
@@ -134,7 +135,7 @@ class StaticAdapter:
         values, failures, stuck = wait_all(refs, self.describe, what, times=times)
         if not failures:
             return values
-        died = [r for r, f in failures.items() if f[0] == "died"]
+        died = [r for r, f in failures.items() if isinstance(f, Died)]
         tail = ""
         if died or stuck:
             self.broken = f"rank(s) {sorted(died + stuck)} died or hung"

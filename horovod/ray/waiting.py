@@ -9,8 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from horovod.common import exceptions as errors
+from horovod.common.protocol import Died, Exited, Raised, Returned, task_outcome
 
-__all__ = ["FAILURE_GRACE_SECONDS", "failure_error", "wait_all", "ranks_by_cause"]
+__all__ = ["FAILURE_GRACE_SECONDS", "Failure", "failure_error", "first_line", "wait_all",
+           "ranks_by_cause"]
 
 log = logging.getLogger("horovod.ray")
 
@@ -18,22 +20,25 @@ log = logging.getLogger("horovod.ray")
 # makes their collectives fail within a second) before the job is declared stuck.
 FAILURE_GRACE_SECONDS = 5.0
 
+# How a rank failed: its function raised (or exited), or its actor died.
+Failure = Raised | Died
+
 
 def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
              grace: float = FAILURE_GRACE_SECONDS, times: dict[int, float] | None = None,
-             ) -> tuple[list[Any], dict[int, tuple[Any, ...]], list[int]]:
+             ) -> tuple[list[Any], dict[int, Failure], list[int]]:
     """Wait for every rank's ``execute_reported`` call.
 
-    Returns (values by rank, failures by rank as ``("error", exc, tb)`` or ``("died", exc)``,
-    ranks still running ``grace`` seconds after the first failure). ``times`` (when given)
-    receives when each failure was seen (seconds since the epoch).
+    Returns (values by rank, failures by rank as ``Raised`` (a rank's ``sys.exit`` as a raised
+    ``SystemExit``) or ``Died``, ranks still running ``grace`` seconds after the first failure).
+    ``times`` (when given) receives when each failure was seen (seconds since the epoch).
     """
     import ray
     import ray.exceptions
 
     pending = {ref: rank for rank, ref in enumerate(refs)}
     values: list[Any] = [None] * len(refs)
-    failures: dict[int, tuple[Any, ...]] = {}
+    failures: dict[int, Failure] = {}
     first_failure: float | None = None
     while pending:
         timeout = 1.0 if first_failure is None else max(0.0, first_failure + grace - time.monotonic())
@@ -43,14 +48,15 @@ def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
             try:
                 out = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                failures[rank] = ("died", exc)
+                failures[rank] = Died(exc)
             except ray.exceptions.RayError as exc:
-                failures[rank] = ("error", exc, str(exc))
+                failures[rank] = Raised(exc, str(exc))
             else:
-                if out[0] == "ok":
-                    values[rank] = out[1]
-                elif out[0] == "exit":
-                    failures[rank] = ("error", SystemExit(out[1]), f"SystemExit({out[1]})")
+                out = task_outcome(out, describe(rank))
+                if isinstance(out, Returned):
+                    values[rank] = out.value
+                elif isinstance(out, Exited):
+                    failures[rank] = Raised(SystemExit(out.code), f"SystemExit({out.code})")
                 else:
                     failures[rank] = out
             if rank in failures and times is not None:
@@ -64,7 +70,7 @@ def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
     return values, failures, sorted(pending.values())
 
 
-def failure_error(what: str, failures: dict[int, tuple[Any, ...]], stuck: list[int],
+def failure_error(what: str, failures: dict[int, Failure], stuck: list[int],
                   describe: Callable[[int], str], tail: str = "",
                   times: dict[int, float] | None = None) -> Exception:
     """The ``WorkerFailedError`` for failed ranks: the root cause first, by the rule of every
@@ -75,19 +81,19 @@ def failure_error(what: str, failures: dict[int, tuple[Any, ...]], stuck: list[i
     ordered = ranks_by_cause(failures, times or {})
     root = ordered[0]
     f = failures[root]
-    if f[0] == "died":
-        first = (f"{describe(root)} died: {str(f[1]).strip().splitlines()[0]} (its actor's process "
-                 "ended: killed, out of memory, or its node was lost)")
-        exc: BaseException = f[1]
+    exc = f.error
+    if isinstance(f, Died):
+        first = (f"{describe(root)} died: {first_line(exc)} (its actor's process ended: killed, "
+                 "out of memory, or its node was lost)")
         tb = ""
     else:
-        exc, tb = f[1], f[2]
+        tb = f.traceback
         first = f"{describe(root)} raised {type(exc).__name__}: {exc}"
     lines = [f"{what}: {first}"]
     for rank in ordered[1:]:
         g = failures[rank]
         lines.append(f"  also {describe(rank)}: "
-                     + ("died" if g[0] == "died" else f"{type(g[1]).__name__}: {g[1]}"))
+                     + ("died" if isinstance(g, Died) else f"{type(g.error).__name__}: {g.error}"))
     if stuck:
         lines.append(f"  {', '.join(describe(r) for r in stuck)} did not finish within "
                      f"{FAILURE_GRACE_SECONDS:g} s of the failure (waiting for the failed rank "
@@ -100,7 +106,12 @@ def failure_error(what: str, failures: dict[int, tuple[Any, ...]], stuck: list[i
                                     ranks=ordered, stuck_ranks=stuck)
 
 
-def ranks_by_cause(failures: dict[int, tuple[Any, ...]], times: dict[int, float]) -> list[int]:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's text (a Ray error's is many lines), or its type's name."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def ranks_by_cause(failures: dict[int, Failure], times: dict[int, float]) -> list[int]:
     """The failed ranks, the root cause first (``failures.root_cause`` over their exits: a dead
     actor as killed by SIGKILL, a raised exception with the record it makes), then by rank."""
     import signal
@@ -110,10 +121,10 @@ def ranks_by_cause(failures: dict[int, tuple[Any, ...]], times: dict[int, float]
     exits = []
     for rank, f in failures.items():
         t = times.get(rank, 0.0)
-        if f[0] == "died":
+        if isinstance(f, Died):
             exits.append(RankExit(rank, "", None, int(signal.SIGKILL), t))
         else:
-            exits.append(RankExit.with_record(exception_record(f[1], t), rank, "", 1, None, t))
+            exits.append(RankExit.with_record(exception_record(f.error, t), rank, "", 1, None, t))
     first = root_cause(exits)
     root = first.rank if first is not None and first.rank is not None else min(failures)
     return [root] + sorted(r for r in failures if r != root)

@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from horovod.common.protocol import Exited, Raised, Returned, TaskOutcome
+
 __all__ = ["BaseHorovodWorker"]
 
 
@@ -74,15 +76,15 @@ class BaseHorovodWorker:
         if basics is not None:
             basics.shutdown()
 
-    def execute_reported(self, func: Callable[[Any], Any]) -> tuple[Any, ...]:
-        """``func(self.executable)``, its outcome as data: ``("ok", value)``, ``("exit", code)``
-        for ``sys.exit`` (an elastic worker left out of the job exits 0) or
-        ``("error", exception, traceback text)``, so that the driver can name the rank."""
+    def execute_reported(self, func: Callable[[Any], Any]) -> TaskOutcome:
+        """``func(self.executable)``, its outcome as data, so that the driver can name the rank:
+        ``Returned(value)``, ``Exited(code)`` for ``sys.exit`` (an elastic worker left out of the
+        job exits 0), or ``Raised(exception, traceback text)``."""
         try:
-            return ("ok", func(self.executable))
+            return Returned(func(self.executable))
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
-            return ("exit", code or 0)
+            return Exited(code or 0)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
             tb = traceback.format_exc()
             print(f"User function raised {exc!r}\n{tb}", file=sys.stderr, flush=True)
@@ -92,4 +94,4 @@ class BaseHorovodWorker:
                 pickle.dumps(exc)
             except Exception:  # noqa: BLE001 - an exception that cannot be pickled goes as text
                 exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-            return ("error", exc, tb)
+            return Raised(exc, tb)

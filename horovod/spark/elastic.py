@@ -13,7 +13,6 @@ host in discovery.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -30,6 +29,14 @@ from horovod.common.protocol import (
     SPARK_COMMAND_SCOPE,
     SPARK_EXIT_SCOPE,
     SPARK_HEARTBEAT_SCOPE,
+    AgentCommand,
+    ExitAgent,
+    KillWorker,
+    Raised,
+    SparkAgentRegistration,
+    SparkWorkerExit,
+    StartWorker,
+    StopWorker,
 )
 from horovod.runner.elastic.driver import Key, key_name
 from horovod.runner.elastic.session import ElasticSession, SessionResult
@@ -88,7 +95,7 @@ class SparkAgents:
                         continue
                     raw = self.get(SPARK_AGENT_SCOPE, agent)
                     if raw is not None:
-                        self.hosts[agent] = str(json.loads(raw)["host"])
+                        self.hosts[agent] = SparkAgentRegistration.decode(raw).host
                         self._beats[agent] = (None, now)
             for agent in self.hosts:
                 beat = self.get(SPARK_HEARTBEAT_SCOPE, agent)
@@ -123,10 +130,10 @@ class _AgentWorker:
         self.finished = False
 
     def stop(self, grace: float = 5.0) -> None:
-        self.job.command(self.agent, {"op": "stop", "grace": grace})
+        self.job.command(self.agent, StopWorker(grace))
 
     def kill(self) -> None:
-        self.job.command(self.agent, {"op": "kill"})
+        self.job.command(self.agent, KillWorker())
 
 
 class _ElasticJob:
@@ -176,11 +183,12 @@ class _ElasticJob:
         self.group = f"horovod.spark.run_elastic.{uuid.uuid4().hex[:12]}"
         self.done = threading.Event()
 
-    def command(self, agent: str, cmd: dict[str, Any]) -> None:
+    def command(self, agent: str, cmd: AgentCommand) -> None:
+        """Give ``agent`` its next numbered command."""
         with self._lock:
             n = self._cmd_seq.get(agent, 0)
             self._cmd_seq[agent] = n + 1
-        self.server.put(SPARK_COMMAND_SCOPE, f"{agent}.{n}", json.dumps(cmd).encode())
+        self.server.put(SPARK_COMMAND_SCOPE, f"{agent}.{n}", cmd.encode())
 
     def start_worker(self, key: Key, slot: SlotInfo) -> _AgentWorker:
         from horovod.common.protocol import RESULT_KEY_ENV
@@ -207,7 +215,7 @@ class _ElasticJob:
             self.key_of[agent] = key
         # The secret stays out of the rendezvous: the agent has it from its Spark closure (JobSpec).
         env.pop(SECRET_ENV, None)
-        self.command(agent, {"op": "start", "seq": seq, "env": env})
+        self.command(agent, StartWorker(seq, env))
         return proc
 
     def _monitor(self) -> None:
@@ -222,10 +230,9 @@ class _ElasticJob:
         for p in running:
             raw = self.server.get(SPARK_EXIT_SCOPE, f"{p.agent}.{p.seq}")
             if raw is not None:
-                ended = json.loads(raw)
+                ended = SparkWorkerExit.decode(raw)
                 p.finished = True
-                self.session.worker_exited(p.key, ended["code"], ended["signal"],
-                                           ended.get("record"))
+                self.session.worker_exited(p.key, ended.code, ended.signal, ended.record)
             elif not self.agents.alive(p.agent):
                 p.finished = True
                 log.warning("elastic: the Spark task of worker %s (agent %s) stopped sending "
@@ -261,7 +268,7 @@ class _ElasticJob:
             monitor.join(5)
             self.check()
             for agent in list(self.agents.hosts):
-                self.command(agent, {"op": "exit"})
+                self.command(agent, ExitAgent())
             spark.join(15)
             if spark.is_alive():
                 self.sc.cancelJobGroup(self.group)
@@ -279,13 +286,13 @@ class _ElasticJob:
         """The driver's reason, and the worker that raised first by the root-cause rule, with
         its traceback."""
         result = outcome.result
-        raised = [(k, o) for k, o in outcome.failed() if o.kind == "error"]
+        raised = [(k, o) for k, o in outcome.failed() if isinstance(o, Raised)]
         text = (f"horovod.spark.run_elastic: the elastic job failed: {result.error}\n"
                 f"({result.rounds} round(s), {result.resets} reset(s))")
         if not raised:
             return WorkerFailedError(text, events=result.events, resets=result.resets)
         key, first = raised[0]
-        exc = first.exception
+        exc = first.error
         others = f" (also raised: {', '.join(key_name(k) for k, _ in raised[1:])})" if raised[1:] else ""
         err = WorkerFailedError(f"{text}\nworker {key_name(key)} raised {type(exc).__name__}: {exc}"
                                 f"{others}\n{first.traceback}", events=result.events,

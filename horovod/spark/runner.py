@@ -10,7 +10,6 @@ names its rank, host and Spark executor.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -20,7 +19,14 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
-from horovod.common.protocol import SECRET_ENV, SPARK_ENV_SCOPE, SPARK_TASK_SCOPE
+from horovod.common.protocol import (
+    SECRET_ENV,
+    SPARK_ENV_SCOPE,
+    SPARK_TASK_SCOPE,
+    SparkRankAssignment,
+    SparkRankExit,
+    SparkTaskStarted,
+)
 from horovod.spark.driver import (
     _configure_logging,
     _driver_address,
@@ -74,17 +80,17 @@ class _Job:
                             start_timeout=start_timeout)
         self.pump = OutputPump(self.server.get, self.server.pop, stdout, stderr)
         self.group = f"horovod.spark.run.{uuid.uuid4().hex[:12]}"
-        self.records: list[dict[str, Any]] | None = None
+        self.records: list[SparkRankExit] | None = None
         self.spark_error: BaseException | None = None
         self.ranks: list[int] = []  # rank of each partition, once assigned
 
-    def assign(self, started: dict[int, dict[str, Any]]) -> None:
+    def assign(self, started: dict[int, SparkTaskStarted]) -> None:
         """Once a task has reported every task's executor, publish each partition's rank and env."""
         from horovod.spark.task import group_by_host
 
         if self.ranks or not started:
             return
-        addresses = next(iter(started.values()))["addresses"]
+        addresses = list(next(iter(started.values())).addresses)
         hosts, ranks = group_by_host(addresses)
         envs = self.job.worker_envs(hosts, self.num_proc, nics=self.nics, extra_env=self.env)
         for partition, rank in enumerate(ranks):
@@ -92,18 +98,17 @@ class _Job:
             # The secret stays out of the rendezvous (plain HTTP): the task has it from its Spark
             # closure (JobSpec) and adds it to the rank's environment itself.
             env = {k: v for k, v in env.items() if k != SECRET_ENV}
-            self.server.put(SPARK_ENV_SCOPE, str(partition), json.dumps({
-                "rank": rank, "host": slot.hostname, "local_rank": slot.local_rank,
-                "env": env}).encode())
+            self.server.put(SPARK_ENV_SCOPE, str(partition), SparkRankAssignment(
+                rank, slot.hostname, slot.local_rank, env).encode())
         self.ranks = ranks
         log.debug("ranks by partition: %s on hosts %s", ranks, hosts)
 
-    def started(self) -> dict[int, dict[str, Any]]:
+    def started(self) -> dict[int, SparkTaskStarted]:
         out = {}
         for p in range(self.num_proc):
             raw = self.server.get(SPARK_TASK_SCOPE, str(p))
             if raw is not None:
-                out[p] = json.loads(raw)
+                out[p] = SparkTaskStarted.decode(raw)
         return out
 
     def _submit(self) -> None:
@@ -115,7 +120,7 @@ class _Job:
                                 interruptOnCancel=True)
             rdd = self.sc.parallelize(range(self.num_proc), self.num_proc)
             rows = rdd.barrier().mapPartitions(lambda it: barrier_task(spec, it)).collect()
-            self.records = [json.loads(r) for r in rows]
+            self.records = [_rank_exit(r) for r in rows]
         except BaseException as exc:  # noqa: BLE001 - reported on the calling thread
             self.spark_error = exc
 
@@ -127,7 +132,7 @@ class _Job:
         thread = threading.Thread(target=self._submit, name="hvd-spark-job", daemon=True)
         t0 = time.monotonic()
         thread.start()
-        started: dict[int, dict[str, Any]] = {}
+        started: dict[int, SparkTaskStarted] = {}
         try:
             while thread.is_alive():
                 thread.join(0.05)
@@ -148,8 +153,8 @@ class _Job:
             if self.spark_error is not None:
                 raise self._spark_failure(started)
             assert self.records is not None
-            exits = [RankExit.with_record(r["record"], r["rank"], r["host"], r["code"], r["signal"],
-                                          r["time"], None, r["stderr_tail"], r["local_rank"])
+            exits = [RankExit.with_record(r.record, r.rank, r.host, r.code, r.signal, r.time, None,
+                                          list(r.stderr_tail), r.local_rank)
                      for r in self.records]
             result = JobResult(exits, 0 if all(e.code == 0 for e in exits) else 1)
             return collect_results(self.server.get, self.num_proc, result, "horovod.spark.run")
@@ -176,7 +181,7 @@ class _Job:
             "add executors, or raise start_timeout (HOROVOD_SPARK_START_TIMEOUT) if executors are "
             "allocated on demand.", started=started, num_proc=self.num_proc)
 
-    def _spark_failure(self, started: dict[int, dict[str, Any]]) -> WorkerFailedError:
+    def _spark_failure(self, started: dict[int, SparkTaskStarted]) -> WorkerFailedError:
         from horovod.common.protocol import RESULT_SCOPE
         from horovod.runner.api import collect_results
         from horovod.runner.execute import JobResult
@@ -193,7 +198,7 @@ class _Job:
                     return err
         reason = spark_failure_reason(str(exc)) or type(exc).__name__
         partition_of = {r: p for p, r in enumerate(self.ranks)}
-        addresses = next(iter(started.values()))["addresses"] if started else []
+        addresses = next(iter(started.values())).addresses if started else ()
 
         def where(ranks: list[int]) -> str:
             return ", ".join(f"rank {r} (partition {partition_of[r]}, executor {addresses[partition_of[r]]})"
@@ -216,6 +221,17 @@ class _Job:
             "A static job cannot survive a lost task or executor; use "
             "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000],
             rank=culprits[0] if culprits else None, ranks=culprits + others)
+
+
+def _rank_exit(row: object) -> SparkRankExit:
+    """A barrier task's row: how its rank ended."""
+    if not isinstance(row, SparkRankExit):
+        from horovod.common.exceptions import HorovodInternalError
+
+        raise HorovodInternalError(f"a horovod.spark.run task returned {type(row).__name__} "
+                                   f"{row!r:.200}, not a SparkRankExit: the driver and the "
+                                   "executors run different horovod-py versions?")
+    return row
 
 
 def failed_partitions(text: str) -> list[int]:

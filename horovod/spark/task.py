@@ -13,7 +13,6 @@ exception travel through the driver's rendezvous service, as for ``horovod.run``
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -30,15 +29,22 @@ from horovod.common.protocol import (
     SPARK_EXIT_SCOPE,
     SPARK_HEARTBEAT_SCOPE,
     SPARK_TASK_SCOPE,
+    ExitAgent,
+    KillWorker,
+    SparkAgentRegistration,
+    SparkRankAssignment,
+    SparkRankExit,
+    SparkTaskStarted,
+    SparkWorkerExit,
+    StartWorker,
+    StopWorker,
+    agent_command,
 )
 from horovod.runner.hosts import HostSpec
 
 __all__ = ["JobSpec", "run_rank", "elastic_agent", "executor_name",
            "group_by_host", "host_of_address", "barrier_task",
            "get_available_devices"]
-
-# Where each task reports that it started (key: partition id; JSON: every task's executor
-# address), and where the driver answers with the rank and environment of each partition.
 
 
 @dataclass(frozen=True)
@@ -109,14 +115,13 @@ def _worker_command(spec: JobSpec, env: dict[str, str], ranks: tuple[int, ...], 
 
 
 def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str, str],
-             ) -> dict[str, Any]:
+             ) -> SparkRankExit:
     """Start rank ``rank`` here under the worker shim, forward its output, wait for its end.
 
     ``env`` is what the driver computed for the rank (``FunctionJob``: identity, rendezvous,
     secret); it is added to this executor's environment.
 
-    Returns the rank's exit as a dict (``rank``, ``host``, ``local_rank``, ``code``,
-    ``signal``, ``time``, ``record``, ``stderr_tail``).
+    Returns how the rank ended (its exit code or signal, failure record, last stderr lines).
     """
     from horovod.runner.elastic.workers import WorkerProcess
     from horovod.spark.output import RemoteOutput
@@ -158,23 +163,27 @@ def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str
     code, sig = status[0]
     info = proc.exit_info or {}
     ended_at = info.get("time")
-    return {"rank": rank, "host": host, "local_rank": local_rank, "code": code,
-            "signal": sig, "time": float(ended_at) if isinstance(ended_at, int | float) and ended_at else time.time(),
-            "record": info.get("error"), "stderr_tail": tail[-20:]}
+    record = info.get("error")
+    return SparkRankExit(rank, host, local_rank, code, sig,
+                         float(ended_at) if isinstance(ended_at, int | float) and ended_at else time.time(),
+                         record if isinstance(record, dict) else None, tuple(tail[-20:]))
 
 
-def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
-    """The body of every barrier task of ``horovod.spark.run`` (yields one JSON exit record)."""
+def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[SparkRankExit]:
+    """The body of every barrier task of ``horovod.spark.run``: reports that it started
+    (``SparkTaskStarted``), reads its rank (``SparkRankAssignment``), runs it, and yields how it
+    ended (one ``SparkRankExit``, the task's row)."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
     partition = ctx.partitionId()
     addresses = [info.address for info in ctx.getTaskInfos()]
     client = _client(spec)
-    client.put(SPARK_TASK_SCOPE, str(partition), json.dumps({
-        "addresses": addresses, "attempt": ctx.attemptNumber(), "pid": os.getpid()}).encode())
-    mine = json.loads(client.wait(SPARK_ENV_SCOPE, str(partition), timeout=spec.start_timeout))
-    yield json.dumps(run_rank(spec, mine["rank"], mine["host"], mine["local_rank"], mine["env"]))
+    client.put(SPARK_TASK_SCOPE, str(partition),
+               SparkTaskStarted(tuple(addresses), ctx.attemptNumber(), os.getpid()).encode())
+    mine = SparkRankAssignment.decode(client.wait(SPARK_ENV_SCOPE, str(partition),
+                                                  timeout=spec.start_timeout))
+    yield run_rank(spec, mine.rank, mine.host, mine.local_rank, mine.env)
 
 
 # Elastic agents (run_elastic): registration, heartbeats, commands from the driver, worker exits.
@@ -213,9 +222,10 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     """The body of every Spark task of ``run_elastic``: a slot the elastic driver starts workers in.
 
     The agent registers (``SPARK_AGENT_SCOPE/<partition>.<attempt>``), sends a heartbeat every 0.5 s,
-    and follows the driver's numbered commands (``SPARK_COMMAND_SCOPE/<agent>.<n>``): ``start`` a
-    worker with the given environment, ``stop`` or ``kill`` it, ``exit``. Each worker's end goes
-    to ``SPARK_EXIT_SCOPE/<agent>.<n>``; its output to the driver under the agent's name.
+    and follows the driver's numbered commands (``SPARK_COMMAND_SCOPE/<agent>.<n>``, a
+    ``protocol.AgentCommand``): ``StartWorker`` with the given environment, ``StopWorker`` or
+    ``KillWorker``, ``ExitAgent``. Each worker's end (``SparkWorkerExit``) goes to
+    ``SPARK_EXIT_SCOPE/<agent>.<seq>``; its output to the driver under the agent's name.
     """
     from pyspark import TaskContext
 
@@ -227,8 +237,8 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
         raise RuntimeError("the elastic agent runs inside a Spark task (TaskContext.get() is None here)")
     agent = f"{ctx.partitionId()}.{ctx.attemptNumber()}"
     client = _client(spec)
-    client.put(SPARK_AGENT_SCOPE, agent, json.dumps({"host": executor_name(spec.addr), "pid": os.getpid(),
-                                               "attempt": ctx.attemptNumber()}).encode())
+    client.put(SPARK_AGENT_SCOPE, agent,
+               SparkAgentRegistration(executor_name(spec.addr), os.getpid(), ctx.attemptNumber()).encode())
     stop = threading.Event()
     last_ok = [time.monotonic()]
 
@@ -256,24 +266,23 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
             if raw is None:
                 stop.wait(0.1)
                 continue
-            cmd = json.loads(raw)
+            cmd = agent_command(raw)
             n += 1
-            if cmd["op"] == "start":
-                seq = cmd["seq"]
+            if isinstance(cmd, StartWorker):
 
                 def on_exit(code: int | None, sig: int | None, record: object,
-                            seq: int = seq) -> None:
+                            seq: int = cmd.seq) -> None:
                     output.close_batch()
-                    client.put(SPARK_EXIT_SCOPE, f"{agent}.{seq}", json.dumps(
-                        {"code": code, "signal": sig, "record": record}).encode())
+                    client.put(SPARK_EXIT_SCOPE, f"{agent}.{seq}", SparkWorkerExit(
+                        code, sig, record if isinstance(record, dict) else None).encode())
 
-                proc = WorkerProcess(_worker_command(spec, cmd["env"], (), agent), agent, lambda: None, on_exit,
+                proc = WorkerProcess(_worker_command(spec, cmd.env, (), agent), agent, lambda: None, on_exit,
                                      stdout=output.stdout, stderr=output.stderr)  # type: ignore[arg-type]
-            elif cmd["op"] == "stop" and proc is not None:
-                proc.stop(grace=float(cmd.get("grace", 5.0)))
-            elif cmd["op"] == "kill" and proc is not None:
+            elif isinstance(cmd, StopWorker) and proc is not None:
+                proc.stop(grace=cmd.grace)
+            elif isinstance(cmd, KillWorker) and proc is not None:
                 proc.kill()
-            elif cmd["op"] == "exit":
+            elif isinstance(cmd, ExitAgent):
                 break
     finally:
         stop.set()

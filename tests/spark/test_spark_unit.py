@@ -11,6 +11,7 @@ import pytest
 from horovod.common.exceptions import ConfigError
 from horovod.common.protocol import SPARK_AGENT_SCOPE as AGENT_SCOPE
 from horovod.common.protocol import SPARK_HEARTBEAT_SCOPE as HEARTBEAT_SCOPE
+from horovod.common.protocol import SparkAgentRegistration, SparkRankAssignment, SparkTaskStarted
 from horovod.runner.function_job import FunctionJob
 from horovod.spark.output import OutputPump, RemoteOutput
 from horovod.spark.task import group_by_host, host_of_address
@@ -88,7 +89,7 @@ def test_lost_executor_names_the_rank_spark_names(reported):
     job.server = Store()
     job.num_proc = 2
     job.ranks = [0, 1]
-    err = job._spark_failure({0: {"addresses": ["10.0.0.1:1", "10.0.0.2:2"]}})
+    err = job._spark_failure({0: SparkTaskStarted(("10.0.0.1:1", "10.0.0.2:2"))})
     assert err.rank == 1
     text = str(err)
     assert text.startswith("horovod.spark.run: rank 1 (partition 1, executor 10.0.0.2:2) ended without a "
@@ -132,7 +133,7 @@ def test_spark_agents_discovery_counts_live_agents_per_executor():
                          clock=lambda: now[0])
     assert agents.find_available_hosts_and_slots() == {}
     for agent, host in (("0.0", "ip/exec-0"), ("1.0", "ip/exec-1"), ("2.0", "ip/exec-1")):
-        store[(AGENT_SCOPE, agent)] = json.dumps({"host": host}).encode()
+        store[(AGENT_SCOPE, agent)] = SparkAgentRegistration(host).encode()
     assert agents.find_available_hosts_and_slots() == {"ip/exec-0": 1, "ip/exec-1": 2}
     # exec-1's agents keep beating, exec-0's falls silent: after 5 s it is gone
     for t in (102.0, 104.0, 106.0):
@@ -143,7 +144,7 @@ def test_spark_agents_discovery_counts_live_agents_per_executor():
     assert found == {"ip/exec-1": 2}
     assert not agents.alive("0.0") and agents.alive("1.0")
     # Spark re-ran partition 0 (attempt 1) on a new executor
-    store[(AGENT_SCOPE, "0.1")] = json.dumps({"host": "ip/exec-2"}).encode()
+    store[(AGENT_SCOPE, "0.1")] = SparkAgentRegistration("ip/exec-2").encode()
     assert agents.find_available_hosts_and_slots() == {"ip/exec-1": 2, "ip/exec-2": 1}
     assert agents.live_agents("ip/exec-1") == ["1.0", "2.0"]
 
@@ -193,10 +194,10 @@ def test_the_secret_reaches_tasks_only_through_their_closure():
     try:
         secret = job.spec.secret
         assert len(secret) == 64
-        job.assign({0: {"addresses": ["10.0.0.1:1", "10.0.0.2:2"]}})
+        job.assign({0: SparkTaskStarted(("10.0.0.1:1", "10.0.0.2:2"))})
         published = [job.server.get(ENV_SCOPE, str(p)) for p in range(2)]
         assert all(raw is not None and secret.encode() not in raw for raw in published), published
-        env = json.loads(published[1])["env"]
+        env = SparkRankAssignment.decode(published[1]).env
         assert SECRET_ENV not in env and env["MY_VAR"] == "1" and env["HOROVOD_RANK"] == "1"
         spec = pickle.loads(pickle.dumps(job.spec))  # what the closure carries
         cmd = _worker_command(spec, env, (1,), "10.0.0.2")

@@ -12,8 +12,9 @@ and how it is stopped or killed: the launcher gives ``ElasticSession`` a
 * the end of the job: every worker still alive is asked to stop (``WorkerHandle.stop``), the
   session waits on the driver's condition until each has ended, and kills those still alive after
   ``exit_wait`` seconds (``WorkerHandle.kill``);
-* the results: what each worker's function returned or raised (``record_outcome``, or
-  ``collect_outcomes`` from the run-task results in the rendezvous store), the final round's
+* the results: what each worker's function returned or raised, or that its process was lost
+  (``protocol.WorkerOutcome``: ``record_outcome``, or ``collect_outcomes`` from the run-task
+  results in the rendezvous store), the final round's
   values in rank order, and the failure to name first (``SessionResult.root_cause``, by the rule
   of static jobs: ``horovod.runner.failures.root_cause`` over the workers' exit records).
 """
@@ -34,7 +35,7 @@ from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.failures import exception_record
 from horovod.runner.hosts import SlotInfo
 
-__all__ = ["ElasticSession", "SessionResult", "Outcome", "ElasticService", "EXIT_WAIT_SECONDS"]
+__all__ = ["ElasticSession", "SessionResult", "ElasticService", "EXIT_WAIT_SECONDS"]
 
 log = logging.getLogger("horovod.runner.elastic")
 
@@ -54,36 +55,13 @@ class ElasticService(Protocol):
     def stop(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What a worker's function gave back: ``kind`` is ``"ok"`` (``value``), ``"error"`` (it
-    raised ``exception``, with ``traceback``) or ``"died"`` (its process was lost: ``exception``
-    says how, as the launcher saw it)."""
-
-    kind: str
-    value: Any = None
-    exception: BaseException | None = None
-    traceback: str = ""
-
-    @classmethod
-    def from_payload(cls, item: protocol.Returned | protocol.Raised | tuple[Any, ...]) -> Outcome:
-        """From ``horovod.runner.run_task``'s result (``protocol.Returned``/``protocol.Raised``)
-        or a Ray worker's: ``("ok", value)`` or ``("error", exception, traceback)``."""
-        if isinstance(item, protocol.Returned):
-            return cls("ok", item.value)
-        if isinstance(item, protocol.Raised):
-            return cls("error", None, item.error, item.traceback)
-        if item[0] == "ok":
-            return cls("ok", item[1])
-        return cls("error", None, item[1], str(item[2]) if len(item) > 2 else "")
-
-
 @dataclass
 class SessionResult:
-    """How an elastic job ended (``result``) and what its workers' functions gave back."""
+    """How an elastic job ended (``result``) and what its workers' functions gave back, by slot
+    (the last outcome of each slot; ``protocol.Died``: its process was lost)."""
 
     result: ElasticResult
-    outcomes: dict[Key, Outcome] = field(default_factory=dict)
+    outcomes: dict[Key, protocol.WorkerOutcome] = field(default_factory=dict)
 
     @property
     def error(self) -> str | None:
@@ -96,12 +74,13 @@ class SessionResult:
         """The values the workers of the final round returned, in their rank order."""
         final = sorted(self.result.final_ranks.items(), key=lambda kv: kv[1])
         return [o.value for o in (self.outcomes.get(k) for k, _ in final)
-                if o is not None and o.kind == "ok"]
+                if isinstance(o, protocol.Returned)]
 
-    def failed(self) -> list[tuple[Key, Outcome]]:
+    def failed(self) -> list[tuple[Key, protocol.Raised | protocol.Died]]:
         """The workers whose function raised or whose process was lost, the root cause first,
         then in the order they ended."""
-        bad = [(k, o) for k, o in self.outcomes.items() if o.kind != "ok"]
+        bad = [(k, o) for k, o in self.outcomes.items()
+               if isinstance(o, protocol.Raised | protocol.Died)]
         root = self.root_cause()
         bad.sort(key=lambda ko: root is None or ko[0] != root.key)
         return bad
@@ -130,7 +109,7 @@ class ElasticSession:
                                                   start_worker, put_kv=service.put,
                                                   discovery_interval=discovery_interval)
         self._lock = threading.Lock()
-        self._outcomes: dict[Key, Outcome] = {}
+        self._outcomes: dict[Key, protocol.WorkerOutcome] = {}
 
     # ------------------------------------------------------------------ the launcher's reports
     def worker_exited(self, key: Key, code: int | None, signum: int | None,
@@ -138,24 +117,27 @@ class ElasticSession:
         """The worker on ``key`` ended (``record``: the exit record its program left)."""
         self.driver.worker_exited(key, code, signum, record)
 
-    def record_outcome(self, key: Key, outcome: Outcome) -> None:
+    def record_outcome(self, key: Key, outcome: protocol.WorkerOutcome) -> None:
         """What the function of the worker on ``key`` returned or raised (the last one wins)."""
         with self._lock:
             self._outcomes[key] = outcome
 
     def collect_outcomes(self, get: Callable[[str, str], bytes | None]) -> None:
         """Read every worker's ``run_task`` result from the rendezvous store (``get``), stored
-        under its slot name (``RESULT_KEY_ENV``)."""
-        import cloudpickle
+        under its slot name (``RESULT_KEY_ENV``).
 
-        from horovod.common.protocol import RESULT_SCOPE
+        Raises:
+            HorovodInternalError: a stored result is no ``protocol.TaskOutcome``.
+        """
+        import cloudpickle
 
         with self.driver.cv:
             keys = list(self.driver.workers)
         for key in keys:
-            raw = get(RESULT_SCOPE, key_name(key))
+            raw = get(protocol.RESULT_SCOPE, key_name(key))
             if raw is not None:
-                self.record_outcome(key, Outcome.from_payload(cloudpickle.loads(raw)))
+                self.record_outcome(key, protocol.task_outcome(cloudpickle.loads(raw),
+                                                               f"worker {key_name(key)}"))
 
     # ------------------------------------------------------------------ the job
     def run(self, finish: Callable[[], None] | None = None) -> SessionResult:
@@ -204,14 +186,14 @@ class ElasticSession:
 
     @staticmethod
     def _with_outcome_records(result: ElasticResult,
-                              outcomes: dict[Key, Outcome]) -> ElasticResult:
+                              outcomes: dict[Key, protocol.WorkerOutcome]) -> ElasticResult:
         """The failures of workers that left no exit record but whose function raised, with the
         record the exception makes (the last failure of that worker's slot)."""
         last = {f.key: i for i, f in enumerate(result.failures)}
         failures = list(result.failures)
         for key, i in last.items():
             o, f = outcomes.get(key), failures[i]
-            if f.record is None and o is not None and o.kind == "error" and o.exception is not None:
+            if f.record is None and isinstance(o, protocol.Raised):
                 failures[i] = dataclasses.replace(f, record=exception_record(
-                    o.exception, f.time, f.code or 1))
+                    o.error, f.time, f.code or 1))
         return dataclasses.replace(result, failures=failures)

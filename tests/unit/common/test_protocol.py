@@ -74,3 +74,92 @@ def test_each_launcher_gets_its_handler_and_elastic_jobs_their_rounds() -> None:
     assert not elastic_round(horovod) and not elastic_round({**horovod, "HOROVOD_ELASTIC": "0"})
     # A torchrun job of several ranks meets on torchrun's store even with HOROVOD_ELASTIC set.
     assert not elastic_round({**torchrun, "HOROVOD_ELASTIC": "1"})
+
+
+# ------------------------------------------------------------------------------ outcomes
+OUTCOMES = [protocol.Returned({"loss": 0.5}), protocol.Raised(ValueError("bad batch"), "tb text"),
+            protocol.Exited(3), protocol.Died(RuntimeError("actor died"))]
+
+
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=lambda o: type(o).__name__)
+def test_outcomes_survive_pickle_and_cloudpickle(outcome: protocol.WorkerOutcome) -> None:
+    """They cross Ray's object store and the rendezvous store pickled."""
+    import pickle
+
+    import cloudpickle
+
+    for back in (pickle.loads(pickle.dumps(outcome)), pickle.loads(cloudpickle.dumps(outcome))):
+        assert type(back) is type(outcome)
+        for name in ("value", "traceback", "code"):
+            assert getattr(back, name, None) == getattr(outcome, name, None)
+        error = getattr(outcome, "error", None)
+        if error is not None:
+            assert type(back.error) is type(error) and back.error.args == error.args  # type: ignore[union-attr]
+
+
+def test_task_outcome_takes_what_workers_report_and_names_anything_else() -> None:
+    for outcome in OUTCOMES[:3]:
+        assert protocol.task_outcome(outcome) is outcome
+    # Died is the launcher's own record, never a worker's report; tuples are no outcome
+    for bad in (OUTCOMES[3], ("ok", 1), {"kind": "ok"}):
+        with pytest.raises(HorovodInternalError, match="rank 3 reported .* not an outcome"):
+            protocol.task_outcome(bad, "rank 3")
+
+
+def test_outcome_names_are_unique_across_the_package() -> None:
+    import horovod.runner.elastic.session as session
+
+    assert not hasattr(protocol, "Outcome") and not hasattr(session, "Outcome")
+    assert set(protocol.TaskOutcome.__args__) < set(protocol.WorkerOutcome.__args__)  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------ Spark messages
+SPARK_MESSAGES = [protocol.SparkTaskStarted(("10.0.0.1:41234", "[::1]:2"), attempt=1, pid=77),
+                  protocol.SparkRankAssignment(2, "10.0.0.1", 1, {"HOROVOD_RANK": "2", "X": "é"}),
+                  protocol.SparkAgentRegistration("10.0.0.1/exec-3", pid=12, attempt=2),
+                  protocol.SparkWorkerExit(1, None, {"kind": "cause", "error": "ValueError: x",
+                                                     "time": 5.0, "code": 1}),
+                  protocol.SparkWorkerExit(None, 9)]
+
+
+@pytest.mark.parametrize("message", SPARK_MESSAGES, ids=lambda m: type(m).__name__)
+def test_spark_messages_survive_their_json_encoding(message: object) -> None:
+    raw = message.encode()  # type: ignore[attr-defined]
+    assert isinstance(raw, bytes) and isinstance(json.loads(raw), dict)
+    assert type(message).decode(raw) == message  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", [protocol.StartWorker(4, {"HOROVOD_ELASTIC": "1"}),
+                                     protocol.StopWorker(2.5), protocol.KillWorker(),
+                                     protocol.ExitAgent()], ids=lambda c: type(c).__name__)
+def test_agent_commands_survive_their_json_encoding(command: protocol.AgentCommand) -> None:
+    assert protocol.agent_command(command.encode()) == command
+
+
+def test_a_rank_exit_row_survives_pickle() -> None:
+    """A barrier task's row goes back to the driver pickled by Spark."""
+    import pickle
+
+    row = protocol.SparkRankExit(1, "h", 0, None, 9, 12.5, None, ("Killed",))
+    assert pickle.loads(pickle.dumps(row)) == row
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'{"op": "reboot"}', "agent command '{\"op\": \"reboot\"}' is malformed .*unknown op 'reboot'"),
+    (b'{"op": "start", "seq": 1}', "agent command .*KeyError"),
+    (b'{"op": "start", "seq": 1, "env": ["A=1"]}', "env is a list"),
+    (b"[1, 2]", "a JSON list, not an object"),
+    (b"not json", "agent command .* malformed"),
+])
+def test_malformed_agent_commands_are_named(raw: bytes, match: str) -> None:
+    with pytest.raises(HorovodInternalError, match=match):
+        protocol.agent_command(raw)
+
+
+def test_malformed_spark_messages_name_the_message() -> None:
+    with pytest.raises(HorovodInternalError, match="Spark agent's worker exit .* malformed"):
+        protocol.SparkWorkerExit.decode(b'{"code": 1}')
+    with pytest.raises(HorovodInternalError, match="record is a str"):
+        protocol.SparkWorkerExit.decode(b'{"code": 1, "signal": null, "record": "boom"}')
+    with pytest.raises(HorovodInternalError, match="rank assignment .* malformed"):
+        protocol.SparkRankAssignment.decode(b'{"rank": "two", "host": "h", "local_rank": 0, "env": {}}')

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from horovod.common.exceptions import HorovodInternalError
+from horovod.common.protocol import Raised, Returned
 from horovod.runner.elastic.discovery import FixedHosts, HostManager
-from horovod.runner.elastic.session import ElasticSession, Outcome
+from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.hosts import SlotInfo
 
@@ -98,8 +99,8 @@ def test_every_worker_failing_ends_the_job_and_the_session_cleans_up() -> None:
 
 def test_outcomes_give_values_in_rank_order_and_records_for_raised_errors() -> None:
     session, service, _ = make({"a": 1, "b": 1}, 2, {"a": (1, None), "b": (1, None)}, own=False)
-    session.record_outcome(("a", 0), Outcome("error", exception=HorovodInternalError("peer left")))
-    session.record_outcome(("b", 0), Outcome("error", exception=KeyError("label"), traceback="tb"))
+    session.record_outcome(("a", 0), Raised(HorovodInternalError("peer left")))
+    session.record_outcome(("b", 0), Raised(KeyError("label"), "tb"))
     out = session.run()
     assert not service.stopped  # the launcher keeps its service (RayExecutor)
     root = out.root_cause()
@@ -116,8 +117,8 @@ def test_values_are_the_final_rounds_in_rank_order() -> None:
     from horovod.runner.elastic.session import SessionResult
 
     result = ElasticResult(None, 2, 1, final_ranks={("b", 0): 0, ("a", 0): 1})
-    out = SessionResult(result, {("a", 0): Outcome("ok", "A"), ("b", 0): Outcome("ok", "B"),
-                                 ("c", 0): Outcome("ok", "left earlier")})
+    out = SessionResult(result, {("a", 0): Returned("A"), ("b", 0): Returned("B"),
+                                 ("c", 0): Returned("left earlier")})
     assert out.values() == ["B", "A"]
     assert SessionResult(dataclasses.replace(result, final_ranks={}), out.outcomes).values() == []
 
@@ -132,3 +133,21 @@ def test_workers_left_are_stopped_and_killed_only_if_they_do_not_end(stubborn: b
     b = workers[("b", 0)]
     assert b.calls == (["stop", "kill"] if stubborn else ["stop"])
     assert not any(w.alive for w in session.driver.workers.values())
+
+
+def test_collected_run_task_results_are_protocol_outcomes_and_nothing_else() -> None:
+    import cloudpickle
+
+    from horovod.common.protocol import RESULT_SCOPE
+
+    session, _, _ = make({"a": 1, "b": 1}, 2, {"a": (1, None), "b": (1, None)})
+    session.run()
+    stored = {"a[0]": Returned("A"), "b[0]": Raised(KeyError("label"), "tb")}
+    session.collect_outcomes(lambda scope, key: cloudpickle.dumps(stored[key])
+                             if scope == RESULT_SCOPE and key in stored else None)
+    got = session._outcomes
+    assert got[("a", 0)] == Returned("A") and isinstance(got[("b", 0)], Raised)
+    assert got[("b", 0)].error.args == ("label",) and got[("b", 0)].traceback == "tb"
+    # the tuples older Ray workers sent are no outcome
+    with pytest.raises(HorovodInternalError, match=r"worker a\[0\] reported tuple .* not an outcome"):
+        session.collect_outcomes(lambda scope, key: cloudpickle.dumps(("ok", 1)))

@@ -130,20 +130,16 @@ def test_exception_record_has_the_shape_and_kind_of_a_programs_record() -> None:
     assert (e.error_kind, e.error, e.error_time) == ("cause", "ValueError: bad batch", 7.0)
 
 
-def _payloads(items: dict[int, tuple[object, ...]]):  # type: ignore[no-untyped-def]
-    """A result store's ``get`` holding what run_task writes: ``("ok", v)`` -> ``Returned(v)``,
-    ``("error", e, tb)`` -> ``Raised(e, tb)``."""
+def _payloads(items: dict[int, object]):  # type: ignore[no-untyped-def]
+    """A result store's ``get`` holding what run_task writes (pickled ``Returned``/``Raised``)."""
     import cloudpickle
 
-    from horovod.common.protocol import RESULT_SCOPE, Raised, Returned
+    from horovod.common.protocol import RESULT_SCOPE
 
     def get(scope: str, key: str) -> bytes | None:
         assert scope == RESULT_SCOPE
         item = items.get(int(key))
-        if item is None:
-            return None
-        outcome = Returned(item[1]) if item[0] == "ok" else Raised(item[1], str(item[2]))  # type: ignore[arg-type]
-        return cloudpickle.dumps(outcome)
+        return None if item is None else cloudpickle.dumps(item)
     return get
 
 
@@ -151,12 +147,13 @@ def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
     import pytest
 
     from horovod.common.exceptions import HorovodInternalError, WorkerFailedError
+    from horovod.common.protocol import Raised, Returned
     from horovod.runner.api import collect_results
     from horovod.runner.execute import JobResult
 
     # rank 0 only lost its peer (and ended first), rank 2 raised its own error
-    get = _payloads({0: ("error", HorovodInternalError("peer left"), "tb0"), 1: ("ok", 1),
-                     2: ("error", KeyError("label"), "tb2")})
+    get = _payloads({0: Raised(HorovodInternalError("peer left"), "tb0"), 1: Returned(1),
+                     2: Raised(KeyError("label"), "tb2")})
     exits = [RankExit(0, "a", 1, None, 1.0), RankExit(1, "a", 0, None, 2.0),
              RankExit(2, "b", 1, None, 3.0)]
     with pytest.raises(WorkerFailedError) as info:
@@ -164,7 +161,7 @@ def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
     assert info.value.rank == 2 and isinstance(info.value.exception, KeyError)
     assert "rank 2 on host b raised KeyError" in str(info.value)
     # two own errors: the one recorded first, by the records the programs left
-    get = _payloads({0: ("error", ValueError("late"), "tb0"), 1: ("error", ValueError("early"), "tb1")})
+    get = _payloads({0: Raised(ValueError("late"), "tb0"), 1: Raised(ValueError("early"), "tb1")})
     exits = [RankExit.with_record({"kind": "cause", "error": "ValueError: late", "time": 9.0}, 0, "a",
                                   1, None, 1.0),
              RankExit.with_record({"kind": "cause", "error": "ValueError: early", "time": 4.0}, 1, "a",
@@ -173,8 +170,8 @@ def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
         collect_results(get, 2, JobResult(exits, 1), "test")
     assert info.value.rank == 1, str(info.value)
     # without exit records (a cluster launcher that lost them): the lowest own error
-    get = _payloads({0: ("error", HorovodInternalError("peer left"), "t"), 1: ("error", ValueError("x"), "t"),
-                     2: ("error", ValueError("y"), "t")})
+    get = _payloads({0: Raised(HorovodInternalError("peer left"), "t"), 1: Raised(ValueError("x"), "t"),
+                     2: Raised(ValueError("y"), "t")})
     with pytest.raises(WorkerFailedError) as info:
         collect_results(get, 3, JobResult([], 1), "test")
     assert info.value.rank == 1 and info.value.ranks == [1, 0, 2]
@@ -182,14 +179,15 @@ def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
 
 def test_ray_failures_are_ordered_by_the_same_rule() -> None:
     from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import Died, Raised
     from horovod.ray.waiting import ranks_by_cause
 
-    lost = ("error", HorovodInternalError("peer left"), "tb")
-    died = ("died", RuntimeError("actor died"))
+    lost = Raised(HorovodInternalError("peer left"), "tb")
+    died = Died(RuntimeError("actor died"))
     # a dead actor before the ranks that only lost it, whichever was seen first
     assert ranks_by_cause({0: lost, 1: died, 2: lost}, {0: 1.0, 1: 2.0, 2: 1.5}) == [1, 0, 2]
     # a rank's own error before a peer's death, as for horovodrun's ranks
-    own = ("error", ValueError("bad batch"), "tb")
+    own = Raised(ValueError("bad batch"), "tb")
     assert ranks_by_cause({0: lost, 1: died, 2: own}, {0: 1.0, 1: 1.2, 2: 1.1}) == [2, 0, 1]
     # no times known (simultaneous): still the dead actor
     assert ranks_by_cause({0: lost, 1: died}, {}) == [1, 0]
