@@ -151,7 +151,7 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
     """
     import cloudpickle
 
-    from horovod.common.protocol import RESULT_SCOPE, Returned
+    from horovod.common.protocol import RESULT_SCOPE, Raised, Returned, task_outcome
     from horovod.runner.failures import with_upstream_sentence
 
     values: list[Any] = []
@@ -160,10 +160,10 @@ def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, resu
         raw = get(RESULT_SCOPE, str(rank))
         if raw is None:
             continue
-        outcome = cloudpickle.loads(raw)
+        outcome = task_outcome(cloudpickle.loads(raw), f"rank {rank}")
         if isinstance(outcome, Returned):
             values.append(outcome.value)
-        else:
+        elif isinstance(outcome, Raised):
             errors.append((rank, outcome.error, outcome.traceback))
     hosts_by_rank = {e.rank: e.host for e in result.exits}
     if errors:

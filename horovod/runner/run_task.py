@@ -2,7 +2,9 @@
 
 Started as ``python -m horovod.runner.run_task`` on every rank. The function, its arguments and
 the results travel through the launcher's authenticated rendezvous service
-(``HOROVOD_RUNNER_ADDR``/``HOROVOD_RUNNER_PORT`` and ``HOROVOD_SECRET_KEY``).
+(``HOROVOD_RUNNER_ADDR``/``HOROVOD_RUNNER_PORT`` and ``HOROVOD_SECRET_KEY``); the result is a
+pickled ``protocol.Returned`` or ``protocol.Raised`` (a ``sys.exit(0)``, as an elastic worker the
+job went on without, stores none; another exit code ends the process with it).
 """
 
 from __future__ import annotations
