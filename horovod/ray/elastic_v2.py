@@ -237,7 +237,7 @@ class ElasticAdapter:
                 self._failure_text(what, result.error, ranks, outcome.outcomes),
                 events=result.events, resets=result.resets,
                 rank=ranks.get(root[0]) if root else None, host=root[0][0] if root else None,
-                exception=root[1].error if root and isinstance(root[1], Raised | Died) else None)
+                exception=root[1].error if root else None)
         return outcome.values()
 
     def _failure_text(self, what: str, error: str, ranks: dict[Key, int | None],
