@@ -113,10 +113,10 @@ def is_initialized() -> bool:
 
 
 def _topology_field(field: str, doc: str) -> Callable[[], int]:
-    """The accessor ``field()`` of this rank's topology (``RankIdentity.<field>``), documented by ``doc``.
+    """The public function ``field()``: this rank's ``RankIdentity.<field>``, with ``doc`` as its docstring.
 
-    Raises (the accessor):
-        NotInitializedError: before ``init()`` or after ``shutdown()``.
+    Like every reader of the live context, it raises ``NotInitializedError`` before ``init()`` or after
+    ``shutdown()``.
     """
 
     def accessor() -> int:
