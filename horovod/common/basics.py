@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from horovod.common import context as _ctx
@@ -111,38 +112,28 @@ def is_initialized() -> bool:
     return _ctx.peek_context() is not None
 
 
-def _topo() -> Any:
-    return _ctx.get_context().topology
+def _topology_field(field: str, doc: str) -> Callable[[], int]:
+    """The public function ``field()``: this rank's ``RankIdentity.<field>``, with ``doc`` as its docstring.
+
+    Like every reader of the live context, it raises ``NotInitializedError`` before ``init()`` or after
+    ``shutdown()``.
+    """
+
+    def accessor() -> int:
+        return int(getattr(_ctx.get_context().topology, field))
+
+    accessor.__name__ = accessor.__qualname__ = field
+    accessor.__doc__ = doc
+    return accessor
 
 
-def size() -> int:
-    """Number of processes in the job."""
-    return _topo().size
-
-
-def rank() -> int:
-    """This process's rank, 0 .. size()-1."""
-    return _topo().rank
-
-
-def local_size() -> int:
-    """Number of processes on this host."""
-    return _topo().local_size
-
-
-def local_rank() -> int:
-    """This process's index among the processes of its host."""
-    return _topo().local_rank
-
-
-def cross_size() -> int:
-    """Number of hosts that run a process with this process's local rank."""
-    return _topo().cross_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the hosts that run a process with this local rank."""
-    return _topo().cross_rank
+size = _topology_field("size", "Number of processes in the job.")
+rank = _topology_field("rank", "This process's rank, 0 .. size()-1.")
+local_size = _topology_field("local_size", "Number of processes on this host.")
+local_rank = _topology_field("local_rank", "This process's index among the processes of its host.")
+cross_size = _topology_field("cross_size", "Number of hosts that run a process with this process's local rank.")
+cross_rank = _topology_field("cross_rank",
+                             "Index of this host among the hosts that run a process with this local rank.")
 
 
 def is_homogeneous() -> bool:

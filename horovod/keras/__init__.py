@@ -18,6 +18,7 @@ from typing import Any
 import keras
 
 from horovod._keras import helpers as _impl
+from horovod._keras.helpers import allgather, broadcast, broadcast_global_variables, reducescatter
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -47,7 +48,6 @@ from horovod.keras import callbacks, elastic
 from horovod.tensorflow import _keras_optimizer as _opt
 from horovod.tensorflow import init  # noqa: F401 - with TensorFlow's inter-op pool (see there)
 from horovod.tensorflow.compression import Compression
-from horovod.tensorflow.gradient_tape import _is_keras_layer
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "metrics", "size", "local_size",
@@ -81,74 +81,13 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         groups=groups, num_groups=num_groups)
 
 
-def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802
-                                device_sparse: str = "", compression: Any = Compression.none,
-                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                                op: int = Average, backward_passes_per_step: int = 1,
-                                average_aggregated_gradients: bool = False, groups: Any = None,
-                                process_set: Any = global_process_set, local_layers: Any = None,
-                                scale_local_gradients: bool = True) -> Any:
-    """A distributed optimizer that keeps the gradients of ``local_layers`` local.
-
-    Raises:
-        ValueError: an entry of ``local_layers`` is not a Keras layer.
-    """
-    opt = _opt.create_distributed_optimizer(
-        keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
-        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, groups,
-        process_set, scale_local_gradients)
-    layers = [] if local_layers is None else (
-        local_layers if isinstance(local_layers, list | tuple) else [local_layers])
-    for layer in layers:
-        if not _is_keras_layer(layer):  # Keras 3 or tf_keras
-            raise ValueError("All local layers must be of keras.layers.Layer type.")
-        for w in layer.trainable_weights:
-            opt.register_local_var(w)
-    return opt
-
-
-def broadcast_global_variables(root_rank: int) -> Any:
-    """Broadcast all global variables from ``root_rank`` (TF1 graph mode only).
-
-    Raises:
-        RuntimeError: in eager mode; use ``callbacks.BroadcastGlobalVariablesCallback``.
-    """
-    return _impl.broadcast_global_variables(root_rank)
-
-
-def allreduce(value: Any, name: str | None = None, average: bool | None = True, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, op: int | None = None,
-              compression: Any = Compression.none) -> Any:
-    """Return the reduction (default: average) of ``value`` over all ranks, evaluated now."""
-    if op is not None:
-        average = None
-    return _impl.allreduce(value, name, average, prescale_factor, postscale_factor, op, compression)
-
-
-def allgather(value: Any, name: str | None = None) -> Any:
-    """Return every rank's ``value`` concatenated along dimension 0, evaluated now."""
-    return _impl.allgather(value, name)
-
-
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
-    """Return ``root_rank``'s ``value`` on every rank, evaluated now."""
-    return _impl.broadcast(value, root_rank, name)
-
-
-def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any:
-    """Return this rank's part of the reduction of ``value``, evaluated now."""
-    return _impl.reducescatter(value, name, op)
+PartialDistributedOptimizer = _impl.partial_distributed_optimizer_function(
+    __name__, keras, "keras.layers.Layer")
+allreduce = _impl.allreduce_function(__name__, average_default=True)
 
 
 def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any = None,
                compression: Any = Compression.none) -> Any:
     """Load a saved model whose optimizer is re-created as a Horovod distributed optimizer."""
-
-    def wrap(cls: type) -> type:
-        cfg = _opt.HvdConfig("", "", compression, False, 1.0, Average, 1, False, None, global_process_set,
-                               True, f"Distributed{cls.__name__}", _opt.keras_backend(keras))
-        return _opt.distributed_class(cls, cfg)
-
-    return _impl.load_model(keras, wrap, ("keras.src.optimizers", "keras.optimizers"), filepath,
+    return _impl.load_model(keras, compression, ("keras.src.optimizers", "keras.optimizers"), filepath,
                             custom_optimizers, custom_objects)
-

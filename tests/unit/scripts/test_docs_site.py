@@ -26,8 +26,11 @@ API_NAMES = {
     "spark": ["horovod.spark.run", "horovod.spark.run_elastic"],
     "ray": ["horovod.ray.RayExecutor"],
     "runner": ["horovod.runner.run"],
-    "numpy": ["horovod.numpy.allreduce"],
+    "numpy": ["horovod.numpy.allreduce", "horovod.numpy.size"],  # size: built by a factory
 }
+# Built by a factory in a module that imports TensorFlow: documented where the docs build can import it.
+if importlib.util.find_spec("tensorflow") and importlib.util.find_spec("keras"):
+    API_NAMES["keras"] += ["horovod.keras.allreduce", "horovod.tensorflow.keras.PartialDistributedOptimizer"]
 
 
 def _docs_extra_missing() -> list[str]:
