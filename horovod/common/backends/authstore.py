@@ -312,14 +312,16 @@ class StoreServer:
         self._drop(sel, p, _BUSY)
         self.log.event("busy", "too many connections in their handshake; closed the oldest")
 
+    # A refusal is counted before its connection is closed, so a peer that sees the close sees
+    # the count too.
     def _expire(self, sel: selectors.BaseSelector) -> None:
         now = time.monotonic()
         while self._pending:
             p = next(iter(self._pending.values()))
             if p.deadline > now:
                 return
-            self._drop(sel, p, _BUSY)
             self.log.refuse(p.peer, f"no valid handshake within {self.handshake_seconds:g} s", p.port)
+            self._drop(sel, p, _BUSY)
 
     def _advance(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         want = len(_HELLO) + _NONCE + _MAC
@@ -328,12 +330,12 @@ class StoreServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            self._drop(sel, p, None)
             self.log.refuse(p.peer, f"no valid handshake: {exc}", p.port)
+            self._drop(sel, p, None)
             return
         if not chunk:
-            self._drop(sel, p, None)
             self.log.refuse(p.peer, "closed during the handshake", p.port)
+            self._drop(sel, p, None)
             return
         p.buf += chunk
         if len(p.buf) < want:
@@ -342,8 +344,8 @@ class StoreServer:
         nonce_c, mac = head[len(_HELLO):len(_HELLO) + _NONCE], head[len(_HELLO) + _NONCE:]
         if head[:len(_HELLO)] != _HELLO or not hmac.compare_digest(
                 mac, _mac(self.key, b"c", p.nonce, nonce_c)):
-            self._drop(sel, p, _REFUSED)
             self.log.refuse(p.peer, "not signed with this job's secret", p.port)
+            self._drop(sel, p, _REFUSED)
             return
         self._forget(sel, p)
         conn = p.sock
