@@ -3,9 +3,11 @@ failure that names the flag and the skip's reason (``.ci/run`` sets them; ``HVD_
 works the same way in ``tests/gpu/conftest.py``).
 
 A test belongs to a tier by its marker (``-m fakehosts``, ``spark``, ``ray``, ``slurm``), by its
-directory (``tests/spark``, ``tests/ray``), or, for fake hosts, by using the ``fakehosts_factory``
-fixture. Tests marked ``upstream`` need upstream Horovod's source (from GitHub, which no package
-registry serves) and are never required.
+directory (``tests/spark``, ``tests/ray``; ``tests/tensorflow``, ``tests/keras``, ``tests/jax`` and
+``tests/lightning`` for the frameworks tier, whose packages the ``test`` extra installs), or, for fake
+hosts, by using the ``fakehosts_factory`` fixture. A skip while a module is collected (a module-level
+``pytest.importorskip``) counts as well as one in a test. Tests marked ``upstream`` need upstream
+Horovod's source (from GitHub, which no package registry serves) and are never required.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REQUIRE_FLAGS", "required_tier", "enforce"]
+__all__ = ["REQUIRE_FLAGS", "TIER_DIRS", "required_tier", "enforce"]
 
 #: tier -> the variable that makes its skips failures
 REQUIRE_FLAGS = {"fakehosts": "HVD_TEST_REQUIRE_FAKEHOSTS", "spark": "HVD_TEST_REQUIRE_SPARK",
-                 "ray": "HVD_TEST_REQUIRE_RAY", "slurm": "HVD_TEST_REQUIRE_SLURM"}
+                 "ray": "HVD_TEST_REQUIRE_RAY", "slurm": "HVD_TEST_REQUIRE_SLURM",
+                 "frameworks": "HVD_TEST_REQUIRE_FRAMEWORKS"}
+#: tier -> the directories under tests/ whose tests belong to it
+TIER_DIRS = {"spark": ("spark",), "ray": ("ray",),
+             "frameworks": ("tensorflow", "keras", "jax", "lightning")}
 
 
 def required_tier(item: Any, environ: Mapping[str, str]) -> str | None:
@@ -31,7 +37,7 @@ def required_tier(item: Any, environ: Mapping[str, str]) -> str | None:
             continue
         if item.get_closest_marker(tier) is not None:
             return tier
-        if tier in ("spark", "ray") and "tests" in parts and tier in parts[parts.index("tests"):]:
+        if "tests" in parts and set(TIER_DIRS.get(tier, ())) & set(parts[parts.index("tests"):]):
             return tier
         if tier == "fakehosts" and "fakehosts_factory" in getattr(item, "fixturenames", ()):
             return tier
@@ -39,7 +45,8 @@ def required_tier(item: Any, environ: Mapping[str, str]) -> str | None:
 
 
 def enforce(item: Any, report: Any, environ: Mapping[str, str]) -> None:
-    """Make ``report`` (of ``item``) a failure if it is a skip of a required tier."""
+    """Make ``report`` (of ``item``, a test or a collected module) a failure if it is a skip of a
+    required tier."""
     if not report.skipped or getattr(report, "wasxfail", None) is not None:
         return
     tier = required_tier(item, environ)

@@ -43,6 +43,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     enforce(item, outcome.get_result(), os.environ)  # type: ignore[attr-defined]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A module of a required tier skipped while collected (``pytest.importorskip`` at its top)
+    fails as well (``tests/_require.py``)."""
+    outcome = yield
+    from tests._require import enforce
+
+    enforce(collector, outcome.get_result(), os.environ)  # type: ignore[attr-defined]
+
+
 @pytest.fixture(autouse=True)
 def _horovod_shutdown():
     """Make sure no test leaves an engine running for the next one."""
