@@ -30,14 +30,15 @@ def test_the_abandoned_build_ends_with_the_round_and_the_process_exits_cleanly()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=240)
     wall = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "ABANDONED" in res.stdout and "b[0] (rank 1) died" in res.stdout, out
-    # The script joins the build for 10 s; Gloo's own timeout there is 40 s.
+    # The script joins the build for 10 s; Gloo's own timeout there is 100 s, which a build left
+    # waiting in Gloo would add to the run (the bound leaves room for a loaded machine's start-up).
     assert "ORPHAN_ALIVE False" in res.stdout, out
-    assert wall < 40, (wall, out)
+    assert wall < 90, (wall, out)
 
 
 def test_cancel_runs_each_hook_once_and_late_hooks_at_once() -> None:

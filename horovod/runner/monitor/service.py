@@ -52,7 +52,7 @@ ANSWER_DEADLINE = 15.0
 _CHUNK = 64 * 1024
 
 
-class _Server(QuietHTTPServer):
+class _MonitorHTTPServer(QuietHTTPServer):
     service_name = "monitor"
     daemon_threads = True
     request_queue_size = 64
@@ -60,7 +60,7 @@ class _Server(QuietHTTPServer):
     def __init__(self, addr: tuple[str, int], service: MonitorService) -> None:
         self.service = service
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(addr, _Handler)
+        super().__init__(addr, _MonitorHandler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -79,8 +79,8 @@ class _Server(QuietHTTPServer):
             self._slots.release()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class _MonitorHandler(BaseHTTPRequestHandler):
+    server: _MonitorHTTPServer
     timeout = SOCKET_TIMEOUT
     protocol_version = "HTTP/1.0"
 
@@ -196,7 +196,7 @@ class MonitorService:
         self._nonces: dict[str, float] = {}
         self._nonce_lock = threading.Lock()
         try:
-            self._server = _Server((address, port), self)
+            self._server = _MonitorHTTPServer((address, port), self)
         except OSError as exc:
             why = ("the port is in use by another process (another job's monitor, or another "
                    "service); choose another --monitor-port, or 0 for any free port"

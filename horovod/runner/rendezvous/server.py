@@ -68,8 +68,8 @@ def body_limit(method: str, parts: list[str]) -> int:
     return MAX_BODY
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class _RendezvousHandler(BaseHTTPRequestHandler):
+    server: _RendezvousHTTPServer
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # so that even a garbage request line gets a status line
     timeout = 30  # every blocking read and write of a connection
@@ -198,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_PUT = do_DELETE = do_POST = _handle
 
 
-class _Server(QuietHTTPServer):
+class _RendezvousHTTPServer(QuietHTTPServer):
     service_name = "rendezvous"
     daemon_threads = True
     allow_reuse_address = True
@@ -207,7 +207,7 @@ class _Server(QuietHTTPServer):
     def __init__(self, addr: tuple[str, int], secret: str, *, max_connections: int = 1024,
                  max_unauthenticated: int = 128, max_per_address: int = 32,
                  header_seconds: float = 10.0) -> None:
-        super().__init__(addr, _Handler)
+        super().__init__(addr, _RendezvousHandler)
         self.secret = secret
         self.store: dict[tuple[str, str], bytes] = {}
         self.slots: dict[str, dict[str, Any]] = {}
@@ -388,7 +388,7 @@ class RendezvousServer:
     """
 
     def __init__(self, secret: str, host: str = "127.0.0.1", port: int = 0, **limits: Any) -> None:
-        self._server = _Server((host, port), secret, **limits)
+        self._server = _RendezvousHTTPServer((host, port), secret, **limits)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="hvd-rendezvous", daemon=True)
         self._thread.start()

@@ -18,7 +18,7 @@ from horovod.common.config import EngineConfig
 from horovod.common.elastic import worker as elastic_worker
 from horovod.common.elastic.rounds import RoundHandler
 from horovod.common.exceptions import HorovodInternalError
-from horovod.common.protocol import ABANDONED_KEY, RankIdentity, RoundInfo
+from horovod.common.protocol import ABANDONED_KEY, STORE_KEY, RankIdentity, RoundInfo, round_scope
 from horovod.common.rendezvous import RendezvousClient
 from horovod.runner.rendezvous.server import RendezvousServer
 from horovod.runner.secret import make_secret
@@ -29,15 +29,15 @@ def main() -> int:
     with RendezvousServer(secret) as server:
         env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port), "HOROVOD_SECRET_KEY": secret,
-               "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "40"}
+               "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_GLOO_TIMEOUT_SECONDS": "100"}
         config = EngineConfig.from_env(env)
         info = RoundInfo(1, RankIdentity(hostname="localhost", rank=0, local_rank=0, cross_rank=0, size=2,
                      local_size=1, cross_size=2), skip_sync=False, notice=0)
 
         def driver() -> None:  # the member's peer died: give the round up once rank 0 waits in it
-            while server.get("elastic.1", "store") is None:
+            while server.get(round_scope(info.round), STORE_KEY) is None:
                 time.sleep(0.02)
-            server.put("elastic.1", ABANDONED_KEY, b"worker b[0] (rank 1) died")
+            server.put(round_scope(info.round), ABANDONED_KEY, b"worker b[0] (rank 1) died")
 
         threading.Thread(target=driver, daemon=True).start()
         client = RendezvousClient("127.0.0.1", server.port, secret)
