@@ -19,8 +19,7 @@ changes. Both sides import this module: ``horovod.runner.rendezvous.server`` ans
 * Every answer carries ``X-Horovod-Signature``: the HMAC of ``resp\\nMAC\\nSTATUS\\nsha256(body)``
   (``MAC`` is the request's), so a worker knows the answer came from its own launcher.
 * ``PUT /kv/<scope>/<key>`` stores the body; ``GET`` returns it (404 while absent); ``DELETE``
-  removes it. ``GET /slot/<rank>`` returns the JSON of the rank's slot (host, local and cross
-  ranks and sizes).
+  removes it.
 * ``POST /elastic/<call>`` (elastic jobs only): a JSON request, a JSON answer; the calls are
   described in ``horovod.common.elastic.worker``.
 
@@ -207,12 +206,6 @@ class RendezvousClient:
                                       f"the rendezvous service.", scope=scope, key=key)
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
-
-    def slot(self, rank: int) -> dict[str, Any]:
-        status, data = self.request("GET", f"/slot/{rank}")
-        if status != 200:
-            raise RendezvousError(f"The launcher has no slot for rank {rank}.", rank=rank)
-        return dict(json.loads(data))
 
     def call(self, name: str, payload: Mapping[str, Any], timeout: float | None = None,
              ) -> dict[str, Any]:

@@ -68,7 +68,6 @@ class FunctionJob:
                                   extra_env=dict(extra_env or {}))
         plan = build_plan(settings, list(hosts), environ={}, local_hosts=set(), mode="gloo",
                           rendezvous=(self.addr, str(self.port)))
-        self.server.set_slots({r.slot.rank: {**r.slot.__dict__} for r in plan.ranks})
         common = {**plan.job_env, **self.base_env()}
         return [(r.slot, {**common, **r.env}) for r in plan.ranks]
 

@@ -182,7 +182,6 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
     try:
         if mode == "gloo":
             plan = build_plan(settings, hosts, environ, local, mode, rdv_addr)
-            server.set_slots({r.slot.rank: {**r.slot.__dict__} for r in plan.ranks})  # type: ignore[union-attr]
         if server is not None:
             # Where run_task workers of horovod.run() find the launcher, in both modes (the
             # HOROVOD_GLOO_* names would make an MPI worker's hvd.init() choose Gloo).

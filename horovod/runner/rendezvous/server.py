@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import re
 import socket
@@ -188,10 +187,6 @@ class _RendezvousHandler(BaseHTTPRequestHandler):
             report = self.server.report_handler
             status, answer = report(body) if report is not None else (404, b"")
             self._answer(status, answer, mac)
-        elif len(parts) == 2 and parts[0] == "slot" and self.command == "GET":
-            info = self.server.slots.get(parts[1])
-            self._answer(404 if info is None else 200, json.dumps(info).encode() if info else b"",
-                         mac)
         else:
             self._answer(404, b"", mac)
 
@@ -210,7 +205,6 @@ class _RendezvousHTTPServer(QuietHTTPServer):
         super().__init__(addr, _RendezvousHandler)
         self.secret = secret
         self.store: dict[tuple[str, str], bytes] = {}
-        self.slots: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.log = RefusalLog(log, f"rendezvous {addr[0]}:{self.server_address[1]}")
@@ -414,9 +408,6 @@ class RendezvousServer:
         """Remove ``scope/key`` and return its value (None when absent)."""
         with self._server.lock:
             return self._server.store.pop((scope, key), None)
-
-    def set_slots(self, slots: dict[int, dict[str, Any]]) -> None:
-        self._server.slots = {str(r): info for r, info in slots.items()}
 
     def set_elastic_handler(self, handler: Callable[[str, bytes], tuple[int, bytes]] | None) -> None:
         """Answer ``POST /elastic/<call>`` with ``handler(call, body) -> (status, body)``."""

@@ -18,7 +18,7 @@ def server():
     srv.stop()
 
 
-def test_put_get_wait_and_slot(server: RendezvousServer) -> None:
+def test_put_get_and_wait(server: RendezvousServer) -> None:
     c = RendezvousClient("127.0.0.1", server.port, server._server.secret, timeout=5)
     assert c.get("s", "k") is None
     c.put("s", "k", b"\x00value")
@@ -26,8 +26,6 @@ def test_put_get_wait_and_slot(server: RendezvousServer) -> None:
     assert c.wait("s", "k", timeout=1) == b"\x00value"
     with pytest.raises(RendezvousError, match="Timed out"):
         c.wait("s", "missing", timeout=0.1)
-    server.set_slots({1: {"hostname": "b", "rank": 1}})
-    assert c.slot(1) == {"hostname": "b", "rank": 1}
 
 
 def test_wrong_secret_can_neither_write_nor_read(server: RendezvousServer) -> None:
