@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from horovod.ray.elastic_v2 import ElasticAdapter, RayHostDiscovery
@@ -18,6 +18,11 @@ from horovod.ray.runner import MiniSettings, RayExecutor
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT
 
 __all__ = ["RayHostDiscovery", "ElasticAdapter", "ElasticRayExecutor", "ElasticSettings"]
+
+# The other settings upstream's create_settings passed on to its ElasticSettings (BaseSettings):
+# accepted for its callers, without effect here.
+_UPSTREAM_SETTINGS = frozenset({"verbose", "ssh_port", "extra_mpi_args", "tcp_flag", "binding_args", "key",
+                                "start_timeout", "output_filename", "run_func", "prefix_output_with_timestamp"})
 
 
 @dataclass
@@ -32,7 +37,6 @@ class ElasticSettings:
     ssh_identity_file: str | None = None
     nics: set[str] | None = None
     cooldown_range: tuple[int, int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     discovery: Any = None  # used with override_discovery=False
 
     @property
@@ -53,7 +57,15 @@ class ElasticRayExecutor:
                         timeout_s: int = 30, ssh_identity_file: str | None = None,
                         nics: set[str] | None = None, min_np: int | None = None,
                         max_np: int | None = None, **kwargs: Any) -> ElasticSettings:
-        """Settings for ``ElasticRayExecutor`` (``min_np``/``max_np`` are deprecated spellings)."""
+        """Settings for ``ElasticRayExecutor`` (``min_np``/``max_np`` are deprecated spellings).
+
+        ``cooldown_range`` and ``discovery`` (for ``override_discovery=False``) are taken from
+        ``kwargs``; the other settings upstream's accepted there
+        (``verbose``, ``key``, ``start_timeout``...) have no effect (Ray starts the workers).
+
+        Raises:
+            TypeError: a keyword upstream's ``create_settings`` did not take either.
+        """
         if min_np is not None:
             warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning,
                           stacklevel=2)
@@ -63,8 +75,14 @@ class ElasticRayExecutor:
                           stacklevel=2)
             max_num_proc = max_num_proc if max_num_proc is not None else max_np
         cooldown = kwargs.pop("cooldown_range", None)
+        discovery = kwargs.pop("discovery", None)
+        unknown = sorted(set(kwargs) - _UPSTREAM_SETTINGS)
+        if unknown:
+            raise TypeError(f"ElasticRayExecutor.create_settings() got unexpected keyword arguments "
+                            f"{unknown}; it takes those of upstream's ElasticSettings: "
+                            f"{sorted(_UPSTREAM_SETTINGS | {'cooldown_range', 'discovery'})}")
         return ElasticSettings(min_num_proc, max_num_proc, reset_limit, elastic_timeout, timeout_s,
-                               ssh_identity_file, nics, cooldown, dict(kwargs))
+                               ssh_identity_file, nics, cooldown, discovery)
 
     def __init__(self, settings: ElasticSettings, use_gpu: bool = False, cpus_per_slot: int = 1,
                  gpus_per_slot: int | None = None, env_vars: dict[str, Any] | None = None,

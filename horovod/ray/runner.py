@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from horovod.common import exceptions as errors
@@ -37,7 +37,6 @@ class MiniSettings:
     timeout_s: int = 30
     placement_group_timeout_s: int = 100
     elastic: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
     # Elastic mode with override_discovery=False: find_available_hosts_and_slots() -> {host: slots}
     discovery: Any = None
     # The job's live view on the driver (horovodrun --monitor-port; docs/monitor.md): None is off.
