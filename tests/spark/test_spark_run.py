@@ -95,13 +95,16 @@ def _elastic_train(steps: int, marker: str) -> tuple:
     model = torch.nn.Linear(4, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model, opt, step=0)
+    state = hvd.elastic.TorchState(model, opt, step=0, step_sizes=[])
 
     @hvd.elastic.run
     def loop(state: hvd.elastic.TorchState) -> tuple:
         while state.step < steps:
+            # each rank on its own batch: the weights show whether every step averaged every rank
+            state.step_sizes = state.step_sizes + [hvd.size()]
+            x, y = _batch(state.step, hvd.rank())
             opt.zero_grad()
-            model(torch.ones(8, 4) * (state.step % 5)).pow(2).mean().backward()
+            torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             state.step += 1
             if state.step == 10 and hvd.rank() == 1 and not os.path.exists(marker):
@@ -111,9 +114,38 @@ def _elastic_train(steps: int, marker: str) -> tuple:
             time.sleep(0.05)
             state.commit()
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return hvd.rank(), hvd.size(), state.step, params.numpy()
+        return hvd.rank(), hvd.size(), state.step, params.numpy(), list(state.step_sizes)
 
     return loop(state)
+
+
+def _batch(step: int, rank: int) -> tuple:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 4, generator=gen) + rank, torch.randn(8, 1, generator=gen)
+
+
+def _expected_params(step_sizes: list[int]) -> np.ndarray:
+    """``_elastic_train`` in one process: rank 0's initial weights; one step per entry, the
+    gradients of ranks 0..n-1 summed in rank order and divided by n."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, n in enumerate(step_sizes):
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(n):
+            x, y = _batch(step, rank)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for t, p in zip(total, model.parameters()):
+                t += p.grad
+        for t, p in zip(total, model.parameters()):
+            p.grad = t / n
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
 
 
 def _elastic_raise() -> None:
@@ -221,8 +253,15 @@ def test_run_elastic_survives_a_killed_executor(spark, tmp_path):
     assert os.path.exists(marker)  # rank 1 did kill its executor
     assert results and [r[0] for r in results] == list(range(len(results)))
     assert all(r[2] == 120 for r in results)
-    for r in results[1:]:
-        np.testing.assert_array_equal(r[3], results[0][3])
+    step_sizes = results[0][4]
+    # every step taken once (committed steps replayed after the reset are not counted twice),
+    # the first ones by the two ranks together
+    assert len(step_sizes) == 120 and step_sizes[0] == 2, step_sizes
+    for r in results:
+        assert r[4] == step_sizes  # the state (and its history) synced from rank 0 after the reset
+        # no committed step lost, applied twice or left unaveraged across the reset: every rank
+        # holds the weights of one process that averaged each step's batches of all the ranks
+        np.testing.assert_allclose(r[3], _expected_params(step_sizes), rtol=1e-5, atol=1e-6)
     log = events.getvalue()
     # the lost executor's worker counted as killed; the job went on after a reset
     assert "failed (killed by signal 9 (SIGKILL))" in log
