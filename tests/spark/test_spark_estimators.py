@@ -114,6 +114,36 @@ def _mlp() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
+class _RecordingMinibatch:
+    """``train_minibatch_fn`` (upstream's signature) that also saves this rank's weights, its step
+    count and the batch's labels after every step, under ``where``."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self) -> Any:
+        steps = [0]
+
+        def train_minibatch(model: Any, optimizer: Any, transform_outputs: Any, loss_fn: Any,
+                            inputs: Any, labels: Any, sample_weights: Any) -> tuple[Any, Any]:
+            import torch
+
+            import horovod.torch as hvd
+
+            optimizer.zero_grad()
+            outputs, labels = transform_outputs(model(*inputs), labels)
+            loss = loss_fn(outputs, labels, sample_weights)
+            loss.backward()
+            optimizer.step()
+            steps[0] += 1
+            torch.save({"steps": steps[0], "labels": labels[0].tolist(),
+                        "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+                       f"{self.where}/rank{hvd.rank()}.pt")
+            return outputs, loss
+
+        return train_minibatch
+
+
 def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> None:
     import torch
     import torch.nn.functional as F
@@ -125,12 +155,24 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     df = _sparse_digits(spark)
     store = Store.create(str(tmp_path / "store"))
     net = _mlp()
+    (tmp_path / "ranks").mkdir()
     est = TorchEstimator(num_proc=2, store=store, model=net,
                          optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
                          loss=F.cross_entropy, feature_cols=["features"], label_cols=["label"],
                          validation="is_val", compress_sparse_cols=True, batch_size=32,
-                         epochs=3, random_seed=3, verbose=0, partitions_per_process=2)
+                         epochs=3, random_seed=3, verbose=0, partitions_per_process=2,
+                         train_minibatch_fn=_RecordingMinibatch(str(tmp_path / "ranks")))
     model = est.fit(df)
+    # Two ranks trained one model: each on its own shard, the same number of steps, the same
+    # weights after the last one (ranks whose gradients were not averaged would differ), and
+    # those are the fitted model's.
+    ranks = [torch.load(tmp_path / "ranks" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] >= 3, [r["steps"] for r in ranks]
+    assert ranks[0]["labels"] != ranks[1]["labels"]  # the last batches: two shards
+    fitted = model.getModel().state_dict()
+    for name, value in fitted.items():
+        np.testing.assert_array_equal(ranks[1]["state"][name].numpy(), ranks[0]["state"][name].numpy())
+        np.testing.assert_array_equal(value.numpy(), ranks[0]["state"][name].numpy())
     idx = next(p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
                if p.name.startswith("intermediate_train_data."))
     train_rows, val_rows, meta = util.get_dataset_properties(store, idx)

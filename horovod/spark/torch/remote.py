@@ -94,6 +94,12 @@ def _loss(loss_fns: list[Any], weights: list[float] | None, outputs: list[Any], 
     return total
 
 
+def _transform_outputs(outputs: Any, labels: list[Any]) -> tuple[list[Any], list[Any]]:
+    """What a ``train_minibatch_fn`` gets as ``transform_outputs`` (upstream's signature): the
+    model's output as a list, and the labels (the loss matches their shapes)."""
+    return (list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]), labels
+
+
 def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
     def train() -> dict[str, Any] | None:
         import torch
@@ -131,6 +137,10 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         loss_fns, metrics = _losses(spec), list(spec["metrics"] or [])
         minibatch = spec["train_minibatch_fn"]() if spec["train_minibatch_fn"] else None
 
+        def loss_fn(outputs: list[Any], labels: list[Any], sample_weights: Any) -> Any:
+            """``train_minibatch``'s loss (upstream's signature): the estimator's weighted losses."""
+            return _loss(loss_fns, spec["loss_weights"], outputs, labels, sample_weights)
+
         def run_epoch(reader: Any, steps: int, train: bool) -> dict[str, float]:
             model.train(train)
             sums = np.zeros(1 + len(metrics))
@@ -138,14 +148,16 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
                 inputs, labels, sw = _tensors(next(reader), spec, device)
                 with torch.set_grad_enabled(train):
                     if train and minibatch is not None:
-                        outputs, loss = minibatch(model, opt, lambda o: o, loss_fns, inputs,
+                        # upstream's train_minibatch(model, optimizer, transform_outputs,
+                        # loss_fn, inputs, labels, sample_weights) -> (outputs, loss)
+                        outputs, loss = minibatch(model, opt, _transform_outputs, loss_fn, inputs,
                                                   labels, sw)
                     else:
                         if train:
                             opt.zero_grad()
                         out = model(*inputs)
                         outputs = list(out) if isinstance(out, (list, tuple)) else [out]
-                        loss = _loss(loss_fns, spec["loss_weights"], outputs, labels, sw)
+                        loss = loss_fn(outputs, labels, sw)
                         if train:
                             loss.backward()
                             opt.step()
