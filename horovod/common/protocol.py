@@ -40,8 +40,9 @@ launchers (``horovodrun``'s static and elastic jobs, the elastic driver, Spark, 
   a peer leaving); ``__HOROVOD_RUNNER_EXIT__ {json}`` is the shim's last line about a rank (rank,
   host, pid, exit code or signal, why the shim stopped it, the failure record).
   :func:`strip_markers` is the one function that finds and removes them.
-* **Life line**: a launcher stops a remote worker by writing :func:`signal_line` on the shim's
-  stdin, then closing it.
+* **Life line**: a launcher gives a remote shim its worker's environment as the first line of its
+  stdin (:func:`env_line`, read with :func:`parse_env_line`), and stops the worker by writing
+  :func:`signal_line` there, then closing it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_
            "RENDEZVOUS_ADDR_ENV", "RENDEZVOUS_PORT_ENV", "ELASTIC_ENV", "elastic_env",
            "ELASTIC_HOST_ENV", "ELASTIC_SLOT_ENV", "RESULT_KEY_ENV", "job_secret",
            "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers", "env_rank",
-           "error_line", "exit_line", "parse_signal_line", "signal_line", "strip_markers",
+           "error_line", "exit_line", "parse_signal_line", "signal_line", "env_line", "parse_env_line",
+           "strip_markers",
            "RankIdentity", "RoundInfo", "ReadyRequest", "Wait", "Removed", "Stop", "ReadyAnswer",
            "ready_answer", "NoticeRequest", "Notice", "READY_CALL", "NOTICE_CALL", "Returned",
            "Raised", "Exited", "Died", "TaskOutcome", "WorkerOutcome", "task_outcome",
@@ -133,6 +135,27 @@ def error_line(record: Mapping[str, Any]) -> str:
 def exit_line(info: Mapping[str, Any]) -> str:
     """The shim's last stderr line about its rank."""
     return EXIT_MARKER + json.dumps(dict(info)) + "\n"
+
+
+def env_line(env: Mapping[str, str]) -> bytes:
+    """The first stdin line of a remote shim (``--stdin-env``): the worker's environment, which
+    an ssh command line would show to every user of the host."""
+    return (json.dumps({"env": dict(env)}) + "\n").encode()
+
+
+def parse_env_line(line: bytes) -> dict[str, str]:
+    """The environment of an :func:`env_line`.
+
+    Raises:
+        ValueError: not an environment line.
+    """
+    try:
+        env = json.loads(line.decode("utf-8"))["env"]
+    except (KeyError, TypeError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        raise ValueError(f"not an environment line ({exc!r})") from exc
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("not an environment line (the environment is not a mapping of strings)")
+    return env
 
 
 def signal_line(signum: int) -> bytes:

@@ -4,8 +4,9 @@ Run by file path (standard library only; the package ``horovod`` is not imported
 
     python -u _shim.py [--watch-stdin] [--stdin-env] -- command args...
 
-* ``--stdin-env``: the first stdin line is JSON ``{"env": {...}}``, merged into the environment
-  (how ssh-started workers get their variables and the job secret without a command line).
+* ``--stdin-env``: the first stdin line is the worker's environment (``protocol.env_line``),
+  merged into the environment (how ssh-started workers get their variables and the job secret
+  without a command line).
 * ``--watch-stdin``: stdin is the launcher's life line; when it closes, the worker's process group
   is sent SIGTERM, then SIGKILL after a grace period. A line ``signal <N>`` sends signal N first.
   Without it (under mpirun) the shim stops the worker when its own parent dies.
@@ -131,8 +132,8 @@ def main(argv: list[str]) -> int:
     if stdin_env:
         line = sys.stdin.buffer.readline()
         try:
-            env.update(json.loads(line.decode("utf-8"))["env"])
-        except (ValueError, KeyError) as exc:
+            env.update(protocol.parse_env_line(line))
+        except ValueError as exc:
             sys.stderr.write(f"horovod shim: bad environment line from the launcher: {exc}\n")
             return 2
     rank = protocol.env_rank(env) or "?"

@@ -9,7 +9,6 @@ which a signal to the local ssh client alone would not do.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -18,6 +17,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from horovod.common import protocol
 from horovod.common.exceptions import ConfigError
 from horovod.runner.launch_plan import SECRET_ENV, LaunchPlan, RankPlan
 from horovod.runner.launchers.base import Command, shim_argv
@@ -73,7 +73,7 @@ def ssh_command(plan: LaunchPlan, rank: RankPlan, settings: LaunchSettings,
                                      stdin_env=True)))
     argv = ssh_base_argv(rank.slot.hostname, settings.ssh_port, settings.ssh_identity_file,
                          host_keys=settings.ssh_strict_host_key_checking) + [remote]
-    blob = (json.dumps({"env": env}) + "\n").encode()
+    blob = protocol.env_line(env)
     return Command(argv=argv, env=None, ranks=(rank.slot.rank,), host=rank.slot.hostname, stdin_data=blob,
                    lifeline=True, remote=True, shown_env={**plan.job_env, **rank.env})
 

@@ -163,3 +163,13 @@ def test_malformed_spark_messages_name_the_message() -> None:
         protocol.SparkWorkerExit.decode(b'{"code": 1, "signal": null, "record": "boom"}')
     with pytest.raises(HorovodInternalError, match="rank assignment .* malformed"):
         protocol.SparkRankAssignment.decode(b'{"rank": "two", "host": "h", "local_rank": 0, "env": {}}')
+
+
+def test_a_remote_shims_environment_line_round_trips_and_refuses_anything_else() -> None:
+    env = {"HOROVOD_RANK": "1", "HOROVOD_SECRET_KEY": "s\n\"x\"", "PATH": "/bin"}
+    line = protocol.env_line(env)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1  # one stdin line, whatever the values
+    assert protocol.parse_env_line(line) == env
+    for bad in (b'{"environ": {}}\n', b"[1, 2]\n", b'{"env": {"A": 1}}\n', b"signal 15\n"):
+        with pytest.raises(ValueError, match="not an environment line"):
+            protocol.parse_env_line(bad)

@@ -101,3 +101,17 @@ def test_slot_identity_is_what_the_worker_side_reads(monkeypatch: pytest.MonkeyP
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert get_env_rank_and_size() == (3, 4) and protocol.env_rank() == "3"
+
+
+def test_a_remote_shim_takes_its_workers_environment_from_its_first_stdin_line() -> None:
+    # What the ssh launcher sends (protocol.env_line): the worker sees the variables, the
+    # command line never carried them; a malformed line is refused before anything starts.
+    from horovod.runner.launchers.base import shim_argv
+
+    argv = shim_argv([sys.executable, "-c", "import os; print(os.environ['HVD_WIRE_TEST'])"],
+                     stdin_env=True)
+    line = protocol.env_line({"HVD_WIRE_TEST": "from the launcher", "HOROVOD_RANK": "0"})
+    res = subprocess.run(argv, input=line, capture_output=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.decode().strip() == "from the launcher", res.stderr
+    bad = subprocess.run(argv, input=b'{"environ": {}}\n', capture_output=True, timeout=120)
+    assert bad.returncode == 2 and b"bad environment line from the launcher" in bad.stderr, bad.stderr
