@@ -69,7 +69,7 @@ __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_
            "ABANDON_POLL_SECONDS", "gloo_scope", "round_scope", "FUNC_SCOPE", "FUNC_KEY",
            "RESULT_SCOPE", "SPARK_TASK_SCOPE", "SPARK_ENV_SCOPE", "SPARK_AGENT_SCOPE",
            "SPARK_HEARTBEAT_SCOPE", "SPARK_COMMAND_SCOPE", "SPARK_EXIT_SCOPE",
-           "SPARK_OUTPUT_SCOPE"]
+           "SPARK_OUTPUT_SCOPE", "spark_agent_key", "spark_output_key"]
 
 ERROR_MARKER = "__HOROVOD_RANK_ERROR__ "
 EXIT_MARKER = "__HOROVOD_RUNNER_EXIT__ "
@@ -285,6 +285,18 @@ def gloo_scope(sequence: int) -> str:
     """The scope of the ``sequence``-th Gloo store a worker of a static job creates (every rank
     creates its stores in the same order: init, shutdown, init...)."""
     return f"gloo.{sequence}"
+
+
+def spark_agent_key(agent: str, number: int) -> str:
+    """The key of an elastic Spark agent's ``number``-th command (:data:`SPARK_COMMAND_SCOPE`), or
+    of the exit of the worker it started ``number``-th (:data:`SPARK_EXIT_SCOPE`)."""
+    return f"{agent}.{number}"
+
+
+def spark_output_key(source: str | int, batch: int) -> str:
+    """The key of the ``batch``-th output batch of a Spark task (``source``: its rank, or an
+    elastic agent's name) under :data:`SPARK_OUTPUT_SCOPE`."""
+    return f"{source}.{batch}"
 
 
 def round_scope(round_number: int) -> str:

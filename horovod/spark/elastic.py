@@ -37,6 +37,7 @@ from horovod.common.protocol import (
     SparkWorkerExit,
     StartWorker,
     StopWorker,
+    spark_agent_key,
 )
 from horovod.runner.elastic.driver import Key, key_name
 from horovod.runner.elastic.session import ElasticSession, SessionResult
@@ -188,7 +189,7 @@ class _ElasticJob:
         with self._lock:
             n = self._cmd_seq.get(agent, 0)
             self._cmd_seq[agent] = n + 1
-        self.server.put(SPARK_COMMAND_SCOPE, f"{agent}.{n}", cmd.encode())
+        self.server.put(SPARK_COMMAND_SCOPE, spark_agent_key(agent, n), cmd.encode())
 
     def start_worker(self, key: Key, slot: SlotInfo) -> _AgentWorker:
         from horovod.common.protocol import RESULT_KEY_ENV
@@ -228,7 +229,7 @@ class _ElasticJob:
         with self._lock:
             running = [p for p in self.procs.values() if not p.finished]
         for p in running:
-            raw = self.server.get(SPARK_EXIT_SCOPE, f"{p.agent}.{p.seq}")
+            raw = self.server.get(SPARK_EXIT_SCOPE, spark_agent_key(p.agent, p.seq))
             if raw is not None:
                 ended = SparkWorkerExit.decode(raw)
                 p.finished = True

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from horovod.common.protocol import SPARK_OUTPUT_SCOPE
+from horovod.common.protocol import SPARK_OUTPUT_SCOPE, spark_output_key
 
 __all__ = ["RemoteOutput", "OutputPump"]
 
@@ -74,7 +74,7 @@ class RemoteOutput:
                 items, self._items, self._size = self._items, [], 0
             if not items:
                 return
-            key = f"{self.source}.{self._seq}"
+            key = spark_output_key(self.source, self._seq)
             self._seq += 1
             body = json.dumps(items).encode()
             for _ in range(2):
@@ -125,7 +125,7 @@ class OutputPump:
             for source in map(str, sources):
                 seq = self._next.get(source, 0)
                 while True:
-                    key = f"{source}.{seq}"
+                    key = spark_output_key(source, seq)
                     raw = self.get(SPARK_OUTPUT_SCOPE, key)
                     if raw is None:
                         break

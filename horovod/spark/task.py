@@ -39,6 +39,7 @@ from horovod.common.protocol import (
     StartWorker,
     StopWorker,
     agent_command,
+    spark_agent_key,
 )
 from horovod.runner.hosts import HostSpec
 
@@ -260,7 +261,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
     try:
         while not stop.is_set():
             try:
-                raw = client.get(SPARK_COMMAND_SCOPE, f"{agent}.{n}")
+                raw = client.get(SPARK_COMMAND_SCOPE, spark_agent_key(agent, n))
             except Exception:  # noqa: BLE001 - the heartbeat decides when the driver is gone
                 raw = None
             if raw is None:
@@ -273,7 +274,7 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
                 def on_exit(code: int | None, sig: int | None, record: object,
                             seq: int = cmd.seq) -> None:
                     output.close_batch()
-                    client.put(SPARK_EXIT_SCOPE, f"{agent}.{seq}", SparkWorkerExit(
+                    client.put(SPARK_EXIT_SCOPE, spark_agent_key(agent, seq), SparkWorkerExit(
                         code, sig, record if isinstance(record, dict) else None).encode())
 
                 proc = WorkerProcess(_worker_command(spec, cmd.env, (), agent), agent, lambda: None, on_exit,

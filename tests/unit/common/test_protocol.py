@@ -173,3 +173,31 @@ def test_a_remote_shims_environment_line_round_trips_and_refuses_anything_else()
     for bad in (b'{"environ": {}}\n', b"[1, 2]\n", b'{"env": {"A": 1}}\n', b"signal 15\n"):
         with pytest.raises(ValueError, match="not an environment line"):
             protocol.parse_env_line(bad)
+
+
+def test_store_scopes_and_keys_are_spelled_only_in_the_protocol() -> None:
+    """A call on the rendezvous store (``get``/``put``/``wait``/``pop``/``delete`` on a client,
+    server or store) names its scope with a protocol constant or function, never a literal, and
+    no key under a protocol scope is built with an f-string."""
+    import ast
+    from pathlib import Path
+
+    package = Path(protocol.__file__).resolve().parents[1]
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("get", "put", "wait", "pop", "delete") and len(node.args) >= 2):
+                continue
+            scope, key = node.args[0], node.args[1]
+            receiver = ast.unparse(node.func.value).lower()
+            on_store = any(word in receiver for word in ("client", "server", "store", "rendezvous"))
+            literal_scope = on_store and (isinstance(scope, ast.JoinedStr) or (
+                isinstance(scope, ast.Constant) and isinstance(scope.value, str)))
+            built_key = (isinstance(scope, ast.Name) and scope.id.endswith("_SCOPE")
+                         and isinstance(key, ast.JoinedStr))
+            if literal_scope or built_key:
+                bad.append(f"{path.relative_to(package.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "store scopes or keys spelled outside horovod/common/protocol.py:\n" + "\n".join(bad)
