@@ -21,7 +21,7 @@
   wait for its peers until the launcher stops them).
 * The failure is classified: a ``HorovodShutdownError`` or a plain ``HorovodInternalError``
   (raised because a peer left) is a *consequence*; anything else is a *cause*. When the launcher
-  names a file in ``HOROVOD_EXIT_RECORD`` the record ``{"code", "kind", "error", "time"}`` is
+  names a file in ``HOROVOD_EXIT_RECORD`` the record (``protocol.FailureRecord``) is
   written there the moment the failure is seen (before any exit work that could hang), so the
   failure report names the rank whose error started it, whatever order the ranks ended in.
 """
@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -58,14 +58,8 @@ ERROR_MARKER = protocol.ERROR_MARKER
 log = logging.getLogger("horovod")
 
 
-@dataclass(frozen=True)
-class Failure:
-    """Why this process is ending badly: its exit code, cause or consequence, and the error."""
-
-    code: int
-    kind: str  # "cause" | "consequence"
-    error: str
-    time: float
+# Why this process is ending badly: its exit code, cause or consequence, the error, and when.
+Failure = protocol.FailureRecord
 
 
 _failure: Failure | None = None
@@ -161,10 +155,10 @@ def record_failure(code: int, kind: str, error: str) -> None:
     if path:  # started by horovodrun (its worker shim named the file)
         with contextlib.suppress(OSError):
             with open(path, "w", encoding="utf-8") as fh:
-                json.dump(asdict(_failure), fh)
+                json.dump(_failure.to_wire(), fh)
         rank = protocol.env_rank() or ""
         if rank.isdigit():
-            line = protocol.error_line(dict(asdict(_failure), rank=int(rank)))
+            line = protocol.error_line(replace(_failure, rank=int(rank)))
             with contextlib.suppress(Exception):
                 sys.stderr.flush()
             with contextlib.suppress(OSError):
@@ -312,6 +306,6 @@ def end_process(shutdown: Callable[[], None]) -> None:
                 stream.flush()
         with contextlib.suppress(Exception):
             logging.shutdown()
-        os._exit(fail.code)
+        os._exit(fail.code or 1)
     shutdown()
     _finalize_mpi()

@@ -36,10 +36,10 @@ launchers (``horovodrun``'s static and elastic jobs, the elastic driver, Spark, 
   :class:`ExitAgent`; :func:`agent_command` reads one), and :class:`SparkWorkerExit`.
 * **Markers**: two stderr lines a launcher removes from the output it shows.
   ``__HOROVOD_RANK_ERROR__ {json}`` is written by a failing Horovod rank the moment it fails
-  (``{"code", "kind", "error", "time", "rank"}``: whether its error is its own or the consequence of
-  a peer leaving); ``__HOROVOD_RUNNER_EXIT__ {json}`` is the shim's last line about a rank (rank,
-  host, pid, exit code or signal, why the shim stopped it, the failure record).
-  :func:`strip_markers` is the one function that finds and removes them.
+  (:class:`FailureRecord`: whether its error is its own or the consequence of a peer leaving);
+  ``__HOROVOD_RUNNER_EXIT__ {json}`` is the shim's last line about a rank (:class:`ExitReport`:
+  rank, host, pid, exit code or signal, why the shim stopped it, the failure record).
+  :func:`strip_markers` is the one function that finds and removes them, and reads both.
 * **Life line**: a launcher gives a remote shim its worker's environment as the first line of its
   stdin (:func:`env_line`, read with :func:`parse_env_line`), and stops the worker by writing
   :func:`signal_line` there, then closing it.
@@ -58,7 +58,8 @@ __all__ = ["ERROR_MARKER", "EXIT_MARKER", "EXIT_RECORD_ENV", "RANK_VARS", "RANK_
            "RENDEZVOUS_ADDR_ENV", "RENDEZVOUS_PORT_ENV", "ELASTIC_ENV", "elastic_env",
            "ELASTIC_HOST_ENV", "ELASTIC_SLOT_ENV", "RESULT_KEY_ENV", "job_secret",
            "MONITOR_ADDR_ENV", "MONITOR_PORT_ENV", "MONITOR_INTERVAL_ENV", "Markers", "env_rank",
-           "error_line", "exit_line", "parse_signal_line", "signal_line", "env_line", "parse_env_line",
+           "error_line", "exit_line", "FAILURE_KINDS", "FailureRecord", "ExitReport",
+           "parse_signal_line", "signal_line", "env_line", "parse_env_line",
            "strip_markers",
            "RankIdentity", "RoundInfo", "ReadyRequest", "Wait", "Removed", "Stop", "ReadyAnswer",
            "ready_answer", "NoticeRequest", "Notice", "READY_CALL", "NOTICE_CALL", "Returned",
@@ -127,14 +128,92 @@ def env_rank(env: Mapping[str, str] | None = None) -> str | None:
     return next((env[v] for v in RANK_VARS if v in env), None)
 
 
-def error_line(record: Mapping[str, Any]) -> str:
-    """The stderr line a failing rank writes (``record`` has ``rank``, ``code``, ``kind``...)."""
-    return ERROR_MARKER + json.dumps(dict(record)) + "\n"
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def exit_line(info: Mapping[str, Any]) -> str:
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+#: a rank's own error, or one that only says a peer left (a consequence of another failure)
+FAILURE_KINDS = ("cause", "consequence")
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Why a rank's process ends badly, as the rank writes it the moment it fails
+    (``horovod.common.lifecycle``: the file named by :data:`EXIT_RECORD_ENV`, and
+    :data:`ERROR_MARKER` with its ``rank``), or as a launcher makes it from an exception a
+    function raised (``horovod.runner.failures.exception_record``): its exit code, whether the
+    error is its own (``"cause"``) or the consequence of a peer leaving (``"consequence"``), the
+    error's text, when (``time.time()``), and the rank where known."""
+
+    code: int | None
+    kind: str
+    error: str
+    time: float | None
+    rank: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object (``rank`` only where known)."""
+        wire = {"code": self.code, "kind": self.kind, "error": self.error, "time": self.time}
+        return wire if self.rank is None else {**wire, "rank": self.rank}
+
+    @classmethod
+    def from_wire(cls, record: Any) -> FailureRecord | None:
+        """The record in a JSON object, or None where it is none (no object, an unknown kind:
+        another program's text, or a malformed record, which a launcher ignores)."""
+        if not isinstance(record, Mapping) or record.get("kind") not in FAILURE_KINDS:
+            return None
+        return cls(_int_or_none(record.get("code")), str(record["kind"]), str(record.get("error") or ""),
+                   _float_or_none(record.get("time")), _int_or_none(record.get("rank")))
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    """The worker shim's last word about its rank (:data:`EXIT_MARKER`): the rank (None where
+    the shim did not know it), the host the launcher named and the one the shim ran on, the
+    worker's pid, its exit code or the signal that ended it, when, why the shim stopped it (None:
+    it ended by itself), and the failure record the worker left."""
+
+    rank: int | None
+    host: str = ""
+    pid: int | None = None
+    code: int | None = None
+    signal: int | None = None
+    time: float | None = None
+    stopped_by: str | None = None
+    error: FailureRecord | None = None
+    real_host: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object (the failure record inline)."""
+        return {"rank": self.rank, "host": self.host, "real_host": self.real_host, "pid": self.pid,
+                "code": self.code, "signal": self.signal, "time": self.time,
+                "stopped_by": self.stopped_by, "error": None if self.error is None else self.error.to_wire()}
+
+    @classmethod
+    def from_wire(cls, info: Any) -> ExitReport | None:
+        """The report in a JSON object, or None where it is none; fields of the wrong type read as
+        unknown."""
+        if not isinstance(info, Mapping):
+            return None
+        stopped = info.get("stopped_by")
+        return cls(_int_or_none(info.get("rank")), str(info.get("host") or ""), _int_or_none(info.get("pid")),
+                   _int_or_none(info.get("code")), _int_or_none(info.get("signal")),
+                   _float_or_none(info.get("time")), stopped if isinstance(stopped, str) else None,
+                   FailureRecord.from_wire(info.get("error")), str(info.get("real_host") or ""))
+
+
+def error_line(record: FailureRecord) -> str:
+    """The stderr line a failing rank writes (its record, with its rank)."""
+    return ERROR_MARKER + json.dumps(record.to_wire()) + "\n"
+
+
+def exit_line(report: ExitReport) -> str:
     """The shim's last stderr line about its rank."""
-    return EXIT_MARKER + json.dumps(dict(info)) + "\n"
+    return EXIT_MARKER + json.dumps(report.to_wire()) + "\n"
 
 
 def env_line(env: Mapping[str, str]) -> bytes:
@@ -177,8 +256,8 @@ class Markers:
 
     text: str
     terminator: str
-    error: dict[str, Any] | None = None  # a rank's failure record (ERROR_MARKER)
-    exit: dict[str, Any] | None = None  # the shim's exit report (EXIT_MARKER)
+    error: FailureRecord | None = None  # a rank's failure record (ERROR_MARKER)
+    exit: ExitReport | None = None  # the shim's exit report (EXIT_MARKER)
 
     @property
     def empty(self) -> bool:
@@ -186,15 +265,15 @@ class Markers:
         return not self.text and (self.error is not None or self.exit is not None)
 
 
-def _take(text: str, marker: str) -> tuple[str, dict[str, Any] | None]:
+def _take(text: str, marker: str, read: Callable[[Any], Any]) -> tuple[str, Any]:
     at = text.find(marker)
     if at < 0:
         return text, None
     try:
-        record = json.loads(text[at + len(marker):])
+        record = read(json.loads(text[at + len(marker):]))
     except ValueError:
         return text, None  # not ours after all (a program printing the word): shown as is
-    if not isinstance(record, dict):
+    if record is None:
         return text, None
     return text[:at], record
 
@@ -202,12 +281,12 @@ def _take(text: str, marker: str) -> tuple[str, dict[str, Any] | None]:
 def strip_markers(text: str, terminator: str = "\n") -> Markers:
     """Remove the markers from one output line; what came before a marker on the line stays.
 
-    A marker that is not followed by a JSON object is left in the text (it was not written by
-    Horovod). The line's terminator becomes ``"\\n"`` when a marker ended it (the marker line
-    always ends the text a rank had written on it).
+    A marker that is not followed by a JSON object (for the error marker: a failure record) is
+    left in the text (it was not written by Horovod). The line's terminator becomes ``"\\n"`` when a
+    marker ended it (the marker line always ends the text a rank had written on it).
     """
-    text, error = _take(text, ERROR_MARKER)
-    text, exit_info = _take(text, EXIT_MARKER)
+    text, error = _take(text, ERROR_MARKER, FailureRecord.from_wire)
+    text, exit_info = _take(text, EXIT_MARKER, ExitReport.from_wire)
     if error is not None or exit_info is not None:
         terminator = "\n"
     return Markers(text, terminator, error, exit_info)
@@ -556,7 +635,7 @@ class SparkRankAssignment:
 class SparkRankExit:
     """How a rank of ``horovod.spark.run`` ended: what its barrier task returns to the driver
     (a row of the Spark job, pickled by Spark). ``record``: the failure record the rank left
-    (``{"code", "kind", "error", "time"}``, or None); ``stderr_tail``: its last stderr lines."""
+    (or None); ``stderr_tail``: its last stderr lines."""
 
     rank: int
     host: str
@@ -564,7 +643,7 @@ class SparkRankExit:
     code: int | None
     signal: int | None
     time: float
-    record: dict[str, Any] | None = None
+    record: FailureRecord | None = None
     stderr_tail: tuple[str, ...] = ()
 
 
@@ -651,14 +730,15 @@ def agent_command(raw: bytes | str) -> AgentCommand:
 @dataclass(frozen=True)
 class SparkWorkerExit:
     """How an agent's worker ended (:data:`SPARK_EXIT_SCOPE`/<agent>.<seq>): exit code or
-    signal, and the failure record it left (``{"code", "kind", "error", "time"}``, or None)."""
+    signal, and the failure record it left (or None)."""
 
     code: int | None
     signal: int | None
-    record: dict[str, Any] | None = None
+    record: FailureRecord | None = None
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        return json.dumps({"code": self.code, "signal": self.signal,
+                           "record": None if self.record is None else self.record.to_wire()}).encode()
 
     @classmethod
     def decode(cls, raw: bytes | str) -> SparkWorkerExit:
@@ -666,6 +746,6 @@ class SparkWorkerExit:
             record = m.get("record")
             if record is not None and not isinstance(record, dict):
                 raise TypeError(f"record is a {type(record).__name__}, not an object")
-            return cls(_optional_int(m["code"]), _optional_int(m["signal"]), record)
+            return cls(_optional_int(m["code"]), _optional_int(m["signal"]), FailureRecord.from_wire(record))
 
         return _decode("Spark agent's worker exit", raw, build)

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from horovod.common import exceptions as errors
-from horovod.common.protocol import Died, Exited, Raised, Returned, WorkerOutcome, task_outcome
+from horovod.common.protocol import Died, Exited, FailureRecord, Raised, Returned, WorkerOutcome, task_outcome
 from horovod.ray.waiting import first_line
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostManager
@@ -108,7 +108,7 @@ class _ActorWorker:
 
         code: int | None
         sig: int | None = None
-        record: object = None
+        record: FailureRecord | None = None
         try:
             out = task_outcome(ray.get(self.ref), f"worker {key_name(self.key)}")
         except ray.exceptions.RayActorError as exc:

@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
         try:
             with open(record_path, encoding="utf-8") as fh:
                 text = fh.read()
-            return json.loads(text) if text.strip() else None
+            return protocol.FailureRecord.from_wire(json.loads(text)) if text.strip() else None
         except (OSError, ValueError):
             return None
         finally:
@@ -161,11 +161,8 @@ def main(argv: list[str]) -> int:
                 pass
 
     def report(code: int | None, signum: int | None, reason: str | None) -> None:
-        info = {"rank": int(rank) if rank.isdigit() else rank, "host": host,
-                "real_host": socket.gethostname(), "pid": child_pid, "code": code,
-                "signal": signum,
-                "signame": signal.Signals(signum).name if signum else None,
-                "time": time.time(), "stopped_by": reason, "error": read_record()}
+        info = protocol.ExitReport(int(rank) if rank.isdigit() else None, host, child_pid, code, signum,
+                                   time.time(), reason, read_record(), socket.gethostname())
         sys.stdout.flush()
         sys.stderr.write(protocol.exit_line(info))
         sys.stderr.flush()

@@ -117,8 +117,8 @@ class Supervisor:
         self.line_hook = line_hook
         self._write_lock = threading.Lock()
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._markers: dict[int, dict[str, Any]] = {}
-        self._errors: dict[int, dict[str, Any]] = {}  # protocol.ERROR_MARKER records, by rank
+        self._markers: dict[int, protocol.ExitReport] = {}  # the shims' exit reports, by rank
+        self._errors: dict[int, protocol.FailureRecord] = {}  # protocol.ERROR_MARKER records, by rank
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
         self._files: dict[tuple[int, str], IO[str]] = {}
@@ -130,12 +130,11 @@ class Supervisor:
     # ----------------------------------------------------------------- output
     def _emit(self, rank: int | None, stream: str, text: str, term: str) -> None:
         found = protocol.strip_markers(text, term)
-        if found.error is not None and isinstance(found.error.get("rank"), int):
-            self._errors.setdefault(found.error["rank"], found.error)
-        if found.exit is not None and isinstance(found.exit.get("rank"), int):
-            r = found.exit["rank"]
-            self._markers[r] = found.exit
-            self._events.put(("marker", r, found.exit))
+        if found.error is not None and found.error.rank is not None:
+            self._errors.setdefault(found.error.rank, found.error)
+        if found.exit is not None and found.exit.rank is not None:
+            self._markers[found.exit.rank] = found.exit
+            self._events.put(("marker", found.exit.rank, found.exit))
         if found.empty:
             return
         text, term = found.text, found.terminator
@@ -330,8 +329,8 @@ class Supervisor:
                                if len(proc.cmd.ranks) == 1 else "mpirun")
                         self._stop(f"{who} failed")
                 elif kind == "marker":
-                    info = event[2]
-                    if (info.get("code") or info.get("signal")) and failure_seen_at is None:
+                    report: protocol.ExitReport = event[2]
+                    if (report.code or report.signal) and failure_seen_at is None:
                         failure_seen_at = now
                 elif kind == "signal":
                     name = signal.Signals(event[1]).name
@@ -361,10 +360,9 @@ class Supervisor:
                 lr = self.local_rank_by_rank.get(rank)
                 tail = list(self._tails.get(rank, []))
                 if info is not None:
-                    stopped = info.get("stopped_by")
                     exits.append(RankExit.with_record(
-                        info.get("error"), rank, host, info.get("code"), info.get("signal"),
-                        float(info.get("time") or proc.exit_time), stopped, tail, lr))
+                        info.error, rank, host, info.code, info.signal, info.time or proc.exit_time,
+                        info.stopped_by, tail, lr))
                     seen.add(rank)
                 elif len(proc.cmd.ranks) == 1 and proc.returncode is not None:
                     rc = proc.returncode

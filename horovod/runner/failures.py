@@ -15,6 +15,8 @@ from __future__ import annotations
 import signal as _signal
 from dataclasses import dataclass, field
 
+from horovod.common.protocol import FailureRecord
+
 __all__ = ["RankExit", "root_cause", "exception_record", "format_report", "describe_status", "EXITED_NON_ZERO",
            "RESET_LIMIT_EXCEEDED", "with_upstream_sentence"]
 
@@ -80,21 +82,17 @@ class RankExit:
     hung: bool = False
 
     @classmethod
-    def with_record(cls, record: object, *args: object, **kwargs: object) -> RankExit:
-        """A RankExit with the fields of a worker's exit record (ignored when malformed)."""
+    def with_record(cls, record: FailureRecord | None, *args: object, **kwargs: object) -> RankExit:
+        """A RankExit with the fields of a worker's exit record (None: it left none)."""
         e = cls(*args, **kwargs)  # type: ignore[arg-type]
         e.apply_record(record)
         return e
 
-    def apply_record(self, record: object) -> None:
-        """Take the error kind, text and time from a worker's exit record, if it is one."""
-        if isinstance(record, dict) and record.get("kind") in ("cause", "consequence"):
-            self.error_kind = str(record["kind"])
-            self.error = str(record.get("error") or "")
-            t = record.get("time")
-            self.error_time = float(t) if isinstance(t, (int, float)) else None
-            code = record.get("code")
-            self.error_code = code if isinstance(code, int) and code else None
+    def apply_record(self, record: FailureRecord | None) -> None:
+        """Take the error kind, text, time and code from a worker's exit record (None: none)."""
+        if record is not None:
+            self.error_kind, self.error, self.error_time = record.kind, record.error, record.time
+            self.error_code = record.code or None
             if self.error_kind == "cause" and self.error_code is not None and (
                     self.stopped_by or (self.code is None and not self.signal)):
                 self.note = ("it failed with the error below, then did not exit by itself; "
@@ -132,14 +130,13 @@ class RankExit:
         return f"{who} (host {self.host}{lr})"
 
 
-def exception_record(exc: BaseException, time: float, code: int = 1) -> dict[str, object]:
+def exception_record(exc: BaseException, time: float, code: int = 1) -> FailureRecord:
     """The exit record of a rank whose function raised ``exc``, for launchers that get the
-    exception itself (``horovod.run``, Spark, Ray): the shape of the record a program leaves
+    exception itself (``horovod.run``, Spark, Ray): the record a program leaves
     (``horovod/common/lifecycle.py``), its kind decided by the same rule."""
     from horovod.common.lifecycle import classify
 
-    return {"kind": classify(exc), "error": f"{type(exc).__name__}: {exc}", "time": time,
-            "code": code}
+    return FailureRecord(code, classify(exc), f"{type(exc).__name__}: {exc}", time)
 
 
 # Failures this close to the first one count as simultaneous (each worker host's shim notices

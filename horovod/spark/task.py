@@ -30,6 +30,7 @@ from horovod.common.protocol import (
     SPARK_HEARTBEAT_SCOPE,
     SPARK_TASK_SCOPE,
     ExitAgent,
+    FailureRecord,
     KillWorker,
     SparkAgentRegistration,
     SparkRankAssignment,
@@ -162,12 +163,10 @@ def run_rank(spec: JobSpec, rank: int, host: str, local_rank: int, env: dict[str
             proc.stop(grace=2.0)
         output.close()
     code, sig = status[0]
-    info = proc.exit_info or {}
-    ended_at = info.get("time")
-    record = info.get("error")
+    info = proc.exit_info
     return SparkRankExit(rank, host, local_rank, code, sig,
-                         float(ended_at) if isinstance(ended_at, int | float) and ended_at else time.time(),
-                         record if isinstance(record, dict) else None, tuple(tail[-20:]))
+                         (info.time if info is not None else None) or time.time(),
+                         proc.exit_record, tuple(tail[-20:]))
 
 
 def barrier_task(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[SparkRankExit]:
@@ -271,11 +270,11 @@ def elastic_agent(spec: JobSpec, _rows: Iterator[Any]) -> Iterator[str]:
             n += 1
             if isinstance(cmd, StartWorker):
 
-                def on_exit(code: int | None, sig: int | None, record: object,
+                def on_exit(code: int | None, sig: int | None, record: FailureRecord | None,
                             seq: int = cmd.seq) -> None:
                     output.close_batch()
-                    client.put(SPARK_EXIT_SCOPE, spark_agent_key(agent, seq), SparkWorkerExit(
-                        code, sig, record if isinstance(record, dict) else None).encode())
+                    client.put(SPARK_EXIT_SCOPE, spark_agent_key(agent, seq),
+                               SparkWorkerExit(code, sig, record).encode())
 
                 proc = WorkerProcess(_worker_command(spec, cmd.env, (), agent), agent, lambda: None, on_exit,
                                      stdout=output.stdout, stderr=output.stderr)  # type: ignore[arg-type]

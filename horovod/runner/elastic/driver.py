@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from horovod.common import protocol
-from horovod.common.protocol import Notice, ReadyAnswer, Removed, RoundInfo, Stop, Wait
+from horovod.common.protocol import FailureRecord, Notice, ReadyAnswer, Removed, RoundInfo, Stop, Wait
 from horovod.runner.elastic.discovery import HostManager, order_hosts
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, DriverSettings
 from horovod.runner.failures import RESET_LIMIT_EXCEEDED, RankExit, describe_status, root_cause, with_upstream_sentence
@@ -81,7 +81,7 @@ class Worker:
     exit: tuple[int | None, int | None] | None = None
     exit_handled: bool = False
     started: float = 0.0
-    record: object = None  # the exit record its program left (horovod/common/lifecycle.py)
+    record: FailureRecord | None = None  # the exit record its program left (horovod/common/lifecycle.py)
     ended: float = 0.0  # when it ended (seconds since the epoch)
 
     @property
@@ -101,7 +101,7 @@ class WorkerFailure:
     code: int | None = None
     signal: int | None = None
     time: float = 0.0
-    record: object = None
+    record: FailureRecord | None = None
 
     def as_exit(self) -> RankExit:
         """This failure as a rank's exit, for the one root-cause rule (``failures.root_cause``)."""
@@ -288,7 +288,7 @@ class ElasticDriver:
             return Notice(self.notice_version, self.notice_update)
 
     def worker_exited(self, key: Key, code: int | None, signum: int | None,
-                      record: object = None) -> None:
+                      record: FailureRecord | None = None) -> None:
         """The launcher's report that the worker on ``key`` ended (``record``: the exit record
         its program left, if any)."""
         with self.cv:

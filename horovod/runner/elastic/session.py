@@ -113,7 +113,7 @@ class ElasticSession:
 
     # ------------------------------------------------------------------ the launcher's reports
     def worker_exited(self, key: Key, code: int | None, signum: int | None,
-                      record: object = None) -> None:
+                      record: protocol.FailureRecord | None = None) -> None:
         """The worker on ``key`` ended (``record``: the exit record its program left)."""
         self.driver.worker_exited(key, code, signum, record)
 

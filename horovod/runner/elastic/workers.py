@@ -23,15 +23,15 @@ class WorkerProcess:
     (``record``: the exit record the worker's program left, or None; see ``exit_record``)."""
 
     def __init__(self, cmd: Command, name: str, rank_of: Callable[[], int | None],
-                 on_exit: Callable[[int | None, int | None, dict[str, object] | None], None], *,
+                 on_exit: Callable[[int | None, int | None, protocol.FailureRecord | None], None], *,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
                  timestamp: bool = False, write_lock: threading.Lock | None = None) -> None:
         self.cmd, self.name, self.rank_of, self.on_exit = cmd, name, rank_of, on_exit
         self.out, self.err = stdout or sys.stdout, stderr or sys.stderr
         self.timestamp = timestamp
         self.lock = write_lock or threading.Lock()
-        self.exit_info: dict[str, object] | None = None  # the shim's exit report
-        self.error_record: dict[str, object] | None = None  # the rank's failure record
+        self.exit_info: protocol.ExitReport | None = None  # the shim's exit report
+        self.error_record: protocol.FailureRecord | None = None  # the rank's failure record
         self.returncode: int | None = None
         self._ended = threading.Event()  # the process ended (set before its output is drained)
         self.popen = subprocess.Popen(
@@ -58,11 +58,11 @@ class WorkerProcess:
         return self.popen.pid
 
     @property
-    def exit_record(self) -> dict[str, object] | None:
+    def exit_record(self) -> protocol.FailureRecord | None:
         """The exit record of the worker's program: the one in the shim's exit report, else the
         one it sent at the moment of failure (``horovod/common/lifecycle.py``)."""
-        record = (self.exit_info or {}).get("error")
-        return record if isinstance(record, dict) else self.error_record
+        record = self.exit_info.error if self.exit_info is not None else None
+        return record if record is not None else self.error_record
 
     def _emit(self, stream: str, text: str, term: str) -> None:
         found = protocol.strip_markers(text, term)
@@ -102,9 +102,8 @@ class WorkerProcess:
         code: int | None
         sig: int | None
         info = self.exit_info
-        if info is not None and (info.get("code") is not None or info.get("signal") is not None):
-            code = info.get("code")  # type: ignore[assignment]
-            sig = info.get("signal")  # type: ignore[assignment]
+        if info is not None and (info.code is not None or info.signal is not None):
+            code, sig = info.code, info.signal
         else:
             code, sig = (None, -rc) if rc < 0 else (rc, None)
         self.on_exit(code, sig, self.exit_record)

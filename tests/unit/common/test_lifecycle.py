@@ -136,7 +136,7 @@ def test_error_line_a_failing_rank_writes_is_read_back_by_the_launcher(tmp_path:
     # The rank's side (record_failure writing its stderr line, after output it left unterminated)
     # against the launcher's side (strip_markers on each line it reads): the record travels whole,
     # the rank's own text stays, and no marker text reaches the user.
-    from horovod.common.protocol import ERROR_MARKER, strip_markers
+    from horovod.common.protocol import ERROR_MARKER, FailureRecord, strip_markers
 
     code = """
         import sys
@@ -148,8 +148,9 @@ def test_error_line_a_failing_rank_writes_is_read_back_by_the_launcher(tmp_path:
     assert res.returncode == 0 and record is not None, res.stderr
     parsed = [strip_markers(line) for line in res.stderr.splitlines()]
     errors = [m.error for m in parsed if m.error is not None]
-    assert errors == [dict(record, rank=1)], (res.stderr, record)
-    assert errors[0]["code"] == 3 and errors[0]["kind"] == "cause" and errors[0]["error"] == "ValueError: boom"
+    # the file the shim reads and the stderr line carry the same record, the line with the rank
+    assert errors == [FailureRecord(3, "cause", "ValueError: boom", record["time"], rank=1)], (res.stderr, record)
+    assert FailureRecord.from_wire(record) == FailureRecord(3, "cause", "ValueError: boom", record["time"])
     shown = "".join(m.text for m in parsed)
     assert "half a line" in shown and ERROR_MARKER.strip() not in shown, shown
 

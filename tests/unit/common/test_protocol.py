@@ -117,8 +117,7 @@ def test_outcome_names_are_unique_across_the_package() -> None:
 SPARK_MESSAGES = [protocol.SparkTaskStarted(("10.0.0.1:41234", "[::1]:2"), attempt=1, pid=77),
                   protocol.SparkRankAssignment(2, "10.0.0.1", 1, {"HOROVOD_RANK": "2", "X": "é"}),
                   protocol.SparkAgentRegistration("10.0.0.1/exec-3", pid=12, attempt=2),
-                  protocol.SparkWorkerExit(1, None, {"kind": "cause", "error": "ValueError: x",
-                                                     "time": 5.0, "code": 1}),
+                  protocol.SparkWorkerExit(1, None, protocol.FailureRecord(1, "cause", "ValueError: x", 5.0)),
                   protocol.SparkWorkerExit(None, 9)]
 
 

@@ -415,12 +415,12 @@ def test_failures_are_kept_in_order_and_one_rule_names_the_root_cause() -> None:
 def test_elastic_root_cause_reads_the_exit_records_as_static_jobs_do() -> None:
     import time
 
+    from horovod.common.protocol import FailureRecord
     from horovod.runner.elastic.driver import ElasticResult
 
     now = time.time()
-    cause = {"kind": "cause", "error": "ValueError: bad batch", "time": now, "code": 1}
-    consequence = {"kind": "consequence", "error": "HorovodInternalError: peer left",
-                   "time": now - 5, "code": 1}
+    cause = FailureRecord(1, "cause", "ValueError: bad batch", now)
+    consequence = FailureRecord(1, "consequence", "HorovodInternalError: peer left", now - 5)
     # a's own error comes before c's death, although c ended first
     res = ElasticResult("x", 1, 0, failures=_two_failures(record_a=cause))
     root = res.root_cause()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from horovod.common.exceptions import HorovodInternalError
-from horovod.common.protocol import Raised, Returned
+from horovod.common.protocol import FailureRecord, Raised, Returned
 from horovod.runner.elastic.discovery import FixedHosts, HostManager
 from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import DriverSettings
@@ -45,7 +45,7 @@ class Worker:
         self.session, self.key, self.stubborn = session, key, stubborn
         self.calls: list[str] = []
 
-    def end(self, code: int | None, sig: int | None, record: object = None) -> None:
+    def end(self, code: int | None, sig: int | None, record: FailureRecord | None = None) -> None:
         threading.Thread(target=self.session.worker_exited,
                          args=(self.key, code, sig, record)).start()
 
@@ -82,8 +82,8 @@ def make(hosts: dict[str, int], np: int, fail: dict[str, tuple[int, object]], *,
 
 
 def test_every_worker_failing_ends_the_job_and_the_session_cleans_up() -> None:
-    own = {"kind": "cause", "error": "ValueError: bad batch", "time": 5.0, "code": 1}
-    lost = {"kind": "consequence", "error": "HorovodInternalError: peer left", "time": 1.0, "code": 1}
+    own = FailureRecord(1, "cause", "ValueError: bad batch", 5.0)
+    lost = FailureRecord(1, "consequence", "HorovodInternalError: peer left", 1.0)
     session, service, _ = make({"a": 1, "b": 1}, 2, {"a": (1, lost), "b": (1, own)})
     finished: list[bool] = []
     out = session.run(lambda: finished.append(service.stopped))
@@ -91,7 +91,7 @@ def test_every_worker_failing_ends_the_job_and_the_session_cleans_up() -> None:
     assert [f.key for f in out.result.failures] and len(out.result.failures) == 2
     # the worker whose error is its own, whichever ended first
     root = out.root_cause()
-    assert root is not None and root.key == ("b", 0) and root.as_exit().error == own["error"]
+    assert root is not None and root.key == ("b", 0) and root.as_exit().error == own.error
     # the handler was attached for the run, then detached; finish ran before the service stopped
     assert service.handlers == [session.driver.handle, None] and finished == [False]
     assert service.stopped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from horovod.common.protocol import FailureRecord
 from horovod.runner.failures import RankExit, format_report, root_cause
 
 
@@ -33,8 +34,8 @@ def test_exit_status_is_code_or_128_plus_signal() -> None:
     assert not RankExit(0, "a", 0, None, 0).failed
 
 
-def _rec(kind: str, t: float, error: str = "RuntimeError: boom", code: int = 1) -> dict:
-    return {"kind": kind, "error": error, "time": t, "code": code}
+def _rec(kind: str, t: float, error: str = "RuntimeError: boom", code: int = 1) -> FailureRecord:
+    return FailureRecord(code, kind, error, t)
 
 
 def test_cause_wins_over_an_earlier_consequence() -> None:
@@ -102,10 +103,14 @@ def test_earliest_of_several_causes() -> None:
 
 
 def test_malformed_record_is_ignored() -> None:
-    e = RankExit.with_record({"kind": "nonsense"}, 0, "a", 1, None, 1.0)
+    # what a launcher reads is no record when malformed; a rank without one has no error kind
+    for wire in ({"kind": "nonsense"}, "not a dict", None, {"error": "no kind"}):
+        assert FailureRecord.from_wire(wire) is None
+    e = RankExit.with_record(FailureRecord.from_wire({"kind": "nonsense"}), 0, "a", 1, None, 1.0)
     assert e.error_kind is None and e.error == ""
-    e = RankExit.with_record("not a dict", 0, "a", 1, None, 1.0)
-    assert e.error_kind is None
+    # fields of the wrong type read as unknown, the record stays
+    odd = FailureRecord.from_wire({"kind": "cause", "code": "1", "time": True, "error": None})
+    assert odd == FailureRecord(None, "cause", "", None)
 
 
 def test_a_rank_that_exited_zero_is_never_the_cause() -> None:
@@ -124,8 +129,9 @@ def test_exception_record_has_the_shape_and_kind_of_a_programs_record() -> None:
     from horovod.runner.failures import exception_record
 
     own = exception_record(ValueError("bad batch"), 7.0)
-    assert own == {"kind": "cause", "error": "ValueError: bad batch", "time": 7.0, "code": 1}
-    assert exception_record(HorovodInternalError("peer left"), 7.0, 3)["kind"] == "consequence"
+    assert own == FailureRecord(1, "cause", "ValueError: bad batch", 7.0)
+    assert own == FailureRecord.from_wire(own.to_wire())  # the shape of a program's record
+    assert exception_record(HorovodInternalError("peer left"), 7.0, 3).kind == "consequence"
     e = RankExit.with_record(own, 1, "a", 1, None, 7.0)
     assert (e.error_kind, e.error, e.error_time) == ("cause", "ValueError: bad batch", 7.0)
 
@@ -162,9 +168,9 @@ def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
     assert "rank 2 on host b raised KeyError" in str(info.value)
     # two own errors: the one recorded first, by the records the programs left
     get = _payloads({0: Raised(ValueError("late"), "tb0"), 1: Raised(ValueError("early"), "tb1")})
-    exits = [RankExit.with_record({"kind": "cause", "error": "ValueError: late", "time": 9.0}, 0, "a",
+    exits = [RankExit.with_record(FailureRecord(None, "cause", "ValueError: late", 9.0), 0, "a",
                                   1, None, 1.0),
-             RankExit.with_record({"kind": "cause", "error": "ValueError: early", "time": 4.0}, 1, "a",
+             RankExit.with_record(FailureRecord(None, "cause", "ValueError: early", 4.0), 1, "a",
                                   1, None, 5.0)]
     with pytest.raises(WorkerFailedError) as info:
         collect_results(get, 2, JobResult(exits, 1), "test")

@@ -21,14 +21,19 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def test_strip_markers_keeps_text_before_a_marker_and_returns_the_records() -> None:
-    rec = {"rank": 1, "code": 1, "kind": "cause", "error": "RuntimeError: x", "time": 1.0}
+    rec = protocol.FailureRecord(1, "cause", "RuntimeError: x", 1.0, rank=1)
     got = protocol.strip_markers(protocol.error_line(rec).rstrip("\n"))
     assert got.error == rec and got.exit is None and got.empty and got.text == ""
-    got = protocol.strip_markers("progress 50%" + protocol.exit_line({"rank": 0, "code": 0}).rstrip("\n"), "\r")
-    assert got.text == "progress 50%" and got.exit == {"rank": 0, "code": 0} and got.terminator == "\n"
+    report = protocol.ExitReport(0, "h", 42, 1, None, 2.0, "received SIGTERM", rec, "h.example")
+    got = protocol.strip_markers("progress 50%" + protocol.exit_line(report).rstrip("\n"), "\r")
+    assert got.text == "progress 50%" and got.exit == report and got.terminator == "\n"
     assert not got.empty
-    # a program printing the word (no JSON object after it) is shown as is
-    for text in (protocol.ERROR_MARKER + "oops", protocol.EXIT_MARKER + "[1, 2]", "plain"):
+    # an older shim's shorter report: the fields it has, the rest unknown
+    got = protocol.strip_markers(protocol.EXIT_MARKER + '{"rank": 0, "code": 0}')
+    assert got.exit == protocol.ExitReport(0, code=0) and got.text == ""
+    # a program printing the word (no JSON object, or no failure record, after it) is shown as is
+    for text in (protocol.ERROR_MARKER + "oops", protocol.EXIT_MARKER + "[1, 2]", "plain",
+                 protocol.ERROR_MARKER + '{"kind": "mine"}'):
         got = protocol.strip_markers(text, "")
         assert (got.text, got.terminator, got.error, got.exit) == (text, "", None, None)
 
@@ -83,10 +88,12 @@ def test_elastic_worker_output_hides_both_markers(tmp_path: Path) -> None:
     assert ended == [(1, None)], text
     assert "[0]<stderr>:visible" in text, text
     assert protocol.ERROR_MARKER.strip() not in text and protocol.EXIT_MARKER.strip() not in text, text
-    assert proc.exit_info is not None and proc.exit_info["error"]["error"] == "RuntimeError: boom"
-    assert proc.error_record is not None and proc.error_record["rank"] == 0
+    assert proc.exit_info is not None and proc.exit_info.rank == 0 and proc.exit_info.code == 1
+    assert proc.exit_info.error is not None and proc.exit_info.error.error == "RuntimeError: boom"
+    assert proc.error_record is not None and proc.error_record.rank == 0
     # the launcher gets the record with the exit (the elastic root cause reads it)
-    assert records == [proc.exit_record] and proc.exit_record["kind"] == "cause", records
+    assert records == [proc.exit_record] and proc.exit_record is proc.exit_info.error, records
+    assert proc.exit_record.kind == "cause" and proc.exit_record.code == 1
 
 
 def test_slot_identity_is_what_the_worker_side_reads(monkeypatch: pytest.MonkeyPatch) -> None:
