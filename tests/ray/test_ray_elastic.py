@@ -11,6 +11,7 @@ import pytest
 
 from horovod.common import exceptions as errors
 from horovod.ray import RayExecutor
+from tests._averaging import averaged_params
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -67,24 +68,8 @@ def _batch(step, rank):
 
 
 def _expected_params(step_sizes):
-    """One step per entry: the gradients of ranks 0..n-1 summed in rank order, divided by n."""
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step, n in enumerate(step_sizes):
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(n):
-            x, y = _batch(step, rank)
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for t, p in zip(total, model.parameters()):
-                t += p.grad
-        for t, p in zip(total, model.parameters()):
-            p.grad = t / n
-        opt.step()
-    return [p.detach().numpy() for p in model.parameters()]
+    """``_train`` in one process (``tests/_averaging.py``)."""
+    return averaged_params(step_sizes, _batch, lr=0.05)
 
 
 def test_killed_actor_survived_and_new_node_taken_in(free_cluster):

@@ -17,6 +17,7 @@ import pytest
 import horovod.spark
 from horovod.common.exceptions import WorkerFailedError
 from horovod.spark.runner import SparkStartTimeoutError
+from tests._averaging import averaged_params
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
@@ -127,25 +128,8 @@ def _batch(step: int, rank: int) -> tuple:
 
 
 def _expected_params(step_sizes: list[int]) -> np.ndarray:
-    """``_elastic_train`` in one process: rank 0's initial weights; one step per entry, the
-    gradients of ranks 0..n-1 summed in rank order and divided by n."""
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step, n in enumerate(step_sizes):
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(n):
-            x, y = _batch(step, rank)
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for t, p in zip(total, model.parameters()):
-                t += p.grad
-        for t, p in zip(total, model.parameters()):
-            p.grad = t / n
-        opt.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    """``_elastic_train`` in one process (``tests/_averaging.py``), its parameters flattened."""
+    return np.concatenate([p.ravel() for p in averaged_params(step_sizes, _batch, lr=0.01)])
 
 
 def _elastic_raise() -> None:
