@@ -22,22 +22,22 @@ from typing import Any
 from horovod.common import protocol
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
-__all__ = ["Reporter", "REPORT_PATH", "from_env"]
+__all__ = ["Reporter", "from_env"]
 
 log = logging.getLogger("horovod")
 
-REPORT_PATH = "/api/report"
 _TIMEOUT = 2.0
 
 
 class Reporter:
-    """Post ``snapshot()`` plus this rank's identity to ``client`` every ``interval`` seconds."""
+    """Post ``snapshot()`` as this rank's ``protocol.MonitorReport`` to ``client`` every
+    ``interval`` seconds."""
 
-    def __init__(self, client: RendezvousClient, snapshot: Callable[[], dict[str, Any]],
-                 identity: Mapping[str, Any], interval: float = 1.0) -> None:
+    def __init__(self, client: RendezvousClient, snapshot: Callable[[], Mapping[str, Any]], *, rank: int,
+                 local_rank: int = -1, host: str = "", interval: float = 1.0) -> None:
         self.client = client
         self.snapshot = snapshot
-        self.identity = dict(identity)
+        self.rank, self.local_rank, self.host = rank, local_rank, host
         self.interval = max(float(interval), 0.1)
         self.sent = 0
         self._stop = threading.Event()
@@ -58,9 +58,11 @@ class Reporter:
 
     def push(self, final: bool = False) -> bool:
         try:
-            report = {**self.identity, "time": time.time(), "final": final, **self.snapshot()}
-            status, _ = self.client.request("POST", REPORT_PATH, json.dumps(report).encode(),
-                                            timeout=_TIMEOUT)
+            report = protocol.MonitorReport.from_snapshot(
+                self.snapshot(), rank=self.rank, local_rank=self.local_rank, host=self.host,
+                time=time.time(), final=final)
+            status, _ = self.client.request("POST", protocol.REPORT_PATH,
+                                            json.dumps(report.to_wire()).encode(), timeout=_TIMEOUT)
         except (RendezvousError, OSError, ValueError) as exc:
             if not self._warned:
                 self._warned = True
@@ -95,9 +97,9 @@ def from_env(environ: Mapping[str, str], snapshot: Callable[[], dict[str, Any]],
         interval = float(environ.get(protocol.MONITOR_INTERVAL_ENV) or 1.0)
     except ValueError:
         interval = 1.0
-    identity = {"rank": rank, "local_rank": local_rank,
-                "host": host or environ.get("HOROVOD_HOSTNAME") or socket.gethostname()}
     reporter = Reporter(RendezvousClient(addr, int(port), secret, timeout=_TIMEOUT), snapshot,
-                        identity, interval)
+                        rank=rank, local_rank=local_rank,
+                        host=host or environ.get("HOROVOD_HOSTNAME") or socket.gethostname(),
+                        interval=interval)
     reporter.start()
     return reporter

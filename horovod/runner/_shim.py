@@ -13,7 +13,7 @@ Run by file path (standard library only; the package ``horovod`` is not imported
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
 on to that group. When the command ends, the rest of its group is stopped and one line
-``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr (spelled in ``horovod/common/protocol.py``, which the
+``__HOROVOD_RUNNER_EXIT__ {json}`` goes to stderr (spelled in ``horovod/common/protocol/``, which the
 shim loads by its path): rank, host, pid, exit code or signal, time, and
 why the shim stopped it, if it did. The command finds a file name in ``HOROVOD_EXIT_RECORD``;
 Horovod writes there, the moment a rank fails, whether its error is a cause of its own or only
@@ -38,12 +38,13 @@ from typing import Any
 
 
 def _load_protocol() -> ModuleType:
-    """``horovod/common/protocol.py`` (the protocol, standard library only), loaded by its path."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "protocol.py")
-    spec = importlib.util.spec_from_file_location("_horovod_protocol", path)
+    """``horovod/common/protocol/`` (the protocol, standard library only), loaded by its path."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common", "protocol")
+    spec = importlib.util.spec_from_file_location("_horovod_protocol", os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses looks the module up while building its classes
+    sys.modules[spec.name] = module  # its submodules and dataclasses look the package up by name
     spec.loader.exec_module(module)
     return module
 

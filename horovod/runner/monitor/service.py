@@ -35,6 +35,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from horovod.common import protocol
 from horovod.common.exceptions import LaunchError
 from horovod.common.rendezvous import AUTH_HEADER, MAX_SKEW_SECONDS, SIG_HEADER, sign_request, sign_response
 from horovod.runner.monitor import exposition, page
@@ -146,7 +147,7 @@ class _MonitorHandler(BaseHTTPRequestHandler):
         if mac is None:
             self._answer(403, b"")
             return
-        if urlsplit(self.path).path != "/api/report":
+        if urlsplit(self.path).path != protocol.REPORT_PATH:
             self._answer(404, b"", request_mac=mac)
             return
         status, answer = answer_report(self.server.service.state, body)
@@ -162,7 +163,7 @@ def answer_report(state: JobState, body: bytes) -> tuple[int, bytes]:
     if len(body) > MAX_REPORT_BYTES:
         return 413, b"report too large"
     try:
-        state.ingest(json.loads(body))
+        state.ingest(protocol.MonitorReport.from_wire(json.loads(body)))
     except (ValueError, KeyError, TypeError) as exc:
         return 400, str(exc).encode()
     return 200, b"{}"

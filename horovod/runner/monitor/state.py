@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from horovod.common.protocol import MonitorReport
+
 __all__ = ["JobState", "STEP_HISTORY"]
 
 # Step times kept per rank for the page's chart.
@@ -23,7 +25,7 @@ class _Rank:
     __slots__ = ("report", "seen", "prev_steps", "prev_time", "step_rate", "steps", "failed", "history")
 
     def __init__(self) -> None:
-        self.report: dict[str, Any] = {}
+        self.report: MonitorReport | None = None
         self.seen = 0.0
         self.prev_steps: int | None = None
         self.prev_time = 0.0
@@ -55,19 +57,18 @@ class JobState:
         self.elastic: Callable[[], dict[str, Any]] | None = None
         self.reports = 0
 
-    def ingest(self, report: dict[str, Any]) -> None:
+    def ingest(self, report: MonitorReport) -> None:
         """One rank's report (``horovod.common.reporter``)."""
-        rank = int(report["rank"])
+        rank = report.rank
         now = self._clock()
         with self._lock:
             self.reports += 1
-            size = int(report.get("size") or 0)
-            if self.elastic is not None and size:
-                self.world_size = size
-                for r in [r for r in self._ranks if r >= size]:
+            if self.elastic is not None and report.size:
+                self.world_size = report.size
+                for r in [r for r in self._ranks if r >= report.size]:
                     del self._ranks[r]
             st = self._ranks.setdefault(rank, _Rank())
-            steps = int(report.get("steps") or 0)
+            steps = report.steps
             if st.history and steps < st.history[-1][1]:
                 st.history.clear()  # a new engine (an elastic reset): counters start again
             st.history.append((now, steps))
@@ -75,10 +76,9 @@ class JobState:
             st.step_rate = (s1 - s0) / (t1 - t0) if t1 > t0 else st.step_rate
             if st.prev_steps is not None and steps >= st.prev_steps and now > st.prev_time:
                 new = steps - st.prev_steps
-                times = list(report.get("step_times") or [])
-                st.steps.extend(times[-new:] if new else [])
+                st.steps.extend(report.step_times[-new:] if new else ())
             elif st.prev_steps is None:
-                st.steps.extend(list(report.get("step_times") or []))
+                st.steps.extend(report.step_times)
             st.prev_steps, st.prev_time = steps, now
             st.report = report
             st.seen = now
@@ -104,35 +104,36 @@ class JobState:
             self.finished = {"returncode": returncode, "text": text, "time": self._clock()}
 
     def _row(self, rank: int, st: _Rank | None, now: float) -> dict[str, Any]:
-        rep = st.report if st is not None else {}
-        host, local_rank = self.planned.get(rank, (rep.get("host", ""), rep.get("local_rank", -1)))
-        host = host or rep.get("host", "")  # the launch plan's name, as the failure report uses
+        rep = st.report if st is not None else None
+        host, local_rank = self.planned.get(rank, (rep.host, rep.local_rank) if rep else ("", -1))
+        host = host or (rep.host if rep else "")  # the launch plan's name, as the failure report uses
         interval = 1.0
         if st is not None and st.failed:
             state = "failed" if st.failed != "stopped" else "stopped"
-        elif st is None or not rep:
+        elif st is None or rep is None:
             state = "starting"
-        elif rep.get("final"):
+        elif rep.final:
             state = "finished"
-        elif rep.get("stalled_tensors"):
+        elif rep.stalled_tensors:
             state = "stalled"
-        elif rep.get("straggler"):
+        elif rep.straggler:
             state = "straggler"
         elif now - st.seen > _SILENT_AFTER * interval:
             state = "silent"
         else:
             state = "running"
+        rep = rep or MonitorReport(rank)
         return {
             "rank": rank, "host": host, "local_rank": local_rank, "state": state,
-            "step_rate": st.step_rate if st else 0.0, "steps": int(rep.get("steps") or 0),
-            "wait_seconds": float(rep.get("wait_seconds") or 0.0),
-            "collectives": dict(rep.get("collectives") or {}),
-            "collective_bytes": dict(rep.get("collective_bytes") or {}),
-            "collective_seconds": dict(rep.get("collective_seconds") or {}),
-            "bytes": int(sum((rep.get("collective_bytes") or {}).values())),
-            "stalled_tensors": int(rep.get("stalled_tensors") or 0),
-            "straggler": bool(rep.get("straggler")),
-            "straggler_score": float(rep.get("straggler_score") or 0.0),
+            "step_rate": st.step_rate if st else 0.0, "steps": rep.steps,
+            "wait_seconds": rep.wait_seconds,
+            "collectives": dict(rep.collectives),
+            "collective_bytes": dict(rep.collective_bytes),
+            "collective_seconds": dict(rep.collective_seconds),
+            "bytes": int(sum(rep.collective_bytes.values())),
+            "stalled_tensors": rep.stalled_tensors,
+            "straggler": rep.straggler,
+            "straggler_score": rep.straggler_score,
             "step_times": list(st.steps) if st else [],
             "last_report_age": (now - st.seen) if st and st.seen else None,
         }

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from horovod.common.exceptions import LaunchError
+from horovod.common.protocol import REPORT_PATH, MonitorReport
 from horovod.common.rendezvous import RendezvousClient, RendezvousError, make_secret
-from horovod.common.reporter import REPORT_PATH, Reporter
+from horovod.common.reporter import Reporter
 from horovod.runner.monitor import JobState, MonitorService, exposition, page, record_result
 from horovod.runner.monitor.service import MAX_CONNECTIONS
 
@@ -211,7 +212,7 @@ def test_reporter_pushes_snapshots(service: MonitorService) -> None:
         return {k: v for k, v in report(1, steps=n[0]).items() if k not in ("rank", "host", "local_rank")}
 
     client = RendezvousClient("127.0.0.1", service.port, service.secret)
-    rep = Reporter(client, snapshot, {"rank": 1, "host": "node0", "local_rank": 1}, interval=0.1)
+    rep = Reporter(client, snapshot, rank=1, host="node0", local_rank=1, interval=0.1)
     rep.start()
     deadline = time.monotonic() + 20
     while service.state.reports < 3 and time.monotonic() < deadline:
@@ -227,7 +228,7 @@ def test_reporter_survives_an_unreachable_monitor() -> None:
     holder.bind(("127.0.0.1", 0))
     port = holder.getsockname()[1]
     holder.close()  # nothing listens there
-    rep = Reporter(RendezvousClient("127.0.0.1", port, make_secret()), dict, {"rank": 0}, interval=0.1)
+    rep = Reporter(RendezvousClient("127.0.0.1", port, make_secret()), dict, rank=0, interval=0.1)
     assert rep.push() is False
     rep.start()
     rep.stop(final=False)
@@ -267,6 +268,8 @@ def test_reports_over_a_jobs_rendezvous_service() -> None:
             RendezvousClient("127.0.0.1", job.port, make_secret()).request(
                 "POST", REPORT_PATH, json.dumps(report(0, steps=99)).encode())
         assert client.request("POST", REPORT_PATH, b"{not json")[0] == 400
+        status, answer = client.request("POST", REPORT_PATH, json.dumps(report(0, steps="many")).encode())
+        assert status == 400 and b"'steps'" in answer  # a malformed field is named, the report refused
         assert client.request("POST", REPORT_PATH, b" " * (MAX_REPORT_BYTES + 1))[0] == 413
         text = get(svc, "/metrics")[1]
         assert text.count("horovod_rank_info{") == 2
@@ -284,7 +287,7 @@ def test_cluster_job_failure_names_the_culprit() -> None:
 
     svc = MonitorService(make_secret(), 0, state=JobState(3))
     for rank in range(3):
-        svc.state.ingest(report(rank, size=3))
+        svc.state.ingest(MonitorReport.from_wire(report(rank, size=3)))
     close(svc, WorkerFailedError("rank 1 raised ValueError: bad batch", rank=1, ranks=[1, 2]))
     job = svc.state.job()
     assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"

@@ -1,0 +1,117 @@
+"""A rank's report to the launcher's monitor (``POST /api/report``, a JSON object)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["MonitorReport", "REPORT_PATH"]
+
+REPORT_PATH = "/api/report"
+
+
+def _number(kind: type) -> Callable[[Any], Any]:
+    abstract = numbers.Real if kind is float else numbers.Integral  # NumPy's scalars too
+
+    def read(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, abstract):
+            raise ValueError(f"{value!r:.60} is not {'a number' if kind is float else 'an integer'}")
+        return kind(value)
+    return read
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r:.60} is not true or false")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r:.60} is not a string")
+    return value
+
+
+def _times(value: Any) -> tuple[float, ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{value!r:.60} is not a list")
+    return tuple(_number(float)(v) for v in value)
+
+
+def _per_op(kind: type) -> Callable[[Any], dict[str, Any]]:
+    def read(value: Any) -> dict[str, Any]:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{value!r:.60} is not an object")
+        return {_text(op): _number(kind)(v) for op, v in value.items()}
+    return read
+
+
+_READERS: dict[str, Callable[[Any], Any]] = {
+    "rank": _number(int), "host": _text, "local_rank": _number(int), "size": _number(int),
+    "time": _number(float), "final": _flag, "steps": _number(int), "step_times": _times,
+    "wait_seconds": _number(float), "collectives": _per_op(int), "collective_bytes": _per_op(int),
+    "collective_seconds": _per_op(float), "stalled_tensors": _number(int), "straggler": _flag,
+    "straggler_score": _number(float),
+}
+
+
+@dataclass(frozen=True)
+class MonitorReport:
+    """One rank's counters as its reporter (``horovod.common.reporter``) posts them: who it is,
+    when, whether it is its last report, and what ``hvd.metrics()`` said (steps and their
+    durations, time waiting for other ranks, per-operation counts, bytes and transport seconds,
+    stalled tensors, the coordinator's straggler verdict for this rank)."""
+
+    rank: int
+    host: str = ""
+    local_rank: int = -1
+    size: int = 0
+    time: float = 0.0
+    final: bool = False
+    steps: int = 0
+    step_times: tuple[float, ...] = ()
+    wait_seconds: float = 0.0
+    collectives: Mapping[str, int] = field(default_factory=dict)
+    collective_bytes: Mapping[str, int] = field(default_factory=dict)
+    collective_seconds: Mapping[str, float] = field(default_factory=dict)
+    stalled_tensors: int = 0
+    straggler: bool = False
+    straggler_score: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object."""
+        wire = {f.name: getattr(self, f.name) for f in fields(self)}
+        wire["step_times"] = list(self.step_times)
+        for name in ("collectives", "collective_bytes", "collective_seconds"):
+            wire[name] = dict(wire[name])
+        return wire
+
+    @classmethod
+    def from_wire(cls, message: Any) -> MonitorReport:
+        """The report in a JSON object; fields it does not know are ignored (a newer rank).
+
+        Raises:
+            ValueError: not an object, no ``rank``, or a field of the wrong type (named).
+        """
+        if not isinstance(message, Mapping):
+            raise ValueError(f"a monitor report is a JSON object, not {type(message).__name__}")
+        if "rank" not in message:
+            raise ValueError("a monitor report without a rank")
+        values: dict[str, Any] = {}
+        for name, read in _READERS.items():
+            if name in message and message[name] is not None:
+                try:
+                    values[name] = read(message[name])
+                except ValueError as exc:
+                    raise ValueError(f"monitor report field {name!r}: {exc}") from exc
+        return cls(**values)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Mapping[str, Any], *, rank: int, local_rank: int, host: str,
+                      time: float, final: bool = False) -> MonitorReport:
+        """This rank's report from its ``hvd.metrics()`` snapshot (the keys the monitor reads)."""
+        known = {k: v for k, v in snapshot.items() if k in _READERS}
+        return cls.from_wire({**known, "rank": rank, "local_rank": local_rank, "host": host,
+                              "time": time, "final": final})
