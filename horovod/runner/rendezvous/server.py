@@ -183,7 +183,7 @@ class _RendezvousHandler(BaseHTTPRequestHandler):
                 log.exception("rendezvous: elastic call %s failed", parts[1])
                 status, answer = 500, str(exc).encode()
             self._answer(status, answer, mac)
-        elif parts == ["api", "report"] and self.command == "POST":
+        elif "/" + "/".join(parts) == protocol.REPORT_PATH and self.command == "POST":
             report = self.server.report_handler
             status, answer = report(body) if report is not None else (404, b"")
             self._answer(status, answer, mac)
