@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Handle", "HandleCounter", "GroupHandle"]
@@ -23,9 +24,8 @@ class HandleCounter:
     def __init__(self) -> None:
         self._it = itertools.count()
         self._unnamed: dict[int, itertools.count[int]] = {}
-
-    def next(self) -> int:
-        return next(self._it)
+        #: the next integer handle (the counter's own ``__next__``: no Python frame per operation)
+        self.next: Callable[[], int] = self._it.__next__
 
     def unnamed(self, process_set_id: int) -> int:
         """The number of the next unnamed operation on ``process_set_id``."""
