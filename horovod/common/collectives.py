@@ -247,9 +247,12 @@ def resubmit_registered(ctx: Any, request: Request, arrays: list[np.ndarray], po
     hid = ctx.counter.next()
     handle = Handle(hid, request.name)
     handle.request = request
-    ctx._engine().submit(Entry(request, arrays, arrays, handle), wake, defer)
+    engine = ctx.engine
+    if engine is None:
+        engine = ctx._engine()  # raises, saying why
+    engine.submit(Entry(request, arrays, arrays, handle), wake, defer)
     ctx.handles[hid] = (handle, post)
-    return int(hid)
+    return hid
 
 
 def resubmit_many(ctx: Any, requests: Sequence[Request], arrays: Sequence[np.ndarray],
