@@ -150,7 +150,11 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
             and not tensor.requires_grad and tensor.layout is torch.strided and tensor.is_contiguous()):
         if memo.host:
             if tensor.is_cpu:
-                return _C.resubmit_registered(ctx, req, [memo.view(tensor)], _Same(tensor), defer, wake)
+                # ``memo.view(tensor)``'s answer for the tensor it keeps a view of, inlined
+                arr = memo.array
+                if arr is None or memo.ref() is not tensor or tensor.data_ptr() != memo.ptr:
+                    arr = memo.view(tensor)
+                return _C.resubmit_registered(ctx, req, [arr], _Same(tensor), defer, wake)
         elif not memo.cuda:
             if tensor.is_cpu:  # the CPU twin: no events, nothing to wait for in synchronize
                 w: list[Any] = [again(tensor, memo.shape, memo.dtype, memo.ndim, False)]
