@@ -211,7 +211,9 @@ class Engine:
         """
         name = entry.request.name
         in_flight = self._in_flight
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: half the cost, once per tensor of a step
+        try:
             if self._stopped:
                 raise HorovodShutdownError(self._stop_reason)
             if name in in_flight:
@@ -227,6 +229,8 @@ class Engine:
             if wake and self._idle:
                 self._idle = False
                 self._cv.notify()
+        finally:
+            lock.release()
 
     def submit_many(self, entries: list[Entry], wake: bool = True, defer: bool = False) -> None:
         """``submit`` for several entries at once (one lock, one wake-up): a gradient bundle.
