@@ -82,6 +82,8 @@ class TorchBuffers:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         # (id(segs), buffer address, dtype) -> _Pieces
         self._pieces: dict[tuple[int, int, torch.dtype], _Pieces] = {}
+        # (items, segments, ``_whole``'s answer) of the last ``pack``, for its ``unpack``
+        self._packed: tuple[Any, Any, _Pieces | None] | None = None
         # name -> (the wrappers, their items, the outputs: the wrappers' tensors, in place)
         self._items: dict[str, tuple[tuple[Any, ...], tuple[Item, ...], tuple[Any, ...]]] = {}
 
@@ -121,7 +123,7 @@ class TorchBuffers:
     def item(new: Any, name: str, x: Any) -> Item:
         """The item of one tensor reduced in place (``items`` of ``[x], [x]``): ``batch_items``'
         per-tensor fast path (a resubmitted ``allreduce_async_``); ``new`` is ``tuple.__new__``."""
-        t = unwrap(x)
+        t = x.tensor if type(x) is DeviceTensor else x  # ``unwrap``, inlined (once per tensor)
         return new(Item, (t, t, True, name, t.numel()))
 
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> Sequence[Item]:
@@ -164,6 +166,9 @@ class TorchBuffers:
     def pack(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment], pre: float,
              widen: bool) -> None:
         whole = self._whole(buf, items, segs)
+        # ``unpack`` of the same call (after the reduction) takes the same answer: a round's list
+        # of items is not remembered across calls, so it would be worked out twice.
+        self._packed = (items, segs, whole)
         if whole is not None:
             if whole.flat is not None:
                 torch.cat(whole.flat, out=buf)  # one copy kernel (a foreach copy makes several)
@@ -181,7 +186,11 @@ class TorchBuffers:
         if scaled and self._scale_once(buf):
             scale_into(buf, buf, post, div)  # one kernel for the whole buffer
             scaled = False
-        whole = self._whole(buf, items, segs)
+        packed, self._packed = self._packed, None  # not kept past the call (it holds tensors)
+        if packed is not None and packed[0] is items and packed[1] is segs:
+            whole = packed[2]
+        else:
+            whole = self._whole(buf, items, segs)
         if whole is not None:
             dsts, pieces = whole.os, whole.views
             if not scaled:
@@ -289,6 +298,7 @@ class TorchBuffers:
         return outs
 
     def clear(self) -> None:
+        self._packed = None
         self._buffers.clear()
         self._pieces.clear()
         self._items.clear()
