@@ -146,7 +146,7 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
     # _matches(tensor, signature), inlined: this runs once per gradient per step.
     ctx, req, dtype, shape, group, _probe, _home, memo = signature
     if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
-            and ctx is peek_context() and ctx.groups.get(req.process_set_id) is group
+            and ctx.groups.get(req.process_set_id) is group and ctx is peek_context()
             and not tensor.requires_grad and tensor.layout is torch.strided and tensor.is_contiguous()):
         if memo.host:
             if tensor.is_cpu:

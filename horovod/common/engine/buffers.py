@@ -144,6 +144,7 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
     Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
     agreed shapes."""
     recall = getattr(ops, "recall", None)  # a memoized batch of one in-place array per entry
+    remember = getattr(ops, "remember", None)
     if recall is not None:
         found = recall(batch, entries)
         if found is not None:
@@ -174,8 +175,8 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
         if len(batch) == 1:
             return mine, starts  # as ``items`` made it (a tuple when remembered)
         items.extend(mine)
-    if recall is not None and ones == len(batch):
-        return ops.remember(batch, entries, items, starts)
+    if remember is not None and ones == len(batch):
+        return remember(batch, entries, items, starts)  # type: ignore[no-any-return]
     return items, starts
 
 
