@@ -375,9 +375,12 @@ def _plane_group() -> Any:
     return None
 
 
-def transport_timer() -> list[float]:
+def transport_timer() -> tuple[list[float], Callable[[], None]]:
     """Seconds spent inside the data transport's reductions since the list was last cleared
-    (``acc[0]``): the plane's Gloo reductions on the twin, else the host backend's ``allreduce``."""
+    (``acc[0]``): the plane's Gloo reductions on the twin, else the host backend's ``allreduce``;
+    and the function that takes the timers off again (before ``hvd.shutdown()``: a wrapper
+    stored on its transport is a reference cycle that would keep the plane's process group, and
+    its worker threads, alive into the interpreter's exit)."""
     from horovod.common.context import get_context
 
     eng = get_context().engine
@@ -396,7 +399,12 @@ def transport_timer() -> list[float]:
                 acc[0] += time.perf_counter() - t0
 
         setattr(obj, attr, timed)
-    return acc
+    wrapped = targets or [eng.backend]
+
+    def remove() -> None:
+        for obj in wrapped:
+            obj.__dict__.pop(attr, None)
+    return acc, remove
 
 
 def main() -> None:
@@ -537,7 +545,7 @@ def main() -> None:
         return
     times: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, list[float]] = {m: [] for m in modes}  # each step less its time in the transport
-    in_transport = transport_timer()
+    in_transport, untime = transport_timer()
     for rep in range(args.reps + 20):
         for label, fn in modes.items():
             comm.Barrier()
@@ -548,6 +556,7 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 times[label].append(dt)
                 host[label].append(dt - in_transport[0])
+    untime()
     if args.profile:
         prof = cProfile.Profile()
         fn = modes[args.profile_mode]
