@@ -32,6 +32,13 @@ Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as
   floor        one reduction of all the elements in one buffer on the mode's transport (mpi4py;
                the plane's Gloo process group on the twin); ``*_us_per_tensor`` is a mode's time
                less this floor, per tensor: Horovod's host cost per tensor
+
+``*_host_us_per_tensor`` is the same cost measured without the floor: each step less the time it
+spent inside the data transport's calls (the host backend's ``allreduce``, or the plane's Gloo
+reductions, timed where the engine makes them), per tensor, median over the steps. Read it on the
+twin: there a Gloo call right after a blocking MPI call (``floor`` follows an MPI barrier) can wait
+milliseconds for the peer process to be scheduled, which makes ``floor`` larger than the whole
+step on a 2-core host.
 """
 
 from __future__ import annotations
@@ -368,6 +375,38 @@ def _plane_group() -> Any:
     return None
 
 
+def transport_timer() -> tuple[list[float], Callable[[], None]]:
+    """Seconds spent inside the data transport's reductions since the list was last cleared
+    (``acc[0]``): the plane's Gloo reductions on the twin, else the host backend's ``allreduce``;
+    and the function that takes the timers off again (before ``hvd.shutdown()``: a wrapper
+    stored on its transport is a reference cycle that would keep the plane's process group, and
+    its worker threads, alive into the interpreter's exit)."""
+    from horovod.common.context import get_context
+
+    eng = get_context().engine
+    acc = [0.0]
+    planes = getattr(getattr(eng, "_executor", None), "planes", None)
+    targets = [tr for p in getattr(planes, "_planes", {}).values() for tr in getattr(p, "_transports", {}).values()]
+    attr = "_reduce" if targets else "allreduce"
+    for obj in targets or [eng.backend]:
+        inner = getattr(obj, attr)
+
+        def timed(*a: Any, _inner: Any = inner, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+    wrapped = targets or [eng.backend]
+
+    def remove() -> None:
+        for obj in wrapped:
+            obj.__dict__.pop(attr, None)
+    return acc, remove
+
+
 def main() -> None:
     args = parser.parse_args()
     hvd.init()
@@ -505,13 +544,19 @@ def main() -> None:
         hvd.shutdown()
         return
     times: dict[str, list[float]] = {m: [] for m in modes}
+    host: dict[str, list[float]] = {m: [] for m in modes}  # each step less its time in the transport
+    in_transport, untime = transport_timer()
     for rep in range(args.reps + 20):
         for label, fn in modes.items():
             comm.Barrier()
+            in_transport[0] = 0.0
             t0 = time.perf_counter()
             fn()
             if rep >= 20:
-                times[label].append(time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                times[label].append(dt)
+                host[label].append(dt - in_transport[0])
+    untime()
     if args.profile:
         prof = cProfile.Profile()
         fn = modes[args.profile_mode]
@@ -533,6 +578,8 @@ def main() -> None:
         # Horovod's host cost per tensor: the step less the transport's floor, per tensor.
         per_tensor = {f"{k}_us_per_tensor": round((med[k] - med["floor"]) * 1e3 / args.tensors, 3)
                       for k in ("async_sync", "hooks", "grouped") if k in med and "floor" in med}
+        per_tensor.update({f"{k}_host_us_per_tensor": round(statistics.median(host[k]) * 1e6 / args.tensors, 3)
+                           for k in ("async_sync", "hooks", "grouped") if k in host})
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                           **per_tensor}), flush=True)

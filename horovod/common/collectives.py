@@ -247,9 +247,12 @@ def resubmit_registered(ctx: Any, request: Request, arrays: list[np.ndarray], po
     hid = ctx.counter.next()
     handle = Handle(hid, request.name)
     handle.request = request
-    ctx._engine().submit(Entry(request, arrays, arrays, handle), wake, defer)
+    engine = ctx.engine
+    if engine is None:
+        engine = ctx._engine()  # raises, saying why
+    engine.submit(Entry(request, arrays, arrays, handle), wake, defer)
     ctx.handles[hid] = (handle, post)
-    return int(hid)
+    return hid
 
 
 def resubmit_many(ctx: Any, requests: Sequence[Request], arrays: Sequence[np.ndarray],
@@ -457,6 +460,8 @@ def synchronize(handle: int) -> Any:
     if entry is None:
         return None
     h, post = entry
+    if h._done and h.error is None:  # ``h.wait()``'s answer for a finished operation, inlined
+        return post(h.result)
     return post(h.wait())
 
 

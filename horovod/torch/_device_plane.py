@@ -159,7 +159,8 @@ class TorchPlane:
     @contextlib.contextmanager
     def lane(self, batch: Sequence[Response], entries: Sequence[Any], group: Group) -> Iterator[Lane]:
         device = self._device(batch[0].request.device, entries)
-        wrappers = [w for e in entries if e is not None for w in e.inputs]
+        # The wrappers' events order CUDA streams; the CPU twin has none to read.
+        wrappers = [w for e in entries if e is not None for w in e.inputs] if device.type == "cuda" else []
         with self._on_stream(device, wrappers) as stream:
             tr = self._transport(group, device)  # with the GPU current, as NCCL binds it on first use
             ops = self._buffers.get(device)

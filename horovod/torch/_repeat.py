@@ -146,11 +146,15 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
     # _matches(tensor, signature), inlined: this runs once per gradient per step.
     ctx, req, dtype, shape, group, _probe, _home, memo = signature
     if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
-            and ctx is peek_context() and ctx is not None and ctx.groups.get(req.process_set_id) is group
+            and ctx.groups.get(req.process_set_id) is group and ctx is peek_context()
             and not tensor.requires_grad and tensor.layout is torch.strided and tensor.is_contiguous()):
         if memo.host:
             if tensor.is_cpu:
-                return _C.resubmit_registered(ctx, req, [memo.view(tensor)], _Same(tensor), defer, wake)
+                # ``memo.view(tensor)``'s answer for the tensor it keeps a view of, inlined
+                arr = memo.array
+                if arr is None or memo.ref() is not tensor or tensor.data_ptr() != memo.ptr:
+                    arr = memo.view(tensor)
+                return _C.resubmit_registered(ctx, req, [arr], _Same(tensor), defer, wake)
         elif not memo.cuda:
             if tensor.is_cpu:  # the CPU twin: no events, nothing to wait for in synchronize
                 w: list[Any] = [again(tensor, memo.shape, memo.dtype, memo.ndim, False)]

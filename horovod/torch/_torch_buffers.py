@@ -6,13 +6,14 @@ integers in float64 and truncated.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from horovod.common.engine.buffers import Item, Segment
-from horovod.torch._device_tensor import unwrap
+from horovod.torch._device_tensor import DeviceTensor, unwrap
 
 __all__ = ["TorchBuffers", "scale_into"]
 
@@ -33,11 +34,21 @@ def scale_into(dst: torch.Tensor, src: torch.Tensor, factor: float, divisor: int
         torch.mul(src, factor, out=dst)
 
 
-def _whole(items: Sequence[Item], segs: Sequence[Segment]) -> bool:
-    for i, st, e, _ in segs:
-        if st != 0 or e != items[i].n:
-            return False
-    return True
+_SHAPE = operator.attrgetter("shape")
+_X = operator.attrgetter("x")
+_O = operator.attrgetter("o")
+
+
+class _Pieces(NamedTuple):
+    """A packed call's whole tensors and the fusion buffer's views for them (``_whole``)."""
+
+    segs: Any
+    items: Any  # the items tuple they were taken from (None: a list made for one round)
+    shapes: list[Any]
+    views: list[torch.Tensor]
+    xs: list[torch.Tensor]
+    os: list[torch.Tensor]
+    flat: list[torch.Tensor] | None  # remembered items of the buffer's dtype: 1-D views, packed with one cat
 
 
 def _flat(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -48,18 +59,33 @@ class TorchBuffers:
     """``BufferOps`` on torch tensors where they live (CUDA memory; CPU on the twin).
 
     Whole tensors are packed and unpacked with one ``torch._foreach_copy_`` each way (a few fused
-    kernels, one Python call for any number of tensors), a fused buffer is scaled once, and
-    tensors reduced in place are scaled together at the end of the batch (``defer_scale``).
+    kernels, one Python call for any number of tensors) between them and views of the fusion
+    buffer made once per plan (``_pieces``), a fused buffer is scaled once, and tensors reduced in
+    place are scaled together at the end of the batch (``defer_scale``).
     """
 
     defer_scale = True
-    #: scale a fused buffer in one pass before unpacking (None: on CUDA; on the CPU twin a pass over
-    #: the whole buffer wakes torch's thread pool, which costs more than it saves on a busy host)
+    #: scale a fused buffer in one pass before unpacking (None: on CUDA, and on the CPU twin for a
+    #: buffer too small for torch's thread pool: a pass over a large one wakes the pool, which costs
+    #: more than it saves on a busy host, while one operation per tensor costs a microsecond each)
     scale_once: bool | None = None
+    #: elements below which a CPU operation runs on the calling thread (ATen's grain size)
+    SERIAL_ELEMENTS = 32768
+    #: remembered buffer views (one per plan's packed call and buffer)
+    PIECES_MEMO_SIZE = 256
+    #: remembered items of in-place requests of many tensors, by name (as ``NumpyBuffers``)
+    ITEMS_MEMO_MIN = 8
+    ITEMS_MEMO_SIZE = 256
 
     def __init__(self, device: torch.device) -> None:
         self.device = device  # where its fusion buffers, zeros and results live (fixed)
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        # (id(segs), buffer address, dtype) -> _Pieces
+        self._pieces: dict[tuple[int, int, torch.dtype], _Pieces] = {}
+        # (items, segments, ``_whole``'s answer) of the last ``pack``, for its ``unpack``
+        self._packed: tuple[Any, Any, _Pieces | None] | None = None
+        # name -> (the wrappers, their items, the outputs: the wrappers' tensors, in place)
+        self._items: dict[str, tuple[tuple[Any, ...], tuple[Item, ...], tuple[Any, ...]]] = {}
 
     def piece(self, a: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return _flat(a, start, stop)
@@ -90,23 +116,38 @@ class TorchBuffers:
 
     def outputs(self, inputs: Sequence[Any], given: Sequence[Any] | None) -> list[torch.Tensor]:
         if given is not None:
-            return [unwrap(o) for o in given]
+            return [o.tensor if type(o) is DeviceTensor else o for o in given]
         return [torch.empty_like(unwrap(x)) for x in inputs]
 
     @staticmethod
     def item(new: Any, name: str, x: Any) -> Item:
         """The item of one tensor reduced in place (``items`` of ``[x], [x]``): ``batch_items``'
         per-tensor fast path (a resubmitted ``allreduce_async_``); ``new`` is ``tuple.__new__``."""
-        t = unwrap(x)
+        t = x.tensor if type(x) is DeviceTensor else x  # ``unwrap``, inlined (once per tensor)
         return new(Item, (t, t, True, name, t.numel()))
 
-    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Item]:
+    def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> Sequence[Item]:
+        memo = self._items.get(name)
+        if (memo is not None and len(inputs) == len(memo[0]) and all(map(operator.is_, inputs, memo[0]))
+                and all(map(operator.is_, outputs, memo[2]))):
+            # The same wrappers and outputs as this name's last time (the CPU twin's repeated
+            # grouped call hands over the same ones each step): the same items (a tuple).
+            return memo[1]
         new = tuple.__new__  # an Item without NamedTuple's keyword handling (per tensor)
         out = []
         for x, o in zip(inputs, outputs):
             t = unwrap(x)
             o = unwrap(o)
             out.append(new(Item, (t, o, o is t, name, t.numel())))
+        if (len(out) >= self.ITEMS_MEMO_MIN and self.device.type != "cuda"
+                and all(map(operator.is_, map(_X, out), outputs))):
+            # Remembered on the CPU only: CUDA wrappers are new for every call (each carries the
+            # call's ready event), so a memo of them could never hit.
+            if len(self._items) >= self.ITEMS_MEMO_SIZE:
+                self._items.clear()
+            items = tuple(out)
+            self._items[name] = (tuple(inputs), items, tuple(outputs))
+            return items
         return out
 
     def buffer(self, work: torch.dtype, n: int) -> torch.Tensor:
@@ -114,6 +155,7 @@ class TorchBuffers:
         if buf is None or buf.numel() < n:
             buf = torch.empty(max(n, 1024), dtype=work, device=self.device)
             self._buffers[work] = buf
+            self._pieces.clear()  # views of the buffer replaced (they would keep it alive)
         return buf[:n]
 
     def zeros(self, n: int, dtype: str) -> torch.Tensor:
@@ -123,9 +165,15 @@ class TorchBuffers:
 
     def pack(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment], pre: float,
              widen: bool) -> None:
-        if _whole(items, segs):
-            srcs = [items[i].x for i, *_ in segs]
-            torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(buf, srcs), srcs)
+        whole = self._whole(buf, items, segs)
+        # ``unpack`` of the same call (after the reduction) takes the same answer: a round's list
+        # of items is not remembered across calls, so it would be worked out twice.
+        self._packed = (items, segs, whole)
+        if whole is not None:
+            if whole.flat is not None:
+                torch.cat(whole.flat, out=buf)  # one copy kernel (a foreach copy makes several)
+            else:
+                torch._foreach_copy_(whole.views, whole.xs)
         else:
             for i, st, e, b in segs:
                 buf[b:b + e - st].copy_(_flat(items[i].x, st, e))
@@ -135,12 +183,16 @@ class TorchBuffers:
     def unpack(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment], post: float,
                div: int) -> None:
         scaled = post != 1.0 or div != 1
-        if scaled and (buf.is_cuda if self.scale_once is None else self.scale_once):
+        if scaled and self._scale_once(buf):
             scale_into(buf, buf, post, div)  # one kernel for the whole buffer
             scaled = False
-        if _whole(items, segs):
-            dsts = [items[i].o for i, *_ in segs]
-            pieces = torch._C._nn.unflatten_dense_tensors(buf, dsts)
+        packed, self._packed = self._packed, None  # not kept past the call (it holds tensors)
+        if packed is not None and packed[0] is items and packed[1] is segs:
+            whole = packed[2]
+        else:
+            whole = self._whole(buf, items, segs)
+        if whole is not None:
+            dsts, pieces = whole.os, whole.views
             if not scaled:
                 torch._foreach_copy_(dsts, pieces)
                 return
@@ -157,6 +209,48 @@ class TorchBuffers:
             for i, st, e, b in segs:
                 scale_into(_flat(items[i].o, st, e), buf[b:b + e - st], post if scaled else 1.0,
                             div if scaled else 1)
+
+    def _scale_once(self, buf: torch.Tensor) -> bool:
+        once = self.scale_once
+        if once is None:
+            return buf.is_cuda or buf.numel() < self.SERIAL_ELEMENTS
+        return once
+
+    def _whole(self, buf: torch.Tensor, items: Sequence[Item], segs: Sequence[Segment]) -> _Pieces | None:
+        """When ``segs`` are whole tensors: their inputs, outputs and views of ``buf`` end to end
+        with their shapes (``unflatten_dense_tensors``); None otherwise.
+
+        The views are made once per packed call of a plan and reused while the buffer and the
+        shapes are the same: a memoized plan hands over the same ``segs`` tuple every step, and
+        the views hold the buffer's memory, so its address cannot be taken by another buffer while
+        they are remembered. The shapes are compared every call (a plan is memoized on sizes,
+        which shapes may split differently). Remembered items (a tuple from ``items``' memo) skip
+        the per-tensor work altogether: they are the same tensors as last time."""
+        key = (id(segs), buf.data_ptr(), buf.dtype) if type(segs) is tuple else None
+        memo = self._pieces.get(key) if key is not None else None
+        if memo is not None and memo.segs is segs and memo.items is items:
+            return memo
+        for i, st, e, _ in segs:
+            if st != 0 or e != items[i].n:
+                return None
+        picked = [items[i] for i, *_ in segs]
+        xs, os = list(map(_X, picked)), list(map(_O, picked))
+        shapes = list(map(_SHAPE, xs))
+        if memo is not None and memo.segs is segs and memo.shapes == shapes:
+            views = memo.views
+        else:
+            views = list(torch._C._nn.unflatten_dense_tensors(buf, xs))
+        # Items are remembered only as a tuple (``items``' memo, which holds their tensors anyway):
+        # a batch's list of items is made afresh every round, and keeping it would keep the last
+        # step's tensors (a gradient set) alive.
+        kept = type(items) is tuple
+        flat = [x.reshape(-1) for x in xs] if kept and all(x.dtype == buf.dtype for x in xs) else None
+        found = _Pieces(segs, items if kept else None, shapes, views, xs, os, flat)
+        if key is not None:
+            if len(self._pieces) >= self.PIECES_MEMO_SIZE:
+                self._pieces.clear()
+            self._pieces[key] = found if found.items is not None else found._replace(xs=[], os=[], flat=None)
+        return found
 
     def scale_all(self, regions: Sequence[torch.Tensor], post: float, div: int) -> None:
         if regions[0].is_floating_point():
@@ -204,4 +298,7 @@ class TorchBuffers:
         return outs
 
     def clear(self) -> None:
+        self._packed = None
         self._buffers.clear()
+        self._pieces.clear()
+        self._items.clear()

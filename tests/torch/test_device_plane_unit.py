@@ -132,7 +132,7 @@ def test_two_ranks_on_one_gpu_are_named_before_nccl_runs():
     ok._check_distinct_gpus(group, torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("scale_once", [True, False])
+@pytest.mark.parametrize("scale_once", [True, False, None])
 def test_torch_buffers_pack_scale_and_unpack_as_the_host_path(scale_once: bool) -> None:
     """The plane's buffer operations under the engine's runner: a fused buffer scaled once (the
     CUDA choice) or piece by piece (the twin's) gives the host path's values, widened dtypes too."""
@@ -198,3 +198,50 @@ def test_a_span_is_taken_only_over_views_of_one_storage() -> None:
     va, vb = flat[:4], flat[4:]
     span = ops.span([Item(va, va, True, "x", 4), Item(vb, vb, True, "x", 12)], [(0, 0, 4, 0), (1, 0, 12, 4)], True)
     assert span is not None and span.data_ptr() == flat.data_ptr() and torch.equal(span, flat)
+
+
+def test_torch_buffers_remember_buffer_views_and_grouped_items_but_no_round_s_tensors() -> None:
+    """A memoized plan's packed call reuses its views of the fusion buffer (made again for other
+    shapes or a new buffer), a repeated grouped call its items; a round's list of items (a
+    resubmitted allreduce_async_ per tensor) is not kept, so its tensors are not held alive."""
+    import gc
+    import weakref
+
+    from horovod.common.engine.plan import plan_reduction
+
+    ops = dp.TorchBuffers(torch.device("cpu"))
+    n = dp.TorchBuffers.ITEMS_MEMO_MIN
+    xs = [torch.full((2, 2), float(k)) for k in range(n)]
+    ws = [dp.DeviceTensor(x) for x in xs]
+    items = ops.items("g", ws, ops.outputs(ws, ws))
+    assert isinstance(items, tuple) and ops.items("g", ws, ops.outputs(ws, ws)) is items
+    other = list(ws)
+    other[1] = dp.DeviceTensor(torch.zeros(2, 2))
+    assert ops.items("g", other, ops.outputs(other, other))[1].x is other[1].tensor
+    outs = [torch.empty(2, 2) for _ in ws]
+    assert not ops.items("g", ws, outs)[0].inplace  # out of place: never from the memo
+    segs = plan_reduction([4] * n, 4, 0, 1 << 20, True)[0].segments
+    buf = ops.buffer(torch.float32, 4 * n)
+    ops.pack(buf, items, segs, 1.0, False)
+    assert torch.equal(buf, torch.cat([x.reshape(-1) for x in xs]))
+    views = ops._whole(buf, items, segs).views
+    assert ops._whole(buf, items, segs).views is views  # made once
+    buf.mul_(3)
+    ops.unpack(buf, items, segs, 1.0, 3)
+    assert all(torch.equal(x, torch.full((2, 2), float(k))) for k, x in enumerate(xs))
+    flat = [dp.DeviceTensor(torch.full((4,), float(k))) for k in range(n)]  # other shapes, same sizes
+    flat_items = list(ops.items("f", flat, ops.outputs(flat, flat)))
+    assert ops._whole(buf, flat_items, segs).views is not views
+    ops.pack(buf, flat_items, segs, 2.0, False)
+    assert torch.equal(buf, torch.cat([w.tensor for w in flat]) * 2)
+    bigger = ops.buffer(torch.float32, 1 << 12)  # a new buffer: views made again
+    assert not ops._pieces and bigger.data_ptr() != buf.data_ptr()
+    round_tensors = [torch.ones(4) for _ in range(n)]
+    ref = weakref.ref(round_tensors[0])
+    round_items = [dp.TorchBuffers.item(tuple.__new__, f"t{k}", t) for k, t in enumerate(round_tensors)]
+    buf = ops.buffer(torch.float32, 4 * n)
+    ops.pack(buf, round_items, segs, 1.0, False)
+    ops.unpack(buf, round_items, segs, 1.0, 1)
+    del round_tensors, round_items
+    gc.collect()
+    assert ref() is None  # the memo kept only the buffer's views

@@ -143,16 +143,24 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
 
     Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
     agreed shapes."""
+    recall = getattr(ops, "recall", None)  # a memoized batch of one in-place array per entry
+    remember = getattr(ops, "remember", None)
+    if recall is not None:
+        found = recall(batch, entries)
+        if found is not None:
+            return found
     items: list[Item] = []
     starts: list[int] = []
     one = getattr(ops, "item", None)  # the one-tensor, in-place case without the general calls
     new = tuple.__new__
+    ones = 0
     for resp, entry in zip(batch, entries):
         starts.append(len(items))
         if one is not None and entry is not None:
             inputs = entry.inputs
             if len(inputs) == 1 and entry.outputs is inputs:
                 items.append(one(new, resp.request.name, inputs[0]))
+                ones += 1
                 continue
         if entry is None:
             for shape in resp.request.shapes:
@@ -167,6 +175,8 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
         if len(batch) == 1:
             return mine, starts  # as ``items`` made it (a tuple when remembered)
         items.extend(mine)
+    if remember is not None and ones == len(batch):
+        return remember(batch, entries, items, starts)  # type: ignore[no-any-return]
     return items, starts
 
 
@@ -323,6 +333,15 @@ class _Remembered:
         self.moves: dict[int, _Moves] = {}  # id(segments) -> views (the segments are kept in it)
 
 
+class _Batch(NamedTuple):
+    """``NumpyBuffers.recall``'s memo of one batch: its entries' arrays, its items and starts."""
+
+    batch: Sequence[Any]
+    arrays: tuple[np.ndarray, ...]
+    items: tuple[Item, ...]
+    starts: list[int]
+
+
 class NumpyBuffers:
     """``BufferOps`` on flat host NumPy arrays (the engine's own executor)."""
 
@@ -335,6 +354,8 @@ class NumpyBuffers:
         self._buffers: dict[str, np.ndarray] = {}
         # name -> the last many-tensor entry of that name, its items and their views (``items``)
         self._items: dict[str, _Remembered] = {}
+        # id(batch) -> its last arrays' ids, then (seen again) the batch's memo (``recall``)
+        self._batches: dict[int, _Batch | list[int]] = {}
 
     #: in-place entries of at least this many tensors have their items remembered; at most this
     #: many names
@@ -381,6 +402,49 @@ class NumpyBuffers:
             self._items[name] = _Remembered(tuple(inputs), items)
             return items
         return out
+
+    #: batches of at least this many entries are remembered (``recall``); at most this many
+    BATCH_MEMO_MIN = 8
+    BATCH_MEMO_SIZE = 64
+
+    def recall(self, batch: Sequence[Any], entries: Sequence[Any]) -> tuple[tuple[Item, ...], list[int]] | None:
+        """The items and starts of ``batch`` when it is a remembered one (a memoized plan's, the
+        same tuple every step) and every entry hands over, in place, the same one array as then (a
+        binding's kept views of the same tensors: ``allreduce_async_`` per gradient, every step);
+        None otherwise. The items are a tuple, which ``items``' memo holds too, so that the
+        fusion buffer's views of them (``_moves``) are made once."""
+        memo = self._batches.get(id(batch))
+        if type(memo) is not _Batch or memo.batch is not batch:
+            return None
+        for e, a in zip(entries, memo.arrays):
+            if e is None or e.outputs is not e.inputs or e.inputs[0] is not a:
+                return None
+        return memo.items, memo.starts
+
+    def remember(self, batch: Sequence[Any], entries: Sequence[Any], items: list[Item],
+                 starts: list[int]) -> tuple[Sequence[Item], list[int]]:
+        """Note a batch whose entries each hand over one array in place (``batch_items``): the
+        first time, only the arrays' identities (holding no array: a binding that hands over new
+        arrays every step, as ``tensor.numpy()`` of new gradients, must not have its last step's
+        kept alive); when the same arrays come again, the memo ``recall`` answers from (holding
+        them: they are the caller's own, kept across steps anyway)."""
+        if type(batch) is not tuple or len(batch) < self.BATCH_MEMO_MIN:
+            return items, starts
+        arrays = [e.inputs[0] for e in entries]
+        ids = list(map(id, arrays))
+        key = id(batch)
+        seen = self._batches.get(key)
+        if len(self._batches) >= self.BATCH_MEMO_SIZE:
+            self._batches.clear()
+        if type(seen) is not list or seen != ids:
+            self._batches[key] = ids
+            return items, starts
+        kept = tuple(items)
+        self._batches[key] = _Batch(batch, tuple(arrays), kept, starts)
+        if len(self._items) >= self.ITEMS_MEMO_SIZE:
+            self._items.clear()
+        self._items[kept[0].name] = _Remembered(tuple(arrays), kept)  # for ``_moves``
+        return kept, starts
 
     def _moves(self, buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment]) -> _Moves | None:
         """The views ``pack``/``unpack`` move between for ``segs`` of a remembered entry's items

@@ -54,6 +54,17 @@ class ResponseCache:
             return slot, True
         return slot, False
 
+    @property
+    def slot_of(self) -> dict[str, int]:
+        """Name -> slot, for a caller that inlines ``lookup``'s first test (read it, never change it)."""
+        return self._by_name
+
+    @property
+    def matched(self) -> list[Any]:
+        """Per slot, the request object that last matched it (``lookup``: a request resubmitted
+        as it is matches again without comparing signatures). Read it, never change it."""
+        return self._matched
+
     def response(self, slot: int) -> Response:
         resp = self._slots[slot]
         assert resp is not None

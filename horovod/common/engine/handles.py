@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Handle", "HandleCounter", "GroupHandle"]
@@ -23,9 +24,8 @@ class HandleCounter:
     def __init__(self) -> None:
         self._it = itertools.count()
         self._unnamed: dict[int, itertools.count[int]] = {}
-
-    def next(self) -> int:
-        return next(self._it)
+        #: the next integer handle (the counter's own ``__next__``: no Python frame per operation)
+        self.next: Callable[[], int] = self._it.__next__
 
     def unnamed(self, process_set_id: int) -> int:
         """The number of the next unnamed operation on ``process_set_id``."""
@@ -39,13 +39,20 @@ class HandleCounter:
         self._unnamed.pop(process_set_id, None)
 
 
+# Guards the making of a handle's latch (``Handle._latch_of``): rare, only a waiter that must block.
+_MAKING = _thread.allocate_lock()
+
+
 class Handle:
     """Completion of one submitted operation: a latch plus its result or error.
 
     ``result`` is a list of output arrays (one per tensor of the request); for alltoall each item is
     ``(output, received_splits)``; for join it is the last rank to join. The latch is a bare lock
-    held from creation until completion (``threading.Event`` costs several times more per
-    operation, and the engine makes one handle per tensor).
+    (``threading.Event`` costs several times more per operation, and the engine makes one handle per
+    tensor), made only when a waiter must block: most handles of a step are complete by the time
+    their caller waits (the first wait drives the round that completes them all), and never need
+    one. Completion sets ``_done`` before it reads the latch, and a waiter publishes its latch
+    before it reads ``_done`` again, so a waiter either sees the operation done or is released.
     """
 
     __slots__ = ("id", "name", "_latch", "_done", "result", "error", "helper", "request")
@@ -53,8 +60,7 @@ class Handle:
     def __init__(self, handle_id: int, name: str) -> None:
         self.id = handle_id
         self.name = name
-        self._latch = _thread.allocate_lock()
-        self._latch.acquire()
+        self._latch: Any = None  # made by the first waiter that must block (``_latch_of``)
         self._done = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -62,26 +68,49 @@ class Handle:
         self.helper: Any = None
         self.request: Any = None  # the submitted request (for collectives.submit_again)
 
+    def _release(self) -> None:
+        """Completion: ``_done`` is set; let blocked waiters through."""
+        latch = self._latch
+        if latch is not None:
+            latch.release()
+
     def set_result(self, result: Any) -> None:
         self.result = result
         self._done = True
-        self._latch.release()
+        latch = self._latch  # ``_release``, inlined (once per tensor of a step)
+        if latch is not None:
+            latch.release()
 
     def set_error(self, error: BaseException) -> None:
         self.error = error
         self._done = True
-        self._latch.release()
+        self._release()
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not); ``wait`` will not block."""
         return self._done
 
+    def _latch_of(self) -> Any:
+        """The handle's latch, held until completion: made once, by the first waiter that needs it."""
+        latch = self._latch
+        if latch is None:
+            with _MAKING:
+                latch = self._latch
+                if latch is None:
+                    latch = _thread.allocate_lock()
+                    latch.acquire()
+                    self._latch = latch
+        return latch
+
     def wait_event(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for completion; True if completed."""
         if self._done:
             return True
-        if self._latch.acquire(timeout=timeout):
-            self._latch.release()  # let any other waiter through too
+        latch = self._latch_of()
+        if self._done:  # completed before the latch was published: nobody will release it
+            return True
+        if latch.acquire(timeout=timeout):
+            latch.release()  # let any other waiter through too
             return True
         return self._done
 
@@ -123,7 +152,7 @@ class GroupHandle(Handle):
         left = self._left = self._left - 1
         if left == 0:
             self._done = True
-            self._latch.release()
+            self._release()
 
     def set_error(self, error: BaseException) -> None:
         """One entry failed: the first error is the handle's; completes like ``set_result``."""

@@ -1,6 +1,8 @@
 """Gradient bundles (issue 25): many single-tensor requests submitted in one call with one handle.
 
 * ``GroupHandle`` completes when its last part does, with the first error;
+* a ``Handle``'s latch, made only by a waiter that must block, releases every waiter whether
+  completion comes before, while or after it is made;
 * ``Engine.submit_many`` refuses a bundle with a name in flight and submits nothing of it;
 * ``ResponseCache.lookup`` matches a resubmitted request object without comparing signatures,
   and never after its slot was refilled;
@@ -16,7 +18,7 @@ import sys
 import pytest
 
 from horovod.common.engine.cache import ResponseCache
-from horovod.common.engine.handles import GroupHandle
+from horovod.common.engine.handles import GroupHandle, Handle
 from horovod.common.types import Request, RequestType, Response
 
 
@@ -33,6 +35,43 @@ def test_group_handle_completes_with_its_last_part_and_keeps_the_first_error():
     ok.set_result([1])
     ok.set_result([2])
     assert ok.wait() is None
+
+
+def test_a_handle_makes_its_latch_only_for_a_blocked_waiter_and_releases_every_waiter():
+    import threading
+
+    done_first = Handle(1, "a")
+    done_first.set_result([1])
+    assert done_first._latch is None and done_first.wait() == [1]  # never blocked: no latch
+    assert done_first._latch is None
+    timed_out = Handle(2, "b")
+    assert not timed_out.wait_event(0.01) and timed_out._latch is not None
+    with pytest.raises(TimeoutError, match="'b' did not finish"):
+        timed_out.wait(timeout=0.01)
+    timed_out.set_error(ValueError("boom"))  # completion after a waiter gave up: later waits see it
+    with pytest.raises(ValueError, match="boom"):
+        timed_out.wait()
+    for _ in range(50):  # completion racing with several blocked waiters
+        h = Handle(3, "c")
+        got: list = []
+
+        def wait(h: Handle = h, got: list = got) -> None:
+            got.append(h.wait())
+
+        waiters = [threading.Thread(target=wait) for _ in range(3)]
+        for t in waiters:
+            t.start()
+        h.set_result(["r"])
+        for t in waiters:
+            t.join(10)
+        assert got == [["r"]] * 3 and not any(t.is_alive() for t in waiters)
+    group = GroupHandle(4, "g", 2)
+    waiter = threading.Thread(target=group.wait)
+    waiter.start()
+    group.set_result(None)
+    group.set_result(None)
+    waiter.join(10)
+    assert not waiter.is_alive()
 
 
 def _req(name: str, shape: tuple[int, ...]) -> Request:

@@ -4,7 +4,9 @@ and what it returns cannot be changed by a caller. PURE.
 * ``Executor._plan_reduction`` (``plan.plan_reduction`` by all of its arguments);
 * ``Executor._reduction`` (the widening and scaling rules, by dtype and transport);
 * ``NumpyBuffers.items`` (a name's items, by the identity of its arrays), also after the caller's
-  list was changed in place.
+  list was changed in place;
+* ``batch_items`` through ``NumpyBuffers.recall`` (a memoized batch's items, by the identity of
+  each entry's one in-place array), whatever each step hands over.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from horovod.common.backends.base import Group
-from horovod.common.engine.buffers import NumpyBuffers
-from horovod.common.engine.executor import Executor
+from horovod.common.engine.buffers import NumpyBuffers, batch_items
+from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.plan import plan_reduction
 from horovod.common.engine.tunables import Tunables
-from horovod.common.types import ReduceOp, Request, RequestType
+from horovod.common.types import ReduceOp, Request, RequestType, Response
 
 _SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -105,3 +107,48 @@ def test_items_memo_hit_equals_fresh_items_after_list_changes(steps):
             assert (a.inplace, a.name, a.n) == (b.inplace, b.name, b.n)
             assert np.shares_memory(a.x, x) and a.x.shape == b.x.shape and np.array_equal(a.x, b.x)
             assert a.o is a.x
+
+
+@_SETTINGS
+@given(st.lists(st.tuples(st.sampled_from(["same", "replace", "new", "joined", "out_of_place", "other_batch"]),
+                          st.integers(0, 30)), max_size=14))
+def test_batch_items_memo_hit_equals_fresh_items(steps):
+    n = NumpyBuffers.BATCH_MEMO_MIN + 3
+    reqs = [Request(f"t{k}", RequestType.ALLREDUCE, "float32", ((2, 2),), ReduceOp.SUM) for k in range(n)]
+    batches = [tuple(Response(r) for r in reqs), tuple(Response(r) for r in reqs)]
+    ops = NumpyBuffers(lambda nbytes: np.empty(nbytes, np.uint8))
+    arrays = [np.full((2, 2), k, np.float32) for k in range(n)]
+    batch = batches[0]
+    for what, k in steps + [("same", 0), ("same", 0)]:
+        outs = None
+        if what == "replace":
+            arrays = list(arrays)
+            arrays[k % n] = np.full((2, 2), 100.0 + k, np.float32)
+        elif what == "new":
+            arrays = [a.copy() for a in arrays]
+        elif what == "out_of_place":
+            outs = k % n
+        elif what == "other_batch":
+            batch = batches[k % 2]
+        entries: list = []
+        for j, (r, a) in enumerate(zip(reqs, arrays)):
+            if what == "joined" and j == k % n:
+                entries.append(None)
+            elif outs == j:
+                entries.append(Entry(r, [a], [np.empty_like(a)], None))
+            else:
+                entries.append(Entry(r, [a], None, None))
+                entries[-1].outputs = entries[-1].inputs
+        got, starts = batch_items(batch, entries, ops)
+        fresh, fresh_starts = batch_items(list(batch), entries, NumpyBuffers(lambda nb: np.empty(nb, np.uint8)))
+        assert list(starts) == list(fresh_starts) and len(got) == len(fresh) == n
+        for j, (a, b) in enumerate(zip(got, fresh)):
+            assert (a.inplace, a.name, a.n) == (b.inplace, b.name, b.n)
+            assert np.array_equal(a.x, b.x) and np.array_equal(a.o, b.o)
+            e = entries[j]
+            if e is not None:  # the very memory handed over this step
+                assert np.shares_memory(a.x, e.inputs[0]) and np.shares_memory(a.o, e.outputs[0])
+        if isinstance(got, tuple):  # remembered: a caller cannot change them
+            assert all(e is not None and e.outputs is e.inputs for e in entries)
+    # the same arrays twice in a row: the second time (and after) from the memo
+    assert isinstance(got, tuple) and batch_items(batch, entries, ops)[0] is got

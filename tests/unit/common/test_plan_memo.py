@@ -271,3 +271,43 @@ def test_remembered_views_move_the_same_values_and_follow_a_new_fusion_buffer():
         for a, w in zip(arrays, want):
             np.testing.assert_array_equal(a, w)
         assert len(ops._items["g"].moves) == len(calls)  # made once per set of segments
+
+
+def test_a_batch_memo_holds_no_array_until_the_same_arrays_come_again():
+    # A binding that hands over new arrays every step (tensor.numpy() of new gradients) must not
+    # have its last step's arrays kept alive by the memo; the same arrays twice are remembered.
+    import gc
+    import weakref
+
+    from horovod.common.engine.buffers import batch_items
+    from horovod.common.engine.executor import Entry
+    from horovod.common.types import Request, RequestType, Response
+
+    n = NumpyBuffers.BATCH_MEMO_MIN
+    reqs = [Request(f"t{k}", RequestType.ALLREDUCE, "float32", ((3,),), ReduceOp.SUM) for k in range(n)]
+    batch = tuple(Response(r) for r in reqs)
+    ops = NumpyBuffers(lambda nbytes: np.empty(nbytes, np.uint8))
+
+    def entries(arrays):
+        out = [Entry(r, [a], None, None) for r, a in zip(reqs, arrays)]
+        for e in out:
+            e.outputs = e.inputs
+        return out
+
+    fresh = [np.ones(3, np.float32) for _ in range(n)]
+    ref = weakref.ref(fresh[0])
+    first, _ = batch_items(batch, entries(fresh), ops)
+    del fresh, first
+    gc.collect()
+    assert ref() is None  # only identities were noted
+    kept = [np.ones(3, np.float32) for _ in range(n)]
+    a, _ = batch_items(batch, entries(kept), ops)
+    b, _ = batch_items(batch, entries(kept), ops)
+    c, _ = batch_items(batch, entries(kept), ops)
+    assert not isinstance(a, tuple) and isinstance(b, tuple) and c is b
+    assert all(it.x is x for it, x in zip(c, kept))
+    other = list(kept)
+    other[2] = np.zeros(3, np.float32)
+    d, _ = batch_items(batch, entries(other), ops)  # one array replaced: built afresh
+    assert d is not b and d[2].x is other[2]
+    assert batch_items(list(batch), entries(kept), ops)[0] is not b  # a batch made this round
