@@ -23,7 +23,7 @@ import numpy as np
 
 from horovod.common.types import ReduceOp
 
-__all__ = ["CollectiveBackend", "Controller", "Group", "SplitsGroups", "Transport"]
+__all__ = ["CollectiveBackend", "Controller", "Group", "SplitsGroups", "EngineBackend"]
 
 
 class Group:
@@ -126,7 +126,7 @@ class CollectiveBackend(Protocol):
 
 
 @runtime_checkable
-class Transport(Controller, CollectiveBackend, Protocol):
+class EngineBackend(Controller, CollectiveBackend, Protocol):
     """What the engine is given: one object in both roles (every backend module's ``create``)."""
 
 

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from horovod.common.backends.base import Group, Transport
+from horovod.common.backends.base import EngineBackend, Group
 from horovod.common.engine.transport import Lane
 from horovod.common.engine.tunables import Tunables
 from horovod.common.exceptions import ConfigError, HorovodInternalError
@@ -77,7 +77,7 @@ class PlaneServices:
         secret: the job secret that keys the plane's stores (None: a key travels over ``backend``).
     """
 
-    backend: Transport
+    backend: EngineBackend
     tunables: Tunables
     timeline: Callable[[], Any]
     timeout_s: float = 30.0

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import Group, SplitsGroups, Transport
+from horovod.common.backends.base import EngineBackend, Group, SplitsGroups
 from horovod.common.engine.adasum import AdasumRunner
 from horovod.common.engine.buffers import (
     SMALL_OUTPUT_BYTES,
@@ -131,7 +131,7 @@ class Executor:
     """Executes batches for one engine: every operation once, over a ``Lane`` (the host one, or a
     device plane's)."""
 
-    def __init__(self, backend: Transport, groups: dict[int, Group], rank: int, tunables: Tunables,
+    def __init__(self, backend: EngineBackend, groups: dict[int, Group], rank: int, tunables: Tunables,
                  timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None,
                  timeout_s: float = 30.0, secret: str | None = None) -> None:
         self.backend = backend

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import Group, Transport
+from horovod.common.backends.base import EngineBackend, Group
 from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.device import DevicePlaneError
@@ -92,7 +92,7 @@ DEFER_LIMIT_S = 2.0
 class Engine:
     """Background communication engine of one process."""
 
-    def __init__(self, backend: Transport, config: EngineConfig, groups: dict[int, Group],
+    def __init__(self, backend: EngineBackend, config: EngineConfig, groups: dict[int, Group],
                  on_process_set_added: Callable[[int, list[int]], None] | None = None,
                  on_process_set_removed: Callable[[int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None) -> None:
