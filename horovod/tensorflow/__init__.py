@@ -19,7 +19,6 @@ tensors reach it as NumPy arrays (through ``tf.numpy_function`` inside graphs).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,14 +92,9 @@ from horovod.tensorflow.mpi_ops import (
 from horovod.tensorflow.optimizer import DistributedOptimizer
 from horovod.tensorflow.util import _executing_eagerly  # noqa: F401 - upstream has hvd._executing_eagerly
 
-#: the inter-op pool ``init`` asks TensorFlow for when the program chose none (see ``init``)
+#: the inter-op pool importing this module asks TensorFlow for when the program chose none
 INTEROP_THREADS = 64
-
-
-@functools.wraps(_basics.init)
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    _basics.init(comm, process_sets)
-    _widen_interop_pool()
+init = _basics.init
 
 
 def _widen_interop_pool() -> None:
@@ -109,12 +103,19 @@ def _widen_interop_pool() -> None:
     independent ops in a different order on each rank: with fewer threads than independent Horovod
     ops in one ``session.run``, ranks could each hold all their threads on ops the other rank has
     not reached. A larger pool (idle threads cost nothing) makes that need dozens of independent
-    ops in one run. Only TensorFlow's default changes (``tf.config.threading``, which sessions
-    without a ``ConfigProto`` of their own follow), and only when the program set neither
-    ``TF_NUM_INTEROP_THREADS`` nor the setting, and TensorFlow has not started its runtime yet."""
+    ops in one run.
+
+    Sessions made with a ``ConfigProto`` of their own that leaves the count at 0 (upstream's
+    recipes make them so) take their pool size from ``TF_NUM_INTEROP_THREADS``, which TensorFlow
+    reads once, the first time any session or the eager runtime sizes a pool: possibly before
+    ``hvd.init()`` (a test harness opening its session first). So this runs at import, the one
+    change the package makes to the environment there, and only when the program set neither
+    that variable nor ``tf.config.threading``'s setting; the setting is widened too, for the
+    eager runtime and sessions without a ``ConfigProto``."""
     if os.environ.get("TF_NUM_INTEROP_THREADS") or tf.config.threading.get_inter_op_parallelism_threads():
         return
-    with contextlib.suppress(RuntimeError):  # the runtime already started: its pool stays
+    os.environ["TF_NUM_INTEROP_THREADS"] = str(INTEROP_THREADS)
+    with contextlib.suppress(RuntimeError):  # the runtime already started: its eager pool stays
         tf.config.threading.set_inter_op_parallelism_threads(INTEROP_THREADS)
 
 
@@ -130,6 +131,7 @@ def _exclude_from_autograph() -> None:
 
 
 _exclude_from_autograph()
+_widen_interop_pool()
 
 __all__ = [
     # process-level names (horovod.common.BASICS)

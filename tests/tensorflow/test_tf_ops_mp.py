@@ -140,11 +140,18 @@ def _ops_body():
         reds = [hvd.allreduce(ph * (i + 1), op=hvd.Sum) for i in range(8)]
         gat = hvd.allgather(tf.reshape(ph, [1, 3]))
         # 9 independent blocking ops in one run: more than the 2 cores' default pool would hold.
-        with tf.compat.v1.Session() as sess:
-            vals = sess.run(reds + [gat], feed_dict={ph: np.full(3, float(r))})
-    for i in range(8):
-        check(f"tf1 allreduce {i}", vals[i], np.full(3, (i + 1) * sum(range(n))))
-    check("tf1 allgather", vals[8], np.stack([np.full(3, float(k)) for k in range(n)]))
+        # First in a session with a ConfigProto of its own (inter-op count 0, as upstream's
+        # examples make them: its pool is sized from TF_NUM_INTEROP_THREADS), then in one without.
+        cfg = tf.compat.v1.ConfigProto()
+        cfg.gpu_options.allow_growth = True
+        runs = []
+        for config in (cfg, None):
+            with tf.compat.v1.Session(config=config) as sess:
+                runs.append(sess.run(reds + [gat], feed_dict={ph: np.full(3, float(r))}))
+    for how, vals in zip(("ConfigProto", "default"), runs, strict=True):
+        for i in range(8):
+            check(f"tf1 {how} session allreduce {i}", vals[i], np.full(3, (i + 1) * sum(range(n))))
+        check(f"tf1 {how} session allgather", vals[8], np.stack([np.full(3, float(k)) for k in range(n)]))
     return bad
 
 
