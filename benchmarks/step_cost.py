@@ -8,7 +8,9 @@
                               # interval, the counters' cost per step, the reporter's CPU per push
     HOROVOD_MONITOR_INTERVAL=0.1 horovodrun ... --monitor-block-s 0.5   # the same at 10 reports/s
     mpirun -np 2 -x HOROVOD_TORCH_CPU_PLANE=1 python benchmarks/step_cost.py   # the torch device
-                 # plane (its CPU twin): every mode but hooks and bundle (host tensors only)
+                 # plane (its CPU twin): every mode but bundle (host tensors only)
+    mpirun -np 2 python benchmarks/step_cost.py --modes async_sync,hooks,grouped --slope 21
+                 # the cost of one more tensor: 161 against 21 tensors, interleaved
 
 Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as JSON):
   async_sync   ``hvd.allreduce_async_`` per tensor, then ``hvd.synchronize`` per handle (what
@@ -32,6 +34,15 @@ Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as
   floor        one reduction of all the elements in one buffer on the mode's transport (mpi4py;
                the plane's Gloo process group on the twin); ``*_us_per_tensor`` is a mode's time
                less this floor, per tensor: Horovod's host cost per tensor
+
+``*_marginal_us_per_tensor`` (``--slope N``): the cost of one more tensor, from the same modes
+run interleaved on N tensors: the median over the reps of the step less the small set's step
+(each less its time in the transport), divided by the difference in tensors. The step's fixed
+costs (a round's negotiation, waiting for the peer, the transport's latency) cancel out, which
+the per-tensor figures above divide among the tensors. At np=1 nothing waits for a peer and the
+figures repeat to a few percent on a loaded machine: the way to compare the twin's per-tensor
+work with the host path's (``python benchmarks/step_cost.py --slope 21`` with and without
+``HOROVOD_TORCH_CPU_PLANE=1``).
 
 ``*_host_us_per_tensor`` is the same cost measured without the floor: each step less the time it
 spent inside the data transport's calls (the host backend's ``allreduce``, or the plane's Gloo
@@ -59,6 +70,11 @@ import horovod.torch as hvd
 parser = argparse.ArgumentParser()
 parser.add_argument("--tensors", type=int, default=161)
 parser.add_argument("--elements", type=int, default=4)
+parser.add_argument("--slope", type=int, default=0, metavar="N",
+                    help="also run async_sync, hooks and grouped on a set of N tensors (modes *_small, "
+                         "interleaved) and report *_marginal_us_per_tensor: the median over the reps of "
+                         "(step - small step) / (tensors - N), each less its time in the transport: the "
+                         "cost of one more tensor, without the step's fixed costs")
 parser.add_argument("--reps", type=int, default=300)
 parser.add_argument("--modes", default="", help="comma-separated modes to time (default: all)")
 parser.add_argument("--profile", default="", help="write a cProfile of --profile-mode on rank 0")
@@ -407,14 +423,14 @@ def transport_timer() -> tuple[list[float], Callable[[], None]]:
     return acc, remove
 
 
-def main() -> None:
-    args = parser.parse_args()
-    hvd.init()
-    from mpi4py import MPI
+def per_tensor_modes(tensors: list[Any], prefix: str) -> dict[str, Any]:
+    """The per-tensor modes on ``tensors`` (names made with ``prefix``): ``async_sync``, ``hooks``
+    (where the tree resubmits these tensors' signatures) and ``grouped``, plus the hooks' pieces."""
+    from horovod.common.context import get_context
+    from horovod.torch import mpi_ops
+    from horovod.torch.mpi_ops import _repeat_signature
 
-    comm = MPI.COMM_WORLD
-    tensors = [torch.ones(args.elements) for _ in range(args.tensors)]
-    names = [f"grad.{i}" for i in range(args.tensors)]
+    names = [f"{prefix}grad.{i}" for i in range(len(tensors))]
 
     def async_sync() -> None:
         handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average) for t, n in zip(tensors, names)]
@@ -422,14 +438,10 @@ def main() -> None:
             hvd.synchronize(h)
 
     def grouped() -> None:
-        hvd.grouped_allreduce_(tensors, name="grouped.grads", op=hvd.Average)
+        hvd.grouped_allreduce_(tensors, name=f"{prefix}grouped.grads", op=hvd.Average)
 
     # The optimizer's hooks: the first step checks and submits, later ones resubmit deferred.
-    from horovod.torch.mpi_ops import _repeat_signature
-
-    first = [hvd.allreduce_async_(t, name=f"hook.{i}", op=hvd.Average) for i, t in enumerate(tensors)]
-    from horovod.common.context import get_context
-
+    first = [hvd.allreduce_async_(t, name=f"{prefix}hook.{i}", op=hvd.Average) for i, t in enumerate(tensors)]
     sigs = [_repeat_signature(t, get_context().handles[h][0].request) for t, h in zip(tensors, first)]
     # Trees from before the device plane's repeat path have no signatures for the plane's tensors
     # (HOROVOD_TORCH_CPU_PLANE=1): the modes built on them are left out there. Bundles are for
@@ -439,8 +451,6 @@ def main() -> None:
     for h in first:
         hvd.synchronize(h)
 
-    from horovod.torch import mpi_ops
-
     def hooks_submit() -> list[Any]:
         resubmit = mpi_ops._resubmit  # looked up per step: --ab swaps it
         return [resubmit(t, s, defer=True) for t, s in zip(tensors, sigs)]  # type: ignore[arg-type]
@@ -448,6 +458,27 @@ def main() -> None:
     def hooks() -> None:
         for h in hooks_submit():
             hvd.synchronize(h)
+
+    modes: dict[str, Any] = {"async_sync": async_sync, "grouped": grouped, "hooks_submit": hooks_submit,
+                             "_repeat": repeat, "_host_sigs": host_sigs, "_sigs": sigs}
+    if repeat:
+        modes["hooks"] = hooks
+    return modes
+
+
+def main() -> None:
+    args = parser.parse_args()
+    hvd.init()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    tensors = [torch.ones(args.elements) for _ in range(args.tensors)]
+    names = [f"grad.{i}" for i in range(args.tensors)]
+    from horovod.torch import mpi_ops
+
+    own = per_tensor_modes(tensors, "")
+    async_sync, grouped, hooks_submit = own["async_sync"], own["grouped"], own["hooks_submit"]
+    repeat, host_sigs, sigs, hooks = own["_repeat"], own["_host_sigs"], own["_sigs"], own.get("hooks")
 
     def bundle() -> None:
         hvd.synchronize(mpi_ops._resubmit_many(tensors, sigs, defer=True))  # type: ignore[arg-type]
@@ -503,13 +534,18 @@ def main() -> None:
     for _ in range(3):  # the first steps take the checked path; later ones resubmit
         optimizer()
         optimizer_groups1()
-    modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "bundle": bundle,
+    modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "bundle": bundle,  # type: ignore[dict-item]
                                             "optimizer": optimizer, "optimizer_groups1": optimizer_groups1,
                                             "plain": plain, "grouped": grouped, "raw": raw, "floor": floor}
     if not hasattr(mpi_ops, "_resubmit_many") or not host_sigs:  # a tree from before bundles
         modes.pop("bundle")
     if not repeat:
         modes.pop("hooks")
+    if args.slope:  # the same per-tensor modes on a smaller set, interleaved (see --slope)
+        small = per_tensor_modes([torch.ones(args.elements) for _ in range(args.slope)], "small.")
+        for k in ("_repeat", "_host_sigs", "_sigs", "hooks_submit"):
+            small.pop(k)
+        modes.update({f"{k}_small": f for k, f in small.items()})
     if args.ab:
         switch = _unopt_switch()
 
@@ -537,7 +573,8 @@ def main() -> None:
     if args.modes:
         keep = set(args.modes.split(",")) | ({"plain"} if any(m.startswith("optimizer") for m in args.modes.split(","))
                                             else set())
-        modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep}
+        modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep
+                 or k.removesuffix("_small") in keep}
     if args.monitor:
         monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
                        args.reps, args.monitor_block_s, comm)
@@ -580,6 +617,10 @@ def main() -> None:
                       for k in ("async_sync", "hooks", "grouped") if k in med and "floor" in med}
         per_tensor.update({f"{k}_host_us_per_tensor": round(statistics.median(host[k]) * 1e6 / args.tensors, 3)
                            for k in ("async_sync", "hooks", "grouped") if k in host})
+        for k in ("async_sync", "hooks", "grouped"):
+            if f"{k}_small" in host:
+                per_tensor[f"{k}_marginal_us_per_tensor"] = round(statistics.median(
+                    a - b for a, b in zip(host[k], host[f"{k}_small"])) * 1e6 / (args.tensors - args.slope), 3)
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                           **per_tensor}), flush=True)
