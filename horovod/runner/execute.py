@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, assert_never
 
 from horovod.common import protocol
 from horovod.runner.failures import RankExit, format_report, root_cause
@@ -74,6 +74,28 @@ def _stdin_is_tty() -> bool:
         return False
 
 
+# What the launcher's threads tell the supervising loop (``Supervisor._events``): a shim's exit
+# report seen in a rank's output, a process that ended, a signal horovodrun received.
+@dataclass(frozen=True, slots=True)
+class _ExitReported:
+    report: protocol.ExitReport
+
+
+@dataclass(frozen=True, slots=True)
+class _ProcessEnded:
+    index: int  # in Supervisor._procs
+    returncode: int
+    exit_time: float  # time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class _SignalReceived:
+    signum: int
+
+
+_Event = _ExitReported | _ProcessEnded | _SignalReceived
+
+
 class _Proc:
     def __init__(self, index: int, cmd: Command, popen: subprocess.Popen[bytes]) -> None:
         self.index = index
@@ -116,7 +138,7 @@ class Supervisor:
         self.err = stderr or sys.stderr
         self.line_hook = line_hook
         self._write_lock = threading.Lock()
-        self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._events: queue.Queue[_Event] = queue.Queue()
         self._markers: dict[int, protocol.ExitReport] = {}  # the shims' exit reports, by rank
         self._errors: dict[int, protocol.FailureRecord] = {}  # protocol.ERROR_MARKER records, by rank
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
@@ -134,7 +156,7 @@ class Supervisor:
             self._errors.setdefault(found.error.rank, found.error)
         if found.exit is not None and found.exit.rank is not None:
             self._markers[found.exit.rank] = found.exit
-            self._events.put(("marker", found.exit.rank, found.exit))
+            self._events.put(_ExitReported(found.exit))
         if found.empty:
             return
         text, term = found.text, found.terminator
@@ -233,7 +255,7 @@ class Supervisor:
 
     def _wait(self, proc: _Proc) -> None:
         rc = proc.popen.wait()
-        self._events.put(("exit", proc.index, rc, time.time()))
+        self._events.put(_ProcessEnded(proc.index, rc, time.time()))
 
     def _signal_proc(self, proc: _Proc, signum: int) -> None:
         if proc.returncode is not None:
@@ -276,7 +298,7 @@ class Supervisor:
             pass
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self._events.put(("signal", signum))
+        self._events.put(_SignalReceived(signum))
 
     # -------------------------------------------------------------------- run
     def run(self, handle_signals: bool = True) -> JobResult:
@@ -313,32 +335,35 @@ class Supervisor:
         running = len(self._procs)
         failure_seen_at: float | None = None
         while running:
+            event: _Event | None
             try:
                 event = self._events.get(timeout=0.2)
             except queue.Empty:
                 event = None
             now = time.monotonic()
-            if event is not None:
-                kind = event[0]
-                if kind == "exit":
-                    proc = self._procs[event[1]]
-                    proc.returncode, proc.exit_time = event[2], event[3]
+            match event:
+                case _ProcessEnded(index=index, returncode=returncode, exit_time=exit_time):
+                    proc = self._procs[index]
+                    proc.returncode, proc.exit_time = returncode, exit_time
                     running -= 1
                     if proc.returncode != 0 and self._stopping is None:
                         who = (f"rank {proc.cmd.ranks[0]} on {proc.cmd.host}"
                                if len(proc.cmd.ranks) == 1 else "mpirun")
                         self._stop(f"{who} failed")
-                elif kind == "marker":
-                    report: protocol.ExitReport = event[2]
+                case _ExitReported(report=report):
                     if (report.code or report.signal) and failure_seen_at is None:
                         failure_seen_at = now
-                elif kind == "signal":
-                    name = signal.Signals(event[1]).name
+                case _SignalReceived(signum=signum):
+                    name = signal.Signals(signum).name
                     if self._interrupted is None:
                         self._interrupted = name
-                        self._stop(f"horovodrun received {name}", event[1])
+                        self._stop(f"horovodrun received {name}", signum)
                     else:
                         self._kill_at = now
+                case None:  # nothing new: check the deadlines below
+                    pass
+                case _:
+                    assert_never(event)
             # mpirun normally aborts the job by itself when a rank fails; make sure it does.
             if (failure_seen_at is not None and self._stopping is None
                     and now - failure_seen_at > 2 * self.grace):

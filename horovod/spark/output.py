@@ -2,22 +2,22 @@
 
 A rank runs inside a Spark task on some executor; its stdout and stderr would end in that
 executor's log. The task forwards them instead: ``RemoteOutput`` collects the already prefixed
-lines (``[rank]<stdout>:...``) and ships them in small batches with a signed ``PUT`` under
-``spark_output/<rank>.<n>``; on the driver, ``OutputPump`` reads the batches in order straight
-from the service's store (no network hop) and writes them to the ``stdout``/``stderr`` streams
-the caller gave ``horovod.spark.run`` (default: the driver's own).
+lines (``[rank]<stdout>:...``) and ships them in small batches (``protocol.SparkOutputBatch``)
+with a signed ``PUT`` under ``spark_output/<rank>.<n>``; on the driver, ``OutputPump`` reads the
+batches in order straight from the service's store (no network hop) and writes them to the
+``stdout``/``stderr`` streams the caller gave ``horovod.spark.run`` (default: the driver's own).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from horovod.common.protocol import SPARK_OUTPUT_SCOPE, spark_output_key
+from horovod.common.exceptions import HorovodInternalError
+from horovod.common.protocol import SPARK_OUTPUT_SCOPE, SparkOutputBatch, spark_output_key
 
 __all__ = ["RemoteOutput", "OutputPump"]
 
@@ -76,7 +76,7 @@ class RemoteOutput:
                 return
             key = spark_output_key(self.source, self._seq)
             self._seq += 1
-            body = json.dumps(items).encode()
+            body = SparkOutputBatch(tuple(items)).encode()
             for _ in range(2):
                 try:
                     self.put(SPARK_OUTPUT_SCOPE, key, body)
@@ -108,7 +108,7 @@ class OutputPump:
     ``pump()`` periodically (it returns at once when nothing is new) and once more at the end.
     ``fmt(source, stream, text)``, when given, formats each line on the driver (elastic workers
     change rank between rounds, so only the driver knows the prefix); by default the lines come
-    prefixed already.
+    prefixed already. A malformed batch raises ``HorovodInternalError`` naming its key.
     """
 
     def __init__(self, get: Callable[[str, str], bytes | None],
@@ -131,7 +131,12 @@ class OutputPump:
                         break
                     self.pop(SPARK_OUTPUT_SCOPE, key)
                     seq += 1
-                    for stream, text in json.loads(raw):
+                    try:
+                        batch = SparkOutputBatch.decode(raw)
+                    except HorovodInternalError as exc:
+                        raise HorovodInternalError(f"{SPARK_OUTPUT_SCOPE}/{key} (from rank or agent {source}): "
+                                                   f"{exc}") from exc
+                    for stream, text in batch.lines:
                         if self.fmt is not None:
                             text = self.fmt(source, stream, text)
                         target = (self.err or sys.stderr) if stream == "stderr" else (self.out or sys.stdout)

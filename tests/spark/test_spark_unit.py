@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from horovod.common.exceptions import ConfigError
+from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.protocol import SPARK_AGENT_SCOPE as AGENT_SCOPE
 from horovod.common.protocol import SPARK_HEARTBEAT_SCOPE as HEARTBEAT_SCOPE
-from horovod.common.protocol import SparkAgentRegistration, SparkRankAssignment, SparkTaskStarted
+from horovod.common.protocol import SparkAgentRegistration, SparkOutputBatch, SparkRankAssignment, SparkTaskStarted
 from horovod.runner.function_job import FunctionJob
 from horovod.spark.output import OutputPump, RemoteOutput
 from horovod.spark.task import group_by_host, host_of_address
@@ -115,13 +115,26 @@ def test_output_relay_keeps_order_per_rank_and_streams():
 
 
 def test_output_pump_formats_on_the_driver():
-    store = {("spark_output", "0.1.0"): json.dumps([["stdout", "hi\n"]]).encode()}
+    store = {("spark_output", "0.1.0"): SparkOutputBatch((("stdout", "hi\n"),)).encode()}
     out = io.StringIO()
     pump = OutputPump(lambda s, k: store.get((s, k)),
                       lambda s, k: store.pop((s, k), None), out, None,
                       fmt=lambda src, stream, text: f"<{src}|{stream}>{text}")
     pump.pump(["0.1"])
     assert out.getvalue() == "<0.1|stdout>hi\n"
+
+
+def test_output_pump_names_the_batch_it_cannot_read():
+    """A batch in another format (a task of another horovod-py version) stops the job with an
+    error naming its key and source, not a bare JSON or unpacking error."""
+    store = {("spark_output", "2.0"): SparkOutputBatch((("stdout", "ok\n"),)).encode(),
+             ("spark_output", "2.1"): json.dumps([["stdout", "old format\n"]]).encode()}
+    out = io.StringIO()
+    pump = OutputPump(lambda s, k: store.get((s, k)), lambda s, k: store.pop((s, k), None), out, None)
+    with pytest.raises(HorovodInternalError, match=r"spark_output/2\.1 \(from rank or agent 2\): Spark task's "
+                                                   r"output batch .* malformed"):
+        pump.pump([2])
+    assert out.getvalue() == "ok\n"
 
 
 def test_spark_agents_discovery_counts_live_agents_per_executor():

@@ -33,7 +33,8 @@ launchers (``horovodrun``'s static and elastic jobs, the elastic driver, Spark, 
   :class:`SparkTaskStarted`, answered by :class:`SparkRankAssignment`, and its row
   :class:`SparkRankExit`; an elastic agent's :class:`SparkAgentRegistration`, the driver's
   :data:`AgentCommand` (:class:`StartWorker`, :class:`StopWorker`, :class:`KillWorker`,
-  :class:`ExitAgent`; :func:`agent_command` reads one), and :class:`SparkWorkerExit`.
+  :class:`ExitAgent`; :func:`agent_command` reads one), :class:`SparkWorkerExit`, and a task's
+  output lines, :class:`SparkOutputBatch`.
 * **Markers**: two stderr lines a launcher removes from the output it shows.
   ``__HOROVOD_RANK_ERROR__ {json}`` is written by a failing Horovod rank the moment it fails
   (:class:`FailureRecord`: whether its error is its own or the consequence of a peer leaving);

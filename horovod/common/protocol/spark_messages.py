@@ -12,7 +12,7 @@ from .markers import FailureRecord
 
 __all__ = ["SparkTaskStarted", "SparkRankAssignment", "SparkRankExit", "SparkAgentRegistration",
            "StartWorker", "StopWorker", "KillWorker", "ExitAgent", "AgentCommand", "agent_command",
-           "SparkWorkerExit"]
+           "SparkWorkerExit", "SparkOutputBatch"]
 
 # What horovod.spark.run's barrier tasks and horovod.spark.run_elastic's agents exchange with the
 # Spark driver through its rendezvous store: JSON bytes, written with ``encode()`` and read with
@@ -194,3 +194,38 @@ class SparkWorkerExit:
             return cls(_optional_int(m["code"]), _optional_int(m["signal"]), FailureRecord.from_wire(record))
 
         return _decode("Spark agent's worker exit", raw, build)
+
+
+_STREAMS = frozenset(("stdout", "stderr"))  # the streams an output batch's lines belong to
+
+
+def _is_line(pair: Any) -> bool:
+    return type(pair) is list and len(pair) == 2 and pair[0] in _STREAMS and type(pair[1]) is str
+
+
+def _output_lines(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list):
+        raise TypeError(f"lines is a {type(value).__name__}, not a list")
+    bad = next((i for i, pair in enumerate(value) if not _is_line(pair)), None)
+    if bad is not None:
+        raise ValueError(f"lines[{bad}] is {value[bad]!r:.80}, not a [stream, text] pair with "
+                         "stream 'stdout' or 'stderr'")
+    return tuple(map(tuple, value))
+
+
+@dataclass(frozen=True, slots=True)
+class SparkOutputBatch:
+    """A batch of a Spark task's output lines (:data:`SPARK_OUTPUT_SCOPE`/``spark_output_key``):
+    ``(stream, text)`` pairs in the order written, ``stream`` ``"stdout"`` or ``"stderr"``.
+
+    On the wire: ``{"lines": [[stream, text], ...]}`` (a batch holds many lines: one JSON pair
+    each, nothing more)."""
+
+    lines: tuple[tuple[str, str], ...]
+
+    def encode(self) -> bytes:
+        return json.dumps({"lines": self.lines}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> SparkOutputBatch:
+        return _decode("Spark task's output batch", raw, lambda m: cls(_output_lines(m["lines"])))

@@ -118,7 +118,9 @@ SPARK_MESSAGES = [protocol.SparkTaskStarted(("10.0.0.1:41234", "[::1]:2"), attem
                   protocol.SparkRankAssignment(2, "10.0.0.1", 1, {"HOROVOD_RANK": "2", "X": "é"}),
                   protocol.SparkAgentRegistration("10.0.0.1/exec-3", pid=12, attempt=2),
                   protocol.SparkWorkerExit(1, None, protocol.FailureRecord(1, "cause", "ValueError: x", 5.0)),
-                  protocol.SparkWorkerExit(None, 9)]
+                  protocol.SparkWorkerExit(None, 9),
+                  protocol.SparkOutputBatch((("stdout", "[0]<stdout>:a\n"), ("stderr", "é\r"), ("stdout", ""))),
+                  protocol.SparkOutputBatch(())]
 
 
 @pytest.mark.parametrize("message", SPARK_MESSAGES, ids=lambda m: type(m).__name__)
@@ -162,6 +164,26 @@ def test_malformed_spark_messages_name_the_message() -> None:
         protocol.SparkWorkerExit.decode(b'{"code": 1, "signal": null, "record": "boom"}')
     with pytest.raises(HorovodInternalError, match="rank assignment .* malformed"):
         protocol.SparkRankAssignment.decode(b'{"rank": "two", "host": "h", "local_rank": 0, "env": {}}')
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'[["stdout", "a"]]', "output batch .* malformed .*a JSON list, not an object"),  # the bare pairs
+    (b'{"text": "a"}', "output batch .* malformed .*KeyError"),
+    (b'{"lines": "a"}', "lines is a str, not a list"),
+    (b'{"lines": [["stdout", "a"], ["stdin", "b"]]}', r"lines\[1\] is \['stdin', 'b'\], not a \[stream, text\]"),
+    (b'{"lines": [["stdout", 3]]}', r"lines\[0\] is \['stdout', 3\]"),
+    (b'{"lines": [["stderr", "a", "b"]]}', r"lines\[0\] is \['stderr', 'a', 'b'\]"),
+    (b'{"lines": ["stdout"]}', r"lines\[0\] is 'stdout'"),
+])
+def test_malformed_output_batches_name_the_batch_and_the_line(raw: bytes, match: str) -> None:
+    with pytest.raises(HorovodInternalError, match=match):
+        protocol.SparkOutputBatch.decode(raw)
+
+
+def test_an_output_batch_is_one_json_pair_a_line() -> None:
+    """The wire stays cheap (a batch holds up to 256 KiB of lines) and stable across versions."""
+    batch = protocol.SparkOutputBatch((("stdout", "[1]<stdout>:a\n"), ("stderr", "[1]<stderr>:b\n")))
+    assert batch.encode() == b'{"lines": [["stdout", "[1]<stdout>:a\\n"], ["stderr", "[1]<stderr>:b\\n"]]}'
 
 
 def test_a_remote_shims_environment_line_round_trips_and_refuses_anything_else() -> None:
