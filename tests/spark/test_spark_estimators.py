@@ -4,6 +4,7 @@ validation column; a raising rank; bad columns, types and shapes before training
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -15,6 +16,9 @@ import pytest
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 
 import cloudpickle  # noqa: E402
+
+from tests._averaging import averaged_steps  # noqa: E402
+from tests._reference_spark import keras_averaged_weights, step_batches  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -114,6 +118,40 @@ def _mlp() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
+_TORCH_LR = 0.5  # plain SGD's: large enough that a summed or twice-applied gradient shows
+_KERAS_LR = 0.5
+
+
+def _assert_shards_differ(steps: list[list[dict[str, np.ndarray]]]) -> None:
+    """The two ranks' batches differ at every step (a rank reading the other's shard would not
+    match the reference)."""
+    for s, (b0, b1) in enumerate(steps):
+        assert not np.array_equal(b0["features"], b1["features"]), f"step {s}: the same batch twice"
+
+
+def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], feature: str,
+                     label: str, lr: float) -> dict[str, np.ndarray]:
+    """The state of a copy of ``initial`` after plain SGD on the mean cross-entropy, the ranks'
+    gradients averaged at each step (``tests/_averaging.py``), one thread as on the ranks."""
+    import torch
+    import torch.nn.functional as F
+
+    model = copy.deepcopy(initial)
+    model.train()
+
+    def loss_of(m: Any, batch: dict[str, np.ndarray]) -> Any:
+        x = torch.from_numpy(np.ascontiguousarray(batch[feature])).float()
+        return F.cross_entropy(m(x), torch.from_numpy(batch[label]).long())
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        averaged_steps(model, torch.optim.SGD(model.parameters(), lr=lr), loss_of, steps)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
 class _RecordingMinibatch:
     """``train_minibatch_fn`` (upstream's signature) that also saves this rank's weights, its step
     count and the batch's labels after every step, under ``where``."""
@@ -155,12 +193,16 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     df = _sparse_digits(spark)
     store = Store.create(str(tmp_path / "store"))
     net = _mlp()
+    initial = copy.deepcopy(net)
     (tmp_path / "ranks").mkdir()
+    # Plain SGD (Adam would hide gradients summed instead of averaged) and shuffle=False: the
+    # reference below replays each rank's batches in the order the estimator reads them.
     est = TorchEstimator(num_proc=2, store=store, model=net,
-                         optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
+                         optimizer=torch.optim.SGD(net.parameters(), lr=_TORCH_LR),
                          loss=F.cross_entropy, feature_cols=["features"], label_cols=["label"],
                          validation="is_val", compress_sparse_cols=True, batch_size=32,
                          epochs=3, random_seed=3, verbose=0, partitions_per_process=2,
+                         shuffle=False,
                          train_minibatch_fn=_RecordingMinibatch(str(tmp_path / "ranks")))
     model = est.fit(df)
     # Two ranks trained one model: each on its own shard, the same number of steps, the same
@@ -175,6 +217,16 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
         np.testing.assert_array_equal(value.numpy(), ranks[0]["state"][name].numpy())
     idx = next(p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
                if p.name.startswith("intermediate_train_data."))
+    # ... and that model is the one plain SGD trains on the ranks' gradients averaged each step.
+    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label"],
+                         batch_size=32, steps=ranks[0]["steps"], widths={"features": 64})
+    assert [list(b["label"]) for b in steps[-1]] == [r["labels"] for r in ranks], \
+        "the reference's split of the rows must be the estimator's (its last batches differ)"
+    _assert_shards_differ(steps)
+    expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
+    for name, value in fitted.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: not the averaged SGD of the ranks' batches")
     train_rows, val_rows, meta = util.get_dataset_properties(store, idx)
     assert (train_rows, val_rows) == (1797 - 180, 180)  # is_val marks every 10th row
     assert meta["features"]["kind"] == "vector" and meta["features"]["sparse"]
@@ -355,9 +407,63 @@ def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> 
                                _predictions(model, test_df, "label_prob"), rtol=1e-5, atol=1e-6)
 
 
+def _linear_lightning_module(lr: float) -> Any:
+    """A softmax regression of the digits as a LightningModule (plain SGD), seeded."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    class LinearDigits(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(64, 10)
+
+        def forward(self, x: Any) -> Any:
+            return self.layer(x)
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            return F.cross_entropy(self(batch["features"]), batch["label"].long())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    torch.manual_seed(0)
+    return LinearDigits()
+
+
+def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    """Two epochs of a LightningModule on two ranks end where plain SGD on the ranks' gradients,
+    averaged at each step, ends (``shuffle=False``: the reference replays each rank's batches in
+    the order the estimator reads them)."""
+    pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
+    from horovod.spark.common import util
+    from horovod.spark.common.store import Store
+    from horovod.spark.lightning import TorchEstimator
+
+    store = Store.create(str(tmp_path / "store"))
+    module = _linear_lightning_module(_TORCH_LR)
+    initial = copy.deepcopy(module)
+    est = TorchEstimator(num_proc=2, store=store, model=module, feature_cols=["features"],
+                         label_cols=["label"], batch_size=32, epochs=2, shuffle=False, verbose=0,
+                         partitions_per_process=2)
+    fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
+    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    per_epoch = util.get_dataset_properties(store, idx)[0] // (32 * 2)  # the estimator's default
+    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label"],
+                         batch_size=32, steps=2 * per_epoch)
+    _assert_shards_differ(steps)
+    expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
+    assert sorted(fitted) == sorted(expected)
+    for name, value in fitted.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: not the averaged SGD of the ranks' batches")
+
+
 def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> None:
     """A Keras 2 (tf_keras) model: the ranks train it with TF_USE_LEGACY_KERAS=1."""
     tf_keras = pytest.importorskip("tf_keras")
+    from horovod.spark.common import util
     from horovod.spark.common.store import Store
     from horovod.spark.keras import KerasEstimator, KerasModel
 
@@ -365,14 +471,33 @@ def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> 
     model = tf_keras.Sequential([tf_keras.Input((64,)),
                                  tf_keras.layers.Dense(32, activation="relu"),
                                  tf_keras.layers.Dense(10, activation="softmax")])
-    est = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
-                         optimizer=tf_keras.optimizers.Adam(0.01),
+    store = Store.create(str(tmp_path / "store"))
+    # Plain SGD (Adam would hide gradients summed instead of averaged) and shuffle=False: the
+    # reference below replays each rank's batches in the order the estimator reads them.
+    est = KerasEstimator(num_proc=2, store=store, model=model,
+                         optimizer=tf_keras.optimizers.SGD(_KERAS_LR),
                          loss="sparse_categorical_crossentropy", feature_cols=["features"],
                          label_cols=["label"], batch_size=32, epochs=3, verbose=0,
-                         partitions_per_process=2)
+                         partitions_per_process=2, shuffle=False)
     trained = est.fit(df)
     loss = trained.getHistory()["loss"]
     assert len(loss) == 3 and loss[-1] < loss[0] / 2
+    # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
+    # from the model's weights (which fit leaves as they were), on each rank's share of rows.
+    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    per_epoch = util.get_dataset_properties(store, idx)[0] // (32 * 2)  # the estimator's default
+    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label"],
+                         batch_size=32, steps=3 * per_epoch)
+    _assert_shards_differ(steps)
+    expected = keras_averaged_weights(
+        tf_keras, model, _KERAS_LR, "sparse_categorical_crossentropy",
+        [[(b["features"].astype(np.float32), b["label"]) for b in step] for step in steps])
+    got = trained.getModel().get_weights()
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"weight {i}: not the averaged SGD of the ranks' batches")
     assert type(trained.getModel()).__module__.startswith("tf_keras")
     trained.save(str(tmp_path / "m"))
     assert type(KerasModel.load(str(tmp_path / "m")).getModel()).__module__.startswith("tf_keras")
