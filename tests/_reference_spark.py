@@ -69,9 +69,11 @@ def step_batches(store: Any, path: str, size: int, columns: Sequence[str], batch
 
 
 def keras_averaged_weights(keras: Any, model: Any, lr: float, loss: Any,
-                           steps: Sequence[Sequence[tuple[Any, Any]]]) -> list[np.ndarray]:
+                           steps: Sequence[Sequence[tuple[Any, ...]]]) -> list[np.ndarray]:
     """The weights of a clone of ``model`` (with its current weights) after plain SGD steps on
-    the ranks' gradients of the mean ``loss`` (a Keras loss name), averaged in rank order."""
+    the ranks' gradients of the mean ``loss`` (a Keras loss name), averaged in rank order. A
+    batch is ``(x, y)`` or ``(x, y, sample_weight)``: the loss is then the mean of the rows'
+    losses times their weights, as Keras weighs them."""
     import tensorflow as tf
 
     ref = keras.models.clone_model(model)
@@ -81,9 +83,10 @@ def keras_averaged_weights(keras: Any, model: Any, lr: float, loss: Any,
     variables = ref.trainable_variables
     for batches in steps:
         total = [tf.zeros_like(v) for v in variables]
-        for x, y in batches:
+        for x, y, *w in batches:
             with tf.GradientTape() as tape:
-                value = tf.reduce_mean(loss_fn(y, ref(x, training=True)))
+                per_row = loss_fn(y, ref(x, training=True))
+                value = tf.reduce_mean(per_row * w[0] if w else per_row)
             total = [t + g for t, g in zip(total, tape.gradient(value, variables))]
         opt.apply_gradients(zip([t / len(batches) for t in total], variables))
     return [np.asarray(w) for w in ref.get_weights()]

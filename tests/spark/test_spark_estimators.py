@@ -1,6 +1,13 @@
 """Spark ML estimators on a real local-cluster: the three examples fit the digits to >= 0.85 test
 accuracy through transform(); save/load round trips; resume by run_id; sparse vectors and a
-validation column; a raising rank; bad columns, types and shapes before training."""
+validation column; a raising rank; bad columns, types and shapes before training.
+
+The torch, Keras and Lightning estimators' trained weights are checked against a reference
+computed here: the same model and initial weights, each rank's share of the prepared Parquet as
+the estimators split it (``tests/_reference_spark.py``), plain SGD on the ranks' gradients
+averaged at each step (``tests/_averaging.py``; Keras: ``keras_averaged_weights``). Those fits run
+with ``shuffle=False`` so that the reference can replay each rank's batches, and with plain SGD:
+Adam is blind to gradients summed instead of averaged."""
 
 from __future__ import annotations
 
@@ -130,9 +137,11 @@ def _assert_shards_differ(steps: list[list[dict[str, np.ndarray]]]) -> None:
 
 
 def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], feature: str,
-                     label: str, lr: float) -> dict[str, np.ndarray]:
-    """The state of a copy of ``initial`` after plain SGD on the mean cross-entropy, the ranks'
-    gradients averaged at each step (``tests/_averaging.py``), one thread as on the ranks."""
+                     label: str, lr: float, weight: str | None = None) -> dict[str, np.ndarray]:
+    """The state of a copy of ``initial`` after plain SGD on the mean cross-entropy (with a
+    ``weight`` column: the mean of the rows' losses times their weights, as upstream weighs
+    them), the ranks' gradients averaged at each step (``tests/_averaging.py``), one thread as
+    on the ranks."""
     import torch
     import torch.nn.functional as F
 
@@ -141,7 +150,11 @@ def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], fea
 
     def loss_of(m: Any, batch: dict[str, np.ndarray]) -> Any:
         x = torch.from_numpy(np.ascontiguousarray(batch[feature])).float()
-        return F.cross_entropy(m(x), torch.from_numpy(batch[label]).long())
+        y = torch.from_numpy(batch[label]).long()
+        if weight is None:
+            return F.cross_entropy(m(x), y)
+        w = torch.from_numpy(batch[weight]).float()
+        return (F.cross_entropy(m(x), y, reduction="none") * w).mean()
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -202,7 +215,7 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
                          loss=F.cross_entropy, feature_cols=["features"], label_cols=["label"],
                          validation="is_val", compress_sparse_cols=True, batch_size=32,
                          epochs=3, random_seed=3, verbose=0, partitions_per_process=2,
-                         shuffle=False,
+                         shuffle=False, sample_weight_col="weight",
                          train_minibatch_fn=_RecordingMinibatch(str(tmp_path / "ranks")))
     model = est.fit(df)
     # Two ranks trained one model: each on its own shard, the same number of steps, the same
@@ -217,13 +230,14 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
         np.testing.assert_array_equal(value.numpy(), ranks[0]["state"][name].numpy())
     idx = next(p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
                if p.name.startswith("intermediate_train_data."))
-    # ... and that model is the one plain SGD trains on the ranks' gradients averaged each step.
-    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label"],
+    # ... and that model is the one plain SGD trains on the ranks' gradients averaged each step
+    # (each row's loss weighted by its "weight", 0 for every 7th row).
+    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label", "weight"],
                          batch_size=32, steps=ranks[0]["steps"], widths={"features": 64})
     assert [list(b["label"]) for b in steps[-1]] == [r["labels"] for r in ranks], \
         "the reference's split of the rows must be the estimator's (its last batches differ)"
     _assert_shards_differ(steps)
-    expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
+    expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR, weight="weight")
     for name, value in fitted.items():
         np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
                                    err_msg=f"{name}: not the averaged SGD of the ranks' batches")
@@ -235,7 +249,8 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     marker = tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json"
     mtime = marker.stat().st_mtime_ns
     assert util.prepare_data(2, store, df, ["label"], ["features"], validation="is_val",
-                             compress_sparse=True, partitions_per_process=2) == idx
+                             sample_weight_col="weight", compress_sparse=True,
+                             partitions_per_process=2) == idx
     assert marker.stat().st_mtime_ns == mtime
     assert len(model.getHistory()["val_loss"]) == 3
     pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
@@ -477,22 +492,24 @@ def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> 
     est = KerasEstimator(num_proc=2, store=store, model=model,
                          optimizer=tf_keras.optimizers.SGD(_KERAS_LR),
                          loss="sparse_categorical_crossentropy", feature_cols=["features"],
-                         label_cols=["label"], batch_size=32, epochs=3, verbose=0,
-                         partitions_per_process=2, shuffle=False)
+                         label_cols=["label"], sample_weight_col="weight", batch_size=32,
+                         epochs=3, verbose=0, partitions_per_process=2, shuffle=False)
     trained = est.fit(df)
     loss = trained.getHistory()["loss"]
     assert len(loss) == 3 and loss[-1] < loss[0] / 2
     # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
-    # from the model's weights (which fit leaves as they were), on each rank's share of rows.
+    # from the model's weights (which fit leaves as they were), on each rank's share of rows,
+    # each row's loss weighted by its "weight" (Keras: the mean of the weighted losses).
     (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
               if p.name.startswith("intermediate_train_data.")]
     per_epoch = util.get_dataset_properties(store, idx)[0] // (32 * 2)  # the estimator's default
-    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label"],
+    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label", "weight"],
                          batch_size=32, steps=3 * per_epoch)
     _assert_shards_differ(steps)
     expected = keras_averaged_weights(
         tf_keras, model, _KERAS_LR, "sparse_categorical_crossentropy",
-        [[(b["features"].astype(np.float32), b["label"]) for b in step] for step in steps])
+        [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
+          for b in step] for step in steps])
     got = trained.getModel().get_weights()
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
