@@ -129,11 +129,23 @@ _TORCH_LR = 0.5  # plain SGD's: large enough that a summed or twice-applied grad
 _KERAS_LR = 0.5
 
 
-def _assert_shards_differ(steps: list[list[dict[str, np.ndarray]]]) -> None:
-    """The two ranks' batches differ at every step (a rank reading the other's shard would not
-    match the reference)."""
-    for s, (b0, b1) in enumerate(steps):
+def _fit_steps(store: Any, root: Path, columns: list[str], epochs: int | None = None,
+               steps: int | None = None, widths: dict[str, int] | None = None) -> list[list[dict[str, np.ndarray]]]:
+    """The two ranks' batches (32 rows) of each step of a fit on the one dataset prepared under
+    ``root``: ``steps``, or ``epochs`` times the estimators' default steps per epoch. The ranks'
+    batches differ at every step (a rank reading the other's shard would not match)."""
+    from horovod.spark.common import util
+
+    (idx,) = [p.name.split(".", 1)[1] for p in root.iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    if steps is None:
+        assert epochs is not None
+        steps = epochs * (util.get_dataset_properties(store, idx)[0] // (32 * 2))
+    out = step_batches(store, store.get_train_data_path(idx), 2, columns, batch_size=32,
+                       steps=steps, widths=widths)
+    for s, (b0, b1) in enumerate(out):
         assert not np.array_equal(b0["features"], b1["features"]), f"step {s}: the same batch twice"
+    return out
 
 
 def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], feature: str,
@@ -232,11 +244,10 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
                if p.name.startswith("intermediate_train_data."))
     # ... and that model is the one plain SGD trains on the ranks' gradients averaged each step
     # (each row's loss weighted by its "weight", 0 for every 7th row).
-    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label", "weight"],
-                         batch_size=32, steps=ranks[0]["steps"], widths={"features": 64})
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label", "weight"],
+                       steps=ranks[0]["steps"], widths={"features": 64})
     assert [list(b["label"]) for b in steps[-1]] == [r["labels"] for r in ranks], \
         "the reference's split of the rows must be the estimator's (its last batches differ)"
-    _assert_shards_differ(steps)
     expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR, weight="weight")
     for name, value in fitted.items():
         np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
@@ -451,7 +462,6 @@ def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: 
     averaged at each step, ends (``shuffle=False``: the reference replays each rank's batches in
     the order the estimator reads them)."""
     pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
-    from horovod.spark.common import util
     from horovod.spark.common.store import Store
     from horovod.spark.lightning import TorchEstimator
 
@@ -462,12 +472,7 @@ def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: 
                          label_cols=["label"], batch_size=32, epochs=2, shuffle=False, verbose=0,
                          partitions_per_process=2)
     fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
-    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
-              if p.name.startswith("intermediate_train_data.")]
-    per_epoch = util.get_dataset_properties(store, idx)[0] // (32 * 2)  # the estimator's default
-    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label"],
-                         batch_size=32, steps=2 * per_epoch)
-    _assert_shards_differ(steps)
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
     expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
     assert sorted(fitted) == sorted(expected)
     for name, value in fitted.items():
@@ -475,39 +480,30 @@ def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: 
                                    err_msg=f"{name}: not the averaged SGD of the ranks' batches")
 
 
-def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> None:
-    """A Keras 2 (tf_keras) model: the ranks train it with TF_USE_LEGACY_KERAS=1."""
-    tf_keras = pytest.importorskip("tf_keras")
-    from horovod.spark.common import util
+def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
+    """Fit a small model of Keras module ``k`` (``keras`` or ``tf_keras``) with plain SGD and
+    sample weights for 3 epochs; check its weights against the reference; return the fit."""
     from horovod.spark.common.store import Store
-    from horovod.spark.keras import KerasEstimator, KerasModel
+    from horovod.spark.keras import KerasEstimator
 
-    df = _sparse_digits(spark)
-    model = tf_keras.Sequential([tf_keras.Input((64,)),
-                                 tf_keras.layers.Dense(32, activation="relu"),
-                                 tf_keras.layers.Dense(10, activation="softmax")])
+    model = k.Sequential([k.Input((64,)), k.layers.Dense(32, activation="relu"),
+                          k.layers.Dense(10, activation="softmax")])
     store = Store.create(str(tmp_path / "store"))
     # Plain SGD (Adam would hide gradients summed instead of averaged) and shuffle=False: the
     # reference below replays each rank's batches in the order the estimator reads them.
-    est = KerasEstimator(num_proc=2, store=store, model=model,
-                         optimizer=tf_keras.optimizers.SGD(_KERAS_LR),
+    est = KerasEstimator(num_proc=2, store=store, model=model, optimizer=k.optimizers.SGD(_KERAS_LR),
                          loss="sparse_categorical_crossentropy", feature_cols=["features"],
                          label_cols=["label"], sample_weight_col="weight", batch_size=32,
                          epochs=3, verbose=0, partitions_per_process=2, shuffle=False)
-    trained = est.fit(df)
+    trained = est.fit(_sparse_digits(spark))
     loss = trained.getHistory()["loss"]
     assert len(loss) == 3 and loss[-1] < loss[0] / 2
     # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
     # from the model's weights (which fit leaves as they were), on each rank's share of rows,
     # each row's loss weighted by its "weight" (Keras: the mean of the weighted losses).
-    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
-              if p.name.startswith("intermediate_train_data.")]
-    per_epoch = util.get_dataset_properties(store, idx)[0] // (32 * 2)  # the estimator's default
-    steps = step_batches(store, store.get_train_data_path(idx), 2, ["features", "label", "weight"],
-                         batch_size=32, steps=3 * per_epoch)
-    _assert_shards_differ(steps)
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label", "weight"], epochs=3)
     expected = keras_averaged_weights(
-        tf_keras, model, _KERAS_LR, "sparse_categorical_crossentropy",
+        k, model, _KERAS_LR, "sparse_categorical_crossentropy",
         [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
           for b in step] for step in steps])
     got = trained.getModel().get_weights()
@@ -515,6 +511,22 @@ def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> 
     for i, (g, e) in enumerate(zip(got, expected)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6,
                                    err_msg=f"weight {i}: not the averaged SGD of the ranks' batches")
+    return trained
+
+
+def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> None:
+    """A Keras 2 (tf_keras) model: the ranks train it with TF_USE_LEGACY_KERAS=1."""
+    tf_keras = pytest.importorskip("tf_keras")
+    from horovod.spark.keras import KerasModel
+
+    trained = _keras_fit_matches_reference(tf_keras, spark, tmp_path)
     assert type(trained.getModel()).__module__.startswith("tf_keras")
     trained.save(str(tmp_path / "m"))
     assert type(KerasModel.load(str(tmp_path / "m")).getModel()).__module__.startswith("tf_keras")
+
+
+def test_keras_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    """A Keras 3 model (the example's fit uses Adam, which the reference cannot check)."""
+    keras = pytest.importorskip("keras")
+    trained = _keras_fit_matches_reference(keras, spark, tmp_path)
+    assert not type(trained.getModel()).__module__.startswith("tf_keras")
