@@ -457,20 +457,19 @@ def _linear_lightning_module(lr: float) -> Any:
     return LinearDigits()
 
 
-def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
-    """Two epochs of a LightningModule on two ranks end where plain SGD on the ranks' gradients,
-    averaged at each step, ends (``shuffle=False``: the reference replays each rank's batches in
-    the order the estimator reads them)."""
-    pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
+def _torch_fit_matches_reference(estimator_cls: Any, module: Any, spark: Any, tmp_path: Path,
+                                 **kwargs: Any) -> None:
+    """Two epochs of ``module`` (plain SGD at ``_TORCH_LR``, mean cross-entropy) by
+    ``estimator_cls`` on two ranks end where plain SGD on the ranks' gradients, averaged at each
+    step, ends (``shuffle=False``: the reference replays each rank's batches in the order the
+    estimator reads them)."""
     from horovod.spark.common.store import Store
-    from horovod.spark.lightning import TorchEstimator
 
     store = Store.create(str(tmp_path / "store"))
-    module = _linear_lightning_module(_TORCH_LR)
     initial = copy.deepcopy(module)
-    est = TorchEstimator(num_proc=2, store=store, model=module, feature_cols=["features"],
-                         label_cols=["label"], batch_size=32, epochs=2, shuffle=False, verbose=0,
-                         partitions_per_process=2)
+    est = estimator_cls(num_proc=2, store=store, model=module, feature_cols=["features"],
+                        label_cols=["label"], batch_size=32, epochs=2, shuffle=False, verbose=0,
+                        partitions_per_process=2, **kwargs)
     fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
     steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
     expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
@@ -478,6 +477,27 @@ def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: 
     for name, value in fitted.items():
         np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
                                    err_msg=f"{name}: not the averaged SGD of the ranks' batches")
+
+
+def test_torch_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    """The torch estimator's own training loop (the sparse test trains through a
+    ``train_minibatch_fn``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.torch import TorchEstimator
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 10)
+    _torch_fit_matches_reference(TorchEstimator, module, spark, tmp_path, loss=F.cross_entropy,
+                                 optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR))
+
+
+def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
+    from horovod.spark.lightning import TorchEstimator
+
+    _torch_fit_matches_reference(TorchEstimator, _linear_lightning_module(_TORCH_LR), spark, tmp_path)
 
 
 def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
