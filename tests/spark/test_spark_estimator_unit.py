@@ -242,6 +242,27 @@ def test_keras_optimizer_state_round_trip() -> None:
             restore_optimizer(c.optimizer, c, saved[:2])
 
 
+def test_torch_sample_weights_weigh_each_rows_loss() -> None:
+    """With sample weights a label's loss is upstream's: the mean of each row's loss times its
+    weight, whether the loss is a function taking ``reduction``, a loss module or a function of
+    the rows' losses; a loss that only gives the batch's mean is refused, not left unweighted."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from horovod.spark.torch.remote import _loss
+
+    out, lab = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    w = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.0, 0.0])
+    expected = (F.cross_entropy(out, lab, reduction="none") * w).mean()
+    module = torch.nn.CrossEntropyLoss()
+    for fn in (F.cross_entropy, module, lambda o, t: F.cross_entropy(o, t, reduction="none")):
+        assert torch.equal(_loss([fn], None, [out], [lab], w), expected)
+    assert module.reduction == "mean"  # the estimator's copy ran with reduction="none"
+    assert torch.equal(_loss([F.cross_entropy], [0.5], [out], [lab], None), 0.5 * F.cross_entropy(out, lab))
+    with pytest.raises(ValueError, match=r"loss <lambda> of label column 0 gave a value of shape \(\)"):
+        _loss([lambda o, t: F.cross_entropy(o, t)], None, [out], [lab], w)
+
+
 def test_upstream_names_import() -> None:
     """The public names of upstream's horovod.spark.{common,keras,torch,lightning} modules that
     user code imports (upstream's examples and tests)."""

@@ -1,9 +1,17 @@
 """Spark ML estimators on a real local-cluster: the three examples fit the digits to >= 0.85 test
 accuracy through transform(); save/load round trips; resume by run_id; sparse vectors and a
-validation column; a raising rank; bad columns, types and shapes before training."""
+validation column; a raising rank; bad columns, types and shapes before training.
+
+The torch, Keras and Lightning estimators' trained weights are checked against a reference
+computed here: the same model and initial weights, each rank's share of the prepared Parquet as
+the estimators split it (``tests/_reference_spark.py``), plain SGD on the ranks' gradients
+averaged at each step (``tests/_averaging.py``; Keras: ``keras_averaged_weights``). Those fits run
+with ``shuffle=False`` so that the reference can replay each rank's batches, and with plain SGD:
+Adam is blind to gradients summed instead of averaged."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -15,6 +23,9 @@ import pytest
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 
 import cloudpickle  # noqa: E402
+
+from tests._averaging import averaged_steps  # noqa: E402
+from tests._reference_spark import keras_averaged_weights, step_batches  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -114,6 +125,58 @@ def _mlp() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
+_TORCH_LR = 0.5  # plain SGD's: large enough that a summed or twice-applied gradient shows
+_KERAS_LR = 0.5
+
+
+def _fit_steps(store: Any, root: Path, columns: list[str], epochs: int | None = None,
+               steps: int | None = None, widths: dict[str, int] | None = None) -> list[list[dict[str, np.ndarray]]]:
+    """The two ranks' batches (32 rows) of each step of a fit on the one dataset prepared under
+    ``root``: ``steps``, or ``epochs`` times the estimators' default steps per epoch. The ranks'
+    batches differ at every step (a rank reading the other's shard would not match)."""
+    from horovod.spark.common import util
+
+    (idx,) = [p.name.split(".", 1)[1] for p in root.iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    if steps is None:
+        assert epochs is not None
+        steps = epochs * (util.get_dataset_properties(store, idx)[0] // (32 * 2))
+    out = step_batches(store, store.get_train_data_path(idx), 2, columns, batch_size=32,
+                       steps=steps, widths=widths)
+    for s, (b0, b1) in enumerate(out):
+        assert not np.array_equal(b0["features"], b1["features"]), f"step {s}: the same batch twice"
+    return out
+
+
+def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], feature: str,
+                     label: str, lr: float, weight: str | None = None) -> dict[str, np.ndarray]:
+    """The state of a copy of ``initial`` after plain SGD on the mean cross-entropy (with a
+    ``weight`` column: the mean of the rows' losses times their weights, as upstream weighs
+    them), the ranks' gradients averaged at each step (``tests/_averaging.py``), one thread as
+    on the ranks."""
+    import torch
+    import torch.nn.functional as F
+
+    model = copy.deepcopy(initial)
+    model.train()
+
+    def loss_of(m: Any, batch: dict[str, np.ndarray]) -> Any:
+        x = torch.from_numpy(np.ascontiguousarray(batch[feature])).float()
+        y = torch.from_numpy(batch[label]).long()
+        if weight is None:
+            return F.cross_entropy(m(x), y)
+        w = torch.from_numpy(batch[weight]).float()
+        return (F.cross_entropy(m(x), y, reduction="none") * w).mean()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        averaged_steps(model, torch.optim.SGD(model.parameters(), lr=lr), loss_of, steps)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
 class _RecordingMinibatch:
     """``train_minibatch_fn`` (upstream's signature) that also saves this rank's weights, its step
     count and the batch's labels after every step, under ``where``."""
@@ -155,12 +218,16 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     df = _sparse_digits(spark)
     store = Store.create(str(tmp_path / "store"))
     net = _mlp()
+    initial = copy.deepcopy(net)
     (tmp_path / "ranks").mkdir()
+    # Plain SGD (Adam would hide gradients summed instead of averaged) and shuffle=False: the
+    # reference below replays each rank's batches in the order the estimator reads them.
     est = TorchEstimator(num_proc=2, store=store, model=net,
-                         optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
+                         optimizer=torch.optim.SGD(net.parameters(), lr=_TORCH_LR),
                          loss=F.cross_entropy, feature_cols=["features"], label_cols=["label"],
                          validation="is_val", compress_sparse_cols=True, batch_size=32,
                          epochs=3, random_seed=3, verbose=0, partitions_per_process=2,
+                         shuffle=False, sample_weight_col="weight",
                          train_minibatch_fn=_RecordingMinibatch(str(tmp_path / "ranks")))
     model = est.fit(df)
     # Two ranks trained one model: each on its own shard, the same number of steps, the same
@@ -175,6 +242,16 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
         np.testing.assert_array_equal(value.numpy(), ranks[0]["state"][name].numpy())
     idx = next(p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
                if p.name.startswith("intermediate_train_data."))
+    # ... and that model is the one plain SGD trains on the ranks' gradients averaged each step
+    # (each row's loss weighted by its "weight", 0 for every 7th row).
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label", "weight"],
+                       steps=ranks[0]["steps"], widths={"features": 64})
+    assert [list(b["label"]) for b in steps[-1]] == [r["labels"] for r in ranks], \
+        "the reference's split of the rows must be the estimator's (its last batches differ)"
+    expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR, weight="weight")
+    for name, value in fitted.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: not the averaged SGD of the ranks' batches")
     train_rows, val_rows, meta = util.get_dataset_properties(store, idx)
     assert (train_rows, val_rows) == (1797 - 180, 180)  # is_val marks every 10th row
     assert meta["features"]["kind"] == "vector" and meta["features"]["sparse"]
@@ -183,7 +260,8 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     marker = tmp_path / "store" / f"intermediate_train_data.{idx}" / "_horovod_metadata.json"
     mtime = marker.stat().st_mtime_ns
     assert util.prepare_data(2, store, df, ["label"], ["features"], validation="is_val",
-                             compress_sparse=True, partitions_per_process=2) == idx
+                             sample_weight_col="weight", compress_sparse=True,
+                             partitions_per_process=2) == idx
     assert marker.stat().st_mtime_ns == mtime
     assert len(model.getHistory()["val_loss"]) == 3
     pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
@@ -355,24 +433,120 @@ def test_lightning_example_fits_digits_save_load(spark: Any, tmp_path: Path) -> 
                                _predictions(model, test_df, "label_prob"), rtol=1e-5, atol=1e-6)
 
 
+def _linear_lightning_module(lr: float) -> Any:
+    """A softmax regression of the digits as a LightningModule (plain SGD), seeded."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    class LinearDigits(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(64, 10)
+
+        def forward(self, x: Any) -> Any:
+            return self.layer(x)
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            return F.cross_entropy(self(batch["features"]), batch["label"].long())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    torch.manual_seed(0)
+    return LinearDigits()
+
+
+def _torch_fit_matches_reference(estimator_cls: Any, module: Any, spark: Any, tmp_path: Path,
+                                 **kwargs: Any) -> None:
+    """Two epochs of ``module`` (plain SGD at ``_TORCH_LR``, mean cross-entropy) by
+    ``estimator_cls`` on two ranks end where plain SGD on the ranks' gradients, averaged at each
+    step, ends (``shuffle=False``: the reference replays each rank's batches in the order the
+    estimator reads them)."""
+    from horovod.spark.common.store import Store
+
+    store = Store.create(str(tmp_path / "store"))
+    initial = copy.deepcopy(module)
+    est = estimator_cls(num_proc=2, store=store, model=module, feature_cols=["features"],
+                        label_cols=["label"], batch_size=32, epochs=2, shuffle=False, verbose=0,
+                        partitions_per_process=2, **kwargs)
+    fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
+    expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
+    assert sorted(fitted) == sorted(expected)
+    for name, value in fitted.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: not the averaged SGD of the ranks' batches")
+
+
+def test_torch_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    """The torch estimator's own training loop (the sparse test trains through a
+    ``train_minibatch_fn``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.torch import TorchEstimator
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 10)
+    _torch_fit_matches_reference(TorchEstimator, module, spark, tmp_path, loss=F.cross_entropy,
+                                 optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR))
+
+
+def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
+    from horovod.spark.lightning import TorchEstimator
+
+    _torch_fit_matches_reference(TorchEstimator, _linear_lightning_module(_TORCH_LR), spark, tmp_path)
+
+
+def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
+    """Fit a small model of Keras module ``k`` (``keras`` or ``tf_keras``) with plain SGD and
+    sample weights for 3 epochs; check its weights against the reference; return the fit."""
+    from horovod.spark.common.store import Store
+    from horovod.spark.keras import KerasEstimator
+
+    model = k.Sequential([k.Input((64,)), k.layers.Dense(32, activation="relu"),
+                          k.layers.Dense(10, activation="softmax")])
+    store = Store.create(str(tmp_path / "store"))
+    # Plain SGD (Adam would hide gradients summed instead of averaged) and shuffle=False: the
+    # reference below replays each rank's batches in the order the estimator reads them.
+    est = KerasEstimator(num_proc=2, store=store, model=model, optimizer=k.optimizers.SGD(_KERAS_LR),
+                         loss="sparse_categorical_crossentropy", feature_cols=["features"],
+                         label_cols=["label"], sample_weight_col="weight", batch_size=32,
+                         epochs=3, verbose=0, partitions_per_process=2, shuffle=False)
+    trained = est.fit(_sparse_digits(spark))
+    loss = trained.getHistory()["loss"]
+    assert len(loss) == 3 and loss[-1] < loss[0] / 2
+    # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
+    # from the model's weights (which fit leaves as they were), on each rank's share of rows,
+    # each row's loss weighted by its "weight" (Keras: the mean of the weighted losses).
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label", "weight"], epochs=3)
+    expected = keras_averaged_weights(
+        k, model, _KERAS_LR, "sparse_categorical_crossentropy",
+        [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
+          for b in step] for step in steps])
+    got = trained.getModel().get_weights()
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"weight {i}: not the averaged SGD of the ranks' batches")
+    return trained
+
+
 def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> None:
     """A Keras 2 (tf_keras) model: the ranks train it with TF_USE_LEGACY_KERAS=1."""
     tf_keras = pytest.importorskip("tf_keras")
-    from horovod.spark.common.store import Store
-    from horovod.spark.keras import KerasEstimator, KerasModel
+    from horovod.spark.keras import KerasModel
 
-    df = _sparse_digits(spark)
-    model = tf_keras.Sequential([tf_keras.Input((64,)),
-                                 tf_keras.layers.Dense(32, activation="relu"),
-                                 tf_keras.layers.Dense(10, activation="softmax")])
-    est = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
-                         optimizer=tf_keras.optimizers.Adam(0.01),
-                         loss="sparse_categorical_crossentropy", feature_cols=["features"],
-                         label_cols=["label"], batch_size=32, epochs=3, verbose=0,
-                         partitions_per_process=2)
-    trained = est.fit(df)
-    loss = trained.getHistory()["loss"]
-    assert len(loss) == 3 and loss[-1] < loss[0] / 2
+    trained = _keras_fit_matches_reference(tf_keras, spark, tmp_path)
     assert type(trained.getModel()).__module__.startswith("tf_keras")
     trained.save(str(tmp_path / "m"))
     assert type(KerasModel.load(str(tmp_path / "m")).getModel()).__module__.startswith("tf_keras")
+
+
+def test_keras_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+    """A Keras 3 model (the example's fit uses Adam, which the reference cannot check)."""
+    keras = pytest.importorskip("keras")
+    trained = _keras_fit_matches_reference(keras, spark, tmp_path)
+    assert not type(trained.getModel()).__module__.startswith("tf_keras")

@@ -78,18 +78,52 @@ def _tensors(batch: dict[str, np.ndarray], spec: TrainingSpec, device: Any) -> t
     weights = None
     if spec["sample_weight_col"]:
         weights = torch.from_numpy(np.ascontiguousarray(batch[spec["sample_weight_col"]])).float()
+        weights = weights.to(device)
     return inputs, labels, weights
+
+
+def _row_losses(fn: Any, out: Any, lab: Any) -> Any:
+    """``fn``'s loss of every row, for sample weights: a ``torch.nn`` loss module runs as a copy
+    with ``reduction='none'``; a function that takes ``reduction`` is called with
+    ``reduction='none'`` (upstream's call: ``torch.nn.functional``'s losses); any other function
+    must return the rows' losses itself."""
+    import copy
+    import inspect
+
+    if isinstance(getattr(fn, "reduction", None), str):
+        fn = copy.copy(fn)
+        fn.reduction = "none"
+        return fn(out, lab)
+    try:
+        params = inspect.signature(fn).parameters.values()
+        takes_reduction = any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_reduction = False
+    return fn(out, lab, reduction="none") if takes_reduction else fn(out, lab)
 
 
 def _loss(loss_fns: list[Any], weights: list[float] | None, outputs: list[Any], labels: list[Any],
           sample_weights: Any) -> Any:
+    """The weighted sum of the label columns' losses. With sample weights, a column's loss is
+    upstream's: the mean over the batch of each row's loss times the row's weight."""
     total = 0
     for i, (fn, out, lab) in enumerate(zip(loss_fns, outputs, labels)):
         if out.dim() == lab.dim() + 1 and out.shape[-1] == 1 and lab.is_floating_point():
             out = out.squeeze(-1)
-        value = fn(out, lab)
-        if sample_weights is not None and value.dim() > 0:
-            value = (value * sample_weights).sum() / sample_weights.sum()
+        if sample_weights is None:
+            value = fn(out, lab)
+        else:
+            rows, n = _row_losses(fn, out, lab), sample_weights.shape[0]
+            if rows.dim() == 0 or rows.shape[0] != n:
+                name = getattr(fn, "__name__", type(fn).__name__)
+                raise ValueError(
+                    f"sample_weight_col: the loss {name} of label column {i} gave a value of shape "
+                    f"{tuple(rows.shape)} for a batch of {n} rows, but sample weights need one loss "
+                    "per row: give a loss that takes reduction='none' (torch.nn.functional's "
+                    "losses, torch.nn's loss modules) or returns the rows' losses.")
+            if rows.dim() > 1:
+                rows = rows.reshape(n, -1).mean(1)
+            value = (rows * sample_weights).mean()
         total = total + (weights[i] if weights else 1.0) * value
     return total
 
