@@ -115,8 +115,9 @@ def report() -> None:
         "mapping whose ends are 4 KiB pages.",
         "",
         "| case | np | MiB | raw flat | best raw | schedule (no engine) | raw out of place | numpy | torch async "
-        "| torch grouped | torch grouped, one flat tensor | TF tape | numpy, HOROVOD_CHUNK_BYTES=0 | measured |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| torch grouped | torch grouped, one flat tensor | TF tape | numpy, HOROVOD_CHUNK_BYTES=0 "
+        "| torch async, Compression.bf16 | TF tape, Compression.bf16 | measured |",
+        "|" + "---|" * (6 + len(BINDINGS)),
     ]
     for key in keys:
         r = runs[key]
