@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["rank_rows", "rank_batches", "step_batches", "keras_averaged_weights"]
+__all__ = ["rank_rows", "rank_batches", "step_batches", "accumulated_steps", "keras_averaged_weights"]
 
 _SPARSE = ("__sparse_indices", "__sparse_values")
 
@@ -66,6 +66,22 @@ def step_batches(store: Any, path: str, size: int, columns: Sequence[str], batch
     per_rank = [rank_batches(rank_rows(store, path, r, size, columns, widths), batch_size, steps)
                 for r in range(size)]
     return [list(step) for step in zip(*per_rank)]
+
+
+def accumulated_steps(steps: Sequence[Sequence[Any]], passes: int,
+                      per_epoch: int) -> list[list[list[Any]]]:
+    """Upstream's torch estimator's optimizer steps with ``backward_passes_per_step=passes``:
+    within each epoch of ``per_epoch`` batches, every ``passes`` consecutive batches form one
+    step, and the epoch's last group (shorter when ``passes`` does not divide ``per_epoch``) is
+    stepped at the epoch's end. Each entry holds, in rank order, a rank's batches of that step
+    (its gradient is the sum of the batches' gradients of the loss divided by ``passes``)."""
+    out = []
+    for start in range(0, len(steps), per_epoch):
+        epoch = steps[start:start + per_epoch]
+        for g in range(0, len(epoch), passes):
+            group = epoch[g:g + passes]
+            out.append([[step[r] for step in group] for r in range(len(group[0]))])
+    return out
 
 
 def keras_averaged_weights(keras: Any, model: Any, lr: float, loss: Any,

@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 import cloudpickle  # noqa: E402
 
 from tests._averaging import averaged_steps  # noqa: E402
-from tests._reference_spark import keras_averaged_weights, step_batches  # noqa: E402
+from tests._reference_spark import (  # noqa: E402
+    accumulated_steps,
+    keras_averaged_weights,
+    step_batches,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -148,19 +152,23 @@ def _fit_steps(store: Any, root: Path, columns: list[str], epochs: int | None = 
     return out
 
 
-def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], feature: str,
-                     label: str, lr: float, weight: str | None = None) -> dict[str, np.ndarray]:
+def _torch_reference(initial: Any, steps: list[list[Any]], feature: str,
+                     label: str, lr: float, weight: str | None = None,
+                     passes: int = 1) -> dict[str, np.ndarray]:
     """The state of a copy of ``initial`` after plain SGD on the mean cross-entropy (with a
     ``weight`` column: the mean of the rows' losses times their weights, as upstream weighs
     them), the ranks' gradients averaged at each step (``tests/_averaging.py``), one thread as
-    on the ranks."""
+    on the ranks. A rank's batch may be a list of batches (``accumulated_steps``): its loss is
+    then the sum of theirs divided by ``passes``."""
     import torch
     import torch.nn.functional as F
 
     model = copy.deepcopy(initial)
     model.train()
 
-    def loss_of(m: Any, batch: dict[str, np.ndarray]) -> Any:
+    def loss_of(m: Any, batch: Any) -> Any:
+        if isinstance(batch, list):
+            return sum(loss_of(m, b) for b in batch) / passes
         x = torch.from_numpy(np.ascontiguousarray(batch[feature])).float()
         y = torch.from_numpy(batch[label]).long()
         if weight is None:
@@ -491,6 +499,38 @@ def test_torch_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path
     module = torch.nn.Linear(64, 10)
     _torch_fit_matches_reference(TorchEstimator, module, spark, tmp_path, loss=F.cross_entropy,
                                  optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR))
+
+
+def test_torch_estimator_accumulates_backward_passes(spark: Any, tmp_path: Path) -> None:
+    """``backward_passes_per_step=3`` as upstream's torch estimator runs it: within an epoch,
+    every 3 batches form one optimizer step on the sum of their gradients of the loss divided
+    by 3, averaged over the ranks; an epoch's 28 batches end with a group of one, stepped at
+    the epoch's end (``accumulated_steps``). Two epochs, ``shuffle=False``, plain SGD."""
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 10)
+    initial = copy.deepcopy(module)
+    store = Store.create(str(tmp_path / "store"))
+    est = TorchEstimator(num_proc=2, store=store, model=module, loss=F.cross_entropy,
+                         optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR),
+                         feature_cols=["features"], label_cols=["label"], batch_size=32,
+                         epochs=2, shuffle=False, verbose=0, partitions_per_process=2,
+                         backward_passes_per_step=3)
+    fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
+    per_epoch = len(steps) // 2
+    assert per_epoch % 3 == 1, per_epoch  # the epoch's last group is one batch
+    groups = accumulated_steps(steps, 3, per_epoch)
+    assert len(groups) == 2 * (per_epoch // 3 + 1)
+    expected = _torch_reference(initial, groups, "features", "label", lr=_TORCH_LR, passes=3)
+    for name, value in fitted.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: not upstream's accumulation of 3 passes")
 
 
 def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
