@@ -3,8 +3,9 @@ Parquet, and a Keras reference of averaged training (``tests/_averaging.py`` has
 
 The estimators' split, as their reader documents it: the row groups of the prepared data's
 Parquet files (files in sorted order, row groups in file order), every ``size``-th of them to a
-rank starting at its rank; with ``shuffle=False`` a rank reads its rows in that order, pass after
-pass, and cuts batches across row-group and pass ends. ``rank_rows`` reads that share with
+rank starting at its rank (a rank left without one reads the ``rank % count``-th); with
+``shuffle=False`` a rank reads its rows in that order, pass after pass, and cuts batches across
+row-group and pass ends. ``rank_rows`` reads that share with
 pyarrow alone (not the estimators' reader), ``rank_batches`` cuts the batches of the first steps.
 """
 
@@ -45,8 +46,7 @@ def rank_rows(store: Any, path: str, rank: int, size: int, columns: Sequence[str
         with store.fs.open_input_file(f) as fh:
             pf = pq.ParquetFile(fh)
             groups += [pf.read_row_group(i) for i in range(pf.num_row_groups)]
-    mine = groups[rank::size]
-    assert mine, f"rank {rank} of {size} has no row group (the data has {len(groups)})"
+    mine = groups[rank::size] or [groups[rank % len(groups)]]
     return {c: np.concatenate([_column(t, c, (widths or {}).get(c)) for t in mine])
             for c in columns}
 

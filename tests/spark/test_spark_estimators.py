@@ -185,6 +185,46 @@ def _torch_reference(initial: Any, steps: list[list[Any]], feature: str,
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
+def _torch_val_losses(initial: Any, store: Any, idx: str, train_steps: list[list[Any]], epochs: int,
+                      weight: str, widths: dict[str, int]) -> list[float]:
+    """The ``val_loss`` history the reference expects: after each epoch (``train_steps`` split
+    evenly into ``epochs``), the reference model's weighted cross-entropy on each rank's next
+    ``ceil(val_rows / (32 * 2))`` validation batches (32 rows, the validation stream read as
+    the training one, unshuffled, continuing across epochs), each rank's mean over its batches,
+    then the mean over the ranks (the estimators' allreduce average)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.common import util
+    from tests._reference_spark import rank_batches, rank_rows
+
+    val_steps = math.ceil(util.get_dataset_properties(store, idx)[1] / (32 * 2))
+    rows = [rank_rows(store, store.get_val_data_path(idx), r, 2, ["features", "label", weight],
+                      widths) for r in (0, 1)]
+    streams = [rank_batches(r, 32, val_steps * epochs) for r in rows]
+    per_epoch = len(train_steps) // epochs
+    model, out = copy.deepcopy(initial), []
+    for e in range(epochs):
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in _torch_reference(
+            initial, train_steps[:per_epoch * (e + 1)], "features", "label", lr=_TORCH_LR,
+            weight=weight).items()})
+        model.eval()
+        rank_means = []
+        with torch.no_grad():
+            for stream in streams:
+                losses = []
+                for b in stream[val_steps * e:val_steps * (e + 1)]:
+                    x = torch.from_numpy(np.ascontiguousarray(b["features"])).float()
+                    rows_loss = F.cross_entropy(model(x), torch.from_numpy(b["label"]).long(),
+                                                reduction="none")
+                    losses.append(float((rows_loss * torch.from_numpy(b[weight]).float()).mean()))
+                rank_means.append(sum(losses) / val_steps)
+        out.append(sum(rank_means) / 2)
+    return out
+
+
 class _RecordingMinibatch:
     """``train_minibatch_fn`` (upstream's signature) that also saves this rank's weights, its step
     count and the batch's labels after every step, under ``where``."""
@@ -271,7 +311,13 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
                              sample_weight_col="weight", compress_sparse=True,
                              partitions_per_process=2) == idx
     assert marker.stat().st_mtime_ns == mtime
-    assert len(model.getHistory()["val_loss"]) == 3
+    # The reported val_loss of each epoch is the reference model's (after that epoch's steps)
+    # weighted loss on the ranks' validation batches, averaged as the estimators average it.
+    assert len(steps) % 3 == 0, len(steps)
+    expected_val = _torch_val_losses(initial, store, idx, steps, 3, "weight", {"features": 64})
+    np.testing.assert_allclose(model.getHistory()["val_loss"], expected_val, rtol=1e-5,
+                               err_msg="val_loss: not the reference model's loss on the "
+                               "validation rows")
     pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
     labels = df.where("is_val = 1").select("label").toPandas()["label"].to_numpy()
     assert (pred == labels).mean() >= 0.85
