@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["rank_rows", "rank_batches", "step_batches", "accumulated_steps", "keras_averaged_weights"]
+__all__ = ["rank_rows", "rank_batches", "step_batches", "accumulated_steps", "keras_averaged_weights",
+           "keras_loss"]
 
 _SPARSE = ("__sparse_indices", "__sparse_values")
 
@@ -106,3 +107,16 @@ def keras_averaged_weights(keras: Any, model: Any, lr: float, loss: Any,
             total = [t + g for t, g in zip(total, tape.gradient(value, variables))]
         opt.apply_gradients(zip([t / len(batches) for t in total], variables))
     return [np.asarray(w) for w in ref.get_weights()]
+
+
+def keras_loss(keras: Any, model: Any, weights: Sequence[np.ndarray], loss: Any,
+               ranks: Sequence[Sequence[tuple[Any, ...]]]) -> float:
+    """The loss ``model`` with ``weights`` reports on validation: each rank's mean over its
+    batches (``(x, y, sample_weight)``, equal sizes) of the batch's mean weighted ``loss``, then
+    the mean over the ranks (``MetricAverageCallback``)."""
+    ref = keras.models.clone_model(model)
+    ref.set_weights(list(weights))
+    loss_fn = keras.losses.get(loss)
+    per_rank = [np.mean([float(np.mean(np.asarray(loss_fn(y, ref(x, training=False))) * w))
+                         for x, y, w in batches]) for batches in ranks]
+    return float(np.mean(per_rank))

@@ -28,6 +28,9 @@ from tests._averaging import averaged_steps  # noqa: E402
 from tests._reference_spark import (  # noqa: E402
     accumulated_steps,
     keras_averaged_weights,
+    keras_loss,
+    rank_batches,
+    rank_rows,
     step_batches,
 )
 
@@ -198,8 +201,6 @@ def _torch_val_losses(initial: Any, store: Any, idx: str, train_steps: list[list
     import torch.nn.functional as F
 
     from horovod.spark.common import util
-    from tests._reference_spark import rank_batches, rank_rows
-
     val_steps = math.ceil(util.get_dataset_properties(store, idx)[1] / (32 * 2))
     rows = [rank_rows(store, store.get_val_data_path(idx), r, 2, ["features", "label", weight],
                       widths) for r in (0, 1)]
@@ -589,6 +590,7 @@ def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: 
 def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     """Fit a small model of Keras module ``k`` (``keras`` or ``tf_keras``) with plain SGD and
     sample weights for 3 epochs; check its weights against the reference; return the fit."""
+    from horovod.spark.common import util
     from horovod.spark.common.store import Store
     from horovod.spark.keras import KerasEstimator
 
@@ -600,23 +602,40 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     est = KerasEstimator(num_proc=2, store=store, model=model, optimizer=k.optimizers.SGD(_KERAS_LR),
                          loss="sparse_categorical_crossentropy", feature_cols=["features"],
                          label_cols=["label"], sample_weight_col="weight", batch_size=32,
-                         epochs=3, verbose=0, partitions_per_process=2, shuffle=False)
+                         epochs=3, verbose=0, partitions_per_process=2, shuffle=False,
+                         validation="is_val")
     trained = est.fit(_sparse_digits(spark))
     loss = trained.getHistory()["loss"]
     assert len(loss) == 3 and loss[-1] < loss[0] / 2
     # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
     # from the model's weights (which fit leaves as they were), on each rank's share of rows,
     # each row's loss weighted by its "weight" (Keras: the mean of the weighted losses).
-    steps = _fit_steps(store, tmp_path / "store", ["features", "label", "weight"], epochs=3)
-    expected = keras_averaged_weights(
-        k, model, _KERAS_LR, "sparse_categorical_crossentropy",
-        [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
-          for b in step] for step in steps])
+    cols = ["features", "label", "weight"]
+    steps = [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
+              for b in step] for step in _fit_steps(store, tmp_path / "store", cols, epochs=3)]
+    per_epoch = len(steps) // 3
+    after = [keras_averaged_weights(k, model, _KERAS_LR, "sparse_categorical_crossentropy",
+                                    steps[:per_epoch * e]) for e in (1, 3)]
     got = trained.getModel().get_weights()
-    assert len(got) == len(expected)
-    for i, (g, e) in enumerate(zip(got, expected)):
+    assert len(got) == len(after[-1])
+    for i, (g, e) in enumerate(zip(got, after[-1])):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6,
                                    err_msg=f"weight {i}: not the averaged SGD of the ranks' batches")
+    # The first epoch's val_loss is the loss of the reference model after that epoch on each
+    # rank's first validation batches, each row's loss weighted by its "weight" as in training
+    # (upstream's validation data carries the weights), averaged over the ranks. Later epochs
+    # are not checked: which validation batches Keras draws from the generator after the first
+    # epoch is Keras's own (Keras 3 replays the batches it peeked at).
+    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    val_steps = -(-util.get_dataset_properties(store, idx)[1] // (32 * 2))
+    val = [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
+            for b in rank_batches(rank_rows(store, store.get_val_data_path(idx), r, 2, cols,
+                                            {"features": 64}), 32, val_steps)] for r in (0, 1)]
+    np.testing.assert_allclose(
+        trained.getHistory()["val_loss"][0],
+        keras_loss(k, model, after[0], "sparse_categorical_crossentropy", val), rtol=1e-5,
+        err_msg="val_loss: not the reference model's weighted loss on the validation rows")
     return trained
 
 
