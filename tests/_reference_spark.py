@@ -3,8 +3,9 @@ Parquet, and a Keras reference of averaged training (``tests/_averaging.py`` has
 
 The estimators' split, as their reader documents it: the row groups of the prepared data's
 Parquet files (files in sorted order, row groups in file order), every ``size``-th of them to a
-rank starting at its rank; with ``shuffle=False`` a rank reads its rows in that order, pass after
-pass, and cuts batches across row-group and pass ends. ``rank_rows`` reads that share with
+rank starting at its rank (a rank left without one reads the ``rank % count``-th); with
+``shuffle=False`` a rank reads its rows in that order, pass after pass, and cuts batches across
+row-group and pass ends. ``rank_rows`` reads that share with
 pyarrow alone (not the estimators' reader), ``rank_batches`` cuts the batches of the first steps.
 """
 
@@ -15,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["rank_rows", "rank_batches", "step_batches", "keras_averaged_weights"]
+__all__ = ["rank_rows", "rank_batches", "step_batches", "accumulated_steps", "keras_averaged_weights",
+           "keras_loss"]
 
 _SPARSE = ("__sparse_indices", "__sparse_values")
 
@@ -45,8 +47,7 @@ def rank_rows(store: Any, path: str, rank: int, size: int, columns: Sequence[str
         with store.fs.open_input_file(f) as fh:
             pf = pq.ParquetFile(fh)
             groups += [pf.read_row_group(i) for i in range(pf.num_row_groups)]
-    mine = groups[rank::size]
-    assert mine, f"rank {rank} of {size} has no row group (the data has {len(groups)})"
+    mine = groups[rank::size] or [groups[rank % len(groups)]]
     return {c: np.concatenate([_column(t, c, (widths or {}).get(c)) for t in mine])
             for c in columns}
 
@@ -66,6 +67,22 @@ def step_batches(store: Any, path: str, size: int, columns: Sequence[str], batch
     per_rank = [rank_batches(rank_rows(store, path, r, size, columns, widths), batch_size, steps)
                 for r in range(size)]
     return [list(step) for step in zip(*per_rank)]
+
+
+def accumulated_steps(steps: Sequence[Sequence[Any]], passes: int,
+                      per_epoch: int) -> list[list[list[Any]]]:
+    """Upstream's torch estimator's optimizer steps with ``backward_passes_per_step=passes``:
+    within each epoch of ``per_epoch`` batches, every ``passes`` consecutive batches form one
+    step, and the epoch's last group (shorter when ``passes`` does not divide ``per_epoch``) is
+    stepped at the epoch's end. Each entry holds, in rank order, a rank's batches of that step
+    (its gradient is the sum of the batches' gradients of the loss divided by ``passes``)."""
+    out = []
+    for start in range(0, len(steps), per_epoch):
+        epoch = steps[start:start + per_epoch]
+        for g in range(0, len(epoch), passes):
+            group = epoch[g:g + passes]
+            out.append([[step[r] for step in group] for r in range(len(group[0]))])
+    return out
 
 
 def keras_averaged_weights(keras: Any, model: Any, lr: float, loss: Any,
@@ -90,3 +107,16 @@ def keras_averaged_weights(keras: Any, model: Any, lr: float, loss: Any,
             total = [t + g for t, g in zip(total, tape.gradient(value, variables))]
         opt.apply_gradients(zip([t / len(batches) for t in total], variables))
     return [np.asarray(w) for w in ref.get_weights()]
+
+
+def keras_loss(keras: Any, model: Any, weights: Sequence[np.ndarray], loss: Any,
+               ranks: Sequence[Sequence[tuple[Any, ...]]]) -> float:
+    """The loss ``model`` with ``weights`` reports on validation: each rank's mean over its
+    batches (``(x, y, sample_weight)``, equal sizes) of the batch's mean weighted ``loss``, then
+    the mean over the ranks (``MetricAverageCallback``)."""
+    ref = keras.models.clone_model(model)
+    ref.set_weights(list(weights))
+    loss_fn = keras.losses.get(loss)
+    per_rank = [np.mean([float(np.mean(np.asarray(loss_fn(y, ref(x, training=False))) * w))
+                         for x, y, w in batches]) for batches in ranks]
+    return float(np.mean(per_rank))

@@ -25,7 +25,14 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 import cloudpickle  # noqa: E402
 
 from tests._averaging import averaged_steps  # noqa: E402
-from tests._reference_spark import keras_averaged_weights, step_batches  # noqa: E402
+from tests._reference_spark import (  # noqa: E402
+    accumulated_steps,
+    keras_averaged_weights,
+    keras_loss,
+    rank_batches,
+    rank_rows,
+    step_batches,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -148,19 +155,23 @@ def _fit_steps(store: Any, root: Path, columns: list[str], epochs: int | None = 
     return out
 
 
-def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], feature: str,
-                     label: str, lr: float, weight: str | None = None) -> dict[str, np.ndarray]:
+def _torch_reference(initial: Any, steps: list[list[Any]], feature: str,
+                     label: str, lr: float, weight: str | None = None,
+                     passes: int = 1) -> dict[str, np.ndarray]:
     """The state of a copy of ``initial`` after plain SGD on the mean cross-entropy (with a
     ``weight`` column: the mean of the rows' losses times their weights, as upstream weighs
     them), the ranks' gradients averaged at each step (``tests/_averaging.py``), one thread as
-    on the ranks."""
+    on the ranks. A rank's batch may be a list of batches (``accumulated_steps``): its loss is
+    then the sum of theirs divided by ``passes``."""
     import torch
     import torch.nn.functional as F
 
     model = copy.deepcopy(initial)
     model.train()
 
-    def loss_of(m: Any, batch: dict[str, np.ndarray]) -> Any:
+    def loss_of(m: Any, batch: Any) -> Any:
+        if isinstance(batch, list):
+            return sum(loss_of(m, b) for b in batch) / passes
         x = torch.from_numpy(np.ascontiguousarray(batch[feature])).float()
         y = torch.from_numpy(batch[label]).long()
         if weight is None:
@@ -175,6 +186,44 @@ def _torch_reference(initial: Any, steps: list[list[dict[str, np.ndarray]]], fea
     finally:
         torch.set_num_threads(threads)
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def _torch_val_losses(initial: Any, store: Any, idx: str, train_steps: list[list[Any]], epochs: int,
+                      weight: str, widths: dict[str, int]) -> list[float]:
+    """The ``val_loss`` history the reference expects: after each epoch (``train_steps`` split
+    evenly into ``epochs``), the reference model's weighted cross-entropy on each rank's next
+    ``ceil(val_rows / (32 * 2))`` validation batches (32 rows, the validation stream read as
+    the training one, unshuffled, continuing across epochs), each rank's mean over its batches,
+    then the mean over the ranks (the estimators' allreduce average)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.common import util
+    val_steps = math.ceil(util.get_dataset_properties(store, idx)[1] / (32 * 2))
+    rows = [rank_rows(store, store.get_val_data_path(idx), r, 2, ["features", "label", weight],
+                      widths) for r in (0, 1)]
+    streams = [rank_batches(r, 32, val_steps * epochs) for r in rows]
+    per_epoch = len(train_steps) // epochs
+    model, out = copy.deepcopy(initial), []
+    for e in range(epochs):
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in _torch_reference(
+            initial, train_steps[:per_epoch * (e + 1)], "features", "label", lr=_TORCH_LR,
+            weight=weight).items()})
+        model.eval()
+        rank_means = []
+        with torch.no_grad():
+            for stream in streams:
+                losses = []
+                for b in stream[val_steps * e:val_steps * (e + 1)]:
+                    x = torch.from_numpy(np.ascontiguousarray(b["features"])).float()
+                    rows_loss = F.cross_entropy(model(x), torch.from_numpy(b["label"]).long(),
+                                                reduction="none")
+                    losses.append(float((rows_loss * torch.from_numpy(b[weight]).float()).mean()))
+                rank_means.append(sum(losses) / val_steps)
+        out.append(sum(rank_means) / 2)
+    return out
 
 
 class _RecordingMinibatch:
@@ -263,7 +312,13 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
                              sample_weight_col="weight", compress_sparse=True,
                              partitions_per_process=2) == idx
     assert marker.stat().st_mtime_ns == mtime
-    assert len(model.getHistory()["val_loss"]) == 3
+    # The reported val_loss of each epoch is the reference model's (after that epoch's steps)
+    # weighted loss on the ranks' validation batches, averaged as the estimators average it.
+    assert len(steps) % 3 == 0, len(steps)
+    expected_val = _torch_val_losses(initial, store, idx, steps, 3, "weight", {"features": 64})
+    np.testing.assert_allclose(model.getHistory()["val_loss"], expected_val, rtol=1e-5,
+                               err_msg="val_loss: not the reference model's loss on the "
+                               "validation rows")
     pred = _predictions(model, df.where("is_val = 1"), "label__output").argmax(1)
     labels = df.where("is_val = 1").select("label").toPandas()["label"].to_numpy()
     assert (pred == labels).mean() >= 0.85
@@ -493,6 +548,38 @@ def test_torch_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path
                                  optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR))
 
 
+def test_torch_estimator_accumulates_backward_passes(spark: Any, tmp_path: Path) -> None:
+    """``backward_passes_per_step=3`` as upstream's torch estimator runs it: within an epoch,
+    every 3 batches form one optimizer step on the sum of their gradients of the loss divided
+    by 3, averaged over the ranks; an epoch's 28 batches end with a group of one, stepped at
+    the epoch's end (``accumulated_steps``). Two epochs, ``shuffle=False``, plain SGD."""
+    import torch
+    import torch.nn.functional as F
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 10)
+    initial = copy.deepcopy(module)
+    store = Store.create(str(tmp_path / "store"))
+    est = TorchEstimator(num_proc=2, store=store, model=module, loss=F.cross_entropy,
+                         optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR),
+                         feature_cols=["features"], label_cols=["label"], batch_size=32,
+                         epochs=2, shuffle=False, verbose=0, partitions_per_process=2,
+                         backward_passes_per_step=3)
+    fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
+    steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
+    per_epoch = len(steps) // 2
+    assert per_epoch % 3 == 1, per_epoch  # the epoch's last group is one batch
+    groups = accumulated_steps(steps, 3, per_epoch)
+    assert len(groups) == 2 * (per_epoch // 3 + 1)
+    expected = _torch_reference(initial, groups, "features", "label", lr=_TORCH_LR, passes=3)
+    for name, value in fitted.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: not upstream's accumulation of 3 passes")
+
+
 def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
     pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
     from horovod.spark.lightning import TorchEstimator
@@ -503,6 +590,7 @@ def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: 
 def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     """Fit a small model of Keras module ``k`` (``keras`` or ``tf_keras``) with plain SGD and
     sample weights for 3 epochs; check its weights against the reference; return the fit."""
+    from horovod.spark.common import util
     from horovod.spark.common.store import Store
     from horovod.spark.keras import KerasEstimator
 
@@ -514,23 +602,40 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     est = KerasEstimator(num_proc=2, store=store, model=model, optimizer=k.optimizers.SGD(_KERAS_LR),
                          loss="sparse_categorical_crossentropy", feature_cols=["features"],
                          label_cols=["label"], sample_weight_col="weight", batch_size=32,
-                         epochs=3, verbose=0, partitions_per_process=2, shuffle=False)
+                         epochs=3, verbose=0, partitions_per_process=2, shuffle=False,
+                         validation="is_val")
     trained = est.fit(_sparse_digits(spark))
     loss = trained.getHistory()["loss"]
     assert len(loss) == 3 and loss[-1] < loss[0] / 2
     # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
     # from the model's weights (which fit leaves as they were), on each rank's share of rows,
     # each row's loss weighted by its "weight" (Keras: the mean of the weighted losses).
-    steps = _fit_steps(store, tmp_path / "store", ["features", "label", "weight"], epochs=3)
-    expected = keras_averaged_weights(
-        k, model, _KERAS_LR, "sparse_categorical_crossentropy",
-        [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
-          for b in step] for step in steps])
+    cols = ["features", "label", "weight"]
+    steps = [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
+              for b in step] for step in _fit_steps(store, tmp_path / "store", cols, epochs=3)]
+    per_epoch = len(steps) // 3
+    after = [keras_averaged_weights(k, model, _KERAS_LR, "sparse_categorical_crossentropy",
+                                    steps[:per_epoch * e]) for e in (1, 3)]
     got = trained.getModel().get_weights()
-    assert len(got) == len(expected)
-    for i, (g, e) in enumerate(zip(got, expected)):
+    assert len(got) == len(after[-1])
+    for i, (g, e) in enumerate(zip(got, after[-1])):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6,
                                    err_msg=f"weight {i}: not the averaged SGD of the ranks' batches")
+    # The first epoch's val_loss is the loss of the reference model after that epoch on each
+    # rank's first validation batches, each row's loss weighted by its "weight" as in training
+    # (upstream's validation data carries the weights), averaged over the ranks. Later epochs
+    # are not checked: which validation batches Keras draws from the generator after the first
+    # epoch is Keras's own (Keras 3 replays the batches it peeked at).
+    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
+              if p.name.startswith("intermediate_train_data.")]
+    val_steps = -(-util.get_dataset_properties(store, idx)[1] // (32 * 2))
+    val = [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
+            for b in rank_batches(rank_rows(store, store.get_val_data_path(idx), r, 2, cols,
+                                            {"features": 64}), 32, val_steps)] for r in (0, 1)]
+    np.testing.assert_allclose(
+        trained.getHistory()["val_loss"][0],
+        keras_loss(k, model, after[0], "sparse_categorical_crossentropy", val), rtol=1e-5,
+        err_msg="val_loss: not the reference model's weighted loss on the validation rows")
     return trained
 
 

@@ -17,7 +17,9 @@ from horovod.spark.common.estimator import TrainingSpec
 __all__ = ["make_train_fn"]
 
 
-def _batches(reader: Any, spec: TrainingSpec, with_weights: bool) -> Iterator[tuple[Any, ...]]:
+def _batches(reader: Any, spec: TrainingSpec) -> Iterator[tuple[Any, ...]]:
+    """``(x, y)`` batches, ``(x, y, sample_weight)`` with a ``sample_weight_col``: training and
+    validation data alike, as upstream (the validation loss is weighted as the training one)."""
     from horovod.spark.keras.util import _shaped
 
     shapes = spec["input_shapes"]
@@ -30,7 +32,7 @@ def _batches(reader: Any, spec: TrainingSpec, with_weights: bool) -> Iterator[tu
             ys.append(y.astype(np.float32) if y.dtype in (np.float64, np.bool_) else y)
         x = xs[0] if len(xs) == 1 else tuple(xs)
         y = ys[0] if len(ys) == 1 else tuple(ys)
-        if with_weights and spec["sample_weight_col"]:
+        if spec["sample_weight_col"]:
             yield x, y, batch[spec["sample_weight_col"]].astype(np.float32)
         else:
             yield x, y
@@ -102,8 +104,8 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
             boards[0].log_dir = logs_dir
             callbacks += [boards[0], _sync_logs(k, logs_dir, store, store.get_logs_path(spec["run_id"]))]
         with data_module_for(spec, rank, size) as dm:
-            train_gen = _batches(dm.train_data(), spec, True)
-            val_gen = _batches(dm.val_data(), spec, False) if spec["val_path"] else None
+            train_gen = _batches(dm.train_data(), spec)
+            val_gen = _batches(dm.val_data(), spec) if spec["val_path"] else None
             if start < spec["epochs"]:
                 model.fit(train_gen, steps_per_epoch=spec["train_steps"], epochs=spec["epochs"],
                           initial_epoch=start, validation_data=val_gen,

@@ -175,10 +175,16 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
             """``train_minibatch``'s loss (upstream's signature): the estimator's weighted losses."""
             return _loss(loss_fns, spec["loss_weights"], outputs, labels, sample_weights)
 
+        passes = spec["backward_passes_per_step"]
+
         def run_epoch(reader: Any, steps: int, train: bool) -> dict[str, float]:
+            """One epoch. Training without a ``train_minibatch_fn`` steps as upstream: every
+            ``passes`` batches form one optimizer step (the gradients of the loss divided by
+            ``passes``, summed over the batches, then averaged over the ranks), and the epoch's
+            last, possibly shorter, group is stepped at its end."""
             model.train(train)
             sums = np.zeros(1 + len(metrics))
-            for _ in range(steps):
+            for i in range(steps):
                 inputs, labels, sw = _tensors(next(reader), spec, device)
                 with torch.set_grad_enabled(train):
                     if train and minibatch is not None:
@@ -187,17 +193,20 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
                         outputs, loss = minibatch(model, opt, _transform_outputs, loss_fn, inputs,
                                                   labels, sw)
                     else:
-                        if train:
+                        if train and i % passes == 0:
+                            if i:
+                                opt.step()
                             opt.zero_grad()
                         out = model(*inputs)
                         outputs = list(out) if isinstance(out, (list, tuple)) else [out]
                         loss = loss_fn(outputs, labels, sw)
                         if train:
-                            loss.backward()
-                            opt.step()
+                            (loss / passes if passes > 1 else loss).backward()
                 sums[0] += float(loss.detach())
                 for j, m in enumerate(metrics):
                     sums[1 + j] += float(m(outputs[0], labels[0]))
+            if train and minibatch is None and steps:
+                opt.step()
             avg = hvd.allreduce(torch.tensor(sums / max(steps, 1)), name=f"metrics.{train}")
             names = ["loss"] + [getattr(m, "__name__", f"metric{j}") for j, m in enumerate(metrics)]
             return {n: float(v) for n, v in zip(names, avg.tolist())}
