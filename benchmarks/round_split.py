@@ -25,14 +25,17 @@ import torch
 
 import horovod.torch as hvd
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--tensors", type=int, default=161)
-parser.add_argument("--reps", type=int, default=200)
-parser.add_argument("--pre-ms", type=float, default=2.0)
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensors", type=int, default=161, help="tensors of 4 floats in a step")
+    p.add_argument("--reps", type=int, default=200, help="steps per pre-step kind and pass")
+    p.add_argument("--pre-ms", type=float, default=2.0, help="length of the busy loop or the sleep")
+    return p.parse_args()
 
 
 def main() -> None:
-    args = parser.parse_args()
+    args = _args()
     hvd.init()
     from mpi4py import MPI
 
