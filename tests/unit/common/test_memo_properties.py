@@ -135,7 +135,7 @@ def test_batch_items_memo_hit_equals_fresh_items(steps):
             if what == "joined" and j == k % n:
                 entries.append(None)
             elif outs == j:
-                entries.append(Entry(r, [a], [np.empty_like(a)], None))
+                entries.append(Entry(r, [a], [np.full_like(a, -1.0)], None))  # not empty_like: NaN garbage != itself
             else:
                 entries.append(Entry(r, [a], None, None))
                 entries[-1].outputs = entries[-1].inputs
