@@ -249,7 +249,7 @@ def test_torch_sample_weights_weigh_each_rows_loss() -> None:
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
-    from horovod.spark.torch.remote import _loss
+    from horovod.spark.torch.remote import _loss, _row_loss_of
 
     out, lab = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
     w = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.0, 0.0])
@@ -258,6 +258,10 @@ def test_torch_sample_weights_weigh_each_rows_loss() -> None:
     for fn in (F.cross_entropy, module, lambda o, t: F.cross_entropy(o, t, reduction="none")):
         assert torch.equal(_loss([fn], None, [out], [lab], w), expected)
     assert module.reduction == "mean"  # the estimator's copy ran with reduction="none"
+    # worked out once per loss, not per batch: later batches reuse the same callable
+    assert _row_loss_of(module) is _row_loss_of(module)
+    assert _row_loss_of(F.cross_entropy) is _row_loss_of(F.cross_entropy)
+    assert torch.equal(_loss([module], None, [out], [lab], w), expected)
     assert torch.equal(_loss([F.cross_entropy], [0.5], [out], [lab], None), 0.5 * F.cross_entropy(out, lab))
     with pytest.raises(ValueError, match=r"loss <lambda> of label column 0 gave a value of shape \(\)"):
         _loss([lambda o, t: F.cross_entropy(o, t)], None, [out], [lab], w)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import inspect
 import io
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -82,24 +87,36 @@ def _tensors(batch: dict[str, np.ndarray], spec: TrainingSpec, device: Any) -> t
     return inputs, labels, weights
 
 
-def _row_losses(fn: Any, out: Any, lab: Any) -> Any:
-    """``fn``'s loss of every row, for sample weights: a ``torch.nn`` loss module runs as a copy
-    with ``reduction='none'``; a function that takes ``reduction`` is called with
+def _row_loss_of(fn: Any) -> Callable[[Any, Any], Any]:
+    """How ``fn`` gives the loss of every row, for sample weights: a ``torch.nn`` loss module runs
+    as a copy with ``reduction='none'``; a function that takes ``reduction`` is called with
     ``reduction='none'`` (upstream's call: ``torch.nn.functional``'s losses); any other function
-    must return the rows' losses itself."""
-    import copy
-    import inspect
-
-    if isinstance(getattr(fn, "reduction", None), str):
-        fn = copy.copy(fn)
-        fn.reduction = "none"
-        return fn(out, lab)
+    must return the rows' losses itself. Worked out once per loss (``_ROW_LOSSES``), not per batch."""
     try:
-        params = inspect.signature(fn).parameters.values()
-        takes_reduction = any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
-    except (TypeError, ValueError):  # a builtin without a signature
-        takes_reduction = False
-    return fn(out, lab, reduction="none") if takes_reduction else fn(out, lab)
+        made = _ROW_LOSSES.get(fn)
+    except TypeError:  # not weakly referenceable: worked out each time
+        made = None
+    if made is not None:
+        return made
+    if isinstance(getattr(fn, "reduction", None), str):
+        module = copy.copy(fn)
+        module.reduction = "none"
+        made = module
+    else:
+        try:
+            params = inspect.signature(fn).parameters.values()
+            takes_reduction = any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
+        except (TypeError, ValueError):  # a builtin without a signature
+            takes_reduction = False
+        made = functools.partial(fn, reduction="none") if takes_reduction else fn
+    with contextlib.suppress(TypeError):
+        _ROW_LOSSES[fn] = made
+    return made
+
+
+# loss -> its rows' loss (``_row_loss_of``); weak keys, so a loss module the caller drops is not
+# kept (a function stays: its ``partial`` refers to it)
+_ROW_LOSSES: weakref.WeakKeyDictionary[Any, Callable[[Any, Any], Any]] = weakref.WeakKeyDictionary()
 
 
 def _loss(loss_fns: list[Any], weights: list[float] | None, outputs: list[Any], labels: list[Any],
@@ -113,7 +130,7 @@ def _loss(loss_fns: list[Any], weights: list[float] | None, outputs: list[Any], 
         if sample_weights is None:
             value = fn(out, lab)
         else:
-            rows, n = _row_losses(fn, out, lab), sample_weights.shape[0]
+            rows, n = _row_loss_of(fn)(out, lab), sample_weights.shape[0]
             if rows.dim() == 0 or rows.shape[0] != n:
                 name = getattr(fn, "__name__", type(fn).__name__)
                 raise ValueError(
