@@ -296,7 +296,7 @@ def check_build_text() -> str:
 
     lines = [f"Horovod v{__version__}:", "", "Available Frameworks:",
              f"    {box(has('tensorflow'))} TensorFlow", f"    {box(gloo)} PyTorch",
-             f"    {box(has('mxnet'))} MXNet", "", "Available Controllers:",
+             f"    {box(has('jax'))} JAX", "", "Available Controllers:",
              f"    {box(mpi)} MPI", f"    {box(gloo)} Gloo", "", "Available Tensor Operations:",
              f"    {box(nccl)} NCCL", f"    {box(False)} DDL", f"    {box(False)} CCL",
              f"    {box(mpi)} MPI", f"    {box(gloo)} Gloo"]

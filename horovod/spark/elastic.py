@@ -328,8 +328,8 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
             workers is ``elastic_timeout``.
         elastic_timeout: seconds to wait for enough workers (``HOROVOD_ELASTIC_TIMEOUT``, 600).
         reset_limit: most resets before the job fails.
-        env, stdout, stderr, verbose, nics, prefix_output_with_timestamp, monitor_port,
-            monitor_address: as ``run`` (the monitor also shows the elastic rounds).
+        env, stdout, stderr, verbose, nics, prefix_output_with_timestamp, monitor_port, monitor_address: as
+            ``run`` (the monitor also shows the elastic rounds).
 
     Returns:
         The values returned by the workers of the final round, in rank order.

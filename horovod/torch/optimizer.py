@@ -600,7 +600,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v1.0.",
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups

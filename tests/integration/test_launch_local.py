@@ -230,9 +230,13 @@ def test_check_build_lists_what_is_available() -> None:
     assert re.match(r"Horovod v\d+\.\d+\.\d+:", lines[0])
     import importlib.util
 
-    tf = "[X]" if importlib.util.find_spec("tensorflow") else "[ ]"
-    assert lines[2:6] == ["Available Frameworks:", f"    {tf} TensorFlow", "    [X] PyTorch",
-                          "    [ ] MXNet"]
+    def box(module: str) -> str:
+        return "[X]" if importlib.util.find_spec(module) else "[ ]"
+
+    # the frameworks this package has bindings for (upstream's list had MXNet, which has none here)
+    assert lines[2:6] == ["Available Frameworks:", f"    {box('tensorflow')} TensorFlow", "    [X] PyTorch",
+                          f"    {box('jax')} JAX"]
+    assert "MXNet" not in res.stdout
     assert "Available Controllers:\n    [X] MPI\n    [X] Gloo" in res.stdout
     assert "Available Tensor Operations:\n    [ ] NCCL\n    [ ] DDL\n    [ ] CCL\n    [X] MPI\n" \
            "    [X] Gloo" in res.stdout
