@@ -35,7 +35,7 @@ from horovod.common.rendezvous import RendezvousClient, RendezvousError
 
 __all__ = ["HostUpdateResult", "RoundInfo", "WorkerRemovedError", "JobStoppedError", "is_elastic",
            "join_round", "current_round", "NotificationManager", "notification_manager",
-           "set_ready_reason", "form_round", "Cancel", "ABANDONED_KEY", "round_scope"]
+           "set_ready_reason", "warm_up_before_joining", "form_round", "Cancel", "ABANDONED_KEY", "round_scope"]
 
 
 log = logging.getLogger("horovod")
@@ -69,6 +69,32 @@ _reason = "start"
 def is_elastic(environ: Mapping[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     return environ.get(ELASTIC_ENV, "0") not in ("", "0")
+
+
+_warm_ups: dict[str, Callable[[], None]] = {}
+
+
+def warm_up_before_joining(name: str, warm_up: Callable[[], None]) -> None:
+    """Run ``warm_up()`` once, before this worker first tells the driver it is ready.
+
+    For a binding's slow first-use cost (``horovod.torch.elastic``: loading ``torch._dynamo``, which
+    torch does when the first optimizer is made): paid there, not while the round's other members
+    wait for this worker in the round's first collective. Registering does nothing else; outside
+    elastic jobs no round is joined and ``warm_up`` never runs.
+    """
+    with _lock:
+        _warm_ups.setdefault(name, warm_up)
+
+
+def _run_warm_ups() -> None:
+    with _lock:
+        warm_ups = list(_warm_ups.values())
+        _warm_ups.clear()
+    for warm_up in warm_ups:
+        try:
+            warm_up()
+        except Exception:  # noqa: BLE001 - only a warm-up: the cost is paid later instead
+            log.debug("elastic warm-up %r failed", warm_up, exc_info=True)
 
 
 def current_round() -> RoundInfo | None:
@@ -219,6 +245,8 @@ def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | Non
     global _current, _reason
     environ = os.environ if environ is None else environ
     host, slot = _identity(environ)
+    if _current is None:
+        _run_warm_ups()
     if after is None:
         after = _current.round if _current is not None else -1
     request = protocol.ReadyRequest(host, slot, after, _reason, os.getpid()).to_wire()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from horovod.common.elastic import ObjectState, State, run_fn
-from horovod.common.elastic.worker import is_elastic as _is_elastic
+from horovod.common.elastic.worker import warm_up_before_joining as _warm_up_before_joining
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.elastic.state import TorchState
@@ -26,14 +26,15 @@ from horovod.torch.elastic.state import TorchState
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
            "HostsUpdatedInterrupt"]
 
-if _is_elastic():
-    # torch imports torch._dynamo when the first optimizer is made (seconds). An elastic worker
-    # pays it here, before hvd.init() tells the driver it is ready, not while the workers it
-    # joins wait for it in the new round's first collective.
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - only a warm-up
-        pass
+def _load_dynamo() -> None:
+    import torch._dynamo  # noqa: F401
+
+
+# torch imports torch._dynamo when the first optimizer is made (seconds). An elastic worker pays it in
+# hvd.init(), before it tells the driver it is ready, not while the workers it joins wait for it in
+# the new round's first collective. Importing this module only registers it (outside elastic jobs it
+# never runs).
+_warm_up_before_joining("torch._dynamo", _load_dynamo)
 
 
 def _reset() -> None:
