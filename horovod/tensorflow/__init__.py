@@ -94,7 +94,26 @@ from horovod.tensorflow.util import _executing_eagerly  # noqa: F401 - upstream 
 
 #: the inter-op pool importing this module asks TensorFlow for when the program chose none
 INTEROP_THREADS = 64
-init = _basics.init
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start Horovod in this process (``horovod.common.basics.init``: the transport, the topology, the
+    engine), and tell TensorFlow's autograph to leave Horovod's own functions unconverted.
+
+    Every process of the job must call it. Calling it again while initialized does nothing; after
+    ``shutdown()`` it starts a new engine.
+
+    Args:
+        comm: None (all processes of the job), a list of world ranks, or an ``mpi4py`` communicator.
+        process_sets: None, a list of ``ProcessSet`` (the same list on every rank), or "dynamic".
+
+    Raises:
+        ConfigError: a ``HOROVOD_*`` variable has an unusable value.
+        BackendUnavailableError: the selected transport cannot start.
+        ValueError: bad ``comm`` or ``process_sets``.
+    """
+    _exclude_from_autograph()
+    _basics.init(comm, process_sets)
 
 
 def _widen_interop_pool() -> None:
@@ -120,7 +139,9 @@ def _widen_interop_pool() -> None:
 
 
 def _exclude_from_autograph() -> None:
-    # Autograph would rewrite Horovod's own Python (tracing it unchanged is what we want).
+    """Autograph would rewrite Horovod's own Python inside a ``tf.function`` (tracing it unchanged is what
+    we want): a ``DoNotConvert("horovod")`` rule, added by ``hvd.init()`` (not at import: importing
+    changes nothing of TensorFlow's) and kept after ``shutdown()`` (it concerns Horovod's code only)."""
     try:
         from tensorflow.python.autograph.core import config as _ag_config
     except ImportError:  # pragma: no cover - private module moved
@@ -130,7 +151,6 @@ def _exclude_from_autograph() -> None:
         _ag_config.CONVERSION_RULES = (_ag_config.DoNotConvert("horovod"),) + rules
 
 
-_exclude_from_autograph()
 _widen_interop_pool()
 
 __all__ = [

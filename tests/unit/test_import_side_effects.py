@@ -1,8 +1,19 @@
-"""Importing Horovod changes nothing process-wide (but for TensorFlow's inter-op pool size, widened by
-``horovod.tensorflow`` when unset: see the test): no environment variable written, no warnings
-filter installed, no exit, excepthook or signal handler replaced, no logging handler added to the
-root logger, no default socket timeout. (Horovod's own hooks come with ``hvd.init()`` and go with
-``hvd.shutdown()``: ``tests/unit/common/test_lifecycle.py``.)
+"""Importing Horovod changes nothing process-wide, but for the documented exceptions below: no
+environment variable written, no warnings filter installed, no exit, excepthook or signal handler
+replaced, no logging handler added to the root logger, no default socket timeout, no import hook
+(``sys.meta_path``, ``sys.path_hooks``), no rule of TensorFlow's autograph, no framework internal
+that costs seconds to load (``torch._dynamo``, ``triton``). (Horovod's own hooks come with
+``hvd.init()`` and go with ``hvd.shutdown()``: ``tests/unit/common/test_lifecycle.py``; the autograph
+rule for Horovod's own code comes with ``horovod.tensorflow.init()``; an elastic torch worker loads
+``torch._dynamo`` in ``hvd.init()``: ``tests/unit/common/test_elastic_warm_up.py``.)
+
+The documented exceptions, each unavoidable where it is (CONTRIBUTING.md, "Import-time effects"):
+- ``horovod.tensorflow`` sets ``TF_NUM_INTEROP_THREADS`` when the program set no inter-op pool size:
+  TensorFlow reads it once, possibly before ``hvd.init()`` (docs/tensorflow.md, "TF1 sessions").
+- ``horovod.lightning`` registers ``strategy="horovod"`` in Lightning's registry (what importing it
+  is for); for a Lightning package installed but not yet imported it adds one ``sys.meta_path``
+  finder that registers the name when that import ends and then removes itself, so as not to
+  import Lightning (seconds) itself.
 
 One fresh interpreter imports the frameworks first (their own import-time effects are theirs),
 takes a snapshot, imports every module of the package, and compares.
@@ -33,6 +44,14 @@ for name in ("numpy", "torch", "tensorflow", "keras", "tf_keras", "jax", "jax.nu
         pass
 
 
+def autograph_rules():
+    try:
+        from tensorflow.python.autograph.core import config
+    except Exception:
+        return None
+    return [repr(r) for r in config.CONVERSION_RULES]
+
+
 def snapshot():
     sigs = {}
     for s in signal.valid_signals():
@@ -46,9 +65,13 @@ def snapshot():
                       sys.displayhook, sys.breakpointhook),
             "signals": sigs, "root_handlers": list(logging.getLogger().handlers),
             "root_level": logging.getLogger().level, "socket_timeout": socket.getdefaulttimeout(),
-            "recursion": sys.getrecursionlimit()}
+            "recursion": sys.getrecursionlimit(), "meta_path": [repr(f) for f in sys.meta_path],
+            "path_hooks": [repr(h) for h in sys.path_hooks], "autograph_rules": autograph_rules(),
+            "heavy_modules": sorted(m for m in HEAVY if m in sys.modules)}
 
 
+# framework internals that cost seconds (torch._dynamo pulls in triton): loaded only when used
+HEAVY = ("torch._dynamo", "torch._inductor", "triton")
 before = snapshot()
 import horovod
 
@@ -77,7 +100,8 @@ sig = {signal.Signals(s).name: repr(after["signals"].get(s)) for s in before["si
        if after["signals"].get(s) != before["signals"][s]}
 if sig:
     changed["signals"] = sig
-for key in ("root_handlers", "root_level", "socket_timeout", "recursion"):
+for key in ("root_handlers", "root_level", "socket_timeout", "recursion", "meta_path", "path_hooks",
+            "autograph_rules", "heavy_modules"):
     if before[key] != after[key]:
         changed[key] = repr(after[key])
 print("RESULT " + json.dumps({"imported": imported, "failed": failed, "changed": changed}))
@@ -109,3 +133,47 @@ def test_importing_every_module_changes_nothing_process_wide() -> None:
     assert not changed, (
         f"importing horovod changed process-wide state: {result['changed']} (do it in hvd.init() and "
         "undo it in hvd.shutdown(), or scope it with a context manager)")
+
+
+_LIGHTNING_CODE = r"""
+import importlib.util, json, sys
+import torch  # not Horovod's effect
+before = list(sys.meta_path)
+import horovod.lightning as hl
+added = [f for f in sys.meta_path if f not in before]
+removed = [f for f in before if f not in sys.meta_path]
+result = {"added": [type(f).__qualname__ + " " + type(f).__module__ for f in added], "removed": len(removed),
+          "lightning_imported": [p for p in ("lightning", "pytorch_lightning") if p in sys.modules],
+          "installed": [p for p in ("lightning", "pytorch_lightning") if importlib.util.find_spec(p)]}
+for package in result["installed"]:
+    importlib.import_module(package + (".pytorch" if package == "lightning" else ""))
+result["registered"] = hl.registered_packages()
+result["left"] = [type(f).__qualname__ for f in sys.meta_path  # Lightning's own (six's) are not ours
+                  if f not in before and type(f).__module__.startswith("horovod")]
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_horovod_lightning_adds_only_its_documented_import_hook_and_removes_it() -> None:
+    """The one import hook (see the module's docstring): one finder, only while a Lightning package
+    that is installed is not imported yet, gone once they are, and the name registered in each."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env.update(PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_LIGHTNING_CODE)], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=REPO)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    if res.returncode != 0 and "No module named 'torch'" in res.stderr:
+        import pytest
+
+        pytest.skip("PyTorch is not installed")
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["lightning_imported"] == [], result  # importing horovod.lightning imports no Lightning
+    assert result["removed"] == 0, result
+    if result["installed"]:
+        assert result["added"] == ["_RegisterAfterImport horovod.lightning"], result
+    else:
+        assert result["added"] == [], result
+    assert result["left"] == [], result  # the finder removed itself once every package was imported
+    want = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
+    assert sorted(result["registered"]) == sorted(want[p] for p in result["installed"]), result
