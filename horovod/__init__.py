@@ -14,8 +14,10 @@ from horovod._version import __version__
 __all__ = ["__version__", "run"]
 
 
-def run(*args: Any, **kwargs: Any) -> Any:
-    """Run a Python function on every rank of a new job; see ``horovod.runner.run``."""
-    from horovod.runner import run as _run
+def __getattr__(name: str) -> Any:
+    """``horovod.run`` is ``horovod.runner.run`` (its signature and docstring), loaded when first used."""
+    if name == "run":
+        from horovod.runner.api import run
 
-    return _run(*args, **kwargs)
+        return run
+    raise AttributeError(f"module 'horovod' has no attribute {name!r}")

@@ -1,17 +1,10 @@
 """The launcher: ``horovodrun`` (``horovod.runner.launch``) and ``horovod.run()`` (``api.py``).
 
-Importing this package is cheap; the pieces load when used.
+Importing this package is cheap (``api.py`` loads the launch machinery when ``run`` is called).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from horovod.runner.api import run
 
 __all__ = ["run"]
-
-
-def run(*args: Any, **kwargs: Any) -> Any:
-    """Run a Python function on every rank of a new job; see ``horovod.runner.api.run``."""
-    from horovod.runner.api import run as _run
-
-    return _run(*args, **kwargs)

@@ -35,14 +35,50 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
 
     Args:
         func: the function every rank runs.
-        args, kwargs: its arguments.
-        num_proc: number of processes (``np`` is the deprecated name).
-        hosts / hostfile: as ``horovodrun -H`` / ``--hostfile`` (only one of them).
-        use_gloo / use_mpi: the launch mode (only one of them; default as ``horovodrun``).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        num_proc: number of processes (``horovodrun -np``; in elastic mode, the number to start
+            with, default ``min_num_proc``).
+        min_num_proc: elastic mode's fewest processes to go on with (``--min-np``; this,
+            ``max_num_proc`` or ``host_discovery_script`` makes the job elastic, on Gloo).
+        max_num_proc: elastic mode's most processes to use (``--max-np``).
+        slots: slots per host that the discovery script lists without a count (``--slots-per-host``).
+        reset_limit: elastic mode's most resets (re-formations) before the job fails
+            (``--reset-limit``).
+        cooldown_range: ``(min, max)`` seconds a failed host stays excluded before it may come back,
+            growing with its failures (``--blacklist-cooldown-range``); None: never comes back.
+        hosts: where the ranks run, ``"host1:2,host2:2"`` (``-H``; default: this host; not with
+            ``hostfile``).
+        hostfile: a file of ``host slots=N`` lines (``--hostfile``; not with ``hosts``).
+        host_discovery_script: an executable printing the available ``host:slots`` lines (elastic
+            mode; ``--host-discovery-script``).
+        start_timeout: seconds for every rank to start and meet (``--start-timeout``;
+            ``HOROVOD_START_TIMEOUT``, default 30).
+        ssh_port: ssh's port on remote hosts (``-p``).
+        ssh_identity_file: ssh's key for remote hosts (``-i``).
+        disable_cache: detect the MPI implementation on every start instead of using the answer
+            cached in ``~/.horovod`` (``--disable-cache``).
+        output_filename: a directory where each rank's output is also written,
+            ``DIR/rank.<r>/stdout`` and ``stderr`` (``--output-filename``).
+        verbose: 1 or more prints the launch command and what the launcher decides (``--verbose``).
+        use_gloo: launch with Gloo (``--gloo``; not with ``use_mpi``). Neither: as ``horovodrun``,
+            MPI when ``mpirun`` is found, else Gloo.
+        use_mpi: launch under ``mpirun`` (``--mpi``; not with ``use_gloo``).
+        mpi_args: extra arguments for ``mpirun`` (``--mpi-args``).
+        network_interface: the interface the ranks talk over (upstream's comma list of several is
+            deprecated: use ``network_interfaces``).
+        network_interfaces: the interfaces the ranks talk over (``--network-interfaces``).
+        executable: the Python the workers run (default: this one, ``sys.executable``).
+        np: deprecated name of ``num_proc``.
+        min_np: deprecated name of ``min_num_proc``.
+        max_np: deprecated name of ``max_num_proc``.
+        prefix_output_with_timestamp: put the time before each output line
+            (``--prefix-output-with-timestamp``).
         env: extra variables for every worker (as ``horovodrun -x NAME=VALUE``).
-        monitor_port / monitor_address: serve the job's live view (``horovodrun --monitor-port``;
-            docs/monitor.md) from this process while the job runs.
-        Other arguments mirror the ``horovodrun`` options of the same name.
+        monitor_port: serve the job's live view on this port from this process while the job runs
+            (``horovodrun --monitor-port``; docs/monitor.md; 0: a free port).
+        monitor_address: the address the live view listens on (``--monitor-address``; default
+            ``127.0.0.1``).
 
     Returns:
         One return value per rank, indexed by rank.

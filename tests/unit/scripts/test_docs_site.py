@@ -27,7 +27,15 @@ API_NAMES = {
     "ray": ["horovod.ray.RayExecutor"],
     "runner": ["horovod.runner.run"],
     "numpy": ["horovod.numpy.allreduce", "horovod.numpy.size"],  # size: built by a factory
+    "checkpoint": ["horovod.torch.checkpoint.save", "horovod.torch.checkpoint.load"],
+    "elastic": ["horovod.torch.elastic.run", "horovod.torch.elastic.TorchState", "horovod.torch.elastic.ElasticSampler",
+                "horovod.tensorflow.elastic.TensorFlowKerasState", "horovod.keras.elastic.KerasState",
+                "horovod.common.elastic.State", "horovod.common.elastic.ObjectState"],
+    "common": ["horovod.common.process_sets.ProcessSet", "horovod.common.exceptions.HorovodInternalError"],
 }
+# horovod.run()'s parameters, each documented on the runner page (not a bare run(*args, **kwargs))
+RUN_PARAMETERS = ("num_proc", "min_num_proc", "max_num_proc", "hosts", "hostfile", "host_discovery_script",
+                  "cooldown_range", "use_gloo", "use_mpi", "env", "monitor_port", "executable")
 # Built by a factory in a module that imports TensorFlow: documented where the docs build can import it.
 if importlib.util.find_spec("tensorflow") and importlib.util.find_spec("keras"):
     API_NAMES["keras"] += ["horovod.keras.allreduce", "horovod.tensorflow.keras.PartialDistributedOptimizer"]
@@ -46,6 +54,7 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
     assert not nav - pages, f"mkdocs.yml's nav names pages that do not exist: {sorted(nav - pages)}"
 
 
+@pytest.mark.slow  # a build of the whole site: 10-60 s (.ci/run also builds it before the suite)
 def test_the_site_builds_strict_with_the_api_reference(tmp_path: Path) -> None:
     missing = _docs_extra_missing()
     if missing:
@@ -63,3 +72,7 @@ def test_the_site_builds_strict_with_the_api_reference(tmp_path: Path) -> None:
     # the generated reference carries the docstrings, not only the names
     torch_page = (tmp_path / "site" / "api" / "torch.html").read_text()
     assert "named_parameters" in torch_page
+    runner_page = (tmp_path / "site" / "api" / "runner.html").read_text()
+    undocumented = [p for p in RUN_PARAMETERS if f"<b><code>{p}</code></b>" not in runner_page
+                    and f"<code>{p}</code>" not in runner_page]
+    assert not undocumented, f"the horovod.runner page does not document run()'s {undocumented}"
