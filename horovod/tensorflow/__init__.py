@@ -97,20 +97,12 @@ INTEROP_THREADS = 64
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start Horovod in this process (``horovod.common.basics.init``: the transport, the topology, the
-    engine), and tell TensorFlow's autograph to leave Horovod's own functions unconverted.
-
-    Every process of the job must call it. Calling it again while initialized does nothing; after
-    ``shutdown()`` it starts a new engine.
+    """``hvd.init()`` of every binding (``horovod.common.basics.init``: joins the job, starts the
+    engine), after telling TensorFlow's autograph to trace Horovod's own functions unconverted.
 
     Args:
-        comm: None (all processes of the job), a list of world ranks, or an ``mpi4py`` communicator.
-        process_sets: None, a list of ``ProcessSet`` (the same list on every rank), or "dynamic".
-
-    Raises:
-        ConfigError: a ``HOROVOD_*`` variable has an unusable value.
-        BackendUnavailableError: the selected transport cannot start.
-        ValueError: bad ``comm`` or ``process_sets``.
+        comm: the ranks of this job: None (all), a list of world ranks, or an ``mpi4py`` communicator.
+        process_sets: the process sets to register (the same on every rank), or "dynamic".
     """
     _exclude_from_autograph()
     _basics.init(comm, process_sets)

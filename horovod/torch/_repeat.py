@@ -230,12 +230,6 @@ def _all_match(ctx: Any, tensors: Sequence[Any], signatures: Sequence[tuple[Any,
 _PLAIN = frozenset((torch.Tensor,))
 
 
-def _matches(tensor: Any, signature: tuple[Any, ...]) -> bool:
-    """``tensor`` may be resubmitted with ``signature``'s request (what ``_resubmit`` inlines)."""
-    ctx = peek_context()
-    return ctx is not None and _all_match(ctx, [tensor], [signature])
-
-
 def _remember(key: tuple[Any, ...], signature: Any) -> None:
     if len(_REPEAT) >= _REPEAT_MAX:
         _REPEAT.clear()

@@ -25,10 +25,9 @@ from horovod.common.context import get_context, peek_context
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp, RequestType, Sum
 from horovod.torch import _convert as _cv
-from horovod.torch._repeat import (  # noqa: F401 - _resubmit_many, _matches: the repeat path's API here
+from horovod.torch._repeat import (  # noqa: F401 - _resubmit_many: the repeat path's API here
     _REPEAT,
     _GroupRepeat,
-    _matches,
     _remember,
     _repeat_signature,
     _resubmit,

@@ -92,11 +92,8 @@ class ResponseCache:
         table = self._slots
         return [table[s] for s in slots]  # type: ignore[misc]
 
-    def touch(self, slot: int) -> None:
-        self._lru.move_to_end(slot)
-
     def touch_all(self, slots: list[int]) -> None:
-        """``touch`` each slot, in order."""
+        """Mark each slot as the most recently used, in order (the least recent is evicted first)."""
         move = self._lru.move_to_end
         for slot in slots:
             move(slot)

@@ -46,7 +46,7 @@ from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factors, work_op
 from horovod.common.engine.timeline import Timeline
-from horovod.common.engine.transport import HostTransport, Lane, logical_op, reduce_dtype
+from horovod.common.engine.transport import FLOAT_DTYPES, HostTransport, Lane, logical_op, reduce_dtype
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 
@@ -200,15 +200,16 @@ class Executor:
         info = self._dtype_info.get(key)
         if info is None:
             work = reduce_dtype(req.dtype, lane.transport.native, lane.transport.name)
-            info = self._dtype_info[key] = (ops.dtype(work), work != req.dtype, req.dtype in _FLOATS)
+            info = self._dtype_info[key] = (ops.dtype(work), work != req.dtype, req.dtype in FLOAT_DTYPES)
         op = logical_op(req.dtype, work_op(req.reduce_op))
         post, div = post_factors(req.reduce_op, req.postscale, size)
         exact = info[2] and op == ReduceOp.SUM and power_of_two(post / div)
         return Reduction(op, req.prescale, post, div, info[0], info[1], exact)
 
     # ------------------------------------------------------------------ entry point
-    def run(self, batch: Sequence[Response], entries: Sequence[Any], joined: bool) -> None:
-        """Execute one batch; entries[i] is this rank's Entry for batch[i] (None if it has none)."""
+    def run(self, batch: Sequence[Response], entries: Sequence[Any]) -> None:
+        """Execute one batch; entries[i] is this rank's Entry for batch[i] (None if it has none: a joined
+        rank's, which takes part with zeros)."""
         req = batch[0].request
         kind = req.kind
         group = self.groups[req.process_set_id]
@@ -450,7 +451,6 @@ class Executor:
 
 
 _ACTIVITY = {RequestType.BROADCAST: "BCAST"}
-_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def _prod(dims: Sequence[int]) -> int:

@@ -759,7 +759,7 @@ class Engine:
                                        "which it never submitted")
         t0 = time.perf_counter()
         try:
-            self._executor.run(batch, entries, self._joined)
+            self._executor.run(batch, entries)
         except (TypeError, DevicePlaneError) as exc:  # this batch fails; the engine keeps serving
             for e in entries:
                 if e is not None:

@@ -87,7 +87,8 @@ class Lane:
     steps: bool
 
 
-_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: the float dtypes: reduced in float32 where the transport has no arithmetic of their own
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 @functools.lru_cache(maxsize=256)
@@ -103,7 +104,7 @@ def reduce_dtype(dtype: str, native: frozenset[str], transport: str = "") -> str
         return dtype
     if dtype == "bool" and "uint8" in native:
         return "uint8"
-    if dtype in _FLOATS and "float32" in native:
+    if dtype in FLOAT_DTYPES and "float32" in native:
         return "float32"
     if dtype in ("int8", "uint8", "int16", "uint16") and "int32" in native:
         return "int32"

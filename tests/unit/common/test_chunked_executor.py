@@ -48,7 +48,7 @@ def _run(shapes, dtype="float32", op=ReduceOp.AVERAGE, pre=1.0, post=1.0, in_pla
         x = (np.arange(int(np.prod(shape))) % 11 + 1).astype(dtype).reshape(shape)
         inputs.append(x.copy())
         entries.append(None if i == joined_at else Entry(req, [x], [x] if in_place else None, None))
-    ex.run(batch, entries, joined_at is not None)
+    ex.run(batch, entries)
     return backend, entries, inputs
 
 
@@ -108,12 +108,12 @@ def test_tunables_are_read_at_every_batch() -> None:
     tun = Tunables(chunk_bytes=400, max_tensor_bytes=0)
     ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, tun, lambda: None)
     req = Request("x", RequestType.ALLREDUCE, "float32", ((1000,),), ReduceOp.SUM)
-    ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)], False)
+    ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)])
     assert backend.calls == [400] * 10
     backend.calls.clear()
     ex.chunk_bytes = 2000
     assert tun.chunk_bytes == 2000 and ex.max_tensor_bytes == 0
-    ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)], False)
+    ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)])
     assert backend.calls == [2000, 2000]
     tun.update(fusion_threshold=0, cycle_time_ms=3.0)
     assert not ex.fusion_enabled and tun.as_dict()["cycle_time_ms"] == 3.0
@@ -263,7 +263,7 @@ def _run_views(views, flat, n=3, pre=1.0, post=1.0, in_place=True, chunk=1024):
     reqs = [Request(f"t{i}", RequestType.ALLREDUCE, "float32", (v.shape,), ReduceOp.AVERAGE, pre, post)
             for i, v in enumerate(views)]
     entries = [Entry(r, [v], [v] if in_place else None, None) for r, v in zip(reqs, views)]
-    ex.run([Response(r) for r in reqs], entries, False)
+    ex.run([Response(r) for r in reqs], entries)
     return backend, entries
 
 

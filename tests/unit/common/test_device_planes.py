@@ -66,17 +66,17 @@ def test_executor_sends_plane_batches_to_their_plane_and_host_batches_to_the_bac
     monkeypatch.setitem(device._FACTORIES, "fakeplane", lambda ex: made.append(_Plane(ex)) or made[-1])
     ex = Executor(_Backend(), {0: Group([0], 0, None)}, 0, Tunables(), lambda: None)
     resp, entry = _entry("allreduce.a", "fakeplane:gpu")
-    ex.run([resp], [entry], False)
+    ex.run([resp], [entry])
     # the executor ran the operation on the plane's lane (its transport multiplied by 7)
     assert np.array_equal(entry.outputs[0], np.full(2, 7, np.float32)), entry.outputs
     # the plane gets the engine's services (transport, tunables, timeline), not the executor
     assert made[0].services is ex.planes.services and made[0].services.backend is ex.backend
     assert made[0].batches == [(["allreduce.a"], [0])]
     resp, entry = _entry("allreduce.b", "cpu")
-    ex.run([resp], [entry], False)
+    ex.run([resp], [entry])
     assert np.array_equal(entry.outputs[0], np.ones(2, np.float32)) and len(made[0].batches) == 1
     resp, entry = _entry("allreduce.c", "fakeplane:gpu")
-    ex.run([resp], [entry], False)
+    ex.run([resp], [entry])
     assert len(made) == 1 and len(made[0].batches) == 2  # one plane per executor, made once
     g = Group([0], 0, None)
     ex.planes.free_group(g)

@@ -20,10 +20,10 @@ from horovod.common.exceptions import HorovodInternalError
 hvd.init()
 eng = get_context().engine
 real_run = eng._executor.run
-def broken(batch, entries, joined):
+def broken(batch, entries):
     if any("boom" in r.name for r in batch):
         raise RuntimeError("Gloo allreduce failed: Connection closed by peer")
-    return real_run(batch, entries, joined)
+    return real_run(batch, entries)
 eng._executor.run = broken
 hvd.allreduce(np.ones(2), name="warm")
 results = {}

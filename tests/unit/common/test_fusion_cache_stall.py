@@ -55,7 +55,7 @@ def test_cache_slots_are_deterministic_and_lru_evicts_oldest():
     for c in (c1, c2):
         c.put(resp("a"))
         c.put(resp("b"))
-        c.touch(c.lookup(resp("a").request)[0])
+        c.touch_all([c.lookup(resp("a").request)[0]])
         c.put(resp("c"))  # evicts b, the least recently used
     assert c1.occupied() == c2.occupied()
     assert c1.lookup(resp("b").request) == (-1, False)

@@ -202,7 +202,7 @@ def test_reduction_values_with_many_small_tensors_and_scale_factors():
         batch.append(Response(req))
         entries.append(Entry(req, [x], [x], None))
     for _ in range(2):  # the second run plans from the memo
-        ex.run(batch, entries, False)
+        ex.run(batch, entries)
         for e, x in zip(entries, xs):
             want = (x * np.float32(0.5) * 2) * np.float32(3.0 / 2)
             np.testing.assert_array_equal(e.outputs[0], want)

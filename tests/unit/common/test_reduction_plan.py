@@ -93,7 +93,7 @@ def _run(layout: str, dtype: str, own: bool, chunk: int, monkeypatch: pytest.Mon
     outs = None if layout == "out of place" else xs
     entry = None if layout == "joined" else Entry(req, xs, outs, None)
     before = [x.copy() for x in xs]
-    ex.run([Response(req)], [entry], layout == "joined")
+    ex.run([Response(req)], [entry])
     if entry is not None:
         for b, got in zip(before, entry.outputs):
             np.testing.assert_array_equal(got, (b.astype(np.float64) * n / n).astype(dtype))
