@@ -18,7 +18,6 @@ from typing import Any
 
 from horovod.common import exceptions as errors
 from horovod.ray.client import client_connected, start_remote
-from horovod.ray.waiting import FAILURE_GRACE_SECONDS, failure_error, wait_all  # noqa: F401 - re-exported
 
 __all__ = ["RayExecutor", "MiniSettings"]
 

@@ -164,8 +164,7 @@ def test_gloo_rendezvous_refuses_strangers_across_hosts(fakehosts_factory: Facto
     h1, h2 = fh.hosts
     script = (
         "import sys, time\n"
-        "from horovod.runner.rendezvous import RendezvousServer, RendezvousClient, make_secret\n"
-        "from horovod.runner.rendezvous.auth import RendezvousError\n"
+        "from horovod.runner.rendezvous import RendezvousServer, RendezvousClient, RendezvousError, make_secret\n"
         f"srv = RendezvousServer(make_secret(), host={fh.address(h1)!r})\n"
         "srv.put('s', 'k', b'payload')\n"
         "print(srv.port, flush=True)\n"

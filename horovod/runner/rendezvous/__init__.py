@@ -5,8 +5,7 @@ The protocol (request signing, answer signatures, paths) and the client are defi
 this server all import.
 """
 
-from horovod.runner.rendezvous.auth import RendezvousError, make_secret
-from horovod.runner.rendezvous.client import RendezvousClient
+from horovod.common.rendezvous import RendezvousClient, RendezvousError, make_secret
 from horovod.runner.rendezvous.server import RendezvousServer
 
 __all__ = ["RendezvousClient", "RendezvousError", "RendezvousServer", "make_secret"]
