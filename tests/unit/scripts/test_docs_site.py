@@ -20,11 +20,13 @@ SITE_PACKAGES = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.py
 API_NAMES = {
     "torch": ["horovod.torch.DistributedOptimizer", "horovod.torch.allreduce", "horovod.torch.broadcast_parameters"],
     "tensorflow": ["horovod.tensorflow.DistributedGradientTape", "horovod.tensorflow.allreduce"],
-    "keras": ["horovod.keras.DistributedOptimizer"],
+    "keras": ["horovod.keras.DistributedOptimizer",
+              "horovod.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback"],
     "jax": ["horovod.jax.DistributedOptimizer", "horovod.jax.allreduce"],
     "lightning": ["horovod.lightning.HorovodStrategy"],
-    "spark": ["horovod.spark.run", "horovod.spark.run_elastic"],
-    "ray": ["horovod.ray.RayExecutor"],
+    "spark": ["horovod.spark.run", "horovod.spark.run_elastic", "horovod.spark.lightning.TorchEstimator",
+              "horovod.spark.common.store.Store"],
+    "ray": ["horovod.ray.RayExecutor", "horovod.ray.elastic.ElasticRayExecutor"],
     "runner": ["horovod.runner.run"],
     "numpy": ["horovod.numpy.allreduce", "horovod.numpy.size"],  # size: built by a factory
     "checkpoint": ["horovod.torch.checkpoint.save", "horovod.torch.checkpoint.load"],
