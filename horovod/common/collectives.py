@@ -9,7 +9,6 @@ gives a list of output arrays, one per input.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -22,6 +21,7 @@ from horovod.common.engine.negotiation import ArgumentError
 from horovod.common.exceptions import HorovodError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import ReduceOp, Request, RequestType
+from horovod.common.util import op_from_average
 
 __all__ = [
     "REDUCE_DTYPES", "MOVE_DTYPES", "ARGUMENT_ERRORS", "resolve_op", "op_name", "check_dtype",
@@ -48,12 +48,7 @@ def resolve_op(average: bool | None, op: int | None, default: ReduceOp = ReduceO
     Raises:
         ValueError: both ``op`` and ``average`` were given.
     """
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                      DeprecationWarning, stacklevel=3)
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    op = op_from_average(op, average, ReduceOp.AVERAGE, ReduceOp.SUM, stacklevel=3)
     if op is None:
         return default
     if type(op) is ReduceOp:

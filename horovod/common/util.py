@@ -151,6 +151,23 @@ def env(**kwargs: str | None) -> Iterator[None]:
                 os.environ[k] = old
 
 
+def op_from_average(op: Any, average: bool | None, average_op: Any, sum_op: Any, stacklevel: int) -> Any:
+    """Upstream's rule for the deprecated ``average=`` argument, the one place it lives: ``op`` as given
+    (None: neither was given); ``average`` alone maps to ``average_op``/``sum_op`` with a
+    DeprecationWarning pointing ``stacklevel`` frames above this function.
+
+    Raises:
+        ValueError: both ``op`` and ``average`` were given.
+    """
+    if average is None:
+        return op
+    if op is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+    return average_op if average else sum_op
+
+
 def get_average_backwards_compatibility_fun(reduce_ops: Any) -> Callable[[Any, bool | None], Any]:
     """A function ``(op, average) -> op`` for the old ``average=`` argument (upstream's rules).
 
@@ -158,15 +175,8 @@ def get_average_backwards_compatibility_fun(reduce_ops: Any) -> Callable[[Any, b
     error; neither means Average.
     """
     def impl(op: Any, average: bool | None) -> Any:
-        if op is not None:
-            if average is not None:
-                raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-            return op
-        if average is not None:
-            warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                          DeprecationWarning, stacklevel=3)
-            return reduce_ops.Average if average else reduce_ops.Sum
-        return reduce_ops.Average
+        op = op_from_average(op, average, reduce_ops.Average, reduce_ops.Sum, stacklevel=3)
+        return reduce_ops.Average if op is None else op
     return impl
 
 

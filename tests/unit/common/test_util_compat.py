@@ -49,6 +49,38 @@ def test_average_backwards_compatibility() -> None:
         pick("sum", True)
 
 
+def test_the_average_rule_is_one_and_its_warning_names_the_users_line() -> None:
+    """upstream's helper and the bindings' ``resolve_op`` share one rule; each warning points at the
+    line that called the collective (two frames above the rule's caller), not into Horovod."""
+    import inspect
+    import warnings
+
+    from horovod.common.collectives import resolve_op
+    from horovod.common.types import ReduceOp
+
+    class Ops:
+        Average, Sum = "avg", "sum"
+
+    pick = util.get_average_backwards_compatibility_fun(Ops)
+
+    def upstream_style_allreduce(average: bool) -> str:
+        return pick(None, average)
+
+    def binding_allreduce(average: bool) -> ReduceOp:
+        return resolve_op(average, None)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno  # type: ignore[union-attr]
+        assert upstream_style_allreduce(False) == "sum"
+        assert binding_allreduce(True) is ReduceOp.AVERAGE and binding_allreduce(False) is ReduceOp.SUM
+    assert [(w.category, w.filename, w.lineno) for w in seen] == [
+        (DeprecationWarning, __file__, line + 1)] + [(DeprecationWarning, __file__, line + 2)] * 2, seen
+    with pytest.raises(ValueError, match="supersedes average"):
+        resolve_op(True, ReduceOp.SUM)
+    assert resolve_op(None, None, ReduceOp.SUM) is ReduceOp.SUM
+
+
 def test_build_probes_answer_from_what_is_installed() -> None:
     import torch
 
