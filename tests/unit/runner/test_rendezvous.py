@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from horovod.common import rendezvous as auth  # the signing protocol, shared with the workers
 from horovod.common import rendezvous_handlers
-from horovod.runner.rendezvous import RendezvousClient, RendezvousError, RendezvousServer, auth, make_secret
+from horovod.runner.rendezvous import RendezvousClient, RendezvousError, RendezvousServer, make_secret
 
 
 @pytest.fixture
