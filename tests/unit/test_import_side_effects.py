@@ -28,6 +28,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 _CODE = r"""
@@ -112,6 +114,7 @@ _OPTIONAL = ("horovod.spark", "horovod.ray", "horovod.lightning", "horovod.tenso
              "horovod._keras", "horovod.jax", "horovod.torch")
 
 
+@pytest.mark.timeout(900)  # every framework imported in one process: 35 s of CPU, minutes on a loaded machine
 def test_importing_every_module_changes_nothing_process_wide() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3")
@@ -154,6 +157,7 @@ print("RESULT " + json.dumps(result))
 """
 
 
+@pytest.mark.timeout(900)
 def test_horovod_lightning_adds_only_its_documented_import_hook_and_removes_it() -> None:
     """The one import hook (see the module's docstring): one finder, only while a Lightning package
     that is installed is not imported yet, gone once they are, and the name registered in each."""
@@ -163,8 +167,6 @@ def test_horovod_lightning_adds_only_its_documented_import_hook_and_removes_it()
                          text=True, timeout=600, env=env, cwd=REPO)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     if res.returncode != 0 and "No module named 'torch'" in res.stderr:
-        import pytest
-
         pytest.skip("PyTorch is not installed")
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
