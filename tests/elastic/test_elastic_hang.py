@@ -65,11 +65,12 @@ def _no_worker_left(res: object, extra: list[int]) -> None:
     assert not left, f"worker processes outlived the job: {left}"
 
 
-def _run(tmp_path: Path, hosts: str, victim: str, steps: int) -> tuple[object, str, Timeline]:
+def _run(tmp_path: Path, hosts: str, victim: str, steps: int,
+         env: dict[str, str] | None = None) -> tuple[object, str, Timeline]:
     tl = Timeline()
     res, _ = run_elastic(tmp_path, hosts, ["-np", "3", "--min-np", "2", "--max-np", "3"],
                          {"STEPS": str(steps), "STEP_SLEEP": "0.1", "KILL_AT": f"{victim}@hang@5",
-                          "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"},
+                          "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", **(env or {})},
                          timeout=240, on_stdout=tl.on_stdout)
     took = tl.seconds()
     print(f"\nmember {victim} stopped at step 5 ({hosts.strip()!r}): the survivors committed their "
@@ -93,19 +94,27 @@ def test_stopped_member_alone_on_its_host_is_left_behind(tmp_path: Path) -> None
 
 def test_stopped_member_on_a_shared_host_is_replaced(tmp_path: Path) -> None:
     # One host: blacklisting it would end the job. Its other workers still beat, so the hang is
-    # the process's own: the host stays, the survivors go on, and the slot gets a new worker.
+    # the process's own: the host stays, the survivors go on, and the slot gets a new worker
+    # (taken in once it is up: the survivors train meanwhile).
     steps = 16
-    res, log, tl = _run(tmp_path, "localhost:3\n", "localhost[2]", steps)
-    finals = check_training(res, steps, size=3)  # type: ignore[arg-type]
+    res, log, tl = _run(tmp_path, "localhost:3\n", "localhost[2]", steps,
+                        {"HOROVOD_ELASTIC_NOTIFY_WHEN_READY": "1"})
+    # the replacement joins if it is up before the survivors finish (its start-up takes long on a
+    # loaded machine): the job ends with 3 workers or with the 2 survivors
+    size = len(tagged(res.stdout, "FINAL"))  # type: ignore[attr-defined]
+    assert size in (2, 3), res.stdout[-3000:]  # type: ignore[attr-defined]
+    finals = check_training(res, steps, size=size)  # type: ignore[arg-type]
     assert re.search(r"worker localhost\[2\] \(rank 2, pid \d+\) sent no heartbeat", log), log
     assert re.search(r"host localhost stays in the job: its other worker\(s\) localhost\[0\], "
                      r"localhost\[1\] still beat", log), log
     assert "blacklisting" not in log, log
-    assert re.search(r"round \d+: training resumes with 2 workers on localhost:2", log), log
+    assert re.search(r"round 1: training resumes with 2 workers on localhost:2; gone: localhost\[2\]", log), log
+    assert "starting worker localhost[2] for the next round" in log, log
     assert tl.stopped_pid is not None
-    restarted = [f for f in finals if f["me"] == "localhost[2]"]
-    assert restarted and tl.stopped_pid not in {c["pid"] for c in tagged(res.stdout, "COMMIT")
-                                                if c["step"] > 5 and c["me"] == "localhost[2]"}
+    if size == 3:
+        assert {f["me"] for f in finals} == {"localhost[0]", "localhost[1]", "localhost[2]"}
+        assert tl.stopped_pid not in {c["pid"] for c in tagged(res.stdout, "COMMIT")  # type: ignore[attr-defined]
+                                      if c["step"] > 5}
     assert tl.seconds() < RESUME_BOUND, log
     _no_worker_left(res, [tl.stopped_pid])
 
