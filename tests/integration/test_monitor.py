@@ -194,7 +194,8 @@ def test_straggler_verdict_in_training_steps(mode: str, slow: int) -> None:
     rounds take several times MPI's, which the former rule's 0.6-of-a-step threshold missed);
     without a delay nobody is flagged."""
     res = horovodrun(f"--{mode}", "-np", "4", "--monitor-port", "0", "python", WORKER, "steps",
-                     str(slow), "80" if slow >= 0 else "300", timeout=300, env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+                     str(slow), "80" if slow >= 0 else "300", timeout=300,
+                     env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     assert res.returncode == 0, f"{mode}: rc {res.returncode}\n{res.stderr[-4000:]}"
     got = tagged_json(res.stdout, "RESULT_steps")
     assert sorted(got) == [0, 1, 2, 3], res.stdout[-3000:]
