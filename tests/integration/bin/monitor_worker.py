@@ -5,7 +5,8 @@
                               holds back for 3 s (a stall); prints RESULT_<phase>
     monitor_worker.py page F [S]  steps until file F exists, then rank 1 raises (the others fail
                               after); rank S (if given) takes 30 ms longer per step
-    monitor_worker.py steps S N   training-like steps (a little compute, 8 tensors): 10 to reach
+    monitor_worker.py steps S N   training-like steps (a little CPU work, 40 ms of "device
+                              compute" the CPU idles through, 8 tensors): 10 to reach
                               a steady state, then N more in which rank S (-1: none) sleeps 50 ms
                               per step; prints RESULT_steps with the seconds from the steady state
                               to the first verdict naming S (rank 0 also scrapes /metrics)
@@ -130,6 +131,7 @@ def steps(slow_rank: int, n: int) -> None:
         for _ in range(4):
             a = a @ a
             a /= np.abs(a).max()
+        time.sleep(0.04)  # the step's device compute (the CPU idles meanwhile)
         if delay and rank == slow_rank:
             time.sleep(0.05)
         for h in [hvd.allreduce_async(g, name=f"grad.{i}") for i, g in enumerate(grads)]:
