@@ -63,6 +63,7 @@ Failure = protocol.FailureRecord
 
 
 _failure: Failure | None = None
+_waiting = ""  # the first collective this process saw fail ("broadcast 'name'")
 _mpi_initialized_here = False
 _multi_rank = False
 _rank_size: tuple[int, int | None] | None = None
@@ -71,6 +72,41 @@ _installed = False
 
 def failure() -> Failure | None:
     return _failure
+
+
+def note_failed_wait(kind: str, name: str) -> None:
+    """A collective this process waited in failed (``Handle.wait``): named in its exit record
+    when its failure is the consequence of a peer leaving."""
+    global _waiting
+    if not _waiting:
+        if name.startswith(kind + "."):  # the engine's name of an unnamed or prefixed op
+            name = name[len(kind) + 1:]
+        _waiting = f"{kind} {name!r}"
+
+
+def _write_record(record: Failure) -> None:
+    """The launcher's exit record: the file its shim named, and the stderr marker line."""
+    path = os.environ.get(EXIT_RECORD_ENV)
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(record.to_wire(), fh)
+    rank = protocol.env_rank() or ""
+    if rank.isdigit():
+        line = protocol.error_line(replace(record, rank=int(rank)))
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode("utf-8"))
+
+
+def record_finished() -> None:
+    """This rank's program ended normally: say so (and when) in its exit record, before any exit
+    work that may wait for peers, so that peers still waiting in a collective for it report it
+    as having left early (``horovod.runner.failures.root_cause``)."""
+    if _failure is None and _multi_rank:
+        _write_record(Failure(0, "finished", "its program ended normally", time.time()))
 
 
 def note_mpi_initialized() -> None:
@@ -150,19 +186,9 @@ def record_failure(code: int, kind: str, error: str) -> None:
     global _failure
     if _failure is not None or code == 0:
         return
-    _failure = Failure(code, kind, error, time.time())
-    path = os.environ.get(EXIT_RECORD_ENV)
-    if path:  # started by horovodrun (its worker shim named the file)
-        with contextlib.suppress(OSError):
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(_failure.to_wire(), fh)
-        rank = protocol.env_rank() or ""
-        if rank.isdigit():
-            line = protocol.error_line(replace(_failure, rank=int(rank)))
-            with contextlib.suppress(Exception):
-                sys.stderr.flush()
-            with contextlib.suppress(OSError):
-                os.write(2, line.encode("utf-8"))
+    _failure = Failure(code, kind, error, time.time(), waiting=_waiting if kind == "consequence" else "")
+    if os.environ.get(EXIT_RECORD_ENV):  # started by horovodrun (its worker shim named the file)
+        _write_record(_failure)
     elif _multi_rank and _rank_size is not None:
         # No Horovod launcher will name the rank that ended the job: say it here, one line.
         me, size = _rank_size
@@ -307,5 +333,6 @@ def end_process(shutdown: Callable[[], None]) -> None:
         with contextlib.suppress(Exception):
             logging.shutdown()
         os._exit(fail.code or 1)
+    record_finished()
     shutdown()
     _finalize_mpi()

@@ -82,10 +82,12 @@ class _Stopper:
         """Send ``signum`` to the worker's group once; SIGKILL follows after the grace period.
 
         Only the first request counts: a life line closing right after a forwarded SIGINT must
-        not turn into a SIGTERM that overtakes it.
+        not turn into a SIGTERM that overtakes it; a SIGKILL is always sent.
         """
         with self.lock:
             if self.reason is not None:
+                if signum == signal.SIGKILL:  # "now" overrides an earlier polite request
+                    self.signal_group(signum)
                 return
             self.reason = reason
         self.signal_group(signum)

@@ -100,7 +100,8 @@ def test_cause_named_even_when_its_peers_end_first(mode: str, np_: int) -> None:
     check_report(res, "raise", bad, np_, time.time(), status_words=False)
     # the others ended with HorovodShutdownError (or were stopped first by the launcher)
     left = [r for r in range(np_ - 1)
-            if re.search(rf"rank {r} .*because a peer left \(.*HorovodShutdownError", res.stderr)]
+            if re.search(rf"rank {r} .*because a peer left( in \w+ '[^']*')? \(.*HorovodShutdownError",
+                         res.stderr)]
     stopped = [r for r in range(np_ - 1)
                if re.search(rf"rank {r} .*stopped after the first failure", res.stderr)]
     assert left and sorted(left + stopped) == list(range(np_ - 1)), res.stderr[-3000:]
@@ -188,3 +189,24 @@ def _descendants(root: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def test_rank_that_exits_early_is_named(mode: str) -> None:
+    """Rank 0 calls consolidate_state_dict() alone while rank 1 ends its program normally (exit
+    0): the report names rank 1 as having exited early, with the collective rank 0 waited in,
+    not rank 0's HorovodShutdownError (issue 45)."""
+    script = str(Path(__file__).resolve().parent / "bin" / "early_exit.py")
+    res = horovodrun(f"--{mode}", "-np", "2", sys.executable, script, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    assert "DONE 0" not in res.stdout, out[-3000:]
+    m = re.search(r"FINISHED 1 ([0-9.]+)", res.stdout)
+    assert m, out[-3000:]
+    finished = time.strftime("%H:%M:%S", time.localtime(float(m.group(1))))
+    assert "It was caused by a rank that exited early:" in res.stderr, res.stderr[-3000:]
+    want = f"rank 1 exited with code 0 at {finished} while rank 0 waited in broadcast 'zero.consolidate.0.sz'"
+    assert first_entry(res.stderr).startswith(want), res.stderr[-3000:]
+    others = res.stderr.split("Other ranks:", 1)[-1]
+    assert re.search(r"rank 0 .*exit code 1, because a peer left in broadcast 'zero\.consolidate\.0\.sz'",
+                     others), res.stderr[-3000:]
+    assert "stopped after the first failure" not in others, res.stderr[-3000:]

@@ -186,6 +186,32 @@ def test_no_rank_is_flagged_without_a_delay(monitored_job: tuple) -> None:
             f"{mode}, rank {rank}: a rank was flagged over 200 undelayed steps: {res}")
 
 
+@pytest.mark.parametrize("mode", ["mpi", "gloo"])
+@pytest.mark.parametrize("slow", [2, -1])
+def test_straggler_verdict_in_training_steps(mode: str, slow: int) -> None:
+    """Issue 45: steps with compute and 8 tensors, 4 ranks on 2 cores: rank 2 sleeping 50 ms per
+    step is flagged within 5 s of the steady state, under MPI and under Gloo (whose collective
+    rounds take several times MPI's, which the former rule's 0.6-of-a-step threshold missed);
+    without a delay nobody is flagged."""
+    res = horovodrun(f"--{mode}", "-np", "4", "--monitor-port", "0", "python", WORKER, "steps",
+                     str(slow), "80" if slow >= 0 else "300", timeout=300,
+                     env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    assert res.returncode == 0, f"{mode}: rc {res.returncode}\n{res.stderr[-4000:]}"
+    got = tagged_json(res.stdout, "RESULT_steps")
+    assert sorted(got) == [0, 1, 2, 3], res.stdout[-3000:]
+    print(f"\n{mode}, slow rank {slow}: " + "; ".join(
+        f"rank {r}: flagged after {v['flagged_after']} s of {v['seconds']:.1f} s, scores "
+        f"{[round(x, 2) for x in v['scores']]}" for r, v in sorted(got.items())))
+    for rank, v in got.items():
+        if slow < 0:
+            assert v["flag_events"] == 0 and v["stragglers"] == [], f"{mode}, rank {rank}: {v}"
+        else:
+            assert v["stragglers"] == [slow], f"{mode}, rank {rank}: {v}"
+            assert v["flagged_after"] is not None and v["flagged_after"] <= 5.0, f"{mode}, rank {rank}: {v}"
+    want = {str(r): (1.0 if r == slow else 0.0) for r in range(4)}
+    assert got[0]["scrape"] == want, f"{mode}: /metrics said {got[0]['scrape']}"
+
+
 def test_byte_counters_equal_the_tensors_bytes(monitored_job: tuple) -> None:
     mode = monitored_job[0]
     for rank, res in _phase(monitored_job, "bytes").items():

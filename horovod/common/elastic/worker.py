@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 from horovod.common import protocol
+from horovod.common.elastic import heartbeat
 from horovod.common.exceptions import HorovodError, HorovodInternalError
 from horovod.common.protocol import ABANDON_POLL_SECONDS, ABANDONED_KEY, RoundInfo, round_scope
 from horovod.common.rendezvous import RendezvousClient, RendezvousError
@@ -250,6 +251,7 @@ def join_round(client: RendezvousClient, environ: MutableMapping[str, str] | Non
     if after is None:
         after = _current.round if _current is not None else -1
     request = protocol.ReadyRequest(host, slot, after, _reason, os.getpid()).to_wire()
+    heartbeat.start_heartbeat(client, host, slot, environ)
     failures = 0
     while True:
         try:

@@ -7,6 +7,9 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from horovod.common import lifecycle as _lifecycle
+from horovod.common.exceptions import HorovodInternalError
+
 __all__ = ["Handle", "HandleCounter", "GroupHandle"]
 
 
@@ -127,6 +130,9 @@ class Handle:
             if not self.wait_event(-1 if timeout is None else timeout):
                 raise TimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
         if self.error is not None:
+            kind = getattr(getattr(self.request, "kind", None), "value", None)
+            if kind is not None and isinstance(self.error, HorovodInternalError):
+                _lifecycle.note_failed_wait(kind, self.name)
             raise self.error
         return self.result
 

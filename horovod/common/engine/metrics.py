@@ -18,8 +18,15 @@
 The straggler rule (``StragglerDetector``): in a round, the rank whose latest submission was the
 most recent is the one the others waited for; its lateness is the median of the other ranks'
 ``late`` minus its own. The round counts as a *hit* for that rank when the lateness is at least
-``min_relative`` of the round's period (the median time between completing rounds: a relative
-measure, so steps of any length are judged alike) and at least ``min_seconds``. A rank is flagged
+``min_relative`` (0.25) of the round's period (the median time between completing rounds: a
+relative measure, so steps of any length are judged alike), at least ``min_seconds``, and the
+next-latest rank was ahead of it by at least ``min_gap`` (half) of that lateness (a round in which
+two ranks came late together, a descheduled core shared by both, is nobody's hit). The period
+includes the collective's own time, which the transport sets: a Gloo round over TCP takes
+10-20 ms where MPI's takes 2-4 ms on a loaded 2-core machine, so a rank 50 ms late in a ~60 ms
+MPI step (relative 0.9) is only 0.45 of a ~90 ms Gloo step; the former threshold of 0.6 flagged
+it under MPI and missed it under Gloo (issue 45). The separation test, not a high threshold, is
+what keeps a job without a straggler unflagged. A rank is flagged
 when it has ``flag_hits`` hits among the last ``flag_window`` completing rounds, and unflagged when
 it has at most ``release_hits`` hits among the last ``release_window``: consistent lateness flags
 within a few steps; a rank that is late once (descheduled, a page fault) is not flagged, and a
@@ -135,8 +142,8 @@ class StragglerDetector:
     """The coordinator's straggler rule over every rank's round records (module docstring)."""
 
     def __init__(self, size: int, *, flag_window: int = 5, flag_hits: int = 4,
-                 release_window: int = 10, release_hits: int = 2, min_relative: float = 0.6,
-                 min_seconds: float = 0.01, score_alpha: float = 0.2) -> None:
+                 release_window: int = 10, release_hits: int = 2, min_relative: float = 0.25,
+                 min_seconds: float = 0.01, min_gap: float = 0.5, score_alpha: float = 0.2) -> None:
         if not 0 < flag_hits <= flag_window <= release_window or release_hits >= flag_hits:
             raise ValueError("straggler rule: need 0 < flag_hits <= flag_window <= release_window "
                              "and release_hits < flag_hits")
@@ -144,6 +151,7 @@ class StragglerDetector:
         self.flag_window, self.flag_hits = flag_window, flag_hits
         self.release_window, self.release_hits = release_window, release_hits
         self.min_relative, self.min_seconds, self.alpha = min_relative, min_seconds, score_alpha
+        self.min_gap = min_gap
         self._hits: collections.deque[int] = collections.deque(maxlen=release_window)  # hit rank or -1
         self._flagged: set[int] = set()
         self.scores = np.zeros(size)
@@ -182,7 +190,11 @@ class StragglerDetector:
         ivs = np.sort(np.where(np.isnan(late), np.nan, interval), axis=1)
         period = (ivs[idx, (n - 1) // 2] + ivs[idx, n // 2]) / 2
         relative = lateness / np.maximum(period, 1e-9)
-        hit = (relative >= self.min_relative) & (lateness >= self.min_seconds) & (period > 0)
+        # separated: the next-latest rank was not nearly as late (a round in which two ranks were
+        # both late, by a shared cause such as a descheduled core, says nothing about either)
+        gap = order[idx, 1] - order[:, 0]
+        hit = ((relative >= self.min_relative) & (lateness >= self.min_seconds) & (period > 0)
+               & (gap >= self.min_gap * lateness))
         rounds = len(late)
         # Scores: every round decays them by (1 - alpha) and adds alpha * relative lateness to its
         # last rank; summed in one pass with each round's weight (1 - alpha) ** (rounds after it).

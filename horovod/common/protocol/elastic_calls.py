@@ -10,10 +10,21 @@ from ._reading import _malformed, _read_fields
 from .identity import RankIdentity
 
 __all__ = ["READY_CALL", "NOTICE_CALL", "ReadyRequest", "Wait", "Removed", "Stop", "RoundInfo", "ReadyAnswer",
-           "ready_answer", "NoticeRequest", "Notice"]
+           "ready_answer", "NoticeRequest", "Notice", "BEAT_CALL", "Beat", "BeatAnswer",
+           "HEARTBEAT_INTERVAL_ENV", "HEARTBEAT_TIMEOUT_ENV", "DEFAULT_HEARTBEAT_INTERVAL",
+           "DEFAULT_HEARTBEAT_TIMEOUT"]
 
 READY_CALL = "ready"
 NOTICE_CALL = "notice"
+BEAT_CALL = "beat"
+
+# A worker's heartbeat: a daemon thread of the worker process beats every interval (so a stopped
+# or partitioned process falls silent while one whose main thread computes keeps beating); the
+# driver declares a worker that was silent for the timeout hung, kills it and goes on without it.
+HEARTBEAT_INTERVAL_ENV = "HOROVOD_ELASTIC_HEARTBEAT_INTERVAL"
+HEARTBEAT_TIMEOUT_ENV = "HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_INTERVAL = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -139,3 +150,39 @@ class Notice:
     @classmethod
     def from_wire(cls, answer: Mapping[str, Any]) -> Notice:
         return cls(int(answer.get("version", 0)), int(answer.get("update", 0)))
+
+
+@dataclass(frozen=True)
+class Beat:
+    """``beat``: "the worker of slot ``host[slot]`` (process ``pid``) is alive", sent by a
+    daemon thread of the worker every ``HOROVOD_ELASTIC_HEARTBEAT_INTERVAL`` seconds;
+    ``leaving``: its last beat, sent as the process exits (its end is watched from then on, not
+    its heartbeat: an interpreter's finalization may hold the GIL for a while)."""
+
+    host: str
+    slot: int
+    pid: int = 0
+    leaving: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, request: Mapping[str, Any]) -> Beat:
+        return cls(str(request["host"]), int(request["slot"]), int(request.get("pid", 0)),
+                   bool(request.get("leaving", False)))
+
+
+@dataclass(frozen=True)
+class BeatAnswer:
+    """Answer to ``beat``: ``beating`` False once the driver no longer watches this worker (it
+    was removed, or the job is over): the worker stops beating."""
+
+    beating: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"beating": self.beating}
+
+    @classmethod
+    def from_wire(cls, answer: Mapping[str, Any]) -> BeatAnswer:
+        return cls(bool(answer.get("beating", True)))

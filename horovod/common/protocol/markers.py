@@ -23,8 +23,10 @@ def _float_or_none(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-#: a rank's own error, or one that only says a peer left (a consequence of another failure)
-FAILURE_KINDS = ("cause", "consequence")
+#: a rank's own error, or one that only says a peer left (a consequence of another failure), or
+#: "finished": its program ended normally (code 0; written as it exits, so that a rank whose peers
+#: still wait in a collective for it is named as having left early)
+FAILURE_KINDS = ("cause", "consequence", "finished")
 
 
 @dataclass(frozen=True)
@@ -34,17 +36,22 @@ class FailureRecord:
     :data:`ERROR_MARKER` with its ``rank``), or as a launcher makes it from an exception a
     function raised (``horovod.runner.failures.exception_record``): its exit code, whether the
     error is its own (``"cause"``) or the consequence of a peer leaving (``"consequence"``), the
-    error's text, when (``time.time()``), and the rank where known."""
+    error's text, when (``time.time()``), and the rank where known; ``waiting``: the collective
+    a consequence came from ("broadcast 'zero.consolidate.0.sz'"), where known. Kind
+    ``"finished"``: the program ended normally at ``time`` (code 0)."""
 
     code: int | None
     kind: str
     error: str
     time: float | None
     rank: int | None = None
+    waiting: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON object (``rank`` only where known)."""
-        wire = {"code": self.code, "kind": self.kind, "error": self.error, "time": self.time}
+        """The JSON object (``rank`` and ``waiting`` only where known)."""
+        wire: dict[str, Any] = {"code": self.code, "kind": self.kind, "error": self.error, "time": self.time}
+        if self.waiting:
+            wire["waiting"] = self.waiting
         return wire if self.rank is None else {**wire, "rank": self.rank}
 
     @classmethod
@@ -54,7 +61,8 @@ class FailureRecord:
         if not isinstance(record, Mapping) or record.get("kind") not in FAILURE_KINDS:
             return None
         return cls(_int_or_none(record.get("code")), str(record["kind"]), str(record.get("error") or ""),
-                   _float_or_none(record.get("time")), _int_or_none(record.get("rank")))
+                   _float_or_none(record.get("time")), _int_or_none(record.get("rank")),
+                   str(record.get("waiting") or ""))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,14 @@ their slot, ``host[local_rank]``, and keep it for their whole life.
 * A worker dies or raises: its host is blacklisted (``--blacklist-cooldown-range``), the other
   workers on that host are stopped, the survivors' next collective fails, they restore their last
   commit and ask to join the next round, which forms as soon as every survivor has asked.
+* A worker hangs (stopped, frozen, cut off): its heartbeat (``horovod.common.elastic.heartbeat``,
+  a daemon thread of the worker process) falls silent, and after
+  ``HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT`` seconds the driver kills it (SIGKILL through its shim:
+  its sockets close, so the survivors' collectives waiting on it fail at once) and goes on
+  without it, as after a death. Its host is blacklisted as after a failure, unless other workers
+  on that host still beat: then the hang is the process's own, the host stays, and the slot gets
+  a new worker (a second hang of the same slot blacklists the host). A worker whose main thread
+  computes for minutes keeps beating and is kept.
 * Hosts appear: workers are started on the new slots while the others keep training; only once
   the new workers are up and waiting are the members notified, and they move to the next round
   at their next ``state.commit()`` (so training pauses for the rendezvous, not for the
@@ -33,7 +41,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from horovod.common import protocol
-from horovod.common.protocol import FailureRecord, Notice, ReadyAnswer, Removed, RoundInfo, Stop, Wait
+from horovod.common.protocol import (
+    BeatAnswer,
+    FailureRecord,
+    Notice,
+    ReadyAnswer,
+    Removed,
+    RoundInfo,
+    Stop,
+    Wait,
+)
 from horovod.runner.elastic.discovery import HostManager, order_hosts
 from horovod.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, DriverSettings
 from horovod.runner.failures import RESET_LIMIT_EXCEEDED, RankExit, describe_status, root_cause, with_upstream_sentence
@@ -83,6 +100,9 @@ class Worker:
     started: float = 0.0
     record: FailureRecord | None = None  # the exit record its program left (horovod/common/lifecycle.py)
     ended: float = 0.0  # when it ended (seconds since the epoch)
+    beat: float | None = None  # the driver's clock at its last heartbeat (None: none yet)
+    pid: int = 0  # its process id, as its heartbeat says
+    placed: int = -1  # the last round the driver placed it in
 
     @property
     def alive(self) -> bool:
@@ -141,6 +161,10 @@ class ElasticDriver:
         timeout: ``--elastic-timeout`` seconds; reset_limit: ``--reset-limit``.
         discovery_interval: seconds between discovery runs.
         notify_when_ready: tell members about new workers only once these are up (see _scale).
+        heartbeat_timeout: seconds of heartbeat silence after which a worker that has beaten
+            is declared hung, killed and left behind (None: never), provided another worker's
+            beats still arrive (a driver starved itself, or a job whose every worker fell
+            silent at once, is left to the Gloo and rejoin timeouts).
         clock: the one time source of the elastic session: request holds, the rejoin and
             elastic timeouts, the finish grace, discovery failures (tests inject one).
     """
@@ -151,6 +175,7 @@ class ElasticDriver:
                  timeout: float = DEFAULT_ELASTIC_TIMEOUT, reset_limit: int | None = None,
                  discovery_interval: float = 1.0, stuck_seconds: float = 90.0,
                  finish_grace: float = 30.0, notify_when_ready: bool = False,
+                 heartbeat_timeout: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.hosts = hosts
         self.np, self.min_np, self.max_np = np, min_np, max_np
@@ -160,7 +185,10 @@ class ElasticDriver:
         self.discovery_interval = discovery_interval
         self.stuck_seconds, self.finish_grace = stuck_seconds, finish_grace
         self.notify_when_ready = notify_when_ready
+        self.heartbeat_timeout = heartbeat_timeout
         self.clock = clock
+        self._slot_hangs: dict[Key, int] = {}
+        self._last_check: float | None = None
         self.cv = threading.Condition()
         self.workers: dict[Key, Worker] = {}
         self.round = -1
@@ -193,7 +221,8 @@ class ElasticDriver:
                    timeout=settings.timeout, reset_limit=settings.reset_limit,
                    discovery_interval=discovery_interval, stuck_seconds=settings.rejoin_timeout,
                    finish_grace=settings.finish_grace,
-                   notify_when_ready=settings.notify_when_ready)
+                   notify_when_ready=settings.notify_when_ready,
+                   heartbeat_timeout=settings.heartbeat_timeout)
 
     # ------------------------------------------------------------------ logging
     def _event(self, text: str, level: int = logging.INFO) -> None:
@@ -242,8 +271,10 @@ class ElasticDriver:
     def handle(self, call: str, body: bytes) -> tuple[int, bytes]:
         """The rendezvous server's ``POST /elastic/<call>`` handler."""
         req = json.loads(body or b"{}")
-        ans: ReadyAnswer | Notice
-        if call == protocol.READY_CALL:
+        ans: ReadyAnswer | Notice | BeatAnswer
+        if call == protocol.BEAT_CALL:
+            ans = self._beat(protocol.Beat.from_wire(req))
+        elif call == protocol.READY_CALL:
             ready = protocol.ReadyRequest.from_wire(req)
             ans = self._ready((ready.host, ready.slot), ready.after, ready.reason)
         elif call == protocol.NOTICE_CALL:
@@ -276,6 +307,18 @@ class ElasticDriver:
                 if left <= 0:
                     return Wait()
                 self.cv.wait(left)
+
+    def _beat(self, beat: protocol.Beat) -> BeatAnswer:
+        with self.cv:
+            w = self.workers.get((beat.host, beat.slot))
+            if w is None or w.removed or not w.alive or self.done:
+                return BeatAnswer(False)
+            w.pid = beat.pid or w.pid
+            if beat.leaving:  # exiting: its end is watched from now on, not its heartbeat
+                w.beat = None
+                return BeatAnswer(False)
+            w.beat = self.clock()
+            return BeatAnswer(True)
 
     def _notice(self, after: int) -> Notice:
         deadline = self.clock() + HOLD_SECONDS * 5
@@ -349,6 +392,7 @@ class ElasticDriver:
         self._handle_exits()
         if self.done:
             return
+        self._check_heartbeats(now)
         if self._finishing_since is not None:
             alive = [w for w in self.workers.values() if w.alive]
             if not alive:
@@ -372,15 +416,19 @@ class ElasticDriver:
             self._form_round(first=True)
             return
         member_states = [self.workers[k] for k in self.members]
-        resetting = any(w.state in ("ready", "exited") for w in member_states)
+        # a member's slot may already hold a new worker (its old one hung): that member is gone
+        resetting = any(w.state in ("ready", "exited") or w.removed or w.placed != self.round
+                        for w in member_states)
         if resetting:
             if self._reset_since is None:
                 self._reset_since = now
                 # A member left the round (it failed, or asks for the next one): the others
                 # must not wait for it in the round's formation either.
-                gone = [w for w in member_states if w.state in ("ready", "exited")]
+                gone = [w for w in member_states
+                        if w.state in ("ready", "exited") or w.removed or w.placed != self.round]
                 self._abandon(f"{', '.join(key_name(w.key) for w in gone)} left round {self.round}")
-            stuck = [w for w in member_states if w.state in ("running", "starting")]
+            stuck = [w for w in member_states if w.state in ("running", "starting")
+                     and not w.removed and w.placed == self.round]
             if stuck and now - self._reset_since > self.stuck_seconds:
                 for w in stuck:
                     self._event(f"worker {key_name(w.key)} (rank {w.rank}) did not rejoin within "
@@ -390,7 +438,7 @@ class ElasticDriver:
                                 logging.WARNING)
                     w.removed = True
                     if w.proc is not None:
-                        w.proc.stop()
+                        w.proc.kill()  # a stopped process ignores SIGTERM until it continues
                     w.state = "exited"
                     w.exit_handled = True
                     self.failures.append(WorkerFailure(w.key, w.rank, "hung", time=time.time()))
@@ -435,6 +483,49 @@ class ElasticDriver:
                 and any(not w.removed for w in self.workers.values()):
             self._fail(f"all {len(self.workers)} workers failed before training started; "
                        "stopping the job (see their output above)")
+
+    def _check_heartbeats(self, now: float) -> None:
+        """Leave behind every worker whose heartbeat has been silent for the timeout."""
+        last, self._last_check = self._last_check, now
+        if self.heartbeat_timeout is None or self._finishing_since is not None:
+            return
+        if last is not None and now - last > self.heartbeat_timeout / 2:
+            return  # this process was starved itself: the beats may only now be arriving
+        watched = [w for w in self.workers.values() if w.alive and not w.removed and w.beat is not None]
+        silent = [w for w in watched if now - w.beat > self.heartbeat_timeout]  # type: ignore[operator]
+        # Only where beats do arrive from others (the driver's side works): with every worker
+        # silent at once the fault is more likely here, and the Gloo and rejoin timeouts remain.
+        heard = [w for w in watched if now - w.beat <= self.heartbeat_timeout / 2]  # type: ignore[operator]
+        if not heard:
+            return
+        for w in silent:
+            self._hung(w, now)
+
+    def _hung(self, w: Worker, now: float) -> None:
+        assert w.beat is not None and self.heartbeat_timeout is not None
+        ids = ([f"rank {w.rank}"] if w.rank is not None else []) + ([f"pid {w.pid}"] if w.pid else [])
+        who = f"worker {key_name(w.key)}" + (f" ({', '.join(ids)})" if ids else "")
+        self._event(f"{who} sent no heartbeat for {now - w.beat:.1f} s "
+                    f"(HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT {self.heartbeat_timeout:g} s): it is "
+                    "stopped, frozen or cut off; killing it (SIGKILL) and going on without it",
+                    logging.WARNING)
+        w.removed = True
+        if w.proc is not None:
+            w.proc.kill()
+        self.failures.append(WorkerFailure(w.key, w.rank, "hung", time=time.time()))
+        if w.key in self.members:
+            self._abandon(f"{who} hung")
+        self._slot_hangs[w.key] = hangs = self._slot_hangs.get(w.key, 0) + 1
+        host = w.key[0]
+        healthy = sorted(key_name(o.key) for o in self.workers.values()
+                         if o.key[0] == host and o is not w and o.alive and not o.removed
+                         and o.beat is not None and now - o.beat <= self.heartbeat_timeout)
+        if healthy and hangs == 1:
+            self._event(f"host {host} stays in the job: its other worker(s) {', '.join(healthy)} "
+                        f"still beat, so the hang is {key_name(w.key)}'s own; the slot may get a "
+                        "new worker (a second hang there blacklists the host)")
+        else:
+            self._blacklist(host, f"worker {key_name(w.key)} hung")
 
     def _blacklist(self, host: str, why: str) -> None:
         """Blacklist ``host`` after a failure there, and stop the other workers on it."""
@@ -539,12 +630,13 @@ class ElasticDriver:
         self._event(f"starting worker {key_name(key)} {why}")
         w = Worker(key, started=self.clock())
         self.workers[key] = w
+        self.answers.pop(key, None)  # its slot's last answer was for the worker before it
         w.proc = self.start_worker(key, slot)
 
     def _form_round(self, first: bool) -> None:
         now = self.clock()
         survivors = [k for k in self.members if self.workers[k].state == "ready"
-                     and not self.workers[k].removed]
+                     and not self.workers[k].removed and self.workers[k].placed == self.round]
         avail = self.hosts.available()
         if first:
             need = self.np
@@ -651,11 +743,12 @@ class ElasticDriver:
         for s in plan:
             key = (s.hostname, s.local_rank)
             w = self.workers[key]
-            w.rank = s.rank
+            w.rank, w.placed = s.rank, self.round
             self.answers[key] = RoundInfo(self.round, s, skip_sync, self.notice_version)
         # Workers that were ready but are not in the round (beyond --max-np) go.
         for w in self.workers.values():
-            if w.alive and not w.removed and w.key not in keys and w.key in old:
+            if (w.alive and not w.removed and w.key not in keys and w.key in old
+                    and w.placed == self.round - 1):
                 w.removed = True
         self.members = keys
         self._notified_added = frozenset()

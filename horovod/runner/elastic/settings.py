@@ -13,6 +13,10 @@ Variable                                      Default   Meaning
                                                         others did (a hung worker is stopped after it)
 ``HOROVOD_ELASTIC_FINISH_GRACE``              30        seconds the other workers get to end after one
                                                         finished training
+``HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT``          5         seconds without a worker's heartbeat after which it
+                                                        is declared hung, killed and left behind
+``HOROVOD_ELASTIC_HEARTBEAT_INTERVAL``         0.5       seconds between a worker's heartbeats (read by the
+                                                        workers: ``horovod.common.elastic.heartbeat``)
 ============================================  ========  ==================================================
 
 The elastic path has no other timeout: a round that loses a member is abandoned at once (see
@@ -31,6 +35,7 @@ __all__ = ["DriverSettings", "DEFAULT_ELASTIC_TIMEOUT"]
 DEFAULT_ELASTIC_TIMEOUT = 600.0
 DEFAULT_REJOIN_TIMEOUT = 90.0
 DEFAULT_FINISH_GRACE = 30.0
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 
 
 def _flag(value: str | None) -> bool:
@@ -63,6 +68,7 @@ class DriverSettings:
     notify_when_ready: bool = False
     rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT
     finish_grace: float = DEFAULT_FINISH_GRACE
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, timeout: float | None = None,
@@ -80,4 +86,6 @@ class DriverSettings:
             notify_when_ready=_flag(environ.get("HOROVOD_ELASTIC_NOTIFY_WHEN_READY")),
             rejoin_timeout=_seconds(environ, "HOROVOD_ELASTIC_REJOIN_TIMEOUT",
                                     DEFAULT_REJOIN_TIMEOUT),
-            finish_grace=_seconds(environ, "HOROVOD_ELASTIC_FINISH_GRACE", DEFAULT_FINISH_GRACE))
+            finish_grace=_seconds(environ, "HOROVOD_ELASTIC_FINISH_GRACE", DEFAULT_FINISH_GRACE),
+            heartbeat_timeout=_seconds(environ, "HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT",
+                                       DEFAULT_HEARTBEAT_TIMEOUT))

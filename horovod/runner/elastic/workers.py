@@ -124,11 +124,33 @@ class WorkerProcess:
 
         def kill_later() -> None:
             if not self._ended.wait(grace):
-                self.kill()
+                self._kill_shim()
 
         threading.Thread(target=kill_later, daemon=True).start()
 
-    def kill(self) -> None:
+    def kill(self, grace: float = 2.0) -> None:
+        """End the worker now: SIGKILL to its process group through the shim (which reaps it and
+        reports its end; this reaches a remote worker, and a stopped one, too), and SIGKILL to
+        the shim (or ssh) itself if it has not ended ``grace`` seconds later. Does not block."""
+        if self.popen.poll() is not None:
+            return
+        stdin = self.popen.stdin
+        try:
+            if stdin is None or stdin.closed:
+                raise ValueError("no life line")
+            stdin.write(protocol.signal_line(signal.SIGKILL))
+            stdin.close()
+        except (OSError, ValueError):
+            self._kill_shim()
+            return
+
+        def kill_later() -> None:
+            if not self._ended.wait(grace):
+                self._kill_shim()
+
+        threading.Thread(target=kill_later, daemon=True).start()
+
+    def _kill_shim(self) -> None:
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (OSError, ProcessLookupError):

@@ -19,8 +19,12 @@ Environment:
                                 training; the others after each reset), before it
                     join@<n>    when the driver has placed it in round n, before it connects
                     notice@<n>  when the n-th host notice reaches it
-                    hang@<n>    stops (SIGSTOP) before step n instead of dying
-                  It prints "KILLING <point>" first (the test times the recovery from there).
+                    hang@<n>    stops (SIGSTOP) before step n instead of dying (once per job:
+                                a worker started later on that slot goes on)
+                  It prints "KILLING <point> pid <pid>" first (the test times the recovery from
+                  there).
+  BUSY            "<host>[<slot>]@<step>@<seconds>": that worker computes in pure Python for that
+                  long before that step (its main thread never waits)
   HOSTS_FILE, HOSTS_AT   JSON {"<step>": "<file content>"}: rank 0 writes the discovery file
                   when it first reaches that step
   WAIT_FOR_SIZE   "<n>@<step>[,<n>@<step>...]": the workers wait at that step (at most 90 s)
@@ -99,8 +103,27 @@ def _kill_at(me: str, point: str, n: int) -> None:
         return
     who, p, at = spec.split("@")
     if who == me and p == point and int(at) == n:
-        print(f"KILLING {point}", flush=True)
+        if point == "hang" and os.environ.get("HOSTS_FILE"):  # once per job: not its replacement
+            marker = os.environ["HOSTS_FILE"] + ".hung"
+            if os.path.exists(marker):
+                return
+            open(marker, "w").close()
+        print(f"KILLING {point} pid {os.getpid()}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP if point == "hang" else signal.SIGKILL)
+
+
+def _busy(me: str, step: int) -> None:
+    spec = os.environ.get("BUSY", "")
+    if not spec:
+        return
+    who, at, seconds = spec.split("@")
+    if who == me and int(at) == step:
+        print(f"BUSY from step {step} for {seconds} s pid {os.getpid()}", flush=True)
+        end = time.monotonic() + float(seconds)
+        n = 0
+        while time.monotonic() < end:
+            n = (n * 31 + 7) % 1000003  # pure Python: holds the GIL between switches
+        print(f"BUSY done ({n})", flush=True)
 
 
 def _install_protocol_hooks(me: str) -> None:
@@ -153,6 +176,7 @@ def main() -> None:
         while state.step < steps:
             _kill_at(me, "step", state.step)
             _kill_at(me, "hang", state.step)
+            _busy(me, state.step)
             if _matches(os.environ.get("KILL", ""), me, state.step):
                 os.kill(os.getpid(), signal.SIGKILL)
             if _matches(os.environ.get("RAISE", ""), me, state.step):

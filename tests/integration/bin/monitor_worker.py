@@ -5,6 +5,11 @@
                               holds back for 3 s (a stall); prints RESULT_<phase>
     monitor_worker.py page F [S]  steps until file F exists, then rank 1 raises (the others fail
                               after); rank S (if given) takes 30 ms longer per step
+    monitor_worker.py steps S N   training-like steps (a little CPU work, 40 ms of "device
+                              compute" the CPU idles through, 8 tensors): 10 to reach
+                              a steady state, then N more in which rank S (-1: none) sleeps 50 ms
+                              per step; prints RESULT_steps with the seconds from the steady state
+                              to the first verdict naming S (rank 0 also scrapes /metrics)
 
 Results are ``[r]<stdout>:RESULT_<phase> {json}`` lines. Rank 0 also reads the monitor's
 ``/metrics`` (on 127.0.0.1: no token) once every rank has reported the verdict.
@@ -116,9 +121,46 @@ def page(flag: str, slow_rank: int = -1) -> None:
         time.sleep(0.02 + (0.03 if hvd.rank() == slow_rank else 0.0) + 0.01 * rng.random())
 
 
+def steps(slow_rank: int, n: int) -> None:
+    rank = hvd.rank()
+    a = np.random.default_rng(rank).random((64, 64))
+    grads = [np.ones(1000, np.float32) for _ in range(8)]
+
+    def step(delay: bool) -> None:
+        nonlocal a
+        for _ in range(4):
+            a = a @ a
+            a /= np.abs(a).max()
+        time.sleep(0.04)  # the step's device compute (the CPU idles meanwhile)
+        if delay and rank == slow_rank:
+            time.sleep(0.05)
+        for h in [hvd.allreduce_async(g, name=f"grad.{i}") for i, g in enumerate(grads)]:
+            hvd.synchronize(h)
+
+    for _ in range(10):
+        step(False)
+    start = time.monotonic()
+    flagged_after = None
+    for _ in range(n):
+        step(True)
+        if flagged_after is None and hvd.metrics()["stragglers"] == [slow_rank]:
+            flagged_after = time.monotonic() - start
+    m = hvd.metrics()
+    text = ""
+    if rank == 0:
+        want = {str(r): (1.0 if r in m["stragglers"] else 0.0) for r in range(hvd.size())}
+        text = scrape_until(hvd.size(), lambda t: series(t, "horovod_straggler") == want)
+    emit("steps", flagged_after=flagged_after, seconds=time.monotonic() - start,
+         stragglers=m["stragglers"], flag_events=m["straggler_flag_events"],
+         scores=m["straggler_scores"], scrape=series(text, "horovod_straggler") if text else None)
+    hvd.barrier()
+
+
 if __name__ == "__main__":
     hvd.init()
     if sys.argv[1] == "job":
         job()
+    elif sys.argv[1] == "steps":
+        steps(int(sys.argv[2]), int(sys.argv[3]))
     else:
         page(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else -1)

@@ -444,3 +444,68 @@ def test_hung_worker_is_a_failure_and_named_when_nothing_else_failed() -> None:
     assert hung.as_exit().failed and hung.as_exit().status == "hung"
     assert ElasticResult("x", 1, 1, failures=[hung]).root_cause() is hung
     assert ElasticResult("x", 1, 1, failures=[hung, killed]).root_cause() is killed
+
+
+def _beat(h: Harness, *keys: tuple[str, int]) -> None:
+    from horovod.common.protocol import Beat
+
+    for k in keys:
+        h.d._beat(Beat(k[0], k[1], 100 + k[1]))
+
+
+def _advance(h: Harness, seconds: float, beating: tuple[tuple[str, int], ...]) -> None:
+    """Time passes in driver steps of 0.25 s; ``beating`` keep beating."""
+    end = h.now + seconds
+    while h.now < end:
+        h.now += 0.25
+        _beat(h, *beating)
+        h.step()
+
+
+def test_silent_worker_alone_on_its_host_is_killed_and_its_host_blacklisted() -> None:
+    h = Harness({"a": 2, "b": 1}, np=3, min_np=2, heartbeat_timeout=5.0)
+    first_round(h)
+    every = (("a", 0), ("a", 1), ("b", 0))
+    _advance(h, 2, every)
+    _advance(h, 4.9, every[:2])  # b[0] stopped: not yet 5 s of silence
+    assert not h.d.workers[("b", 0)].removed
+    _advance(h, 0.5, every[:2])
+    w = h.d.workers[("b", 0)]
+    assert w.removed and w.proc.stopped  # type: ignore[attr-defined]
+    assert any("worker b[0] (rank 2, pid 100) sent no heartbeat for 5." in e for e in h.d.events)
+    assert h.d.hosts.is_blacklisted("b") and not h.d.hosts.is_blacklisted("a")
+    h.exit(("b", 0), None, 9)
+    h.ready(("a", 0), ("a", 1))
+    h.step()
+    assert h.d.round == 1 and h.ranks() == {("a", 0): 0, ("a", 1): 1}
+    assert [f.status for f in h.d.failures] == ["hung"]
+
+
+def test_silent_worker_on_a_shared_host_keeps_the_host() -> None:
+    h = Harness({"a": 3}, np=3, min_np=2, max_np=3, heartbeat_timeout=5.0)
+    first_round(h)
+    every = (("a", 0), ("a", 1), ("a", 2))
+    _advance(h, 1, every)
+    _advance(h, 6, every[:2])
+    assert h.d.workers[("a", 2)].removed and not h.d.hosts.is_blacklisted("a")
+    assert any("host a stays in the job" in e for e in h.d.events)
+
+
+def test_no_verdict_when_every_worker_is_silent_or_the_worker_is_leaving() -> None:
+    from horovod.common.protocol import Beat
+
+    h = Harness({"a": 1, "b": 1}, np=2, min_np=1, heartbeat_timeout=5.0)
+    first_round(h)
+    _advance(h, 1, (("a", 0), ("b", 0)))
+    h.d._beat(Beat("a", 0, 7, leaving=True))  # a[0] is exiting: its end is watched instead
+    _advance(h, 10, ())  # nobody beats (the driver may be the one starved): nobody is judged
+    assert not any(w.removed for w in h.d.workers.values())
+    _advance(h, 10, (("b", 0),))
+    assert not h.d.workers[("a", 0)].removed
+
+
+def test_busy_worker_that_beats_is_kept() -> None:
+    h = Harness({"a": 1, "b": 1}, np=2, min_np=1, heartbeat_timeout=5.0)
+    first_round(h)
+    _advance(h, 120, (("a", 0), ("b", 0)))  # its main thread computes; its heartbeat goes on
+    assert not any(w.removed for w in h.d.workers.values()) and h.d.round == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from horovod.common.protocol import FailureRecord
 from horovod.runner.failures import RankExit, format_report, root_cause
 
@@ -197,3 +199,37 @@ def test_ray_failures_are_ordered_by_the_same_rule() -> None:
     assert ranks_by_cause({0: lost, 1: died, 2: own}, {0: 1.0, 1: 1.2, 2: 1.1}) == [2, 0, 1]
     # no times known (simultaneous): still the dead actor
     assert ranks_by_cause({0: lost, 1: died}, {}) == [1, 0]
+
+
+def test_rank_that_finished_while_another_waited_is_the_root_cause() -> None:
+    """Rank 1's program ended normally (record "finished") at 10.0, then rank 0's broadcast
+    failed because it left: rank 1 exited early, whether it exited 0 or was stopped on its way
+    out (issue 45)."""
+    waited = FailureRecord(1, "consequence", "HorovodShutdownError: shut down", 11.0,
+                           waiting="broadcast 'zero.consolidate.0.sz'")
+    finished = FailureRecord(0, "finished", "its program ended normally", 10.0)
+    for rank1 in (RankExit.with_record(finished, 1, "a", 0, None, 10.5),
+                  RankExit.with_record(finished, 1, "a", None, 15, 11.5, stopped_by="received SIGTERM")):
+        exits = [RankExit.with_record(waited, 0, "a", 1, None, 11.1), rank1]
+        first = root_cause(exits)
+        assert first is rank1
+        text = format_report(exits)
+        clock = time.strftime("%H:%M:%S", time.localtime(10.0))
+        assert (f"rank 1 exited with code 0 at {clock} while rank 0 waited in broadcast "
+                "'zero.consolidate.0.sz'") in text, text
+        assert "rank 0 (host a): exit code 1, because a peer left in broadcast" in text, text
+        assert "stopped after the first failure" not in text, text
+
+
+def test_rank_that_finished_after_the_failure_is_not_the_root_cause() -> None:
+    exits = [RankExit.with_record(_rec("consequence", 9.0), 0, "a", 1, None, 9.1),
+             RankExit.with_record(FailureRecord(0, "finished", "", 10.0), 1, "a", 0, None, 10.5)]
+    first = root_cause(exits)
+    assert first is not None and first.rank == 0
+
+
+def test_finished_record_round_trips() -> None:
+    rec = FailureRecord(0, "finished", "ended", 3.0, rank=1)
+    assert FailureRecord.from_wire(rec.to_wire()) == rec
+    rec = FailureRecord(1, "consequence", "x", 3.0, waiting="allreduce 'g'")
+    assert FailureRecord.from_wire(rec.to_wire()) == rec
