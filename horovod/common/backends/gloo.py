@@ -64,6 +64,28 @@ class GlooErrors(contextlib.AbstractContextManager[None]):
             "check the other ranks' output.", rank=self.rank, op=self.what) from exc
 
 
+def _gloo_reduces(dist: Any, device: Any, dtype: Any) -> bool:
+    """Whether Gloo's allreduce takes ``dtype`` tensors: tried on a one-member group over an
+    in-process store (Gloo picks its reduction function by dtype before it looks at the size)."""
+    import torch
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=10)
+    opts._devices = [device]
+    pg = None
+    try:
+        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, opts)
+        t = torch.ones(2, dtype=dtype)
+        pg.allreduce([t]).wait()
+        return bool((t == 1).all())
+    except Exception:  # noqa: BLE001 - any failure: not supported here, widened instead
+        return False
+    finally:
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                pg.shutdown()
+
+
 # --------------------------------------------------------------------------- backend
 class GlooBackend:
     """Controller and collective backend on ``torch.distributed`` Gloo process groups."""
@@ -82,6 +104,7 @@ class GlooBackend:
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
         self._group_seq = 0
+        self._bf16: bool | None = None  # ``_reduces_bfloat16``
         self._split_seq: dict[str, int] = {}
         # Every process group and Group made here, so that close() can tear them down in order
         # while the store still exists (left to interpreter exit, a Gloo group may be destroyed
@@ -116,6 +139,8 @@ class GlooBackend:
         return GlooErrors(what, self.rank)
 
     def _t(self, arr: np.ndarray) -> Any:
+        if arr.dtype.char == "E":  # ml_dtypes' bfloat16, which torch.from_numpy does not know
+            return self._t(arr.view(np.int16)).view(self._torch.bfloat16)
         if arr.flags.writeable:
             return self._torch.from_numpy(arr)
         # A send buffer may be read-only (pickled objects, a user's read-only array); Gloo never
@@ -234,7 +259,16 @@ class GlooBackend:
             self._groups.remove(group)
 
     def reduce_dtypes(self) -> frozenset[str]:
-        return frozenset({"uint8", "int8", "int32", "int64", "float16", "float32", "float64"})
+        native = frozenset({"uint8", "int8", "int32", "int64", "float16", "float32", "float64"})
+        return native | {"bfloat16"} if self._reduces_bfloat16() else native
+
+    def _reduces_bfloat16(self) -> bool:
+        """Whether this torch's Gloo reduces bfloat16 tensors (torch 2.x does; older releases
+        raise "Invalid scalar type"): asked of a one-member group, once per backend."""
+        known = self._bf16
+        if known is None:
+            known = self._bf16 = _gloo_reduces(self._dist, self._device, self._torch.bfloat16)
+        return known
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group,
