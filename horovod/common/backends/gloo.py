@@ -86,6 +86,12 @@ def _gloo_reduces(dist: Any, device: Any, dtype: Any) -> bool:
                 pg.shutdown()
 
 
+# 16-bit allreduces of at least this many elements run as alltoall + local float32 reduction +
+# allgather (``GlooBackend._allreduce_half``); smaller ones are latency-bound and stay Gloo's.
+HALF_SPLIT_MIN = 1 << 16
+_HALF_OPS = frozenset({ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
+
+
 # --------------------------------------------------------------------------- backend
 class GlooBackend:
     """Controller and collective backend on ``torch.distributed`` Gloo process groups."""
@@ -277,9 +283,40 @@ class GlooBackend:
             np.copyto(buf.reshape(-1), src.reshape(-1))
         if group.size == 1 or buf.size == 0:
             return
+        if buf.size >= HALF_SPLIT_MIN and buf.dtype.char in "eE" and op in _HALF_OPS:
+            self._allreduce_half(buf.reshape(-1), op, group)
+            return
         o = self._dist.AllreduceOptions()
         o.reduceOp = self._ops[op]  # type: ignore[assignment]
         self._run("allreduce", lambda: group.handle.allreduce([self._t(buf.reshape(-1))], o))
+
+    def _allreduce_half(self, buf: np.ndarray, op: ReduceOp, group: Group) -> None:
+        """A large float16/bfloat16 allreduce as reduce-scatter (an alltoall of each member's
+        parts) + local reduction + allgather: the bytes of Gloo's ring (2(p-1)/p of the buffer per
+        member), with the arithmetic in torch's vectorized kernels, accumulated in float32 and
+        rounded once, instead of Gloo's per-element 16-bit arithmetic (2-3x float32's time)."""
+        torch = self._torch
+        p, me = group.size, group.rank
+        base, extra = divmod(buf.size, p)
+        counts = [base + (1 if i < extra else 0) for i in range(p)]
+        mine = counts[me]
+        pieces = np.empty((p, mine), buf.dtype)
+        o = self._dist.AllToAllOptions()
+        self._run("allreduce", lambda: group.handle.alltoall_base(
+            self._t(pieces.reshape(-1)), self._t(buf), [mine] * p, counts, o))
+        parts = self._t(pieces)
+        acc = parts[0].float()
+        for k in range(1, p):
+            if op == ReduceOp.SUM:
+                acc.add_(parts[k])
+            elif op == ReduceOp.PRODUCT:
+                acc.mul_(parts[k])
+            else:
+                (torch.minimum if op == ReduceOp.MIN else torch.maximum)(acc, parts[k].float(), out=acc)
+        start = sum(counts[:me])
+        part = buf[start:start + mine]
+        self._t(part).copy_(acc)
+        self.allgatherv(part, buf, counts, group)
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:
         item = recv.dtype.itemsize
