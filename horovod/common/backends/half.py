@@ -115,6 +115,12 @@ def numpy_kernel(dtype: str, op: ReduceOp) -> Kernel:
     return run_bits
 
 
+# torch runs an elementwise kernel on one thread up to this many elements (at::internal::
+# GRAIN_SIZE): the engine's thread calls it in pieces of this size, so that a reduction neither
+# starts a second OpenMP team beside the training's (oversubscribed cores) nor leaves cache.
+TORCH_PIECE = 32768
+
+
 def _torch_kernel(torch: Any, dtype: str, op: ReduceOp) -> Kernel:
     tdtype = torch.float16 if dtype == "float16" else torch.bfloat16
     if op == ReduceOp.SUM:
@@ -130,8 +136,16 @@ def _torch_kernel(torch: Any, dtype: str, op: ReduceOp) -> Kernel:
             fn(a, b, out=b)
 
     def run(inbuf: Any, inoutbuf: Any) -> None:
-        if len(inoutbuf):
-            step(torch.frombuffer(inbuf, dtype=tdtype), torch.frombuffer(inoutbuf, dtype=tdtype))
+        if not len(inoutbuf):
+            return
+        a = torch.frombuffer(inbuf, dtype=tdtype)
+        b = torch.frombuffer(inoutbuf, dtype=tdtype)
+        n = b.numel()
+        if n <= TORCH_PIECE:
+            step(a, b)
+            return
+        for s in range(0, n, TORCH_PIECE):
+            step(a[s:s + TORCH_PIECE], b[s:s + TORCH_PIECE])
     return run
 
 
@@ -167,11 +181,10 @@ def scale(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> 
     float32 loops before. Both round the same float32 value the same way."""
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "from_numpy") and dst.size >= _TORCH_SCALE_MIN:
-        d, s = _as_torch(torch, dst), _as_torch(torch, src)
-        if divisor != 1:
-            torch.div(s, float(np.float32(divisor)), out=d)
-        else:
-            torch.mul(s, float(np.float32(factor)), out=d)
+        d, s = _as_torch(torch, dst.reshape(-1)), _as_torch(torch, src.reshape(-1))
+        fn, by = (torch.div, float(np.float32(divisor))) if divisor != 1 else (torch.mul, float(np.float32(factor)))
+        for i in range(0, d.numel(), TORCH_PIECE):  # one thread, in cache (``TORCH_PIECE``)
+            fn(s[i:i + TORCH_PIECE], by, out=d[i:i + TORCH_PIECE])
         return
     if divisor != 1:
         np.divide(src, np.float32(divisor), out=dst, dtype=np.float32, casting="unsafe")
