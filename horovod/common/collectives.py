@@ -32,8 +32,9 @@ __all__ = [
     "register_handle", "poll", "synchronize", "submit_again", "resubmit_registered", "resubmit_many",
 ]
 
+# bfloat16: NumPy arrays of ``ml_dtypes.bfloat16`` (JAX's, TensorFlow's, the torch binding's views)
 REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-                           "float16", "float32", "float64"})
+                           "float16", "bfloat16", "float32", "float64"})
 MOVE_DTYPES = REDUCE_DTYPES | {"bool"}
 # What device planes (GPU tensors) also reduce and move, beyond the NumPy types.
 PLANE_EXTRA_DTYPES = frozenset({"bool", "bfloat16"})

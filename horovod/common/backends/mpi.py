@@ -17,6 +17,7 @@ import numpy as np
 
 from horovod.common import plain
 from horovod.common.backends.base import Group
+from horovod.common.backends.half import HALF_DTYPES, kernel
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.types import ReduceOp
 
@@ -27,6 +28,8 @@ __all__ = ["MPIBackend"]
 # The spin does not yield: time.sleep(0) costs ~60 us here (timer slack), ten times a round.
 _SPIN_SECONDS = 100e-6
 _MAX_SLEEP = 250e-6
+# NumPy's type characters of float16 and of ml_dtypes' bfloat16 (a cheap test on the hot path).
+_HALF_CHARS = frozenset("eE")
 
 
 def _fail(rank: int, what: str, exc: Exception) -> HorovodInternalError:
@@ -64,6 +67,8 @@ class MPIBackend:
                      ReduceOp.PRODUCT: MPI.PROD}
         self.thread_level = MPI.Query_thread()
         self._bits_out: np.ndarray | None = None
+        # (dtype name, op) -> the user-defined MPI operation reducing 16-bit floats (``_half``)
+        self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
 
     # ---------------------------------------------------------------- controller
     def and_bits(self, bits: np.ndarray, spin: bool = True) -> np.ndarray:
@@ -152,33 +157,59 @@ class MPIBackend:
             group.handle.Free()
 
     def reduce_dtypes(self) -> frozenset[str]:
+        # float16 and bfloat16 through user-defined operations (``half``): 16 bits on the wire.
         return frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-                          "float32", "float64"})
+                          "float16", "bfloat16", "float32", "float64"})
+
+    def _half(self, dtype: str, op: ReduceOp) -> Any:
+        """The MPI operation reducing ``dtype`` (a 16-bit float) with ``op`` over ``MPI.UINT16_T``
+        buffers (upstream's ``float16_sum``), made on first use."""
+        mop = self._half_ops.get((dtype, op))
+        if mop is None:
+            run = kernel(dtype, op)
+            mop = self._half_ops[(dtype, op)] = self._MPI.Op.Create(
+                lambda inbuf, inoutbuf, _datatype: run(inbuf, inoutbuf), commute=True)
+        return mop
+
+    def _reduce_args(self, buf: np.ndarray, op: ReduceOp) -> tuple[Any, Any]:
+        """``buf`` as MPI sees it and the MPI operation reducing it with ``op``."""
+        dt = buf.dtype
+        if dt.char in _HALF_CHARS and dt.name in HALF_DTYPES:
+            return [buf.view(np.uint16), self._MPI.UINT16_T], self._half(dt.name, op)
+        return buf, self._ops[op]
+
+    @staticmethod
+    def _moved(buf: np.ndarray) -> np.ndarray:
+        """``buf`` as data movement sends it (bfloat16 has no MPI type: its bits as uint16)."""
+        return buf.view(np.uint16) if buf.dtype.char in _HALF_CHARS else buf
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:
         try:
-            group.handle.Allreduce(self._MPI.IN_PLACE if src is None else src, buf, op=self._ops[op])
+            recv, mop = self._reduce_args(buf, op)
+            send = self._MPI.IN_PLACE if src is None else self._reduce_args(src, op)[0]
+            group.handle.Allreduce(send, recv, op=mop)
         except self._MPI.Exception as exc:
             raise _fail(self.rank, "allreduce", exc) from exc
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], group: Group) -> None:
         with _translate(self.rank, "allgather"):
-            group.handle.Allgatherv(send, [recv, counts])
+            group.handle.Allgatherv(self._moved(send), [self._moved(recv), counts])
 
     def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
         with _translate(self.rank, "broadcast"):
-            group.handle.Bcast(buf, root=root)
+            group.handle.Bcast(self._moved(buf), root=root)
 
     def alltoallv(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
                   recv_counts: list[int], group: Group) -> None:
         with _translate(self.rank, "alltoall"):
-            group.handle.Alltoallv([send, send_counts], [recv, recv_counts])
+            group.handle.Alltoallv([self._moved(send), send_counts], [self._moved(recv), recv_counts])
 
     def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], op: ReduceOp,
                       group: Group) -> None:
         with _translate(self.rank, "reducescatter"):
-            group.handle.Reduce_scatter(send, recv, recvcounts=counts, op=self._ops[op])
+            sendbuf, mop = self._reduce_args(send, op)
+            group.handle.Reduce_scatter(sendbuf, self._reduce_args(recv, op)[0], recvcounts=counts, op=mop)
 
     def allgather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         values = np.ascontiguousarray(values, np.int64)
