@@ -1,0 +1,104 @@
+"""Flight recorder: the last collectives of this rank, for stall reports and stacks on demand.
+
+Always on (``HOROVOD_FLIGHT_RECORDER``: how many collectives to keep, 0: off), so it costs what
+the engine does anyway: every submission gets a sequence number per process set (``Entry.seq``,
+assigned in ``Engine.submit``), and every batch that completes is appended to a bounded ring as
+one record (the batch's responses, which a cached step plans once and reuses, its entries'
+sequence numbers, and three timestamps). Collectives still in flight are read, when asked, from
+the engine's own table of in-flight entries. Nothing here runs per tensor beyond the sequence
+number; a snapshot is built only for a report.
+
+A snapshot is plain data (``horovod.common.plain``), the same on the device plane as on the host
+path (both complete through ``Engine._run_batch``)::
+
+    {"done": [[seq, process set, op, name, dtype, shapes, age_s, ran_s], ...],   # oldest first
+     "in_flight": [[seq, process set, op, name, dtype, shapes, state, age_s], ...]}  # by seq
+
+``state`` is ``submitted`` (queued or being negotiated), ``negotiated`` (its response is known,
+from the cache or the coordinator, and it waits for the other ranks to be ready) or ``running``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from horovod.common.types import Response, shape_text
+
+__all__ = ["FlightRecorder", "describe", "format_record", "DEFAULT_SIZE"]
+
+DEFAULT_SIZE = 1024
+
+# Entry.state values of the engine (loop.py): _DONE, _CACHED, _NEW, _SENT.
+_STATES = {0: "running", 1: "negotiated", 2: "submitted", 3: "submitted"}
+
+
+class FlightRecorder:
+    """A bounded ring of this rank's completed collectives (batches of them), and its sequence
+    numbers per process set (``seqs``, which ``Engine.submit`` advances inline)."""
+
+    __slots__ = ("size", "seqs", "_ring")
+
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        self.size = max(1, int(size))
+        self.seqs: dict[int, int] = {}
+        # One record per completed batch, at most ``size`` batches (a batch holds one or more
+        # collectives, so the ring always holds the last ``size`` collectives, and may hold more).
+        self._ring: collections.deque[tuple[Sequence[Response], list[int], float, float]] = \
+            collections.deque(maxlen=self.size)
+
+    def batch_done(self, batch: Sequence[Response], seqs: list[int], t_start: float, t_end: float) -> None:
+        """A batch completed on this rank: ``seqs[i]`` is the sequence number of ``batch[i]``."""
+        self._ring.append((batch, seqs, t_start, t_end))
+
+    def clear(self) -> None:
+        self._ring.clear()
+
+    def done(self, now: float, last: int | None = None) -> list[list[Any]]:
+        """The completed collectives, oldest first (the last ``last`` of them, or all kept)."""
+        limit = self.size if last is None else min(last, self.size)
+        out: list[list[Any]] = []
+        for batch, seqs, t_start, t_end in reversed(list(self._ring)):  # list(): one C call, atomic
+            for resp, seq in zip(reversed(batch), reversed(seqs)):
+                req = resp.request
+                out.append([seq, req.process_set_id, req.kind.value, req.name, req.dtype,
+                            [list(s) for s in req.shapes], round(now - t_end, 3), round(t_end - t_start, 6)])
+                if len(out) >= limit:
+                    return out[::-1]
+        return out[::-1]
+
+    @staticmethod
+    def in_flight(entries: Iterable[Any], queued: set[int], now: float, last: int | None = None) -> list[list[Any]]:
+        """Entries submitted and not yet completed (``Engine._in_flight``), by sequence number;
+        ``queued``: ids of entries no round has taken yet."""
+        out = []
+        for e in entries:
+            req = e.request
+            state = "submitted" if id(e) in queued else _STATES.get(e.state, "submitted")
+            out.append([e.seq, req.process_set_id, req.kind.value, req.name, req.dtype,
+                        [list(s) for s in req.shapes], state, round(now - e.t_submit, 3)])
+        out.sort(key=lambda r: (r[1], r[0]))
+        return out if last is None else out[:last]
+
+
+def describe(op: str, name: str, seq: int, process_set: int = 0) -> str:
+    """``allreduce 'grad.w' (#12)``, with the process set when it is not the global one."""
+    where = f", process set {process_set}" if process_set else ""
+    return f"{op} {name!r} (#{seq}{where})"
+
+
+def format_record(record: dict[str, Any], indent: str = "  ") -> list[str]:
+    """A snapshot (``{"done": ..., "in_flight": ...}``) as text lines, oldest first."""
+    lines = []
+    for seq, ps, op, name, dtype, shapes, age, ran in record.get("done", []):
+        shown = " ".join(shape_text(tuple(s)) for s in shapes)
+        lines.append(f"{indent}done       {describe(op, name, seq, ps)} {dtype} {shown}: "
+                     f"ended {age:.1f} s ago, ran {ran * 1e3:.2f} ms")
+    for seq, ps, op, name, dtype, shapes, state, age in record.get("in_flight", []):
+        shown = " ".join(shape_text(tuple(s)) for s in shapes)
+        lines.append(f"{indent}{state:<10} {describe(op, name, seq, ps)} {dtype} {shown}: "
+                     f"submitted {age:.1f} s ago")
+    if not lines:
+        lines.append(f"{indent}(no collective yet)")
+    return lines
