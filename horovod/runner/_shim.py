@@ -8,7 +8,8 @@ Run by file path (standard library only; the package ``horovod`` is not imported
   merged into the environment (how ssh-started workers get their variables and the job secret
   without a command line).
 * ``--watch-stdin``: stdin is the launcher's life line; when it closes, the worker's process group
-  is sent SIGTERM, then SIGKILL after a grace period. A line ``signal <N>`` sends signal N first.
+  is sent SIGTERM, then SIGKILL after a grace period. A line ``signal <N>`` sends signal N first
+  (SIGUSR1 and SIGUSR2 are only passed on: SIGUSR1 asks the rank for its stacks).
   Without it (under mpirun) the shim stops the worker when its own parent dies.
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
@@ -99,7 +100,9 @@ def _watch_stdin(stopper: _Stopper) -> None:
     try:
         for line in sys.stdin.buffer:
             signum = protocol.parse_signal_line(line)
-            if signum is not None:
+            if signum in (signal.SIGUSR1, signal.SIGUSR2):  # passed on; the job goes on
+                stopper.signal_group(signum)
+            elif signum is not None:
                 stopper.stop(f"horovodrun sent {signal.Signals(signum).name}", signum)
     except (OSError, ValueError):
         pass

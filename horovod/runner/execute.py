@@ -285,6 +285,27 @@ class Supervisor:
                 # (closing it now would race the signal with a SIGTERM for the stdin EOF).
                 self._signal_proc(proc, signum)
 
+    def _forward(self, signum: int) -> None:
+        """Pass a signal on to every rank without stopping anything (SIGUSR1: every rank prints
+        its stacks and flight record, ``horovod/common/stacks.py``)."""
+        log.info("horovodrun received %s: every rank prints its stacks", signal.Signals(signum).name)
+        sys.stderr.write(f"horovodrun: {signal.Signals(signum).name}: asking every rank for its stacks "
+                         "and flight record (the job goes on)\n")
+        sys.stderr.flush()
+        for proc in self._procs:
+            if proc.returncode is not None:
+                continue
+            if proc.cmd.remote:
+                stdin = proc.popen.stdin
+                if proc.cmd.lifeline and stdin is not None and not stdin.closed:
+                    try:
+                        stdin.write(f"signal {int(signum)}\n".encode())
+                        stdin.flush()
+                    except OSError:
+                        pass
+            else:
+                self._signal_proc(proc, signum)
+
     @staticmethod
     def _close_lifeline(proc: _Proc, last: bytes = b"") -> None:
         stdin = proc.popen.stdin
@@ -309,7 +330,7 @@ class Supervisor:
         """
         old: dict[signal.Signals, Any] = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
                 old[s] = signal.signal(s, self._on_signal)
         try:
             self._start()
@@ -353,6 +374,8 @@ class Supervisor:
                 case _ExitReported(report=report):
                     if (report.code or report.signal) and failure_seen_at is None:
                         failure_seen_at = now
+                case _SignalReceived(signum=signum) if signum == signal.SIGUSR1:
+                    self._forward(signum)  # stacks on demand: the job goes on
                 case _SignalReceived(signum=signum):
                     name = signal.Signals(signum).name
                     if self._interrupted is None:
