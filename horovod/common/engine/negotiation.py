@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.engine.stall import Stalled
 from horovod.common.engine.negotiation_codec import FLAG_ARGUMENT_ERROR, FLAG_FLAT, KINDS, Message, encode_requests
+from horovod.common.engine.stall import Stalled
 from horovod.common.types import (
     RAGGED_KINDS,
     REDUCE_OP_NAMES,
