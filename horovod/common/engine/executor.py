@@ -55,7 +55,7 @@ __all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "end_to_e
 class Entry:
     """A submitted operation on the submitting rank: its request, buffers and handle."""
 
-    __slots__ = ("request", "inputs", "outputs", "handle", "state", "slot", "t_submit", "splits", "seq")
+    __slots__ = ("request", "inputs", "outputs", "handle", "state", "slot", "t_submit", "splits")
 
     def __init__(self, request: Request, inputs: list[np.ndarray], outputs: list[np.ndarray] | None,
                  handle: Handle, splits: np.ndarray | None = None) -> None:
@@ -67,7 +67,6 @@ class Entry:
         self.slot = -1
         self.t_submit = 0.0
         self.splits = splits
-        self.seq = 0  # the flight recorder's sequence number (per process set, from 1)
 
 
 def _tunable(name: str, convert: Callable[[Any], Any]) -> Any:

@@ -31,7 +31,7 @@ from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.device import DevicePlaneError
 from horovod.common.engine.executor import Entry, Executor
-from horovod.common.engine.flight import FlightRecorder
+from horovod.common.engine.flight import FlightRecorder, in_flight_rows
 from horovod.common.engine.fusion import plan_batches
 from horovod.common.engine.metrics import Counters, StragglerDetector
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
@@ -153,14 +153,12 @@ class Engine:
         self._full = (1 << (64 * self.cache.words)) - 1
         self._bits = np.zeros(2 * self.cache.words + 1, np.uint64)
         self._coordinator = Coordinator(self.size, self._members, clock) if self.rank == 0 else None
-        # Observers the loop calls: the flight recorder (every rank: sequence numbers at
-        # submission, one record per completed batch) and the stall observer (its inspector on
-        # rank 0; on every rank, its answers to the coordinator's questions: _diagnose).
+        # Observers the loop calls: the flight recorder (every rank: one record per completed
+        # batch) and the stall observer (its inspector on rank 0; on every rank, its answers to
+        # the coordinator's questions).
         self.flight: FlightRecorder | None = None
-        self._seqs: dict[int, int] | None = None
         if config.flight_recorder > 0:
             self.flight = FlightRecorder(config.flight_recorder)
-            self._seqs = self.flight.seqs
         self.host = hostnames[self.rank] if hostnames else ""
         self.stall = StallObserver(self, config, clock)
         self._stall_shutdown: str | None = None
@@ -228,10 +226,6 @@ class Engine:
             in_flight[name] = entry
             entry.handle.helper = self._helper
             entry.t_submit = self._clock()
-            seqs = self._seqs
-            if seqs is not None:  # the flight recorder's sequence number per process set
-                ps = entry.request.process_set_id
-                entry.seq = seqs[ps] = seqs.get(ps, 0) + 1
             if defer and not self.tunables.overlap:
                 self._enqueue([entry], wake, defer)
                 return
@@ -267,11 +261,6 @@ class Engine:
             for e in entries:
                 e.t_submit = now
                 e.handle.helper = helper
-            seqs = self._seqs
-            if seqs is not None:
-                for e in entries:
-                    ps = e.request.process_set_id
-                    e.seq = seqs[ps] = seqs.get(ps, 0) + 1
             in_flight.update(zip(names, entries))
             self._enqueue(entries, wake, defer)
 
@@ -570,8 +559,10 @@ class Engine:
             entries = list(self._in_flight.values())
             queued = {id(e) for e in self._queue} | {id(e) for e in self._deferred}
         flight = self.flight
-        return {"done": flight.done(time.perf_counter(), done) if flight is not None else [],
-                "in_flight": FlightRecorder.in_flight(entries, queued, now, in_flight)}
+        if flight is None:
+            return {"done": [], "in_flight": in_flight_rows(entries, queued, now, {}, in_flight)}
+        return {"done": flight.done(time.perf_counter(), done),
+                "in_flight": flight.in_flight(entries, queued, now, in_flight)}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """This rank's counters (``hvd.metrics()``); any thread may call it."""
@@ -783,11 +774,13 @@ class Engine:
             e = entries[0]
             if e is not None:
                 e.outputs = first.result
-            self._record(batch, entries, time.perf_counter())
+            if self.flight is not None:
+                self.flight.batch_done(batch, time.perf_counter(), time.perf_counter())
             self._complete(entries)
             return
         if kind == RequestType.BARRIER:
-            self._record(batch, entries, time.perf_counter())
+            if self.flight is not None:
+                self.flight.batch_done(batch, time.perf_counter(), time.perf_counter())
             self._complete(entries)
             return
         if None in entries and not (self._joined and kind == RequestType.ALLREDUCE):
@@ -809,9 +802,5 @@ class Engine:
         self._count_batch(kind, batch, entries, t1 - t0)
         flight = self.flight
         if flight is not None:
-            flight.batch_done(batch, [e.seq if e is not None else 0 for e in entries], t0, t1)
+            flight.batch_done(batch, t0, t1)
         self._complete(entries)
-
-    def _record(self, batch: Sequence[Response], entries: list[Entry | None], t: float) -> None:
-        if self.flight is not None:
-            self.flight.batch_done(batch, [e.seq if e is not None else 0 for e in entries], t, t)

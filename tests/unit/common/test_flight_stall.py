@@ -26,39 +26,42 @@ def _resp(name: str, kind: RequestType = A, ps: int = 0) -> Response:
 
 
 class _Entry:
-    def __init__(self, name: str, seq: int, state: int, t_submit: float) -> None:
-        self.request = Request(name, A, "float32", ((2, 3),))
-        self.seq, self.state, self.t_submit = seq, state, t_submit
+    def __init__(self, name: str, state: int, t_submit: float, ps: int = 0) -> None:
+        self.request = Request(name, A, "float32", ((2, 3),), process_set_id=ps)
+        self.state, self.t_submit = state, t_submit
 
 
 def test_ring_keeps_the_last_collectives_oldest_first_across_batches():
     rec = FlightRecorder(size=4)
-    seq = 0
     for step in range(5):  # batches of two, then one
         batch = (_resp(f"a{step}"), _resp(f"b{step}")) if step % 2 == 0 else (_resp(f"c{step}"),)
-        seqs = list(range(seq + 1, seq + 1 + len(batch)))
-        seq += len(batch)
-        rec.batch_done(batch, seqs, 10.0 + step, 10.5 + step)
+        rec.batch_done(batch, 10.0 + step, 10.5 + step)
+    rec.batch_done((_resp("p", ps=1),), 15.0, 15.0)  # another process set counts on its own
     done = rec.done(now=20.0)
-    assert [row[3] for row in done] == ["b2", "c3", "a4", "b4"]
-    assert [row[0] for row in done] == [5, 6, 7, 8]
-    seq_, ps, op, name, dtype, shapes, age, ran = done[-1]
+    assert [row[3] for row in done] == ["c3", "a4", "b4", "p"]
+    assert [(row[0], row[1]) for row in done] == [(6, 0), (7, 0), (8, 0), (1, 1)]
+    seq, ps, op, name, dtype, shapes, age, ran = done[-2]
     assert (ps, op, dtype, shapes, age, ran) == (0, "allreduce", "float32", [[4]], 5.5, 0.5)
-    assert [row[3] for row in rec.done(now=20.0, last=2)] == ["a4", "b4"]
+    assert [row[3] for row in rec.done(now=20.0, last=2)] == ["b4", "p"]
     assert len(rec._ring) == 4  # bounded: batches beyond the size are gone
+    assert rec.completed == {0: 8, 1: 1}
 
 
-def test_in_flight_rows_say_each_state_in_sequence_order():
-    queued = _Entry("q", 9, 0, 1.0)
-    running = _Entry("r", 3, 0, 1.0)
-    cached = _Entry("c", 5, 1, 2.0)
-    sent = _Entry("s", 4, 3, 3.0)
-    rows = FlightRecorder.in_flight([queued, running, cached, sent], {id(queued)}, now=4.0)
-    assert [(r[0], r[3], r[6], r[7]) for r in rows] == [
-        (3, "r", "running", 3.0), (4, "s", "submitted", 1.0), (5, "c", "negotiated", 2.0),
-        (9, "q", "submitted", 3.0)]
+def test_in_flight_rows_follow_submission_order_after_the_completed_ones():
+    rec = FlightRecorder(size=8)
+    rec.batch_done((_resp("a"), _resp("b")), 0.0, 0.0)
+    running = _Entry("r", 0, 1.0)
+    sent = _Entry("s", 3, 3.0)
+    other = _Entry("o", 2, 3.5, ps=1)
+    cached = _Entry("c", 1, 2.0)
+    queued = _Entry("q", 0, 1.0)
+    rows = rec.in_flight([running, sent, other, cached, queued], {id(queued)}, now=4.0)
+    assert [(r[0], r[1], r[3], r[6], r[7]) for r in rows] == [
+        (3, 0, "r", "running", 3.0), (4, 0, "s", "submitted", 1.0), (5, 0, "c", "negotiated", 2.0),
+        (6, 0, "q", "submitted", 3.0), (1, 1, "o", "submitted", 0.5)]
     text = "\n".join(format_record({"done": [], "in_flight": rows}))
     assert "running    allreduce 'r' (#3) float32 (2, 3): submitted 3.0 s ago" in text
+    assert "submitted  allreduce 'o' (#1, process set 1)" in text
 
 
 def test_inspector_reports_once_per_period_and_at_the_shutdown_limit():
