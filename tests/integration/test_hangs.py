@@ -176,3 +176,29 @@ def test_all_stacks_from_rank_0_reaches_a_rank_stuck_in_user_code(mode: str, tmp
     assert re.search(r"(submitted|negotiated) +allreduce 'allreduce\.grad\.w'", stacks[1])
     for r in range(3):
         assert f"[{r}]<stdout>:DONE {r} 6.0" in res.stdout
+
+
+def test_stopped_rank_reported_with_host_and_pid_and_the_job_goes_on(mode: str, tmp_path: Path) -> None:
+    """A rank that cannot answer (SIGSTOP) stops the engine's rounds: rank 0's watchdog names it
+    as stopped, with its host and pid; SIGCONT lets the job finish."""
+    state: dict[str, float] = {}
+
+    def on_line(proc: subprocess.Popen[str], lines: list[tuple[float, str]]) -> None:
+        text = lines[-1][1]
+        m = re.search(r"rank 2 \(host \S+, pid (\d+)\): stopped \(process state T", text)
+        if m and "cont" not in state:
+            state["cont"] = time.monotonic()
+            os.kill(int(m.group(1)), signal.SIGCONT)
+
+    rc, lines = _run_until(horovodrun_argv(*_mode_args(mode), "-np", "3", "--stall-check-warning-time-seconds", "5",
+                                           "python", SCRIPT, "sigstop", str(tmp_path / "unused")),
+                           launcher_env(), on_line, timeout=180)
+    out = "\n".join(line for _, line in lines)
+    assert "cont" in state, out[-4000:]
+    assert rc == 0, out[-4000:]
+    assert re.search(r"Stall: rank 0 has waited [\d.]+ s in the engine's negotiation for ranks that do not "
+                     r"come to it", out), out
+    assert re.search(r"rank 1 \(host \S+, pid \d+\): waiting", out), out
+    assert "In short: rank 2 does not come to the engine's rounds." in out
+    for r in range(3):
+        assert f"[{r}]<stdout>:DONE {r} 6.0" in out

@@ -96,7 +96,8 @@ class Engine:
     def __init__(self, backend: EngineBackend, config: EngineConfig, groups: dict[int, Group],
                  on_process_set_added: Callable[[int, list[int]], None] | None = None,
                  on_process_set_removed: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None,
+                 pids: list[int] | None = None) -> None:
         self.backend = backend
         self.config = config
         self.rank: int = backend.rank
@@ -160,6 +161,11 @@ class Engine:
         if config.flight_recorder > 0:
             self.flight = FlightRecorder(config.flight_recorder)
         self.host = hostnames[self.rank] if hostnames else ""
+        self.hostnames = list(hostnames or [])
+        self.pids = list(pids or [])
+        # When this rank's thread entered a negotiation collective it has not left (0.0: none):
+        # the stall observer's watchdog reads it (ranks that never come leave it set).
+        self.negotiating_since = 0.0
         self.stall = StallObserver(self, config, clock)
         self._stall_shutdown: str | None = None
         self._local_stall_due = clock() + config.stall_check_time_seconds
@@ -199,6 +205,7 @@ class Engine:
         if self._coordinator is not None:
             self._coordinator.reserve_process_set_ids(max(self.groups) + 1)
         self._thread.start()
+        self.stall.start()
 
     def submit(self, entry: Entry, wake: bool = True, defer: bool = False) -> None:
         """Queue an entry for the engine thread (any thread may call this).
@@ -285,6 +292,7 @@ class Engine:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self.stall.stop()
         if not self._thread.is_alive():
             self._executor.planes.close()  # device planes' process groups, while the transport lives
         if self.timeline is not None:
@@ -498,8 +506,10 @@ class Engine:
                   | ((_WORD ^ flags) << (128 * words)))
         bits = self._bits
         bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
+        self.negotiating_since = now
         raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._thread).tobytes()
         t_ready = self._clock()
+        self.negotiating_since = 0.0
         self._round_no += 1
         any_flags = _WORD ^ int.from_bytes(raw[2 * nbytes:], "little")
         ready_slots = _bits_to_slots(int.from_bytes(raw[:nbytes], "little"))
@@ -507,10 +517,21 @@ class Engine:
                                & self._occupied_mask)
         responses: list[Response] = cache.responses(ready_slots)
         cached_slots: list[int] = list(ready_slots)
-        for slot in evict:
-            self._evict(slot)
+        late: list[int] = []
+        if evict:
+            # A slot ready on every rank runs from the cache this round even if some rank asked
+            # to evict it (a local stall check does, for an entry that waited long): it is evicted
+            # after it ran. Evicted now, its entries would also be sent to the coordinator as new
+            # requests in this round, where they would stay after the operation completed.
+            ready_now = set(ready_slots)
+            late = [slot for slot in evict if slot in ready_now]
+            for slot in evict:
+                if slot not in ready_now:
+                    self._evict(slot)
         if any_flags & _FLAG_NEW:
+            self.negotiating_since = t_ready
             responses.extend(self._negotiate())
+            self.negotiating_since = 0.0
         elif self._coordinator is not None and self.stall.due():
             self.stall.check(self._coordinator)
         self._progress = bool(responses or new or evict)
@@ -519,10 +540,14 @@ class Engine:
             if self._round_done:
                 self._round_done = False
                 self.metrics.record_round(self._round_no, t_ready, self._first_submit, self._last_submit)
+        for slot in late:
+            self._evict(slot)
         if any_flags & _FLAG_EXCHANGE:
             self._exchange()
         if any_flags & _FLAG_DIAGNOSE:
+            self.negotiating_since = self._clock()
             self.stall.answer_round()
+            self.negotiating_since = 0.0
         if tl is not None:
             tl.maybe_flush()
         return bool(any_flags & _FLAG_SHUTDOWN)

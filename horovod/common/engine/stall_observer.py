@@ -11,12 +11,19 @@ the shutdown time, the report is broadcast, and every rank's shutdown error carr
 
 ``ask_stacks`` (rank 0, any thread but the engine's) asks the same question for every rank's
 stack and flight record (``horovod.common.stacks.all_stacks``).
+
+A rank that is stopped (SIGSTOP, a debugger), holds the GIL, or is blocked outside Python never
+comes to the round, so it cannot answer, and rank 0's own rounds stop with it. A watchdog thread
+on rank 0 notices that rank 0 has waited in a negotiation collective for the warning time and
+says so, with every rank's host and pid, the state of those on rank 0's host (``/proc``: stopped,
+running without coming, or waiting), and what rank 0 itself waits in.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +35,22 @@ if TYPE_CHECKING:
     from horovod.common.engine.negotiation import Coordinator
 
 __all__ = ["StallObserver"]
+
+
+def _proc_states(pid: int, samples: int = 5) -> str | None:
+    """The process's scheduler states (``/proc/PID/stat``), sampled over a quarter second:
+    ``TTTTT`` stopped, ``RRRRR`` running all along; None if there is no such process here."""
+    out = ""
+    for i in range(samples):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            return None
+        out += stat[stat.rfind(b")") + 2:][:1].decode()
+        if i + 1 < samples:
+            time.sleep(0.05)
+    return out
 
 log = logging.getLogger("horovod")
 
@@ -61,6 +84,77 @@ class StallObserver:
         self._question: _Question | None = None  # rank 0: asked in the next round
         self._lock = threading.Lock()
         self.reports = 0  # reports logged (tests and hvd.metrics() may read it)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- watchdog (rank 0)
+    def start(self) -> None:
+        if self.inspector is None or self.engine.size < 2:
+            return
+        self._watchdog = threading.Thread(target=self._watch, name="horovod-stall-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        t, self._watchdog = self._watchdog, None
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
+
+    def _watch(self) -> None:
+        warned_for = 0.0  # the negotiation we last reported, and when
+        next_report = 0.0
+        while not self._stop.wait(0.5):
+            eng = self.engine
+            since = eng.negotiating_since
+            if eng.stopped or not since:
+                continue
+            now = self._clock()
+            if now - since < self.warn_after:
+                continue
+            if since == warned_for and now < next_report:
+                continue
+            warned_for, next_report = since, now + self.warn_after
+            try:
+                log.warning("%s", self._silent_ranks_report(now - since))
+            except Exception as exc:  # noqa: BLE001 - a report must never break the job
+                log.debug("stall watchdog failed: %r", exc)
+
+    def _silent_ranks_report(self, waited: float) -> str:
+        eng = self.engine
+        lines = [f"Stall: rank 0 has waited {waited:.1f} s in the engine's negotiation for ranks that do "
+                 "not come to it: a rank that is stopped (SIGSTOP, a debugger), holds the GIL, or is "
+                 "blocked outside Python cannot answer (HOROVOD_STALL_CHECK_TIME_SECONDS)."]
+        hosts, pids = eng.hostnames, eng.pids
+        mine = hosts[0] if hosts else None
+        states = {r: _proc_states(pids[r]) for r in range(1, len(pids))
+                  if hosts and hosts[r] == mine}
+        stopped = [r for r, st in states.items() if st is not None and ("T" in st or "t" in st)]
+        busy = [r for r, st in states.items() if st and set(st) == {"R"}]
+        for r in range(1, eng.size):
+            who = f"rank {r} (host {hosts[r] if hosts else '?'}, pid {pids[r] if pids else '?'})"
+            st = states.get(r)
+            if r not in states:
+                lines.append(f"  {who}: on another host; not inspected from rank 0")
+            elif st is None:
+                lines.append(f"  {who}: no such process on this host (it exited)")
+            elif r in stopped:
+                lines.append(f"  {who}: stopped (process state T: SIGSTOP or a debugger)")
+            elif r in busy:
+                lines.append(f"  {who}: running without coming to the engine (holding the GIL in "
+                             "C code, or computing without releasing it)")
+            else:
+                lines.append(f"  {who}: waiting (process state {st[-1]}), as rank 0 does, or "
+                             "blocked in a system call")
+        if stopped or busy:
+            suspects = stopped + busy
+            lines.append(f"In short: {', '.join(f'rank {r}' for r in suspects)} "
+                         f"{'does' if len(suspects) == 1 else 'do'} not come to the engine's rounds.")
+        rec = eng.flight_record(1, 4)
+        for row in rec["in_flight"]:
+            lines.append(f"rank 0 waits in {row[2]} {row[3]!r} (#{row[0]}), submitted {row[7]:.1f} s ago")
+        lines.append("Every rank that runs Python prints its stacks on SIGUSR1 (kill -USR1 <horovodrun's pid>).")
+        return "\n".join(lines)
 
     # ---------------------------------------------------------------- rank 0
     @property

@@ -10,6 +10,8 @@ desync      rank 2 reduces 'grad.b' while the others reduce 'grad.a'; the stall 
 usr1        rank 2's ``load_batch`` blocks reading FIFO until the test writes to it (after it has
             seen every rank's stacks); the others wait in allreduce 'grad.w'; the job then ends
             normally
+sigstop     rank 2 stops itself (SIGSTOP) while the others wait in allreduce 'grad.w'; the
+            test sends SIGCONT once rank 0 has reported it stopped, and the job ends normally
 all_stacks  as usr1, but rank 0 (before its own step 3) collects every rank's stacks with
             ``horovod.common.stacks.all_stacks()``, prints them, and writes the FIFO itself
 
@@ -20,7 +22,9 @@ done three steps, ``DONE <rank> <value>`` at the end.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 
@@ -30,6 +34,9 @@ import horovod.numpy as hvd
 
 
 def load_batch(step: int, mode: str, fifo: str) -> np.ndarray:
+    if hvd.rank() == 2 and step == 3 and mode == "sigstop":
+        print(f"STOPPING {os.getpid()}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # until the test sends SIGCONT
     if hvd.rank() == 2 and step == 3 and mode in ("stuck", "usr1", "all_stacks"):
         print(f"STUCK {time.time():.3f}", flush=True)
         with open(fifo, "rb") as fh:  # blocks until a writer comes (in "stuck": never)
