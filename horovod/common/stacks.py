@@ -6,7 +6,8 @@ the worker shim), so ``kill -USR1 <horovodrun's pid>`` prints every rank's stack
 its rank's prefix, and the job runs on.
 
 ``hvd.init()`` installs this (``install``) unless the program has its own SIGUSR1 handler;
-``hvd.shutdown()`` removes it (``uninstall``). The signal is caught by ``faulthandler`` in C, so
+``hvd.shutdown()`` removes it (``uninstall``). A worker that horovodrun starts ignores SIGUSR1
+until then (its shim sets that before running it), so a SIGUSR1 during start-up harms nothing. The signal is caught by ``faulthandler`` in C, so
 it is taken at once whatever the main thread does (blocked in a lock, in MPI, in C code); its
 raw dump goes into a pipe whose reader, a daemon thread, then writes the readable report to
 stderr: the main thread first, each stack most recent call last, and the flight record (the last
@@ -97,7 +98,9 @@ def install(describe: Callable[[], str], record: Callable[[], dict[str, Any]]) -
         uninstall()
     if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
         return False
-    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+    # The default action (terminate), or ignored (a worker horovodrun started: its shim ignores
+    # SIGUSR1 until now): replaced; a handler of the program's own: kept.
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, signal.SIG_IGN, None):
         return False
     _dumper = _Dumper(describe, record)
     return True
@@ -116,6 +119,10 @@ def report(who: str, record: dict[str, Any]) -> str:
     lines = [f"horovod: {who}: stacks on demand (SIGUSR1); the job goes on"]
     for name, stack in thread_stacks():
         if name == "horovod-stacks":
+            continue
+        if name.startswith("horovod-") and stack:  # Horovod's own threads: where, in one line
+            path, line, func, _ = stack[-1]
+            lines.append(f"Thread {name!r}: in {func} ({os.path.basename(str(path))}:{line})")
             continue
         lines.append(f"Thread {name!r} (most recent call last):")
         lines.extend(format_stack(stack, "  "))

@@ -25,10 +25,16 @@ for the failure report. The shim exits with the command's code, or 128 + the sig
 
 from __future__ import annotations
 
-import importlib.util
+import signal
+
+if __name__ == "__main__":
+    # First of all: a SIGUSR1 that horovodrun passes on (stacks on demand) while this shim is
+    # still starting must not kill it (main() then passes SIGUSR1 on to the command).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+import importlib.util  # noqa: E402
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -65,6 +71,14 @@ def _set_parent_death_signal() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort, not available everywhere
         pass
+
+
+def _prepare_child() -> None:
+    """In the command's process, before exec: die with the shim, and ignore SIGUSR1 until
+    ``hvd.init()`` makes it print the rank's stacks (``horovod/common/stacks.py``): a SIGUSR1
+    that horovodrun passes on while the rank is still starting must not kill it."""
+    _set_parent_death_signal()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class _Stopper:
@@ -175,7 +189,7 @@ def main(argv: list[str]) -> int:
     try:
         child = subprocess.Popen(command, env=env, close_fds=False, process_group=0,
                                  stdin=subprocess.DEVNULL if (watch_stdin or stdin_env) else None,
-                                 preexec_fn=_set_parent_death_signal)
+                                 preexec_fn=_prepare_child)
     except OSError as exc:
         sys.stderr.write(f"horovodrun: rank {rank} on {host}: cannot start {command[0]!r}: "
                          f"{exc.strerror or exc}\n")

@@ -43,6 +43,19 @@ def _prctl() -> Any:
 _PRCTL = _prctl() if sys.platform.startswith("linux") else None
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (``/proc/PID/status``; True where
+    that cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return True
+
+
 def _end_with_launcher() -> None:
     """In mpirun, before exec: SIGTERM when horovodrun dies (killed with SIGKILL, say), so that
     mpirun stops the job instead of running on orphaned (PR_SET_PDEATHSIG)."""
@@ -277,6 +290,12 @@ class Supervisor:
         for proc in self._procs:
             if proc.returncode is not None:
                 continue
+            if not proc.cmd.remote and not _catches(proc.popen.pid, signum):
+                # Still starting (mpirun or the shim has not set up its handler): the signal's
+                # default action would kill it.
+                sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
+                                 "starting; not passed on (send it again in a moment)\n")
+                continue
             if proc.cmd.remote:
                 # The remote shim passes the signal on, then sees the life line close.
                 self._close_lifeline(proc, f"signal {int(signum)}\n".encode())
@@ -294,6 +313,12 @@ class Supervisor:
         sys.stderr.flush()
         for proc in self._procs:
             if proc.returncode is not None:
+                continue
+            if not proc.cmd.remote and not _catches(proc.popen.pid, signum):
+                # Still starting (mpirun or the shim has not set up its handler): the signal's
+                # default action would kill it.
+                sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
+                                 "starting; not passed on (send it again in a moment)\n")
                 continue
             if proc.cmd.remote:
                 stdin = proc.popen.stdin

@@ -144,8 +144,8 @@ class StallObserver:
                 lines.append(f"  {who}: running without coming to the engine (holding the GIL in "
                              "C code, or computing without releasing it)")
             else:
-                lines.append(f"  {who}: waiting (process state {st[-1]}), as rank 0 does, or "
-                             "blocked in a system call")
+                lines.append(f"  {who}: waiting (process state {max(set(st), key=st.count)}), as "
+                             "rank 0 does, or blocked in a system call")
         if stopped or busy:
             suspects = stopped + busy
             lines.append(f"In short: {', '.join(f'rank {r}' for r in suspects)} "
