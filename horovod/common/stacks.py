@@ -7,7 +7,8 @@ its rank's prefix, and the job runs on.
 
 ``hvd.init()`` installs this (``install``) unless the program has its own SIGUSR1 handler;
 ``hvd.shutdown()`` removes it (``uninstall``). A worker that horovodrun starts ignores SIGUSR1
-until then (its shim sets that before running it), so a SIGUSR1 during start-up harms nothing. The signal is caught by ``faulthandler`` in C, so
+until then (its shim sets that before running it), so a SIGUSR1 during start-up harms nothing.
+The signal is caught by ``faulthandler`` in C, so
 it is taken at once whatever the main thread does (blocked in a lock, in MPI, in C code); its
 raw dump goes into a pipe whose reader, a daemon thread, then writes the readable report to
 stderr: the main thread first, each stack most recent call last, and the flight record (the last

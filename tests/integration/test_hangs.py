@@ -69,12 +69,12 @@ def test_stuck_rank_reported_with_its_stack_once_per_period(mode: str, tmp_path:
     assert 1 <= len(warnings) <= 3 and len(errors) == 1, [t.splitlines()[0] for _, t in reports]
     assert reports[-1][0] == "ERROR"
     first = warnings[0]
-    assert re.search(r"allreduce 'allreduce\.grad\.w' \(#\d+\): ranks 0-1 submitted it and wait for "
+    assert re.search(r"allreduce 'allreduce\.grad\.w' \(seq \d+\): ranks 0-1 submitted it and wait for "
                      r"[\d.]+(-[\d.]+)? s; rank 2 did not submit it\.", first), first
     assert re.search(r"rank 2 \(host \S+, pid \d+\) is in no collective: its main thread is in "
                      r"load_batch \(hang_worker\.py:\d+\)", first), first
     assert 'hang_worker.py", line' in first and ", in load_batch" in first
-    assert re.search(r"done +allreduce 'allreduce\.grad\.w' \(#\d+\)", first)  # its flight record
+    assert re.search(r"done +allreduce 'allreduce\.grad\.w' \(seq \d+\)", first)  # its flight record
     # Within 10 s of the stall (warning time 5 s): the wait the report states, by the ranks' clocks.
     waited = float(re.search(r"wait for ([\d.]+)", first).group(1))
     assert 5.0 <= waited < 10.0, first
@@ -93,8 +93,8 @@ def test_desync_reported_as_such_with_both_names(mode: str, tmp_path: Path) -> N
     reports = _report_blocks(res.stderr)
     assert reports, res.stderr
     first = reports[0][1]
-    m = re.search(r"Desync: rank 2 is in allreduce 'allreduce\.grad\.b' \(#(\d+)\) while ranks 0-1 wait in "
-                  r"allreduce 'allreduce\.grad\.a' \(#(\d+)\)", first)
+    m = re.search(r"Desync: rank 2 is in allreduce 'allreduce\.grad\.b' \(seq (\d+)\) while ranks 0-1 wait in "
+                  r"allreduce 'allreduce\.grad\.a' \(seq (\d+)\)", first)
     assert m and m.group(1) == m.group(2), first  # the same position in each rank's sequence
     assert first.count("Desync:") == 1
     assert "In short: desync: rank 2 is in allreduce 'allreduce.grad.b'" in first
@@ -158,7 +158,7 @@ def test_sigusr1_prints_every_ranks_stack_and_the_job_goes_on(mode: str, tmp_pat
     assert re.search(r"\[2\]<stderr>:  File \"[^\"]*hang_worker\.py\", line \d+, in load_batch", out), out
     assert re.search(r"\[1\]<stderr>:    out = hvd\.allreduce\(x, name=name, op=hvd\.Sum\)", out), out
     for r in range(3):
-        assert re.search(rf"\[{r}\]<stderr>:  done +allreduce 'allreduce\.grad\.w' \(#1\)", out), out
+        assert re.search(rf"\[{r}\]<stderr>:  done +allreduce 'allreduce\.grad\.w' \(seq 1\)", out), out
     # Every rank's stack within 5 s of the signal (the goal; generous for a loaded machine).
     assert state["all"] - state["sent"] < 5.0 * 3, state
 
@@ -198,7 +198,7 @@ def test_stopped_rank_reported_with_host_and_pid_and_the_job_goes_on(mode: str, 
     assert rc == 0, out[-4000:]
     assert re.search(r"Stall: rank 0 has waited [\d.]+ s in the engine's negotiation for ranks that do not "
                      r"come to it", out), out
-    assert re.search(r"rank 1 \(host \S+, pid \d+\): waiting", out), out
-    assert "In short: rank 2 does not come to the engine's rounds." in out
+    assert re.search(r"rank 1 \(host \S+, pid \d+\): (waiting|running all along)", out), out
+    assert "In short: rank 2 is stopped." in out
     for r in range(3):
         assert f"[{r}]<stdout>:DONE {r} 6.0" in out

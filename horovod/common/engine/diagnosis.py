@@ -30,7 +30,7 @@ STACK_LIMIT = 40
 def _frames(frame: FrameType | None, limit: int) -> list[list[Any]]:
     """``[file, line, function, source line]`` per frame, outermost first (at most ``limit``,
     the innermost ones)."""
-    out = []
+    out: list[list[Any]] = []
     while frame is not None and len(out) < limit:
         code = frame.f_code
         line = frame.f_lineno or 0

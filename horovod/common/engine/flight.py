@@ -11,8 +11,8 @@ Sequence numbers count per process set, from 1. A completed collective's number 
 the order collectives complete, which is the same on every member (they run the same batches in
 the same order). A collective in flight gets the next numbers in the order this rank submitted
 them (the in-flight table keeps submission order): ranks that submit the same collectives give
-them the same numbers, so a rank in allreduce 'grad.b' (#1235) while the others wait in 'grad.a'
-(#1235) is a desync, not a late rank.
+them the same numbers, so a rank in allreduce 'grad.b' (seq 1235) while the others wait in
+'grad.a' (seq 1235) is a desync, not a late rank.
 
 A snapshot is plain data (``horovod.common.plain``), the same on the device plane as on the host
 path (both complete through ``Engine._run_batch``)::
@@ -104,9 +104,9 @@ def in_flight_rows(entries: Iterable[Any], queued: set[int], now: float, complet
 
 
 def describe(op: str, name: str, seq: int, process_set: int = 0) -> str:
-    """``allreduce 'grad.w' (#12)``, with the process set when it is not the global one."""
+    """``allreduce 'grad.w' (seq 12)``, with the process set when it is not the global one."""
     where = f", process set {process_set}" if process_set else ""
-    return f"{op} {name!r} (#{seq}{where})"
+    return f"{op} {name!r} (seq {seq}{where})"
 
 
 def format_record(record: dict[str, Any], indent: str = "  ") -> list[str]:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from horovod.common.engine import diagnosis
+from horovod.common.engine.flight import describe
 from horovod.common.engine.stall import StallDecision, StallInspector, explain
 
 if TYPE_CHECKING:
@@ -141,18 +142,20 @@ class StallObserver:
             elif r in stopped:
                 lines.append(f"  {who}: stopped (process state T: SIGSTOP or a debugger)")
             elif r in busy:
-                lines.append(f"  {who}: running without coming to the engine (holding the GIL in "
-                             "C code, or computing without releasing it)")
+                lines.append(f"  {who}: running all along: it waits as rank 0 does (an MPI wait "
+                             "polls), or computes or holds the GIL without coming to the engine")
             else:
                 lines.append(f"  {who}: waiting (process state {max(set(st), key=st.count)}), as "
                              "rank 0 does, or blocked in a system call")
-        if stopped or busy:
-            suspects = stopped + busy
-            lines.append(f"In short: {', '.join(f'rank {r}' for r in suspects)} "
-                         f"{'does' if len(suspects) == 1 else 'do'} not come to the engine's rounds.")
+        if stopped:
+            lines.append(f"In short: {', '.join(f'rank {r}' for r in stopped)} "
+                         f"{'is' if len(stopped) == 1 else 'are'} stopped.")
+        elif busy:
+            lines.append(f"In short: of {', '.join(f'rank {r}' for r in busy)} (running all along), "
+                         "one may hold the GIL; py-spy dump --pid PID shows where.")
         rec = eng.flight_record(1, 4)
         for row in rec["in_flight"]:
-            lines.append(f"rank 0 waits in {row[2]} {row[3]!r} (#{row[0]}), submitted {row[7]:.1f} s ago")
+            lines.append(f"rank 0 waits in {describe(row[2], row[3], row[0], row[1])}, submitted {row[7]:.1f} s ago")
         lines.append("Every rank that runs Python prints its stacks on SIGUSR1 (kill -USR1 <horovodrun's pid>).")
         return "\n".join(lines)
 

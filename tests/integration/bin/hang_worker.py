@@ -47,7 +47,7 @@ def load_batch(step: int, mode: str, fifo: str) -> np.ndarray:
 def main() -> None:
     mode, fifo = sys.argv[1], sys.argv[2]
     hvd.init()
-    for step in range(3):
+    for _ in range(3):
         hvd.allreduce(np.ones(4, np.float32), name="grad.w")
     hvd.barrier()
     if hvd.rank() == 0:

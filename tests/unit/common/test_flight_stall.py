@@ -60,8 +60,8 @@ def test_in_flight_rows_follow_submission_order_after_the_completed_ones():
         (3, 0, "r", "running", 3.0), (4, 0, "s", "submitted", 1.0), (5, 0, "c", "negotiated", 2.0),
         (6, 0, "q", "submitted", 3.0), (1, 1, "o", "submitted", 0.5)]
     text = "\n".join(format_record({"done": [], "in_flight": rows}))
-    assert "running    allreduce 'r' (#3) float32 (2, 3): submitted 3.0 s ago" in text
-    assert "submitted  allreduce 'o' (#1, process set 1)" in text
+    assert "running    allreduce 'r' (seq 3) float32 (2, 3): submitted 3.0 s ago" in text
+    assert "submitted  allreduce 'o' (seq 1, process set 1)" in text
 
 
 def test_inspector_reports_once_per_period_and_at_the_shutdown_limit():
@@ -105,15 +105,15 @@ def test_report_names_the_stuck_rank_with_its_stack_and_flight_record():
     lines = text.splitlines()
     assert lines[0].startswith("Stall: 1 collective waited more than 5 s")
     assert "Horovod shuts down when one has waited 20 s" in lines[0]
-    assert lines[1] == ("allreduce 'grad.w' (#7): ranks 0-1 submitted it and wait for 6.2-7.5 s; "
+    assert lines[1] == ("allreduce 'grad.w' (seq 7): ranks 0-1 submitted it and wait for 6.2-7.5 s; "
                         "rank 2 did not submit it.")
     assert ("  rank 2 (host h2, pid 102) is in no collective: its main thread is in "
             "load_batch (train.py:12).") in lines
     assert '    File "/job/train.py", line 12, in load_batch' in lines
     assert "      ready.wait()" in lines
-    assert any("done       allreduce 'grad.w' (#6) float32 (4,): ended 6.3 s ago" in x for x in lines)
+    assert any("done       allreduce 'grad.w' (seq 6) float32 (4,): ended 6.3 s ago" in x for x in lines)
     assert lines[-2:] == ["2: [grad.w]", "In short: rank 2 is in no collective (its main thread is in "
-                          "load_batch (train.py:12)) while ranks 0-1 wait in allreduce 'grad.w' (#7)."]
+                          "load_batch (train.py:12)) while ranks 0-1 wait in allreduce 'grad.w' (seq 7)."]
     assert "Desync" not in text
 
 
@@ -125,9 +125,9 @@ def test_report_says_a_desync_once_with_both_names():
                        Stalled("grad.a", "allreduce", 0, [0, 1], [2], 6.0)], shutdown=True)
     text = explain(d, answers, 5, 20)
     assert "Horovod shuts down: a collective waited more than 20 s" in text
-    said = "rank 2 is in allreduce 'grad.b' (#7) while ranks 0-1 wait in allreduce 'grad.a' (#7)"
+    said = "rank 2 is in allreduce 'grad.b' (seq 7) while ranks 0-1 wait in allreduce 'grad.a' (seq 7)"
     assert f"  Desync: {said}" in text and text.count("Desync:") == 1
-    assert "  rank 0 is in allreduce 'grad.a' (#7): the other side of the desync above." in text
+    assert "  rank 0 is in allreduce 'grad.a' (seq 7): the other side of the desync above." in text
     assert text.endswith(f"In short: desync: {said}.")
 
 
@@ -184,6 +184,6 @@ def test_sigusr1_prints_stacks_and_the_process_goes_on(capfd):
     assert "horovod: rank 0 (host h, pid 1): stacks on demand (SIGUSR1)" in out
     assert "Thread 'MainThread' (most recent call last):" in out
     assert "test_sigusr1_prints_stacks_and_the_process_goes_on" in out
-    assert "done       allreduce 'grad.w' (#1)" in out
+    assert "done       allreduce 'grad.w' (seq 1)" in out
     assert not stacks.installed() and signal.getsignal(signal.SIGUSR1) == before
     assert np.isfinite(1.0)  # still running
