@@ -11,6 +11,9 @@
                  # plane (its CPU twin): every mode but bundle (host tensors only)
     mpirun -np 2 python benchmarks/step_cost.py --modes async_sync,hooks,grouped --slope 21
                  # the cost of one more tensor: 161 against 21 tensors, interleaved
+    mpirun -np 2 --bind-to none python benchmarks/step_cost.py --reps 300 --flight \
+        --modes async_sync,hooks,bundle,optimizer,grouped
+                 # the flight recorder on against off (modes *_noflight), interleaved
 
 Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as JSON):
   async_sync   ``hvd.allreduce_async_`` per tensor, then ``hvd.synchronize`` per handle (what
@@ -83,6 +86,12 @@ parser.add_argument("--ab", action="store_true",
                     help="also run each mode with this change's step-cost fixes switched off in the same "
                          "processes (modes *_unopt, interleaved): fusion-plan memo, plan_reduction memo, "
                          "one-call pack/unpack, inlined resubmission")
+parser.add_argument("--flight", action="store_true",
+                    help="also run each mode with the flight recorder off (HOROVOD_FLIGHT_RECORDER=0) in "
+                         "the same processes (modes *_noflight, interleaved), and report "
+                         "*_flight_cost_pct: the median per-rep step with it on less off, in percent of "
+                         "the median step with it off (*_flight_cpu_cost_pct: the same in this process's "
+                         "CPU time, less sensitive to a loaded machine)")
 parser.add_argument("--monitor", action="store_true",
                     help="under horovodrun --monitor-port: alternate blocks of --monitor-block-s seconds "
                          "with every rank's monitor reporter running and stopped (4 blocks per 100 "
@@ -570,11 +579,33 @@ def main() -> None:
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
+    if args.flight:
+        from horovod.common.context import get_context
+
+        eng = get_context().engine
+        recorder = eng.flight
+        assert recorder is not None, "the flight recorder is off (HOROVOD_FLIGHT_RECORDER=0)"
+
+        def flight(fn: Callable[[], None], on: bool) -> Callable[[], None]:
+            def run() -> None:
+                eng.flight = recorder if on else None
+                try:
+                    fn()
+                finally:
+                    eng.flight = recorder
+            return run
+
+        local = ("raw", "plain", "floor")
+        paired: dict[str, Callable[[], None]] = {}
+        for k, f in modes.items():  # each mode next to its twin (see the swap in the loop below)
+            if k not in local:
+                paired[k], paired[f"{k}_noflight"] = flight(f, True), flight(f, False)
+        modes = {**paired, **{k: modes[k] for k in local if k in modes}}
     if args.modes:
         keep = set(args.modes.split(",")) | ({"plain"} if any(m.startswith("optimizer") for m in args.modes.split(","))
                                             else set())
         modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep
-                 or k.removesuffix("_small") in keep}
+                 or k.removesuffix("_small") in keep or k.removesuffix("_noflight") in keep}
     if args.monitor:
         monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
                        args.reps, args.monitor_block_s, comm)
@@ -582,18 +613,58 @@ def main() -> None:
         return
     times: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, list[float]] = {m: [] for m in modes}  # each step less its time in the transport
+    cpu: dict[str, list[float]] = {m: [] for m in modes}  # this process's CPU seconds per step
     in_transport, untime = transport_timer()
     for rep in range(args.reps + 20):
-        for label, fn in modes.items():
+        # With --flight, every other rep swaps each mode with its twin: neither the recorder's on
+        # nor its off variant always runs first, and both follow the same mode.
+        order = list(modes.items())
+        if args.flight and rep % 2:
+            for i in range(len(order) - 1):
+                if order[i + 1][0] == f"{order[i][0]}_noflight":
+                    order[i], order[i + 1] = order[i + 1], order[i]
+        for label, fn in order:
             comm.Barrier()
             in_transport[0] = 0.0
+            c0 = time.process_time()
             t0 = time.perf_counter()
             fn()
             if rep >= 20:
                 dt = time.perf_counter() - t0
+                cpu[label].append(time.process_time() - c0)
                 times[label].append(dt)
                 host[label].append(dt - in_transport[0])
     untime()
+    flight_calls: dict[str, Any] = {}
+    if args.flight:
+        # The recorder's own work per step, timed where it runs (every call of batch_done, less
+        # the timer's cost; the median call, so that a call the machine preempted does not count
+        # as the recorder's): what it adds, free of the machine's noise, in percent of the step.
+        from horovod.common.context import get_context
+
+        recorder = get_context().engine.flight
+        floor_s = _timer_floor()
+        inner = recorder.batch_done
+        for label, fn in modes.items():
+            if label.endswith("_noflight") or f"{label}_noflight" not in modes:
+                continue
+            calls: list[float] = []
+
+            def timed(*a: Any, _calls: list[float] = calls) -> None:
+                t0 = time.perf_counter()
+                inner(*a)
+                _calls.append(time.perf_counter() - t0)
+
+            recorder.batch_done = timed
+            comm.Barrier()
+            for _ in range(100):
+                fn()
+            comm.Barrier()
+            del recorder.batch_done
+            us = max(statistics.median(calls) - floor_s, 0.0) * len(calls) / 100 * 1e6
+            step_us = statistics.median(times[f"{label}_noflight"]) * 1e6
+            flight_calls[label] = {"us_per_step": round(us, 3), "calls_per_step": len(calls) / 100,
+                                   "pct_of_step": round(us / step_us * 100, 4)}
     if args.profile:
         prof = cProfile.Profile()
         fn = modes[args.profile_mode]
@@ -621,6 +692,16 @@ def main() -> None:
             if f"{k}_small" in host:
                 per_tensor[f"{k}_marginal_us_per_tensor"] = round(statistics.median(
                     a - b for a, b in zip(host[k], host[f"{k}_small"])) * 1e6 / (args.tensors - args.slope), 3)
+        for k in list(times):
+            if f"{k}_noflight" in times:  # paired per rep: both ran in the same rep, in turn
+                on_off = [a - b for a, b in zip(times[k], times[f"{k}_noflight"])]
+                per_tensor[f"{k}_flight_cost_pct"] = round(
+                    statistics.median(on_off) / statistics.median(times[f"{k}_noflight"]) * 100, 2)
+                on_off = [a - b for a, b in zip(cpu[k], cpu[f"{k}_noflight"])]
+                per_tensor[f"{k}_flight_cpu_cost_pct"] = round(
+                    statistics.median(on_off) / statistics.median(cpu[f"{k}_noflight"]) * 100, 2)
+        if args.flight:
+            per_tensor["flight_recorder"] = flight_calls
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                           **per_tensor}), flush=True)

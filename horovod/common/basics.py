@@ -12,6 +12,7 @@ from typing import Any
 
 from horovod.common import context as _ctx
 from horovod.common import lifecycle as _lifecycle
+from horovod.common import stacks as _stacks
 from horovod.common.exceptions import NotInitializedError
 from horovod.common.probes import nccl_built
 
@@ -87,6 +88,16 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         # A bad process-set list raises here and leaves Horovod connected (hvd.size() works),
         # as upstream: init() may be called again with a valid list.
         ctx.start(process_sets)
+        _install_stacks(ctx)
+
+
+def _install_stacks(ctx: Any) -> None:
+    """SIGUSR1 prints this rank's stacks and flight record (``horovod.common.stacks``)."""
+    engine = ctx.engine
+    if engine is None or _stacks.installed():
+        return
+    who = f"rank {ctx.topology.rank} (host {ctx.hostnames[ctx.topology.rank]}, pid {os.getpid()})"
+    _stacks.install(lambda: who, lambda: engine.flight_record(_stacks.DUMP_DONE))
 
 
 def shutdown() -> None:
@@ -99,6 +110,7 @@ def shutdown() -> None:
     try:
         ctx.close()
     finally:
+        _stacks.uninstall()  # SIGUSR1 back to its default action
         _lifecycle.uninstall()  # the fail-fast hook lives from init to shutdown
 
 

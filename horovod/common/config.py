@@ -134,6 +134,10 @@ class EngineConfig:
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0,
         "Shut Horovod down when a tensor waits this long (0: never). Must exceed the warning time.",
         _parse_float, minimum=0)
+    flight_recorder: int = _setting(
+        "HOROVOD_FLIGHT_RECORDER", 1024,
+        "How many of its last collectives each rank keeps for stall reports and stacks on demand "
+        "(the flight recorder); 0 turns it off.", _parse_int, minimum=0)
     straggler_interval_seconds: float = _setting(
         "HOROVOD_STRAGGLER_INTERVAL", 1.0,
         "Seconds between the coordinator's straggler verdicts (every rank sends it the records of "

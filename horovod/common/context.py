@@ -138,7 +138,10 @@ class Context:
             self.config = dataclasses.replace(self.config, dynamic_process_sets=True)
             process_sets = None
         mine = self._local_sets(process_sets)
-        lists = self.backend.allgather_object([ps.ranks for ps in mine])
+        # Each rank's process sets, and its pid (for stall reports about a rank that stopped).
+        gathered = self.backend.allgather_object([os.getpid(), [ps.ranks for ps in mine]])
+        self.pids: list[int] = [int(g[0]) for g in gathered]
+        lists = [g[1] for g in gathered]
         order: list[list[int]] = []
         keys = {_set_key(global_process_set.ranks or [])}
         for i in range(max((len(x) for x in lists), default=0)):
@@ -153,7 +156,7 @@ class Context:
             ps = by_key.get(_set_key(ranks)) or ProcessSet(ranks)
             ps.process_set_id = new_id
             self.process_sets[new_id] = ps
-        self.engine = Engine(self.backend, self.config, self.groups, hostnames=self.hostnames)
+        self.engine = Engine(self.backend, self.config, self.groups, hostnames=self.hostnames, pids=self.pids)
         self.engine.start()
         from horovod.common import reporter
 

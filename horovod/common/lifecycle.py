@@ -210,7 +210,13 @@ def _exit_code(code: Any) -> int:
 
 
 def _summary(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()[-500:]
+    """The exception as one short text: its first line and its end when it is long (a stall
+    report says what it is first and sums up last)."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if len(text) <= 500:
+        return text
+    first = text.splitlines()[0][:200]
+    return f"{first}\n...\n{text[-(495 - len(first)):]}"
 
 
 class _ExitRequest(SystemExit):

@@ -8,7 +8,8 @@ Run by file path (standard library only; the package ``horovod`` is not imported
   merged into the environment (how ssh-started workers get their variables and the job secret
   without a command line).
 * ``--watch-stdin``: stdin is the launcher's life line; when it closes, the worker's process group
-  is sent SIGTERM, then SIGKILL after a grace period. A line ``signal <N>`` sends signal N first.
+  is sent SIGTERM, then SIGKILL after a grace period. A line ``signal <N>`` sends signal N first
+  (SIGUSR1 and SIGUSR2 are only passed on: SIGUSR1 asks the rank for its stacks).
   Without it (under mpirun) the shim stops the worker when its own parent dies.
 
 The command runs in its own process group. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are passed
@@ -24,10 +25,16 @@ for the failure report. The shim exits with the command's code, or 128 + the sig
 
 from __future__ import annotations
 
-import importlib.util
+import signal
+
+if __name__ == "__main__":
+    # First of all: a SIGUSR1 that horovodrun passes on (stacks on demand) while this shim is
+    # still starting must not kill it (main() then passes SIGUSR1 on to the command).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+import importlib.util  # noqa: E402
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -66,6 +73,14 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def _prepare_child() -> None:
+    """In the command's process, before exec: die with the shim, and ignore SIGUSR1 until
+    ``hvd.init()`` makes it print the rank's stacks (``horovod/common/stacks.py``): a SIGUSR1
+    that horovodrun passes on while the rank is still starting must not kill it."""
+    _set_parent_death_signal()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 class _Stopper:
     def __init__(self, pgid: int) -> None:
         self.pgid = pgid
@@ -101,7 +116,9 @@ def _watch_stdin(stopper: _Stopper) -> None:
     try:
         for line in sys.stdin.buffer:
             signum = protocol.parse_signal_line(line)
-            if signum is not None:
+            if signum in (signal.SIGUSR1, signal.SIGUSR2):  # passed on; the job goes on
+                stopper.signal_group(signum)
+            elif signum is not None:
                 stopper.stop(f"horovodrun sent {signal.Signals(signum).name}", signum)
     except (OSError, ValueError):
         pass
@@ -174,7 +191,7 @@ def main(argv: list[str]) -> int:
     try:
         child = subprocess.Popen(command, env=env, close_fds=False, process_group=0,
                                  stdin=subprocess.DEVNULL if (watch_stdin or stdin_env) else None,
-                                 preexec_fn=_set_parent_death_signal)
+                                 preexec_fn=_prepare_child)
     except OSError as exc:
         sys.stderr.write(f"horovodrun: rank {rank} on {host}: cannot start {command[0]!r}: "
                          f"{exc.strerror or exc}\n")

@@ -43,6 +43,19 @@ def _prctl() -> Any:
 _PRCTL = _prctl() if sys.platform.startswith("linux") else None
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (``/proc/PID/status``; True where
+    that cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return True
+
+
 def _end_with_launcher() -> None:
     """In mpirun, before exec: SIGTERM when horovodrun dies (killed with SIGKILL, say), so that
     mpirun stops the job instead of running on orphaned (PR_SET_PDEATHSIG)."""
@@ -277,12 +290,45 @@ class Supervisor:
         for proc in self._procs:
             if proc.returncode is not None:
                 continue
+            if not proc.cmd.remote and not _catches(proc.popen.pid, signum):
+                # Still starting (mpirun or the shim has not set up its handler): the signal's
+                # default action would kill it.
+                sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
+                                 "starting; not passed on (send it again in a moment)\n")
+                continue
             if proc.cmd.remote:
                 # The remote shim passes the signal on, then sees the life line close.
                 self._close_lifeline(proc, f"signal {int(signum)}\n".encode())
             else:
                 # Local shims get the signal itself; their life line stays open until the end
                 # (closing it now would race the signal with a SIGTERM for the stdin EOF).
+                self._signal_proc(proc, signum)
+
+    def _forward(self, signum: int) -> None:
+        """Pass a signal on to every rank without stopping anything (SIGUSR1: every rank prints
+        its stacks and flight record, ``horovod/common/stacks.py``)."""
+        log.info("horovodrun received %s: every rank prints its stacks", signal.Signals(signum).name)
+        sys.stderr.write(f"horovodrun: {signal.Signals(signum).name}: asking every rank for its stacks "
+                         "and flight record (the job goes on)\n")
+        sys.stderr.flush()
+        for proc in self._procs:
+            if proc.returncode is not None:
+                continue
+            if not proc.cmd.remote and not _catches(proc.popen.pid, signum):
+                # Still starting (mpirun or the shim has not set up its handler): the signal's
+                # default action would kill it.
+                sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
+                                 "starting; not passed on (send it again in a moment)\n")
+                continue
+            if proc.cmd.remote:
+                stdin = proc.popen.stdin
+                if proc.cmd.lifeline and stdin is not None and not stdin.closed:
+                    try:
+                        stdin.write(f"signal {int(signum)}\n".encode())
+                        stdin.flush()
+                    except OSError:
+                        pass
+            else:
                 self._signal_proc(proc, signum)
 
     @staticmethod
@@ -309,7 +355,7 @@ class Supervisor:
         """
         old: dict[signal.Signals, Any] = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
                 old[s] = signal.signal(s, self._on_signal)
         try:
             self._start()
@@ -353,6 +399,8 @@ class Supervisor:
                 case _ExitReported(report=report):
                     if (report.code or report.signal) and failure_seen_at is None:
                         failure_seen_at = now
+                case _SignalReceived(signum=signum) if signum == signal.SIGUSR1:
+                    self._forward(signum)  # stacks on demand: the job goes on
                 case _SignalReceived(signum=signum):
                     name = signal.Signals(signum).name
                     if self._interrupted is None:

@@ -31,11 +31,12 @@ from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.device import DevicePlaneError
 from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.flight import FlightRecorder, in_flight_rows
 from horovod.common.engine.fusion import plan_batches
 from horovod.common.engine.metrics import Counters, StragglerDetector
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED, Coordinator
 from horovod.common.engine.negotiation_codec import decode_requests, decode_responses, encode_requests, encode_responses
-from horovod.common.engine.stall import StallInspector
+from horovod.common.engine.stall_observer import StallObserver
 from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.tunables import Tunables
 from horovod.common.exceptions import (
@@ -52,7 +53,7 @@ __all__ = ["Engine"]
 log = logging.getLogger("horovod")
 
 _DONE, _CACHED, _NEW, _SENT = 0, 1, 2, 3
-_FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED, _FLAG_EXCHANGE = 1, 2, 4, 8
+_FLAG_NEW, _FLAG_SHUTDOWN, _FLAG_JOINED, _FLAG_EXCHANGE, _FLAG_DIAGNOSE = 1, 2, 4, 8, 16
 _WORD = (1 << 64) - 1
 
 DUPLICATE_NAME_MESSAGE = (
@@ -95,7 +96,8 @@ class Engine:
     def __init__(self, backend: EngineBackend, config: EngineConfig, groups: dict[int, Group],
                  on_process_set_added: Callable[[int, list[int]], None] | None = None,
                  on_process_set_removed: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, hostnames: list[str] | None = None,
+                 pids: list[int] | None = None) -> None:
         self.backend = backend
         self.config = config
         self.rank: int = backend.rank
@@ -152,10 +154,19 @@ class Engine:
         self._full = (1 << (64 * self.cache.words)) - 1
         self._bits = np.zeros(2 * self.cache.words + 1, np.uint64)
         self._coordinator = Coordinator(self.size, self._members, clock) if self.rank == 0 else None
-        self._stall = None
-        if self.rank == 0 and not config.stall_check_disable:
-            self._stall = StallInspector(config.stall_check_time_seconds,
-                                         config.stall_shutdown_time_seconds, clock)
+        # Observers the loop calls: the flight recorder (every rank: one record per completed
+        # batch) and the stall observer (its inspector on rank 0; on every rank, its answers to
+        # the coordinator's questions).
+        self.flight: FlightRecorder | None = None
+        if config.flight_recorder > 0:
+            self.flight = FlightRecorder(config.flight_recorder)
+        self.host = hostnames[self.rank] if hostnames else ""
+        self.hostnames = list(hostnames or [])
+        self.pids = list(pids or [])
+        # When this rank's thread entered a negotiation collective it has not left (0.0: none):
+        # the stall observer's watchdog reads it (ranks that never come leave it set).
+        self.negotiating_since = 0.0
+        self.stall = StallObserver(self, config, clock)
         self._stall_shutdown: str | None = None
         self._local_stall_due = clock() + config.stall_check_time_seconds
         self.timeline: Timeline | None = None
@@ -194,6 +205,7 @@ class Engine:
         if self._coordinator is not None:
             self._coordinator.reserve_process_set_ids(max(self.groups) + 1)
         self._thread.start()
+        self.stall.start()
 
     def submit(self, entry: Entry, wake: bool = True, defer: bool = False) -> None:
         """Queue an entry for the engine thread (any thread may call this).
@@ -280,6 +292,7 @@ class Engine:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self.stall.stop()
         if not self._thread.is_alive():
             self._executor.planes.close()  # device planes' process groups, while the transport lives
         if self.timeline is not None:
@@ -406,7 +419,8 @@ class Engine:
             if failure is not None:
                 self._stop_reason = f"{SHUT_DOWN_MESSAGE} Cause on rank {self.rank}: {failure}"
             elif self._stall_shutdown:
-                self._stop_reason = f"{SHUT_DOWN_MESSAGE}\n{self._stall_shutdown}"
+                self._stop_reason = ("Horovod has been shut down because a collective stalled "
+                                     f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).\n{self._stall_shutdown}")
             leftover = list(self._in_flight.values())
             self._deferred = []
             self._pending.clear()
@@ -478,6 +492,8 @@ class Engine:
         if self._straggler is not None and now >= self._exchange_due:
             flags |= _FLAG_EXCHANGE
             self._exchange_due = now + self._exchange_every
+        if self.stall.asking:
+            flags |= _FLAG_DIAGNOSE
         if self._joined:
             flags |= _FLAG_JOINED
         ready_local = self._ready_mask | self._excluded_mask
@@ -490,8 +506,10 @@ class Engine:
                   | ((_WORD ^ flags) << (128 * words)))
         bits = self._bits
         bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
+        self.negotiating_since = now
         raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._thread).tobytes()
         t_ready = self._clock()
+        self.negotiating_since = 0.0
         self._round_no += 1
         any_flags = _WORD ^ int.from_bytes(raw[2 * nbytes:], "little")
         ready_slots = _bits_to_slots(int.from_bytes(raw[:nbytes], "little"))
@@ -499,20 +517,37 @@ class Engine:
                                & self._occupied_mask)
         responses: list[Response] = cache.responses(ready_slots)
         cached_slots: list[int] = list(ready_slots)
-        for slot in evict:
-            self._evict(slot)
+        late: list[int] = []
+        if evict:
+            # A slot ready on every rank runs from the cache this round even if some rank asked
+            # to evict it (a local stall check does, for an entry that waited long): it is evicted
+            # after it ran. Evicted now, its entries would also be sent to the coordinator as new
+            # requests in this round, where they would stay after the operation completed.
+            ready_now = set(ready_slots)
+            late = [slot for slot in evict if slot in ready_now]
+            for slot in evict:
+                if slot not in ready_now:
+                    self._evict(slot)
         if any_flags & _FLAG_NEW:
+            self.negotiating_since = t_ready
             responses.extend(self._negotiate())
-        elif self._coordinator is not None and self._stall is not None and self._stall.due():
-            self._check_stalls()
+            self.negotiating_since = 0.0
+        elif self._coordinator is not None and self.stall.due():
+            self.stall.check(self._coordinator)
         self._progress = bool(responses or new or evict)
         if responses:
             self._execute(responses, cached_slots, bool(any_flags & _FLAG_JOINED))
             if self._round_done:
                 self._round_done = False
                 self.metrics.record_round(self._round_no, t_ready, self._first_submit, self._last_submit)
+        for slot in late:
+            self._evict(slot)
         if any_flags & _FLAG_EXCHANGE:
             self._exchange()
+        if any_flags & _FLAG_DIAGNOSE:
+            self.negotiating_since = self._clock()
+            self.stall.answer_round()
+            self.negotiating_since = 0.0
         if tl is not None:
             tl.maybe_flush()
         return bool(any_flags & _FLAG_SHUTDOWN)
@@ -526,6 +561,33 @@ class Engine:
             self._straggler.feed(gathered)
             verdict = self._straggler.verdict()
         self.metrics.apply_verdict(self.backend.bcast_from_root(verdict))
+
+    # ------------------------------------------------ what the observers ask of the loop
+    def wake(self) -> None:
+        """Have the engine thread run a round soon (an observer has something to ask)."""
+        with self._cv:
+            self._cv.notify()
+
+    def stragglers(self) -> list[int]:
+        return list(self._straggler.stragglers) if self._straggler is not None else []
+
+    def stall_shutdown(self, report: str | None) -> None:
+        """Rank 0 decided to shut down for a stall (every rank, in the same round): the next
+        round stops every engine, and each shutdown error carries ``report``."""
+        self._stall_shutdown = report or "a collective stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+
+    def flight_record(self, done: int | None = None, in_flight: int | None = None) -> dict[str, Any]:
+        """This rank's flight record (``flight.py``): the last ``done`` completed collectives
+        (all kept: None) and the first ``in_flight`` in-flight ones (all: None); any thread."""
+        now = self._clock()
+        with self._lock:
+            entries = list(self._in_flight.values())
+            queued = {id(e) for e in self._queue} | {id(e) for e in self._deferred}
+        flight = self.flight
+        if flight is None:
+            return {"done": [], "in_flight": in_flight_rows(entries, queued, now, {}, in_flight)}
+        return {"done": flight.done(time.perf_counter(), done),
+                "in_flight": flight.in_flight(entries, queued, now, in_flight)}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """This rank's counters (``hvd.metrics()``); any thread may call it."""
@@ -561,7 +623,12 @@ class Engine:
         for e in fresh:
             e.state = _SENT
         self._new = []
-        gathered = self.backend.gather_to_root(encode_requests(mine))
+        # A request that waited long on this rank (a cached one sent again after a local stall)
+        # tells the coordinator how long, so that its stall report comes on time.
+        now = self._clock()
+        waited = [now - e.t_submit for e in fresh]
+        gathered = self.backend.gather_to_root(
+            encode_requests(mine, waited if waited and max(waited) >= 1.0 else None))
         responses: list[Response] | None = None
         coord = self._coordinator
         if coord is not None:
@@ -578,26 +645,11 @@ class Engine:
             if tl is not None:
                 for resp in responses:
                     tl.end(resp.name)
-            if self._stall is not None and self._stall.due():
-                self._check_stalls()
+            if self.stall.due():
+                self.stall.check(coord)
             self.backend.bcast_from_root(encode_responses(responses))
             return responses
         return decode_responses(self.backend.bcast_from_root(None))
-
-    def _check_stalls(self) -> None:
-        assert self._coordinator is not None and self._stall is not None
-        report = self._stall.check(self._coordinator.stalled(self._stall.warn_after))
-        if report is None:
-            return
-        message = report.message
-        if self._straggler is not None and self._straggler.stragglers:
-            message += (f"\nStragglers (the ranks the others have waited for in most recent steps): "
-                        f"{self._straggler.stragglers}; see hvd.metrics().")
-        if report.shutdown:
-            log.error("%s", message)
-            self._stall_shutdown = message
-        else:
-            log.warning("%s", message)
 
     def _execute(self, responses: list[Response], cached_slots: list[int], joined_any: bool) -> None:
         cache = self.cache
@@ -747,9 +799,13 @@ class Engine:
             e = entries[0]
             if e is not None:
                 e.outputs = first.result
+            if self.flight is not None:
+                self.flight.batch_done(batch, time.perf_counter(), time.perf_counter())
             self._complete(entries)
             return
         if kind == RequestType.BARRIER:
+            if self.flight is not None:
+                self.flight.batch_done(batch, time.perf_counter(), time.perf_counter())
             self._complete(entries)
             return
         if None in entries and not (self._joined and kind == RequestType.ALLREDUCE):
@@ -767,5 +823,9 @@ class Engine:
                         self._in_flight.pop(e.request.name, None)
                     e.handle.set_error(HorovodInternalError(f"{kind.value} {e.request.name!r}: {exc}"))
             return
-        self._count_batch(kind, batch, entries, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self._count_batch(kind, batch, entries, t1 - t0)
+        flight = self.flight
+        if flight is not None:
+            flight.batch_done(batch, t0, t1)
         self._complete(entries)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common.engine.negotiation_codec import FLAG_ARGUMENT_ERROR, FLAG_FLAT, KINDS, Message, encode_requests
+from horovod.common.engine.stall import Stalled
 from horovod.common.types import (
     RAGGED_KINDS,
     REDUCE_OP_NAMES,
@@ -319,6 +320,10 @@ class Coordinator:
             for i in np.flatnonzero(rows < 0).tolist():
                 rows[i] = self._new_row(msg.names[i], int(records[i]["kind"]), int(records[i]["ps"]))
                 new_names.append(msg.names[i])
+        waited = records["waited"]
+        if waited.any():
+            for i in np.flatnonzero(waited).tolist():
+                self._waited(int(rows[i]), int(waited[i]))
         sent = len(self._sent)
         self._sent.append(_Sent(msg, ranks, tails, rows, self._gen[rows]))
         self._seen[np.ix_(rows, ranks)] = True
@@ -347,11 +352,13 @@ class Coordinator:
         rows = []
         low = rank_list[0]
         join = False
-        for i, (name, (dig, ps, kind, flags, _)) in enumerate(zip(msg.names, msg.records.tolist())):
+        for i, (name, (dig, ps, kind, flags, waited)) in enumerate(zip(msg.names, msg.records.tolist())):
             row = self._row_of.get(name)
             if row is None:
                 row = self._new_row(name, kind, ps)
                 new_names.append(name)
+            if waited:
+                self._waited(row, waited)
             rows.append(row)
             seen = self._seen  # (after _new_row, which may have grown the arrays)
             for rank in rank_list:
@@ -386,6 +393,13 @@ class Coordinator:
         self._row_of[name] = row
         self._by_row[row] = entry
         return row
+
+    def _waited(self, row: int, tenths: int) -> None:
+        """A rank's request of this row had waited ``tenths`` / 10 s before it was sent (a
+        cached request sent again after a local stall): the name has waited at least that long."""
+        entry = self._by_row[row]
+        if entry is not None:
+            entry.first_seen = min(entry.first_seen, self._clock() - tenths / 10)
 
     def _request_of(self, row: int, rank: int) -> Request:
         """The request ``rank`` sent for the name of ``row``."""
@@ -507,8 +521,10 @@ class Coordinator:
         first.flat = bool(self._flat[row])
         return Response(first, joined=member_joined)
 
-    def stalled(self, older_than: float) -> list[tuple[str, list[int], list[int], float]]:
-        """Names waiting longer than ``older_than`` s: (name, submitted ranks, missing ranks, age)."""
+    def stalled(self, older_than: float) -> list[Stalled]:
+        """Names waiting longer than ``older_than`` s: who submitted each, who did not, and how
+        long it has waited (counted from the first submission a rank told the coordinator of,
+        including the time a cached request waited on its rank before it was sent again)."""
         now = self._clock()
         joined = set(self.joined)
         out = []
@@ -521,5 +537,5 @@ class Coordinator:
             submitted = np.flatnonzero(seen).tolist()
             missing = [] if members is None else [
                 r for r in members[~seen[members]].tolist() if r not in joined]
-            out.append((name, submitted, missing, age))
+            out.append(Stalled(name, entry.kind.value, entry.process_set_id, submitted, missing, age))
         return out

@@ -3,7 +3,9 @@
 A rank's message for one round is ``bytes`` (pickling ``bytes`` costs the transport nothing)::
 
     header   magic, record count n, length of the names blob, length of the detail blob
-    records  n fixed 16-byte records (``RECORD``): signature digest, process set, kind, flags
+    records  n fixed 16-byte records (``RECORD``): signature digest, process set, kind, flags,
+             and how long the request had waited on its rank before this message (tenths of a
+             second, 0 for a fresh one: a cached request sent again after a local stall)
     names    the n names, UTF-8, NUL-separated
     detail   the fields a response needs, one array per request, in JSON (``_dumps``: data only,
              decoded by the standard library's C parser; equal requests encode to equal bytes on
@@ -34,7 +36,7 @@ __all__ = ["RECORD", "KINDS", "FLAG_FLAT", "FLAG_ARGUMENT_ERROR", "Message", "di
            "encode_requests", "decode_requests", "encode_responses", "decode_responses"]
 
 RECORD = np.dtype([("digest", "<u8"), ("ps", "<i4"), ("kind", "u1"), ("flags", "u1"),
-                   ("pad", "<u2")])
+                   ("waited", "<u2")])
 KINDS: tuple[RequestType, ...] = tuple(RequestType)
 _KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 FLAG_FLAT, FLAG_ARGUMENT_ERROR = 1, 2
@@ -102,8 +104,9 @@ def _payload(value: Any) -> Any:
     return tuple(_payload(v) for v in value) if type(value) is list else value
 
 
-def encode_requests(requests: Sequence[Request]) -> bytes:
-    """One rank's new requests of a round, as bytes (``b""`` for none)."""
+def encode_requests(requests: Sequence[Request], waited: Sequence[float] | None = None) -> bytes:
+    """One rank's new requests of a round, as bytes (``b""`` for none); ``waited[i]``: seconds
+    request i had already waited on this rank (a stalled cached request sent again)."""
     n = len(requests)
     if n == 0:
         return b""
@@ -115,7 +118,8 @@ def encode_requests(requests: Sequence[Request]) -> bytes:
         flags = FLAG_FLAT if r.flat else 0
         if type(r.payload) is ArgumentError:
             flags |= FLAG_ARGUMENT_ERROR
-        records[i] = (digest(r), r.process_set_id, _KIND_CODE[r.kind], flags, 0)
+        tenths = min(int(waited[i] * 10), 0xFFFF) if waited is not None else 0
+        records[i] = (digest(r), r.process_set_id, _KIND_CODE[r.kind], flags, tenths)
         shapes = r.shapes
         if r.kind in RAGGED_KINDS:
             ragged = True

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.common.engine.negotiation import Coordinator, validate
+from horovod.common.engine.stall import Stalled
 from horovod.common.types import ReduceOp, Request, RequestType
 
 A = RequestType.ALLREDUCE
@@ -124,7 +125,7 @@ def test_negotiation_stalled_lists_missing_ranks():
     c = coordinator(3, now=lambda: t[0])
     c.submit([req(0), req(2)])
     t[0] = 61.0
-    assert c.stalled(60.0) == [("allreduce.w", [0, 2], [1], 61.0)]
+    assert c.stalled(60.0) == [Stalled("allreduce.w", "allreduce", 0, [0, 2], [1], 61.0)]
     assert c.stalled(100.0) == []
 
 

@@ -165,7 +165,7 @@ def test_join_process_sets_stalls_and_argument_errors_at_many_ranks(path):
     c.submit([_req(r, "p", process_set_id=1) for r in range(0, size, 2) if r != 12])
     assert c.ready() == []
     t[0] = 70.0
-    assert sorted(c.stalled(60.0)) == sorted([
+    assert sorted((s.name, s.submitted, s.missing, s.age) for s in c.stalled(60.0)) == sorted([
         ("join.noname", [5, 9], [r for r in range(size) if r not in (5, 9)], 70.0),
         ("p", [r for r in range(0, size, 2) if r != 12], [12], 70.0),
         ("w", [r for r in range(size) if r not in (5, 9, 20)], [20], 70.0)])
