@@ -36,6 +36,8 @@ class _Driver:
 def test_warm_ups_run_once_before_the_first_ready_request(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(elastic_worker, "_current", None)
     monkeypatch.setattr(elastic_worker, "_warm_ups", {})
+    # no heartbeat thread in the test process: its calls are not the ready requests counted here
+    monkeypatch.setattr(elastic_worker.heartbeat, "start_heartbeat", lambda *args, **kwargs: None)
     events: list[str] = []
     elastic_worker.warm_up_before_joining("a", lambda: events.append("warm a"))
     elastic_worker.warm_up_before_joining("a", lambda: events.append("warm a again"))  # one per name
