@@ -455,6 +455,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _local_to_full(self, local: dict[str, Any]) -> dict[int, Any]:
         return {self._local_index[k]: v for k, v in local["state"].items()}
 
+    # ShardedStateful (horovod/torch/reducer.py): what hvd.checkpoint reads and writes per rank
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the optimizer state is split across."""
+        return self.world
+
+    def owned_indices(self) -> list[int]:
+        """The indices (in ``param_groups`` order) of the parameters this rank owns."""
+        return list(self._local_index)
+
+    def local_state_dict(self) -> dict[int, Any]:
+        """This rank's shard of the state: ``{parameter index: its state}``."""
+        return self._local_to_full(self.optim.state_dict())
+
     def full_state_dict(self, to: int | None = None) -> dict[str, Any] | None:
         """The whole optimizer state in ``optimizer_class``'s format, gathered on rank ``to`` of the
         set (None there elsewhere), or on every rank with ``to=None``. Collective."""
