@@ -21,10 +21,13 @@ the second is timed (the slowest rank's time, agreed by the allreduce that follo
 and the faster one is kept, the same on every rank. ``"alltoall"`` or ``"allreduce"`` fixes it.
 
 A bucket whose gradients are all in starts at once when the engine overlaps gradient reductions
-with backward (``tunables.overlap``); otherwise, as ``DistributedOptimizer``'s hooks, it waits
-for ``synchronize()``, which also submits the buckets the backward pass left incomplete (zeros for
-the gradients that never came, so every rank submits the same names). The owner's averaged
-gradients are views of the summed row (``p.grad`` after ``synchronize()``).
+with backward (``tunables.overlap``); otherwise it waits for the end of the backward pass. The
+pass's last autograd callback (as ``DenseReducer``'s) runs the reduction: it submits the buckets
+the pass left incomplete (zeros for the gradients that never came, so every rank submits the same
+names) and waits for all, so ``backward()`` returns with the owner's averaged gradients, views of
+the summed row, and ``GradScaler``/clipping need no ``synchronize()``. ``synchronize()`` does the
+same for a rank whose pass produced no gradient (or outside autograd). ``ShardedGradients`` is a
+``GradientReducer`` (``horovod/torch/reducer.py``).
 """
 
 from __future__ import annotations
