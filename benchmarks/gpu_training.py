@@ -258,7 +258,7 @@ def main() -> None:  # noqa: C901 - one benchmark, read top to bottom
                     opt = hvd.DistributedOptimizer(
                         opt, named_parameters=[(f"{model}.{precision}.{n}", p) for n, p in net.named_parameters()])
                     if size == 1:  # one rank: the wrapper reduces nothing unless its hooks run
-                        opt._register_hooks()
+                        opt.reducer.register_hooks()
                 elif mode == "ddp":
                     run = DistributedDataParallel(net, device_ids=[dev.index] if cuda else None,
                                                   gradient_as_bucket_view=True)

@@ -523,8 +523,8 @@ def main() -> None:
                                          named_parameters=[(f"gparam.{i}", p) for i, p in enumerate(group_params)])
     plain_opt = torch.optim.SGD(plain_params, lr=0.0)
     if hvd.size() == 1:  # one rank needs no reduction, so the optimizer has no hooks: add them
-        opt._register_hooks()  # type: ignore[attr-defined]
-        group_opt._register_hooks()  # type: ignore[attr-defined]
+        opt.reducer.register_hooks()  # type: ignore[attr-defined]
+        group_opt.reducer.register_hooks()  # type: ignore[attr-defined]
 
     def train_step(o: Any, params: list[torch.nn.Parameter]) -> None:
         o.zero_grad()

@@ -123,14 +123,14 @@ class _Wire:
 
 
 def _hooks(opt: Any, on: bool) -> None:
-    holder = getattr(opt, "_reducer", opt)
-    if holder is None or not hasattr(holder, "_hook_handles"):
-        return  # stage 2: no hooks
-    for handle in holder._hook_handles:
-        handle.remove()
-    holder._hook_handles = []
+    from horovod.torch.reducer import reducer_of
+
+    reducer = reducer_of(opt)
+    if reducer is None:
+        return
+    reducer.remove_hooks()
     if on:
-        holder._register_hooks()
+        reducer.register_hooks()
 
 
 def _timing(cfg: dict[str, int]) -> dict[str, Any]:
@@ -174,7 +174,7 @@ def _timing(cfg: dict[str, int]) -> dict[str, Any]:
             if rep:
                 times[v].append(dt)
     return {"rank": hvd.rank(), "times": times, "zero2_schedule": opts["zero2"].chosen_schedule,
-            "zero2_trial_s": opts["zero2"]._reducer._trial,
+            "zero2_trial_s": opts["zero2"].reducer.trial_times,
             "wire_bytes_per_step": {v: b / cfg["reps"] for v, b in wire.bytes.items()}}
 
 

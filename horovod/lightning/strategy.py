@@ -17,6 +17,11 @@ classes). What the strategy does, in Lightning's hook order:
   see averaged gradients; micro-batches of an accumulation window skip the synchronization.
   Manual optimization: the same after every ``manual_backward``, for every wrapped optimizer
   (DDP's behaviour; a GAN's generator loss fills the discriminator's gradients too).
+- the strategy holds the optimizers through public members only: their ``GradientReducer``
+  (``opt.reducer``, ``horovod/torch/reducer.py``: pending reductions, hooks, pass counts),
+  ``synchronize()``/``skip_synchronize()``; ``flat_gradients`` restores the gradient views in
+  ``pre_backward``; with ``zero_stage`` the Trainer's precision plugin gets a mixin that clips by
+  the norm across the shards (``_ClipAcrossShards``).
 - ``reduce`` / ``all_gather`` / ``broadcast`` / ``barrier`` / ``reduce_boolean_decision`` are
   Horovod collectives (``self.log(..., sync_dist=True)``, early stopping, checkpoint names).
 """
@@ -34,6 +39,7 @@ import torch
 
 import horovod.torch as hvd
 from horovod.lightning import _sharded_checkpoint as sharded
+from horovod.torch.reducer import reducer_of
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -110,17 +116,6 @@ def _restore_views(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             p.grad = view
 
 
-def _keep_gradient_views(optimizer: torch.optim.Optimizer) -> None:
-    """``zero_grad()`` zeroes in place, so the gradients stay views of the flat buffer (a class
-    attribute: Lightning's optimizer wrapper takes its methods from the optimizer's class)."""
-    cls = type(optimizer)
-
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        cls.zero_grad(self, set_to_none=False)
-
-    optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad})
-
-
 def _zero_optimizer(opt: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], stage: int,
                     passes: int, compression: Any, op: Any, predivide: float) -> Any:
     """``opt``'s parameter groups and options in a ``hvd.ZeroRedundancyOptimizer``."""
@@ -134,32 +129,42 @@ def _zero_optimizer(opt: torch.optim.Optimizer, named: list[tuple[str, torch.Ten
                                        op=op, gradient_predivide_factor=predivide, **options)
 
 
-def _clip_across_shards(plugin: Any, lightning_optimizer_cls: type) -> None:
-    """Lightning's ``gradient_clip_val`` (by norm) on a ``ZeroRedundancyOptimizer``: the norm of
-    the whole gradient, computed across the shards (stage 2 keeps only this rank's gradients)."""
-    original = plugin.clip_grad_by_norm
-    if getattr(original, "_hvd_zero", False):
-        return
+class _ClipAcrossShards:
+    """A precision plugin mixin: Lightning's ``gradient_clip_val`` (by norm) on a
+    ``ZeroRedundancyOptimizer`` takes the norm of the whole gradient, computed across the shards
+    (stage 2 keeps only this rank's gradients); other optimizers are clipped as the plugin does.
+    (Lightning's FSDP and DeepSpeed strategies get a precision plugin class of their own from the
+    Trainer; a strategy from another package gets the Trainer's plugin, extended by this mixin.)"""
 
-    def clip_grad_by_norm(optimizer: Any, clip_val: Any) -> None:
-        opt = _unwrap(optimizer, lightning_optimizer_cls)
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's optimizer
         if isinstance(opt, hvd.ZeroRedundancyOptimizer):
             opt.clip_grad_norm_(float(clip_val))
         else:
-            original(optimizer, clip_val)
+            super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
 
-    clip_grad_by_norm._hvd_zero = True  # type: ignore[attr-defined]
-    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+def _clipping_across_shards(plugin: Any) -> Any:
+    """``plugin`` (the Trainer's precision plugin) as an instance of a subclass of its class with
+    ``_ClipAcrossShards`` mixed in, holding the same attributes (scaler, precision...)."""
+    if isinstance(plugin, _ClipAcrossShards):
+        return plugin
+    cls = type(plugin)
+    mixed = type(cls.__name__, (_ClipAcrossShards, cls), {"__module__": cls.__module__})
+    out: Any = object.__new__(mixed)
+    out.__dict__.update(vars(plugin))
+    return out
 
 
 def _pending(optimizer: Any) -> bool:
-    """Whether ``optimizer`` (a ``hvd.DistributedOptimizer``) has gradient allreduces in flight."""
-    return bool(getattr(optimizer, "_handles", None) or getattr(optimizer, "_bundles", None)
-                or getattr(optimizer, "_collected", None))
+    """Whether ``optimizer``'s gradient reducer has reductions in flight (False for an optimizer
+    without one)."""
+    reducer = reducer_of(optimizer)
+    return reducer is not None and reducer.pending()
 
 
 def _unwrap(optimizer: Any, lightning_optimizer_cls: type[Any]) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, lightning_optimizer_cls) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, lightning_optimizer_cls) else optimizer
 
 
 def _build(package: str) -> type[Any]:
@@ -306,7 +311,7 @@ def _build(package: str) -> type[Any]:
             passes = trainer.accumulate_grad_batches if automatic else 1
             self.optimizers: list[Any] = self._wrap_optimizers(self.optimizers, passes)
             if self._zero_stage:
-                _clip_across_shards(self.precision_plugin, LightningOptimizer)
+                self.precision_plugin = _clipping_across_shards(self.precision_plugin)  # type: ignore[has-type]
             for opt in self.optimizers:
                 self._broadcast_optimizer_state(_unwrap(opt, LightningOptimizer))
             # Gradients are synchronized in post_backward (every wrapped optimizer, after every
@@ -322,7 +327,7 @@ def _build(package: str) -> type[Any]:
             out: list[Any] = []
             for opt in optimizers:
                 opt = _unwrap(opt, LightningOptimizer)
-                if isinstance(opt, hvd.optimizer._DistributedOptimizer):
+                if reducer_of(opt) is not None:
                     out.append(opt)  # the user wrapped it already
                     continue
                 mine = {id(p) for group in opt.param_groups for p in group["params"]}
@@ -343,8 +348,6 @@ def _build(package: str) -> type[Any]:
                     gradient_predivide_factor=self._gradient_predivide_factor,
                     sparse_as_dense=self._sparse_as_dense,
                     groups=[[p for p, _ in views]] if views else None)
-                if views:
-                    _keep_gradient_views(wrapped)
                 wrapped.state.update(opt.state)  # normally empty: nothing has stepped yet
                 wrapped_for[id(opt)] = wrapped
                 out.append(wrapped)
@@ -379,11 +382,9 @@ def _build(package: str) -> type[Any]:
             for opt in self.optimizers:
                 opt = _unwrap(opt, LightningOptimizer)
                 # A later fit() builds new optimizers: this one's gradient hooks must go.
-                opt = getattr(opt, "_reducer", None) or opt  # a ZeroRedundancyOptimizer's
-                for handle in getattr(opt, "_hook_handles", ()):
-                    handle.remove()
-                if hasattr(opt, "_hook_handles"):
-                    opt._hook_handles = []
+                remove_hooks = getattr(reducer_of(opt) or opt, "remove_hooks", None)  # or Adasum's
+                if remove_hooks is not None:
+                    remove_hooks()
             super().teardown()
 
         # ---------------------------------------------------------------- gradients
@@ -408,6 +409,11 @@ def _build(package: str) -> type[Any]:
                 opt = _unwrap(opt, LightningOptimizer)
                 if opt.backward_passes_per_step != passes:
                     opt.set_backward_passes_per_step(passes)
+
+        def pre_backward(self, closure_loss: torch.Tensor) -> None:
+            """``flat_gradients``: gradients that ``zero_grad()`` set to None become views of the
+            flat buffer again (zeroed) before the backward pass accumulates into them."""
+            _restore_views(self._views)
 
         def post_backward(self, closure_loss: torch.Tensor) -> None:
             """Average the gradients of every wrapped optimizer, as DDP does in each backward.

@@ -54,6 +54,12 @@ class DistributedAdasumOptimizer(torch.optim.Optimizer):
                     self._requires_update.add(p)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
+    def remove_hooks(self) -> None:
+        """Take the gradient hooks off the parameters (a later optimizer over them)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:

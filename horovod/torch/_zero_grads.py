@@ -21,10 +21,13 @@ the second is timed (the slowest rank's time, agreed by the allreduce that follo
 and the faster one is kept, the same on every rank. ``"alltoall"`` or ``"allreduce"`` fixes it.
 
 A bucket whose gradients are all in starts at once when the engine overlaps gradient reductions
-with backward (``tunables.overlap``); otherwise, as ``DistributedOptimizer``'s hooks, it waits
-for ``synchronize()``, which also submits the buckets the backward pass left incomplete (zeros for
-the gradients that never came, so every rank submits the same names). The owner's averaged
-gradients are views of the summed row (``p.grad`` after ``synchronize()``).
+with backward (``tunables.overlap``); otherwise it waits for the end of the backward pass. The
+pass's last autograd callback (as ``DenseReducer``'s) runs the reduction: it submits the buckets
+the pass left incomplete (zeros for the gradients that never came, so every rank submits the same
+names) and waits for all, so ``backward()`` returns with the owner's averaged gradients, views of
+the summed row, and ``GradScaler``/clipping need no ``synchronize()``. ``synchronize()`` does the
+same for a rank whose pass produced no gradient (or outside autograd). ``ShardedGradients`` is a
+``GradientReducer`` (``horovod/torch/reducer.py``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ import time
 from typing import Any
 
 import torch
+from torch.autograd import Variable
 
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average, Max
 from horovod.torch.mpi_ops import allreduce_, alltoall_async, grouped_allreduce_async_, synchronize
+from horovod.torch.reducer import SkipSynchronize
 
 __all__ = ["ShardedGradients", "MANY_PASSES", "SCHEDULES"]
 
@@ -111,22 +116,38 @@ def _buckets(params: list[torch.Tensor], owner: list[int], rank: int, world: int
     return [_Bucket(f"zero.grads.{k}", m, params, owner, rank, world) for k, m in enumerate(groups)]
 
 
-class ShardedGradients:
-    """The hooks, buckets and reduction of stage 2 for one partition (see the module docstring)."""
+class ShardedGradients(SkipSynchronize):
+    """The hooks, buckets and reduction of stage 2 (see the module docstring): a
+    ``GradientReducer`` (``horovod/torch/reducer.py``). ``configure`` re-partitions it."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str], owner: list[int], rank: int,
                  world: int, bucket_bytes: int, process_set: ProcessSet, op: int,
                  scale: tuple[float, float], compression: Any, passes: int,
                  schedule: str = "auto") -> None:
-        self.params, self.names, self.owner = params, names, owner
-        self.rank, self.world, self.process_set = rank, world, process_set
+        self.params, self.names = params, names
+        self.process_set = process_set
         self.op, self.scale, self.compression = op, scale, compression
         self.backward_passes_per_step = passes
+        self._hook_handles: list[Any] = []
+        # End of backward (as ``DenseReducer``): the pass that takes the step's gradients reduces
+        # them before ``backward()`` returns, so ``GradScaler.unscale_`` and clipping see them.
+        self._armed = False
+        self._auto_synced = False
+        self.configure(owner, rank, world, bucket_bytes, schedule)
+
+    def configure(self, owner: list[int], rank: int, world: int, bucket_bytes: int,
+                  schedule: str) -> None:
+        """(Re)build the buckets for a partition (``owner`` of each parameter) and hook the
+        parameters when there is more than one rank; the schedule trial starts again."""
+        self.remove_hooks()
+        self.owner, self.rank, self.world = owner, rank, world
+        params, passes = self.params, self.backward_passes_per_step
         self.buckets = _buckets(params, owner, rank, world, bucket_bytes)
         self._bucket_of = {i: b for b in self.buckets for i, _, _ in b.send}
         self._delay = [passes] * len(params)
         self._packed = [False] * len(params)
         self._busy = False
+        self._armed = self._auto_synced = False
         # A rank that owns no parameter keeps one zero gradient (on the smallest parameter) so
         # that GradScaler has a gradient to check on every rank (see ``_agree_finite``).
         self._sentinel = None
@@ -136,12 +157,17 @@ class ShardedGradients:
         self._flushes = 0  # of schedule "auto" (see _TRIAL)
         self._trial: dict[str, float] = {}
         self.current = "alltoall" if schedule == "auto" else schedule
-        self._hook_handles: list[Any] = []
         if world > 1:
-            self._register_hooks()
+            self.register_hooks()
+
+    @property
+    def trial_times(self) -> dict[str, float]:
+        """Schedule ``"auto"``: the timed flush of each schedule tried so far (seconds)."""
+        return dict(self._trial)
 
     # ------------------------------------------------------------------ hooks
-    def _register_hooks(self) -> None:
+    def register_hooks(self) -> None:
+        """A gradient hook on every parameter that requires a gradient."""
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
@@ -153,6 +179,10 @@ class ShardedGradients:
 
     def _make_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
+            if self._auto_synced:
+                # Another pass after one that reduced the step's gradients (several losses per
+                # step): reduced again at its end, adding to the averages (as DenseReducer).
+                self._auto_synced = False
             delay = self._delay[i]
             if delay > 1:
                 self._delay[i] = delay - 1  # accumulating locally in p.grad
@@ -160,6 +190,8 @@ class ShardedGradients:
             if self._packed[i]:
                 raise AssertionError(MANY_PASSES.format(name=self.names[i],
                                                         passes=self.backward_passes_per_step))
+            if not self._armed:
+                self._arm()
             bucket = self._bucket_of[i]
             if self.current == "alltoall":
                 self._pack(bucket, i, p)
@@ -169,6 +201,22 @@ class ShardedGradients:
             if bucket.waiting == 0 and self._overlap():
                 self._submit(bucket)
         return hook
+
+    def _arm(self) -> None:
+        """Queue ``_end_of_backward`` for the running backward pass (once per pass)."""
+        try:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:  # not inside a backward pass: synchronize() reduces
+            return
+        self._armed = True
+
+    def _end_of_backward(self) -> None:
+        """Autograd's last callback of a pass that took gradients for this step: reduce them
+        all (zeros for those that did not come), so that ``backward()`` returns with this rank's
+        averaged gradients. A rank whose pass produced no gradient reduces in ``synchronize()``."""
+        self._armed = False
+        self._reduce()
+        self._auto_synced = True
 
     def _overlap(self) -> bool:
         from horovod.common.context import peek_context
@@ -235,7 +283,13 @@ class ShardedGradients:
         """Submit what backward left, wait for every bucket and give each owned parameter its
         averaged gradient; then agree on non-finite gradients (``_agree_finite``). Buckets that
         backward did not start go two at a time, so that at most two buckets' received buffers
-        exist at once."""
+        exist at once. Nothing to do after a backward pass that reduced them at its end."""
+        if self._auto_synced:
+            self._auto_synced = False
+            return
+        self._reduce()
+
+    def _reduce(self) -> None:
         t0 = time.perf_counter()
         finite, previous = True, None
         for bucket in self.buckets:  # submit one, finish the one before (two in flight)
@@ -315,6 +369,7 @@ class ShardedGradients:
 
     def reset(self) -> None:
         """Forget this step's packing and pass counts (after the reduction, or to drop it)."""
+        self._auto_synced = False
         passes = self.backward_passes_per_step
         self._delay = [passes] * len(self.params)
         self._packed = [False] * len(self.params)
@@ -323,11 +378,27 @@ class ShardedGradients:
             bucket.buf = bucket.handle = bucket.ctx = None
         self._busy = False
 
+    def pending(self) -> bool:
+        """Whether this step's gradients are packed for a reduction that has not finished."""
+        return self._busy
+
     def check_idle(self) -> None:
-        """Raise if this step's gradients are packed for a reduction that has not finished."""
+        """Raise if this step's gradients are packed for a reduction that has not finished;
+        otherwise forget a reduction whose step was skipped (a GradScaler that found inf/NaN)."""
         if self._busy:
             raise AssertionError(_BUSY)
+        self._auto_synced = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing of its own to checkpoint (the partition follows from the parameters)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before the reduction."""
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
         self.backward_passes_per_step = passes
         self._delay = [passes] * len(self.params)

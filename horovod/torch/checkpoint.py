@@ -38,7 +38,8 @@ import torch
 
 from horovod.common.basics import is_initialized, rank, size
 from horovod.common.objects import allgather_object, broadcast_object
-from horovod.torch.zero import ZeroRedundancyOptimizer, partition_by_bytes
+from horovod.torch.reducer import ShardedStateful
+from horovod.torch.zero import partition_by_bytes
 
 __all__ = ["save", "load", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
 
@@ -76,13 +77,13 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
     if optimizer is not None:
         params = _optimizer_params(optimizer)
         names = _param_names(model, params)
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            if optimizer.world != n:
-                raise ValueError(f"hvd.checkpoint.save: the ZeroRedundancyOptimizer is sharded over "
-                                 f"{optimizer.world} ranks, the job has {n}; checkpoints of a "
-                                 "ZeroRedundancyOptimizer need it on the global process set")
-            local = optimizer.optim.state_dict()["state"]
-            mine = {optimizer._local_index[k]: v for k, v in local.items()}
+        if isinstance(optimizer, ShardedStateful):
+            kind = type(optimizer).__name__
+            if optimizer.num_shards != n:
+                raise ValueError(f"hvd.checkpoint.save: the {kind} is sharded over "
+                                 f"{optimizer.num_shards} ranks, the job has {n}; checkpoints of a "
+                                 f"{kind} need it on the global process set")
+            mine = optimizer.local_state_dict()
         else:
             full = optimizer.state_dict()["state"]
             owner = partition_by_bytes([p.numel() * p.element_size() for p in params], n)
@@ -425,8 +426,8 @@ def _optimizer_request(optimizer: torch.optim.Optimizer, model: torch.nn.Module 
         problems.append(f"optimizer parameters differ (checkpoint, optimizer): {diff[:5]}")
         return None
     owned = set(range(len(params)))
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        owned = set(optimizer._local_index)  # each rank reads its shard only
+    if isinstance(optimizer, ShardedStateful):
+        owned = set(optimizer.owned_indices())  # each rank reads its shard only
     keys: dict[int, dict[str, str]] = {}
     for i, name in enumerate(names):
         prefix = f"optim.state.{name}."

@@ -71,7 +71,7 @@ def _initialize_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module |
     # A DistributedOptimizer's step() would allreduce (and deadlock unless every rank steps):
     # run the wrapped optimizer's own step instead.
     if isinstance(optimizer, _DistributedOptimizer):
-        optimizer._local_step()
+        optimizer.local_step()
     else:
         optimizer.step()
 

@@ -9,51 +9,29 @@ set of names) and then runs the wrapped optimizer's update.
 Where the engine holds the hooks' gradients until ``step()`` anyway (``tunables.overlap`` off),
 the hooks of a backward pass only note their gradients, and one callback at the end of the pass
 submits them together under one handle (``_collect``): each is still its own allreduce.
+
+The hooks and the averaging are the optimizer's ``reducer``, a ``DenseReducer``
+(``horovod/torch/_dense_reducer.py``, the ``GradientReducer`` protocol of
+``horovod/torch/reducer.py``); this module builds the optimizer class around it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 
 from horovod.common.basics import size
 from horovod.common.collectives import check_adasum
-from horovod.common.context import get_context, peek_context
-from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average
 from horovod.torch._adasum_optimizer import DistributedAdasumOptimizer
-from horovod.torch._grad_comm import GradientCommunicator
-from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
-from horovod.torch.compression import Compression, StatefulCompressor
-from horovod.torch.mpi_ops import (
-    allreduce_async_,
-    grouped_allreduce_async_,
-    sparse_allreduce_async,
-    synchronize,
-)
+from horovod.torch._dense_reducer import COMPRESSION_KEY, DenseReducer, parameter_names, validate_whole_step
+from horovod.torch.compression import Compression
 
 __all__ = ["DistributedOptimizer"]
-
-_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to "
-                "step(). Increase backward_passes_per_step to accumulate gradients locally.")
-_ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-              "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-_COMPRESSION_KEY = "horovod_compression"
-_NO_SYNC_STEP = ("optimizer.{what} was called inside optimizer.no_sync(): gradients accumulated there "
-                 "are averaged by the first backward pass after the context (or by step() after "
-                 "it). Leave the no_sync() context before calling {what}.")
-_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
-                    "consider using optimizer.skip_synchronize() context if you use "
-                    "optimizer.synchronize() in your code.")
-
 
 def _unhooked(fn: Any) -> Any:
     # torch wraps every Optimizer subclass's step() once to run step hooks; our subclass's step()
@@ -61,323 +39,30 @@ def _unhooked(fn: Any) -> Any:
     return fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
 
 
-class _Slot:
-    """One parameter's per-step state, held by its hook (no dictionary keyed by tensors, whose
-    ``__hash__`` is a Python call, on the hook's path): how many backward passes remain before
-    its allreduce starts, and its gradient's repeat signature (``mpi_ops._repeat_signature``)."""
-
-    __slots__ = ("delay", "fast")
-
-    def __init__(self, delay: int) -> None:
-        self.delay = delay
-        self.fast: tuple[Any, ...] | None = None
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Mixin placed before the wrapped optimizer's class in a new class of the same name."""
+    """Mixin placed before the wrapped optimizer's class in a new class of the same name; the
+    averaging itself is its ``reducer``'s (a ``DenseReducer``, see ``horovod/torch/reducer.py``)."""
 
     def __init__(self, params: Any, named_parameters: Any, compression: Any,
                  backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
                  groups: Any, sparse_as_dense: bool, process_set: ProcessSet) -> None:
         self._hvd_base: Any = type(self).__mro__[2]  # [new class, this mixin, wrapped optimizer class]
         self._hvd_base.__init__(self, params)  # type: ignore[misc]  # the wrapped class, known at run time
-        self._compression = compression
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self._parameter_names = self._names(named_parameters)
-        self.backward_passes_per_step = backward_passes_per_step
-        self._slots = {p: _Slot(backward_passes_per_step) for _, p in self._all_params()}
-        self._handles: dict[Any, tuple[Any, Any]] = {}
-        # Gradients of this backward pass held for one bundled submission at its end (see
-        # ``_collect``), and the bundles submitted: (handle, parameters).
-        self._collected: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
-        self._bundles: list[tuple[int, list[torch.Tensor]]] = []
-        self._hook_handles: list[Any] = []
-        self._requires_update: set[torch.Tensor] = set()
-        self._synchronized = False
-        self._should_synchronize = True
-        # End of backward (DDP's contract): a pass whose hooks started allreduces waits for all of
-        # them before ``backward()`` returns (``_end_of_backward``), so whatever reads ``p.grad``
-        # before ``step()`` (``GradScaler.unscale_``, clipping) sees the averages. ``_armed``: the
-        # callback is queued for the running pass; ``_auto_synced``: this step's gradients are
-        # averaged (``step()`` has nothing left to wait for).
-        self._armed = False
-        self._auto_synced = False
-        self._no_sync = False
-        # A StatefulCompressor (PowerSGD) reduces the step's gradients at once, in synchronize().
-        self._whole_step = isinstance(compression, StatefulCompressor)
-        self._comm = GradientCommunicator(process_set) if self._whole_step else None
-        self._groups = self._make_groups(groups)
-        self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
-        # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
-        # hash would hash each of its tensors (a Python call each) in every one of its hooks.
-        self._group_counts: dict[int, int] = {}
-        for g in self._groups or []:
-            for p in g:
-                self._p_to_group[p] = g
-            self._group_counts[id(g)] = 0
-        if process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
-            self._register_hooks()
+        self.reducer = DenseReducer(self.param_groups, parameter_names(self.param_groups, named_parameters),
+                                    compression, backward_passes_per_step, op,
+                                    gradient_predivide_factor, groups, sparse_as_dense, process_set)
 
-    # ------------------------------------------------------------------ construction
-    def _all_params(self) -> Iterator[tuple[int, torch.Tensor]]:
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                yield gi, p
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.reducer.backward_passes_per_step
 
-    def _names(self: Any, named_parameters: Any) -> dict[torch.Tensor, str]:
-        if named_parameters is not None:
-            named = list(named_parameters)
-        else:
-            named = [(f"allreduce.noname.{gi}.{pi}", p) for gi, group in enumerate(self.param_groups)
-                     for pi, p in enumerate(group["params"])]
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-        names = [n for n, _ in named]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                             + ", ".join(dups))
-        known = {id(p) for _, p in named}
-        missing = [id(p) for _, p in self._all_params() if id(p) not in known]
-        if missing:
-            raise ValueError("named_parameters was specified, but one or more model parameters were "
-                             "not named. Python object ids: " + ", ".join(str(i) for i in missing))
-        return {p: n for n, p in named}
-
-    def _make_groups(self, groups: Any) -> list[tuple[torch.Tensor, ...]] | None:
-        if groups is None:
-            return None
-        if isinstance(groups, int):
-            if groups <= 0:
-                raise ValueError("groups should be a positive integer or a list of lists of parameters.")
-            plist = [p for _, p in self._all_params() if p.requires_grad]
-            # Every rank must form the same groups: take rank 0's order of names.
-            order = [self._parameter_names[p] for p in plist]
-            if size() > 1 and self.process_set.included():
-                order = broadcast_object(order, 0, name="DistributedOptimizer.groups",
-                                         process_set=self.process_set)
-            by_name = {self._parameter_names[p]: p for p in plist}
-            plist = [by_name[n] for n in order]
-            k = min(groups, len(plist)) or 1
-            per, extra = divmod(len(plist), k)
-            out, start = [], 0
-            for i in range(k):
-                n = per + (1 if i < extra else 0)
-                if n:
-                    out.append(tuple(plist[start:start + n]))
-                start += n
-            return out
-        if not isinstance(groups, list):
-            raise ValueError("groups should be a positive integer or a list of lists of parameters.")
-        seen: set[int] = set()
-        out = []
-        for g in groups:
-            for p in g:
-                if not isinstance(p, torch.Tensor):
-                    raise ValueError("groups must contain only torch.Tensor parameters, got "
-                                     f"{type(p).__name__}")
-                if id(p) in seen:
-                    raise ValueError("A parameter can only appear once in groups.")
-                seen.add(id(p))
-            out.append(tuple(g))
-        out += [(p,) for _, p in self._all_params() if id(p) not in seen and p.requires_grad]
-        return [g for g in out if g]
-
-    def _register_hooks(self) -> None:
-        for _, p in self._all_params():
-            if p.requires_grad:
-                self._requires_update.add(p)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
-
-    # ------------------------------------------------------------------ gradient reduction
-    def _make_hook(self, p: torch.Tensor) -> Any:
-        slot = self._slots[p]
-
-        def hook(_param: torch.Tensor) -> None:
-            if self._auto_synced:
-                # Another pass after one that averaged the step's gradients (several losses
-                # per step): what it adds is local again, so it is averaged again (at the end
-                # of this pass, or by step() after a no_sync() pass): avg(g1) + avg(g2).
-                self._auto_synced = False
-            if self._no_sync:
-                return  # accumulating locally (``no_sync()``); a later pass or step() reduces it
-            delay = slot.delay
-            if delay <= 0:
-                raise AssertionError(_MANY_PASSES)
-            slot.delay = delay - 1
-            if delay > 1:
-                self._handles[p] = (None, None)  # accumulating locally; step() may force it
-                return
-            if not self._armed:
-                self._arm()
-            if self._whole_step:
-                self._handles[p] = (None, None)  # the compressor reduces the step's set at once
-                return
-            if self._groups is None:
-                signature = slot.fast
-                if signature is not None and signature[7].host:  # bundles: host tensors only
-                    if self._collected:  # a bundle of this pass is open: join it
-                        self._collected.append((p, signature))
-                        return
-                    if self._collect(p, signature):
-                        return
-                self._handles[p] = self._allreduce_grad_async(p)
-                return
-            group = self._p_to_group[p]
-            counts = self._group_counts
-            counts[id(group)] += 1
-            if counts[id(group)] < len(group):
-                self._handles[p] = (None, None)
-                return
-            for gp in group:
-                self._handles.pop(gp, None)
-            self._handles[group] = self._grouped_allreduce_async(group)
-        return hook
-
-    def _arm(self) -> None:
-        """Queue ``_end_of_backward`` for the running backward pass (once per pass)."""
-        try:
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:  # not inside a backward pass: step() synchronizes
-            return
-        self._armed = True
-
-    def _end_of_backward(self) -> None:
-        """Autograd's last callback of a pass that started allreduces: wait for every gradient
-        (reducing those that did not come as zeros, as ``step()`` would), so that ``backward()``
-        returns with averaged gradients, as under DDP. Every rank's pass ends here, or in
-        ``step()`` for a rank whose pass produced no gradient at all."""
-        self._armed = False
-        self._synchronize()
-        self._auto_synced = True
-
-    def _collect(self, p: torch.Tensor, signature: tuple[Any, ...]) -> bool:
-        """Hold ``p``'s gradient (whose checked request only needs resubmitting) for one bundled
-        submission at the end of this backward pass; False when it must be submitted now.
-
-        Bundling applies only where the engine would hold the hooks' submissions until ``step()``
-        anyway (``tunables.overlap`` off, see ``Engine.submit``): then submitting the pass's
-        gradients together, deferred, changes nothing but the cost (one engine submission and
-        one handle instead of one per gradient). On the wire each gradient is still its own
-        named, cached allreduce. With overlap on, each gradient starts as soon as it is ready.
-        """
-        collected = self._collected
-        if not collected:
-            ctx = signature[0]
-            engine = ctx.engine
-            if engine is None or engine.tunables.overlap or ctx is not peek_context():
-                return False
-            try:  # run once autograd finished this backward pass (as DDP's reducer does)
-                Variable._execution_engine.queue_callback(self._submit_collected)
-            except RuntimeError:  # not inside a backward pass
-                return False
-        collected.append((p, signature))
-        return True
-
-    def _submit_collected(self) -> None:
-        """Submit the gradients ``_collect`` held, as one bundle (deferred like the hooks'
-        submissions), or one by one when they no longer match their checked requests."""
-        collected, self._collected = self._collected, []
-        if not collected:
-            return
-        params = [p for p, _ in collected]
-        grads: list[Any] = [p.grad for p in params]  # set: their hooks ran
-        handle = _resubmit_many(grads, [sig for _, sig in collected], defer=True)
-        if handle is not None:
-            self._bundles.append((handle, params))
-            return
-        for p in params:
-            self._handles[p] = self._allreduce_grad_async(p)
-
-    def _scale_factors(self) -> tuple[float, float]:
-        if self.op == Average:
-            # The engine adds the 1/size of Average to the postscale factor.
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
-
-    def _grad_for(self, p: torch.Tensor) -> torch.Tensor:
-        if p.grad is None:
-            # No gradient on this rank (unused in this forward); other ranks may have one, and
-            # every rank must submit the same names, so reduce zeros.
-            p.grad = torch.zeros_like(p)
-        return p.grad
-
-    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
-        name = self._parameter_names.get(p)
-        tensor = self._grad_for(p)
-        slot = self._slots.get(p)  # None for a parameter added after construction (no hook)
-        signature = None if slot is None else slot.fast
-        if signature is not None:
-            # The same gradient as last step (dtype, shape, context, process set): resubmit its
-            # request without the checks (a hook runs ~60 times per backward, on its critical path).
-            fast = _resubmit(tensor, signature, defer=True)  # step() waits for it
-            if fast is not None:
-                return fast, (None, tensor)
-        if tensor.is_sparse:
-            if self.sparse_as_dense:
-                tensor = tensor.to_dense()
-            else:
-                return sparse_allreduce_async(tensor, name=str(name), op=self.op,
-                                              process_set=self.process_set), None
-        compressed, ctx = self._compression.compress(tensor)
-        pre, post = self._scale_factors()
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
-                                  postscale_factor=post, process_set=self.process_set)
-        if compressed is tensor:
-            signature = _repeat_signature(tensor, get_context().handles[handle][0].request)
-            if signature is not None and slot is not None:
-                slot.fast = signature
-        return handle, (ctx, compressed)
-
-    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        tensors, ctxs = [], []
-        for p in group:
-            g = self._grad_for(p)
-            if g.is_sparse:
-                g = g.to_dense()  # grouped reduction is dense
-            c, ctx = self._compression.compress(g)
-            tensors.append(c)
-            ctxs.append((ctx, c))
-        pre, post = self._scale_factors()
-        handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
-                                          prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
-        return handle, ctxs
-
-    def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        result = output if ctx is None else self._compression.decompress(output, ctx[0])
-        grad = p.grad
-        assert grad is not None
-        if grad.is_sparse:
-            if not result.is_sparse:  # sparse_as_dense: back to the gradient's layout
-                result = result.to_sparse()
-            grad.zero_().add_(result)
-        elif result is not grad:
-            grad.copy_(result)
-
-    def _not_launched(self) -> list[torch.Tensor]:
-        """The parameters to update whose allreduce has not started, in parameter order (dropping
-        the placeholders of passes still accumulating locally)."""
-        handles = self._handles
-        if not handles and sum(len(params) for _, params in self._bundles) == len(self._requires_update):
-            # The common step: one bundle of every gradient (a parameter joins at most one bundle
-            # per step, and only parameters to update have hooks), so nothing is left.
-            return []
-        launched: set[torch.Tensor] = set()
-        for _, params in self._bundles:
-            launched.update(params)
-        for key, (handle, _) in list(handles.items()):
-            if handle is None:
-                del handles[key]
-            else:
-                launched.update(key if isinstance(key, tuple) else (key,))
-        if self._requires_update <= launched:
-            return []
-        return [p for _, p in self._all_params() if p in self._requires_update and p not in launched]
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before each allreduce."""
+        self.reducer.set_backward_passes_per_step(passes)
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce and write the averaged gradients into ``p.grad``.
@@ -385,78 +70,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Parameters whose allreduce has not started (no gradient in this backward, or fewer than
         ``backward_passes_per_step`` passes so far) are reduced now, in parameter order, so that
         every rank submits the same names. After a backward pass that already averaged the
-        gradients (``_end_of_backward``) there is nothing left to wait for.
+        gradients (at its end) there is nothing left to wait for.
 
         Raises:
             RuntimeError: inside ``no_sync()``.
         """
-        if self._no_sync:
-            raise RuntimeError(_NO_SYNC_STEP.format(what="synchronize()"))
-        if self._auto_synced:
-            # The gradients were averaged at the end of backward; a later backward pass before
-            # step() is then a new accumulation, as after an explicit synchronize().
-            self._auto_synced = False
-            self._synchronized = True
-            return
-        self._synchronize()
-        self._synchronized = True
+        self.reducer.synchronize()
 
-    def _synchronize(self) -> None:
-        if not self.process_set.included():
-            return
-        if self._whole_step:
-            self._reduce_whole_step()
-            return
-        if self._collected:  # a pass whose end-of-backward callback has not run
-            self._submit_collected()
-        todo = self._not_launched()
-        if self._groups is not None:
-            started: set[tuple[torch.Tensor, ...]] = set()
-            for p in todo:
-                g = self._p_to_group.get(p, (p,))
-                if g not in started:
-                    started.add(g)
-                    self._handles[g] = self._grouped_allreduce_async(g)
-        else:
-            for p in todo:
-                self._handles[p] = self._allreduce_grad_async(p)
-        for handle, _ in self._bundles:
-            synchronize(handle)  # reduced in place: each p.grad holds its average
-        self._bundles.clear()
-        for key, (handle, ctx) in self._handles.items():
-            if isinstance(key, tuple):
-                outputs = synchronize(handle)
-                for gp, out, gctx in zip(key, outputs, ctx):
-                    self._write_grad(gp, out, gctx)
-            else:
-                out = handle() if callable(handle) else synchronize(handle)
-                self._write_grad(key, out, ctx)
-        self._handles.clear()
-        passes = self.backward_passes_per_step
-        for slot in self._slots.values():
-            slot.delay = passes
-        for gid in self._group_counts:
-            self._group_counts[gid] = 0
-
-    def _reduce_whole_step(self) -> None:
-        """Hand every gradient to update (zeros where none came; sparse ones made dense), in
-        parameter order, to the stateful compressor, which averages them in place."""
-        params = [p for _, p in self._all_params() if p in self._requires_update]
-        grads = []
-        for p in params:
-            g = self._grad_for(p)
-            if g.is_sparse:
-                p.grad = g = g.to_dense()
-            grads.append(g)
-        self._handles.clear()
-        if params:
-            self._compression.reduce_(grads, [self._parameter_names[p] for p in params], self._comm)
-        passes = self.backward_passes_per_step
-        for slot in self._slots.values():
-            slot.delay = passes
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally: backward passes inside the context start no allreduce;
         the first backward pass after it (or ``step()``) averages everything accumulated, one
         allreduce per gradient. ``step()`` and ``synchronize()`` inside the context raise.
@@ -464,22 +85,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Every rank must run the same passes inside and outside the context. Compared with
         ``backward_passes_per_step`` (a fixed count chosen up front), the context decides per
         pass, as DDP's ``model.no_sync()``."""
-        if self._no_sync:
-            raise RuntimeError("optimizer.no_sync() contexts cannot be nested")
-        self._no_sync = True
-        try:
-            yield
-        finally:
-            self._no_sync = False
+        return self.reducer.no_sync()
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
+    def skip_synchronize(self) -> contextlib.AbstractContextManager[None]:
         """Make ``step()`` skip synchronization (after an explicit ``synchronize()``)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
+        return self.reducer.skip_synchronize()
 
     def step(self, closure: Any = None) -> Any:
         """Synchronize gradients (unless inside ``skip_synchronize()``, or already done at the end
@@ -488,19 +98,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: inside ``no_sync()`` (the gradients would not be averaged).
         """
-        if self._no_sync:
-            raise RuntimeError(_NO_SYNC_STEP.format(what="step()"))
-        if self._should_synchronize and not self._auto_synced:
-            if self._synchronized:
-                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
-            self._synchronize()
-        self._synchronized = False
+        self.reducer.before_step()
         try:
-            return self._local_step(closure)
+            return self.local_step(closure)
         finally:
-            self._auto_synced = False
+            self.reducer.after_step()
 
-    def _local_step(self, closure: Any = None) -> Any:
+    def local_step(self, closure: Any = None) -> Any:
+        """The wrapped optimizer's update alone: no synchronization, no step hooks."""
         base_step = _unhooked(self._hvd_base.step)
         return base_step(self) if closure is None else base_step(self, closure)
 
@@ -510,56 +115,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             AssertionError: called after ``backward()`` but before ``step()``/``synchronize()``.
         """
-        if self._handles or self._bundles or self._collected:
-            raise AssertionError(_ZERO_GRAD)
-        # Gradients averaged at the end of backward whose step was skipped (a GradScaler that
-        # found inf/NaN) or abandoned: nothing is in flight, so they may go.
-        self._auto_synced = False
+        self.reducer.check_idle()
         return self._hvd_base.zero_grad(self, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict; with a stateful compression (PowerSGD) its state
         too, under ``"horovod_compression"`` (so checkpoints and elastic commits carry it)."""
         sd = self._hvd_base.state_dict(self)
-        if self._whole_step:
-            sd[_COMPRESSION_KEY] = self._compression.state_dict()
+        sd.update(self.reducer.state_dict())
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load optimizer state (and a stateful compression's); pending allreduces are dropped and
         pass counters reset."""
-        if _COMPRESSION_KEY in state_dict:
+        if COMPRESSION_KEY in state_dict:
             state_dict = dict(state_dict)
-            compression_state = state_dict.pop(_COMPRESSION_KEY)
-            if self._whole_step:
-                self._compression.load_state_dict(compression_state)
-        self._handles.clear()
-        self._collected.clear()
-        self._bundles.clear()
-        self._synchronized = False
-        self._auto_synced = False
-        for g in self._group_counts:
-            self._group_counts[g] = 0
-        for slot in self._slots.values():
-            slot.delay = self.backward_passes_per_step
+            self.reducer.load_state_dict({COMPRESSION_KEY: state_dict.pop(COMPRESSION_KEY)})
+        self.reducer.reset()
         return self._hvd_base.load_state_dict(self, state_dict)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated locally before each allreduce."""
-        if passes <= 0:
-            raise ValueError("backward_passes_per_step must be > 0")
-        self.backward_passes_per_step = passes
-        for slot in self._slots.values():
-            slot.delay = passes
-
-
-class _ParamGroups:
-    """Just enough of an optimizer for ``_DistributedOptimizer._names`` (the Adasum wrapper's names)."""
-
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        self.param_groups = param_groups
-
-    _all_params = _DistributedOptimizer._all_params
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
@@ -604,20 +177,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    if isinstance(compression, StatefulCompressor):
-        if op != Average:
-            raise ValueError(f"compression={compression!r} averages gradients itself: use op=hvd.Average "
-                             "(the default), or a stateless compression with other ops")
-        if groups is not None:
-            raise ValueError(f"compression={compression!r} reduces all gradients of a step together: "
-                             "leave groups (and num_groups) unset")
-        if gradient_predivide_factor != 1.0:
-            raise ValueError(f"compression={compression!r} does not apply gradient_predivide_factor: "
-                             "leave it at 1.0")
+    validate_whole_step(compression, op, groups, gradient_predivide_factor)
     if op == Adasum and size() > 1:  # upstream's delta optimizer (one rank: the plain wrapper)
         check_adasum(process_set.process_set_id, "float32", "DistributedOptimizer")
         cls = type(optimizer.__class__.__name__, (DistributedAdasumOptimizer, optimizer.__class__), {})
-        names = _DistributedOptimizer._names(_ParamGroups(optimizer.param_groups), named_parameters)
+        names = parameter_names(optimizer.param_groups, named_parameters)
         return cls(optimizer.param_groups, names, compression, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,

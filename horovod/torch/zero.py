@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -34,10 +35,11 @@ import torch
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Adasum, Average, Max, Sum
+from horovod.torch._dense_reducer import DenseReducer, parameter_names, validate_whole_step
 from horovod.torch._zero_grads import SCHEDULES, ShardedGradients
 from horovod.torch.compression import Compression, StatefulCompressor
 from horovod.torch.mpi_ops import allgather_async, allreduce_, synchronize
-from horovod.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
+from horovod.torch.reducer import GradientReducer
 
 __all__ = ["ZeroRedundancyOptimizer", "partition_by_bytes"]
 
@@ -143,19 +145,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._names = self._param_names(named_parameters)
         self._check(self._local_problems())
         self._synchronized = False
-        self._should_synchronize = True
         self._bucket_bytes = BUCKET_BYTES
         self._schedule = "auto"
         self._consolidated: dict[str, Any] | None = None
-        self._reducer: Any = None
+        # The GradientReducer (horovod/torch/reducer.py): stage 1 averages as DistributedOptimizer
+        # does (a DenseReducer), stage 2 reduce-scatters (ShardedGradients, also kept typed as
+        # ``_sharded`` for its partition and schedule).
+        self._sharded: ShardedGradients | None = None
+        self.reducer: GradientReducer
         if stage == 1:
-            # The averaging of DistributedOptimizer, unchanged; its own step() is never called.
-            holder = torch.optim.SGD([{"params": list(g["params"])} for g in self.param_groups], lr=0.0)
+            validate_whole_step(compression, op, None, gradient_predivide_factor)
+            groups = [{"params": list(g["params"])} for g in self.param_groups]
             named = [(self._names[i], p) for i, p in enumerate(self._all)]
-            self._reducer = DistributedOptimizer(
-                holder, named_parameters=named, compression=compression,
-                backward_passes_per_step=backward_passes_per_step, op=op,
-                gradient_predivide_factor=gradient_predivide_factor, process_set=process_set)
+            self.reducer = DenseReducer(groups, parameter_names(groups, named), compression,
+                                        backward_passes_per_step, op, gradient_predivide_factor,
+                                        None, False, process_set)
         self._partition()
         self._initialized = True
 
@@ -249,9 +253,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated = None
         self._synchronized = False
         if self.stage == 2:
-            if self._reducer is not None:
-                self._reducer.remove_hooks()
-            self._reducer = self._sharded_gradients()
+            if self._sharded is None:
+                self.reducer = self._sharded = self._sharded_gradients()
+            else:
+                self._configure_sharded()
         self._drop_pending()
 
     @property
@@ -263,10 +268,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @bucket_bytes.setter
     def bucket_bytes(self, value: int) -> None:
         self._bucket_bytes = int(value)
-        if isinstance(self._reducer, ShardedGradients):  # new buckets
-            self._reducer.check_idle()
-            self._reducer.remove_hooks()
-            self._reducer = self._sharded_gradients()
+        if self._sharded is not None:  # new buckets
+            self._sharded.check_idle()
+            self._configure_sharded()
 
     @property
     def reduce_schedule(self) -> str:
@@ -286,7 +290,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @property
     def chosen_schedule(self) -> str | None:
         """Stage 2: the schedule the next reduction uses (None for stage 1)."""
-        return self._reducer.current if isinstance(self._reducer, ShardedGradients) else None
+        return None if self._sharded is None else self._sharded.current
 
     def _sharded_gradients(self) -> ShardedGradients:
         return ShardedGradients(self._all, self._names, self.layout.owner, self.rank, self.world,
@@ -294,12 +298,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                 self._scale_factors(), self._compression,
                                 self.backward_passes_per_step, self._schedule)
 
+    def _configure_sharded(self) -> None:
+        assert self._sharded is not None
+        self._sharded.configure(self.layout.owner, self.rank, self.world, self._bucket_bytes,
+                                self._schedule)
+
     def _drop_pending(self) -> None:
         """Forget the reductions of a step that will not finish (a failed step, a reload)."""
-        if isinstance(self._reducer, ShardedGradients):
-            self._reducer.reset()
-        elif self._reducer is not None:
-            self._reducer.load_state_dict(self._reducer.state_dict())
+        self.reducer.reset()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only while constructing: the partition covers the parameters given at construction."""
@@ -321,7 +327,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._synchronized:
             return
         if self.stage == 1 or self.world > 1:
-            self._reducer.synchronize()
+            self.reducer.synchronize()
         self._synchronized = True
 
     def _scale_factors(self) -> tuple[float, float]:
@@ -350,8 +356,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if pending is not None:
             finish(*pending)
 
-    # the same context as DistributedOptimizer's (it sets ``_should_synchronize``)
-    skip_synchronize = _DistributedOptimizer.skip_synchronize
+    def skip_synchronize(self) -> AbstractContextManager[None]:
+        """Make ``step()`` skip synchronization (after an explicit ``synchronize()``)."""
+        return self.reducer.skip_synchronize()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -398,7 +405,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._should_synchronize and not self._synchronized:
+        if self.reducer.synchronize_on_step and not self._synchronized:
             self.synchronize()
         self._synchronized = False
         self._sync_groups(self.param_groups, self.optim.param_groups)  # schedulers change ours
@@ -432,14 +439,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pipelined(submit, finish)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset every parameter's gradient (forbidden while stage 1's allreduces are in flight)."""
-        if isinstance(self._reducer, ShardedGradients):
-            self._reducer.check_idle()
-            super().zero_grad(set_to_none)
-        elif self._reducer is not None:
-            self._reducer.zero_grad(set_to_none)
-        else:
-            super().zero_grad(set_to_none)
+        """Reset every parameter's gradient (forbidden while the reduction is in flight)."""
+        self.reducer.check_idle()
+        super().zero_grad(set_to_none)
         self._synchronized = False
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -447,12 +449,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if passes <= 0:
             raise ValueError("backward_passes_per_step must be > 0")
         self.backward_passes_per_step = passes
-        if self._reducer is not None:
-            self._reducer.set_backward_passes_per_step(passes)
+        self.reducer.set_backward_passes_per_step(passes)
 
     # ------------------------------------------------------------------ state
     def _local_to_full(self, local: dict[str, Any]) -> dict[int, Any]:
         return {self._local_index[k]: v for k, v in local["state"].items()}
+
+    # ShardedStateful (horovod/torch/reducer.py): what hvd.checkpoint reads and writes per rank
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the optimizer state is split across."""
+        return self.world
+
+    def owned_indices(self) -> list[int]:
+        """The indices (in ``param_groups`` order) of the parameters this rank owns."""
+        return list(self._local_index)
+
+    def local_state_dict(self) -> dict[int, Any]:
+        """This rank's shard of the state: ``{parameter index: its state}``."""
+        return self._local_to_full(self.optim.state_dict())
 
     def full_state_dict(self, to: int | None = None) -> dict[str, Any] | None:
         """The whole optimizer state in ``optimizer_class``'s format, gathered on rank ``to`` of the

@@ -243,7 +243,7 @@ def _all_checks(package: str, tmp: str) -> dict:
     torch.testing.assert_close(flat(two.a), reference(init_a, data, 1, B, None, False), **TOL)
     torch.testing.assert_close(flat(two.b), reference(init_b, data, 1, B, None, False), **TOL)
     out["two_opt"] = [flat(two.a).tolist(), flat(two.b).tolist()]
-    out["two_opt_names"] = [sorted(o._parameter_names.values()) for o in trainer.strategy.optimizers]
+    out["two_opt_names"] = [sorted(o.reducer._parameter_names.values()) for o in trainer.strategy.optimizers]
 
     # 7. Gradient accumulation: 2 micro-batches per step = one process on both micro-batches.
     acc_data = Indexed(B * 4 * size, seed=1)

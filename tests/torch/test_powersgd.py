@@ -144,7 +144,7 @@ def _bytes_body():
     finally:
         engine.submit, engine.submit_many = submit, submit_many
     numel = sum(p.numel() for p in params)
-    return numel, per_step, opt._comm.bytes_submitted
+    return numel, per_step, opt.reducer._comm.bytes_submitted
 
 
 def _digits_accuracy(kind, epochs, psgd_rank, seed):
@@ -236,8 +236,8 @@ def _state_body():
     model2, opt2 = make()
     model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
-    if opt2._compression.iter != 3:
-        bad.append(f"rank {r}: iter {opt2._compression.iter} after load_state_dict")
+    if opt2.reducer._compression.iter != 3:
+        bad.append(f"rank {r}: iter {opt2.reducer._compression.iter} after load_state_dict")
     train(model2, opt2, data[3:])
     for (name, p), q in zip(model.named_parameters(), model2.parameters()):
         if not torch.equal(p, q):
@@ -247,18 +247,18 @@ def _state_body():
     theirs = hvd.broadcast_object(saved_opt, root_rank=0, name="psgd.state.sync")
     model3, opt3 = make()
     opt3.load_state_dict(theirs)
-    errors = len(opt3._compression._errors)
-    if errors != (2 if r == 0 else 0) or opt3._compression.iter != 3:
+    errors = len(opt3.reducer._compression._errors)
+    if errors != (2 if r == 0 else 0) or opt3.reducer._compression.iter != 3:
         bad.append(f"rank {r}: state saved by rank 0 loaded with {errors} error memories, "
-                   f"iter {opt3._compression.iter}")
+                   f"iter {opt3.reducer._compression.iter}")
     # an elastic TorchState: save() (what commit() does), two steps, restore() -> the compressor
     # is back where it was; sync() -> rank 0's Qs and iteration, this rank's error memory dropped
     state = hvd.elastic.TorchState(model=model2, optimizer=opt2)
     state.save()
-    it, err = opt2._compression.iter, {k: v.clone() for k, v in opt2._compression._errors.items()}
+    it, err = opt2.reducer._compression.iter, {k: v.clone() for k, v in opt2.reducer._compression._errors.items()}
     train(model2, opt2, data[:2])
     state.restore()
-    comp2 = opt2._compression
+    comp2 = opt2.reducer._compression
     if comp2.iter != it or sorted(comp2._errors) != sorted(err) or not all(
             torch.equal(comp2._errors[k], v) for k, v in err.items()):
         bad.append(f"rank {r}: TorchState.restore() gave iter {comp2.iter} (saved {it}) or other errors")

@@ -253,7 +253,7 @@ def test_optimizer_hooks_hash_tensors_a_bounded_number_of_times_per_parameter(hv
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(n)]
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), groups=groups,
                                    named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
-    opt._register_hooks()  # one rank: the optimizer has none of its own
+    opt.reducer.register_hooks()  # one rank: the optimizer has none of its own
     x = torch.ones(3)
     calls = []
     real = torch.Tensor.__hash__

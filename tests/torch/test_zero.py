@@ -153,10 +153,12 @@ def _equivalence_cases():
     return bad
 
 
-def _scaled_runs(ref, batches, at, on, label):
+def _scaled_runs(ref, batches, at, on, label, explicit=True):
     """DistributedOptimizer, stage 1 and stage 2 under GradScaler, an overflow in the last
     parameter's gradient at step ``at`` on rank ``on`` only: one step skipped on every rank, the
-    same weights."""
+    same weights. ``explicit``: upstream's recipe (``synchronize()``, then ``step()`` inside
+    ``skip_synchronize()``); otherwise PyTorch's own (docs/pytorch.md), the gradients averaged by
+    the end of backward, clipped after ``unscale_`` (ZeRO: across the shards)."""
     import copy
 
     import torch
@@ -184,9 +186,17 @@ def _scaled_runs(ref, batches, at, on, label):
             sc.scale(F.cross_entropy(m(x), y)).backward()
             if hook is not None:
                 hook.remove()
-            o.synchronize()
-            sc.unscale_(o)
-            with o.skip_synchronize():
+            if explicit:
+                o.synchronize()
+                sc.unscale_(o)
+                with o.skip_synchronize():
+                    sc.step(o)
+            else:
+                sc.unscale_(o)
+                if isinstance(o, hvd.ZeroRedundancyOptimizer):
+                    o.clip_grad_norm_(0.5)
+                else:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
                 sc.step(o)
             sc.update()
     for i, ((m, _o), sc) in enumerate(zip(runs, scalers)):
@@ -221,6 +231,13 @@ def _scaler_and_compile_cases():
     # with the scaler, and skips the overflowing step with the others
     torch.manual_seed(1)
     bad += _scaled_runs(torch.nn.Linear(7, 3), batches[:4], at=2, on=0, label="2 parameters")
+    # PyTorch's recipe without synchronize()/skip_synchronize(): stage 2's gradients are reduced
+    # by the end of backward ("No inf checks were recorded for this optimizer" before)
+    bad += _scaled_runs(_model(), batches, at=3, on=0, label="GradScaler, no synchronize()",
+                        explicit=False)
+    torch.manual_seed(1)
+    bad += _scaled_runs(torch.nn.Linear(7, 3), batches[:4], at=1, on=n - 1,
+                        label="2 parameters, no synchronize()", explicit=False)
     # torch.compile'd model (aot_eager: the compiled autograd path without a C++ toolchain's cost)
     ref = _model()
     ref_opt = hvd.DistributedOptimizer(torch.optim.AdamW(ref.parameters(), lr=1e-2),

@@ -1,0 +1,155 @@
+"""The two protocols by which the torch integrations hold each other: ``GradientReducer`` (what an
+optimizer composes to average its gradients across ranks) and ``ShardedStateful`` (an optimizer
+whose state is split across ranks, as ``hvd.checkpoint`` reads and writes it).
+
+Implementations:
+
+- ``DenseReducer`` (``horovod/torch/_dense_reducer.py``): every rank keeps every averaged
+  gradient; one allreduce per gradient (or group, or bundle), started by gradient hooks while
+  backward runs. ``hvd.DistributedOptimizer`` and ``hvd.ZeroRedundancyOptimizer(stage=1)`` use it.
+- ``ShardedGradients`` (``horovod/torch/_zero_grads.py``): ZeRO stage 2, each rank keeps only the
+  averaged gradients of the parameters it owns (a reduce-scatter per bucket).
+
+An optimizer holds its reducer as the public attribute ``reducer`` (``opt.reducer``); the Lightning
+strategy and the checkpoint code use only the members below, never an optimizer's private fields.
+
+The contract, common to all of them:
+
+- Gradient hooks are registered at construction (where reduction applies: more than one rank);
+  ``remove_hooks()`` takes them off (a later optimizer over the same parameters, a benchmark) and
+  ``register_hooks()`` puts them back.
+- A step's gradients are averaged by the end of the ``backward()`` pass that completes
+  ``backward_passes_per_step`` passes (as under DDP), so ``GradScaler.unscale_``, clipping and
+  anything else that reads ``p.grad`` before ``step()`` sees the averages; ``synchronize()`` also
+  does it explicitly (for a backward pass that produced no gradient on this rank, or outside
+  autograd). ``pending()`` says whether reductions are in flight, or gradients held for one.
+- ``synchronize_on_step`` is False inside ``skip_synchronize()``: the optimizer's ``step()`` then
+  updates without synchronizing (after an explicit ``synchronize()``).
+- ``check_idle()`` raises ``AssertionError`` if this step's gradients are in flight (what
+  ``zero_grad()`` must not race with), and otherwise forgets a finished reduction whose step was
+  skipped (a ``GradScaler`` that found inf/NaN).
+- ``reset()`` drops this step's reductions and pass counters (a failed step, a reload).
+- ``state_dict()`` / ``load_state_dict()``: the reducer's own state for checkpoints (a stateful
+  compression's, such as PowerSGD's error feedback); ``{}`` where there is none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["GradientReducer", "ShardedStateful", "SkipSynchronize", "reducer_of"]
+
+
+@runtime_checkable
+class GradientReducer(Protocol):
+    """Averages an optimizer's gradients across the ranks of a process set (see the module
+    docstring for the contract)."""
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before the gradients are averaged."""
+        ...
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (between steps)."""
+        ...
+
+    def register_hooks(self) -> None:
+        """Put the gradient hooks on the parameters (done at construction)."""
+        ...
+
+    def remove_hooks(self) -> None:
+        """Take the gradient hooks off the parameters."""
+        ...
+
+    def pending(self) -> bool:
+        """Whether this step's gradients are in flight or held for a reduction."""
+        ...
+
+    def synchronize(self) -> None:
+        """Finish this step's reduction now (each implementation documents a repeated call)."""
+        ...
+
+    @property
+    def synchronize_on_step(self) -> bool:
+        """False inside ``skip_synchronize()``: the optimizer's ``step()`` does not synchronize."""
+        ...
+
+    def skip_synchronize(self) -> AbstractContextManager[None]:
+        """A context in which the optimizer's ``step()`` does not synchronize."""
+        ...
+
+    def check_idle(self) -> None:
+        """Raise ``AssertionError`` if this step's gradients are in flight (``zero_grad()``)."""
+        ...
+
+    def reset(self) -> None:
+        """Drop this step's reductions and pass counters."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reducer's own state for checkpoints (``{}`` when it has none)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict()`` returned."""
+        ...
+
+
+@runtime_checkable
+class ShardedStateful(Protocol):
+    """An optimizer whose state is split across the ranks (as ``torch.distributed.checkpoint``'s
+    ``Stateful``, for the per-rank part): each parameter's state lives on one rank. Parameters are
+    numbered in ``param_groups`` order, as in a plain optimizer's ``state_dict()``.
+
+    ``hvd.checkpoint.save`` writes each rank's ``local_state_dict()``; ``hvd.checkpoint.load``
+    reads only the entries of ``owned_indices()`` and hands them to ``load_state_dict`` in the
+    plain optimizer's format (a full state dict in which only this rank's entries are present).
+    """
+
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the state is split across."""
+        ...
+
+    def owned_indices(self) -> list[int]:
+        """The indices of the parameters whose state this rank holds."""
+        ...
+
+    def local_state_dict(self) -> dict[int, Any]:
+        """This rank's part: ``{parameter index: that parameter's state}``."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict in the plain optimizer's format, keeping this rank's part."""
+        ...
+
+
+def reducer_of(optimizer: Any) -> GradientReducer | None:
+    """The ``GradientReducer`` an optimizer composes (``optimizer.reducer``), or None for an
+    optimizer that averages nothing itself (a plain one, the Adasum delta optimizer)."""
+    reducer = getattr(optimizer, "reducer", None)
+    return reducer if isinstance(reducer, GradientReducer) else None
+
+
+class SkipSynchronize:
+    """``synchronize_on_step`` and ``skip_synchronize()``, as both reducers implement them."""
+
+    _should_synchronize = True
+
+    @property
+    def synchronize_on_step(self) -> bool:
+        return self._should_synchronize
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make the optimizer's ``step()`` skip synchronization (after an explicit
+        ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
