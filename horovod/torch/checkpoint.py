@@ -76,8 +76,8 @@ def _algorithm(optimizer: torch.optim.Optimizer) -> type:
     inner = getattr(optimizer, "_optimizer_class", None)
     if isinstance(inner, type):
         return inner
-    for cls in type(optimizer).__mro__:  # DistributedOptimizer: a subclass made in horovod.torch
-        if not cls.__module__.startswith("horovod."):
+    for cls in type(optimizer).__mro__:  # DistributedOptimizer: a subclass of a horovod mixin
+        if not any(c.__module__.startswith("horovod.") for c in cls.__mro__):
             return cls
     return type(optimizer)
 
