@@ -432,16 +432,20 @@ def _read_metadata(path: str) -> tuple[str, Any]:
     """The newest committed version's directory at ``path`` and its DCP index."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    where = layout.resolve(path)
-    if where == f"{path}.old":
-        warnings.warn(f"hvd.checkpoint.load: no checkpoint at {path!r}; reading {where!r}, the "
-                      "previous checkpoint that a save of the first format left there when it "
-                      "crashed between its two renames", stacklevel=3)
-    try:
-        return where, FileSystemReader(where).read_metadata()
-    except FileNotFoundError:
-        raise ValueError(f"hvd.checkpoint.load: {path!r} is not a complete checkpoint (no index "
-                         "'.metadata': the save did not commit)") from None
+    for attempt in range(3):
+        where = layout.resolve(path)
+        if where == f"{path}.old":
+            warnings.warn(f"hvd.checkpoint.load: no checkpoint at {path!r}; reading {where!r}, the "
+                          "previous checkpoint that a save of the first format left there when it "
+                          "crashed between its two renames", stacklevel=3)
+        try:
+            return where, FileSystemReader(where).read_metadata()
+        except FileNotFoundError:
+            if attempt < 2 and layout.resolve(path) != where:
+                continue  # a newer version was committed and this one removed meanwhile
+            raise ValueError(f"hvd.checkpoint.load: {path!r} is not a complete checkpoint (no "
+                             "index '.metadata': the save did not commit)") from None
+    raise AssertionError("unreachable")
 
 
 def _read(path: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -479,10 +483,26 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
             names the missing, unexpected and mismatched keys, or the optimizer classes and
             their differing hyper-parameters); nothing was loaded.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.fspath(path)
-    where, meta = _read_metadata(path)
+    for attempt in range(3):
+        where, meta = _read_metadata(path)
+        try:
+            return _load_version(path, where, meta, model, optimizer)
+        except (Exception, CheckpointException):  # DCP's is a BaseException
+            # another process committed a newer version and removed this one while it was read
+            # (DCP reports the missing file as its CheckpointException; the model and optimizer
+            # change only after every read succeeded): read the newer one
+            if attempt == 2 or layout.resolve(path) == where:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | None,
+                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     md = meta.state_dict_metadata
     head = _read(where, {k: None for k in ("horovod", "optim.param_groups", "extra") if k in md})
     problems: list[str] = []

@@ -415,3 +415,23 @@ def test_another_optimizer_class_is_refused_before_anything_loads(tmp_path):
     a2 = torch.optim.AdamW(m3.parameters(), lr=0.5)
     hvd.checkpoint.load(path, model=m3, optimizer=a2)
     assert a2.param_groups[0]["lr"] == 0.1 and len(a2.state) == len(list(m3.parameters()))
+
+
+def test_a_load_racing_a_newer_commit_reads_the_newer_version(tmp_path, monkeypatch):
+    """A reader (another process in practice) resolves version 1, then a save commits version 2
+    and removes version 1 before the reader reads its files: load reads version 2, whole."""
+    from horovod.torch import checkpoint
+
+    path = str(tmp_path / "ckpt")
+    hvd.checkpoint.save(path, model=_model(1), extra={"step": 1})
+    original, calls = checkpoint._read, []
+
+    def racing(where, request):
+        if not calls:
+            hvd.checkpoint.save(path, model=_model(2), extra={"step": 2})  # removes `where`
+            assert not os.path.exists(where)
+        calls.append(where)
+        return original(where, request)
+    monkeypatch.setattr(checkpoint, "_read", racing)
+    assert _loaded_step(path) == 2
+    assert [os.path.basename(c) for c in calls] == ["v000001", "v000002", "v000002"], calls
