@@ -129,10 +129,14 @@ def main() -> int:
     cases = args.cases.split(",") if args.cases else [
         c for c in CASES if c != "fully_shard" or hasattr(hvd, "fully_shard")]
     cfg = {k: getattr(args, k) for k in ("layers", "width", "batch", "warmup", "steps")}
-    results = {}
+    results: dict[str, Any] = {}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     for case in cases:
         rows = run_ranks(_measure, np=args.np, timeout=args.timeout, args=(case, cfg))
         results[case] = rows
+        with open(args.out, "w") as fh:  # after every case: a long run keeps what it measured
+            json.dump({"config": {**cfg, "np": args.np, "params": rows[0]["params"]},
+                       "results": results}, fh, indent=1)
         mib = 1024 * 1024
         print(f"{case:12s} peak - base per rank (MiB): "
               + ", ".join(f"{r['peak'] / mib:.0f}" for r in rows)
@@ -142,10 +146,6 @@ def main() -> int:
     if ref:
         for case, rows in results.items():
             print(f"{case:12s} worst rank's peak / DistributedOptimizer's: {max(r['peak'] for r in rows) / ref:.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"config": {**cfg, "np": args.np, "params": results[cases[0]][0]["params"]},
-                   "results": results}, fh, indent=1)
     return 0
 
 
