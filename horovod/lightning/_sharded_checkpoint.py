@@ -27,7 +27,13 @@ MARK = "horovod_sharded_checkpoint"
 
 def is_sharded(path: str) -> bool:
     """Whether ``path`` is a checkpoint directory written by ``hvd.checkpoint``."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+    if not os.path.isdir(path):
+        return False
+    try:
+        hvd.checkpoint.latest(path)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module,
@@ -54,7 +60,8 @@ def load(path: str, module: torch.nn.Module) -> dict[str, Any]:
     checkpoint["state_dict"] = module.state_dict()
     from torch.distributed.checkpoint import FileSystemReader
 
-    if "optim.param_groups" in FileSystemReader(path).read_metadata().state_dict_metadata:
+    if "optim.param_groups" in FileSystemReader(
+            hvd.checkpoint.latest(path)).read_metadata().state_dict_metadata:
         checkpoint["optimizer_states"] = [{MARK: path}]
     return checkpoint
 

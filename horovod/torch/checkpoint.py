@@ -20,16 +20,20 @@ Keys (a flat state dict, readable by any DCP job):
 - ``extra``: the ``extra`` dict given to ``save`` (rank 0); ``horovod``: format version and the
   world size it was saved at (rank 0).
 
-Write, then commit: the ranks write into ``<path>.partial``; after every rank has written, rank 0
-writes ``.metadata`` and renames the directory to ``<path>``. A save that fails part way leaves no
-``<path>`` (or the previous checkpoint there).
+Write, then commit (``_checkpoint_dir``): ``path`` is a directory of versions. Rank 0 first checks
+that ``path`` is new, empty or a checkpoint of ours (anything else is refused on every rank, and
+nothing there is touched) and makes ``path/v<k>.partial``; the ranks write and fsync their files
+there; after every rank has written, rank 0 writes ``.metadata`` and renames the directory to
+``path/v<k>`` (the commit point), and only then removes the older versions. ``load`` reads the
+newest committed version, so a crash at any point leaves the previous checkpoint or the new one.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
-import shutil
+import sys
 import threading
 import warnings
 from typing import Any
@@ -38,12 +42,13 @@ import torch
 
 from horovod.common.basics import is_initialized, rank, size
 from horovod.common.objects import allgather_object, broadcast_object
+from horovod.torch import _checkpoint_dir as layout
 from horovod.torch.reducer import ShardedStateful
 from horovod.torch.zero import partition_by_bytes
 
-__all__ = ["save", "load", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
+__all__ = ["save", "load", "latest", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the versioned directory, the optimizer's class and hyper-parameter names
 _counter = [0]
 
 
@@ -64,6 +69,22 @@ def _param_names(model: torch.nn.Module | None, params: list[torch.Tensor]) -> l
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _algorithm(optimizer: torch.optim.Optimizer) -> type:
+    """The optimizer class whose state a checkpoint holds: the wrapped class of a
+    ``ZeroRedundancyOptimizer`` or a ``DistributedOptimizer``, else the optimizer's own class."""
+    inner = getattr(optimizer, "optim", None)  # a ZeroRedundancyOptimizer's local optimizer
+    if isinstance(inner, torch.optim.Optimizer):
+        return type(inner)
+    for cls in type(optimizer).__mro__:  # DistributedOptimizer: a subclass of a horovod mixin
+        if not any(c.__module__.startswith("horovod.") for c in cls.__mro__):
+            return cls
+    return type(optimizer)
+
+
+def _hyperparameters(groups: list[dict[str, Any]]) -> list[str]:
+    return sorted({k for g in groups for k in g if k != "params"})
 
 
 def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
@@ -101,8 +122,11 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
             out["optim.param_groups"] = groups
     if r == 0:
         out["extra"] = dict(extra or {})
-        out["horovod"] = {"format": FORMAT_VERSION, "world_size": n,
-                          "optimizer": None if optimizer is None else type(optimizer).__name__}
+        out["horovod"] = {"format": FORMAT_VERSION, "world_size": n, "optimizer": None}
+        if optimizer is not None:
+            cls = _algorithm(optimizer)
+            out["horovod"].update(optimizer=cls.__name__, optimizer_module=cls.__module__,
+                                  hyperparameters=_hyperparameters(optimizer.param_groups))
     return out
 
 
@@ -167,15 +191,18 @@ class _Failed(str):
 
 class SaveHandle:
     """A save in progress (``save(..., blocking=False)``): ``wait()`` (collective: every rank
-    calls it) finishes it and raises what failed on any rank."""
+    calls it) finishes it and raises what failed on any rank. A handle never waited for is
+    finished at interpreter exit (see ``save``)."""
 
     def __init__(self, path: str, tmp: str, part: dict[str, Any], r: int, n: int, name: str,
-                 background: bool, kept: bool = False) -> None:
+                 background: bool, kept: bool = False, created: bool = False) -> None:
         self.path, self._tmp, self._part = path, tmp, part
-        self._r, self._n, self._name, self._kept = r, n, name, kept
+        self._r, self._n, self._name, self._kept, self._created = r, n, name, kept, created
+        self.version: str | None = None  # the committed version's directory, once committed
         self._writer: Any = None
         self._metadata: Any = None
         self._result: Any = None
+        self._error: RuntimeError | None = None
         self._done = False
         self._thread: threading.Thread | None = None
         if background:
@@ -206,10 +233,8 @@ class SaveHandle:
         planner = DefaultSavePlanner(flatten_state_dict=False)  # objects stay one entry each
         local: Any
         try:
-            if r == 0:  # the other ranks write only after the plan exchange, i.e. after this
-                shutil.rmtree(self._tmp, ignore_errors=True)
-                os.makedirs(self._tmp, exist_ok=True)  # another rank's writer may have made it
-            self._writer = FileSystemWriter(self._tmp, sync_files=False)
+            # rank 0 made the version's directory (``save``); every file is fsync'd when written
+            self._writer = FileSystemWriter(self._tmp, sync_files=True)
             planner.set_up_planner(state_dict=self._part, storage_meta=self._writer.storage_meta(),
                                    is_coordinator=r == 0)
             self._writer.set_up_storage_writer(r == 0, rank=r, use_collectives=True)
@@ -239,13 +264,17 @@ class SaveHandle:
 
     def wait(self) -> str:
         """Wait for every rank's files, then commit (rank 0 writes the index and renames the
-        directory); returns the checkpoint's path. Raises ``RuntimeError`` on every rank if any
-        rank failed to write (nothing is committed then)."""
+        version's directory into place); returns the checkpoint's path. Raises ``RuntimeError``
+        on every rank if any rank failed to write (nothing is committed then; a second
+        ``wait()`` raises it again)."""
         if self._done:
+            if self._error is not None:
+                raise self._error
             return self.path
         if self._thread is not None:
             self._thread.join()
         self._done = True
+        _pending.pop(os.path.realpath(self.path), None)
         results = [self._result] if self._n == 1 else allgather_object(
             self._result, name=f"{self._name}.results")
         by_error: dict[str, list[str]] = {}
@@ -255,76 +284,169 @@ class SaveHandle:
                                     []).append(str(i))
         failed = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}: {msg}"
                   for msg, rs in by_error.items()]
-        status = None
+        status: Any = None
         if not failed and self._r == 0:
             try:
-                self._writer.finish(metadata=self._metadata, results=results)
-                _commit(self._tmp, self.path)
+                self._writer.finish(metadata=self._metadata, results=results)  # fsync'd .metadata
+                status = layout.commit(self._tmp)
             except BaseException as exc:  # noqa: BLE001 - reported on every rank
-                status = f"rank 0 (commit): {exc!r}"
+                status = _Failed(f"rank 0 (commit): {exc!r}")
         if self._n > 1:
             status = broadcast_object(status, 0, name=f"{self._name}.commit")
-        if failed or status:
+        if failed or isinstance(status, _Failed):
             if self._r == 0:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-            raise RuntimeError(f"hvd.checkpoint.save({self.path!r}) failed, nothing was committed: "
-                               + "; ".join(failed + ([status] if status else [])))
+                layout.abandon(self._tmp, self._created)
+            self._error = RuntimeError(
+                f"hvd.checkpoint.save({self.path!r}) failed, nothing was committed: "
+                + "; ".join(failed + ([status] if isinstance(status, _Failed) else [])))
+            raise self._error
+        self.version = status
         return self.path
 
+    def _finish_at_exit(self) -> None:
+        """Commit at interpreter exit if every rank can still take part; else say loudly on
+        stderr that the checkpoint was not committed."""
+        from horovod.common import lifecycle
 
-def _commit(tmp: str, path: str) -> None:
-    old = None
-    if os.path.exists(path):
-        old = f"{path}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        reason = None
+        if self._n > 1:
+            if lifecycle.failure() is not None or getattr(sys, "last_value", None) is not None:
+                reason = ("this rank is exiting after an error, so the other ranks cannot be "
+                          "expected to finish the save with it")
+            elif not is_initialized():
+                reason = "Horovod was shut down (hvd.shutdown()) before the save was committed"
+        if reason is None:
+            try:
+                self.wait()
+                if self._r == 0:
+                    print(f"hvd.checkpoint: committed the non-blocking save to {self.path!r} at "
+                          "exit (its handle.wait() was never called)", file=sys.stderr, flush=True)
+                return
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                reason = str(exc)
+        try:
+            now = latest(self.path)
+        except (OSError, ValueError):
+            now = None
+        print(f"hvd.checkpoint: ERROR (rank {self._r}): the non-blocking save to {self.path!r} "
+              f"was NOT committed at exit: {reason}. The checkpoint there is "
+              + (f"still the previous one ({now!r})" if now else "missing: there is none")
+              + ". Call handle.wait() on every rank before the script ends.",
+              file=sys.stderr, flush=True)
+
+
+_pending: dict[str, SaveHandle] = {}  # the non-blocking saves not waited for, by real path
+_atexit_registered = [False]
+
+
+def _finish_pending_at_exit() -> None:
+    """``atexit``: finish every non-blocking save whose ``wait()`` was never called, in the
+    order they started (the same on every rank). Registered at the first non-blocking save, so
+    it runs before Horovod's own shutdown at exit."""
+    for handle in list(_pending.values()):
+        handle._finish_at_exit()
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
          optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None,
          blocking: bool = True) -> SaveHandle | str:
-    """Save ``model``, ``optimizer`` and ``extra`` to the directory ``path``, each rank writing
-    only its part. Collective: every rank calls it with the same path (on a file system every
-    rank sees).
+    """Save ``model``, ``optimizer`` and ``extra`` as a new version of the checkpoint directory
+    ``path``, each rank writing only its part. Collective: every rank calls it with the same path
+    (on a file system every rank sees).
+
+    ``path`` must be new, an empty directory or a checkpoint written here: a path that holds
+    anything else (a file, a user's files) is refused on every rank before anything is written,
+    and nothing there is touched. The new version commits with one rename after every file is
+    written and fsync'd; the previous version is removed only after that. ``load`` reads the
+    newest committed version, so a crash at any point leaves the old checkpoint or the new one.
 
     With ``blocking=False`` the tensors are first copied into one host buffer (kept for the next
     non-blocking save; ``release_buffers()`` frees it), then ``save`` returns: the plans are
     exchanged and the files written by a background thread while training continues, and the
-    returned ``SaveHandle``'s ``wait()`` (on every rank) commits the checkpoint. Returns the path
-    when blocking.
+    returned ``SaveHandle``'s ``wait()`` (on every rank) commits the checkpoint. A later save to
+    the same path first finishes this one (saves to one path are serialized). A handle never
+    waited for is committed at interpreter exit; where it cannot be (the rank is exiting after
+    an error, or Horovod was shut down), the exit says so on stderr. Returns the path when
+    blocking.
 
     Raises:
+        FileExistsError: ``path`` is a file or holds something that is not part of a checkpoint
+            (the message names it); on every rank, nothing written.
         RuntimeError: a rank failed to plan or write; raised on every rank, and nothing is
             committed.
     """
     path = os.fspath(path)
     r, n = _world()
+    earlier = _pending.get(os.path.realpath(path))
+    if earlier is not None:  # serialized: the earlier save to this path commits first
+        try:
+            earlier.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"hvd.checkpoint.save({path!r}) was not started: the earlier "
+                               f"non-blocking save to the same path, finished first, failed: "
+                               f"{exc}") from exc
     _counter[0] += 1
+    name = f"checkpoint.save.{_counter[0]}"
     part = _local_part(model, optimizer, extra, r, n)
+    where: Any = None
+    if r == 0:  # rank 0 checks the directory and makes the new version's; every rank learns it
+        try:
+            where = layout.prepare(path)
+        except FileExistsError as exc:
+            where = exc
+        except OSError as exc:
+            where = RuntimeError(f"hvd.checkpoint.save({path!r}) failed, nothing was committed: "
+                                 f"rank 0 (preparing the directory): {exc!r}")
+    if n > 1:
+        where = broadcast_object(where, 0, name=f"{name}.dir")
+    if isinstance(where, BaseException):
+        raise where
+    tmp, created = where
     kept = False
     if not blocking:
         part, kept = _Snapshot.take(part)
-    handle = SaveHandle(path, f"{path}.partial", part, r, n, f"checkpoint.save.{_counter[0]}",
-                        background=not blocking, kept=kept)
-    return handle.wait() if blocking else handle
+    handle = SaveHandle(path, tmp, part, r, n, name, background=not blocking, kept=kept,
+                        created=created)
+    if blocking:
+        return handle.wait()
+    _pending[os.path.realpath(path)] = handle
+    if not _atexit_registered[0]:
+        atexit.register(_finish_pending_at_exit)
+        _atexit_registered[0] = True
+    return handle
+
+
+def latest(path: str | os.PathLike) -> str:
+    """The directory of the newest committed version of the checkpoint at ``path`` (a
+    ``torch.distributed.checkpoint`` directory: pass it as DCP's ``checkpoint_id`` to read the
+    checkpoint without Horovod).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: ``path`` holds no committed checkpoint.
+    """
+    return layout.resolve(os.fspath(path))
 
 
 # ------------------------------------------------------------------------------ load
-def _read_metadata(path: str) -> Any:
+def _read_metadata(path: str) -> tuple[str, Any]:
+    """The newest committed version's directory at ``path`` and its DCP index."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"hvd.checkpoint.load: no checkpoint at {path!r}"
-                                + (" (only an uncommitted partial save is there)"
-                                   if os.path.isdir(f"{path}.partial") else ""))
-    try:
-        return FileSystemReader(path).read_metadata()
-    except FileNotFoundError:
-        raise ValueError(f"hvd.checkpoint.load: {path!r} is not a complete checkpoint (no index "
-                         "'.metadata': the save did not commit)") from None
+    for attempt in range(3):
+        where = layout.resolve(path)
+        if where == f"{path}.old":
+            warnings.warn(f"hvd.checkpoint.load: no checkpoint at {path!r}; reading {where!r}, the "
+                          "previous checkpoint that a save of the first format left there when it "
+                          "crashed between its two renames", stacklevel=3)
+        try:
+            return where, FileSystemReader(where).read_metadata()
+        except FileNotFoundError:
+            if attempt < 2 and layout.resolve(path) != where:
+                continue  # a newer version was committed and this one removed meanwhile
+            raise ValueError(f"hvd.checkpoint.load: {path!r} is not a complete checkpoint (no "
+                             "index '.metadata': the save did not commit)") from None
+    raise AssertionError("unreachable")
 
 
 def _read(path: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -349,8 +471,9 @@ def _read(path: str, request: dict[str, Any]) -> dict[str, Any]:
 
 def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
          optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load a checkpoint written by ``save`` into ``model`` and ``optimizer`` and return its
-    ``extra`` dict. Works at any world size and in a plain process without ``hvd.init()``; the
+    """Load the newest committed version of the checkpoint that ``save`` wrote at ``path`` into
+    ``model`` and ``optimizer`` and return its ``extra`` dict (leftovers of a crashed save are
+    ignored). Works at any world size and in a plain process without ``hvd.init()``; the
     optimizer may be sharded (``ZeroRedundancyOptimizer``: each rank reads only its shard) or not,
     whatever it was when saved. Every rank checks the checkpoint against its model and
     optimizer before changing anything.
@@ -358,13 +481,31 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
         ValueError: an uncommitted checkpoint, or one of another model or optimizer (the message
-            names the missing, unexpected and mismatched keys); nothing was loaded.
+            names the missing, unexpected and mismatched keys, or the optimizer classes and
+            their differing hyper-parameters); nothing was loaded.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.fspath(path)
-    md = _read_metadata(path).state_dict_metadata
-    head = _read(path, {k: None for k in ("horovod", "optim.param_groups", "extra") if k in md})
+    for attempt in range(3):
+        where, meta = _read_metadata(path)
+        try:
+            return _load_version(path, where, meta, model, optimizer)
+        except (Exception, CheckpointException):  # DCP's is a BaseException
+            # another process committed a newer version and removed this one while it was read
+            # (DCP reports the missing file as its CheckpointException; the model and optimizer
+            # change only after every read succeeded): read the newer one
+            if attempt == 2 or layout.resolve(path) == where:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | None,
+                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = meta.state_dict_metadata
+    head = _read(where, {k: None for k in ("horovod", "optim.param_groups", "extra") if k in md})
     problems: list[str] = []
     request: dict[str, Any] = {}
     model_sd: dict[str, Any] = {}
@@ -389,12 +530,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
     optim_sd = None
     if optimizer is not None:
         optim_sd = _optimizer_request(optimizer, model, md, head.get("optim.param_groups"),
-                                      problems, request)
+                                      problems, request, head.get("horovod") or {})
     if problems:
         raise ValueError(f"hvd.checkpoint.load({path!r}): the checkpoint does not match the "
                          f"{'model and optimizer' if optimizer is not None else 'model'} given: "
                          + "; ".join(problems) + ". Nothing was loaded.")
-    got = _read(path, request)
+    got = _read(where, request)
     if model is not None:
         model.load_state_dict({k: got[f"model.{k}"] for k in model_sd})
     if optimizer is not None and optim_sd is not None:
@@ -404,14 +545,49 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
     return dict(head.get("extra") or {})
 
 
+_WRAPPERS = {"ZeroRedundancyOptimizer"}  # names the first format recorded instead of the class
+
+
+def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]],
+                        header: dict[str, Any]) -> str | None:
+    """Why the checkpoint's optimizer state cannot go into ``optimizer`` (another class; for a
+    checkpoint of the first format, which recorded no class, other hyper-parameter names)."""
+    cls = _algorithm(optimizer)
+    have = _hyperparameters(optimizer.param_groups)
+    saved = header.get("hyperparameters") or _hyperparameters(saved_groups)
+    saved_cls = header.get("optimizer")
+    only_saved = sorted(set(saved) - set(have))
+    only_have = sorted(set(have) - set(saved))
+    diff = (f"hyper-parameters only in the checkpoint: {only_saved or 'none'}; only in the "
+            f"optimizer given: {only_have or 'none'}")
+    fix = ("Load the model alone (optimizer=None) and start the optimizer afresh, or build the "
+           "optimizer the checkpoint was saved with")
+    if isinstance(saved_cls, str) and saved_cls not in _WRAPPERS:
+        if saved_cls != cls.__name__:
+            where = header.get("optimizer_module")
+            return (f"the checkpoint holds the state of a {f'{where}.' if where else ''}{saved_cls} "
+                    f"optimizer, the optimizer given is a {cls.__module__}.{cls.__name__} ({diff}). "
+                    + fix)
+        return None
+    if only_saved or only_have:
+        return (f"the checkpoint's optimizer has other hyper-parameters than the "
+                f"{cls.__module__}.{cls.__name__} given ({diff}). " + fix)
+    return None
+
+
 def _optimizer_request(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, md: Any,
-                       saved_groups: Any, problems: list[str], request: dict[str, Any]) -> Any:
+                       saved_groups: Any, problems: list[str], request: dict[str, Any],
+                       header: dict[str, Any]) -> Any:
     """Check the saved optimizer against ``optimizer``; add what to read to ``request`` and
     return the full state dict to fill (state keys under ``_keys``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     if saved_groups is None:
         problems.append("the checkpoint has no optimizer state (it was saved without an optimizer)")
+        return None
+    mismatch = _optimizer_mismatch(optimizer, saved_groups, header)
+    if mismatch:
+        problems.append(mismatch)
         return None
     params = _optimizer_params(optimizer)
     names = _param_names(model, params)

@@ -1,8 +1,10 @@
 """hvd.checkpoint on real ranks: saved at np=4 by every rank (ZeroRedundancyOptimizer and
 DistributedOptimizer, blocking and not), loaded at np=2, at np=3 and in one plain process with the
 same consolidated state, training continued from it equal to training that never stopped (one
-launch per world size); really sharded files; a failed save leaves nothing loadable; a checkpoint
-of another model, an optimizer the checkpoint lacks, fail on every rank."""
+launch per world size); really sharded files; a failed save leaves nothing loadable; a directory
+holding a user's files is refused; a checkpoint of another model, an optimizer the checkpoint
+lacks, another optimizer class, fail on every rank (tests/torch/test_checkpoint_safety.py: crashes,
+leftovers, exit without wait())."""
 
 from __future__ import annotations
 
@@ -100,8 +102,20 @@ def _save_at_4():
         failed = str(exc)
     finally:
         FileSystemWriter.write_data = original
+    # a directory holding a user's files: refused on every rank, nothing touched
+    user = os.path.join(_DIR, "user")
+    if r == 0:
+        os.makedirs(os.path.join(user, "sub"))
+        with open(os.path.join(user, "notes.txt"), "w") as f:
+            f.write("mine")
     hvd.barrier()
-    return failed
+    refused = None
+    try:
+        hvd.checkpoint.save(user, model=model, optimizer=opt)
+    except FileExistsError as exc:
+        refused = str(exc)
+    hvd.barrier()
+    return failed, refused, sorted(os.listdir(user))
 
 
 def _load_and_continue():
@@ -164,6 +178,12 @@ def _load_and_continue():
         hvd.checkpoint.load(only, model=model, optimizer=opt)
     except ValueError as exc:
         errors["no_optimizer"] = str(exc)
+    try:  # the AdamW checkpoint into SGD with momentum: refused before anything loads
+        hvd.checkpoint.load(os.path.join(_DIR, "zero"), model=m2,
+                            optimizer=hvd.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1,
+                                                                               momentum=0.9)))
+    except ValueError as exc:
+        errors["sgd"] = str(exc)
     for name in ("broken", "uncommitted"):
         try:
             hvd.checkpoint.load(os.path.join(_DIR, name), model=model, optimizer=opt)
@@ -193,27 +213,37 @@ _LOAD = {n: SharedLaunch(n, {"load": _load_and_continue}, timeout=240) for n in 
 
 @pytest.fixture(scope="module")
 def saved():
-    failed = _SAVE.results("save")
+    import horovod.torch as hvd
+
+    results = _SAVE.results("save")
     # a checkpoint whose commit never happened: data files but no index
     shutil.copytree(os.path.join(_DIR, "zero"), os.path.join(_DIR, "uncommitted"))
-    os.remove(os.path.join(_DIR, "uncommitted", ".metadata"))
-    yield failed
+    os.remove(os.path.join(hvd.checkpoint.latest(os.path.join(_DIR, "uncommitted")), ".metadata"))
+    yield results
     shutil.rmtree(_DIR, ignore_errors=True)
 
 
 def test_checkpoint_files_are_sharded(saved):
+    import horovod.torch as hvd
+
     for name in ("zero", "plain"):
-        root = os.path.join(_DIR, name)
+        root = hvd.checkpoint.latest(os.path.join(_DIR, name))
         sizes = {f: os.path.getsize(os.path.join(root, f)) for f in os.listdir(root)}
         assert len([f for f in sizes if f.endswith(".distcp")]) == 4, sizes
         assert max(sizes.values()) <= 0.6 * sum(sizes.values()), sizes
 
 
 def test_failed_save_commits_nothing(saved):
-    for r, msg in enumerate(saved):
+    for r, (msg, _, _) in enumerate(saved):
         assert msg is not None and "disk full (injected)" in msg and "rank 3" in msg, (r, msg)
     assert not os.path.exists(os.path.join(_DIR, "broken"))
     assert not os.path.exists(os.path.join(_DIR, "broken.partial"))
+
+
+def test_a_foreign_directory_is_refused_on_every_rank(saved):
+    for r, (_, refused, listing) in enumerate(saved):
+        assert refused is not None and "refusing to write" in refused and "notes.txt, sub/" in refused, (r, refused)
+        assert listing == ["notes.txt", "sub"], (r, listing)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -225,6 +255,8 @@ def test_load_at_another_size_and_continue(saved, n):
         assert "unexpected model keys ['4.bias', '4.weight'" in errors["other_model"], errors
         assert "shape (32, 7) in the checkpoint, (33, 7) in the model" in errors["other_model"]
         assert "no optimizer state" in errors["no_optimizer"], errors
+        assert "torch.optim.adamw.AdamW" in errors["sgd"] and "torch.optim.sgd.SGD" in errors["sgd"], errors
+        assert "'momentum'" in errors["sgd"] and "'betas'" in errors["sgd"], errors
         assert "no checkpoint" in errors["broken"], errors
         assert "not a complete checkpoint" in errors["uncommitted"], errors
 
