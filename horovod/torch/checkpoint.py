@@ -303,7 +303,7 @@ class SaveHandle:
         self.version = status
         return self.path
 
-    def _finish_at_exit(self) -> None:
+    def finish_at_exit(self) -> None:
         """Commit at interpreter exit if every rank can still take part; else say loudly on
         stderr that the checkpoint was not committed."""
         from horovod.common import lifecycle
@@ -344,7 +344,7 @@ def _finish_pending_at_exit() -> None:
     order they started (the same on every rank). Registered at the first non-blocking save, so
     it runs before Horovod's own shutdown at exit."""
     for handle in list(_pending.values()):
-        handle._finish_at_exit()
+        handle.finish_at_exit()
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
