@@ -118,6 +118,9 @@ class _Group:
         self.pending: list[tuple[_Group, int, Any]] = []
         self.callback_queued = False
         self.in_forward = False
+        self.iteration = 0
+        self.seq_iteration = -1
+        self.seq: dict[str, int] = {}
         # this group's state
         self.gather: int | None = None
         self.unsharded = False
@@ -145,6 +148,12 @@ class _Group:
                             "a parameter shared between wrapped modules must be wrapped with their "
                             "common ancestor (wrap the outer module only)")
                     continue
+                if hasattr(p, "_hvd_sharded_as"):  # the original of a parameter sharded earlier
+                    raise ValueError(
+                        f"hvd.fully_shard: rank {self.r}: parameter {fqn} of {type(module).__name__} is "
+                        f"tied to {p._hvd_sharded_as}, which an earlier fully_shard call sharded; a parameter "
+                        "shared between modules must be wrapped with their common ancestor (wrap the "
+                        "outer module only)")
                 owners.setdefault(id(p), []).append((mod, pname))
                 first.setdefault(id(p), (fqn, p))
         named = list(first.values())
@@ -173,10 +182,21 @@ class _Group:
             prm = _Param(fqn, owners[id(p)], p, self.n, self.r, cdt, offset)
             offset += prm.seg
             prm.use(prm.shard)
+            p._hvd_sharded_as = f"{fqn} of {type(module).__name__}"  # type: ignore[attr-defined]
             self.params.append(prm)
             if prm.unsharded.requires_grad:
                 prm.unsharded.register_post_accumulate_grad_hook(self._make_grad_hook(len(self.params) - 1))
         self.segment = offset
+        # the shards become views of one flat per-rank segment, the allgather's input as it is
+        # (padding included), when they share a dtype
+        self.flat: torch.Tensor | None = None
+        if self.params and len({q.dtype for q in self.params}) == 1:
+            flat = torch.zeros(offset, dtype=self.params[0].dtype, device=self.params[0].shard.device)
+            for q in self.params:
+                view = flat[q.offset:q.offset + q.local_numel].view(q.shard.shape)
+                view.copy_(q.shard.data)
+                q.shard.data = view
+            self.flat = flat
         self.n_grad = sum(1 for q in self.params if q.unsharded.requires_grad)
 
     def root(self) -> _Group:
@@ -186,18 +206,34 @@ class _Group:
         return g
 
     def name(self, what: str) -> str:
-        return f"hvd.fully_shard.{self.index}.{what}"
+        """A collective's name, unique while in flight (a module may run twice in an iteration) and
+        the same every iteration (the engine's response cache knows it)."""
+        it = self.root().iteration
+        if self.seq_iteration != it:
+            self.seq_iteration, self.seq = it, {}
+        k = self.seq.get(what, 0)
+        self.seq[what] = k + 1
+        return f"hvd.fully_shard.{self.index}.{what}.{k}"
 
     # -------------------------------------------------------------------- unshard / reshard
     def start_unshard(self) -> None:
         if self.unsharded or self.gather is not None or not self.params:
             return
-        dt = self.mp.param_dtype
-        send = torch.zeros(self.segment, dtype=dt or self.params[0].dtype, device=self.params[0].shard.device)
-        for q in self.params:
-            if q.local_numel:
-                send[q.offset:q.offset + q.local_numel].copy_(q.shard.detach().reshape(-1))
+        dt = self.mp.param_dtype or self.params[0].dtype
+        if self.flat is not None and self.flat.dtype == dt and self._views_intact():
+            send = self.flat  # the shards are views of it: no copy
+        else:
+            send = torch.zeros(self.segment, dtype=dt, device=self.params[0].shard.device)
+            for q in self.params:
+                if q.local_numel:
+                    send[q.offset:q.offset + q.local_numel].copy_(q.shard.detach().reshape(-1))
         self.gather = mpi_ops.allgather_async(send, name=self.name("allgather"), process_set=self.process_set)
+
+    def _views_intact(self) -> bool:
+        """Whether every shard is still its view of ``flat`` (a user may have replaced ``.data``)."""
+        assert self.flat is not None
+        base, size = self.flat.data_ptr(), self.flat.element_size()
+        return all(q.shard.data_ptr() == base + q.offset * size or not q.local_numel for q in self.params)
 
     def wait_unshard(self) -> None:
         if self.unsharded or not self.params:
@@ -240,6 +276,7 @@ class _Group:
             if root.pending or root.callback_queued:  # a backward that did not finish its callback
                 root.finish_backward()
             root.prev_order, root.order = (root.order or root.prev_order), []
+            root.iteration += 1
             root.in_forward = True
         root.order.append(self)
         self.wait_unshard()
@@ -328,8 +365,14 @@ class _Group:
             q.unsharded.grad = None
         sent, ctx = self.compression.compress(buf)
         h = mpi_ops.reducescatter_async(sent, name=self.name("reducescatter"), process_set=self.process_set)
-        self.root().pending.append((self, h, ctx))
+        del buf, sent
+        root = self.root()
+        root.pending.append((self, h, ctx))
         self.reshard()
+        # one reduction in flight (it overlaps the next module's backward): an older one's input,
+        # a whole module's gradients, must not stay alive until the end of backward
+        while len(root.pending) > 1:
+            _complete(*root.pending.pop(0))
 
     def finish_backward(self) -> None:
         """At the end of backward (on the root): reduce what is left, add each rank's part to the
@@ -340,22 +383,26 @@ class _Group:
             if g.requires_sync and g.accumulated:
                 g.reduce()
         pending, self.pending = self.pending, []
-        for g, h, ctx in pending:
-            out = g.compression.decompress(mpi_ops.synchronize(h), ctx).reshape(-1)
-            for q in g.params:
-                if not q.shard.requires_grad:
-                    continue
-                part = out[q.offset:q.offset + q.local_numel].view(q.shard.shape).to(q.dtype)
-                if q.shard.grad is None:
-                    q.shard.grad = part.clone() if part.data_ptr() == out.data_ptr() and len(g.params) > 1 \
-                        else part
-                else:
-                    q.shard.grad.add_(part)
+        for entry in pending:
+            _complete(*entry)
         for g in self.order:
             g.reshard()
         for g in self.prev_order:
             if g.gather is not None:
                 g.reshard()
+
+
+def _complete(g: _Group, handle: int, ctx: Any) -> None:
+    """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
+    out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
+    for q in g.params:
+        if not q.shard.requires_grad:
+            continue
+        part = out[q.offset:q.offset + q.local_numel].view(q.shard.shape).to(q.dtype)
+        if q.shard.grad is None:
+            q.shard.grad = part
+        else:
+            q.shard.grad.add_(part)
 
 
 def _allgather_object(obj: Any, process_set: ProcessSet) -> list[Any]:
