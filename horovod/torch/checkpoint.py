@@ -38,6 +38,7 @@ import torch
 
 from horovod.common.basics import is_initialized, rank, size
 from horovod.common.objects import allgather_object, broadcast_object
+from horovod.torch.fully_shard import refuse_in_checkpoint
 from horovod.torch.zero import ZeroRedundancyOptimizer, partition_by_bytes
 
 __all__ = ["save", "load", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
@@ -299,6 +300,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
         RuntimeError: a rank failed to plan or write; raised on every rank, and nothing is
             committed.
     """
+    refuse_in_checkpoint("save", model)
     path = os.fspath(path)
     r, n = _world()
     _counter[0] += 1
@@ -359,6 +361,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
         ValueError: an uncommitted checkpoint, or one of another model or optimizer (the message
             names the missing, unexpected and mismatched keys); nothing was loaded.
     """
+    refuse_in_checkpoint("load", model)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.fspath(path)

@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.types import Max, Sum
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compression, StatefulCompressor
 
@@ -528,6 +529,18 @@ def _gather_rows(v: torch.Tensor, q: _Param, ps: ProcessSet, name: str) -> torch
 _counter = [0]
 
 
+def refuse_in_checkpoint(what: str, model: torch.nn.Module | None) -> None:
+    """``hvd.checkpoint`` does not know fully sharded models yet: their ``state_dict()`` holds
+    this rank's rows, which it would save as whole tensors. Raise rather than write a wrong one."""
+    if model is not None and any(isinstance(m, FullyShardedModule) for m in model.modules()):
+        raise ValueError(
+            f"hvd.checkpoint.{what}: {type(model).__name__} is fully sharded (hvd.fully_shard), which "
+            "hvd.checkpoint does not support yet. Save model.full_state_dict(to=0) and "
+            "horovod.torch.fully_shard.full_optim_state_dict(model, opt, to=0) with torch.save on "
+            "rank 0; load them at any world size with model.load_full_state_dict(sd) and "
+            "load_full_optim_state_dict(model, opt, osd) (docs/fully_shard.md)")
+
+
 def fully_shard(module: torch.nn.Module, *, reshard_after_forward: bool = True,
                 process_set: ProcessSet = global_process_set, mp_policy: MixedPrecisionPolicy | None = None,
                 compression: Any = Compression.none) -> torch.nn.Module:
@@ -582,7 +595,7 @@ def fully_shard(module: torch.nn.Module, *, reshard_after_forward: bool = True,
             inner.owner = group
     cls = type(module)
     module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
-    module._hvd_group = group
+    setattr(module, "_hvd_group", group)  # noqa: B010 - a plain attribute, not a submodule
     module.register_forward_pre_hook(group.pre_forward, with_kwargs=True)
     module.register_forward_hook(group.post_forward, with_kwargs=True)
     return module
@@ -600,12 +613,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     if math.isinf(norm_type):
         local = max((g.detach().abs().max().float() for g in grads if g.numel()),
                     default=torch.zeros((), device=dev))
-        total = mpi_ops.allreduce(local.reshape(1), op=mpi_ops.Max, name="hvd.fully_shard.clip.max",
+        total = mpi_ops.allreduce(local.reshape(1), op=Max, name="hvd.fully_shard.clip.max",
                                   process_set=process_set)[0]
     else:
         local = sum((g.detach().float().abs().pow(norm_type).sum() for g in grads),
                     torch.zeros((), device=dev))
-        total = mpi_ops.allreduce(local.reshape(1), op=mpi_ops.Sum, name="hvd.fully_shard.clip.sum",
+        total = mpi_ops.allreduce(local.reshape(1), op=Sum, name="hvd.fully_shard.clip.sum",
                                   process_set=process_set)[0] ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:

@@ -253,7 +253,7 @@ def _reshard_cases():
         m = _wrap(_net(blocks=4), reshard_after_forward=raf)
         inside = []
         m.blocks[2].b.register_forward_pre_hook(
-            lambda mod, a: inside.append(mod.weight.untyped_storage().nbytes()))
+            lambda mod, a, inside=inside: inside.append(mod.weight.untyped_storage().nbytes()))
         loss = F.cross_entropy(m(x), y)
         between = [sum(q.unsharded.untyped_storage().nbytes() for q in b._hvd_group.params)
                    for b in m.blocks]
@@ -307,7 +307,7 @@ def _memory_cases():
     o = torch.optim.AdamW(m.parameters(), lr=1e-3)
     x, y = torch.randn(1, 7), torch.tensor([1])
     steps = []
-    for k in range(3):
+    for _ in range(3):
         F.cross_entropy(m(x), y).backward()
         for h in hooks:  # measured in the first step (before AdamW's state exists)
             h.remove()
@@ -467,8 +467,8 @@ def test_fully_shard_checkpoint_np4_to_np2_and_plain(tmp_path):
     from horovod.testing import run_ranks
 
     path = str(tmp_path / "ck.pt")
-    uninterrupted = run_ranks(_checkpoint_save_cases, np=4, timeout=240, args=(path,))[0]
-    resumed = run_ranks(_checkpoint_load_cases, np=2, timeout=180, args=(path,))[0]
+    uninterrupted = run_ranks(_checkpoint_save_cases, np=4, timeout=420, args=(path,))[0]
+    resumed = run_ranks(_checkpoint_load_cases, np=2, timeout=300, args=(path,))[0]
     for k, v in uninterrupted.items():
         assert _rel(resumed[k], v) <= 1e-4, (k, _rel(resumed[k], v))
     # the same checkpoint in a plain process: an unsharded model and AdamW, the global batches
@@ -506,7 +506,7 @@ def np_(request):
 _LAUNCH = {n: joint_launch("torch", n, {"equivalence": _equivalence_cases,
                                         "mixed_precision": _mixed_precision_cases,
                                         "no_sync": _no_sync_and_compression_cases,
-                                        "reshard": _reshard_cases}, timeout=240)
+                                        "reshard": _reshard_cases}, timeout=420)
            for n in NPS}
 _BAD = {n: joint_launch("torch", n, {"bad": _bad_input_cases}, timeout=60, late=True) for n in NPS}
-_MEM = joint_launch("torch", 4, {"memory": _memory_cases}, timeout=120)
+_MEM = joint_launch("torch", 4, {"memory": _memory_cases}, timeout=360)
