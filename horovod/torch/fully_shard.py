@@ -268,6 +268,7 @@ class _Group:
             self.gather = None
         for q in self.params:
             q.free()
+            q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
         self.unsharded = False
 
     # -------------------------------------------------------------------- forward hooks
@@ -279,12 +280,14 @@ class _Group:
             root.prev_order, root.order = (root.order or root.prev_order), []
             root.iteration += 1
             root.in_forward = True
-        root.order.append(self)
+        recompute = root.callback_queued and root is not self  # activation checkpointing in backward
+        if not recompute:
+            root.order.append(self)
         self.wait_unshard()
         self.swap_in()
         # prefetch the next module of the previous iteration's order
         k = len(root.order)
-        if len(root.prev_order) > k and root.prev_order[k - 1] is self:
+        if not recompute and len(root.prev_order) > k and root.prev_order[k - 1] is self:
             root.prev_order[k].start_unshard()
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             dt = self.mp.param_dtype
@@ -311,7 +314,9 @@ class _Group:
             elif self.reshard_after_forward:
                 self.reshard()
         else:
-            if self.reshard_after_forward and not is_root:
+            # a forward recomputed inside backward (activation checkpointing) keeps its parameters
+            # for the backward that follows at once
+            if self.reshard_after_forward and not is_root and not root.callback_queued:
                 self.reshard()
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -238,6 +238,55 @@ def _no_sync_and_compression_cases():
     return bad
 
 
+def _activation_checkpoint_cases():
+    """Blocks under torch.utils.checkpoint (recomputed inside backward, stopped early): the same
+    training as the unsharded model, and no freed tensor left registered afterwards."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    bad = []
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh())
+                                               for _ in range(3)])
+            self.out = torch.nn.Linear(7, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = checkpoint(b, x, use_reentrant=False)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    ref = Net()
+    m = _wrap(copy.deepcopy(ref))
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for x, y in _batches(8, 6, seed=5):
+        ro.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        _average_grads(ref)
+        ro.step()
+        o.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        o.step()
+        freed = [n for n, p in m.named_parameters() if p.numel() and not p.untyped_storage().nbytes()]
+        if freed:
+            bad.append(f"rank {r}: freed tensors registered after backward: {freed}")
+            break
+    if not bad:
+        _compare(bad, "activation checkpointing", m, ref, 1e-5)
+    return bad
+
+
 def _reshard_cases():
     """Between forward and backward the blocks' gathered parameters have storage 0 (kept with
     reshard_after_forward=False); after backward nothing stays gathered."""
@@ -429,6 +478,11 @@ def test_fully_shard_no_sync_and_compression(np_):
     assert not any(fails), "\n".join(f for rank_fails in fails for f in rank_fails)
 
 
+def test_fully_shard_activation_checkpointing(np_):
+    fails = _LAUNCH[np_].results("activation_checkpoint")
+    assert not any(fails), "\n".join(f for rank_fails in fails for f in rank_fails)
+
+
 def test_fully_shard_frees_between_forward_and_backward(np_):
     for out in _LAUNCH[np_].results("reshard"):
         (inside, between, after, shapes, r) = out[True]
@@ -532,7 +586,8 @@ def np_(request):
 _LAUNCH = {n: joint_launch("torch", n, {"equivalence": _equivalence_cases,
                                         "mixed_precision": _mixed_precision_cases,
                                         "no_sync": _no_sync_and_compression_cases,
-                                        "reshard": _reshard_cases}, timeout=420)
+                                        "activation_checkpoint": _activation_checkpoint_cases,
+                                        "reshard": _reshard_cases}, timeout=480)
            for n in NPS}
 _BAD = {n: joint_launch("torch", n, {"bad": _bad_input_cases}, timeout=60, late=True) for n in NPS}
 _MEM = joint_launch("torch", 4, {"memory": _memory_cases}, timeout=480)
