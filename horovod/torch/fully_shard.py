@@ -680,7 +680,10 @@ def load_full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Op
         entry = managed.get(id(p))
         out = {}
         for k, v in st.items():
-            if entry is not None and isinstance(v, torch.Tensor) and v.dim() > 0:
+            # per-element state has the parameter's shape; of a 0-d parameter's 0-d state
+            # tensors, "step" is the one that is not per element
+            if entry is not None and isinstance(v, torch.Tensor) and (v.dim() > 0 or (
+                    not entry[0].shape and k != "step")):
                 q = entry[0]
                 if tuple(v.shape) != q.shape:
                     raise ValueError(f"load_full_optim_state_dict: rank {entry[1].rank()}: state {k} of "
