@@ -330,7 +330,8 @@ def _memory_cases():
 
     kinds = (torch.Tensor, torch.nn.Parameter)
 
-    def live():
+    def live():  # what is reachable (garbage in reference cycles collected first)
+        gc.collect()
         seen, total = set(), 0
         for o in gc.get_objects():
             if type(o) in kinds:
