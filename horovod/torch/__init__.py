@@ -47,6 +47,7 @@ from horovod.common.process_sets import (
 )
 from horovod.common.types import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from horovod.torch.compression import Compression
+from horovod.torch.fully_shard import FullyShardedModule, MixedPrecisionPolicy, fully_shard
 from horovod.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -77,4 +78,5 @@ __all__ += [
     "Compression", "PowerSGD", "DistributedOptimizer", "SyncBatchNorm", "ZeroRedundancyOptimizer",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "elastic", "checkpoint",
+    "fully_shard", "FullyShardedModule", "MixedPrecisionPolicy",
 ]

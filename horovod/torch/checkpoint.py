@@ -43,6 +43,7 @@ import torch
 from horovod.common.basics import is_initialized, rank, size
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.torch import _checkpoint_dir as layout
+from horovod.torch.fully_shard import refuse_in_checkpoint
 from horovod.torch.reducer import ShardedStateful
 from horovod.torch.zero import partition_by_bytes
 
@@ -375,6 +376,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
         RuntimeError: a rank failed to plan or write; raised on every rank, and nothing is
             committed.
     """
+    refuse_in_checkpoint("save", model)
     path = os.fspath(path)
     r, n = _world()
     earlier = _pending.get(os.path.realpath(path))
@@ -484,6 +486,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
             names the missing, unexpected and mismatched keys, or the optimizer classes and
             their differing hyper-parameters); nothing was loaded.
     """
+    refuse_in_checkpoint("load", model)
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.fspath(path)
