@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Max, Sum
@@ -76,7 +77,7 @@ class _Param:
         self.lo, self.hi = lo, hi
         data = full.detach().reshape(self.rows, *self.shape[1:])[lo:hi].clone()
         self.shard = torch.nn.Parameter(data, requires_grad=full.requires_grad)
-        self.shard._hvd_fully_shard = fqn  # type: ignore[attr-defined]
+        _SHARD_NAMES[self.shard] = fqn
         self.unsharded = torch.nn.Parameter(torch.empty(self.shape, dtype=compute_dtype, device=full.device),
                                             requires_grad=full.requires_grad)
         self.nbytes = self.unsharded.numel() * self.unsharded.element_size()
@@ -139,20 +140,20 @@ class _Group:
                 if p is None:
                     continue
                 fqn = f"{mname}.{pname}" if mname else pname
-                if hasattr(p, "_hvd_fully_shard"):
+                if p in _SHARD_NAMES:
                     # a shard of a nested group: must be registered inside that group's module only
                     inner = _group_of_shard(module, p)
                     if inner is None or not _inside(inner.module, mod):
                         raise ValueError(
                             f"hvd.fully_shard: rank {self.r}: parameter {fqn} of {type(module).__name__} "
-                            f"is also a parameter of a nested fully sharded module ({p._hvd_fully_shard}); "
+                            f"is also a parameter of a nested fully sharded module ({_SHARD_NAMES[p]}); "
                             "a parameter shared between wrapped modules must be wrapped with their "
                             "common ancestor (wrap the outer module only)")
                     continue
-                if hasattr(p, "_hvd_sharded_as"):  # the original of a parameter sharded earlier
+                if p in _SHARDED_AS:  # the original of a parameter sharded earlier
                     raise ValueError(
                         f"hvd.fully_shard: rank {self.r}: parameter {fqn} of {type(module).__name__} is "
-                        f"tied to {p._hvd_sharded_as}, which an earlier fully_shard call sharded; a parameter "
+                        f"tied to {_SHARDED_AS[p]}, which an earlier fully_shard call sharded; a parameter "
                         "shared between modules must be wrapped with their common ancestor (wrap the "
                         "outer module only)")
                 owners.setdefault(id(p), []).append((mod, pname))
@@ -183,7 +184,7 @@ class _Group:
             prm = _Param(fqn, owners[id(p)], p, self.n, self.r, cdt, offset)
             offset += prm.seg
             prm.use(prm.shard)
-            p._hvd_sharded_as = f"{fqn} of {type(module).__name__}"  # type: ignore[attr-defined]
+            _SHARDED_AS[p] = f"{fqn} of {type(module).__name__}"
             self.params.append(prm)
             if prm.unsharded.requires_grad:
                 prm.unsharded.register_post_accumulate_grad_hook(self._make_grad_hook(len(self.params) - 1))
@@ -432,7 +433,7 @@ def _inside(outer: torch.nn.Module, mod: torch.nn.Module) -> bool:
 
 def _group_of_shard(module: torch.nn.Module, p: torch.Tensor) -> _Group | None:
     for m in module.modules():
-        g = getattr(m, "_hvd_group", None)
+        g = _GROUPS.get(m)
         if g is not None and any(q.shard is p for q in g.params):
             return g
     return None
@@ -441,27 +442,25 @@ def _group_of_shard(module: torch.nn.Module, p: torch.Tensor) -> _Group | None:
 class FullyShardedModule:
     """Mixed into a module's class by ``fully_shard`` (as FSDP2's ``FSDPModule``)."""
 
-    _hvd_group: _Group
-
     def unshard(self, async_op: bool = False) -> None:
         """Allgather this module's parameters now (``async_op``: only start; the forward waits)."""
-        g = self._hvd_group
+        g = _GROUPS[self]
         g.start_unshard()
         if not async_op:
             g.wait_unshard()
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters."""
-        self._hvd_group.reshard()
+        _GROUPS[self].reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward accumulates unsharded gradients locally and reduces nothing, until a
         backward with ``True`` reduce-scatters the sum (gradient accumulation, as ``no_sync``)."""
-        for g in self._groups() if recurse else [self._hvd_group]:
+        for g in self._groups() if recurse else [_GROUPS[self]]:
             g.requires_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        for g in self._groups() if recurse else [self._hvd_group]:
+        for g in self._groups() if recurse else [_GROUPS[self]]:
             g.reshard_after_forward = bool(reshard_after_forward)
 
     @contextlib.contextmanager
@@ -476,7 +475,8 @@ class FullyShardedModule:
                 g.requires_sync = v
 
     def _groups(self) -> list[_Group]:
-        return [m._hvd_group for m in self.modules() if isinstance(m, FullyShardedModule)]  # type: ignore[attr-defined]
+        return [_GROUPS[m] for m in self.modules()  # type: ignore[attr-defined]
+                if isinstance(m, FullyShardedModule)]
 
     def _by_name(self) -> dict[str, _Param]:
         """This module's state-dict names of its managed parameters (tied ones under each name)."""
@@ -487,7 +487,7 @@ class FullyShardedModule:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the shards' gradients by the norm of the whole (unsharded) gradient; returns it."""
         return clip_grad_norm_(self.parameters(), max_norm, norm_type,  # type: ignore[attr-defined]
-                               process_set=self._hvd_group.process_set)
+                               process_set=_GROUPS[self].process_set)
 
     def full_state_dict(self, to: int | None = None) -> dict[str, torch.Tensor]:
         """The unsharded state dict (every parameter whole, buffers as they are), gathered one
@@ -496,7 +496,7 @@ class FullyShardedModule:
         sd = self.state_dict()  # type: ignore[attr-defined]
         full = self._by_name()
         out: dict[str, torch.Tensor] = {}
-        g = self._hvd_group
+        g = _GROUPS[self]
         for key, v in sd.items():
             q = full.get(key)
             if q is not None:
@@ -510,7 +510,7 @@ class FullyShardedModule:
         ``state_dict()``): each rank keeps its rows."""
         full = self._by_name()
         local = {}
-        r = self._hvd_group.r
+        r = _GROUPS[self].r
         for key, v in state_dict.items():
             q = full.get(key)
             if q is not None:
@@ -532,6 +532,12 @@ def _gather_rows(v: torch.Tensor, q: _Param, ps: ProcessSet, name: str) -> torch
 
 
 _counter = [0]
+# What fully_shard knows of the torch objects it wraps, kept here rather than as attributes on them
+# (keyed by identity, never keeping an object alive): a wrapped module's group, a shard's name, and
+# an original parameter that a call sharded (so that a later call sees a tie to it).
+_GROUPS: Any = WeakIdKeyDictionary()
+_SHARD_NAMES: Any = WeakIdKeyDictionary()
+_SHARDED_AS: Any = WeakIdKeyDictionary()
 
 
 def refuse_in_checkpoint(what: str, model: torch.nn.Module | None) -> None:
@@ -595,12 +601,12 @@ def fully_shard(module: torch.nn.Module, *, reshard_after_forward: bool = True,
     group = _Group(module, reshard_after_forward, process_set, mp, compression, _counter[0])
     group.collect()
     for m in module.modules():
-        inner = getattr(m, "_hvd_group", None)
+        inner = _GROUPS.get(m)
         if inner is not None and inner.owner is None and m is not module:
             inner.owner = group
     cls = type(module)
     module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
-    setattr(module, "_hvd_group", group)  # noqa: B010 - a plain attribute, not a submodule
+    _GROUPS[module] = group
     module.register_forward_pre_hook(group.pre_forward, with_kwargs=True)
     module.register_forward_hook(group.post_forward, with_kwargs=True)
     return module
@@ -634,7 +640,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
 def _managed_by_shard(model: torch.nn.Module) -> dict[int, tuple[_Param, ProcessSet]]:
     out = {}
     for m in model.modules():
-        g = getattr(m, "_hvd_group", None)
+        g = _GROUPS.get(m)
         if g is not None:
             for q in g.params:
                 out[id(q.shard)] = (q, g.process_set)

@@ -7,6 +7,8 @@ and loaded at np=2 and in a plain process, and bad input failing on every rank."
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
@@ -296,6 +298,7 @@ def _reshard_cases():
     import torch.nn.functional as F
 
     import horovod.torch as hvd
+    fully_shard_module = importlib.import_module("horovod.torch.fully_shard")  # the function shadows the module
 
     hvd.init()
     r = hvd.rank()
@@ -307,7 +310,7 @@ def _reshard_cases():
         m.blocks[2].b.register_forward_pre_hook(
             lambda mod, a, inside=inside: inside.append(mod.weight.untyped_storage().nbytes()))
         loss = F.cross_entropy(m(x), y)
-        between = [sum(q.unsharded.untyped_storage().nbytes() for q in b._hvd_group.params)
+        between = [sum(q.unsharded.untyped_storage().nbytes() for q in fully_shard_module._GROUPS[b].params)
                    for b in m.blocks]
         shard_shapes = {tuple(p.shape) for p in m.blocks[2].parameters()}
         loss.backward()
