@@ -145,3 +145,145 @@ def test_optimizer_state_dict_carries_the_compressor_state(hv):
     plain = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
     assert "horovod_compression" not in plain.state_dict()
+
+
+# --- two ranks in one process: a fake communicator that really averages -------------------------
+
+class _TwoRanks:
+    """The shared half of a two-rank communicator: each rank's call posts its tensors and waits
+    for the other's; then both hold the average (in place), as Horovod's fused average leaves them.
+    Calls are matched by order and name: a rank calling a different collective fails the test."""
+
+    def __init__(self):
+        import threading
+
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.posted = {}
+
+    def rank(self, r):
+        return _RankComm(self, r)
+
+
+class _RankComm:
+    size = 2
+
+    def __init__(self, shared, rank):
+        self.shared, self.rank, self.calls, self.names = shared, rank, 0, []
+        self.bytes_submitted = 0
+
+    def _exchange(self, name, value):
+        key = self.calls
+        self.calls += 1
+        self.names.append(name)
+        self.shared.posted[(key, self.rank)] = (name, value)
+        self.shared.barrier.wait()
+        both = [self.shared.posted[(key, r)] for r in (0, 1)]
+        self.shared.barrier.wait()  # both have read this call's posts
+        assert both[0][0] == both[1][0], f"call {key}: rank 0 ran {both[0][0]}, rank 1 ran {both[1][0]}"
+        return [v for _, v in both]
+
+    def allreduce_async_(self, tensors, name):
+        if not tensors:
+            return None
+        self.bytes_submitted += sum(t.numel() * t.element_size() for t in tensors)
+        posted = self._exchange(name, [t.detach().clone() for t in tensors])
+        for i, t in enumerate(tensors):
+            t.copy_((posted[0][i] + posted[1][i]) / 2)
+        return None
+
+    def wait(self, handle):
+        pass
+
+    def allreduce_(self, tensors, name):
+        self.allreduce_async_(tensors, name)
+
+    def agree(self, values, name):
+        a, b = self._exchange(name, list(values))
+        return a == b
+
+    def allgather_object(self, obj, name):
+        return self._exchange(name, obj)
+
+
+def _two_ranks(step):
+    """Run ``step(rank, comm)`` on two threads (two ranks) sharing one fake communicator; the
+    ranks' results in rank order."""
+    import threading
+
+    shared, out, errors = _TwoRanks(), [None, None], []
+
+    def run(r):
+        try:
+            out[r] = step(r, shared.rank(r))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            shared.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_two_ranks_low_rank_gradients_average_exactly():
+    """Gradients of rank 2 sharing their column space: their average is rank 2 too, and PowerSGD
+    at rank 2 gives it exactly, the same on both ranks; the vector (uncompressed) is averaged."""
+    g = torch.Generator().manual_seed(1)
+    cols = torch.randn(30, 2, generator=g)
+    mats = [cols @ torch.randn(2, 20, generator=g) for _ in (0, 1)]
+    vecs = [torch.randn(7, generator=g) for _ in (0, 1)]
+
+    def step(r, comm):
+        c = PowerSGD(rank=2, start_iter=0, min_compression_rate=1)
+        x, v = mats[r].clone(), vecs[r].clone()
+        c.reduce_([x, v], ["w", "b"], comm)
+        return x, v, comm.names
+
+    (x0, v0, names0), (x1, v1, _) = _two_ranks(step)
+    assert torch.equal(x0, x1) and torch.equal(v0, v1), "the ranks ended with different gradients"
+    assert torch.allclose(x0, (mats[0] + mats[1]) / 2, atol=1e-4)
+    assert torch.allclose(v0, (vecs[0] + vecs[1]) / 2)
+    assert names0 == ["powersgd.w.agree", "powersgd.w.uncompressed", "powersgd.w.P", "powersgd.w.Q"]
+
+
+def test_two_ranks_before_start_iter_average_exactly():
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(12, 7, generator=g) for _ in (0, 1)]
+
+    def step(r, comm):
+        c = PowerSGD(rank=1, start_iter=2, min_compression_rate=0)
+        y = grads[r].clone()
+        c.reduce_([y], ["w"], comm)
+        return y
+
+    y0, y1 = _two_ranks(step)
+    assert torch.equal(y0, y1) and torch.allclose(y0, (grads[0] + grads[1]) / 2)
+
+
+def test_two_ranks_error_feedback_carries_each_ranks_own_error():
+    """Full-rank gradients, different on each rank, 40 steps: each step's result is the average
+    of the ranks' (gradient + carried error) minus the average of what each rank's
+    approximation missed, so what was sent plus the ranks' mean remaining error is 40 times the
+    average gradient; and the result approaches that average."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(30, 20, generator=g) for _ in (0, 1)]
+    avg = (grads[0] + grads[1]) / 2
+
+    def step(r, comm):
+        c = PowerSGD(rank=2, start_iter=0, min_compression_rate=1)
+        sent = torch.zeros(30, 20)
+        for _ in range(40):
+            x = grads[r].clone()
+            c.reduce_([x], ["w"], comm)
+            sent += x
+        return sent, c._errors["w"].clone()
+
+    (sent0, err0), (sent1, err1) = _two_ranks(step)
+    assert torch.equal(sent0, sent1), "the ranks applied different updates"
+    assert not torch.allclose(err0, err1), "each rank carries its own error"
+    assert torch.allclose(sent0 + (err0 + err1) / 2, 40 * avg, atol=1e-3)
+    assert (sent0 / 40 - avg).norm() < 0.2 * avg.norm()

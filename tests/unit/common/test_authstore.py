@@ -109,3 +109,59 @@ def test_members_ticket_with_and_without_job_secret():
         assert store.get("x") == b"1"
         other.close()
         store.close()
+
+
+class _Tap:
+    """A socket whose ``sendall`` also records each frame (everything else is the socket's)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.frames = sock, []
+
+    def sendall(self, data: bytes) -> None:
+        self.frames.append(data)
+        self.sock.sendall(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_replayed_valid_frame_ends_the_connection_and_changes_nothing(server):
+    """A member's own SET, captured and sent again later on the same connection (its MAC is
+    valid for the frame's original place in the sequence): refused, so the key is not rolled back
+    to the old value. Covers the MAC's sequence number: without it the replay is accepted."""
+    client = A.StoreClient("127.0.0.1", server.port, KEY, timeout=5)
+    tap = _Tap(client._sock)
+    client._chan.sock = tap
+    client.call(A.SET, [b"k", b"old"])
+    client.call(A.SET, [b"k", b"new"])
+    assert len(tap.frames) == 2
+    client._sock.sendall(tap.frames[0])  # SET k=old again
+    assert _closed_by_server(client._sock), "the store answered a replayed frame"
+    other = A.connect_store("127.0.0.1", server.port, KEY, timeout=5)
+    assert other.get("k") == b"new"
+
+
+def test_reordered_valid_frames_end_the_connection(server):
+    """Two valid frames of a connection (the next two of its sequence) sent in the other order:
+    the first to arrive is refused and neither is applied."""
+    client = A.StoreClient("127.0.0.1", server.port, KEY, timeout=5)
+    client.call(A.SET, [b"k", b"0"])  # one frame each way first: sequence numbers 1 and 2 next
+    recorder = _Tap(socket.socket())  # records, then fails to send: nothing reaches the store
+    chan = A._Channel(recorder, client._chan.session, b"c2s", b"s2c")
+    chan.sent = client._chan.sent
+    for value in (b"1", b"2"):
+        with pytest.raises(OSError):
+            chan.send(A._pack(A.SET, [b"k", value]))
+    recorder.sock.close()
+    client._sock.sendall(recorder.frames[1])  # SET k=2 (sequence 2) where 1 is due
+    assert _closed_by_server(client._sock), "the store answered an out-of-order frame"
+    other = A.connect_store("127.0.0.1", server.port, KEY, timeout=5)
+    assert other.get("k") == b"0"
