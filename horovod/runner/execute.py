@@ -43,6 +43,16 @@ def _prctl() -> Any:
 _PRCTL = _prctl() if sys.platform.startswith("linux") else None
 
 
+def _still_starting(proc: _Proc, signum: int) -> bool:
+    """Whether a local process has no handler for ``signum`` yet (mpirun or the shim still
+    starting: the signal's default action would kill it); says so on stderr."""
+    if proc.cmd.remote or _catches(proc.popen.pid, signum):
+        return False
+    sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
+                     "starting; not passed on (send it again in a moment)\n")
+    return True
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether process ``pid`` has a handler for ``signum`` (``/proc/PID/status``; True where
     that cannot be read)."""
@@ -290,11 +300,7 @@ class Supervisor:
         for proc in self._procs:
             if proc.returncode is not None:
                 continue
-            if not proc.cmd.remote and not _catches(proc.popen.pid, signum):
-                # Still starting (mpirun or the shim has not set up its handler): the signal's
-                # default action would kill it.
-                sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
-                                 "starting; not passed on (send it again in a moment)\n")
+            if _still_starting(proc, signum):
                 continue
             if proc.cmd.remote:
                 # The remote shim passes the signal on, then sees the life line close.
@@ -314,11 +320,7 @@ class Supervisor:
         for proc in self._procs:
             if proc.returncode is not None:
                 continue
-            if not proc.cmd.remote and not _catches(proc.popen.pid, signum):
-                # Still starting (mpirun or the shim has not set up its handler): the signal's
-                # default action would kill it.
-                sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
-                                 "starting; not passed on (send it again in a moment)\n")
+            if _still_starting(proc, signum):
                 continue
             if proc.cmd.remote:
                 stdin = proc.popen.stdin
