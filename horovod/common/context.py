@@ -162,7 +162,8 @@ class Context:
 
         self.reporter = reporter.from_env(self.environ, self.engine.metrics_snapshot,
                                           self.topology.rank, self.topology.local_rank,
-                                          self.hostnames[self.topology.rank])
+                                          self.hostnames[self.topology.rank],
+                                          flight=self.engine.flight_record)
 
     def resolve_process_sets(self, process_sets: Any) -> None:
         """Give already registered ids to ``process_sets`` (``hvd.init()`` when already running)."""

@@ -40,6 +40,54 @@ def _times(value: Any) -> tuple[float, ...]:
     return tuple(_number(float)(v) for v in value)
 
 
+# At most this many rows in each list of a report's flight record (the reporter sends fewer).
+MAX_FLIGHT_ROWS = 64
+
+
+def _shapes(value: Any) -> list[list[int]]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{value!r:.60} is not a list of shapes")
+    out = []
+    for shape in value:
+        if not isinstance(shape, list | tuple):
+            raise ValueError(f"{shape!r:.60} is not a shape (a list of integers)")
+        out.append([_number(int)(d) for d in shape])
+    return out
+
+
+# A flight record's rows (``horovod.common.engine.flight``): completed collectives end with their
+# age and run time, in-flight ones with their state and age.
+_ROW_HEAD = (_number(int), _number(int), _text, _text, _text, _shapes)
+_ROW_TAIL = {"done": (_number(float), _number(float)), "in_flight": (_text, _number(float))}
+
+
+def _flight(value: Any) -> dict[str, list[list[Any]]]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{value!r:.60} is not an object")
+    unknown = sorted(set(value) - set(_ROW_TAIL))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}; a flight record has 'done' and 'in_flight'")
+    record: dict[str, list[list[Any]]] = {}
+    for part, tail in _ROW_TAIL.items():
+        rows = value.get(part, [])
+        if not isinstance(rows, list | tuple):
+            raise ValueError(f"{part!r}: {rows!r:.60} is not a list")
+        if len(rows) > MAX_FLIGHT_ROWS:
+            raise ValueError(f"{part!r}: {len(rows)} rows, at most {MAX_FLIGHT_ROWS}")
+        readers = _ROW_HEAD + tail
+        checked = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, list | tuple) or len(row) != len(readers):
+                raise ValueError(f"{part!r} row {i}: {row!r:.80} is not a list of {len(readers)} "
+                                 "values (seq, process set, op, name, dtype, shapes, ...)")
+            try:
+                checked.append([read(v) for read, v in zip(readers, row)])
+            except ValueError as exc:
+                raise ValueError(f"{part!r} row {i}: {exc}") from exc
+        record[part] = checked
+    return record
+
+
 def _per_op(kind: type) -> Callable[[Any], dict[str, Any]]:
     def read(value: Any) -> dict[str, Any]:
         if not isinstance(value, Mapping):
@@ -53,7 +101,8 @@ _READERS: dict[str, Callable[[Any], Any]] = {
     "time": _number(float), "final": _flag, "steps": _number(int), "step_times": _times,
     "wait_seconds": _number(float), "collectives": _per_op(int), "collective_bytes": _per_op(int),
     "collective_seconds": _per_op(float), "stalled_tensors": _number(int), "straggler": _flag,
-    "straggler_score": _number(float),
+    "straggler_score": _number(float), "pid": _number(int), "where": _text, "stack": _text,
+    "flight": _flight,
 }
 
 
@@ -62,7 +111,12 @@ class MonitorReport:
     """One rank's counters as its reporter (``horovod.common.reporter``) posts them: who it is,
     when, whether it is its last report, and what ``hvd.metrics()`` said (steps and their
     durations, time waiting for other ranks, per-operation counts, bytes and transport seconds,
-    stalled tensors, the coordinator's straggler verdict for this rank)."""
+    stalled tensors, the coordinator's straggler verdict for this rank), and where the rank is:
+    its pid, its main thread's innermost frame of user code (``where``) and stack (``stack``,
+    text as the stall report prints it) and a short flight record (``flight``: the last completed
+    and the first in-flight collectives, ``horovod.common.engine.flight``'s rows). These four are
+    optional: a report without them (an older rank) is accepted, and they stay unset (``pid`` 0,
+    ``where`` empty, ``stack`` and ``flight`` None)."""
 
     rank: int
     host: str = ""
@@ -79,6 +133,10 @@ class MonitorReport:
     stalled_tensors: int = 0
     straggler: bool = False
     straggler_score: float = 0.0
+    pid: int = 0
+    where: str = ""
+    stack: str | None = None
+    flight: Mapping[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON object."""
@@ -86,6 +144,9 @@ class MonitorReport:
         wire["step_times"] = list(self.step_times)
         for name in ("collectives", "collective_bytes", "collective_seconds"):
             wire[name] = dict(wire[name])
+        for name in ("stack", "flight"):
+            if wire[name] is None:
+                del wire[name]
         return wire
 
     @classmethod

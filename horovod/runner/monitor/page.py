@@ -1,7 +1,9 @@
 # ruff: noqa: E501 - the page is one HTML document; its script lines are kept whole
 """The monitor's page: one self-contained HTML document (inline CSS and JavaScript, no external
 assets, so it works on an air-gapped cluster). It polls ``api/job`` once a second and redraws: a
-row per rank, the elastic rounds, the last failure and its culprit, a chart of step times."""
+row per rank, the elastic rounds, the last failure and its culprit, a chart of step times. Its
+"Stacks" section fetches ``api/stacks`` when asked (a button): each rank's main-thread stack and
+flight record, with how old they are."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ pre{background:#f6f7f9;padding:6px;margin:6px 0 0;white-space:pre-wrap;font-size
 #chart{width:100%;height:220px}
 .legend span{margin-right:10px;font-size:12px}
 .wide{grid-column:1/-1}
+#stacks pre{max-height:24em}
+#stacks .stale{color:#a11818;font-weight:600}
 </style></head>
 <body>
 <header><h1>Horovod job</h1><span id="summary">connecting&hellip;</span><span id="updated"></span></header>
@@ -45,6 +49,9 @@ pre{background:#f6f7f9;padding:6px;margin:6px 0 0;white-space:pre-wrap;font-size
 <div class="legend" id="legend"></div></section>
 <section><h2>Last failure</h2><div id="failure" class="none">none</div>
 <h2 style="margin-top:12px">Elastic</h2><div id="elastic">static job</div></section>
+<section class="wide"><h2>Stacks <button id="stacks-fetch" type="button">fetch where every rank is</button>
+<a id="stacks-link" href="api/stacks">api/stacks</a></h2>
+<div id="stacks">each rank's main-thread stack and flight record, as of its last report</div></section>
 </main>
 <script>
 "use strict";
@@ -104,6 +111,27 @@ function draw(job){
   document.getElementById("updated").textContent="updated "+new Date().toLocaleTimeString();
   rows(job);chart(job);failure(job);elastic(job);
 }
+function stacks(){
+  var q=window.location.search,x=new XMLHttpRequest(),d=document.getElementById("stacks");
+  x.open("GET","api/stacks"+q);x.timeout=10000;
+  x.onload=function(){
+    if(x.status!==200){d.textContent="api/stacks answered "+x.status;return;}
+    var all=JSON.parse(x.responseText);d.textContent="";
+    all.ranks.forEach(function(r){
+      var div=el("div");div.setAttribute("data-rank",r.rank);
+      var head="rank "+r.rank+" on "+r.host+(r.pid?" (pid "+r.pid+")":"")+" \u2014 "+r.state;
+      if(r.age_seconds===null){div.appendChild(el("div",head+": no stack reported yet"));d.appendChild(div);return;}
+      div.appendChild(el("div",head+", in "+r.where+", "));
+      div.appendChild(el("span",r.age_seconds.toFixed(1)+" s ago",r.age_seconds>10?"stale":""));
+      var text="Main thread (most recent call last):\n"+(r.stack||"")+"\nFlight record (completed, then in flight):\n"+r.flight_text.join("\n");
+      div.appendChild(el("pre",text));d.appendChild(div);
+    });
+  };
+  x.onerror=x.ontimeout=function(){d.textContent="monitor unreachable";};
+  x.send();
+}
+document.getElementById("stacks-fetch").onclick=stacks;
+document.getElementById("stacks-link").href="api/stacks"+window.location.search;
 function poll(){
   var q=window.location.search,x=new XMLHttpRequest();
   x.open("GET","api/job"+q);x.timeout=5000;

@@ -8,6 +8,8 @@ Endpoints:
   else is refused with 403.
 * ``GET /metrics``: Prometheus text exposition (``exposition.py``).
 * ``GET /api/job``: the same as JSON (``JobState.job``).
+* ``GET /api/stacks``: where every rank last said it was: its main thread's stack and its flight
+  record, with the age of that report (``JobState.stacks``).
 * ``GET /``: a self-contained page that polls ``/api/job`` (``page.py``; no external assets).
 
 Reads are open on a loopback address (the default, ``127.0.0.1``). On any other address they
@@ -127,10 +129,12 @@ class _MonitorHandler(BaseHTTPRequestHandler):
             self._answer(200, exposition.render(svc.state.job()).encode(), exposition.CONTENT_TYPE)
         elif route == "/api/job":
             self._answer(200, json.dumps(svc.state.job()).encode())
+        elif route == "/api/stacks":
+            self._answer(200, json.dumps(svc.state.stacks()).encode())
         elif route in ("/", "/index.html"):
             self._answer(200, page.HTML.encode(), "text/html; charset=utf-8")
         else:
-            self._answer(404, b"not found: try /, /metrics or /api/job\n", "text/plain")
+            self._answer(404, b"not found: try /, /metrics, /api/job or /api/stacks\n", "text/plain")
 
     # ------------------------------------------------------------------ reports
     def do_POST(self) -> None:  # noqa: N802 - http.server's name

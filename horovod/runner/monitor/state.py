@@ -1,5 +1,6 @@
 """What the monitor service knows about a job: the ranks' latest reports, elastic rounds, the
-failure. Thread-safe; every reader gets a JSON-ready copy (``JobState.job``)."""
+failure, and where each rank last said it was (its stack and flight record, with when that
+arrived). Thread-safe; every reader gets a JSON-ready copy (``JobState.job``, ``JobState.stacks``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from horovod.common.engine.flight import format_record
 from horovod.common.protocol import MonitorReport
 
 __all__ = ["JobState", "STEP_HISTORY"]
@@ -22,7 +24,8 @@ _RATE_REPORTS = 6
 
 
 class _Rank:
-    __slots__ = ("report", "seen", "prev_steps", "prev_time", "step_rate", "steps", "failed", "history")
+    __slots__ = ("report", "seen", "prev_steps", "prev_time", "step_rate", "steps", "failed", "history",
+                 "where", "where_seen")
 
     def __init__(self) -> None:
         self.report: MonitorReport | None = None
@@ -33,6 +36,8 @@ class _Rank:
         self.steps: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
         self.failed: str | None = None
         self.history: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_REPORTS)
+        self.where: MonitorReport | None = None  # the latest report that said where the rank is
+        self.where_seen = 0.0  # when it arrived (this service's clock)
 
 
 class JobState:
@@ -82,6 +87,8 @@ class JobState:
             st.prev_steps, st.prev_time = steps, now
             st.report = report
             st.seen = now
+            if report.stack is not None or report.flight is not None:
+                st.where, st.where_seen = report, now
 
     def set_failure(self, rank: int | None, host: str, status: str, error: str = "",
                     tail: list[str] | None = None) -> None:
@@ -137,6 +144,32 @@ class JobState:
             "step_times": list(st.steps) if st else [],
             "last_report_age": (now - st.seen) if st and st.seen else None,
         }
+
+    def stacks(self) -> dict[str, Any]:
+        """Where every rank last said it was (``/api/stacks``): per rank its host, pid, state, its
+        main thread's innermost user frame and stack, its flight record (rows and text), and
+        ``age_seconds``: how long ago that arrived (a stopped or stuck-in-C rank's grows)."""
+        now = self._clock()
+        with self._lock:
+            ranks = sorted(set(self._ranks) | set(self.planned))
+            if self.world_size:
+                ranks = [r for r in ranks if r < self.world_size]
+            out = []
+            for r in ranks:
+                st = self._ranks.get(r)
+                row = self._row(r, st, now)
+                rep = st.where if st is not None else None
+                flight = dict(rep.flight) if rep is not None and rep.flight is not None else None
+                out.append({
+                    "rank": r, "host": row["host"], "state": row["state"],
+                    "pid": (rep.pid or None) if rep is not None else None,
+                    "where": rep.where if rep is not None else "",
+                    "stack": rep.stack if rep is not None else None,
+                    "flight": flight,
+                    "flight_text": format_record(flight, "  ") if flight is not None else [],
+                    "age_seconds": (now - st.where_seen) if st is not None and rep is not None else None,
+                })
+            return {"time": now, "ranks": out}
 
     def job(self) -> dict[str, Any]:
         """The whole job, JSON-ready (``/api/job``; ``/metrics`` renders the same)."""

@@ -248,3 +248,29 @@ def test_monitor_report_round_trip_and_checks() -> None:
         protocol.MonitorReport.from_wire({"steps": 1})
     with pytest.raises(ValueError, match="JSON object"):
         protocol.MonitorReport.from_wire([1])
+
+
+def test_monitor_report_where_the_rank_is() -> None:
+    """Issue 45: pid, where, stack and flight are optional and checked; an older rank's report,
+    without them, is accepted and leaves them unset."""
+    flight = {"done": [[3, 0, "allreduce", "grad.w", "float32", [[4, 2]], 1.5, 0.002]],
+              "in_flight": [[4, 0, "allreduce", "grad.w", "float32", [[4, 2]], "negotiated", 0.5]]}
+    rep = protocol.MonitorReport(1, pid=42, where="load (train.py:3)", stack='  File "t.py", line 3',
+                                 flight=flight)
+    assert protocol.MonitorReport.from_wire(json.loads(json.dumps(rep.to_wire()))) == rep
+    old = protocol.MonitorReport.from_wire({"rank": 1, "steps": 3})
+    assert (old.pid, old.where, old.stack, old.flight) == (0, "", None, None)
+    assert "stack" not in old.to_wire() and "flight" not in old.to_wire()
+    assert protocol.MonitorReport.from_wire({"rank": 0, "flight": {}}).flight == {"done": [], "in_flight": []}
+    row = flight["done"][0]
+    for bad, named in (({"pid": "42"}, "'pid'"), ({"stack": ["a"]}, "'stack'"),
+                       ({"where": 3}, "'where'"), ({"flight": []}, "'flight'.*not an object"),
+                       ({"flight": {"later": []}}, "unknown part"),
+                       ({"flight": {"done": "x"}}, "'done'.*not a list"),
+                       ({"flight": {"done": [row[:7]]}}, "'done' row 0.*8 values"),
+                       ({"flight": {"done": [[*row[:5], [["4"]], *row[6:]]]}}, "'done' row 0.*integer"),
+                       ({"flight": {"done": [[*row[:6], "old", row[7]]]}}, "'done' row 0.*number"),
+                       ({"flight": {"in_flight": [row]}}, "'in_flight' row 0.*not a string"),
+                       ({"flight": {"done": [row] * 65}}, "65 rows, at most 64")):
+        with pytest.raises(ValueError, match=named):
+            protocol.MonitorReport.from_wire({"rank": 0, **bad})

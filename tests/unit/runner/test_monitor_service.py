@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import socket
 import time
@@ -293,3 +294,69 @@ def test_cluster_job_failure_names_the_culprit() -> None:
     assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
     assert "bad batch" in job["failure"]["error"] and job["finished"]["returncode"] == 1
     assert [r["state"] for r in job["ranks"]] == ["running", "failed", "stopped"]
+
+
+FLIGHT = {"done": [[7, 0, "allreduce", "grad.w", "float32", [[1024]], 0.3, 0.0025]],
+          "in_flight": [[8, 0, "allreduce", "grad.w", "float32", [[1024]], "negotiated", 2.0]]}
+
+
+def test_job_state_keeps_each_ranks_latest_stack_and_its_age() -> None:
+    now = [1000.0]
+    state = JobState(3, {0: ("node0", 0), 1: ("node0", 1), 2: ("node1", 0)}, clock=lambda: now[0])
+    state.ingest(MonitorReport(0, "node0", pid=11, where="load (t.py:3)", stack="  stack of 0",
+                               flight=FLIGHT))
+    now[0] += 2.0
+    state.ingest(MonitorReport(1, "node0", pid=12, where="step (t.py:9)", stack="  stack of 1 (old)"))
+    now[0] += 1.0
+    state.ingest(MonitorReport(1, "node0", pid=12, where="step (t.py:9)", stack="  stack of 1"))
+    state.ingest(MonitorReport(2, "node1", steps=4))  # an older rank: counters only
+    now[0] += 0.5
+    got = {r["rank"]: r for r in state.stacks()["ranks"]}
+    assert sorted(got) == [0, 1, 2]
+    assert got[0]["age_seconds"] == pytest.approx(3.5) and got[1]["age_seconds"] == pytest.approx(0.5)
+    assert (got[0]["host"], got[0]["pid"], got[0]["where"], got[0]["stack"]) == (
+        "node0", 11, "load (t.py:3)", "  stack of 0")
+    assert got[0]["flight"] == FLIGHT
+    assert got[0]["flight_text"][0].startswith("  done       allreduce 'grad.w' (seq 7) float32 (1024,)")
+    assert got[0]["flight_text"][1].startswith("  negotiated allreduce 'grad.w' (seq 8)")
+    assert got[1]["stack"] == "  stack of 1" and got[1]["flight"] is None and got[1]["flight_text"] == []
+    assert (got[2]["stack"], got[2]["pid"], got[2]["age_seconds"]) == (None, None, None)
+    # A later report without a stack (an older rank's format) keeps the last one, and its age grows.
+    state.ingest(MonitorReport(0, "node0", steps=9))
+    now[0] += 20.0
+    row = state.stacks()["ranks"][0]
+    assert row["stack"] == "  stack of 0" and row["age_seconds"] == pytest.approx(23.5)
+    assert row["state"] == "silent"
+
+
+def test_api_stacks_shows_where_the_reporting_thread_found_the_main_thread(
+        service: MonitorService) -> None:
+    client = RendezvousClient("127.0.0.1", service.port, service.secret)
+    rep = Reporter(client, dict, rank=1, host="node0", local_rank=1, flight=lambda d, f: FLIGHT)
+    assert rep.push()  # from this (the main) thread, as the reporter's thread would
+    status, body = get(service, "/api/stacks")
+    assert status == 200
+    ranks = json.loads(body)["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["stack"] is None
+    mine = ranks[1]
+    assert "test_api_stacks_shows_where_the_reporting_thread_found_the_main_thread" in mine["stack"]
+    assert mine["where"].startswith("test_api_stacks_shows_where") and mine["pid"] == os.getpid()
+    assert mine["flight"] == FLIGHT and 0 <= mine["age_seconds"] < 60
+    assert "api/stacks" in page.HTML and 'id="stacks-fetch"' in page.HTML
+
+
+def test_whereabouts_is_bounded() -> None:
+    from horovod.common import reporter
+
+    def deep(n: int) -> dict:
+        return deep(n - 1) if n else reporter.whereabouts(lambda d, f: {
+            "done": [FLIGHT["done"][0]] * 50,
+            "in_flight": [[*FLIGHT["in_flight"][0][:5], [[2]] * 100, "submitted", 1.0]] * 50})
+
+    got = deep(200)
+    assert got["stack"].startswith(f"  ... (outer frames cut: the innermost {reporter.STACK_FRAMES} shown)")
+    assert reporter.STACK_FRAMES - 5 <= got["stack"].count("in deep") < reporter.STACK_FRAMES
+    assert len(got["flight"]["done"]) == reporter.FLIGHT_DONE
+    assert len(got["flight"]["in_flight"]) == reporter.FLIGHT_IN_FLIGHT
+    assert all(len(r[5]) == reporter.FLIGHT_SHAPES for r in got["flight"]["in_flight"])
+    MonitorReport.from_wire({"rank": 0, **got})  # what it builds passes the protocol's checks
