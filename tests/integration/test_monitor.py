@@ -300,6 +300,66 @@ def test_page_in_a_browser_live_and_after_a_failure(tmp_path: Path) -> None:
 
 
 
+def _release(fifo: Path, deadline: float) -> None:
+    """Write one byte to a FIFO whose reader (the rank) is there, or fail at ``deadline``."""
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads it
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    try:
+        os.write(fd, b"r")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("mode", ["mpi", "gloo"])
+def test_api_stacks_shows_where_every_rank_is_stuck(mode: str, tmp_path: Path) -> None:
+    """Issue 45: every rank blocked in a function of its own (reading a FIFO): /api/stacks shows
+    that function in every rank's main-thread stack, with the rank's host, pid, a fresh age and
+    its flight record; released, the job ends normally."""
+    for rank in range(2):
+        os.mkfifo(tmp_path / f"release.{rank}")
+    job = Job(f"--{mode}", "-np", "2", "--monitor-port", "0", "python", WORKER, "stuck", str(tmp_path),
+              env={"HOROVOD_MONITOR_INTERVAL": "0.2"})
+    rc = None
+    try:
+        url = job.wait_url()
+        deadline = time.monotonic() + 120
+        ranks: list[dict] = []
+        while time.monotonic() < deadline and job.proc.poll() is None:
+            with urllib.request.urlopen(url + "api/stacks", timeout=10) as resp:
+                ranks = json.loads(resp.read())["ranks"]
+            if len(ranks) == 2 and all("wait_for_the_test_to_release_me" in (r["stack"] or "")
+                                       for r in ranks):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"{mode}: /api/stacks never showed both ranks stuck: {ranks}\n{job.text[-3000:]}")
+        for r in ranks:
+            assert r["where"].startswith("wait_for_the_test_to_release_me (monitor_worker.py:"), (mode, r)
+            assert isinstance(r["pid"], int) and r["pid"] > 0 and r["host"], (mode, r)
+            assert 0 <= r["age_seconds"] < 30, (mode, r)
+            done = r["flight"]["done"]
+            assert [row[3] for row in done] == ["allreduce.stacks.warmup"] * 3, (mode, r)
+            assert [row[0] for row in done] == [1, 2, 3] and r["flight"]["in_flight"] == [], (mode, r)
+            assert any("done       allreduce 'allreduce.stacks.warmup' (seq 3)" in line for line in r["flight_text"])
+        assert len({r["pid"] for r in ranks}) == 2
+        for rank in range(2):
+            _release(tmp_path / f"release.{rank}", time.monotonic() + 30)
+        rc = job.wait(timeout=120)
+    finally:
+        if rc is None:
+            job.proc.kill()
+            job.wait(timeout=30)
+    assert rc == 0, f"{mode}: rc {rc}\n{job.text[-4000:]}"
+    got = tagged_json("".join(job.out), "RESULT_stuck")
+    assert got == {r: {"rank": r, "released": "r", "total": 2.0} for r in range(2)}, job.text[-3000:]
+
+
 def test_horovod_run_monitor_port() -> None:
     body = """
         import json, os

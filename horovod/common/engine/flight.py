@@ -96,6 +96,8 @@ def in_flight_rows(entries: Iterable[Any], queued: set[int], now: float, complet
         req = e.request
         ps = req.process_set_id
         k = nth[ps] = nth.get(ps, 0) + 1
+        if last is not None and k > last:  # past the first ``last`` of its process set: not shown
+            continue
         state = "submitted" if id(e) in queued else _STATES.get(e.state, "submitted")
         out.append([completed.get(ps, 0) + k, ps, req.kind.value, req.name, req.dtype,
                     [list(s) for s in req.shapes], state, round(now - e.t_submit, 3)])

@@ -10,6 +10,9 @@
                               a steady state, then N more in which rank S (-1: none) sleeps 50 ms
                               per step; prints RESULT_steps with the seconds from the steady state
                               to the first verdict naming S (rank 0 also scrapes /metrics)
+    monitor_worker.py stuck D     3 allreduces 'stacks.warmup', then every rank blocks in
+                              wait_for_the_test_to_release_me() reading the FIFO D/release.<rank>
+                              until the test writes to it; then one more allreduce, RESULT_stuck
 
 Results are ``[r]<stdout>:RESULT_<phase> {json}`` lines. Rank 0 also reads the monitor's
 ``/metrics`` (on 127.0.0.1: no token) once every rank has reported the verdict.
@@ -156,10 +159,26 @@ def steps(slow_rank: int, n: int) -> None:
     hvd.barrier()
 
 
+def wait_for_the_test_to_release_me(fifo: str) -> bytes:
+    """Blocks (in C, the GIL released) until the test opens the FIFO and writes to it."""
+    with open(fifo, "rb", buffering=0) as f:
+        return f.read(1)
+
+
+def stuck(directory: str) -> None:
+    for _ in range(3):
+        hvd.allreduce(STEP, name="stacks.warmup")
+    got = wait_for_the_test_to_release_me(os.path.join(directory, f"release.{hvd.rank()}"))
+    total = hvd.allreduce(STEP, name="stacks.after", op=hvd.Sum)
+    emit("stuck", released=got.decode(), total=float(total[0]))
+
+
 if __name__ == "__main__":
     hvd.init()
     if sys.argv[1] == "job":
         job()
+    elif sys.argv[1] == "stuck":
+        stuck(sys.argv[2])
     elif sys.argv[1] == "steps":
         steps(int(sys.argv[2]), int(sys.argv[3]))
     else:

@@ -187,3 +187,14 @@ def test_sigusr1_prints_stacks_and_the_process_goes_on(capfd):
     assert "done       allreduce 'grad.w' (seq 1)" in out
     assert not stacks.installed() and signal.getsignal(signal.SIGUSR1) == before
     assert np.isfinite(1.0)  # still running
+
+
+def test_in_flight_with_a_limit_builds_only_the_rows_it_shows() -> None:
+    """The monitor's reporter asks for the first few in-flight collectives of a step that has
+    hundreds: the rows are those of the unlimited call, cut, whatever the process sets' mix."""
+    from horovod.common.engine.flight import in_flight_rows
+
+    entries = [_Entry(f"t{i}", 2, 0.0, ps=i % 3 and 1) for i in range(200)]
+    full = in_flight_rows(entries, set(), 1.0, {0: 10, 1: 4})
+    for last in (1, 5, 8, 70, 300):
+        assert in_flight_rows(entries, set(), 1.0, {0: 10, 1: 4}, last) == full[:last], last
