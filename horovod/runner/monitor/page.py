@@ -119,11 +119,11 @@ function stacks(){
     var all=JSON.parse(x.responseText);d.textContent="";
     all.ranks.forEach(function(r){
       var div=el("div");div.setAttribute("data-rank",r.rank);
-      var head="rank "+r.rank+" on "+r.host+(r.pid?" (pid "+r.pid+")":"")+" \u2014 "+r.state;
+      var head="rank "+r.rank+" on "+r.host+(r.pid?" (pid "+r.pid+")":"")+" \\u2014 "+r.state;
       if(r.age_seconds===null){div.appendChild(el("div",head+": no stack reported yet"));d.appendChild(div);return;}
       div.appendChild(el("div",head+", in "+r.where+", "));
       div.appendChild(el("span",r.age_seconds.toFixed(1)+" s ago",r.age_seconds>10?"stale":""));
-      var text="Main thread (most recent call last):\n"+(r.stack||"")+"\nFlight record (completed, then in flight):\n"+r.flight_text.join("\n");
+      var text="Main thread (most recent call last):\\n"+(r.stack||"")+"\\nFlight record (completed, then in flight):\\n"+r.flight_text.join("\\n");
       div.appendChild(el("pre",text));d.appendChild(div);
     });
   };

@@ -277,6 +277,7 @@ def test_reports_over_a_jobs_rendezvous_service() -> None:
         assert 'horovod_collective_bytes_total{rank="1",op="allreduce"} 640' in text
         assert 'horovod_steps_total{rank="0"} 10' in text  # the forged report was not taken
     close(svc)
+    assert svc.state.finished is not None
     assert svc.state.finished == {"returncode": 0, "text": "", "time": svc.state.finished["time"]}
     with pytest.raises(OSError):
         get(svc, "/metrics")
@@ -360,3 +361,56 @@ def test_whereabouts_is_bounded() -> None:
     assert len(got["flight"]["in_flight"]) == reporter.FLIGHT_IN_FLIGHT
     assert all(len(r[5]) == reporter.FLIGHT_SHAPES for r in got["flight"]["in_flight"])
     MonitorReport.from_wire({"rank": 0, **got})  # what it builds passes the protocol's checks
+
+
+_PAGE_HARNESS = """
+function E(tag){this.tag=tag;this.children=[];this.attrs={};this.textContent="";this.className="";this.style={};}
+E.prototype.appendChild=function(c){this.children.push(c);return c;};
+E.prototype.setAttribute=function(k,v){this.attrs[k]=v;};
+E.prototype.querySelector=function(){return new E("tbody");};
+function text(e){return (e.textContent||"")+e.children.map(text).join("|");}
+var els={};
+var document={getElementById:function(id){return els[id]||(els[id]=new E(id));},
+  createElement:function(t){return new E(t);},createElementNS:function(n,t){return new E(t);}};
+var window={location:{search:"?token=abc"}};
+var opened=[];
+function XMLHttpRequest(){}
+XMLHttpRequest.prototype.open=function(m,u){this.url=u;opened.push(u);};
+XMLHttpRequest.prototype.send=function(){
+  if(this.url.indexOf("api/stacks")===0){this.status=200;this.responseText=DATA;this.onload();}};
+function setTimeout(){}
+"""
+
+
+def test_page_shows_api_stacks_when_asked() -> None:
+    """The page's script (run in Node with a minimal DOM): its Stacks button fetches api/stacks
+    with the read token and shows each rank's header, stack and flight record; an old one in red."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    script = re.search(r"<script>(.*)</script>", page.HTML, re.S).group(1)  # type: ignore[union-attr]
+    state = JobState(2, {0: ("node0", 0), 1: ("node0", 1)}, clock=lambda: 100.0)
+    state.ingest(MonitorReport(0, "node0", pid=7, where="load (t.py:3)", stack='  File "t.py", line 3, in load',
+                               flight=FLIGHT))
+    state._clock = lambda: 112.5  # type: ignore[method-assign]
+    data = json.dumps(state.stacks())
+    check = """
+document.getElementById("stacks-fetch").onclick();
+var d=els["stacks"];
+console.log(JSON.stringify({opened:opened, link:els["stacks-link"].href, ranks:d.children.length,
+  first:text(d.children[0]), stale:d.children[0].children[1].className, second:text(d.children[1])}));
+"""
+    res = subprocess.run([node, "-e", _PAGE_HARNESS + f"var DATA={json.dumps(data)};\n" + script + check],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "api/stacks?token=abc" in got["opened"] and got["link"] == "api/stacks?token=abc"
+    assert got["ranks"] == 2 and got["stale"] == "stale"
+    first = got["first"]
+    assert "rank 0 on node0 (pid 7) \u2014 silent, in load (t.py:3), " in first and "12.5 s ago" in first
+    assert 'File "t.py", line 3, in load' in first
+    assert "done       allreduce 'grad.w' (seq 7)" in first and "negotiated allreduce 'grad.w' (seq 8)" in first
+    assert "rank 1 on node0 \u2014 starting: no stack reported yet" in got["second"]
