@@ -1,7 +1,7 @@
 """The launcher's live view of a job: ``horovodrun --monitor-port PORT`` (docs/monitor.md).
 
-``service.MonitorService`` serves ``/`` (``page.py``), ``/metrics`` (``exposition.py``) and
-``/api/job`` from a ``state.JobState`` that the ranks' reporters (``horovod.common.reporter``)
+``service.MonitorService`` serves ``/`` (``page.py``), ``/metrics`` (``exposition.py``),
+``/api/job`` and ``/api/stacks`` from a ``state.JobState`` that the ranks' reporters (``horovod.common.reporter``)
 and the launcher (failures, elastic rounds) update. ``start_monitor`` is the launcher's one call;
 ``cluster`` wires the same service into Spark and Ray jobs, whose ranks report over the job's
 rendezvous service.
@@ -33,7 +33,7 @@ def start_monitor(secret: str, port: int, address: str | None, world_size: int,
         LaunchError: the port is in use or the address is not this host's.
     """
     svc = MonitorService(secret, port, address or "127.0.0.1", JobState(world_size, ranks))
-    print(f"{who}: monitor at {svc.url} (metrics: /metrics, JSON: /api/job)",
+    print(f"{who}: monitor at {svc.url} (metrics: /metrics, JSON: /api/job, stacks: /api/stacks)",
           file=out or sys.stderr, flush=True)
     return svc
 
