@@ -31,7 +31,8 @@ Environment:
                   until the job has n workers
   BLOCK_AT        "<step>@<dir>": every worker, before that step, prints "READY <me> rank <r>"
                   and blocks in ``blocked_until_released`` until it reads the end of the FIFO
-                  <dir>/<its slot> (the test makes the FIFOs and writes them to release it)
+                  <dir>/<me> (<me>: "<host>[<slot>]"; the test makes the FIFOs and writes them
+                  to release the workers)
   ZERO            "1": a ZeroRedundancyOptimizer (stage 1) instead of DistributedOptimizer
 Prints "COMMIT {json}" after every commit and "FINAL {json}" at the end.
 """
@@ -138,7 +139,7 @@ def blocked_until_released(me: str, step: int) -> None:
     if int(at) != step:
         return
     print(f"READY {me} rank {hvd.rank()}", flush=True)
-    with open(os.path.join(where, os.environ["HOROVOD_ELASTIC_SLOT"]), "rb") as fifo:
+    with open(os.path.join(where, me), "rb") as fifo:
         fifo.read()  # until the test's writer closes it
 
 
