@@ -23,6 +23,7 @@ from horovod.common import protocol
 from horovod.runner.failures import RankExit, format_report, root_cause
 from horovod.runner.launchers.base import Command
 from horovod.runner.output import LineSplitter, TagParser, prefix_line, write_line
+from horovod.runner.signals import still_starting
 
 __all__ = ["Supervisor", "JobResult"]
 
@@ -44,26 +45,8 @@ _PRCTL = _prctl() if sys.platform.startswith("linux") else None
 
 
 def _still_starting(proc: _Proc, signum: int) -> bool:
-    """Whether a local process has no handler for ``signum`` yet (mpirun or the shim still
-    starting: the signal's default action would kill it); says so on stderr."""
-    if proc.cmd.remote or _catches(proc.popen.pid, signum):
-        return False
-    sys.stderr.write(f"horovodrun: {' '.join(proc.cmd.argv[:1])} (pid {proc.popen.pid}) is still "
-                     "starting; not passed on (send it again in a moment)\n")
-    return True
-
-
-def _catches(pid: int, signum: int) -> bool:
-    """Whether process ``pid`` has a handler for ``signum`` (``/proc/PID/status``; True where
-    that cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return True
+    """Whether a local process has no handler for ``signum`` yet (``runner/signals.py``)."""
+    return still_starting(proc.cmd, proc.popen.pid, signum)
 
 
 def _end_with_launcher() -> None:

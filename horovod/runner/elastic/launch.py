@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -110,6 +111,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
     base.job_env.update({"HOROVOD_RUNNER_ADDR": "127.0.0.1", "HOROVOD_RUNNER_PORT": port})
     write_lock = threading.Lock()
     session: ElasticSession
+    started: list[WorkerProcess] = []  # the worker processes that may still run
+    started_lock = threading.Lock()
 
     def start_worker(key: Key, slot: SlotInfo) -> WorkerProcess:
         host = key[0]
@@ -128,10 +131,17 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         cmd = (local_command(plan, rank, environ, secret) if is_local
                else ssh_command(plan, rank, settings, secret))
         w = session.driver.workers[key]
-        return WorkerProcess(cmd, key_name(key), lambda: w.rank,
+        proc = WorkerProcess(cmd, key_name(key), lambda: w.rank,
                              lambda code, sig, record: session.worker_exited(key, code, sig, record),
                              stdout=stdout, stderr=stderr, timestamp=settings.prefix_timestamp,
                              write_lock=write_lock)
+        with started_lock:
+            started[:] = [p for p in started if p.popen.poll() is None] + [proc]
+        return proc
+
+    def live_workers() -> list[WorkerProcess]:
+        with started_lock:
+            return [p for p in started if p.popen.poll() is None]
 
     elastic = DriverSettings.from_env(environ, timeout=settings.elastic_timeout,
                                        reset_limit=settings.reset_limit)
@@ -145,6 +155,7 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         monitor.state.elastic = lambda: elastic_status(driver)
     if on_rendezvous is not None:
         on_rendezvous(server)
+    restore_usr1 = _pass_on_usr1(live_workers, stderr or sys.stderr, write_lock)
     try:
         result = session.run().result
     except KeyboardInterrupt:
@@ -152,7 +163,40 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         result = ElasticResult("interrupted by SIGINT; every worker was stopped", driver.round + 1,
                                driver.resets, list(driver.events))
         return ElasticJobResult(130, result.error, result)
+    finally:
+        restore_usr1()
     return ElasticJobResult(0 if result.error is None else 1, result.error, result)
+
+
+def _pass_on_usr1(workers: Callable[[], list[WorkerProcess]], err: IO[str],
+                  lock: threading.Lock) -> Callable[[], None]:
+    """Stacks on demand: from now on a SIGUSR1 to horovodrun is passed on to every live worker
+    through its shim (each prints its stacks and flight record, ``horovod/common/stacks.py``) and
+    the job goes on; a worker still starting is skipped (``WorkerProcess.pass_signal``). Returns
+    what puts the previous handler back (nothing to do off the main thread: nothing installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def pass_on(signum: int) -> None:
+        live = workers()
+        with lock:
+            err.write(f"horovodrun: {signal.Signals(signum).name}: asking every worker ({len(live)} "
+                      "running) for its stacks and flight record (the job goes on)\n")
+            err.flush()
+        for proc in live:
+            proc.pass_signal(signum)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # Not here: the main thread may hold the locks pass_on takes (the driver's, the output's).
+        threading.Thread(target=pass_on, args=(signum,), daemon=True,
+                         name="hvd-elastic-usr1").start()
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+
+    def restore() -> None:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL if old is None else old)
+
+    return restore
 
 
 def elastic_status(driver: ElasticDriver) -> dict[str, Any]:

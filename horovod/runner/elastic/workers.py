@@ -14,6 +14,7 @@ from typing import IO
 from horovod.common import protocol
 from horovod.runner.launchers.base import Command
 from horovod.runner.output import LineSplitter, prefix_line, write_line
+from horovod.runner.signals import still_starting
 
 __all__ = ["WorkerProcess"]
 
@@ -107,6 +108,26 @@ class WorkerProcess:
         else:
             code, sig = (None, -rc) if rc < 0 else (rc, None)
         self.on_exit(code, sig, self.exit_record)
+
+    def pass_signal(self, signum: int) -> bool:
+        """Pass a signal on without stopping the worker (SIGUSR1: it prints its stacks and flight
+        record, ``horovod/common/stacks.py``): through its shim, as a line on the life line of a
+        remote worker, to the process group of a local one. A local worker whose shim is still
+        starting is skipped (``runner/signals.py``). Returns whether the signal was passed on."""
+        if self.popen.poll() is not None or still_starting(self.cmd, self.popen.pid, signum):
+            return False
+        stdin = self.popen.stdin
+        try:
+            if self.cmd.remote:
+                if stdin is None or stdin.closed:
+                    return False
+                stdin.write(protocol.signal_line(signum))
+                stdin.flush()
+            else:
+                os.killpg(self.popen.pid, signum)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def stop(self, grace: float = 5.0) -> None:
         """Ask the worker to stop (SIGTERM through the shim); SIGKILL after ``grace`` seconds."""

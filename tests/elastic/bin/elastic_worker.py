@@ -29,6 +29,10 @@ Environment:
                   when it first reaches that step
   WAIT_FOR_SIZE   "<n>@<step>[,<n>@<step>...]": the workers wait at that step (at most 90 s)
                   until the job has n workers
+  BLOCK_AT        "<step>@<dir>": every worker, before that step, prints "READY <me> rank <r>"
+                  and blocks in ``blocked_until_released`` until it reads the end of the FIFO
+                  <dir>/<me> (<me>: "<host>[<slot>]"; the test makes the FIFOs and writes them
+                  to release the workers)
   ZERO            "1": a ZeroRedundancyOptimizer (stage 1) instead of DistributedOptimizer
 Prints "COMMIT {json}" after every commit and "FINAL {json}" at the end.
 """
@@ -126,6 +130,19 @@ def _busy(me: str, step: int) -> None:
         print(f"BUSY done ({n})", flush=True)
 
 
+def blocked_until_released(me: str, step: int) -> None:
+    """BLOCK_AT: wait here (a frame the test looks for in the stacks on demand) until released."""
+    spec = os.environ.get("BLOCK_AT", "")
+    if not spec:
+        return
+    at, _, where = spec.partition("@")
+    if int(at) != step:
+        return
+    print(f"READY {me} rank {hvd.rank()}", flush=True)
+    with open(os.path.join(where, me), "rb") as fifo:
+        fifo.read()  # until the test's writer closes it
+
+
 def _install_protocol_hooks(me: str) -> None:
     """KILL_AT's join and notice points: wrap the elastic worker's calls (the test's hook)."""
     from horovod.common.elastic import worker as elastic_worker
@@ -177,6 +194,7 @@ def main() -> None:
             _kill_at(me, "step", state.step)
             _kill_at(me, "hang", state.step)
             _busy(me, state.step)
+            blocked_until_released(me, state.step)
             if _matches(os.environ.get("KILL", ""), me, state.step):
                 os.kill(os.getpid(), signal.SIGKILL)
             if _matches(os.environ.get("RAISE", ""), me, state.step):
