@@ -283,7 +283,7 @@ def report_loopback_cpu(pushes: int = 200) -> float:
     try:
         rep = rep_mod.Reporter(RendezvousClient("127.0.0.1", svc.port, secret, timeout=5.0),
                                get_context().engine.metrics_snapshot,
-                               {"rank": hvd.rank(), "local_rank": hvd.local_rank(), "host": "bench"})
+                               rank=hvd.rank(), local_rank=hvd.local_rank(), host="bench")
         rep.push()
         c0 = time.process_time()
         for _ in range(pushes):
