@@ -30,7 +30,8 @@ import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from horovod.common.types import Response, shape_text
+from horovod.common import protocol
+from horovod.common.types import Response
 
 __all__ = ["FlightRecorder", "describe", "format_record", "DEFAULT_SIZE"]
 
@@ -105,23 +106,6 @@ def in_flight_rows(entries: Iterable[Any], queued: set[int], now: float, complet
     return out if last is None else out[:last]
 
 
-def describe(op: str, name: str, seq: int, process_set: int = 0) -> str:
-    """``allreduce 'grad.w' (seq 12)``, with the process set when it is not the global one."""
-    where = f", process set {process_set}" if process_set else ""
-    return f"{op} {name!r} (seq {seq}{where})"
-
-
-def format_record(record: dict[str, Any], indent: str = "  ") -> list[str]:
-    """A snapshot (``{"done": ..., "in_flight": ...}``) as text lines, oldest first."""
-    lines = []
-    for seq, ps, op, name, dtype, shapes, age, ran in record.get("done", []):
-        shown = " ".join(shape_text(tuple(s)) for s in shapes)
-        lines.append(f"{indent}done       {describe(op, name, seq, ps)} {dtype} {shown}: "
-                     f"ended {age:.1f} s ago, ran {ran * 1e3:.2f} ms")
-    for seq, ps, op, name, dtype, shapes, state, age in record.get("in_flight", []):
-        shown = " ".join(shape_text(tuple(s)) for s in shapes)
-        lines.append(f"{indent}{state:<10} {describe(op, name, seq, ps)} {dtype} {shown}: "
-                     f"submitted {age:.1f} s ago")
-    if not lines:
-        lines.append(f"{indent}(no collective yet)")
-    return lines
+# how a collective and a flight record read: the protocol's, shared with the monitor
+describe = protocol.describe_collective
+format_record = protocol.flight_record_lines

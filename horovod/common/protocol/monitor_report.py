@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["MonitorReport", "REPORT_PATH"]
+__all__ = ["MonitorReport", "REPORT_PATH", "describe_collective", "flight_record_lines"]
 
 REPORT_PATH = "/api/report"
 
@@ -176,3 +176,30 @@ class MonitorReport:
         known = {k: v for k, v in snapshot.items() if k in _READERS}
         return cls.from_wire({**known, "rank": rank, "local_rank": local_rank, "host": host,
                               "time": time, "final": final})
+
+
+def _shape_text(shape: Any) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def describe_collective(op: str, name: str, seq: int, process_set: int = 0) -> str:
+    """``allreduce 'grad.w' (seq 12)``, with the process set when it is not the global one."""
+    where = f", process set {process_set}" if process_set else ""
+    return f"{op} {name!r} (seq {seq}{where})"
+
+
+def flight_record_lines(record: dict[str, Any], indent: str = "  ") -> list[str]:
+    """A flight record (``{"done": ..., "in_flight": ...}``, a report's ``flight``) as text lines,
+    oldest first: what the stall report, a SIGUSR1 dump and the monitor show."""
+    lines = []
+    for seq, ps, op, name, dtype, shapes, age, ran in record.get("done", []):
+        shown = " ".join(_shape_text(s) for s in shapes)
+        lines.append(f"{indent}done       {describe_collective(op, name, seq, ps)} {dtype} {shown}: "
+                     f"ended {age:.1f} s ago, ran {ran * 1e3:.2f} ms")
+    for seq, ps, op, name, dtype, shapes, state, age in record.get("in_flight", []):
+        shown = " ".join(_shape_text(s) for s in shapes)
+        lines.append(f"{indent}{state:<10} {describe_collective(op, name, seq, ps)} {dtype} {shown}: "
+                     f"submitted {age:.1f} s ago")
+    if not lines:
+        lines.append(f"{indent}(no collective yet)")
+    return lines

@@ -10,8 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from horovod.common.engine.flight import format_record
-from horovod.common.protocol import MonitorReport
+from horovod.common.protocol import MonitorReport, flight_record_lines
 
 __all__ = ["JobState", "STEP_HISTORY"]
 
@@ -166,7 +165,7 @@ class JobState:
                     "where": rep.where if rep is not None else "",
                     "stack": rep.stack if rep is not None else None,
                     "flight": flight,
-                    "flight_text": format_record(flight, "  ") if flight is not None else [],
+                    "flight_text": flight_record_lines(flight, "  ") if flight is not None else [],
                     "age_seconds": (now - st.where_seen) if st is not None and rep is not None else None,
                 })
             return {"time": now, "ranks": out}
