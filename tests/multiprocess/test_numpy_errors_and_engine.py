@@ -329,15 +329,22 @@ def _stall_body():
 
 
 def test_stall_inspector_warns_and_shuts_down_naming_missing_ranks(tmp_path):
-    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    # rank 1 submits only once rank 0 has failed 'stalled' (a file rank 0 writes then): no sleep
+    # decides the order, however slow the machine
+    flag = tmp_path / "rank0_failed"
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2",
+           "STALL_FLAG": str(flag)}
     res = run_mpi_script([sys.executable, "-c", (
-        "import time, numpy as np, horovod.numpy as hvd\n"
+        "import os, time, numpy as np, horovod.numpy as hvd\n"
         "hvd.init()\n"
-        "if hvd.rank() == 1: time.sleep(4)\n"
+        "flag = os.environ['STALL_FLAG']\n"
+        "if hvd.rank() == 1:\n"
+        "    while not os.path.exists(flag): time.sleep(0.05)\n"
         "try:\n"
         "    hvd.allreduce(np.ones(2), name='stalled'); print('rank', hvd.rank(), 'completed')\n"
         "except RuntimeError as e:\n"
-        "    print('rank', hvd.rank(), 'ERROR', type(e).__name__)\n")], np=2, timeout=60, env=env)
+        "    print('rank', hvd.rank(), 'ERROR', type(e).__name__, flush=True)\n"
+        "if hvd.rank() == 0: open(flag, 'w').close()\n")], np=2, timeout=120, env=env)
     out = res.stdout
     assert "allreduce.stalled" in out and "rank 1 did not submit it" in out, out
     assert "Missing ranks:" in out and "1!: [allreduce.stalled]" in out, out
