@@ -157,7 +157,8 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
 
 def _raised_root(exits: list[Any], errors: list[tuple[int, BaseException, str]]) -> int:
     """The rank to name among those that raised: the root cause (``failures.root_cause``) of the
-    exits, each raised exception counting as that rank's exit record where it left none."""
+    exits, each raised exception counting as that rank's exit record where it left none or only
+    the "finished" one its process writes on a normal exit (``run_task`` caught the exception)."""
     import dataclasses
 
     from horovod.runner.failures import RankExit, exception_record, root_cause
@@ -165,7 +166,7 @@ def _raised_root(exits: list[Any], errors: list[tuple[int, BaseException, str]])
     by_rank = {e.rank: dataclasses.replace(e) for e in exits if e.rank is not None}
     for rank, exc, _tb in errors:
         e = by_rank.setdefault(rank, RankExit(rank, "", 1, None, 0.0))
-        if e.error_kind is None:
+        if e.error_kind in (None, "finished"):  # a function that raised did not finish normally
             e.apply_record(exception_record(exc, e.time, e.code or 1))
     first = root_cause([by_rank[r] for r, _, _ in errors])
     return first.rank if first is not None and first.rank is not None else errors[0][0]

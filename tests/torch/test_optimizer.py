@@ -62,7 +62,10 @@ def _equivalence_cases():
         if "16" not in label and "groups" not in label and fast != len(list(model.parameters())):
             bad.append(f"rank {r}: {label}: the repeat-submission fast path was not taken "
                        f"({fast} parameters)")
-        tol = 1e-2 if "bf16" in label else 2e-3 if "fp16" in label else 1e-5
+        # bf16 keeps 8 bits of mantissa, and MPI now reduces it as bf16 (each pairwise sum rounded,
+        # as upstream's 16-bit sums): at np=3 a near-zero gradient element can change sign, and Adam
+        # moves it by about lr (0.01) either way, whatever its size: up to 2 x lr over the run
+        tol = 2e-2 if "bf16" in label else 2e-3 if "fp16" in label else 1e-5
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             if not torch.allclose(p, q, atol=tol):
                 bad.append(f"rank {r}: {label}: {name} differs from one-process training by "

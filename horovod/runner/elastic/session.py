@@ -193,7 +193,7 @@ class ElasticSession:
         failures = list(result.failures)
         for key, i in last.items():
             o, f = outcomes.get(key), failures[i]
-            if f.record is None and isinstance(o, protocol.Raised):
+            if (f.record is None or f.record.kind == "finished") and isinstance(o, protocol.Raised):
                 failures[i] = dataclasses.replace(f, record=exception_record(
                     o.error, f.time, f.code or 1))
         return dataclasses.replace(result, failures=failures)
