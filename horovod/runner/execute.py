@@ -280,11 +280,7 @@ class Supervisor:
             self._stopping = reason
             self._kill_at = time.monotonic() + self.grace
             log.info("stopping all workers: %s", reason)
-        for proc in self._procs:
-            if proc.returncode is not None:
-                continue
-            if _still_starting(proc, signum):
-                continue
+        for proc in self._reachable(signum):
             if proc.cmd.remote:
                 # The remote shim passes the signal on, then sees the life line close.
                 self._close_lifeline(proc, f"signal {int(signum)}\n".encode())
@@ -293,6 +289,10 @@ class Supervisor:
                 # (closing it now would race the signal with a SIGTERM for the stdin EOF).
                 self._signal_proc(proc, signum)
 
+    def _reachable(self, signum: int) -> list[_Proc]:
+        """The running processes a signal can be passed to now (none still starting)."""
+        return [p for p in self._procs if p.returncode is None and not _still_starting(p, signum)]
+
     def _forward(self, signum: int) -> None:
         """Pass a signal on to every rank without stopping anything (SIGUSR1: every rank prints
         its stacks and flight record, ``horovod/common/stacks.py``)."""
@@ -300,11 +300,7 @@ class Supervisor:
         sys.stderr.write(f"horovodrun: {signal.Signals(signum).name}: asking every rank for its stacks "
                          "and flight record (the job goes on)\n")
         sys.stderr.flush()
-        for proc in self._procs:
-            if proc.returncode is not None:
-                continue
-            if _still_starting(proc, signum):
-                continue
+        for proc in self._reachable(signum):
             if proc.cmd.remote:
                 stdin = proc.popen.stdin
                 if proc.cmd.lifeline and stdin is not None and not stdin.closed:
