@@ -52,7 +52,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self.reducer = DenseReducer(self.param_groups, parameter_names(self.param_groups, named_parameters),
+        # upstream's attribute name, read by user code that logs or filters gradients by name
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
+        self.reducer = DenseReducer(self.param_groups, self._parameter_names,
                                     compression, backward_passes_per_step, op,
                                     gradient_predivide_factor, groups, sparse_as_dense, process_set)
 

@@ -50,6 +50,9 @@ def _equivalence_cases():
         model = copy.deepcopy(ref)
         opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
                                        named_parameters=model.named_parameters() if named else None, **kw)
+        names = set(opt._parameter_names.values())  # upstream's attribute, read by user code
+        if len(names) != len(list(model.parameters())) or hvd.allgather_object(names) != [names] * hvd.size():
+            bad.append(f"rank {r}: {label}: parameter names not unique or not the same on every rank: {names}")
         for x, y in batches:
             ref_opt.zero_grad()
             F.cross_entropy(ref(x), y).backward()
