@@ -93,7 +93,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     """
     import cloudpickle
 
-    from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
+    from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE, FunctionCall
     from horovod.runner.launch import launch
 
     if np is not None:
@@ -134,7 +134,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
                                   if cooldown_range else None),
         monitor_port=monitor_port, monitor_address=monitor_address)
 
-    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    payload = cloudpickle.dumps(FunctionCall.of(func, args, kwargs))
     servers: list[Any] = []
 
     def publish(server: Any) -> None:

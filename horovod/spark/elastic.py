@@ -145,7 +145,7 @@ class _ElasticJob:
                  nics: list[str], timestamp: bool) -> None:
         import cloudpickle
 
-        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
+        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE, FunctionCall
         from horovod.runner.elastic.discovery import HostManager
         from horovod.runner.function_job import FunctionJob
         from horovod.runner.output import prefix_line
@@ -158,7 +158,7 @@ class _ElasticJob:
         bind, advertised = _driver_address(sc, nics)
         self.job = FunctionJob(advertised, bind_addr=bind)
         self.server = self.job.server
-        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps(FunctionCall.of(fn, args, kwargs)))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, timestamp=timestamp, start_timeout=start_timeout)
         self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())

@@ -64,7 +64,7 @@ class _Job:
                  nics: list[str] | None, timestamp: bool, executable: str | None) -> None:
         import cloudpickle
 
-        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
+        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE, FunctionCall
         from horovod.runner.function_job import FunctionJob
         from horovod.spark.output import OutputPump
 
@@ -74,7 +74,7 @@ class _Job:
         bind, advertised = _driver_address(sc, self.nics)
         self.job = FunctionJob(advertised, bind_addr=bind)
         self.server = self.job.server
-        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps(FunctionCall.of(fn, args, kwargs)))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, executable=executable, timestamp=timestamp,
                             start_timeout=start_timeout)

@@ -106,6 +106,26 @@ def test_task_outcome_takes_what_workers_report_and_names_anything_else() -> Non
             protocol.task_outcome(bad, "rank 3")
 
 
+def _add(a: int, b: int = 0, *, c: int = 0) -> int:
+    return a + b + c
+
+
+def test_a_function_call_survives_cloudpickle_and_runs_with_its_arguments() -> None:
+    import cloudpickle
+
+    call = protocol.FunctionCall.of(_add, [1, 2], {"c": 4})
+    assert call.args == (1, 2) and call.kwargs == {"c": 4}
+    back = protocol.function_call(cloudpickle.loads(cloudpickle.dumps(call)), "rank 0")
+    assert back == call and back() == 7 and back.on_executable(object()) == 7
+    with pytest.raises(TypeError):  # no arguments given: none passed
+        protocol.FunctionCall.of(_add)()
+    bound = cloudpickle.loads(cloudpickle.dumps(call.on_executable))  # what a Ray actor gets
+    assert bound(None) == 7
+    # the untyped tuple an older launcher sent is refused, naming the reader
+    with pytest.raises(HorovodInternalError, match=r"rank 0 read tuple .* not a FunctionCall"):
+        protocol.function_call((_add, (1,), {}), "rank 0")
+
+
 def test_outcome_names_are_unique_across_the_package() -> None:
     import horovod.runner.elastic.session as session
 
