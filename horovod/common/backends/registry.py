@@ -19,8 +19,8 @@ from horovod.common.exceptions import BackendUnavailableError
 __all__ = ["BACKENDS", "create_backend", "select_backend_name", "detect_launch", "launched_by_mpi"]
 
 BACKENDS: dict[str, str] = {
-    "mpi": "horovod.common.rendezvous_handlers:create_mpi",
-    "gloo": "horovod.common.rendezvous_handlers:create_gloo",
+    "mpi": "horovod.common.backends.factories:create_mpi",
+    "gloo": "horovod.common.backends.factories:create_gloo",
     "local": "horovod.common.backends.local:create",
 }
 
