@@ -90,6 +90,9 @@ class FunctionJob:
     def put(self, scope: str, key: str, value: bytes) -> None:
         self.server.put(scope, key, value)
 
+    def get(self, scope: str, key: str) -> bytes | None:
+        return self.server.get(scope, key)
+
     def stop(self) -> None:
         self.server.stop()
 

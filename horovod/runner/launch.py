@@ -22,11 +22,13 @@ from typing import IO
 
 from horovod.common import exceptions as errors
 from horovod.common import protocol
-from horovod.runner.execute import JobResult, Supervisor
+from horovod.runner.execute import Supervisor
 from horovod.runner.hosts import resolve_hosts
+from horovod.runner.job_outcome import JobOutcome
 from horovod.runner.launch_plan import LaunchPlan, build_plan, format_plan
 from horovod.runner.launchers.base import Command
 from horovod.runner.settings import LaunchSettings
+from horovod.runner.static_session import StaticSession
 
 __all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text"]
 
@@ -109,8 +111,11 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
            stdout: IO[str] | None = None, stderr: IO[str] | None = None,
            line_hook: Callable[[int | None, str, str], None] | None = None,
            secret: str | None = None,
-           on_rendezvous: Callable[[object], None] | None = None) -> JobResult | str:
-    """Check, plan and run one job; returns its result, or the plan text for ``--dry-run``.
+           call: protocol.FunctionCall | None = None) -> JobOutcome | str:
+    """Check, plan and run one job; returns its outcome, or the plan text for ``--dry-run``.
+
+    ``call``: the function every rank's ``run_task`` runs (``horovod.run``), published on the job's
+    rendezvous service; its ranks' results come back in ``JobOutcome.outcomes``.
 
     Raises:
         ConfigError: bad hosts, ``-np``, options.
@@ -119,14 +124,14 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
     """
     environ = dict(os.environ if environ is None else environ)
     if settings.elastic:
-        return _launch_elastic(settings, environ, stdout, stderr, secret, on_rendezvous)
-    return _launch_static(settings, environ, stdout, stderr, line_hook, secret, on_rendezvous)
+        return _launch_elastic(settings, environ, stdout, stderr, secret, call)
+    return _launch_static(settings, environ, stdout, stderr, line_hook, secret, call)
 
 
 def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
                    stderr: IO[str] | None, line_hook: Callable[[int | None, str, str], None] | None,
-                   secret: str | None, on_rendezvous: Callable[[object], None] | None,
-                   ) -> JobResult | str:
+                   secret: str | None, call: protocol.FunctionCall | None,
+                   ) -> JobOutcome | str:
     hosts = resolve_hosts(settings)
     mode = choose_mode(settings, environ)
     from horovod.runner.network import is_local_host
@@ -192,18 +197,19 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
 
             plan.job_env.update(worker_env(monitor, _rendezvous_address(
                 settings, plan.remote_hosts, plan.all_local)[1]))
-        if on_rendezvous is not None and server is not None:
-            on_rendezvous(server)
+        # The session publishes the function before any rank starts, and collects the ranks'
+        # results from the service before it is stopped (below).
+        session = StaticSession(plan.np, "horovodrun", service=server, call=call, own_service=False)
         cmds = _commands(plan, settings, environ, impl, secret)
         for c in cmds:
             log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
-        executor = Supervisor(
+        supervisor = Supervisor(
             cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
             local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
             timestamp=settings.prefix_timestamp,
             output_dir=settings.output_filename if mode == "gloo" else None,
             stdout=stdout, stderr=stderr, line_hook=line_hook)
-        result = executor.run()
+        result = session.run(supervisor.run)
         return result
     finally:
         if server is not None:
@@ -212,7 +218,7 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
             _end_monitor(monitor, result, settings.monitor_linger)
 
 
-def _end_monitor(monitor: object, result: object, linger: float) -> None:
+def _end_monitor(monitor: object, result: JobOutcome | None, linger: float) -> None:
     from horovod.runner.monitor import MonitorService, finish
 
     assert isinstance(monitor, MonitorService)
@@ -221,10 +227,8 @@ def _end_monitor(monitor: object, result: object, linger: float) -> None:
 
 def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
                     stderr: IO[str] | None, secret: str | None,
-                    on_rendezvous: Callable[[object], None] | None) -> JobResult | str:
+                    call: protocol.FunctionCall | None) -> JobOutcome | str:
     """Elastic mode (``--host-discovery-script``, ``--min-np``, ``--max-np``): see runner/elastic."""
-    from typing import cast
-
     from horovod.runner.elastic.launch import configure_logging, launch_elastic
 
     _check_torch()
@@ -244,8 +248,8 @@ def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: I
     result = None
     try:
         result = launch_elastic(settings, environ=environ, stdout=stdout, stderr=stderr,
-                                secret=secret, on_rendezvous=on_rendezvous, monitor=monitor)
-        return cast(JobResult, result)
+                                secret=secret, call=call, monitor=monitor)
+        return result
     finally:
         if monitor is not None:
             _end_monitor(monitor, result, settings.monitor_linger)

@@ -186,15 +186,11 @@ def test_page_is_self_contained(service: MonitorService) -> None:
 
 def test_failure_and_elastic_state(service: MonitorService) -> None:
     from horovod.runner.failures import RankExit
+    from horovod.runner.job_outcome import JobOutcome
 
     culprit = RankExit(1, "node0", 3, None, time.time(), error="RuntimeError: boom", error_kind="cause")
-
-    class Result:  # as execute.JobResult
-        returncode = 1
-        first_failure = culprit
-        exits = [RankExit(0, "node0", 1, None, time.time(), stopped_by="rank 1 failed"), culprit]
-
-    record_result(service, Result())
+    stopped = RankExit(0, "node0", 1, None, time.time(), stopped_by="rank 1 failed")
+    record_result(service, JobOutcome([stopped, culprit], 1))
     service.state.elastic = lambda: {"rounds": 3, "workers": {"running": 2, "exited": 1}}
     job = json.loads(get(service, "/api/job")[1])
     assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
