@@ -1,6 +1,6 @@
 """Rendezvous handlers: how the ranks of a job meet, whoever started them.
 
-Each handler turns what its launcher gives (``horovod.common.launcher.Launch``, the environment)
+Each handler turns what its launcher gives (``horovod.common.launcher_detection.Launch``, the environment)
 into what the transport needs, as torch elastic's handlers do (``next_rendezvous()`` returns a
 store, this rank and the world size; the process groups are built on that store):
 
@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from horovod.common import launcher as _launcher
+from horovod.common import launcher_detection as _launcher
 from horovod.common import protocol, slurm_secret
 from horovod.common.backends import authstore
 from horovod.common.config import EngineConfig

@@ -3,7 +3,7 @@
 Static mode (``num_workers`` or ``num_hosts``): ``start()`` reserves the workers' resources in a
 placement group, starts one actor per rank, numbers the ranks node by node and hands every actor
 the environment ``horovodrun --gloo`` gives a worker; the Gloo rendezvous service runs in the
-driver (``horovod.runner.function_job``). The actors stay up until ``shutdown()``, so
+driver (``horovod.runner.launch.cluster_job``). The actors stay up until ``shutdown()``, so
 successive ``run`` calls reuse them. Elastic mode (``min_workers``): see ``horovod.ray.elastic_v2``.
 """
 

@@ -1,5 +1,5 @@
 """Static ``RayExecutor`` jobs: a fixed set of rank actors that live until ``shutdown()``; each
-``run`` is one call of a ``StaticSession`` (``horovod.runner.static_session``), whose failure is
+``run`` is one call of a ``StaticSession`` (``horovod.runner.launch.static_session``), whose failure is
 reported in the text of every launcher."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class StaticAdapter:
               executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
         import ray
 
-        from horovod.runner.function_job import FunctionJob
+        from horovod.runner.launch.cluster_job import FunctionJob
 
         try:
             n, opts = self._placement()
@@ -137,7 +137,7 @@ class StaticAdapter:
             WorkerFailedError: a rank raised, its actor died, or it did not finish within
                 ``FAILURE_GRACE_SECONDS`` of a failure (every worker is stopped then).
         """
-        from horovod.runner.static_session import StaticSession
+        from horovod.runner.launch.static_session import StaticSession
 
         self._check()
         what = f"RayExecutor.run({label})"

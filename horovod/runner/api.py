@@ -92,7 +92,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     the results of the first ``min_num_proc`` ranks of the final round, as upstream does.
     """
     from horovod.common.protocol import FunctionCall
-    from horovod.runner.launch import launch
+    from horovod.runner.launch.horovodrun import launch
 
     if np is not None:
         warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)

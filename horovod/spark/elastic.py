@@ -147,7 +147,7 @@ class _ElasticJob:
 
         from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE, FunctionCall
         from horovod.runner.elastic.discovery import HostManager
-        from horovod.runner.function_job import FunctionJob
+        from horovod.runner.launch.cluster_job import FunctionJob
         from horovod.runner.output import prefix_line
         from horovod.spark.driver import _driver_address
         from horovod.spark.output import OutputPump
@@ -257,7 +257,7 @@ class _ElasticJob:
                                   f"{spark_failure_reason(str(exc)) or exc}")
 
     def run(self) -> list[Any]:
-        from horovod.runner.elastic.launch import configure_logging
+        from horovod.runner.launch.elastic import configure_logging
 
         configure_logging()
         spark = threading.Thread(target=self._submit, name="hvd-spark-elastic-job", daemon=True)

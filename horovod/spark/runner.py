@@ -68,8 +68,8 @@ class _Job:
                  env: dict[str, str] | None, stdout: IO[str] | None, stderr: IO[str] | None,
                  nics: list[str] | None, timestamp: bool, executable: str | None) -> None:
         from horovod.common.protocol import FunctionCall
-        from horovod.runner.function_job import FunctionJob
-        from horovod.runner.static_session import StaticSession
+        from horovod.runner.launch.cluster_job import FunctionJob
+        from horovod.runner.launch.static_session import StaticSession
         from horovod.spark.output import OutputPump
 
         self.sc, self.num_proc, self.start_timeout = sc, num_proc, start_timeout
@@ -197,7 +197,7 @@ class _Job:
         from horovod.common.protocol import RESULT_SCOPE, Died, Raised
         from horovod.runner.failures import RankExit
         from horovod.runner.job_outcome import JobOutcome
-        from horovod.runner.static_session import read_outcomes
+        from horovod.runner.launch.static_session import read_outcomes
 
         exc = self.spark_error
         assert exc is not None

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from horovod.common import launcher as _launcher
+from horovod.common import launcher_detection as _launcher
 from horovod.common import lifecycle
 from horovod.common.backends.gloo import gloo_checks
 from horovod.common.config import EngineConfig

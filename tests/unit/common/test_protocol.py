@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from horovod.common import launcher, protocol
+from horovod.common import launcher_detection, protocol
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.rendezvous_handlers import (
@@ -69,7 +69,7 @@ def test_each_launcher_gets_its_handler_and_elastic_jobs_their_rounds() -> None:
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     slurm = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]"}
     for env, kind in ((horovod, HorovodHandler), (torchrun, TorchrunHandler), (slurm, SlurmHandler)):
-        assert type(handler_for(config, env, launcher.detect(env))) is kind, env
+        assert type(handler_for(config, env, launcher_detection.detect(env))) is kind, env
     assert elastic_round({**horovod, "HOROVOD_ELASTIC": "1"})
     assert not elastic_round(horovod) and not elastic_round({**horovod, "HOROVOD_ELASTIC": "0"})
     # A torchrun job of several ranks meets on torchrun's store even with HOROVOD_ELASTIC set.

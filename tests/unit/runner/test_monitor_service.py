@@ -248,7 +248,7 @@ def test_reports_over_a_jobs_rendezvous_service() -> None:
     """Spark and Ray jobs: the ranks post to the job's rendezvous service (which they reach
     already), signed with the job secret; it hands the reports to the monitor in process."""
     from horovod.common import protocol
-    from horovod.runner.function_job import FunctionJob
+    from horovod.runner.launch.cluster_job import FunctionJob
     from horovod.runner.monitor.cluster import attach, close
     from horovod.runner.monitor.service import MAX_REPORT_BYTES
 

@@ -13,7 +13,7 @@ from horovod.common import protocol
 from horovod.common.exceptions import HorovodInternalError, WorkerFailedError
 from horovod.runner.failures import EXITED_NON_ZERO, RankExit
 from horovod.runner.job_outcome import JobOutcome
-from horovod.runner.static_session import StaticSession
+from horovod.runner.launch.static_session import StaticSession
 
 pytestmark = pytest.mark.unit
 

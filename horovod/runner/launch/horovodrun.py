@@ -6,9 +6,11 @@
 2. the mode: ``--mpi``/``--gloo``, else MPI when an ``mpirun`` is found, else Gloo;
 3. checks before anything starts: each remote host answers ssh (its error is shown), and the
    program exists (locally and on every remote host);
-4. the plan (``plan.py``) and the commands (``launchers/``); ``--dry-run`` prints them and stops;
-5. execution (``execute.py``): live ``[rank]<stdout>:`` output, everything stopped on the first
-   failure, and a per-rank report (``failures.py``).
+4. the plan (``plan.py``) and the commands (``local.py``, ``ssh.py``, ``mpirun.py``); ``--dry-run``
+   prints them and stops;
+5. execution, one ``StaticSession`` (``static_session.py``) around the ``Supervisor``
+   (``supervisor.py``): live ``[rank]<stdout>:`` output, everything stopped on the first failure,
+   and a per-rank report (``horovod.runner.failures``); an elastic job runs in ``elastic.py``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from typing import IO
 
 from horovod.common import exceptions as errors
 from horovod.common import protocol
-from horovod.runner.execute import Supervisor
 from horovod.runner.hosts import resolve_hosts
 from horovod.runner.job_outcome import JobOutcome
-from horovod.runner.launch_plan import LaunchPlan, build_plan, format_plan
-from horovod.runner.launchers.base import Command
+from horovod.runner.launch.commands import Command
+from horovod.runner.launch.plan import LaunchPlan, build_plan, format_plan
+from horovod.runner.launch.static_session import StaticSession
+from horovod.runner.launch.supervisor import Supervisor
 from horovod.runner.settings import LaunchSettings
-from horovod.runner.static_session import StaticSession
 
 __all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text"]
 
@@ -37,7 +39,7 @@ log = logging.getLogger("horovod.runner")
 
 def choose_mode(settings: LaunchSettings, environ: Mapping[str, str]) -> str:
     """``"mpi"`` or ``"gloo"``: the explicit choice, else MPI when mpirun exists, else Gloo."""
-    from horovod.runner.launchers.mpirun import find_mpirun
+    from horovod.runner.launch.mpirun import find_mpirun
 
     if settings.controller:
         return settings.controller
@@ -72,7 +74,7 @@ def _check_remote(plan: LaunchPlan, settings: LaunchSettings, env_path: str | No
     remote = plan.remote_hosts
     if not remote:
         return
-    from horovod.runner.launchers.ssh import check_hosts
+    from horovod.runner.launch.ssh import check_hosts
 
     if shutil.which("ssh") is None:
         raise errors.LaunchError(
@@ -145,7 +147,7 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         _check_torch()
     impl = None
     if mode == "mpi":
-        from horovod.runner.launchers.mpirun import default_cache_dir, detect_mpi
+        from horovod.runner.launch.mpirun import default_cache_dir, detect_mpi
 
         impl = detect_mpi(environ, None if settings.disable_cache else default_cache_dir())
     if settings.dry_run:
@@ -229,7 +231,7 @@ def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: I
                     stderr: IO[str] | None, secret: str | None,
                     call: protocol.FunctionCall | None) -> JobOutcome | str:
     """Elastic mode (``--host-discovery-script``, ``--min-np``, ``--max-np``): see runner/elastic."""
-    from horovod.runner.elastic.launch import configure_logging, launch_elastic
+    from horovod.runner.launch.elastic import configure_logging, launch_elastic
 
     _check_torch()
     if settings.dry_run:
@@ -258,12 +260,12 @@ def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: I
 def _commands(plan: LaunchPlan, settings: LaunchSettings, environ: Mapping[str, str], impl: object,
               secret: str | None) -> list[Command]:
     if plan.mode == "mpi":
-        from horovod.runner.launchers.mpirun import MpiImplementation, mpirun_command
+        from horovod.runner.launch.mpirun import MpiImplementation, mpirun_command
 
         assert isinstance(impl, MpiImplementation)
         return [mpirun_command(plan, settings, impl, environ, secret=secret)]
-    from horovod.runner.launchers.local import local_command
-    from horovod.runner.launchers.ssh import ssh_command
+    from horovod.runner.launch.local import local_command
+    from horovod.runner.launch.ssh import ssh_command
 
     return [local_command(plan, r, environ, secret) if r.local else ssh_command(plan, r, settings, secret)
             for r in plan.ranks]
@@ -281,7 +283,7 @@ def check_build_text() -> str:
         except (ImportError, ValueError):
             return False
 
-    from horovod.runner.launchers.mpirun import find_mpirun
+    from horovod.runner.launch.mpirun import find_mpirun
 
     mpi = has("mpi4py") and find_mpirun() is not None
     gloo = has("torch")

@@ -1,4 +1,5 @@
-"""Start an elastic job: the rendezvous service, the driver, and one process per worker."""
+"""``horovodrun``'s elastic job: the rendezvous service, the driver's session, and one process per
+worker (``horovod.runner.elastic.workers``)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.elastic.workers import WorkerProcess
 from horovod.runner.hosts import HostSpec, SlotInfo
 from horovod.runner.job_outcome import JobOutcome
-from horovod.runner.launch_plan import RankPlan, build_plan
+from horovod.runner.launch.plan import RankPlan, build_plan
+from horovod.runner.launch.static_session import read_outcomes
 from horovod.runner.settings import LaunchSettings
-from horovod.runner.static_session import read_outcomes
 
 __all__ = ["launch_elastic", "configure_logging"]
 
@@ -53,8 +54,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
     Raises:
         ConfigError: bad options or discovery output.
     """
-    from horovod.runner.launchers.local import local_command
-    from horovod.runner.launchers.ssh import ssh_command
+    from horovod.runner.launch.local import local_command
+    from horovod.runner.launch.ssh import ssh_command
     from horovod.runner.network import is_local_host, route_address
     from horovod.runner.rendezvous import RendezvousServer, make_secret
 

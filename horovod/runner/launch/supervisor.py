@@ -23,7 +23,7 @@ from typing import IO, Any, assert_never
 from horovod.common import protocol
 from horovod.runner.failures import RankExit, root_cause
 from horovod.runner.job_outcome import JobOutcome
-from horovod.runner.launchers.base import Command
+from horovod.runner.launch.commands import Command
 from horovod.runner.output import LineSplitter, TagParser, prefix_line, write_line
 from horovod.runner.signals import still_starting
 
