@@ -201,6 +201,28 @@ def test_failure_and_elastic_state(service: MonitorService) -> None:
     assert 'horovod_elastic_workers{state="exited"} 1' in text
 
 
+def test_an_elastic_jobs_outcome_names_its_root_cause_worker(service: MonitorService) -> None:
+    """The typed outcome of an elastic job: the root-cause worker (its own error before a
+    worker that only lost a peer) with the driver's reason, and the exit status."""
+    from horovod.common.protocol import FailureRecord
+    from horovod.runner.elastic.driver import ElasticResult, WorkerFailure
+    from horovod.runner.job_outcome import JobOutcome
+
+    lost = WorkerFailure(("node0", 0), 0, "exit code 1", 1, None, 5.0,
+                         FailureRecord(1, "consequence", "HorovodInternalError: peer left", 5.0))
+    own = WorkerFailure(("node1", 0), 1, "exit code 2", 2, None, 6.0,
+                        FailureRecord(2, "cause", "ValueError: bad batch", 4.0))
+    result = ElasticResult("reset limit 0 exceeded", 2, 1, failures=[lost, own])
+    outcome = JobOutcome(returncode=1, error=result.error, elastic=result)
+    record_result(service, outcome)
+    job = json.loads(get(service, "/api/job")[1])
+    assert (job["failure"]["rank"], job["failure"]["host"], job["failure"]["status"]) == (
+        1, "node1", "exit code 2"), job["failure"]
+    assert job["failure"]["error"] == "reset limit 0 exceeded"
+    assert job["finished"]["returncode"] == 1
+    assert "root cause: worker node1[0] (rank 1) exit code 2: ValueError: bad batch" in outcome.report()
+
+
 def test_reporter_pushes_snapshots(service: MonitorService) -> None:
     n = [0]
 
