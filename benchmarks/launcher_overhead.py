@@ -38,7 +38,7 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, REPO)
-    from horovod.runner.launchers.mpirun import find_mpirun
+    from horovod.runner.launch.mpirun import find_mpirun
 
     mpirun = find_mpirun()
     if mpirun is None:

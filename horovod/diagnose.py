@@ -16,7 +16,7 @@ import sys
 
 from horovod.common.backends.registry import detect_launch
 from horovod.common.config import EngineConfig
-from horovod.common.launcher import LauncherError
+from horovod.common.launcher_detection import LauncherError
 
 
 def main(argv: list[str] | None = None) -> int:

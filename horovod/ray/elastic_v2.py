@@ -30,11 +30,11 @@ from horovod.ray.waiting import first_line
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
-from horovod.runner.elastic.launch import configure_logging
 from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.failures import exception_record
 from horovod.runner.hosts import SlotInfo
+from horovod.runner.launch.elastic import configure_logging
 
 __all__ = ["RayHostDiscovery", "ElasticAdapter"]
 
@@ -173,7 +173,7 @@ class ElasticAdapter:
               executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
         import ray
 
-        from horovod.runner.function_job import FunctionJob
+        from horovod.runner.launch.cluster_job import FunctionJob
 
         self.job = FunctionJob(ray.util.get_node_ip_address())
         self.extra_env = {k: str(v) for k, v in extra_env.items()}

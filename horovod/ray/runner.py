@@ -3,7 +3,7 @@
 Static mode (``num_workers`` or ``num_hosts``): ``start()`` reserves the workers' resources in a
 placement group, starts one actor per rank, numbers the ranks node by node and hands every actor
 the environment ``horovodrun --gloo`` gives a worker; the Gloo rendezvous service runs in the
-driver (``horovod.runner.function_job``). The actors stay up until ``shutdown()``, so
+driver (``horovod.runner.launch.cluster_job``). The actors stay up until ``shutdown()``, so
 successive ``run`` calls reuse them. Elastic mode (``min_workers``): see ``horovod.ray.elastic_v2``.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from horovod.common import exceptions as errors
+from horovod.common.protocol import FunctionCall
 from horovod.ray.client import client_connected, start_remote
 
 __all__ = ["RayExecutor", "MiniSettings"]
@@ -213,8 +214,7 @@ class RayExecutor:
             WorkerFailedError: a rank raised (the error names it, its node, and carries its
                 traceback; ``.exception`` is the original) or its actor died.
         """
-        a, kw = tuple(args or ()), dict(kwargs or {})
-        return self._call(lambda _executable: fn(*a, **kw), _label(fn), callbacks)
+        return self._call(FunctionCall.of(fn, args, kwargs).on_executable, _label(fn), callbacks)
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None,
                 ) -> list[Any]:
@@ -229,12 +229,12 @@ class RayExecutor:
         Raises:
             NotImplementedError: in elastic mode (its workers come and go).
         """
-        a, kw = tuple(args or ()), dict(kwargs or {})
+        call = FunctionCall.of(fn, args, kwargs).on_executable
         if self._remote is not None:
             import ray
 
-            return ray.get(self._remote.run_remote.remote(lambda _executable: fn(*a, **kw)))
-        return self._adapter().run_remote(lambda _executable: fn(*a, **kw))
+            return ray.get(self._remote.run_remote.remote(call))
+        return self._adapter().run_remote(call)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on rank 0 only.

@@ -1,4 +1,6 @@
-"""Static ``RayExecutor`` jobs: a fixed set of rank actors that live until ``shutdown()``."""
+"""Static ``RayExecutor`` jobs: a fixed set of rank actors that live until ``shutdown()``; each
+``run`` is one call of a ``StaticSession`` (``horovod.runner.launch.static_session``), whose failure is
+reported in the text of every launcher."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 from horovod.common import exceptions as errors
 from horovod.common.protocol import Died
 from horovod.ray.placement import NodeInfo, group_by_node, node_labels, reserve, shared_visible_devices
-from horovod.ray.waiting import failure_error, wait_all
+from horovod.ray.waiting import FAILURE_GRACE_SECONDS, LOST, Failure, call_outcome, wait_all
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.hosts import HostSpec
 
@@ -73,7 +75,7 @@ class StaticAdapter:
               executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
         import ray
 
-        from horovod.runner.function_job import FunctionJob
+        from horovod.runner.launch.cluster_job import FunctionJob
 
         try:
             n, opts = self._placement()
@@ -128,24 +130,39 @@ class StaticAdapter:
                                      "call start() again.")
 
     def run(self, fn: Any, label: str) -> list[Any]:
+        """``fn(executable)`` on every rank, one call of the job's ``StaticSession``; the values
+        in rank order.
+
+        Raises:
+            WorkerFailedError: a rank raised, its actor died, or it did not finish within
+                ``FAILURE_GRACE_SECONDS`` of a failure (every worker is stopped then).
+        """
+        from horovod.runner.launch.static_session import StaticSession
+
         self._check()
-        refs = [w.execute_reported.remote(fn) for w in self.workers]
         what = f"RayExecutor.run({label})"
+        # The actors outlive the call: the session owns no service and starts nothing.
+        session = StaticSession(len(self.workers), what, where=self.describe, own_service=False,
+                                lost=LOST, stuck_wait=FAILURE_GRACE_SECONDS, upstream=False)
+        outcome = session.run(lambda: call_outcome(*self._call(fn, what)))
+        if outcome.ok:
+            return outcome.values()
+        died = [r for r, o in outcome.outcomes.items() if isinstance(o, Died)]
+        notes: list[str] = []
+        if died or outcome.stuck:
+            self.broken = f"rank(s) {sorted(died + outcome.stuck)} died or hung"
+            notes.append("The job cannot go on without those ranks: every worker was stopped; call "
+                         "start() again to run more (or use min_workers for an elastic job).")
+            self._stop_workers()
+        return session.results(outcome, notes)
+
+    def _call(self, fn: Any, what: str) -> tuple[list[Any], dict[int, Failure], list[int],
+                                                 dict[int, float]]:
+        """Start ``fn`` on every worker; wait for them (``wait_all``)."""
+        refs = [w.execute_reported.remote(fn) for w in self.workers]
         times: dict[int, float] = {}
         values, failures, stuck = wait_all(refs, self.describe, what, times=times)
-        if not failures:
-            return values
-        died = [r for r, f in failures.items() if isinstance(f, Died)]
-        tail = ""
-        if died or stuck:
-            self.broken = f"rank(s) {sorted(died + stuck)} died or hung"
-            tail = ("The job cannot go on without those ranks: every worker was stopped; call "
-                    "start() again to run more (or use min_workers for an elastic job).")
-            self._stop_workers()
-        err = failure_error(what, failures, stuck, self.describe, tail, times)
-        exc = getattr(err, "exception", None)
-        cause = exc if isinstance(exc, BaseException) else None
-        raise err from cause
+        return values, failures, stuck, times
 
     def run_remote(self, fn: Any) -> list[Any]:
         self._check()

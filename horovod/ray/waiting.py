@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from horovod.common import exceptions as errors
-from horovod.common.protocol import Died, Exited, Raised, Returned, task_outcome
+from horovod.common.protocol import Died, Exited, Raised, Returned, WorkerOutcome, task_outcome
+from horovod.runner.job_outcome import first_line
 
-__all__ = ["FAILURE_GRACE_SECONDS", "Failure", "failure_error", "first_line", "wait_all",
-           "ranks_by_cause"]
+if TYPE_CHECKING:
+    from horovod.runner.job_outcome import JobOutcome
+
+__all__ = ["FAILURE_GRACE_SECONDS", "Failure", "LOST", "call_outcome", "failure_error", "first_line",
+           "wait_all", "ranks_by_cause"]
 
 log = logging.getLogger("horovod.ray")
 
@@ -22,6 +25,9 @@ FAILURE_GRACE_SECONDS = 5.0
 
 # How a rank failed: its function raised (or exited), or its actor died.
 Failure = Raised | Died
+
+# How a rank whose actor died is described (``job_outcome.format_failure``).
+LOST = "died: {error} (its actor's process ended: killed, out of memory, or its node was lost)"
 
 
 def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
@@ -70,61 +76,33 @@ def wait_all(refs: list[Any], describe: Callable[[int], str], what: str,
     return values, failures, sorted(pending.values())
 
 
+def call_outcome(values: list[Any], failures: dict[int, Failure], stuck: list[int],
+                 times: dict[int, float] | None = None) -> JobOutcome:
+    """One call on every rank (``wait_all``'s answer) as the ``JobOutcome`` of every launcher:
+    the ranks that returned, raised, died or are still running, and when each failure was seen."""
+    from horovod.runner.job_outcome import JobOutcome
+
+    done = {r: Returned(v) for r, v in enumerate(values) if r not in failures and r not in stuck}
+    outcomes: dict[int, WorkerOutcome] = {**done, **failures}
+    return JobOutcome(returncode=1 if failures or stuck else 0, outcomes=outcomes,
+                      stuck=list(stuck), seen=dict(times or {}))
+
+
 def failure_error(what: str, failures: dict[int, Failure], stuck: list[int],
                   describe: Callable[[int], str], tail: str = "",
                   times: dict[int, float] | None = None) -> Exception:
-    """The ``WorkerFailedError`` for failed ranks: the root cause first, by the rule of every
+    """The ``WorkerFailedError`` for failed ranks, in the text of every launcher
+    (``horovod.runner.job_outcome.format_failure``): the root cause first, by the rule of every
     launcher (``horovod.runner.failures.root_cause``: a rank's own error before errors that only
     say a peer left, then the earliest, a dead actor before a rank that raised at the same
     moment), then the other ranks; each rank named with its node. ``times``: when each failure
     was seen (``wait_all``); without it they count as simultaneous."""
-    ordered = ranks_by_cause(failures, times or {})
-    root = ordered[0]
-    f = failures[root]
-    exc = f.error
-    if isinstance(f, Died):
-        first = (f"{describe(root)} died: {first_line(exc)} (its actor's process ended: killed, "
-                 "out of memory, or its node was lost)")
-        tb = ""
-    else:
-        tb = f.traceback
-        first = f"{describe(root)} raised {type(exc).__name__}: {exc}"
-    lines = [f"{what}: {first}"]
-    for rank in ordered[1:]:
-        g = failures[rank]
-        lines.append(f"  also {describe(rank)}: "
-                     + ("died" if isinstance(g, Died) else f"{type(g.error).__name__}: {g.error}"))
-    if stuck:
-        lines.append(f"  {', '.join(describe(r) for r in stuck)} did not finish within "
-                     f"{FAILURE_GRACE_SECONDS:g} s of the failure (waiting for the failed rank "
-                     "in a collective)")
-    if tail:
-        lines.append(tail)
-    if tb:
-        lines.append(f"Traceback of rank {root}:\n{tb}")
-    return errors.WorkerFailedError("\n".join(lines), rank=root, exception=exc,
-                                    ranks=ordered, stuck_ranks=stuck)
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's text (a Ray error's is many lines), or its type's name."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return call_outcome([], failures, stuck, times).failure(
+        what, describe, lost=LOST, notes=[tail] if tail else [], stuck_wait=FAILURE_GRACE_SECONDS,
+        upstream=False)
 
 
 def ranks_by_cause(failures: dict[int, Failure], times: dict[int, float]) -> list[int]:
     """The failed ranks, the root cause first (``failures.root_cause`` over their exits: a dead
     actor as killed by SIGKILL, a raised exception with the record it makes), then by rank."""
-    import signal
-
-    from horovod.runner.failures import RankExit, exception_record, root_cause
-
-    exits = []
-    for rank, f in failures.items():
-        t = times.get(rank, 0.0)
-        if isinstance(f, Died):
-            exits.append(RankExit(rank, "", None, int(signal.SIGKILL), t))
-        else:
-            exits.append(RankExit.with_record(exception_record(f.error, t), rank, "", 1, None, t))
-    first = root_cause(exits)
-    root = first.rank if first is not None and first.rank is not None else min(failures)
-    return [root] + sorted(r for r in failures if r != root)
+    return call_outcome([], failures, [], times).failed_ranks()

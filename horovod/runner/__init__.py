@@ -1,4 +1,4 @@
-"""The launcher: ``horovodrun`` (``horovod.runner.launch``) and ``horovod.run()`` (``api.py``).
+"""The launcher: ``horovodrun`` (``horovod.runner.launch.horovodrun``) and ``horovod.run()`` (``api.py``).
 
 Importing this package is cheap (``api.py`` loads the launch machinery when ``run`` is called).
 """

@@ -1,6 +1,6 @@
 """``python -m horovod.runner ...`` is ``horovodrun ...``."""
 
-from horovod.runner.launch import run_commandline
+from horovod.runner.launch.horovodrun import run_commandline
 
 if __name__ == "__main__":
     run_commandline()

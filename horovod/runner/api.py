@@ -10,7 +10,7 @@ from typing import Any
 from horovod.common.exceptions import ConfigError, WorkerFailedError
 from horovod.runner.settings import LaunchSettings, default_start_timeout
 
-__all__ = ["run", "collect_results"]
+__all__ = ["run"]
 
 
 def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
@@ -91,10 +91,8 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     Elastic mode (``min_num_proc``, ``max_num_proc`` or ``host_discovery_script``; Gloo) returns
     the results of the first ``min_num_proc`` ranks of the final round, as upstream does.
     """
-    import cloudpickle
-
-    from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
-    from horovod.runner.launch import launch
+    from horovod.common.protocol import FunctionCall
+    from horovod.runner.launch.horovodrun import launch
 
     if np is not None:
         warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)
@@ -134,89 +132,13 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
                                   if cooldown_range else None),
         monitor_port=monitor_port, monitor_address=monitor_address)
 
-    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
-    servers: list[Any] = []
-
-    def publish(server: Any) -> None:
-        server.put(FUNC_SCOPE, FUNC_KEY, payload)
-        servers.append(server)
-
     from horovod.runner.rendezvous import make_secret
 
-    result = launch(settings, secret=make_secret(), on_rendezvous=publish)
-    assert not isinstance(result, str)
-    server = servers[0]
+    outcome = launch(settings, secret=make_secret(), call=FunctionCall.of(func, args, kwargs))
+    assert not isinstance(outcome, str)
     if settings.elastic:
         # Elastic (upstream): the results of the first min_num_proc ranks of the final round.
-        if result.returncode != 0:
-            raise WorkerFailedError(f"horovod.run: the elastic job failed: "
-                                    f"{getattr(result, 'error', None)}")
+        if outcome.returncode != 0:
+            raise WorkerFailedError(f"horovod.run: the elastic job failed: {outcome.error}")
         num_proc = settings.min_np or num_proc
-    return collect_results(server.get, num_proc, result, "horovod.run")
-
-
-def _raised_root(exits: list[Any], errors: list[tuple[int, BaseException, str]]) -> int:
-    """The rank to name among those that raised: the root cause (``failures.root_cause``) of the
-    exits, each raised exception counting as that rank's exit record where it left none or only
-    the "finished" one its process writes on a normal exit (``run_task`` caught the exception)."""
-    import dataclasses
-
-    from horovod.runner.failures import RankExit, exception_record, root_cause
-
-    by_rank = {e.rank: dataclasses.replace(e) for e in exits if e.rank is not None}
-    for rank, exc, _tb in errors:
-        e = by_rank.setdefault(rank, RankExit(rank, "", 1, None, 0.0))
-        if e.error_kind in (None, "finished"):  # a function that raised did not finish normally
-            e.apply_record(exception_record(exc, e.time, e.code or 1))
-    first = root_cause([by_rank[r] for r, _, _ in errors])
-    return first.rank if first is not None and first.rank is not None else errors[0][0]
-
-
-def collect_results(get: Callable[[str, str], bytes | None], num_proc: int, result: Any,
-                    caller: str) -> list[Any]:
-    """The values ``run_task`` workers stored under ``RESULT_SCOPE``, in rank order.
-
-    Shared by ``horovod.run`` and the cluster launchers (``horovod.spark``): ``get(scope, key)``
-    reads the launcher's rendezvous store, ``result`` is the job's ``JobResult`` (its ``exits``
-    name each rank's host, ``report()`` describes the failures).
-
-    Raises:
-        WorkerFailedError: a rank raised (the first rank that raised is named; the error carries
-            ``rank``, ``host``, ``exception``, ``ranks``; a rank's own error before one that only
-            says a peer left, then the root cause of the exit records, then the lowest rank), or a
-            rank ended without a result.
-    """
-    import cloudpickle
-
-    from horovod.common.protocol import RESULT_SCOPE, Raised, Returned, task_outcome
-    from horovod.runner.failures import with_upstream_sentence
-
-    values: list[Any] = []
-    errors: list[tuple[int, BaseException, str]] = []
-    for rank in range(num_proc):
-        raw = get(RESULT_SCOPE, str(rank))
-        if raw is None:
-            continue
-        outcome = task_outcome(cloudpickle.loads(raw), f"rank {rank}")
-        if isinstance(outcome, Returned):
-            values.append(outcome.value)
-        elif isinstance(outcome, Raised):
-            errors.append((rank, outcome.error, outcome.traceback))
-    hosts_by_rank = {e.rank: e.host for e in result.exits}
-    if errors:
-        root = _raised_root(result.exits, errors)
-        errors.sort(key=lambda e: e[0] != root)
-        rank, exc, tb = errors[0]
-        others = f" (ranks {[r for r, _, _ in errors]} raised)" if len(errors) > 1 else ""
-        raise WorkerFailedError(with_upstream_sentence(
-            f"{caller}: rank {rank} on host {hosts_by_rank.get(rank, '?')} raised "
-            f"{type(exc).__name__}: {exc}{others}\n{tb}"), rank=rank,
-            host=hosts_by_rank.get(rank), exception=exc,
-            ranks=[r for r, _, _ in errors]) from exc
-    if result.returncode != 0 or len(values) != num_proc:
-        first = result.first_failure
-        raise WorkerFailedError(with_upstream_sentence(
-            f"{caller}: the job failed before every rank returned a result.\n" + result.report()),
-            rank=first.rank if first else None, host=first.host if first else None,
-            exits=result.exits)
-    return values
+    return outcome.results("horovod.run", num_proc)

@@ -34,9 +34,10 @@ def main() -> int:
     # The key the result is stored under: the rank, or a name the launcher chose (an elastic
     # worker of horovod.spark.run_elastic changes rank between rounds; its slot name does not).
     key = os.environ.get(RESULT_KEY_ENV) or str(_rank())
-    func, args, kwargs = cloudpickle.loads(client.wait(FUNC_SCOPE, FUNC_KEY, timeout=60))
+    call = protocol.function_call(cloudpickle.loads(client.wait(FUNC_SCOPE, FUNC_KEY, timeout=60)),
+                                  f"the worker of rank {_rank()}")
     try:
-        value = func(*args, **kwargs)
+        value = call()
         payload = cloudpickle.dumps(Returned(value))
     except SystemExit as exc:
         if exc.code in (0, None):

@@ -188,7 +188,7 @@ class LaunchSettings:
     hostfile: str | None = None
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
-    # ssh's StrictHostKeyChecking: "accept-new" (default), "yes" or "no" (launchers/ssh.py)
+    # ssh's StrictHostKeyChecking: "accept-new" (default), "yes" or "no" (launch/ssh.py)
     ssh_strict_host_key_checking: str | None = None
     nics: list[str] = field(default_factory=list)
     start_timeout: float = 30.0

@@ -4,7 +4,7 @@
 started: mpirun, or each rank's shim (``runner/_shim.py``), locally or over ssh. A local process
 that has not yet installed its handler would be killed by the signal's default action, so such a
 process is skipped (``still_starting``), with a line on stderr, for the static supervisor
-(``runner/execute.py``) and the elastic one (``runner/elastic/workers.py``) alike. A remote
+(``runner/launch/supervisor.py``) and the elastic one (``runner/elastic/workers.py``) alike. A remote
 process gets the signal as a line on its life line, which its shim reads once it runs.
 """
 
@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from horovod.runner.launchers.base import Command
+    from horovod.runner.launch.commands import Command
 
 __all__ = ["catches", "still_starting"]
 

@@ -145,9 +145,9 @@ class _ElasticJob:
                  nics: list[str], timestamp: bool) -> None:
         import cloudpickle
 
-        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
+        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE, FunctionCall
         from horovod.runner.elastic.discovery import HostManager
-        from horovod.runner.function_job import FunctionJob
+        from horovod.runner.launch.cluster_job import FunctionJob
         from horovod.runner.output import prefix_line
         from horovod.spark.driver import _driver_address
         from horovod.spark.output import OutputPump
@@ -158,7 +158,7 @@ class _ElasticJob:
         bind, advertised = _driver_address(sc, nics)
         self.job = FunctionJob(advertised, bind_addr=bind)
         self.server = self.job.server
-        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps(FunctionCall.of(fn, args, kwargs)))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, timestamp=timestamp, start_timeout=start_timeout)
         self.agents = SparkAgents(self.server.get, self.num_tasks, agent_timeout())
@@ -257,7 +257,7 @@ class _ElasticJob:
                                   f"{spark_failure_reason(str(exc)) or exc}")
 
     def run(self) -> list[Any]:
-        from horovod.runner.elastic.launch import configure_logging
+        from horovod.runner.launch.elastic import configure_logging
 
         configure_logging()
         spark = threading.Thread(target=self._submit, name="hvd-spark-elastic-job", daemon=True)

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from horovod.common.exceptions import ConfigError, WorkerFailedError
 from horovod.common.protocol import (
@@ -37,9 +37,14 @@ from horovod.spark.driver import (
 from horovod.spark.elastic import run_elastic  # upstream's home of both
 from horovod.spark.task import JobSpec
 
+if TYPE_CHECKING:
+    from horovod.runner.job_outcome import JobOutcome
+
 __all__ = ["run", "run_elastic", "SparkStartTimeoutError", "default_start_timeout"]
 
 log = logging.getLogger("horovod.spark")
+
+CALLER = "horovod.spark.run"  # what its errors start with
 
 class SparkStartTimeoutError(WorkerFailedError, TimeoutError):
     """Not every Spark task of the job started within ``start_timeout``."""
@@ -62,10 +67,9 @@ class _Job:
                  kwargs: dict[str, Any], num_proc: int, start_timeout: float,
                  env: dict[str, str] | None, stdout: IO[str] | None, stderr: IO[str] | None,
                  nics: list[str] | None, timestamp: bool, executable: str | None) -> None:
-        import cloudpickle
-
-        from horovod.common.protocol import FUNC_KEY, FUNC_SCOPE
-        from horovod.runner.function_job import FunctionJob
+        from horovod.common.protocol import FunctionCall
+        from horovod.runner.launch.cluster_job import FunctionJob
+        from horovod.runner.launch.static_session import StaticSession
         from horovod.spark.output import OutputPump
 
         self.sc, self.num_proc, self.start_timeout = sc, num_proc, start_timeout
@@ -74,7 +78,9 @@ class _Job:
         bind, advertised = _driver_address(sc, self.nics)
         self.job = FunctionJob(advertised, bind_addr=bind)
         self.server = self.job.server
-        self.server.put(FUNC_SCOPE, FUNC_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs))))
+        # The function goes out on the job's service; the ranks' results come back there.
+        self.session = StaticSession(num_proc, CALLER, service=self.job,
+                                     call=FunctionCall.of(fn, args, kwargs))
         self.spec = JobSpec(addr=advertised, port=self.job.port, secret=self.job.secret,
                             num_proc=num_proc, executable=executable, timestamp=timestamp,
                             start_timeout=start_timeout)
@@ -125,9 +131,17 @@ class _Job:
             self.spark_error = exc
 
     def run(self) -> list[Any]:
-        from horovod.runner.api import collect_results
-        from horovod.runner.execute import JobResult
+        return self.session.results(self.session.run(self._supervise))
+
+    def _supervise(self) -> JobOutcome:
+        """Run the Spark job to its end; how each rank's task ended (the rows they returned).
+
+        Raises:
+            SparkStartTimeoutError: not every task started within the start timeout.
+            WorkerFailedError: the Spark job failed (``_spark_failure``).
+        """
         from horovod.runner.failures import RankExit
+        from horovod.runner.job_outcome import JobOutcome
 
         thread = threading.Thread(target=self._submit, name="hvd-spark-job", daemon=True)
         t0 = time.monotonic()
@@ -156,13 +170,11 @@ class _Job:
             exits = [RankExit.with_record(r.record, r.rank, r.host, r.code, r.signal, r.time, None,
                                           list(r.stderr_tail), r.local_rank)
                      for r in self.records]
-            result = JobResult(exits, 0 if all(e.code == 0 for e in exits) else 1)
-            return collect_results(self.server.get, self.num_proc, result, "horovod.spark.run")
+            return JobOutcome(exits, 0 if all(e.code == 0 for e in exits) else 1)
         finally:
             if thread.is_alive():
                 self._cancel()
                 thread.join(10)
-            self.server.stop()
 
     def _cancel(self) -> None:
         try:
@@ -182,45 +194,48 @@ class _Job:
             "allocated on demand.", started=started, num_proc=self.num_proc)
 
     def _spark_failure(self, started: dict[int, SparkTaskStarted]) -> WorkerFailedError:
-        from horovod.common.protocol import RESULT_SCOPE
-        from horovod.runner.api import collect_results
-        from horovod.runner.execute import JobResult
+        from horovod.common.protocol import RESULT_SCOPE, Died, Raised
+        from horovod.runner.failures import RankExit
+        from horovod.runner.job_outcome import JobOutcome
+        from horovod.runner.launch.static_session import read_outcomes
 
         exc = self.spark_error
         assert exc is not None
         lost = [r for r in range(self.num_proc) if self.server.get(RESULT_SCOPE, str(r)) is None]
         if self.ranks and not lost:
             # Every rank reported and one raised (its task failed afterwards): name that rank.
-            try:
-                collect_results(self.server.get, self.num_proc, JobResult([], 1), "horovod.spark.run")
-            except WorkerFailedError as err:
-                if getattr(err, "exception", None) is not None:
-                    return err
+            found = read_outcomes(self.server.get, [str(r) for r in range(self.num_proc)])
+            outcome = JobOutcome(returncode=1, outcomes={int(k): o for k, o in found.items()})
+            if any(isinstance(o, Raised) for o in outcome.outcomes.values()):
+                return outcome.failure(CALLER)
         reason = spark_failure_reason(str(exc)) or type(exc).__name__
         partition_of = {r: p for p, r in enumerate(self.ranks)}
         addresses = next(iter(started.values())).addresses if started else ()
 
-        def where(ranks: list[int]) -> str:
-            return ", ".join(f"rank {r} (partition {partition_of[r]}, executor {addresses[partition_of[r]]})"
-                             for r in ranks if r in partition_of and partition_of[r] < len(addresses))
+        def where(rank: int) -> str:
+            p = partition_of.get(rank)
+            if p is None or p >= len(addresses):
+                return f"rank {rank}"
+            return f"rank {rank} (partition {p}, executor {addresses[p]})"
 
         # Spark names the task that failed; the other ranks may also have ended without a result
         # (their tasks were cancelled with the stage before they could report "a peer left").
         failed = [self.ranks[p] for p in failed_partitions(str(exc)) if p < len(self.ranks)]
         culprits = [r for r in failed if r in lost] or lost
         others = [r for r in lost if r not in culprits]
-        if where(culprits):
-            head = (f"horovod.spark.run: {where(culprits)} ended without a result: its Spark task or "
-                    "executor was lost")
-            if where(others):
-                head += f" ({where(others)} stopped with it)"
-        else:
-            head = "horovod.spark.run: the Spark job failed"
-        return WorkerFailedError(
-            f"{head}. Spark says: {reason[:800]}. The other ranks stopped because a peer left. "
-            "A static job cannot survive a lost task or executor; use "
-            "horovod.spark.run_elastic for fault tolerance.", spark_error=str(exc)[:2000],
-            rank=culprits[0] if culprits else None, ranks=culprits + others)
+        known = bool(self.ranks) and any(r in partition_of for r in culprits)
+        outcome = JobOutcome(
+            [RankExit(r, where(r), None, None, 0.0, stopped_by="cancelled with the Spark stage")
+             for r in others] if known else [], 1,
+            {r: Died(exc) for r in culprits + others} if known else {})
+        err = outcome.failure(CALLER, where, lost="ended without a result: its Spark task or executor "
+                              "was lost", lost_other="stopped with it", notes=[
+                                  f"Spark says: {reason[:800]}.",
+                                  "The other ranks stopped because a peer left. A static job cannot "
+                                  "survive a lost task or executor; use horovod.spark.run_elastic for "
+                                  "fault tolerance."])
+        err.spark_error = str(exc)[:2000]  # type: ignore[attr-defined]
+        return err
 
 
 def _rank_exit(row: object) -> SparkRankExit:

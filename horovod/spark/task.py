@@ -4,7 +4,7 @@ Every task of the barrier stage knows the executor address of every other task
 (``BarrierTaskContext.getTaskInfos()``) and reports them to the driver. The driver groups the
 tasks by executor host (hosts in the order of their first task) and numbers the ranks host by
 host, as ``horovodrun -H`` does, so ``local_rank``/``cross_rank`` follow; it computes every
-rank's environment with ``horovod.runner.function_job`` (the same plan code as
+rank's environment with ``horovod.runner.launch.cluster_job`` (the same plan code as
 ``horovodrun --gloo``). The task then starts its rank as the Gloo launcher starts a local one
 (the worker shim running ``python -m horovod.runner.run_task``), forwards its output to the
 driver (``horovod.spark.output``) and returns how it ended. The function, its result and any
@@ -106,7 +106,7 @@ def _worker_command(spec: JobSpec, env: dict[str, str], ranks: tuple[int, ...], 
     environment, this task's import path, ``env`` and the job secret (from the task's closure: the
     driver never sends it over the rendezvous); stdin is its life line (the rank dies with this
     task)."""
-    from horovod.runner.launchers.base import Command, shim_argv
+    from horovod.runner.launch.commands import Command, shim_argv
 
     python = spec.executable or sys.executable
     return Command(argv=shim_argv([python, "-m", "horovod.runner.run_task"], python=python,

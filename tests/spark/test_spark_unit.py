@@ -12,7 +12,7 @@ from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.protocol import SPARK_AGENT_SCOPE as AGENT_SCOPE
 from horovod.common.protocol import SPARK_HEARTBEAT_SCOPE as HEARTBEAT_SCOPE
 from horovod.common.protocol import SparkAgentRegistration, SparkOutputBatch, SparkRankAssignment, SparkTaskStarted
-from horovod.runner.function_job import FunctionJob
+from horovod.runner.launch.cluster_job import FunctionJob
 from horovod.spark.output import OutputPump, RemoteOutput
 from horovod.spark.task import group_by_host, host_of_address
 

@@ -62,7 +62,7 @@ def test_build_probes_tell_the_truth():
     cuda = torch.cuda.is_available() and torch.distributed.is_nccl_available()
     assert hvd.cuda_built() == cuda
     assert (hvd.nccl_built() > 0) == cuda
-    from horovod.runner.launch import check_build_text
+    from horovod.runner.launch.horovodrun import check_build_text
 
     assert f"[{'X' if cuda else ' '}] NCCL" in check_build_text()
 

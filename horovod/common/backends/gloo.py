@@ -33,7 +33,7 @@ from horovod.common.types import ReduceOp
 if TYPE_CHECKING:
     from horovod.common.rendezvous_handlers import StoreRendezvous
 
-__all__ = ["GlooBackend", "GlooErrors", "check_torch"]
+__all__ = ["GlooBackend", "GlooErrors", "check_torch", "gloo_checks"]
 
 
 def check_torch() -> None:
@@ -48,6 +48,19 @@ def check_torch() -> None:
     if not dist.is_available() or not dist.is_gloo_available():
         raise BackendUnavailableError("This PyTorch build has no torch.distributed Gloo support; "
                                       "use a standard PyTorch wheel or MPI.", backend="gloo")
+
+
+def gloo_checks(comm: Any) -> None:
+    """What every Gloo factory checks first.
+
+    Raises:
+        ValueError: ``comm`` was given (sub-communicators need MPI).
+        BackendUnavailableError: PyTorch's Gloo cannot be used here.
+    """
+    if comm is not None:
+        raise ValueError("hvd.init(comm=...) needs MPI; under Gloo every started process joins the "
+                         "job (use process sets for subsets).")
+    check_torch()
 
 
 class GlooErrors(contextlib.AbstractContextManager[None]):

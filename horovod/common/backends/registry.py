@@ -12,15 +12,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from horovod.common import launcher as _launcher
+from horovod.common import launcher_detection as _launcher
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError
 
 __all__ = ["BACKENDS", "create_backend", "select_backend_name", "detect_launch", "launched_by_mpi"]
 
 BACKENDS: dict[str, str] = {
-    "mpi": "horovod.common.rendezvous_handlers:create_mpi",
-    "gloo": "horovod.common.rendezvous_handlers:create_gloo",
+    "mpi": "horovod.common.backends.factories:create_mpi",
+    "gloo": "horovod.common.backends.factories:create_gloo",
     "local": "horovod.common.backends.local:create",
 }
 
@@ -36,7 +36,7 @@ def launched_by_mpi(environ: Mapping[str, str]) -> bool:
 
 
 def detect_launch(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> _launcher.Launch:
-    """The launcher that started this process and the transport to use (``horovod.common.launcher``).
+    """The launcher that started this process and the transport to use (``horovod.common.launcher_detection``).
 
     Raises:
         LauncherError: a launcher says the job is larger than one process and cannot be joined.
@@ -50,7 +50,7 @@ def select_backend_name(config: EngineConfig, environ: Mapping[str, str], comm: 
 
     Order: ``HOROVOD_CONTROLLER``/``HOROVOD_CPU_OPERATIONS``; an MPI communicator passed to init;
     the Gloo launcher's rendezvous variables; an MPI launcher's variables; an initialised
-    ``torch.distributed`` group, torchrun, Slurm (``horovod.common.launcher``); otherwise a job of
+    ``torch.distributed`` group, torchrun, Slurm (``horovod.common.launcher_detection``); otherwise a job of
     one process without any transport.
     """
     return detect_launch(config, environ, comm).transport

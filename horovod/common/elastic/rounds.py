@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from horovod.common import protocol
+from horovod.common.backends.gloo import gloo_checks
 from horovod.common.config import EngineConfig
 from horovod.common.elastic import worker as elastic_worker
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.rendezvous import RendezvousClient
-from horovod.common.rendezvous_handlers import StoreRendezvous, gloo_checks, horovod_store, single_store
+from horovod.common.rendezvous_handlers import StoreRendezvous, horovod_store, single_store
 
 if TYPE_CHECKING:
     from horovod.common.backends.gloo import GlooBackend

@@ -24,6 +24,10 @@ launchers (``horovodrun``'s static and elastic jobs, the elastic driver, Spark, 
 * **Elastic calls** (``POST /elastic/<call>``, JSON both ways): :class:`ReadyRequest` answered by
   :class:`Wait`, :class:`RoundInfo`, :class:`Removed` or :class:`Stop` (:func:`ready_answer`
   reads one back); :class:`NoticeRequest` answered by :class:`Notice`.
+* **Function calls**: the function a launcher runs on every rank and its arguments
+  (:class:`FunctionCall`), as ``horovod.run``, ``horovod.spark.run`` and ``run_elastic`` store it
+  under :data:`FUNC_SCOPE` and ``RayExecutor.run`` sends it to its actors; :func:`function_call`
+  checks what a worker read.
 * **Outcomes**: what a worker's function ended with (:data:`TaskOutcome`: :class:`Returned`,
   :class:`Raised`, :class:`Exited`), as ``horovod.runner.run_task`` stores it under
   :data:`RESULT_SCOPE` and a Ray worker returns it; :class:`Died`, the launcher's record of a
@@ -56,6 +60,8 @@ from __future__ import annotations
 
 from .elastic_calls import *  # noqa: F403
 from .elastic_calls import __all__ as _elastic_calls
+from .function_call import *  # noqa: F403
+from .function_call import __all__ as _function_call
 from .identity import *  # noqa: F403
 from .identity import __all__ as _identity
 from .markers import *  # noqa: F403
@@ -71,5 +77,6 @@ from .spark_messages import __all__ as _spark_messages
 from .variables import *  # noqa: F403
 from .variables import __all__ as _variables
 
-__all__ = [*_variables, *_markers, *_identity, *_scopes, *_elastic_calls, *_outcomes, *_spark_messages,
+__all__ = [*_variables, *_markers, *_identity, *_scopes, *_elastic_calls, *_outcomes, *_function_call,
+           *_spark_messages,
            *_monitor_report]

@@ -15,7 +15,7 @@ STORE_KEY = "store"  # rank 0's authenticated store, "host:port", under gloo_sco
 ABANDONED_KEY = "abandoned"
 ABANDONED_STORE = b"abandoned"
 ABANDON_POLL_SECONDS = 0.25
-# horovod.run(): the pickled (function, args, kwargs) under FUNC_SCOPE/FUNC_KEY; every worker's
+# horovod.run(): the pickled FunctionCall (function_call.py) under FUNC_SCOPE/FUNC_KEY; every worker's
 # pickled Outcome under RESULT_SCOPE/<rank or RESULT_KEY_ENV>.
 FUNC_SCOPE = "runfunc"
 FUNC_KEY = "func"

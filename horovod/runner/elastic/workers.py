@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import IO
 
 from horovod.common import protocol
-from horovod.runner.launchers.base import Command
+from horovod.runner.launch.commands import Command
 from horovod.runner.output import LineSplitter, prefix_line, write_line
 from horovod.runner.signals import still_starting
 

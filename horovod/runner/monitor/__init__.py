@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from horovod.common import protocol
 from horovod.runner.monitor.service import MonitorService
 from horovod.runner.monitor.state import JobState
+
+if TYPE_CHECKING:
+    from horovod.runner.job_outcome import JobOutcome
 
 __all__ = ["MonitorService", "JobState", "start_monitor", "worker_env", "record_result", "finish",
            "linger"]
@@ -46,30 +49,23 @@ def worker_env(svc: MonitorService, advertised: str | None = None) -> dict[str, 
     return {protocol.MONITOR_ADDR_ENV: addr, protocol.MONITOR_PORT_ENV: str(svc.port)}
 
 
-def record_result(svc: MonitorService, result: Any) -> None:
-    """The launcher's outcome of the job (``execute.JobResult``): the failure's culprit, if any."""
-    culprit = getattr(result, "first_failure", None)  # execute.JobResult's root cause
-    if callable(culprit):
-        culprit = culprit()
-    elastic = getattr(getattr(result, "result", None), "root_cause", None)
-    worker = elastic() if callable(elastic) else None  # an elastic job's first failed worker
-    if worker is not None:
-        svc.state.set_failure(worker.rank, str(worker.key[0]), worker.status,
-                              str(getattr(result, "error", "") or ""))
-    elif culprit is not None:
-        error = getattr(culprit, "error", "") or getattr(culprit, "note", "")
-        svc.state.set_failure(culprit.rank, culprit.host, culprit.status, error,
-                              getattr(culprit, "stderr_tail", None))
-    elif getattr(result, "returncode", 0):
-        svc.state.set_failure(None, "", str(getattr(result, "error", "") or
-                                            f"exit code {result.returncode}"))
-    for e in getattr(result, "exits", None) or []:
-        if e.rank is not None and e.failed and (culprit is None or e.rank != culprit.rank):
+def record_result(svc: MonitorService, outcome: JobOutcome) -> None:
+    """The launcher's outcome of the job: its root cause (rank, host, status, error, the last
+    lines of its stderr), the other failed ranks as stopped, and the exit status."""
+    first = outcome.root_cause()
+    if first is not None:
+        # (an elastic job: why the driver gave up, as before; a static job: the rank's error)
+        error = (outcome.error if outcome.elastic is not None else "") or first.error or first.note or ""
+        svc.state.set_failure(first.rank, first.host, first.status, error, first.stderr_tail or None)
+    elif outcome.returncode:
+        svc.state.set_failure(None, "", outcome.error or f"exit code {outcome.returncode}")
+    for e in outcome.exits:
+        if e.rank is not None and e.failed and (first is None or e.rank != first.rank):
             svc.state.set_stopped(e.rank)
-    svc.state.set_finished(int(getattr(result, "returncode", 0)))
+    svc.state.set_finished(outcome.returncode)
 
 
-def finish(svc: MonitorService, result: Any, linger: float) -> None:
+def finish(svc: MonitorService, result: JobOutcome | None, linger: float) -> None:
     """The job ended: show its outcome, then stop the service now, or after ``linger`` seconds
     (``linger()`` waits for that, once the launcher has printed its report)."""
     try:

@@ -44,7 +44,7 @@ def attach(svc: MonitorService, job: Any,
     state = svc.state
     job.server.set_report_handler(lambda body: answer_report(state, body))
     if driver is not None:
-        from horovod.runner.elastic.launch import elastic_status
+        from horovod.runner.launch.elastic import elastic_status
 
         def elastic() -> dict[str, Any]:
             d = driver()

@@ -14,8 +14,8 @@ import warnings
 import ml_dtypes
 import numpy as np
 
+from horovod.common.backends.factories import create_gloo
 from horovod.common.config import EngineConfig
-from horovod.common.rendezvous_handlers import create_gloo
 from horovod.common.types import ReduceOp
 
 

@@ -1,4 +1,4 @@
-"""Launcher detection (horovod.common.launcher): pure logic on environment dicts."""
+"""Launcher detection (horovod.common.launcher_detection): pure logic on environment dicts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from horovod.common.backends.registry import detect_launch, select_backend_name
 from horovod.common.config import EngineConfig
-from horovod.common.launcher import LauncherError, detect, expand_nodelist, first_node
+from horovod.common.launcher_detection import LauncherError, detect, expand_nodelist, first_node
 
 # Exactly what torchrun (torch 2.13, --nproc_per_node=2, one node) sets for its second worker.
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",

@@ -167,7 +167,7 @@ def test_thread_level_of_mpi_init_follows_config(level: str, tmp_path: Path) -> 
         import mpi4py
         mpi4py.rc.initialize = False
         from mpi4py import MPI
-        from horovod.common.rendezvous_handlers import create_mpi
+        from horovod.common.backends.factories import create_mpi
         from horovod.common.config import EngineConfig
         import os
         b = create_mpi(EngineConfig.from_env(os.environ), os.environ)

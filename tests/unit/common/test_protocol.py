@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from horovod.common import launcher, protocol
+from horovod.common import launcher_detection, protocol
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.rendezvous_handlers import (
@@ -69,7 +69,7 @@ def test_each_launcher_gets_its_handler_and_elastic_jobs_their_rounds() -> None:
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     slurm = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]"}
     for env, kind in ((horovod, HorovodHandler), (torchrun, TorchrunHandler), (slurm, SlurmHandler)):
-        assert type(handler_for(config, env, launcher.detect(env))) is kind, env
+        assert type(handler_for(config, env, launcher_detection.detect(env))) is kind, env
     assert elastic_round({**horovod, "HOROVOD_ELASTIC": "1"})
     assert not elastic_round(horovod) and not elastic_round({**horovod, "HOROVOD_ELASTIC": "0"})
     # A torchrun job of several ranks meets on torchrun's store even with HOROVOD_ELASTIC set.
@@ -104,6 +104,26 @@ def test_task_outcome_takes_what_workers_report_and_names_anything_else() -> Non
     for bad in (OUTCOMES[3], ("ok", 1), {"kind": "ok"}):
         with pytest.raises(HorovodInternalError, match="rank 3 reported .* not an outcome"):
             protocol.task_outcome(bad, "rank 3")
+
+
+def _add(a: int, b: int = 0, *, c: int = 0) -> int:
+    return a + b + c
+
+
+def test_a_function_call_survives_cloudpickle_and_runs_with_its_arguments() -> None:
+    import cloudpickle
+
+    call = protocol.FunctionCall.of(_add, [1, 2], {"c": 4})
+    assert call.args == (1, 2) and call.kwargs == {"c": 4}
+    back = protocol.function_call(cloudpickle.loads(cloudpickle.dumps(call)), "rank 0")
+    assert back == call and back() == 7 and back.on_executable(object()) == 7
+    with pytest.raises(TypeError):  # no arguments given: none passed
+        protocol.FunctionCall.of(_add)()
+    bound = cloudpickle.loads(cloudpickle.dumps(call.on_executable))  # what a Ray actor gets
+    assert bound(None) == 7
+    # the untyped tuple an older launcher sent is refused, naming the reader
+    with pytest.raises(HorovodInternalError, match=r"rank 0 read tuple .* not a FunctionCall"):
+        protocol.function_call((_add, (1,), {}), "rank 0")
 
 
 def test_outcome_names_are_unique_across_the_package() -> None:

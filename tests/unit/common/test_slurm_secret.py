@@ -13,7 +13,7 @@ import time
 import pytest
 
 from horovod.common import slurm_secret
-from horovod.common.launcher import LauncherError, detect
+from horovod.common.launcher_detection import LauncherError, detect
 
 
 def _env(tmp_path, **extra: str) -> dict[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from horovod.ray.placement import NodeInfo, group_by_node, node_labels, shared_visible_devices
-from horovod.runner.function_job import FunctionJob
 from horovod.runner.hosts import HostSpec
+from horovod.runner.launch.cluster_job import FunctionJob
 
 
 def _info(node: str, ip: str = "10.0.0.1", pid: int = 1) -> NodeInfo:

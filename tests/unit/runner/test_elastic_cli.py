@@ -6,7 +6,7 @@ import pytest
 
 from horovod.common.exceptions import ConfigError
 from horovod.runner.cli import parse_args, settings_from_args
-from horovod.runner.launch import main
+from horovod.runner.launch.horovodrun import main
 
 
 def settings(*argv: str):  # noqa: ANN201

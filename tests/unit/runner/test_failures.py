@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from horovod.common.protocol import FailureRecord
-from horovod.runner.failures import RankExit, format_report, root_cause
+from horovod.runner.failures import EXITED_NON_ZERO, RankExit, format_report, root_cause
 
 
 def test_root_cause_is_earliest_failure_not_stopped_by_launcher() -> None:
@@ -138,51 +138,69 @@ def test_exception_record_has_the_shape_and_kind_of_a_programs_record() -> None:
     assert (e.error_kind, e.error, e.error_time) == ("cause", "ValueError: bad batch", 7.0)
 
 
-def _payloads(items: dict[int, object]):  # type: ignore[no-untyped-def]
-    """A result store's ``get`` holding what run_task writes (pickled ``Returned``/``Raised``)."""
-    import cloudpickle
-
-    from horovod.common.protocol import RESULT_SCOPE
-
-    def get(scope: str, key: str) -> bytes | None:
-        assert scope == RESULT_SCOPE
-        item = items.get(int(key))
-        return None if item is None else cloudpickle.dumps(item)
-    return get
-
-
 def test_run_results_name_the_rank_whose_error_is_its_own() -> None:
     import pytest
 
     from horovod.common.exceptions import HorovodInternalError, WorkerFailedError
     from horovod.common.protocol import Raised, Returned
-    from horovod.runner.api import collect_results
-    from horovod.runner.execute import JobResult
+    from horovod.runner.job_outcome import JobOutcome
 
     # rank 0 only lost its peer (and ended first), rank 2 raised its own error
-    get = _payloads({0: Raised(HorovodInternalError("peer left"), "tb0"), 1: Returned(1),
-                     2: Raised(KeyError("label"), "tb2")})
+    outcomes = {0: Raised(HorovodInternalError("peer left"), "tb0"), 1: Returned(1),
+                2: Raised(KeyError("label"), "tb2")}
     exits = [RankExit(0, "a", 1, None, 1.0), RankExit(1, "a", 0, None, 2.0),
              RankExit(2, "b", 1, None, 3.0)]
     with pytest.raises(WorkerFailedError) as info:
-        collect_results(get, 3, JobResult(exits, 1), "test")
+        JobOutcome(exits, 1, outcomes).results("test", 3)
     assert info.value.rank == 2 and isinstance(info.value.exception, KeyError)
-    assert "rank 2 on host b raised KeyError" in str(info.value)
+    assert info.value.__cause__ is info.value.exception
+    text = str(info.value)
+    assert text.startswith("test: rank 2 on host b raised KeyError: 'label'\n  its process: exit code 1")
+    assert "  also rank 0 on host a: HorovodInternalError: peer left" in text
+    assert "Traceback of rank 2:\ntb2" in text and "Traceback of rank 0" not in text
+    assert text.endswith(EXITED_NON_ZERO)
     # two own errors: the one recorded first, by the records the programs left
-    get = _payloads({0: Raised(ValueError("late"), "tb0"), 1: Raised(ValueError("early"), "tb1")})
+    outcomes = {0: Raised(ValueError("late"), "tb0"), 1: Raised(ValueError("early"), "tb1")}
     exits = [RankExit.with_record(FailureRecord(None, "cause", "ValueError: late", 9.0), 0, "a",
                                   1, None, 1.0),
              RankExit.with_record(FailureRecord(None, "cause", "ValueError: early", 4.0), 1, "a",
                                   1, None, 5.0)]
     with pytest.raises(WorkerFailedError) as info:
-        collect_results(get, 2, JobResult(exits, 1), "test")
+        JobOutcome(exits, 1, outcomes).results("test", 2)
     assert info.value.rank == 1, str(info.value)
     # without exit records (a cluster launcher that lost them): the lowest own error
-    get = _payloads({0: Raised(HorovodInternalError("peer left"), "t"), 1: Raised(ValueError("x"), "t"),
-                     2: Raised(ValueError("y"), "t")})
+    outcomes = {0: Raised(HorovodInternalError("peer left"), "t"), 1: Raised(ValueError("x"), "t"),
+                2: Raised(ValueError("y"), "t")}
     with pytest.raises(WorkerFailedError) as info:
-        collect_results(get, 3, JobResult([], 1), "test")
+        JobOutcome([], 1, outcomes).results("test", 3)
     assert info.value.rank == 1 and info.value.ranks == [1, 0, 2]
+    # every function returned: the values in rank order
+    assert JobOutcome([], 0, {1: Returned("b"), 0: Returned("a")}).results("test", 2) == ["a", "b"]
+
+
+def test_a_job_that_failed_without_a_raised_error_reports_the_processes() -> None:
+    """A rank killed before its function returned: its rank, host, status and stderr, from the
+    processes' report (the same text horovodrun prints)."""
+    import pytest
+
+    from horovod.common.exceptions import HorovodInternalError, WorkerFailedError
+    from horovod.common.protocol import Raised, Returned
+    from horovod.runner.job_outcome import JobOutcome
+
+    exits = [RankExit(0, "a", 0, None, 2.0), RankExit(1, "b", None, 9, 1.0, stderr_tail=["oom"])]
+    with pytest.raises(WorkerFailedError) as info:
+        JobOutcome(exits, 137, {0: Returned(0)}).results("horovod.run", 2)
+    text = str(info.value)
+    assert text.startswith("horovod.run: the job failed before every rank returned a result.\n"), text
+    assert "rank 1 (host b): killed by signal 9 (SIGKILL)" in text and "| oom" in text
+    assert info.value.rank == 1 and info.value.host == "b"
+    # a rank killed while the others raised only because it left: the killed rank is the cause
+    outcomes = {0: Raised(HorovodInternalError("peer left"), "tb0")}
+    exits = [RankExit(0, "a", 1, None, 1.2), RankExit(1, "b", None, 9, 1.0, stderr_tail=["oom"])]
+    with pytest.raises(WorkerFailedError) as info:
+        JobOutcome(exits, 137, outcomes).results("horovod.run", 2)
+    assert info.value.rank == 1 and info.value.ranks == [1, 0], str(info.value)
+    assert "rank 1 (host b): killed by signal 9 (SIGKILL)" in str(info.value)
 
 
 def test_ray_failures_are_ordered_by_the_same_rule() -> None:

@@ -43,7 +43,7 @@ def test_launch_path_does_not_import_the_engine() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, horovod.runner.launch, horovod.runner.cli, horovod.runner.elastic.workers;"
+    code = ("import sys, horovod.runner.launch.horovodrun, horovod.runner.cli, horovod.runner.elastic.workers;"
             "import horovod.common.exceptions, horovod.common.protocol;"
             "print(sorted(m for m in sys.modules if m.startswith(('horovod.common.', 'numpy', 'torch',"
             " 'yaml', 'psutil')) and not m.startswith('horovod.common.protocol.')))")

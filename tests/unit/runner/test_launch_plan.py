@@ -6,7 +6,7 @@ import pytest
 
 from horovod.common.exceptions import ConfigError
 from horovod.runner.hosts import parse_hosts
-from horovod.runner.launch_plan import build_plan, exportable_env, format_plan
+from horovod.runner.launch.plan import build_plan, exportable_env, format_plan
 from horovod.runner.settings import LaunchSettings
 
 ENV = {"PATH": "/bin", "HOME": "/root", "OLDPWD": "/x", "HOROVOD_SECRET_KEY": "s", "SSH_CLIENT": "1",

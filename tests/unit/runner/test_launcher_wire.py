@@ -67,7 +67,7 @@ def test_elastic_worker_output_hides_both_markers(tmp_path: Path) -> None:
     # Defect: runner/elastic/workers.py (elastic and Spark jobs) stripped only the shim's exit
     # marker and printed the rank's internal error record to the user's stderr.
     from horovod.runner.elastic.workers import WorkerProcess
-    from horovod.runner.launchers.base import Command, shim_argv
+    from horovod.runner.launch.commands import Command, shim_argv
 
     script = textwrap.dedent("""
         import sys
@@ -119,7 +119,7 @@ def test_slot_identity_is_what_the_worker_side_reads(monkeypatch: pytest.MonkeyP
 def test_a_remote_shim_takes_its_workers_environment_from_its_first_stdin_line() -> None:
     # What the ssh launcher sends (protocol.env_line): the worker sees the variables, the
     # command line never carried them; a malformed line is refused before anything starts.
-    from horovod.runner.launchers.base import shim_argv
+    from horovod.runner.launch.commands import shim_argv
 
     argv = shim_argv([sys.executable, "-c", "import os; print(os.environ['HVD_WIRE_TEST'])"],
                      stdin_env=True)

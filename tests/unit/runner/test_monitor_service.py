@@ -186,15 +186,11 @@ def test_page_is_self_contained(service: MonitorService) -> None:
 
 def test_failure_and_elastic_state(service: MonitorService) -> None:
     from horovod.runner.failures import RankExit
+    from horovod.runner.job_outcome import JobOutcome
 
     culprit = RankExit(1, "node0", 3, None, time.time(), error="RuntimeError: boom", error_kind="cause")
-
-    class Result:  # as execute.JobResult
-        returncode = 1
-        first_failure = culprit
-        exits = [RankExit(0, "node0", 1, None, time.time(), stopped_by="rank 1 failed"), culprit]
-
-    record_result(service, Result())
+    stopped = RankExit(0, "node0", 1, None, time.time(), stopped_by="rank 1 failed")
+    record_result(service, JobOutcome([stopped, culprit], 1))
     service.state.elastic = lambda: {"rounds": 3, "workers": {"running": 2, "exited": 1}}
     job = json.loads(get(service, "/api/job")[1])
     assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
@@ -203,6 +199,28 @@ def test_failure_and_elastic_state(service: MonitorService) -> None:
     text = exposition.render(job)
     assert "horovod_elastic_rounds_total 3" in text
     assert 'horovod_elastic_workers{state="exited"} 1' in text
+
+
+def test_an_elastic_jobs_outcome_names_its_root_cause_worker(service: MonitorService) -> None:
+    """The typed outcome of an elastic job: the root-cause worker (its own error before a
+    worker that only lost a peer) with the driver's reason, and the exit status."""
+    from horovod.common.protocol import FailureRecord
+    from horovod.runner.elastic.driver import ElasticResult, WorkerFailure
+    from horovod.runner.job_outcome import JobOutcome
+
+    lost = WorkerFailure(("node0", 0), 0, "exit code 1", 1, None, 5.0,
+                         FailureRecord(1, "consequence", "HorovodInternalError: peer left", 5.0))
+    own = WorkerFailure(("node1", 0), 1, "exit code 2", 2, None, 6.0,
+                        FailureRecord(2, "cause", "ValueError: bad batch", 4.0))
+    result = ElasticResult("reset limit 0 exceeded", 2, 1, failures=[lost, own])
+    outcome = JobOutcome(returncode=1, error=result.error, elastic=result)
+    record_result(service, outcome)
+    job = json.loads(get(service, "/api/job")[1])
+    assert (job["failure"]["rank"], job["failure"]["host"], job["failure"]["status"]) == (
+        1, "node1", "exit code 2"), job["failure"]
+    assert job["failure"]["error"] == "reset limit 0 exceeded"
+    assert job["finished"]["returncode"] == 1
+    assert "root cause: worker node1[0] (rank 1) exit code 2: ValueError: bad batch" in outcome.report()
 
 
 def test_reporter_pushes_snapshots(service: MonitorService) -> None:
@@ -252,7 +270,7 @@ def test_reports_over_a_jobs_rendezvous_service() -> None:
     """Spark and Ray jobs: the ranks post to the job's rendezvous service (which they reach
     already), signed with the job secret; it hands the reports to the monitor in process."""
     from horovod.common import protocol
-    from horovod.runner.function_job import FunctionJob
+    from horovod.runner.launch.cluster_job import FunctionJob
     from horovod.runner.monitor.cluster import attach, close
     from horovod.runner.monitor.service import MAX_REPORT_BYTES
 

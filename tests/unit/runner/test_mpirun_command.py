@@ -6,9 +6,9 @@ import pytest
 
 from horovod.common.exceptions import ConfigError
 from horovod.runner.hosts import parse_hosts
-from horovod.runner.launch_plan import build_plan
-from horovod.runner.launchers.base import SHIM_PATH
-from horovod.runner.launchers.mpirun import FLAVOURS, MpiImplementation, mpirun_command, parse_mpi_version
+from horovod.runner.launch.commands import SHIM_PATH
+from horovod.runner.launch.mpirun import FLAVOURS, MpiImplementation, mpirun_command, parse_mpi_version
+from horovod.runner.launch.plan import build_plan
 from horovod.runner.settings import LaunchSettings
 
 ENV = {"PATH": "/usr/bin", "FOO": "1"}

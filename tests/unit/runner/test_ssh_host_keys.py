@@ -6,7 +6,7 @@ import pytest
 
 from horovod.common.exceptions import ConfigError
 from horovod.runner.cli import parse_args, settings_from_args
-from horovod.runner.launchers.ssh import HOST_KEY_ENV, host_key_checking, ssh_base_argv
+from horovod.runner.launch.ssh import HOST_KEY_ENV, host_key_checking, ssh_base_argv
 
 
 def _opt(argv: list[str]) -> str:

@@ -6,9 +6,11 @@
 2. the mode: ``--mpi``/``--gloo``, else MPI when an ``mpirun`` is found, else Gloo;
 3. checks before anything starts: each remote host answers ssh (its error is shown), and the
    program exists (locally and on every remote host);
-4. the plan (``plan.py``) and the commands (``launchers/``); ``--dry-run`` prints them and stops;
-5. execution (``execute.py``): live ``[rank]<stdout>:`` output, everything stopped on the first
-   failure, and a per-rank report (``failures.py``).
+4. the plan (``plan.py``) and the commands (``local.py``, ``ssh.py``, ``mpirun.py``); ``--dry-run``
+   prints them and stops;
+5. execution, one ``StaticSession`` (``static_session.py``) around the ``Supervisor``
+   (``supervisor.py``): live ``[rank]<stdout>:`` output, everything stopped on the first failure,
+   and a per-rank report (``horovod.runner.failures``); an elastic job runs in ``elastic.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import IO
 
 from horovod.common import exceptions as errors
 from horovod.common import protocol
-from horovod.runner.execute import JobResult, Supervisor
 from horovod.runner.hosts import resolve_hosts
-from horovod.runner.launch_plan import LaunchPlan, build_plan, format_plan
-from horovod.runner.launchers.base import Command
+from horovod.runner.job_outcome import JobOutcome
+from horovod.runner.launch.commands import Command
+from horovod.runner.launch.plan import LaunchPlan, build_plan, format_plan
+from horovod.runner.launch.static_session import StaticSession
+from horovod.runner.launch.supervisor import Supervisor
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["run_commandline", "main", "launch", "resolve_hosts", "choose_mode", "check_build_text"]
@@ -35,7 +39,7 @@ log = logging.getLogger("horovod.runner")
 
 def choose_mode(settings: LaunchSettings, environ: Mapping[str, str]) -> str:
     """``"mpi"`` or ``"gloo"``: the explicit choice, else MPI when mpirun exists, else Gloo."""
-    from horovod.runner.launchers.mpirun import find_mpirun
+    from horovod.runner.launch.mpirun import find_mpirun
 
     if settings.controller:
         return settings.controller
@@ -70,7 +74,7 @@ def _check_remote(plan: LaunchPlan, settings: LaunchSettings, env_path: str | No
     remote = plan.remote_hosts
     if not remote:
         return
-    from horovod.runner.launchers.ssh import check_hosts
+    from horovod.runner.launch.ssh import check_hosts
 
     if shutil.which("ssh") is None:
         raise errors.LaunchError(
@@ -109,8 +113,11 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
            stdout: IO[str] | None = None, stderr: IO[str] | None = None,
            line_hook: Callable[[int | None, str, str], None] | None = None,
            secret: str | None = None,
-           on_rendezvous: Callable[[object], None] | None = None) -> JobResult | str:
-    """Check, plan and run one job; returns its result, or the plan text for ``--dry-run``.
+           call: protocol.FunctionCall | None = None) -> JobOutcome | str:
+    """Check, plan and run one job; returns its outcome, or the plan text for ``--dry-run``.
+
+    ``call``: the function every rank's ``run_task`` runs (``horovod.run``), published on the job's
+    rendezvous service; its ranks' results come back in ``JobOutcome.outcomes``.
 
     Raises:
         ConfigError: bad hosts, ``-np``, options.
@@ -119,14 +126,14 @@ def launch(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None
     """
     environ = dict(os.environ if environ is None else environ)
     if settings.elastic:
-        return _launch_elastic(settings, environ, stdout, stderr, secret, on_rendezvous)
-    return _launch_static(settings, environ, stdout, stderr, line_hook, secret, on_rendezvous)
+        return _launch_elastic(settings, environ, stdout, stderr, secret, call)
+    return _launch_static(settings, environ, stdout, stderr, line_hook, secret, call)
 
 
 def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
                    stderr: IO[str] | None, line_hook: Callable[[int | None, str, str], None] | None,
-                   secret: str | None, on_rendezvous: Callable[[object], None] | None,
-                   ) -> JobResult | str:
+                   secret: str | None, call: protocol.FunctionCall | None,
+                   ) -> JobOutcome | str:
     hosts = resolve_hosts(settings)
     mode = choose_mode(settings, environ)
     from horovod.runner.network import is_local_host
@@ -140,7 +147,7 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         _check_torch()
     impl = None
     if mode == "mpi":
-        from horovod.runner.launchers.mpirun import default_cache_dir, detect_mpi
+        from horovod.runner.launch.mpirun import default_cache_dir, detect_mpi
 
         impl = detect_mpi(environ, None if settings.disable_cache else default_cache_dir())
     if settings.dry_run:
@@ -192,18 +199,19 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
 
             plan.job_env.update(worker_env(monitor, _rendezvous_address(
                 settings, plan.remote_hosts, plan.all_local)[1]))
-        if on_rendezvous is not None and server is not None:
-            on_rendezvous(server)
+        # The session publishes the function before any rank starts, and collects the ranks'
+        # results from the service before it is stopped (below).
+        session = StaticSession(plan.np, "horovodrun", service=server, call=call, own_service=False)
         cmds = _commands(plan, settings, environ, impl, secret)
         for c in cmds:
             log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
-        executor = Supervisor(
+        supervisor = Supervisor(
             cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
             local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
             timestamp=settings.prefix_timestamp,
             output_dir=settings.output_filename if mode == "gloo" else None,
             stdout=stdout, stderr=stderr, line_hook=line_hook)
-        result = executor.run()
+        result = session.run(supervisor.run)
         return result
     finally:
         if server is not None:
@@ -212,7 +220,7 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
             _end_monitor(monitor, result, settings.monitor_linger)
 
 
-def _end_monitor(monitor: object, result: object, linger: float) -> None:
+def _end_monitor(monitor: object, result: JobOutcome | None, linger: float) -> None:
     from horovod.runner.monitor import MonitorService, finish
 
     assert isinstance(monitor, MonitorService)
@@ -221,11 +229,9 @@ def _end_monitor(monitor: object, result: object, linger: float) -> None:
 
 def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: IO[str] | None,
                     stderr: IO[str] | None, secret: str | None,
-                    on_rendezvous: Callable[[object], None] | None) -> JobResult | str:
+                    call: protocol.FunctionCall | None) -> JobOutcome | str:
     """Elastic mode (``--host-discovery-script``, ``--min-np``, ``--max-np``): see runner/elastic."""
-    from typing import cast
-
-    from horovod.runner.elastic.launch import configure_logging, launch_elastic
+    from horovod.runner.launch.elastic import configure_logging, launch_elastic
 
     _check_torch()
     if settings.dry_run:
@@ -244,8 +250,8 @@ def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: I
     result = None
     try:
         result = launch_elastic(settings, environ=environ, stdout=stdout, stderr=stderr,
-                                secret=secret, on_rendezvous=on_rendezvous, monitor=monitor)
-        return cast(JobResult, result)
+                                secret=secret, call=call, monitor=monitor)
+        return result
     finally:
         if monitor is not None:
             _end_monitor(monitor, result, settings.monitor_linger)
@@ -254,12 +260,12 @@ def _launch_elastic(settings: LaunchSettings, environ: dict[str, str], stdout: I
 def _commands(plan: LaunchPlan, settings: LaunchSettings, environ: Mapping[str, str], impl: object,
               secret: str | None) -> list[Command]:
     if plan.mode == "mpi":
-        from horovod.runner.launchers.mpirun import MpiImplementation, mpirun_command
+        from horovod.runner.launch.mpirun import MpiImplementation, mpirun_command
 
         assert isinstance(impl, MpiImplementation)
         return [mpirun_command(plan, settings, impl, environ, secret=secret)]
-    from horovod.runner.launchers.local import local_command
-    from horovod.runner.launchers.ssh import ssh_command
+    from horovod.runner.launch.local import local_command
+    from horovod.runner.launch.ssh import ssh_command
 
     return [local_command(plan, r, environ, secret) if r.local else ssh_command(plan, r, settings, secret)
             for r in plan.ranks]
@@ -277,7 +283,7 @@ def check_build_text() -> str:
         except (ImportError, ValueError):
             return False
 
-    from horovod.runner.launchers.mpirun import find_mpirun
+    from horovod.runner.launch.mpirun import find_mpirun
 
     mpi = has("mpi4py") and find_mpirun() is not None
     gloo = has("torch")

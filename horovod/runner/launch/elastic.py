@@ -1,4 +1,5 @@
-"""Start an elastic job: the rendezvous service, the driver, and one process per worker."""
+"""``horovodrun``'s elastic job: the rendezvous service, the driver's session, and one process per
+worker (``horovod.runner.elastic.workers``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 from horovod.common import protocol
@@ -19,42 +19,15 @@ from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, key
 from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.elastic.workers import WorkerProcess
-from horovod.runner.failures import RankExit
 from horovod.runner.hosts import HostSpec, SlotInfo
-from horovod.runner.launch_plan import RankPlan, build_plan
+from horovod.runner.job_outcome import JobOutcome
+from horovod.runner.launch.plan import RankPlan, build_plan
+from horovod.runner.launch.static_session import read_outcomes
 from horovod.runner.settings import LaunchSettings
 
-__all__ = ["launch_elastic", "ElasticJobResult", "configure_logging"]
+__all__ = ["launch_elastic", "configure_logging"]
 
 log = logging.getLogger("horovod.runner.elastic")
-
-
-@dataclass
-class ElasticJobResult:
-    """What ``horovodrun`` reports for an elastic job (``returncode`` 0 on success)."""
-
-    returncode: int
-    error: str | None
-    result: ElasticResult
-    exits: list[Any] = field(default_factory=list)
-
-    @property
-    def first_failure(self) -> RankExit | None:
-        """The root cause's exit (``failures.root_cause``, as for static jobs)."""
-        root = self.result.root_cause()
-        return None if root is None else root.as_exit()
-
-    def report(self) -> str:
-        if self.error is None:
-            return ""
-        root = self.result.root_cause()
-        error = "" if root is None else root.as_exit().error
-        first = ("" if root is None else
-                 f"; root cause: worker {key_name(root.key)}"
-                 f"{'' if root.rank is None else f' (rank {root.rank})'} {root.status}"
-                 f"{f': {error}' if error else ''}")
-        return (f"horovodrun: elastic job failed: {self.error}\n"
-                f"({self.result.rounds} round(s), {self.result.resets} reset(s){first})")
 
 
 def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
@@ -73,16 +46,16 @@ def _discovery(settings: LaunchSettings) -> HostDiscoveryScript | FixedHosts:
 
 def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | None = None,
                    stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                   secret: str | None = None,
-                   on_rendezvous: Callable[[object], None] | None = None,
-                   discovery_interval: float = 1.0, monitor: Any = None) -> ElasticJobResult:
-    """Run one elastic job to its end.
+                   secret: str | None = None, call: protocol.FunctionCall | None = None,
+                   discovery_interval: float = 1.0, monitor: Any = None) -> JobOutcome:
+    """Run one elastic job to its end (``call``: the function every worker's ``run_task`` runs,
+    ``horovod.run``; the final round's results come back in ``JobOutcome.outcomes``, by rank).
 
     Raises:
         ConfigError: bad options or discovery output.
     """
-    from horovod.runner.launchers.local import local_command
-    from horovod.runner.launchers.ssh import ssh_command
+    from horovod.runner.launch.local import local_command
+    from horovod.runner.launch.ssh import ssh_command
     from horovod.runner.network import is_local_host, route_address
     from horovod.runner.rendezvous import RendezvousServer, make_secret
 
@@ -153,8 +126,10 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
 
         base.job_env.update(worker_env(monitor))
         monitor.state.elastic = lambda: elastic_status(driver)
-    if on_rendezvous is not None:
-        on_rendezvous(server)
+    if call is not None:
+        import cloudpickle
+
+        server.put(protocol.FUNC_SCOPE, protocol.FUNC_KEY, cloudpickle.dumps(call))
     restore_usr1 = _pass_on_usr1(live_workers, stderr or sys.stderr, write_lock)
     try:
         result = session.run().result
@@ -162,10 +137,15 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         log.warning("elastic: interrupted (SIGINT): every worker was stopped")
         result = ElasticResult("interrupted by SIGINT; every worker was stopped", driver.round + 1,
                                driver.resets, list(driver.events))
-        return ElasticJobResult(130, result.error, result)
+        return JobOutcome(returncode=130, interrupted="SIGINT", error=result.error, elastic=result)
     finally:
         restore_usr1()
-    return ElasticJobResult(0 if result.error is None else 1, result.error, result)
+    outcomes: dict[int, protocol.WorkerOutcome] = {}
+    if call is not None:  # run_task stores its result under its rank in the final round
+        found = read_outcomes(server.get, [str(r) for r in sorted(result.final_ranks.values())])
+        outcomes = {int(k): o for k, o in found.items()}
+    return JobOutcome(returncode=0 if result.error is None else 1, outcomes=outcomes,
+                      error=result.error, elastic=result)
 
 
 def _pass_on_usr1(workers: Callable[[], list[WorkerProcess]], err: IO[str],

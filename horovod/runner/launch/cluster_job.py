@@ -16,7 +16,7 @@ from typing import Any
 
 from horovod.common import protocol
 from horovod.runner.hosts import HostSpec, SlotInfo
-from horovod.runner.launch_plan import SECRET_ENV, build_plan
+from horovod.runner.launch.plan import SECRET_ENV, build_plan
 from horovod.runner.rendezvous import RendezvousServer, make_secret
 from horovod.runner.settings import LaunchSettings
 
@@ -89,6 +89,9 @@ class FunctionJob:
 
     def put(self, scope: str, key: str, value: bytes) -> None:
         self.server.put(scope, key, value)
+
+    def get(self, scope: str, key: str) -> bytes | None:
+        return self.server.get(scope, key)
 
     def stop(self) -> None:
         self.server.stop()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from horovod.runner.launch_plan import SECRET_ENV, LaunchPlan, RankPlan
-from horovod.runner.launchers.base import Command, shim_argv
+from horovod.runner.launch.commands import Command, shim_argv
+from horovod.runner.launch.plan import SECRET_ENV, LaunchPlan, RankPlan
 
 __all__ = ["LocalLauncher", "local_command"]
 

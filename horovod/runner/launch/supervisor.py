@@ -1,7 +1,8 @@
 """Run the commands of a launch: stream rank-prefixed output live, stop everything on the first
-failure or on Ctrl-C/SIGTERM, and collect how every rank ended.
+failure or on Ctrl-C/SIGTERM, and collect how every rank ended (a ``JobOutcome``).
 
-Every launcher's commands run through here alike: local shims, ssh clients, or one mpirun.
+Every launcher's commands run through here alike: local shims, ssh clients, or one mpirun; the
+``Supervisor`` is ``horovodrun``'s ``supervise()`` of its ``StaticSession``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any, assert_never
 
 from horovod.common import protocol
-from horovod.runner.failures import RankExit, format_report, root_cause
-from horovod.runner.launchers.base import Command
+from horovod.runner.failures import RankExit, root_cause
+from horovod.runner.job_outcome import JobOutcome
+from horovod.runner.launch.commands import Command
 from horovod.runner.output import LineSplitter, TagParser, prefix_line, write_line
 from horovod.runner.signals import still_starting
 
-__all__ = ["Supervisor", "JobResult"]
+__all__ = ["Supervisor"]
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +56,6 @@ def _end_with_launcher() -> None:
     mpirun stops the job instead of running on orphaned (PR_SET_PDEATHSIG)."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)
-
-
-@dataclass
-class JobResult:
-    """The outcome of a job: every rank's exit, the root cause, and the exit status to use."""
-
-    exits: list[RankExit]
-    returncode: int
-    interrupted: str | None = None
-    launcher_tail: list[str] = field(default_factory=list)
-
-    @property
-    def first_failure(self) -> RankExit | None:
-        return root_cause(self.exits)
-
-    def report(self) -> str:
-        return format_report(self.exits, self.interrupted)
 
 
 def _stdin_is_tty() -> bool:
@@ -328,7 +313,7 @@ class Supervisor:
         self._events.put(_SignalReceived(signum))
 
     # -------------------------------------------------------------------- run
-    def run(self, handle_signals: bool = True) -> JobResult:
+    def run(self, handle_signals: bool = True) -> JobOutcome:
         """Start everything, supervise until all processes end, and return the result.
 
         SIGINT/SIGTERM received meanwhile are passed on to every worker (when called from the
@@ -404,7 +389,7 @@ class Supervisor:
                 self._kill_at = None
 
     # ----------------------------------------------------------------- result
-    def _result(self) -> JobResult:
+    def _result(self) -> JobOutcome:
         exits: list[RankExit] = []
         seen: set[int] = set()
         for proc in self._procs:
@@ -465,7 +450,7 @@ class Supervisor:
             returncode = 128 + signal.Signals[self._interrupted].value
         elif self._interrupted and (first is None or first.stopped_by):
             returncode = 128 + signal.Signals[self._interrupted].value
-        return JobResult(exits, returncode, self._interrupted, launcher_tail)
+        return JobOutcome(exits, returncode, interrupted=self._interrupted, launcher_tail=launcher_tail)
 
     def _was_first(self, proc: _Proc) -> bool:
         failed = [p for p in self._procs if p.returncode not in (None, 0)]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from horovod.common import protocol
 from horovod.common.exceptions import ConfigError
-from horovod.runner.launch_plan import SECRET_ENV, LaunchPlan, RankPlan
-from horovod.runner.launchers.base import Command, shim_argv
+from horovod.runner.launch.commands import Command, shim_argv
+from horovod.runner.launch.plan import SECRET_ENV, LaunchPlan, RankPlan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["SshLauncher", "ssh_base_argv", "host_key_checking", "HOST_KEY_ENV", "ssh_command", "check_hosts",

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from horovod.common import exceptions as errors
-from horovod.runner.launch_plan import SECRET_ENV, LaunchPlan
-from horovod.runner.launchers.base import Command, shim_argv
+from horovod.runner.launch.commands import Command, shim_argv
+from horovod.runner.launch.plan import SECRET_ENV, LaunchPlan
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["MpiImplementation", "MpiFlavour", "FLAVOURS", "detect_mpi", "parse_mpi_version",
