@@ -69,13 +69,20 @@ def check_report(res: subprocess.CompletedProcess[str], how: str, bad: int, np_:
                 f"rank {r} is reported as failing by itself:\n{res.stderr[-3000:]}")
 
 
-CASES = [(how, where) for how in ("exit3", "raise", "sigkill") for where in ("busy", "outside", "inside")]
+HOWS, WHERES = ("exit3", "raise", "sigkill"), ("busy", "outside", "inside")
+CASES = [(how, where) for how in HOWS for where in WHERES]
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+def case_np(mode: str, how: str, where: str) -> int:
+    """One launch per (mode, how, where), at np=2 or 3 alternating over the 3x3 grid and swapped
+    between the modes: every (how, where) runs at np=2 in one mode and np=3 in the other, and in
+    each mode every how and every where runs at both sizes (18 launches instead of 36)."""
+    return 2 + (HOWS.index(how) + WHERES.index(where) + (mode == "gloo")) % 2
+
+
 @pytest.mark.parametrize(("how", "where"), CASES)
-def test_horovodrun_ends_job_and_names_the_failed_rank(mode: str, np_: int, how: str,
-                                                        where: str) -> None:
+def test_horovodrun_ends_job_and_names_the_failed_rank(mode: str, how: str, where: str) -> None:
+    np_ = case_np(mode, how, where)
     bad = np_ - 1 if where != "outside" else 1
     res = horovodrun(f"--{mode}", "-np", str(np_), sys.executable, SCRIPT, how, where, str(bad),
                      timeout=120)
