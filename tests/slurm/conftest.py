@@ -1,4 +1,6 @@
-"""The real Slurm cluster of the ``srun`` tests (``tests/_slurm.py``), once per session.
+"""The real Slurm cluster of the ``srun`` tests (``tests/_slurm.py``), once per session: its own
+``slurmctld`` and ``slurmd`` on free ports with a ``slurm.conf`` and cluster name of its own, checked
+to be the daemons answering before any test submits to it (never a Slurm already on the machine).
 
 Skipped, with the reason, where it cannot run (not root, no apt to install ``slurm-wlm``/``munge``;
 a cluster that is installed but does not come up is a failure);

@@ -5,11 +5,13 @@
                               holds back for 3 s (a stall); prints RESULT_<phase>
     monitor_worker.py page F [S]  steps until file F exists, then rank 1 raises (the others fail
                               after); rank S (if given) takes 30 ms longer per step
-    monitor_worker.py steps S N   training-like steps (a little CPU work, 40 ms of "device
+    monitor_worker.py steps S N [Q]  training-like steps (a little CPU work, 40 ms of "device
                               compute" the CPU idles through, 8 tensors): 10 to reach
-                              a steady state, then N more in which rank S (-1: none) sleeps 50 ms
-                              per step; prints RESULT_steps with the seconds from the steady state
-                              to the first verdict naming S (rank 0 also scrapes /metrics)
+                              a steady state, then Q (default 0) in which nobody is delayed
+                              (prints RESULT_quiet with the verdicts after them; rank 0 also
+                              scrapes /metrics), then N more in which rank S (-1: none) sleeps
+                              50 ms per step; prints RESULT_steps with the seconds from the end of
+                              the undelayed steps to the first verdict naming S (rank 0 scrapes)
     monitor_worker.py stuck D     3 allreduces 'stacks.warmup', then every rank blocks in
                               wait_for_the_test_to_release_me() reading the FIFO D/release.<rank>
                               until the test writes to it; then one more allreduce, RESULT_stuck
@@ -124,7 +126,15 @@ def page(flag: str, slow_rank: int = -1) -> None:
         time.sleep(0.02 + (0.03 if hvd.rank() == slow_rank else 0.0) + 0.01 * rng.random())
 
 
-def steps(slow_rank: int, n: int) -> None:
+def scraped_verdicts(m: dict) -> dict[str, float] | None:
+    """Rank 0: the ``horovod_straggler`` series once every rank reported ``m``'s verdict; None elsewhere."""
+    if hvd.rank() != 0:
+        return None
+    want = {str(r): (1.0 if r in m["stragglers"] else 0.0) for r in range(hvd.size())}
+    return series(scrape_until(hvd.size(), lambda t: series(t, "horovod_straggler") == want), "horovod_straggler")
+
+
+def steps(slow_rank: int, n: int, quiet: int = 0) -> None:
     rank = hvd.rank()
     a = np.random.default_rng(rank).random((64, 64))
     grads = [np.ones(1000, np.float32) for _ in range(8)]
@@ -142,6 +152,13 @@ def steps(slow_rank: int, n: int) -> None:
 
     for _ in range(10):
         step(False)
+    if quiet:
+        for _ in range(quiet):
+            step(False)
+        m = hvd.metrics()
+        emit("quiet", steps=quiet, stragglers=m["stragglers"], flag_events=m["straggler_flag_events"],
+             scores=m["straggler_scores"], scrape=scraped_verdicts(m))
+        hvd.barrier()
     start = time.monotonic()
     flagged_after = None
     for _ in range(n):
@@ -149,13 +166,9 @@ def steps(slow_rank: int, n: int) -> None:
         if flagged_after is None and hvd.metrics()["stragglers"] == [slow_rank]:
             flagged_after = time.monotonic() - start
     m = hvd.metrics()
-    text = ""
-    if rank == 0:
-        want = {str(r): (1.0 if r in m["stragglers"] else 0.0) for r in range(hvd.size())}
-        text = scrape_until(hvd.size(), lambda t: series(t, "horovod_straggler") == want)
     emit("steps", flagged_after=flagged_after, seconds=time.monotonic() - start,
          stragglers=m["stragglers"], flag_events=m["straggler_flag_events"],
-         scores=m["straggler_scores"], scrape=series(text, "horovod_straggler") if text else None)
+         scores=m["straggler_scores"], scrape=scraped_verdicts(m))
     hvd.barrier()
 
 
@@ -180,6 +193,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "stuck":
         stuck(sys.argv[2])
     elif sys.argv[1] == "steps":
-        steps(int(sys.argv[2]), int(sys.argv[3]))
+        steps(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0)
     else:
         page(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else -1)
