@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common.backends.base import EngineBackend, Group, SplitsGroups
-from horovod.common.engine.adasum import AdasumRunner
+from horovod.common.engine.adasum import run_adasum
 from horovod.common.engine.buffers import (
     SMALL_OUTPUT_BYTES,
     Item,
@@ -226,7 +226,7 @@ class Executor:
                 finally:
                     self._activity(tl, [r.name for r in batch] if tl is not None else (), act, False)
         elif kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
-            self._adasum_runner().run(batch, entries, group, aligned_empty)
+            run_adasum(batch, entries, self.host_lane(group))
         else:
             self._execute(kind, batch, entries, group, self.host_lane(group), tl)
         if tl is not None:
@@ -246,12 +246,6 @@ class Executor:
             self._alltoall(entries[0], lane)
         elif kind == RequestType.REDUCESCATTER:
             self._reducescatter(entries[0], group, lane)
-
-    def _adasum_runner(self) -> AdasumRunner:
-        runner = self.__dict__.get("_adasum")
-        if runner is None:
-            runner = self._adasum = AdasumRunner(self.backend)
-        return runner
 
     @staticmethod
     def _activity(tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:

@@ -166,6 +166,10 @@ class HostTransport:
     def allgather_ints(self, values: np.ndarray) -> np.ndarray:
         return self.backend.allgather_ints(values, self.group)
 
+    def exchange(self, send: np.ndarray, recv: np.ndarray, peer: int) -> None:
+        """Send ``send`` to member ``peer`` and receive ``recv`` from it (Adasum's one primitive)."""
+        self.backend.sendrecv(send, recv, peer, self.group)
+
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         return self.backend.alltoall_ints(values, self.group)
 
