@@ -126,14 +126,11 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- routing
-_NCCL: list[bool] = []
-
-
+@functools.cache
 def _nccl() -> bool:
-    if not _NCCL:
-        _NCCL.append(bool(_dist.is_available() and _dist.is_nccl_available()
-                          and torch.cuda.is_available()))
-    return _NCCL[0]
+    """Whether this installation's torch can run NCCL on a GPU here: a fact of the process (not
+    of a job), asked once."""
+    return bool(_dist.is_available() and _dist.is_nccl_available() and torch.cuda.is_available())
 
 
 def route(tensor: torch.Tensor, kind: RequestType, op: ReduceOp | None = None) -> str:
