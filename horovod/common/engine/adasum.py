@@ -38,10 +38,9 @@ from horovod.common.engine.buffers import batch_items
 from horovod.common.engine.plan import post_factors
 from horovod.common.types import Response
 
-__all__ = ["ADASUM_DTYPES", "SQRT_DBL_MIN", "is_power_of_two", "pair_coefficients", "combine",
+__all__ = ["SQRT_DBL_MIN", "is_power_of_two", "pair_coefficients", "combine",
            "adasum_pair", "adasum_reference", "vhdd_allreduce", "Exchange", "run_adasum"]
 
-ADASUM_DTYPES = frozenset({"float16", "float32", "float64"})
 SQRT_DBL_MIN = math.sqrt(np.finfo(np.float64).tiny)
 
 Exchange = Callable[[np.ndarray, np.ndarray, int], None]
