@@ -23,7 +23,9 @@ as upstream does, with ``NotImplementedError``).
 
 The transport is a single primitive, ``exchange(send, recv, peer)``: send ``send`` to group member
 ``peer`` and receive ``recv`` from it (a sendrecv). ``adasum_reference`` is the NumPy oracle that
-applies the pairwise formula in the same tree order on whole vectors.
+applies the pairwise formula in the same tree order on whole vectors. ``run_adasum`` runs one of
+the executor's batches on the host ``Lane``: everything but the schedule (items, a joined rank's
+zeros, the fusion buffer, the scaling) is the lane's, as for every other reduction.
 """
 
 from __future__ import annotations
