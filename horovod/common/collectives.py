@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from horovod.common.context import get_context
+from horovod.common.dtypes import ADASUM_DTYPES, MOVE_DTYPES, REDUCE_DTYPES, check_reduce_op
 from horovod.common.engine.executor import Entry, end_to_end
 from horovod.common.engine.handles import GroupHandle, Handle
 from horovod.common.engine.negotiation import ArgumentError
@@ -24,7 +25,7 @@ from horovod.common.types import ReduceOp, Request, RequestType
 from horovod.common.util import op_from_average
 
 __all__ = [
-    "REDUCE_DTYPES", "MOVE_DTYPES", "ARGUMENT_ERRORS", "resolve_op", "op_name", "check_dtype",
+    "ARGUMENT_ERRORS", "resolve_op", "op_name", "check_dtype",
     "check_adasum",
     "fail_everywhere",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
@@ -32,12 +33,6 @@ __all__ = [
     "register_handle", "poll", "synchronize", "submit_again", "resubmit_registered", "resubmit_many",
 ]
 
-# bfloat16: NumPy arrays of ``ml_dtypes.bfloat16`` (JAX's, TensorFlow's, the torch binding's views)
-REDUCE_DTYPES = frozenset({"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-                           "float16", "bfloat16", "float32", "float64"})
-MOVE_DTYPES = REDUCE_DTYPES | {"bool"}
-# What device planes (GPU tensors) also reduce and move, beyond the NumPy types.
-PLANE_EXTRA_DTYPES = frozenset({"bool", "bfloat16"})
 # What a call's argument checks raise. A call that fails them is failed on every rank of its set
 # (``fail_everywhere``), never on this rank alone.
 ARGUMENT_ERRORS = (ValueError, TypeError, NotImplementedError)
@@ -155,7 +150,7 @@ def check_adasum(process_set_id: int | None, dtype: str, what: str = "allreduce"
             a power of two (upstream's messages).
         ValueError: a dtype other than float16, float32 or float64.
     """
-    from horovod.common.engine.adasum import ADASUM_DTYPES, is_power_of_two
+    from horovod.common.engine.adasum import is_power_of_two
 
     if process_set_id != 0:
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
@@ -183,8 +178,6 @@ def _rows_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str
 def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str) -> str:
     if not arrays:
         raise ValueError(f"{what}: no tensors given")
-    if isinstance(arrays[0].dtype, str):  # device-plane buffers: the framework reduces these too
-        allowed = allowed | PLANE_EXTRA_DTYPES
     if len(arrays) == 1:
         return check_dtype(arrays[0], allowed, what)
     names = {check_dtype(a, allowed, what) for a in arrays}
@@ -294,6 +287,7 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     ps_id, _ = group_of(process_set, what)
     try:
         dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+        check_reduce_op(dtype, op, what)
         if op == ReduceOp.ADASUM:
             check_adasum(ps_id, dtype, what)
         outputs = list(arrays) if inplace else None
@@ -414,6 +408,7 @@ def reducescatter_async(arrays: Sequence[np.ndarray], *, name: str | None = None
             raise NotImplementedError(
                 f"Reducescatter currently only supports AVERAGE and SUM (got op={_OP_TEXT.get(op, op)}).")
         dtype = _rows_dtype(arrays, REDUCE_DTYPES, what, "scattered", "(1,) or more rows")
+        check_reduce_op(dtype, op, what)
     except ARGUMENT_ERRORS as exc:
         fail_everywhere(RequestType.REDUCESCATTER, name, ps_id, exc, grouped)
     return _submit(RequestType.REDUCESCATTER, arrays, None, name, grouped, ps_id, dtype, device,

@@ -15,6 +15,7 @@ from horovod.common.engine.device import check_gpu_settings
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.handles import Handle, HandleCounter
 from horovod.common.engine.loop import Engine
+from horovod.common.job_state import JobState
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.protocol import RankIdentity
 from horovod.common.topology import homogeneous, topology_from_hostnames
@@ -89,6 +90,7 @@ class Context:
         self.engine: Engine | None = None
         self.environ = environ
         self.reporter: Any = None  # horovod.common.reporter.Reporter, when a monitor listens
+        self.state = JobState()  # the bindings' state between calls (``job_state``)
         if start:
             self.start(process_sets)
 

@@ -29,7 +29,7 @@ from horovod.common.elastic import ObjectState, State, default_reset, run_fn
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.objects import broadcast_object
 from horovod.jax.functions import broadcast_parameters
-from horovod.jax.mpi_ops import _LAST_ERROR
+from horovod.jax.mpi_ops import last_error, set_last_error
 
 __all__ = ["JaxState", "run", "State", "ObjectState", "HorovodInternalError", "HostsUpdatedInterrupt"]
 
@@ -77,12 +77,12 @@ def _unwrap_jax_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def call(*args: Any, **kwargs: Any) -> Any:
-        _LAST_ERROR[0] = None
+        set_last_error(None)
         try:
             return func(*args, **kwargs)
         except jax.errors.JaxRuntimeError as exc:
-            cause = _LAST_ERROR[0]
-            _LAST_ERROR[0] = None
+            cause = last_error()
+            set_last_error(None)
             if isinstance(cause, HorovodInternalError | HostsUpdatedInterrupt):
                 raise cause from exc
             raise

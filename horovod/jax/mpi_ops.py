@@ -31,6 +31,7 @@ import horovod.numpy as _np_ops
 from horovod.common import collectives as _C
 from horovod.common.basics import rank as _rank
 from horovod.common.collectives import resolve_op
+from horovod.common.current import peek_context
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp
 from horovod.jax import _ffi
@@ -43,11 +44,10 @@ __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allredu
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
            "poll", "synchronize", "barrier", "join", "is_traced", "last_error"]
 
-_LAST_ERROR: list[BaseException | None] = [None]
 # Under jit, allreduce results alias their operands and are reduced in place (see ``_run``);
 # False: the engine reads the operands and writes separate result buffers (measured slower when the
 # operands are intermediates or donated, docs/jax.md "Performance").
-_ALIAS = [True]
+_ALIAS = True
 
 
 def last_error() -> BaseException | None:
@@ -56,7 +56,16 @@ def last_error() -> BaseException | None:
     JAX reports a failed host callback as ``jax.errors.JaxRuntimeError``; this is Horovod's own
     exception (``HorovodInternalError``, ``HostsUpdatedInterrupt``, ...) behind it.
     """
-    return _LAST_ERROR[0]
+    ctx = peek_context()
+    return None if ctx is None else ctx.state.traced_error
+
+
+def set_last_error(exc: BaseException | None) -> None:
+    """Note (or, with None, forget) the exception of a collective in a compiled program, for
+    this job (``Context.state``)."""
+    ctx = peek_context()
+    if ctx is not None:
+        ctx.state.traced_error = exc
 
 
 def is_traced(*values: Any) -> bool:
@@ -69,7 +78,7 @@ def _host(fn: Callable[[list[np.ndarray]], list[np.ndarray]]) -> Callable[..., l
         try:
             return [np.asarray(r) for r in fn([np.asarray(a) for a in arrays])]
         except BaseException as exc:
-            _LAST_ERROR[0] = exc
+            set_last_error(exc)
             raise
 
     return call
@@ -114,7 +123,7 @@ def _host_into(fn: Callable[[list[np.ndarray]], list[np.ndarray]],
                                        f"expected {o.dtype}{list(o.shape)}")
                 np.copyto(o, r)
         except BaseException as exc:
-            _LAST_ERROR[0] = exc
+            set_last_error(exc)
             raise
 
     return call
@@ -154,7 +163,7 @@ def _allreduce_list(arrays: list[Any], name: str | None, op: ReduceOp, pre: floa
             return _np_ops.grouped_allreduce(xs, None, name, op, pre, post, ps)
         return [_np_ops.allreduce(xs[0], None, name, op, pre, post, ps)]
 
-    alias = _ALIAS[0]
+    alias = _ALIAS
 
     def into(xs: list[np.ndarray], outs: list[np.ndarray]) -> None:
         # no copy on either side: in place in the results (which alias the operands), or straight

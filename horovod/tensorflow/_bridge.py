@@ -176,8 +176,8 @@ class _PackedLayout:
 
 def _packed_layout(tout: Sequence[tf.DType], shapes: Sequence[Any] | None) -> _PackedLayout | None:
     """The layout for packed outputs, or None when they cannot be packed (unknown shapes, several
-    dtypes, bfloat16, or fewer than two outputs)."""
-    if shapes is None or len(tout) < 2 or len(set(tout)) != 1 or tout[0] == tf.bfloat16:
+    dtypes, or fewer than two outputs)."""
+    if shapes is None or len(tout) < 2 or len(set(tout)) != 1:
         return None
     dims = []
     for sh in shapes:
@@ -193,23 +193,11 @@ def _sub(key: Any, suffix: str) -> Any:
     return None if key is None else f"{key}{suffix}"
 
 
-def _is_bf16(a: np.ndarray) -> bool:
-    return a.dtype.name == "bfloat16"
-
-
 def _contig(a: np.ndarray) -> np.ndarray:
-    # Unlike np.ascontiguousarray, keeps 0-d arrays 0-d.
+    """``a`` C-contiguous, in its own dtype (bfloat16 as ml_dtypes' type, TensorFlow's): what
+    crosses the wire is the engine's rule per transport (``horovod.common.dtypes``). Unlike
+    np.ascontiguousarray, keeps 0-d arrays 0-d."""
     return a if a.flags.c_contiguous else np.array(a, order="C")
-
-
-def _reduce_ready(a: np.ndarray) -> np.ndarray:
-    # The engine has no bfloat16 arithmetic: reduce in float32, cast back afterwards.
-    return _contig(a.astype(np.float32) if _is_bf16(a) else a)
-
-
-def _move_ready(a: np.ndarray) -> np.ndarray:
-    # Moves only copy bytes: send bfloat16 as uint16.
-    return _contig(a.view(np.uint16) if _is_bf16(a) else a)
 
 
 def _by_dtype(arrays: Sequence[np.ndarray]) -> dict[str, list[int]]:
@@ -242,14 +230,12 @@ def _outputs(key: Any, arrays: Sequence[np.ndarray]) -> list[np.ndarray] | None:
     return [pooled_empty(a.shape, a.dtype) for a in arrays]
 
 
-def _gathered(arrays: Sequence[np.ndarray], pending: list[tuple[list[int], Any]],
-              restore: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> list[Any]:
-    """Wait for each ``(indices, handle)`` and place its results at those indices of ``arrays``;
-    ``restore(result, original)`` gives a bfloat16 result its dtype back."""
+def _gathered(arrays: Sequence[np.ndarray], pending: list[tuple[list[int], Any]]) -> list[Any]:
+    """Wait for each ``(indices, handle)`` and place its results at those indices of ``arrays``."""
     res: list[Any] = [None] * len(arrays)
     for idx, h in pending:
         for i, r in zip(idx, h.wait()):
-            res[i] = restore(r, arrays[i]) if _is_bf16(arrays[i]) else r
+            res[i] = r
     return res
 
 
@@ -263,12 +249,11 @@ def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale:
     if not arrays:
         return []
     if not grouped:
-        x = _reduce_ready(arrays[0])
+        x = _contig(arrays[0])
         h = C.allreduce_async([x], name=key, op=op, prescale_factor=prescale,
                               postscale_factor=postscale, process_set=process_set,
-                              out=None if _is_bf16(arrays[0]) else out or _outputs(key, [x]))
-        res0 = h.wait()[0]
-        return [res0.astype(arrays[0].dtype) if _is_bf16(arrays[0]) else res0]
+                              out=out or _outputs(key, [x]))
+        return [h.wait()[0]]
     parts = [list(g) for g in groups] if groups else [list(range(len(arrays)))]
     pending = []
     for gi, part in enumerate(parts):
@@ -276,13 +261,13 @@ def np_allreduce(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, prescale:
         for dt, local in by_dt.items():
             idx = [part[j] for j in local]
             suffix = ("" if len(parts) == 1 else f".g{gi}") + ("" if len(by_dt) == 1 else f".{dt}")
-            xs = [_reduce_ready(arrays[i]) for i in idx]
-            outs = None if dt == "bfloat16" else [out[i] for i in idx] if out else _outputs(key, xs)
+            xs = [_contig(arrays[i]) for i in idx]
+            outs = [out[i] for i in idx] if out else _outputs(key, xs)
             h = C.allreduce_async(xs, name=_sub(key, suffix), op=op,
                                   prescale_factor=prescale, postscale_factor=postscale,
                                   process_set=process_set, grouped=True, out=outs)
             pending.append((idx, h))
-    return _gathered(arrays, pending, lambda r, a: r.astype(a.dtype))  # bfloat16 was reduced as float32
+    return _gathered(arrays, pending)
 
 
 def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet | None,
@@ -291,16 +276,15 @@ def np_allgather(key: Any, arrays: Sequence[np.ndarray], process_set: ProcessSet
     if not arrays:
         return []
     if not grouped:
-        out = C.allgather_async([_move_ready(arrays[0])], name=key, process_set=process_set).wait()
-        return [out[0].view(arrays[0].dtype) if _is_bf16(arrays[0]) else out[0]]
+        return C.allgather_async([_contig(arrays[0])], name=key, process_set=process_set).wait()[:1]
     pending = []
     by_dt = _by_dtype(arrays)
     for dt, idx in by_dt.items():
         suffix = "" if len(by_dt) == 1 else f".{dt}"
-        h = C.allgather_async([_move_ready(arrays[i]) for i in idx], name=_sub(key, suffix),
+        h = C.allgather_async([_contig(arrays[i]) for i in idx], name=_sub(key, suffix),
                               process_set=process_set, grouped=True)
         pending.append((idx, h))
-    return _gathered(arrays, pending, lambda r, a: r.view(a.dtype))  # bfloat16 moved as its bits
+    return _gathered(arrays, pending)
 
 
 def np_broadcast(key: Any, arrays: Sequence[np.ndarray], root_rank: int,
@@ -312,7 +296,7 @@ def np_broadcast(key: Any, arrays: Sequence[np.ndarray], root_rank: int,
     pending = []
     for dt, idx in by_dt.items():
         suffix = "" if len(by_dt) == 1 else f".{dt}"
-        work = [_move_ready(arrays[i]).copy() for i in idx]
+        work = [_contig(arrays[i]).copy() for i in idx]
         h = C.broadcast_async(work, root_rank, name=_sub(key, suffix), process_set=process_set,
                               inplace=True, grouped=len(arrays) > 1)
         pending.append((idx, work, h))
@@ -320,17 +304,15 @@ def np_broadcast(key: Any, arrays: Sequence[np.ndarray], root_rank: int,
     for idx, work, h in pending:
         h.wait()
         for i, r in zip(idx, work):
-            res[i] = r.view(arrays[i].dtype) if _is_bf16(arrays[i]) else r
+            res[i] = r
     return res
 
 
 def np_alltoall(key: Any, array: np.ndarray, splits: np.ndarray | None,
                 process_set: ProcessSet | None) -> list[np.ndarray]:
     """Alltoall; returns ``[output, received_splits (int32)]``."""
-    out, received = C.alltoall_async(_move_ready(array), splits, name=key,
+    out, received = C.alltoall_async(_contig(array), splits, name=key,
                                      process_set=process_set).wait()[0]
-    if _is_bf16(array):
-        out = out.view(array.dtype)
     return [out, np.asarray(received, dtype=np.int32)]
 
 
@@ -339,7 +321,7 @@ def np_reducescatter(key: Any, arrays: Sequence[np.ndarray], op: ReduceOp, presc
     """Reducescatter arrays (grouped requests need one dtype)."""
     if not arrays:
         return []
-    h = C.reducescatter_async([_reduce_ready(a) for a in arrays], name=key, op=op,
+    h = C.reducescatter_async([_contig(a) for a in arrays], name=key, op=op,
                               prescale_factor=prescale, postscale_factor=postscale,
                               process_set=process_set, grouped=grouped)
-    return [r.astype(a.dtype) if _is_bf16(a) else r for a, r in zip(arrays, h.wait())]
+    return list(h.wait())

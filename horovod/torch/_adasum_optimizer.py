@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from horovod.common.types import Adasum
+from horovod.torch._autograd import GradHooks
 from horovod.torch.mpi_ops import allreduce_async_, synchronize
 
 __all__ = ["DistributedAdasumOptimizer"]
@@ -47,18 +48,16 @@ class DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
         self._requires_update: set[torch.Tensor] = set()
         self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for p in parameter_names}
-        self._hook_handles = []
+        self._hooks = GradHooks()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
                     self._requires_update.add(p)
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                    self._hooks.add(p, self._make_hook(p))
 
     def remove_hooks(self) -> None:
         """Take the gradient hooks off the parameters (a later optimizer over them)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        self._hooks.remove()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes

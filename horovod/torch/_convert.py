@@ -8,17 +8,10 @@ transport: ``HOROVOD_GPU_OPERATIONS=MPI|GLOO``, a per-op setting, no NCCL, or Ad
 For the plane a tensor is handed over as a ``DeviceTensor`` (no copy, with its CUDA ordering
 events); staged tensors are copied to pinned memory and then follow the host path.
 
-On the host path, a CPU tensor of a dtype NumPy knows is handed to the engine as a zero-copy view
-(``tensor.detach().numpy()``), so in-place operations land directly in the tensor's memory.
-Two dtypes need a translation:
-
-* ``bfloat16`` (NumPy has no such type of its own): with ``ml_dtypes`` installed, reductions get
-  a zero-copy view as ``ml_dtypes.bfloat16`` and run in bfloat16 where the transport reduces it
-  (MPI, Gloo: 16 bits on the wire), else in float32 inside the engine; without ``ml_dtypes`` they
-  run on a float32 copy that is rounded back afterwards. Data movement (allgather, broadcast,
-  alltoall) moves the raw bits as ``int16``.
-* ``bool``: reductions run on a ``uint8`` copy (Sum/Max = logical or, Min/Product = logical and);
-  data movement uses NumPy's ``bool``.
+On the host path, a CPU tensor is handed to the engine in its own dtype as a zero-copy view
+(``tensor.detach().numpy()``; ``bfloat16`` as ``ml_dtypes.bfloat16``), so in-place operations land
+directly in the tensor's memory. Nothing is widened here: what crosses the wire (bool as uint8,
+bfloat16 as itself or float32) is the engine's rule per transport (``horovod.common.dtypes``).
 """
 
 from __future__ import annotations
@@ -47,8 +40,8 @@ else:  # a torch without torch.distributed: host paths only
     def set_join_device(device: int) -> None:
         """No device plane here: joined ranks only contribute to host operations."""
 
-__all__ = ["reduce_input", "move_input", "reduce_output", "move_output", "check_tensor", "route",
-           "REDUCE_TORCH_DTYPES", "MOVE_TORCH_DTYPES", "DIRECT_DTYPES", "HOST_CUDA", "set_join_device"]
+__all__ = ["to_engine", "from_engine", "check_tensor", "route",
+           "TORCH_DTYPES", "DIRECT_DTYPES", "HOST_CUDA", "set_join_device"]
 
 HOST_CUDA = "host:cuda"
 # PyTorch's CPU allocator asks for transparent huge pages for blocks of 2 MiB or more when this was
@@ -73,12 +66,11 @@ def _torch_memory_on_huge_pages(owner: Any) -> bool | None:
 
 register_owner(_torch_memory_on_huge_pages)
 
-# dtypes whose memory NumPy can view directly
-_DIRECT = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
-                     torch.int16, torch.int32, torch.int64})
-DIRECT_DTYPES = _DIRECT
-REDUCE_TORCH_DTYPES = _DIRECT | {torch.bfloat16, torch.bool}
-MOVE_TORCH_DTYPES = _DIRECT | {torch.bfloat16, torch.bool}
+# The torch dtypes of the engine's (``horovod.common.dtypes``): every operation takes them all.
+TORCH_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                          torch.int16, torch.int32, torch.int64, torch.bool})
+# those NumPy views as they are (bfloat16 is viewed as ml_dtypes' type)
+DIRECT_DTYPES = TORCH_DTYPES - {torch.bfloat16}
 
 
 def _supported_text(dtypes: frozenset[torch.dtype]) -> str:
@@ -126,14 +118,11 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- routing
-_NCCL: list[bool] = []
-
-
+@functools.cache
 def _nccl() -> bool:
-    if not _NCCL:
-        _NCCL.append(bool(_dist.is_available() and _dist.is_nccl_available()
-                          and torch.cuda.is_available()))
-    return _NCCL[0]
+    """Whether this installation's torch can run NCCL on a GPU here: a fact of the process (not
+    of a job), asked once."""
+    return bool(_dist.is_available() and _dist.is_nccl_available() and torch.cuda.is_available())
 
 
 def route(tensor: torch.Tensor, kind: RequestType, op: ReduceOp | None = None) -> str:
@@ -193,63 +182,44 @@ def _plane_input(tensor: torch.Tensor, inplace: bool) -> tuple[Any, Callable[[An
     return w, back
 
 
-# ---------------------------------------------------------------------------- reductions
-def reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str, device: str = "cpu"
-                 ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
-    """Return the buffer to reduce and a function turning the engine's result into the torch result.
+# ---------------------------------------------------------------------------- engine buffers
+def to_engine(tensor: torch.Tensor, inplace: bool, device: str = "cpu"
+              ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Return the buffer to hand the engine and a function turning its result into the torch result.
 
-    With ``inplace`` the buffer is the tensor's own memory when possible (the function then just
-    returns ``tensor``); otherwise the result is copied back into ``tensor``. ``device`` is the
-    tensor's route (see ``route``).
-
-    Raises:
-        ValueError: Average of a bool tensor (it has no meaning; use Sum or Min).
+    The same for every operation: the tensor in its own dtype (the engine decides per transport
+    what crosses the wire, ``horovod.common.dtypes``). With ``inplace`` the buffer is the tensor's
+    own memory when possible (the function then just returns ``tensor``); otherwise the result is
+    copied back into ``tensor``. ``device`` is the tensor's route (see ``route``).
     """
-    if tensor.dtype == torch.bool and op == ReduceOp.AVERAGE:
-        raise ValueError(f"horovod.torch.{what}(): op=Average is not defined for bool tensors; use "
-                         "op=hvd.Sum or hvd.Max (logical or) or hvd.Min (logical and).")
     if _on_plane(device):
         return _plane_input(tensor, inplace)
     if device == HOST_CUDA:
-        arr, host_back = _host_reduce_input(_stage(tensor), op, inplace, what)
+        arr, host_back = _host_input(_stage(tensor), inplace)
         return arr, lambda r: _to_device(host_back(r), tensor, inplace)
-    return _host_reduce_input(tensor, op, inplace, what)
+    return _host_input(tensor, inplace)
 
 
-# dtypes NumPy has no type for: reduced on the host in a wider one, and turned back after.
-_HOST_WIDENED: dict[torch.dtype, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]] = {
-    torch.bfloat16: (torch.float32, lambda t: t.to(torch.bfloat16)),
-    torch.bool: (torch.uint8, lambda t: t != 0),
-}
-
-
-def _host_reduce_input(tensor: torch.Tensor, op: ReduceOp | None, inplace: bool, what: str
-                       ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
-    dt = tensor.dtype
-    bf16 = _np_bfloat16() if dt == torch.bfloat16 else None
-    if dt in _DIRECT or bf16 is not None:
-        t = _plain(tensor)
-        if inplace:
-            if t.is_contiguous():
-                arr = _numpy(t, bf16)
-                return arr, lambda _r: tensor
-            work = _numpy(t.contiguous(), bf16)
-            return work, lambda r: _result(tensor, _from_numpy(r), True)
-        return _numpy(t.contiguous(), bf16), _from_numpy
-    widened = _HOST_WIDENED.get(dt)
-    if widened is not None:
-        wide, narrow = widened
-        work = _plain(tensor).to(wide).contiguous().numpy()
-        return work, lambda r: _result(tensor, narrow(torch.from_numpy(r)), inplace)
-    raise ValueError(f"Tensor type {tensor.type()} is not supported.")
+def _host_input(tensor: torch.Tensor, inplace: bool
+                ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
+    t = _plain(tensor)
+    bf16 = _np_bfloat16() if t.dtype == torch.bfloat16 else None
+    if inplace:
+        if t.is_contiguous():
+            return _numpy(t, bf16), lambda _r: tensor
+        return _numpy(t.contiguous(), bf16), lambda r: _result(tensor, _from_numpy(r), True)
+    return _numpy(t.contiguous(), bf16), _from_numpy
 
 
 @functools.cache
-def _np_bfloat16() -> np.dtype | None:
-    """NumPy's bfloat16 (``ml_dtypes``) where installed: bfloat16 tensors are then handed to the
-    engine as zero-copy views and reduced as bfloat16 (16 bits on the wire where the transport
-    reduces them); without it they are reduced on a float32 copy (``_HOST_WIDENED``)."""
-    return ml_bfloat16()
+def _np_bfloat16() -> np.dtype:
+    """NumPy's bfloat16 (``ml_dtypes``, a dependency of the package): bfloat16 tensors are handed
+    to the engine as zero-copy views."""
+    bf16 = ml_bfloat16()
+    if bf16 is None:
+        raise ValueError("bfloat16 tensors need the ml_dtypes package (a dependency of horovod): "
+                         "pip install ml_dtypes")
+    return bf16  # type: ignore[no-any-return]
 
 
 def _numpy(t: torch.Tensor, bf16: np.dtype | None) -> np.ndarray:
@@ -264,8 +234,9 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def reduce_output(result: Any, like: torch.Tensor, buf: Any = None) -> torch.Tensor:
-    """Turn a reduced buffer (from a reducescatter) back into a tensor of ``like``'s dtype and device.
+def from_engine(result: Any, like: torch.Tensor, buf: Any = None) -> torch.Tensor:
+    """Turn a result the engine made (reducescatter, allgather, alltoall: in ``like``'s dtype) into
+    a tensor on ``like``'s device.
 
     ``buf`` is what was submitted (a ``DeviceTensor`` for the plane, whose result is final).
     """
@@ -273,48 +244,6 @@ def reduce_output(result: Any, like: torch.Tensor, buf: Any = None) -> torch.Ten
         wait_done([buf], [result])
         return result
     out = _from_numpy(result)
-    if like.dtype == torch.bool:
-        out = out != 0
-    elif out.dtype != like.dtype:
-        out = out.to(like.dtype)
-    return out.to(like.device) if like.is_cuda else out
-
-
-# ---------------------------------------------------------------------------- data movement
-def move_input(tensor: torch.Tensor, inplace: bool, device: str = "cpu"
-               ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
-    """Return the buffer to move and a function turning the engine's result into the torch result."""
-    if _on_plane(device):
-        return _plane_input(tensor, inplace)
-    if device == HOST_CUDA:
-        arr, host_back = _host_move_input(_stage(tensor), inplace)
-        return arr, lambda r: _to_device(host_back(r), tensor, inplace)
-    return _host_move_input(tensor, inplace)
-
-
-def _host_move_input(tensor: torch.Tensor, inplace: bool
-                     ) -> tuple[np.ndarray, Callable[[np.ndarray], torch.Tensor]]:
-    t = _plain(tensor)
-    bf16 = t.dtype == torch.bfloat16
-    contiguous = t.is_contiguous()
-    src = t if contiguous else t.contiguous()
-    arr = (src.view(torch.int16) if bf16 else src).numpy()
-    if inplace and contiguous:
-        return arr, lambda _r: tensor
-
-    def back(r: np.ndarray) -> torch.Tensor:
-        out = torch.from_numpy(r)
-        return _result(tensor, out.view(torch.bfloat16) if bf16 else out, inplace)
-    return arr, back
-
-
-def move_output(result: Any, like: torch.Tensor, buf: Any = None) -> torch.Tensor:
-    """Turn a moved buffer (allgather/alltoall output) into a tensor of ``like``'s dtype and device."""
-    if isinstance(result, torch.Tensor):
-        wait_done([buf], [result])
-        return result
-    out = torch.from_numpy(result)
-    out = out.view(torch.bfloat16) if like.dtype == torch.bfloat16 else out
     return out.to(like.device) if like.is_cuda else out
 
 

@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 
 from horovod.common.basics import size
 from horovod.common.context import get_context, peek_context
 from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average
+from horovod.torch._autograd import GradHooks, at_end_of_backward
 from horovod.torch._grad_comm import GradientCommunicator
 from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
 from horovod.torch.compression import StatefulCompressor
@@ -152,7 +152,7 @@ class DenseReducer(SkipSynchronize):
         # ``_collect``), and the bundles submitted: (handle, parameters).
         self._collected: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
         self._bundles: list[tuple[int, list[torch.Tensor]]] = []
-        self._hook_handles: list[Any] = []
+        self._hooks = GradHooks()
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         # End of backward (DDP's contract): a pass whose hooks started allreduces waits for all of
@@ -199,12 +199,10 @@ class DenseReducer(SkipSynchronize):
         for _, p in self._all_params():
             if p.requires_grad:
                 self._requires_update.add(p)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                self._hooks.add(p, self._make_hook(p))
 
     def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        self._hooks.remove()
 
     def pending(self) -> bool:
         """Whether gradients of this step are in flight or held (accumulating passes included)."""
@@ -349,11 +347,7 @@ class DenseReducer(SkipSynchronize):
 
     def _arm(self) -> None:
         """Queue ``_end_of_backward`` for the running backward pass (once per pass)."""
-        try:
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:  # not inside a backward pass: step() synchronizes
-            return
-        self._armed = True
+        self._armed = at_end_of_backward(self._end_of_backward)  # outside one: step() synchronizes
 
     def _end_of_backward(self) -> None:
         """Autograd's last callback of a pass that started allreduces: wait for every gradient
@@ -380,9 +374,7 @@ class DenseReducer(SkipSynchronize):
             engine = ctx.engine
             if engine is None or engine.tunables.overlap or ctx is not peek_context():
                 return False
-            try:  # run once autograd finished this backward pass (as DDP's reducer does)
-                Variable._execution_engine.queue_callback(self._submit_collected)
-            except RuntimeError:  # not inside a backward pass
+            if not at_end_of_backward(self._submit_collected):  # not inside a backward pass
                 return False
         collected.append((p, signature))
         return True

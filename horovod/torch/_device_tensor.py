@@ -14,20 +14,22 @@ from typing import Any
 
 import torch
 
+from horovod.common.current import get_context, peek_context
+
 __all__ = ["DeviceTensor", "again", "again_many", "current_stream", "latest_ready", "set_join_device",
            "join_device", "unwrap", "user_tensors", "wait_done"]
 
-_join_device: list[torch.device | None] = [None]
-
 
 def set_join_device(device: int) -> None:
-    """Where a joined rank makes its zero contributions to CUDA allreduces (``hvd.join(device)``)."""
-    _join_device[0] = torch.device("cuda", device) if device >= 0 else None
+    """Where a joined rank makes its zero contributions to CUDA allreduces (``hvd.join(device)``),
+    for this job (``Context.state``)."""
+    get_context().state.join_device = torch.device("cuda", device) if device >= 0 else None
 
 
 def join_device() -> torch.device | None:
-    """The device ``set_join_device`` chose (None: the last CUDA device the plane ran on)."""
-    return _join_device[0]
+    """The device ``set_join_device`` chose (None: the last CUDA device the plane ran on, or no job)."""
+    ctx = peek_context()
+    return None if ctx is None else ctx.state.join_device  # type: ignore[no-any-return]
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -36,10 +36,10 @@ import time
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average, Max
+from horovod.torch._autograd import GradHooks, at_end_of_backward
 from horovod.torch.mpi_ops import allreduce_, alltoall_async, grouped_allreduce_async_, synchronize
 from horovod.torch.reducer import SkipSynchronize
 
@@ -128,7 +128,7 @@ class ShardedGradients(SkipSynchronize):
         self.process_set = process_set
         self.op, self.scale, self.compression = op, scale, compression
         self.backward_passes_per_step = passes
-        self._hook_handles: list[Any] = []
+        self._hooks = GradHooks()
         # End of backward (as ``DenseReducer``): the pass that takes the step's gradients reduces
         # them before ``backward()`` returns, so ``GradScaler.unscale_`` and clipping see them.
         self._armed = False
@@ -170,12 +170,10 @@ class ShardedGradients(SkipSynchronize):
         """A gradient hook on every parameter that requires a gradient."""
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+                self._hooks.add(p, self._make_hook(i))
 
     def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        self._hooks.remove()
 
     def _make_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
@@ -204,11 +202,7 @@ class ShardedGradients(SkipSynchronize):
 
     def _arm(self) -> None:
         """Queue ``_end_of_backward`` for the running backward pass (once per pass)."""
-        try:
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:  # not inside a backward pass: synchronize() reduces
-            return
-        self._armed = True
+        self._armed = at_end_of_backward(self._end_of_backward)  # outside one: synchronize() reduces
 
     def _end_of_backward(self) -> None:
         """Autograd's last callback of a pass that took gradients for this step: reduce them

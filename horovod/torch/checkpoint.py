@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from horovod.common.basics import is_initialized, rank, size
+from horovod.common.job_state import next_number
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.torch import _checkpoint_dir as layout
 from horovod.torch.fully_shard import refuse_in_checkpoint
@@ -50,7 +51,6 @@ from horovod.torch.zero import partition_by_bytes
 __all__ = ["save", "load", "latest", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
 
 FORMAT_VERSION = 2  # 2: the versioned directory, the optimizer's class and hyper-parameter names
-_counter = [0]
 
 
 def _world() -> tuple[int, int]:
@@ -387,8 +387,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
             raise RuntimeError(f"hvd.checkpoint.save({path!r}) was not started: the earlier "
                                f"non-blocking save to the same path, finished first, failed: "
                                f"{exc}") from exc
-    _counter[0] += 1
-    name = f"checkpoint.save.{_counter[0]}"
+    name = f"checkpoint.save.{next_number('checkpoint.save')}"
     part = _local_part(model, optimizer, extra, r, n)
     where: Any = None
     if r == 0:  # rank 0 checks the directory and makes the new version's; every rank learns it

@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from horovod.common.job_state import next_number
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Max, Sum
 from horovod.torch import mpi_ops
@@ -531,7 +532,6 @@ def _gather_rows(v: torch.Tensor, q: _Param, ps: ProcessSet, name: str) -> torch
     return out.view(n, q.seg).reshape(-1)[:q.rows * q.row_numel].view(q.shape).clone()
 
 
-_counter = [0]
 # What fully_shard knows of the torch objects it wraps, kept here rather than as attributes on them
 # (keyed by identity, never keeping an object alive): a wrapped module's group, a shard's name, and
 # an original parameter that a call sharded (so that a later call sees a tie to it).
@@ -597,8 +597,7 @@ def fully_shard(module: torch.nn.Module, *, reshard_after_forward: bool = True,
                          "give one of them")
     if process_set.size() is None:
         raise ValueError(f"hvd.fully_shard: this rank is not in process set {process_set}")
-    _counter[0] += 1
-    group = _Group(module, reshard_after_forward, process_set, mp, compression, _counter[0])
+    group = _Group(module, reshard_after_forward, process_set, mp, compression, next_number("fully_shard"))
     group.collect()
     for m in module.modules():
         inner = _GROUPS.get(m)

@@ -46,8 +46,7 @@ __all__ = [
     "poll", "synchronize", "join", "barrier",
 ]
 
-_RED = _cv.REDUCE_TORCH_DTYPES
-_MOVE = _cv.MOVE_TORCH_DTYPES
+_RED = _MOVE = _cv.TORCH_DTYPES
 # A call whose arguments fail a check here fails on every rank of its process set (the other
 # ranks must not wait for it): see horovod.common.collectives.fail_everywhere.
 _BAD = _C.ARGUMENT_ERRORS
@@ -79,7 +78,7 @@ def _one_tensor(tensor: Any, what: str, kind: RequestType, name: str | None, pro
     except _BAD as exc:
         _fail(kind, name, process_set, exc)
     dev = _cv.route(t, kind)
-    arr, back = _cv.move_input(t, inplace, dev)
+    arr, back = _cv.to_engine(t, inplace, dev)
     return t, dev, arr, back
 
 
@@ -94,7 +93,7 @@ def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: 
         dev = _cv.route(ts[0], _ALLREDUCE, rop)
         arrays, backs = [], []
         for t in ts:
-            a, b = _cv.reduce_input(t, rop, inplace, what, dev)
+            a, b = _cv.to_engine(t, inplace, dev)
             arrays.append(a)
             backs.append(b)
     except _BAD as exc:
@@ -324,7 +323,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """
     t, dev, arr, _ = _one_tensor(tensor, "allgather_async", _ALLGATHER, name, process_set)
     h = _C.allgather_async([arr], name=name, process_set=process_set, device=dev)
-    return _register(h, lambda r: _cv.move_output(r[0], t, arr))
+    return _register(h, lambda r: _cv.from_engine(r[0], t, arr))
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -335,9 +334,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     except _BAD as exc:
         _fail(_ALLGATHER, name, process_set, exc, True)
     dev = _cv.route(ts[0], _ALLGATHER)
-    arrays = [_cv.move_input(t, False, dev)[0] for t in ts]
+    arrays = [_cv.to_engine(t, False, dev)[0] for t in ts]
     h = _C.allgather_async(arrays, name=name, process_set=process_set, grouped=True, device=dev)
-    return _register(h, lambda r: tuple(_cv.move_output(x, t, a) for x, t, a in zip(r, ts, arrays)))
+    return _register(h, lambda r: tuple(_cv.from_engine(x, t, a) for x, t, a in zip(r, ts, arrays)))
 
 
 def _rank_offset(dim0: int, process_set: ProcessSet) -> int:
@@ -497,12 +496,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     except _BAD as exc:
         _fail(_ALLTOALL, name, process_set, exc)
     dev = _cv.route(t, _ALLTOALL)
-    arr, _ = _cv.move_input(t, False, dev)
+    arr, _ = _cv.to_engine(t, False, dev)
     h = _C.alltoall_async(arr, split_arr, name=name, process_set=process_set, device=dev)
 
     def post(r: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = r[0]
-        return _cv.move_output(out, t, arr), torch.from_numpy(np.asarray(received, np.int32))
+        return _cv.from_engine(out, t, arr), torch.from_numpy(np.asarray(received, np.int32))
     return _register(h, post)
 
 
@@ -551,7 +550,7 @@ def _reducescatter_submit(tensors: Any, name: str | None, op: int, process_set: 
         ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
         rop = _C.resolve_op(None, op)
         dev = _cv.route(ts[0], _REDUCESCATTER, rop)
-        arrays = [_cv.reduce_input(t, rop, False, what, dev)[0] for t in ts]
+        arrays = [_cv.to_engine(t, False, dev)[0] for t in ts]
     except _BAD as exc:
         _fail(_REDUCESCATTER, name, process_set, exc, grouped)
     return ts, arrays, _C.reducescatter_async(arrays, name=name, op=rop, process_set=process_set,
@@ -571,7 +570,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
     """
     ts, bufs, h = _reducescatter_submit(tensor, name, op, process_set, prescale_factor, postscale_factor,
                                         False, "reducescatter_async")
-    return _register(h, lambda r: _cv.reduce_output(r[0], ts[0], bufs[0]))
+    return _register(h, lambda r: _cv.from_engine(r[0], ts[0], bufs[0]))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -580,7 +579,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """Start a reducescatter of each tensor of the list as one unit."""
     ts, bufs, h = _reducescatter_submit(tensors, name, op, process_set, prescale_factor, postscale_factor,
                                         True, "grouped_reducescatter_async")
-    return _register(h, lambda r: tuple(_cv.reduce_output(x, t, b) for x, t, b in zip(r, ts, bufs)))
+    return _register(h, lambda r: tuple(_cv.from_engine(x, t, b) for x, t, b in zip(r, ts, bufs)))
 
 
 def _reducescatter_grad(grads: Sequence[torch.Tensor], op: ReduceOp, pre: float, post: float,

@@ -282,5 +282,29 @@ def test_packed_layout_aligns_every_piece():
     assert views[1][0] == 16 and np.shares_memory(views[2], flat)
     assert _packed_layout([tf.float32, tf.float64], [[2], [2]]) is None
     assert _packed_layout([tf.float32] * 2, [[2], tf.TensorShape([None])]) is None
-    assert _packed_layout([tf.bfloat16] * 2, [[2], [2]]) is None
+    assert _packed_layout([tf.bfloat16] * 2, [[2], [2]]).dtype.name == "bfloat16"  # reduced as bfloat16
     assert _packed_layout([tf.float32], [[2]]) is None
+
+
+def test_bfloat16_and_bool_reach_the_engine_in_their_own_dtype(monkeypatch):
+    """The binding widens nothing: bfloat16 and bool arrays go to the engine as they are (what
+    crosses the wire is the engine's rule per transport, ``horovod.common.dtypes``), in eager
+    calls and in graphs, grouped or not."""
+    from horovod.common import collectives
+    from horovod.tensorflow import _bridge
+
+    seen = []
+    real = collectives.allreduce_async
+
+    def spy(arrays, *args, **kwargs):
+        seen.extend(a.dtype.name for a in arrays)
+        return real(arrays, *args, **kwargs)
+
+    monkeypatch.setattr(_bridge.C, "allreduce_async", spy)
+    b = hvd.allreduce(tf.constant([1.5, 2.5], dtype=tf.bfloat16), op=hvd.Sum)
+    g = hvd.grouped_allreduce([tf.constant([True, False]), tf.constant([False])], op=hvd.Max)
+    f = tf.function(lambda x: hvd.grouped_allreduce([x, x], op=hvd.Sum))(tf.constant([0.5], dtype=tf.bfloat16))
+    assert seen == ["bfloat16", "bool", "bool", "bfloat16", "bfloat16"]
+    assert b.dtype == tf.bfloat16 and b.numpy().astype(np.float32).tolist() == [1.5, 2.5]
+    assert [t.numpy().tolist() for t in g] == [[True, False], [False]]
+    assert [t.dtype for t in f] == [tf.bfloat16, tf.bfloat16]

@@ -105,7 +105,7 @@ def test_plane_float_scaling_is_exact_division():
 
 def test_tensors_on_other_devices_are_refused_clearly():
     with pytest.raises(NotImplementedError, match="supports CPU and CUDA tensors"):
-        cv.check_tensor(torch.empty(2, device="meta"), "allreduce", cv.REDUCE_TORCH_DTYPES)
+        cv.check_tensor(torch.empty(2, device="meta"), "allreduce", cv.TORCH_DTYPES)
 
 
 class _FakeBackend:

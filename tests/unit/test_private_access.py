@@ -35,13 +35,11 @@ NAMEDTUPLE = {"_replace", "_asdict", "_fields", "_make"}
 
 # (module path, attribute) -> why it is read although private
 ALLOWED = {
-    ("horovod/torch/_dense_reducer.py", "_execution_engine"):
+    ("horovod/torch/_autograd.py", "_execution_engine"):
         "torch's autograd engine: queue_callback (end of a backward pass) has no public API; "
-        "torch's DistributedDataParallel uses the same call",
-    ("horovod/torch/_zero_grads.py", "_execution_engine"):
-        "as in _dense_reducer.py: the end-of-backward callback of ZeRO stage 2",
+        "torch's DistributedDataParallel uses the same call (the dense reducer's, ZeRO stage 2's)",
     ("horovod/torch/fully_shard.py", "_execution_engine"):
-        "as in _dense_reducer.py: the end-of-backward callback of fully_shard's root",
+        "as in _autograd.py: the end-of-backward callback of fully_shard's root",
     ("horovod/torch/fully_shard.py", "_parameters"):
         "nn.Module's parameter table: a wrapped module's entry switched between the shard and the "
         "gathered parameter around its forward, as torch's FSDP does (register_parameter refuses "

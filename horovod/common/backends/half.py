@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from horovod.common.dtypes import HALF_DTYPES
 from horovod.common.types import ReduceOp
 
-__all__ = ["HALF_DTYPES", "kernel", "numpy_kernel", "scale", "bf16_widen", "bf16_narrow", "ml_bfloat16"]
+__all__ = ["HALF_CHARS", "kernel", "numpy_kernel", "scale", "bf16_widen", "bf16_narrow", "ml_bfloat16"]
 
-#: the dtype names this module reduces
-HALF_DTYPES = frozenset({"float16", "bfloat16"})
+#: NumPy's type characters of the 16-bit floats: float16, ml_dtypes' bfloat16
+HALF_CHARS = frozenset("eE")
 
 Kernel = Callable[[Any, Any], None]
 

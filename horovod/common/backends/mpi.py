@@ -17,7 +17,8 @@ import numpy as np
 
 from horovod.common import plain
 from horovod.common.backends.base import Group
-from horovod.common.backends.half import HALF_DTYPES, kernel
+from horovod.common.backends.half import HALF_CHARS, kernel
+from horovod.common.dtypes import HALF_DTYPES
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.types import ReduceOp
 
@@ -28,8 +29,6 @@ __all__ = ["MPIBackend"]
 # The spin does not yield: time.sleep(0) costs ~60 us here (timer slack), ten times a round.
 _SPIN_SECONDS = 100e-6
 _MAX_SLEEP = 250e-6
-# NumPy's type characters of float16 and of ml_dtypes' bfloat16 (a cheap test on the hot path).
-_HALF_CHARS = frozenset("eE")
 
 
 def _fail(rank: int, what: str, exc: Exception) -> HorovodInternalError:
@@ -174,14 +173,14 @@ class MPIBackend:
     def _reduce_args(self, buf: np.ndarray, op: ReduceOp) -> tuple[Any, Any]:
         """``buf`` as MPI sees it and the MPI operation reducing it with ``op``."""
         dt = buf.dtype
-        if dt.char in _HALF_CHARS and dt.name in HALF_DTYPES:
+        if dt.char in HALF_CHARS and dt.name in HALF_DTYPES:
             return [buf.view(np.uint16), self._MPI.UINT16_T], self._half(dt.name, op)
         return buf, self._ops[op]
 
     @staticmethod
     def _moved(buf: np.ndarray) -> np.ndarray:
         """``buf`` as data movement sends it (bfloat16 has no MPI type: its bits as uint16)."""
-        return buf.view(np.uint16) if buf.dtype.char in _HALF_CHARS else buf
+        return buf.view(np.uint16) if buf.dtype.char in HALF_CHARS else buf
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, buf: np.ndarray, op: ReduceOp, group: Group, src: np.ndarray | None = None) -> None:

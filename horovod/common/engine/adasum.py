@@ -23,7 +23,9 @@ as upstream does, with ``NotImplementedError``).
 
 The transport is a single primitive, ``exchange(send, recv, peer)``: send ``send`` to group member
 ``peer`` and receive ``recv`` from it (a sendrecv). ``adasum_reference`` is the NumPy oracle that
-applies the pairwise formula in the same tree order on whole vectors.
+applies the pairwise formula in the same tree order on whole vectors. ``run_adasum`` runs one of
+the executor's batches on the host ``Lane``: everything but the schedule (items, a joined rank's
+zeros, the fusion buffer, the scaling) is the lane's, as for every other reduction.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.backends.base import CollectiveBackend, Group
+from horovod.common.engine.buffers import batch_items
+from horovod.common.engine.plan import post_factors
 from horovod.common.types import Response
 
-__all__ = ["ADASUM_DTYPES", "SQRT_DBL_MIN", "is_power_of_two", "pair_coefficients", "combine",
-           "adasum_pair", "adasum_reference", "vhdd_allreduce", "Exchange", "AdasumRunner"]
+__all__ = ["SQRT_DBL_MIN", "is_power_of_two", "pair_coefficients", "combine",
+           "adasum_pair", "adasum_reference", "vhdd_allreduce", "Exchange", "run_adasum"]
 
-ADASUM_DTYPES = frozenset({"float16", "float32", "float64"})
 SQRT_DBL_MIN = math.sqrt(np.finfo(np.float64).tiny)
 
 Exchange = Callable[[np.ndarray, np.ndarray, int], None]
@@ -201,72 +203,45 @@ def vhdd_allreduce(buf: np.ndarray, counts: Sequence[int], rank: int, size: int,
         lo, hi = plo, phi
 
 
-class AdasumRunner:
-    """Runs one planned batch of Adasum allreduces for the executor (one per engine).
+def run_adasum(batch: Sequence[Response], entries: Sequence[Any], lane: Any) -> None:
+    """Run one planned batch of Adasum allreduces on the host ``lane`` (``transport.Lane``).
 
-    The batch's tensors (all of one float dtype) are packed back to back into one buffer,
-    multiplied by the prescale factor, Adasum-reduced with per-tensor coefficients, multiplied by
-    the postscale factor and copied out, as upstream's ``AdasumMPIAllreduceOp`` does. A rank that
-    joined contributes zeros (a zero vector leaves its partner unchanged). The transport must
-    offer ``sendrecv(send, recv, peer, group)``.
+    As upstream's ``AdasumMPIAllreduceOp``: the batch's tensors (all of one float dtype) are
+    packed back to back into the lane's fusion buffer, prescaled, Adasum-reduced with per-tensor
+    coefficients, postscaled and copied out. Everything but the VHDD schedule is the lane's, as
+    for every other reduction: the items, a joined rank's zeros and the outputs of out-of-place
+    entries (``buffers.batch_items``), the fusion buffer, the scaling (``ops.pack``/``unpack``/
+    ``scale``, with ``plan.post_factors``: Adasum has no division). No widening: Adasum sends each
+    dtype as it is (its arithmetic is its own, ``combine``), whatever the transport reduces. A
+    joined rank's zeros leave its partners' vectors unchanged. The transport must offer
+    ``exchange(send, recv, peer)`` (``HostTransport``).
     """
-
-    def __init__(self, backend: CollectiveBackend) -> None:
-        self.backend = backend
-        self._buffers: dict[str, np.ndarray] = {}
-
-    def _buffer(self, dtype: np.dtype, n: int, key: str) -> np.ndarray:
-        buf = self._buffers.get(key + dtype.str)
-        if buf is None or buf.size < n:
-            buf = self._buffers[key + dtype.str] = np.empty(max(n, 1024), dtype)
-        return buf[:n]
-
-    def run(self, batch: Sequence[Response], entries: Sequence[Any], group: Group,
-            new_output: Callable[[tuple[int, ...], Any], np.ndarray]) -> None:
-        req = batch[0].request
-        dtype = np.dtype(req.dtype)
-        items: list[tuple[np.ndarray, np.ndarray]] = []
-        for resp, entry in zip(batch, entries):
-            if entry is None:
-                for shape in resp.request.shapes:
-                    z = np.zeros(int(np.prod(shape)), dtype)
-                    items.append((z, z))
-                continue
-            if entry.outputs is None:
-                entry.outputs = [new_output(x.shape, x.dtype) for x in entry.inputs]
-            items.extend((x.reshape(-1), o.reshape(-1)) for x, o in zip(entry.inputs, entry.outputs))
-        counts = [x.size for x, _ in items]
-        total = sum(counts)
-        if len(items) == 1:
-            buf = items[0][1]
-            if not np.shares_memory(buf, items[0][0]):
-                np.copyto(buf, items[0][0])
-        else:
-            buf = self._buffer(dtype, total, "fused")
-            off = 0
-            for x, _ in items:
-                buf[off:off + x.size] = x
-                off += x.size
-        if req.prescale != 1.0:
-            _scale_in_place(buf, req.prescale)
-        backend = self.backend
-
-        def exchange(send: np.ndarray, recv: np.ndarray, peer: int) -> None:
-            backend.sendrecv(send, recv, peer, group)
-
-        vhdd_allreduce(buf, counts, group.rank, group.size, exchange,
-                       self._buffer(dtype, (total + 1) // 2, "recv"))
-        if req.postscale != 1.0:
-            _scale_in_place(buf, req.postscale)
-        if len(items) > 1:
-            off = 0
-            for x, o in items:
-                o[:] = buf[off:off + x.size]
-                off += x.size
-
-
-def _scale_in_place(buf: np.ndarray, factor: float) -> None:
-    if buf.dtype == np.float16:  # float16 is scaled in float32 math, as upstream on the CPU
-        np.multiply(buf, np.float32(factor), out=buf, dtype=np.float32, casting="unsafe")
+    ops, transport = lane.ops, lane.transport
+    req = batch[0].request
+    work = ops.dtype(req.dtype)
+    post, div = post_factors(req.reduce_op, req.postscale, transport.group.size)
+    items, _ = batch_items(batch, entries, ops)
+    counts = [it.n for it in items]
+    total = sum(counts)
+    half = (total + 1) // 2
+    if len(items) == 1:
+        item = items[0]
+        buf = item.o
+        if not item.inplace or req.prescale != 1.0:
+            ops.scale(buf, buf if item.inplace else item.x, req.prescale)
+        scratch = ops.buffer(work, half)
     else:
-        buf *= factor
+        whole = ops.buffer(work, total + half)  # the packed tensors, then the exchange's half
+        buf, scratch = whole[:total], whole[total:]
+        segs, at = [], 0
+        for i, n in enumerate(counts):
+            segs.append((i, 0, n, at))
+            at += n
+        ops.pack(buf, items, segs, req.prescale, False)
+    group = transport.group
+    vhdd_allreduce(buf, counts, group.rank, group.size, transport.exchange, scratch)
+    if len(items) == 1:
+        if post != 1.0 or div != 1:
+            ops.scale(buf, buf, post, div)
+    else:
+        ops.unpack(buf, items, segs, post, div)

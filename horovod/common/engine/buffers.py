@@ -271,25 +271,24 @@ def _physical(segs: Sequence[Segment], index: list[int], groups: dict[int, tuple
 
 
 # ---------------------------------------------------------------------------- NumPy buffers
-_HALF_CHARS = frozenset("eE")  # float16, ml_dtypes' bfloat16
 
 
 def scale_array(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> None:
     """dst = src * factor / divisor; float16 and bfloat16 in float32 math (as upstream on the CPU),
     integers truncated."""
     if divisor != 1:
-        if dst.dtype.char in _HALF_CHARS and src.dtype == dst.dtype:
+        if dst.dtype.char in half.HALF_CHARS and src.dtype == dst.dtype:
             half.scale(dst, src, 1.0, divisor)
-        elif dst.dtype.char in _HALF_CHARS:
+        elif dst.dtype.char in half.HALF_CHARS:
             np.divide(src, np.float32(divisor), out=dst, dtype=np.float32, casting="unsafe")
         else:
             np.divide(src, divisor, out=dst, casting="unsafe")
     elif factor == 1.0:
         if dst is not src:
             np.copyto(dst, src, casting="unsafe")
-    elif dst.dtype.char in _HALF_CHARS and src.dtype == dst.dtype:
+    elif dst.dtype.char in half.HALF_CHARS and src.dtype == dst.dtype:
         half.scale(dst, src, factor)
-    elif dst.dtype.char in _HALF_CHARS:
+    elif dst.dtype.char in half.HALF_CHARS:
         np.multiply(src, np.float32(factor), out=dst, dtype=np.float32, casting="unsafe")
     else:
         np.multiply(src, factor, out=dst, casting="unsafe")

@@ -4,7 +4,7 @@ Called only from the engine thread. Each operation (allreduce, broadcast, allgat
 reducescatter, a joined rank's zeros) is written once, over a ``transport.Lane``: the buffer
 operations (``buffers.BufferOps``: NumPy arrays here, a device plane's tensors) and a transport
 bound to the process set (``transport.Transport``: the job's CPU backend, or a device plane's
-library). One widening rule (``transport.reduce_dtype``) and one scaling rule (prescale on the way
+library). One widening rule (``dtypes.reduce_dtype``) and one scaling rule (prescale on the way
 in, ``plan.post_factors`` on the way out, through the buffer operations) hold for every lane. A
 reduction is three separate steps:
 
@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from horovod.common.backends.base import EngineBackend, Group, SplitsGroups
-from horovod.common.engine.adasum import AdasumRunner
+from horovod.common.dtypes import FLOAT_DTYPES, logical_op, reduce_dtype
+from horovod.common.engine.adasum import run_adasum
 from horovod.common.engine.buffers import (
     SMALL_OUTPUT_BYTES,
     Item,
@@ -46,7 +47,7 @@ from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factors, work_op
 from horovod.common.engine.timeline import Timeline
-from horovod.common.engine.transport import FLOAT_DTYPES, HostTransport, Lane, logical_op, reduce_dtype
+from horovod.common.engine.transport import HostTransport, Lane
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 
@@ -193,7 +194,7 @@ class Executor:
         return made[1]
 
     def _reduction(self, req: Any, size: int, lane: Lane) -> Reduction:
-        """How ``req`` reduces on ``lane``: the widening rule (``transport.reduce_dtype``) and the
+        """How ``req`` reduces on ``lane``: the widening rule (``dtypes.reduce_dtype``) and the
         scaling rule (``plan.post_factors``), the same for every lane."""
         ops = lane.ops
         key = (req.dtype, lane.transport.native, type(ops))
@@ -226,7 +227,7 @@ class Executor:
                 finally:
                     self._activity(tl, [r.name for r in batch] if tl is not None else (), act, False)
         elif kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
-            self._adasum_runner().run(batch, entries, group, aligned_empty)
+            run_adasum(batch, entries, self.host_lane(group))
         else:
             self._execute(kind, batch, entries, group, self.host_lane(group), tl)
         if tl is not None:
@@ -246,12 +247,6 @@ class Executor:
             self._alltoall(entries[0], lane)
         elif kind == RequestType.REDUCESCATTER:
             self._reducescatter(entries[0], group, lane)
-
-    def _adasum_runner(self) -> AdasumRunner:
-        runner = self.__dict__.get("_adasum")
-        if runner is None:
-            runner = self._adasum = AdasumRunner(self.backend)
-        return runner
 
     @staticmethod
     def _activity(tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:

@@ -15,7 +15,6 @@ hierarchical; a device plane (``device``) supplies a lane of its own (the torch 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,7 +27,7 @@ from horovod.common.engine.hierarchy import Hierarchy
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp
 
-__all__ = ["Transport", "HostTransport", "Lane", "reduce_dtype", "logical_op"]
+__all__ = ["Transport", "HostTransport", "Lane"]
 
 
 class Transport(Protocol):
@@ -40,7 +39,7 @@ class Transport(Protocol):
 
     #: the timeline's activity prefix, as upstream's (``MPI``, ``GLOO``, ``NCCL``)
     name: str
-    #: the dtype names this transport reduces natively (others are widened: ``reduce_dtype``)
+    #: the dtype names this transport reduces natively (others are widened: ``dtypes.reduce_dtype``)
     native: frozenset[str]
 
     def reducer(self, op: ReduceOp) -> Callable[[Any], None]:
@@ -87,41 +86,6 @@ class Lane:
     steps: bool
 
 
-#: the float dtypes: reduced in float32 where the transport has no arithmetic of their own
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
-
-
-@functools.lru_cache(maxsize=256)
-def reduce_dtype(dtype: str, native: frozenset[str], transport: str = "") -> str:
-    """The dtype a reduction of ``dtype`` runs in on a transport that reduces ``native``: the one
-    widening rule. Itself when native; bool as uint8 (with ``logical_op``); a float in float32; a
-    narrow integer in int32.
-
-    Raises:
-        TypeError: no dtype the transport reduces can hold ``dtype``'s values.
-    """
-    if dtype in native:
-        return dtype
-    if dtype == "bool" and "uint8" in native:
-        return "uint8"
-    if dtype in FLOAT_DTYPES and "float32" in native:
-        return "float32"
-    if dtype in ("int8", "uint8", "int16", "uint16") and "int32" in native:
-        return "int32"
-    raise TypeError(f"the {transport or 'data'} transport cannot reduce {dtype} tensors (it reduces "
-                    f"{', '.join(sorted(native))}); convert them to one of those dtypes")
-
-
-_LOGICAL = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.MIN: ReduceOp.MIN,
-            ReduceOp.PRODUCT: ReduceOp.MIN}
-
-
-def logical_op(dtype: str, op: ReduceOp) -> ReduceOp:
-    """The transport's op for ``op`` on ``dtype``: bool reduces with logical semantics (Sum and Max
-    are or, Min and Product are and) on its uint8 widening."""
-    return _LOGICAL.get(op, op) if dtype == "bool" else op
-
-
 class HostTransport:
     """``Transport`` over the job's CPU backend on NumPy buffers, for one group; hierarchical
     (intra-host, then across hosts) when the tunables ask for it and the set spans hosts evenly."""
@@ -165,6 +129,10 @@ class HostTransport:
 
     def allgather_ints(self, values: np.ndarray) -> np.ndarray:
         return self.backend.allgather_ints(values, self.group)
+
+    def exchange(self, send: np.ndarray, recv: np.ndarray, peer: int) -> None:
+        """Send ``send`` to member ``peer`` and receive ``recv`` from it (Adasum's one primitive)."""
+        self.backend.sendrecv(send, recv, peer, self.group)
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         return self.backend.alltoall_ints(values, self.group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -108,3 +109,86 @@ def test_non_power_of_two_is_refused():
         vhdd_allreduce(np.ones(4), [4], 0, 3, lambda s, r, p: None)
     with pytest.raises(ValueError, match="power-of-two"):
         adasum_reference([np.ones(2)] * 3)
+
+
+class _QueueTransport:
+    """A host transport's Adasum side for one simulated rank: ``group`` and ``exchange``."""
+
+    def __init__(self, rank: int, size: int, boxes: dict) -> None:
+        from horovod.common.backends.base import Group
+
+        self.group = Group(list(range(size)), rank, None)
+        self._boxes = boxes
+
+    def exchange(self, send: np.ndarray, recv: np.ndarray, peer: int) -> None:
+        me = self.group.rank
+        self._boxes[(me, peer)].put(send.copy())
+        recv[...] = self._boxes[(peer, me)].get(timeout=10)
+
+
+def _run_lane(per_rank: list[list[np.ndarray] | None], prescale: float, postscale: float,
+              inplace: bool) -> list[list[np.ndarray]]:
+    """``run_adasum`` on simulated ranks over the engine's own NumPy buffers; a rank whose list is
+    None has joined (its entries are None, as the executor hands them over)."""
+    from horovod.common.engine.adasum import run_adasum
+    from horovod.common.engine.buffers import NumpyBuffers
+    from horovod.common.engine.executor import huge_page_empty
+    from horovod.common.engine.placement import HostPlacement
+    from horovod.common.engine.transport import Lane
+    from horovod.common.types import ReduceOp, Request, RequestType, Response
+
+    size = len(per_rank)
+    shapes = next(t for t in per_rank if t is not None)
+    dtype = shapes[0].dtype.name
+    batch = tuple(Response(Request(f"allreduce.t{i}", RequestType.ALLREDUCE, dtype, (tuple(t.shape),),
+                                   ReduceOp.ADASUM, prescale, postscale)) for i, t in enumerate(shapes))
+    boxes = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+    out: list = [None] * size
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            lane = Lane(NumpyBuffers(huge_page_empty), _QueueTransport(rank, size, boxes),
+                        HostPlacement(lambda: 64 << 20), 0, True)
+            mine = per_rank[rank]
+            entries = [None] * len(batch) if mine is None else [
+                types.SimpleNamespace(inputs=[t.copy()], outputs=None) for t in mine]
+            if inplace:
+                for e in entries:
+                    if e is not None:
+                        e.outputs = e.inputs
+            run_adasum(batch, entries, lane)
+            out[rank] = None if mine is None else [e.outputs[0].reshape(t.shape) for e, t in zip(entries, mine)]
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_lane_adasum_with_a_joined_rank_is_the_formula_with_its_zeros(dtype, inplace, count):
+    """Rank 2 of 4 has joined: it takes part with zeros (the lane's ``zeros``), so every other rank
+    gets the formula over the three vectors and a zero one, prescaled before and postscaled after
+    (the lane's scaling); one tensor (reduced in its own memory) and fused batches alike."""
+    rng = np.random.default_rng(count)
+    shapes = [(5, 3), (1,), (1000,), (7,)][:count]
+    per_rank: list = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(4)]
+    per_rank[2] = None
+    pre, post = 0.5, 3.0
+    got = _run_lane(per_rank, pre, post, inplace)
+    tol = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    for i, shape in enumerate(shapes):
+        vecs = [(np.zeros(shape, dtype) if r is None else r[i]).astype(np.float64) * pre for r in per_rank]
+        want = adasum_reference(vecs) * post
+        for rank in (0, 1, 3):
+            np.testing.assert_allclose(got[rank][i].astype(np.float64), want, rtol=tol, atol=tol)
+            assert got[rank][i].dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(got[rank][i], got[0][i])  # the same bits on every rank
