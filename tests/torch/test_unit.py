@@ -323,3 +323,4 @@ def test_repeat_host_view_is_reused_for_the_same_tensor_and_never_keeps_it_alive
     del t, first, again
     gc.collect()
     assert ref() is None, "the kept view must not keep its tensor alive"
+
