@@ -499,8 +499,8 @@ class DenseReducer(SkipSynchronize):
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
         grad = p.grad
         assert grad is not None
-        if (ctx is not None and not grad.is_sparse and ctx[0] == grad.dtype and not output.is_sparse
-                and _plain_wire(self._compression) is not None):
+        if (ctx is not None and ctx[0] is not None and ctx[0] == grad.dtype and not grad.is_sparse
+                and not output.is_sparse and _plain_wire(self._compression) is not None):
             if output is not grad:  # (a gradient already of the wire dtype was reduced in place)
                 grad.copy_(output)  # widened as ``decompress`` would, without a new tensor
             return
