@@ -338,7 +338,6 @@ def _process_set_cases():
     return bad
 
 
-@pytest.mark.parametrize("np_", NPS)
 def _cast_compression_cases():
     """Compression.fp16/bf16 in DistributedOptimizer: the gradient is narrowed into a 16-bit copy
     kept for the next step and the result widened straight into p.grad (no new tensor either way),
@@ -399,6 +398,7 @@ def test_cast_compression_reuses_its_16_bit_copy():
         assert bad == []
 
 
+@pytest.mark.parametrize("np_", NPS)
 def test_optimizer_matches_one_process_training(np_):
     fails = _LAUNCH[np_].results("equivalence")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
