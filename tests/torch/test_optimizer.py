@@ -394,7 +394,7 @@ def _cast_compression_cases():
 
 
 def test_cast_compression_reuses_its_16_bit_copy():
-    for bad in run_ranks(_cast_compression_cases, np=2, timeout=120):
+    for bad in run_ranks(_cast_compression_cases, np=2, timeout=300):  # ~100 s at a load of 50
         assert bad == []
 
 
