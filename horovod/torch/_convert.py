@@ -16,6 +16,7 @@ bfloat16 as itself or float32) is the engine's rule per transport (``horovod.com
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -41,7 +42,8 @@ else:  # a torch without torch.distributed: host paths only
         """No device plane here: joined ranks only contribute to host operations."""
 
 __all__ = ["to_engine", "from_engine", "check_tensor", "route",
-           "TORCH_DTYPES", "DIRECT_DTYPES", "HOST_CUDA", "set_join_device"]
+           "TORCH_DTYPES", "DIRECT_DTYPES", "HOST_CUDA", "set_join_device",
+           "memory_on_huge_pages", "HUGE_PAGES_ATTR"]
 
 HOST_CUDA = "host:cuda"
 # PyTorch's CPU allocator asks for transparent huge pages for blocks of 2 MiB or more when this was
@@ -53,11 +55,16 @@ HOST_CUDA = "host:cuda"
 _THP_SETTING = os.environ.get("THP_MEM_ALLOC_ENABLE", "0").strip()
 _TORCH_THP = _THP_SETTING.isdigit() and int(_THP_SETTING) != 0  # as torch's atoi reads it
 _THP_MIN_BYTES = 4 * 1024 * 1024
+# The attribute of a kept ctypes view of a tensor's memory holding ``_torch_memory_on_huge_pages``'s
+# verdict for that tensor (see ``_repeat._HostView``).
+HUGE_PAGES_ATTR = "horovod_huge_pages"
 
 
 def _torch_memory_on_huge_pages(owner: Any) -> bool | None:
     if not isinstance(owner, torch.Tensor):
-        return None
+        # A kept view of a tensor's memory (``_repeat._HostView``: a ctypes block that does not
+        # reference the tensor) carries the verdict its tensor had when the view was made.
+        return getattr(owner, HUGE_PAGES_ATTR, None) if isinstance(owner, ctypes.Array) else None
     nbytes = owner.untyped_storage().nbytes()
     if malloc_thp():  # jemalloc with thp:always: every large block is on huge pages
         return nbytes >= HUGE_PAGE_BYTES
@@ -65,6 +72,7 @@ def _torch_memory_on_huge_pages(owner: Any) -> bool | None:
 
 
 register_owner(_torch_memory_on_huge_pages)
+memory_on_huge_pages = _torch_memory_on_huge_pages
 
 # The torch dtypes of the engine's (``horovod.common.dtypes``): every operation takes them all.
 TORCH_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,

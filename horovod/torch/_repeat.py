@@ -85,6 +85,12 @@ class _HostView:
             arr = tensor.numpy()
             if arr.nbytes:  # the second call with this tensor: make the view that is kept
                 raw = (ctypes.c_char * arr.nbytes).from_address(self.ptr)
+                # The engine reduces a large tensor where it lies only if its memory is on huge
+                # pages, which it learns by walking from the array to the memory's owner: this
+                # block, which must say so for its tensor (without it, every large gradient of a
+                # repeated step was copied through the fusion buffer: ResNet-50's set at np=2
+                # spent 35 ms of a 59-63 ms step packing and unpacking 97 MiB; 49-55 ms with it).
+                setattr(raw, _cv.HUGE_PAGES_ATTR, bool(_cv.memory_on_huge_pages(tensor)))
                 self.array = arr = np.frombuffer(raw, arr.dtype).reshape(arr.shape)
             return arr
         self.ref, self.ptr, self.array = weakref.ref(tensor), tensor.data_ptr(), None

@@ -341,6 +341,66 @@ def _process_set_cases():
     return bad
 
 
+def _cast_compression_cases():
+    """Compression.fp16/bf16 in DistributedOptimizer: the gradient is narrowed into a 16-bit copy
+    kept for the next step and the result widened straight into p.grad (no new tensor either way),
+    with the values of compress/decompress; a compressor that overrides the cast keeps its path."""
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+
+    def grad_of(rank, step):
+        return torch.randn(1001, generator=torch.Generator().manual_seed(100 * rank + step)) * 3
+
+    for comp, wire in ((hvd.Compression.fp16, torch.float16), (hvd.Compression.bf16, torch.bfloat16)):
+        w = torch.nn.Parameter(torch.zeros(1001))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                       compression=comp)
+        ptrs = set()
+        for step in range(3):
+            opt.zero_grad()
+            (w * grad_of(r, step)).sum().backward()
+            opt.synchronize()
+            # the 16-bit sum of the ranks' 16-bit gradients, averaged, widened (tolerance: the
+            # order of MPI's pairwise steps at np=3)
+            want = sum(grad_of(k, step).to(wire).to(torch.float32) for k in range(n)) / n
+            tol = 4 * (2.0 ** -10 if wire == torch.float16 else 2.0 ** -7)
+            if not torch.allclose(w.grad, want, rtol=tol, atol=tol):
+                bad.append(f"rank {r}: {wire} step {step}: off by {(w.grad - want).abs().max().item():.3g}")
+            kept = opt.reducer._slots[w].wire
+            if kept is None or kept.dtype != wire:
+                bad.append(f"rank {r}: {wire}: no kept 16-bit copy ({kept})")
+            else:
+                ptrs.add(kept.data_ptr())
+            with opt.skip_synchronize():
+                opt.step()
+        if len(ptrs) != 1:
+            bad.append(f"rank {r}: {wire}: the narrowed copy was made again ({len(ptrs)} addresses)")
+
+    class Doubling(hvd.Compression.fp16):  # not a plain cast: its own narrowing must run
+        @staticmethod
+        def cast(tensor, dtype):
+            return tensor.to(dtype) * 2 if dtype == torch.float16 else tensor.to(dtype)
+
+    w = torch.nn.Parameter(torch.zeros(8))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], compression=Doubling)
+    opt.zero_grad()
+    (w * torch.ones(8)).sum().backward()
+    opt.synchronize()
+    if not torch.equal(w.grad, torch.full((8,), 2.0)) or opt.reducer._slots[w].wire is not None:
+        bad.append(f"rank {r}: a compressor overriding cast was bypassed: {w.grad}")
+    return bad
+
+
+def test_cast_compression_reuses_its_16_bit_copy():
+    for bad in run_ranks(_cast_compression_cases, np=2, timeout=300):  # ~100 s at a load of 50
+        assert bad == []
+
+
 @pytest.mark.parametrize("np_", NPS)
 def test_optimizer_matches_one_process_training(np_):
     fails = _LAUNCH[np_].results("equivalence")
