@@ -20,6 +20,7 @@ picks), the one DDP would use:
                  (what ``DistributedOptimizer`` does)
   hvd-grouped    one ``grouped_allreduce_`` of all gradients
   hvd-flat       ``grouped_allreduce_`` of gradients that are views of one flat tensor
+  hvd-c<k>, hvd-flat-c<k>   hvd / hvd-flat with pieces of k MiB (``HOROVOD_CHUNK_BYTES``; --chunks)
   *-before       an hvd mode with the engine as before the Gloo plane's pipelining: one reduction
                  at a time, tensors on 4 KiB pages copied through the fusion buffer
 
@@ -60,6 +61,7 @@ parser.add_argument("--reps", type=int, default=12)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--modes", default="", help="comma-separated subset of the modes (default: all)")
 parser.add_argument("--pieces", default=PIECES_MIB, help="piece sizes (MiB) of the raw-seq/raw-pipe modes")
+parser.add_argument("--chunks", default="1,4,8", help="piece sizes (MiB) of the hvd-c<k> / hvd-flat-c<k> modes")
 parser.add_argument("--json", default=None, help="append the results to this file (rank 0)")
 
 
@@ -247,6 +249,20 @@ def main() -> None:
 
     modes.update({"hvd-before": before(hvd_async), "hvd-grouped-before": before(hvd_grouped),
                   "hvd-flat-before": before(hvd_flat)})
+
+    def chunked(fn: Callable[[], None], nbytes: int) -> Callable[[], None]:
+        """``fn`` with pieces of ``nbytes`` (``HOROVOD_CHUNK_BYTES``; set alike on every rank)."""
+        def run() -> None:
+            saved, eng.tunables.chunk_bytes = eng.tunables.chunk_bytes, nbytes
+            try:
+                fn()
+            finally:
+                eng.tunables.chunk_bytes = saved
+        return run
+
+    for k in (float(x) for x in args.chunks.split(",") if x):
+        modes[f"hvd-c{k:g}"] = chunked(hvd_async, int(k * 2**20))
+        modes[f"hvd-flat-c{k:g}"] = chunked(hvd_flat, int(k * 2**20))
     if args.modes:
         keep = args.modes.split(",")
         unknown = [m for m in keep if m not in modes]
