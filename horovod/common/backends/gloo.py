@@ -96,7 +96,7 @@ _shm_found: list[str | None] = []
 def shm_allreduce() -> str | None:
     """Where the installed torch's Gloo carries the shared-memory allreduce for ranks on one host:
     the library and symbol found, or None (looked up once per process, in the library's bytes:
-    about a second for a 400 MiB ``libtorch_cpu``; never at init).
+    one to a few seconds for a 400 MiB ``libtorch_cpu``; never at init).
 
     Gloo takes that path by itself, inside ``allreduce``, when the group's size equals the
     ``LOCAL_WORLD_SIZE`` variable (torchrun sets it; horovodrun does not), so Horovod neither

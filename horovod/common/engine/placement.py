@@ -40,8 +40,8 @@ class HostPlacement:
 
     def __init__(self, cut: Any, pins_pages: bool = True) -> None:
         self._cut = cut  # () -> max_tensor_bytes, read at every call (a tunable)
-        # False: the transport reads and writes any memory as fast (Gloo's sockets), so every
-        # contiguous region is reduced where it lies, without copies (``CollectiveBackend.pins_pages``)
+        # False (a backend's ``pins_pages``: ``GlooBackend``'s): the transport reads and writes any
+        # memory as fast (Gloo's sockets), so every contiguous region is reduced where it lies
         self._pins = pins_pages
         # id(span over a flat group) -> its first array, whose owner says where the memory lies
         self.owners: dict[int, np.ndarray] = {}
