@@ -1,6 +1,6 @@
 """Synthetic training throughput: horovod.torch DistributedOptimizer vs torch DDP (Gloo), same run.
 
-Run under mpirun or horovodrun; rank 0 prints one JSON line per mode:
+Run under mpirun, horovodrun or torchrun; rank 0 prints one JSON line per mode:
 
     mpirun -np 1 python benchmarks/torch_synthetic.py     # single-process baseline
     mpirun -np 2 python benchmarks/torch_synthetic.py
@@ -133,8 +133,11 @@ def main() -> None:
     if "ddp" in modes:
         import torch.distributed as dist
 
-        port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="gloo.port")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: its store, as a DDP script has
+            dist.init_process_group("gloo")
+        else:
+            port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="gloo.port")
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         torch.manual_seed(0)
         m_ddp = torch.nn.parallel.DistributedDataParallel(build_model(args))
         opt_ddp = torch.optim.SGD(m_ddp.parameters(), lr=0.01)

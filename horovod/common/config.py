@@ -190,6 +190,11 @@ class EngineConfig:
     gloo_timeout_seconds: float = _setting(
         "HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0, "Timeout of Gloo rendezvous and operations.",
         _parse_float, minimum=0)
+    gloo_pipeline: int = _setting(
+        "HOROVOD_GLOO_PIPELINE", 2,
+        "Gloo reductions of one batch kept in flight at once: the next piece is packed (and the last "
+        "one unpacked) while Gloo's threads move the others (0 or 1: one at a time).", _parse_int,
+        minimum=0)
     autotune: bool = _setting(
         "HOROVOD_AUTOTUNE", False,
         "Tune the speed knobs at run time (fusion threshold, piece size, cycle time, response cache, "

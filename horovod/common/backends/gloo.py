@@ -33,7 +33,7 @@ from horovod.common.types import ReduceOp
 if TYPE_CHECKING:
     from horovod.common.rendezvous_handlers import StoreRendezvous
 
-__all__ = ["GlooBackend", "GlooErrors", "check_torch", "gloo_checks"]
+__all__ = ["GlooBackend", "GlooErrors", "check_torch", "gloo_checks", "shm_allreduce"]
 
 
 def check_torch() -> None:
@@ -100,10 +100,55 @@ def _gloo_reduces(dist: Any, device: Any, dtype: Any) -> bool:
                 pg.shutdown()
 
 
+# Gloo's intra-host shared-memory allreduce (pytorch/gloo #455, #458: ``gloo/allreduce_shm.cc``)
+# exports these functions; a torch whose Gloo predates it has neither.
+SHM_ALLREDUCE_SYMBOLS = (b"_ZN4gloo13is_intra_node", b"_ZN4gloo3shmERKNS_6detail20AllreduceOptionsImplE")
+_shm_found: list[str | None] = []
+
+
+def shm_allreduce() -> str | None:
+    """Where the installed torch's Gloo carries the shared-memory allreduce for ranks on one host:
+    the library and symbol found, or None (looked up once per process, in the library's bytes:
+    one to a few seconds for a 400 MiB ``libtorch_cpu``; never at init).
+
+    Gloo takes that path by itself, inside ``allreduce``, when the group's size equals the
+    ``LOCAL_WORLD_SIZE`` variable (torchrun sets it; horovodrun does not), so Horovod neither
+    needs nor does anything to use it; this says whether it exists (docs/performance.md, "The Gloo
+    data plane": absent from the torch 2.13 wheels)."""
+    if _shm_found:
+        return _shm_found[0]
+    found = None
+    try:
+        import mmap
+        import os
+
+        import torch
+
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+            path = os.path.join(lib, name)
+            if not os.path.exists(path):
+                continue
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                for sym in SHM_ALLREDUCE_SYMBOLS:
+                    if m.find(sym) >= 0:
+                        found = f"{path}: {sym.decode()}"
+                        break
+            break
+    except (ImportError, OSError, ValueError):
+        found = None
+    _shm_found.append(found)
+    return found
+
+
 # 16-bit allreduces of at least this many elements run as alltoall + local float32 reduction +
 # allgather (``GlooBackend._allreduce_half``); smaller ones are latency-bound and stay Gloo's.
 HALF_SPLIT_MIN = 1 << 16
 _HALF_OPS = frozenset({ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
+
+
+def _done() -> None:
+    """The wait of a reduction that finished when it was started."""
 
 
 # --------------------------------------------------------------------------- backend
@@ -111,6 +156,10 @@ class GlooBackend:
     """Controller and collective backend on ``torch.distributed`` Gloo process groups."""
 
     name = "gloo"
+    #: whether a reduction in memory on 4 KiB pages pays for a copy through the engine's huge-page
+    #: buffers (Open MPI's single-copy transfer pins pages; Gloo sends from and receives into any
+    #: memory over its sockets, so tensors are reduced where they lie: ``placement.HostPlacement``)
+    pins_pages = False
 
     def __init__(self, config: EngineConfig, rendezvous: StoreRendezvous) -> None:
         check_torch()
@@ -121,6 +170,8 @@ class GlooBackend:
         self._rendezvous = rendezvous
         self.rank, self.size = rendezvous.rank, rendezvous.size
         self._timeout = datetime.timedelta(seconds=config.gloo_timeout_seconds or 30.0)
+        # Reductions of one batch in flight at once (``allreduce_start``; ``buffers.run_pipelined``).
+        self.pipeline = int(getattr(config, "gloo_pipeline", 2))
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
         self._group_seq = 0
@@ -304,6 +355,28 @@ class GlooBackend:
         o = self._dist.AllreduceOptions()
         o.reduceOp = self._ops[op]  # type: ignore[assignment]
         self._run("allreduce", lambda: group.handle.allreduce([self._t(buf.reshape(-1))], o))
+
+    def allreduce_start(self, buf: np.ndarray, op: ReduceOp, group: Group) -> Callable[[], None]:
+        """Start an in-place allreduce of ``buf`` on one of Gloo's threads and return the function
+        that waits for it (the GIL is free meanwhile: the caller packs the next piece).
+
+        ``buf`` must stay untouched until the wait returns; every member starts the same
+        reductions in the same order (Gloo tags them in that order), and waits for each."""
+        if group.size == 1 or buf.size == 0:
+            return _done
+        if buf.size >= HALF_SPLIT_MIN and buf.dtype.char in "eE" and op in _HALF_OPS:
+            self._allreduce_half(buf.reshape(-1), op, group)  # two alltoalls and local work
+            return _done
+        o = self._dist.AllreduceOptions()
+        o.reduceOp = self._ops[op]  # type: ignore[assignment]
+        with self._translate("allreduce"):
+            work = group.handle.allreduce([self._t(buf.reshape(-1))], o)
+        translate = self._translate
+
+        def wait() -> None:
+            with translate("allreduce"):
+                work.wait()
+        return wait
 
     def _allreduce_half(self, buf: np.ndarray, op: ReduceOp, group: Group) -> None:
         """A large float16/bfloat16 allreduce as two alltoalls: each member sends part j of its

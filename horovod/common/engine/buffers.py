@@ -19,8 +19,11 @@ Scaling (prescale, Average's division, postscale), join zeros and widening live 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import operator
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -29,8 +32,8 @@ import numpy as np
 from horovod.common.backends import half
 from horovod.common.engine.plan import Call
 
-__all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "scale_array", "span_of",
-           "Placement", "aligned_empty", "SMALL_OUTPUT_BYTES"]
+__all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "run_pipelined",
+           "SlotBuffers", "scale_array", "span_of", "Placement", "aligned_empty", "SMALL_OUTPUT_BYTES"]
 
 Segment = tuple[int, int, int, int]
 
@@ -226,6 +229,15 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
 def _in_place(items: Sequence[Item], segs: Sequence[Segment], region: Any, ops: BufferOps, red: Reduction,
               reduce: Callable[[Any], None], deferred: list[Any]) -> None:
     """Reduce ``region`` (the outputs' memory of ``segs``), loading the input first if out of place."""
+    post = _load(items, segs, region, ops, red)
+    reduce(region)
+    if post:
+        _post_scale(region, ops, red, deferred)
+
+
+def _load(items: Sequence[Item], segs: Sequence[Segment], region: Any, ops: BufferOps, red: Reduction) -> bool:
+    """Make ``region`` hold this rank's contribution (an out-of-place input copied in, prescaled);
+    whether the result still needs the post-scaling (``_post_scale``)."""
     src = None
     if len(segs) == 1:
         i, s, e, _ = segs[0]
@@ -235,18 +247,79 @@ def _in_place(items: Sequence[Item], segs: Sequence[Segment], region: Any, ops: 
     if src is not None and red.scaled and red.exact_post and red.pre == 1.0:
         # Scale during the copy, then reduce in place: one pass, bit-identical (a power of two).
         ops.scale(region, src, red.post, red.div)
-        reduce(region)
-        return
+        return False
     if red.pre != 1.0:
         ops.scale(region, region if src is None else src, red.pre)
     elif src is not None:
         ops.scale(region, src, 1.0)
-    reduce(region)
-    if red.scaled:
-        if ops.defer_scale:
-            deferred.append(region)
-        else:
-            ops.scale(region, region, red.post, red.div)
+    return red.scaled
+
+
+def _post_scale(region: Any, ops: BufferOps, red: Reduction, deferred: list[Any]) -> None:
+    if ops.defer_scale:
+        deferred.append(region)
+    else:
+        ops.scale(region, region, red.post, red.div)
+
+
+class SlotBuffers(BufferOps, Protocol):
+    """Buffer operations with several fusion buffers per dtype (``run_pipelined``)."""
+
+    def slot_buffer(self, work: Any, n: int, slot: int) -> Any:
+        """Fusion buffer number ``slot`` (``buffer``'s is slot 0) of ``n`` elements of ``work``."""
+
+
+Start = Callable[[Any], Callable[[], None]]
+
+
+def run_pipelined(calls: Sequence[Call], items: Sequence[Item], ops: SlotBuffers, red: Reduction,
+                  start: Start, depth: int, placement: Placement, index: list[int] | None = None,
+                  groups: dict[int, tuple[int, list[int]]] | None = None) -> None:
+    """``run_reduction`` with up to ``depth`` calls in flight: ``start(buf)`` begins a reduction on
+    the transport's own threads and returns its wait. While call k moves, call k+1 is packed (or
+    loaded in place) and started, then call k is waited for and unpacked while k+1 moves, so the
+    copies overlap the transfers. The calls are the plan's, started in its order on every rank
+    (the transport pairs them in that order); packed calls rotate over ``depth`` fusion buffers,
+    so a buffer is never packed while a reduction on it is in flight.
+    """
+    pending: deque[tuple[Callable[[], None], Callable[[], None] | None]] = deque()
+    deferred: list[Any] = []
+    packed = 0
+    try:
+        for call in calls:
+            segs = call.segments if index is None else _physical(call.segments, index, groups or {})
+            region = None if red.widen else placement.region(call, items, segs, ops)
+            finish: Callable[[], None] | None
+            if region is not None:
+                post = _load(items, segs, region, ops, red)
+                wait = start(region)
+                finish = functools.partial(_post_scale, region, ops, red, deferred) if post else None
+            else:
+                buf = ops.slot_buffer(red.work, call.size, packed % depth)
+                packed += 1
+                ops.pack(buf, items, segs, red.pre, red.widen)
+                wait = start(buf)
+                finish = functools.partial(ops.unpack, buf, items, segs, red.post, red.div)
+            pending.append((wait, finish))
+            if len(pending) >= depth:
+                _finish(*pending.popleft())
+        while pending:
+            _finish(*pending.popleft())
+    except BaseException:
+        # A reduction still in flight writes into its buffer: let it end (or fail) before the
+        # buffers are reused; the first error is the one raised.
+        for wait, _ in pending:
+            with contextlib.suppress(Exception):
+                wait()
+        raise
+    if deferred:
+        ops.scale_all(deferred, red.post, red.div)
+
+
+def _finish(wait: Callable[[], None], finish: Callable[[], None] | None) -> None:
+    wait()
+    if finish is not None:
+        finish()
 
 
 def _physical(segs: Sequence[Segment], index: list[int], groups: dict[int, tuple[int, list[int]]]) -> list[Segment]:
@@ -324,6 +397,7 @@ class _Moves(NamedTuple):
 
     segs: tuple[Segment, ...]
     work: np.dtype
+    at: int  # the fusion buffer's address (``run_pipelined`` rotates over several)
     parts: list[np.ndarray]
     pairs: list[tuple[np.ndarray, np.ndarray]]
 
@@ -462,7 +536,8 @@ class NumpyBuffers:
         if memo is None or memo.items is not items or type(segs) is not tuple:
             return None
         moves = memo.moves.get(id(segs))
-        if moves is not None and moves.segs is segs and moves.work == buf.dtype:
+        at = _addr(buf)
+        if moves is not None and moves.segs is segs and moves.work == buf.dtype and moves.at == at:
             return moves
         parts, outs, views = [], [], []
         for i, s, e, b in segs:
@@ -473,7 +548,7 @@ class NumpyBuffers:
             views.append(buf[b:b + e - s])
         if len(memo.moves) >= self.MOVES_MEMO_SIZE:
             memo.moves.clear()
-        moves = memo.moves[id(segs)] = _Moves(segs, buf.dtype, parts, list(zip(outs, views)))
+        moves = memo.moves[id(segs)] = _Moves(segs, buf.dtype, at, parts, list(zip(outs, views)))
         return moves
 
     def piece(self, a: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -482,10 +557,14 @@ class NumpyBuffers:
     span = staticmethod(span_of)
 
     def buffer(self, work: np.dtype, n: int) -> np.ndarray:
-        buf = self._buffers.get(work.str)
+        return self.slot_buffer(work, n, 0)
+
+    def slot_buffer(self, work: np.dtype, n: int, slot: int) -> np.ndarray:
+        key = work.str if slot == 0 else f"{work.str}#{slot}"
+        buf = self._buffers.get(key)
         if buf is None or buf.size < n:
             buf = self._empty(max(n, 1024) * work.itemsize).view(work)
-            self._buffers[work.str] = buf
+            self._buffers[key] = buf
             for memo in self._items.values():  # their buffer views are of the one replaced
                 memo.moves.clear()
         return buf[:n]

@@ -38,6 +38,7 @@ from horovod.common.engine.buffers import (
     aligned_empty,
     batch_items,
     power_of_two,
+    run_pipelined,
     run_reduction,
 )
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
@@ -146,7 +147,8 @@ class Executor:
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty)
-        self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes)
+        self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes,
+                                       pins_pages=bool(getattr(backend, "pins_pages", True)))
         self._lanes: dict[int, tuple[Group, Lane]] = {}  # id(group) -> (the group, its host lane)
         # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
         # sizes with the same tunables every step). Bounded; the key holds every argument, and the
@@ -288,6 +290,14 @@ class Executor:
         if tl is not None and lane.steps:
             def activity(names: Sequence[str], name: str, begin: bool) -> None:
                 self._activity(tl, names, name, begin)
+        # Several calls in flight where the transport has asynchronous reductions (Gloo), unless a
+        # timeline records each call's copy and transfer steps (they would overlap there).
+        starter = getattr(lane.transport, "starter", None)
+        started = starter(red.op) if starter is not None and activity is None and len(calls) > 1 else None
+        if started is not None and isinstance(ops, NumpyBuffers):
+            run_pipelined(calls, items, ops, red, started[0], started[1], placement,
+                          index if groups else None, groups)
+            return
         run_reduction(calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
                       lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
 

@@ -10,7 +10,8 @@ once per call by ``buffers.run_reduction``.
   (``pages.huge_page_backed``, known from who allocated the memory, without asking the kernel):
   Open MPI's single-copy transfer pins every page of a piece, so a piece on 4 KiB pages is reduced
   faster copied through the huge-page buffer (docs/engine.md, "Piecewise reductions"). A tensor
-  above ``max_tensor_bytes`` is always reduced in its own memory.
+  above ``max_tensor_bytes`` is always reduced in its own memory. On a transport that pins no pages
+  (Gloo: ``pins_pages`` False) every contiguous region is reduced where it lies.
 """
 
 from __future__ import annotations
@@ -37,15 +38,18 @@ class DevicePlacement:
 class HostPlacement:
     """In place only on huge pages (see the module docstring)."""
 
-    def __init__(self, cut: Any) -> None:
+    def __init__(self, cut: Any, pins_pages: bool = True) -> None:
         self._cut = cut  # () -> max_tensor_bytes, read at every call (a tunable)
+        # False (a backend's ``pins_pages``: ``GlooBackend``'s): the transport reads and writes any
+        # memory as fast (Gloo's sockets), so every contiguous region is reduced where it lies
+        self._pins = pins_pages
         # id(span over a flat group) -> its first array, whose owner says where the memory lies
         self.owners: dict[int, np.ndarray] = {}
 
     own_memory = staticmethod(huge_page_backed)
 
     def in_own_memory(self, out: np.ndarray) -> bool:
-        return self.own_memory(self.owners.get(id(out), out))
+        return not self._pins or self.own_memory(self.owners.get(id(out), out))
 
     def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
         if call.kind == PACKED:

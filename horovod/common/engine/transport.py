@@ -109,6 +109,20 @@ class HostTransport:
         backend, group = self.backend, self.group
         return lambda buf: backend.allreduce(buf, op, group)
 
+    def starter(self, op: ReduceOp) -> tuple[Callable[[np.ndarray], Callable[[], None]], int] | None:
+        """(start, depth) when the backend can keep ``depth`` >= 2 reductions in flight
+        (``allreduce_start``: Gloo's asynchronous work), for ``buffers.run_pipelined``; None when
+        reductions run one at a time (MPI's blocking calls, the hierarchy, ``HOROVOD_GLOO_PIPELINE``
+        below 2)."""
+        backend, group = self.backend, self.group
+        start = getattr(backend, "allreduce_start", None)
+        depth = int(getattr(backend, "pipeline", 0))
+        if start is None or depth < 2 or group.size == 1:
+            return None
+        if self._tunables.hierarchical_allreduce and self._hierarchy(group) is not None:
+            return None
+        return (lambda buf: start(buf, op, group)), depth
+
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self.backend.broadcast(buf, root, self.group)
 

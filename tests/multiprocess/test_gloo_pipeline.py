@@ -1,0 +1,164 @@
+"""The Gloo data plane's pipelined reductions on real ranks (``horovodrun --gloo``, np=2 and np=3).
+
+Small pieces (``HOROVOD_CHUNK_BYTES=4096``) cut every large tensor into many calls, with tails and
+small tensors packed across piece boundaries; each rank contributes different values, and every
+rank checks every element against the exact sum. The same run with ``HOROVOD_GLOO_PIPELINE=0``
+reduces one call at a time. A spy on the backend counts the calls started asynchronously and the
+most in flight at once; another counts fusion-buffer packs (none for views of one flat tensor).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from horovod.testing import run_ranks
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _cases():
+    import numpy as np
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.engine import buffers
+
+    seen = {"started": 0, "flight": 0, "most": 0, "sync": 0, "packs": 0}
+    start, sync, pack = (gloo_backend.GlooBackend.allreduce_start, gloo_backend.GlooBackend.allreduce,
+                         buffers.NumpyBuffers.pack)
+
+    def spy_start(self, buf, op, group):
+        wait = start(self, buf, op, group)
+        seen["started"] += 1
+        seen["flight"] += 1
+        seen["most"] = max(seen["most"], seen["flight"])
+
+        def spied_wait():
+            seen["flight"] -= 1
+            wait()
+        return spied_wait
+
+    def spy_sync(self, buf, op, group, src=None):
+        seen["sync"] += buf.size > 64  # the controller's and barriers' small ones aside
+        return sync(self, buf, op, group, src)
+
+    def spy_pack(self, *a, **k):
+        seen["packs"] += 1
+        return pack(self, *a, **k)
+    gloo_backend.GlooBackend.allreduce_start = spy_start
+    gloo_backend.GlooBackend.allreduce = spy_sync
+    buffers.NumpyBuffers.pack = spy_pack
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad: list[str] = []
+    shapes = [(3,), (5000,), (7, 11), (2500,), (1,), (9, 3), (1030,), (4,), (600, 2)] + [(300,)] * 9
+
+    def contribution(k: int, shape: tuple[int, ...], i: int, dtype: torch.dtype) -> torch.Tensor:
+        numel = int(np.prod(shape))
+        return ((torch.arange(numel, dtype=torch.float64) % 17) * (k + 1) + i).to(dtype).reshape(shape)
+
+    def expect(shape: tuple[int, ...], i: int, dtype: torch.dtype) -> torch.Tensor:
+        return sum(contribution(k, shape, i, torch.float64) for k in range(n)).to(dtype)
+
+    def check(label: str, got: list[torch.Tensor], dtype: torch.dtype, average: bool = False) -> None:
+        for i, (g, s) in enumerate(zip(got, shapes)):
+            want = expect(s, i, dtype)
+            if average:
+                want = want / n
+            if not torch.equal(g, want):
+                at = int((g.reshape(-1) != want.reshape(-1)).nonzero()[0, 0])
+                bad.append(f"rank {r} {label} tensor {i} {tuple(s)}: element {at} is "
+                           f"{g.reshape(-1)[at].item()}, the sum over {n} ranks is {want.reshape(-1)[at].item()}")
+
+    for dtype in (torch.float32, torch.float64):
+        # separate tensors, grouped and one by one, Sum in place
+        ts = [contribution(r, s, i, dtype) for i, s in enumerate(shapes)]
+        hvd.grouped_allreduce_(ts, name=f"grouped.{dtype}", op=hvd.Sum)
+        check(f"grouped {dtype}", ts, dtype)
+        ts = [contribution(r, s, i, dtype) for i, s in enumerate(shapes)]
+        handles = [hvd.allreduce_async_(t, name=f"async.{dtype}.{i}", op=hvd.Sum) for i, t in enumerate(ts)]
+        for h in handles:
+            hvd.synchronize(h)
+        check(f"async {dtype}", ts, dtype)
+        # out of place, Average
+        ts = [contribution(r, s, i, dtype) for i, s in enumerate(shapes)]
+        outs = hvd.grouped_allreduce(ts, name=f"oop.{dtype}", op=hvd.Average)
+        check(f"out of place {dtype}", outs, dtype, average=True)
+
+    # views of one flat buffer per dtype (DDP's gradient_as_bucket_view), both dtypes at once
+    packs_before = seen["packs"]
+    flats, views = {}, {}
+    for dtype in (torch.float32, torch.float64):
+        flats[dtype] = torch.cat([contribution(r, s, i, dtype).reshape(-1) for i, s in enumerate(shapes)])
+        vs, o = [], 0
+        for s in shapes:
+            k = int(np.prod(s))
+            vs.append(flats[dtype][o:o + k].view(s))
+            o += k
+        views[dtype] = vs
+    handles = [hvd.grouped_allreduce_async_(views[d], name=f"flat.{d}", op=hvd.Sum) for d in views]
+    for h in handles:
+        hvd.synchronize(h)
+    for d in views:
+        check(f"flat views {d}", views[d], d)
+    flat_packs = seen["packs"] - packs_before
+    hvd.shutdown()
+    return bad, seen, flat_packs
+
+
+def _gloo(np_: int) -> list[str]:
+    return [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_pipelined_reductions_sum_exactly(np_):
+    env = {"HOROVOD_CHUNK_BYTES": "4096"}
+    for bad, seen, flat_packs in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_), env=env):
+        assert not bad, bad
+        assert seen["started"] > 50 and seen["most"] == 2 and seen["flight"] == 0, seen
+        assert flat_packs == 0, f"views of one flat buffer were packed {flat_packs} times"
+
+
+def test_pipeline_off_reduces_one_call_at_a_time():
+    env = {"HOROVOD_CHUNK_BYTES": "4096", "HOROVOD_GLOO_PIPELINE": "0"}
+    for bad, seen, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
+        assert not bad, bad
+        assert seen["started"] == 0 and seen["sync"] > 50, seen
+
+
+@pytest.mark.parametrize("symbol", [None, 0, 1])
+def test_shm_allreduce_detection_reads_the_library(tmp_path, monkeypatch, symbol):
+    """Found exactly when torch's library carries one of Gloo's shm allreduce symbols."""
+    import torch
+
+    from horovod.common.backends import gloo as gloo_backend
+
+    (tmp_path / "lib").mkdir()
+    body = b"\0_ZN4gloo9allreduceERKNS_6detail20AllreduceOptionsImplE\0"
+    if symbol is not None:
+        body += gloo_backend.SHM_ALLREDUCE_SYMBOLS[symbol] + b"\0"
+    (tmp_path / "lib" / "libtorch_cpu.so").write_bytes(body * 100)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "__init__.py"))
+    monkeypatch.setattr(gloo_backend, "_shm_found", [])
+    found = gloo_backend.shm_allreduce()
+    if symbol is None:
+        assert found is None
+    else:
+        assert found is not None and "libtorch_cpu.so" in found
+        assert gloo_backend.SHM_ALLREDUCE_SYMBOLS[symbol].decode() in found
+
+
+def test_the_installed_torch_is_reported_as_measured(monkeypatch):
+    """torch 2.13's wheel carries Gloo without the shm allreduce (docs/performance.md)."""
+    import torch
+
+    from horovod.common.backends import gloo as gloo_backend
+
+    monkeypatch.setattr(gloo_backend, "_shm_found", [])
+    found = gloo_backend.shm_allreduce()
+    if torch.__version__.startswith("2.13."):
+        assert found is None, found
