@@ -40,9 +40,10 @@ from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Max, Sum
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compression, StatefulCompressor
+from horovod.torch.reducer import RowShard
 
 __all__ = ["fully_shard", "FullyShardedModule", "MixedPrecisionPolicy", "clip_grad_norm_",
-           "full_optim_state_dict", "load_full_optim_state_dict"]
+           "full_optim_state_dict", "load_full_optim_state_dict", "row_shards", "relayout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +273,34 @@ class _Group:
             q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
         self.unsharded = False
 
+    def relayout(self) -> bool:
+        """Lay the shards out over the process set's current size and rank (see ``relayout``)."""
+        n, r = self.process_set.size() or 1, self.process_set.rank() or 0
+        if (n, r) == (self.n, self.r):
+            return False
+        self.reshard()
+        self.n, self.r = n, r
+        self.order, self.prev_order, self.pending = [], [], []
+        self.callback_queued, self.in_forward = False, False
+        self.accumulated.clear()
+        offset = 0
+        for q in self.params:
+            q.chunk_rows = -(-q.rows // n)
+            q.seg = q.chunk_rows * q.row_numel
+            q.offset = offset
+            offset += q.seg
+            q.lo, q.hi = min(q.rows, r * q.chunk_rows), min(q.rows, (r + 1) * q.chunk_rows)
+            q.shard.grad = None
+            q.shard.data = torch.zeros((q.hi - q.lo, *q.shape[1:]), dtype=q.dtype, device=q.shard.device)
+        self.segment = offset
+        self.flat = None
+        if self.params and len({q.dtype for q in self.params}) == 1:
+            flat = torch.zeros(offset, dtype=self.params[0].dtype, device=self.params[0].shard.device)
+            for q in self.params:
+                q.shard.data = flat[q.offset:q.offset + q.local_numel].view(q.shard.shape)
+            self.flat = flat
+        return True
+
     # -------------------------------------------------------------------- forward hooks
     def pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         root = self.root()
@@ -489,6 +518,16 @@ class FullyShardedModule:
         return clip_grad_norm_(self.parameters(), max_norm, norm_type,  # type: ignore[attr-defined]
                                process_set=_GROUPS[self].process_set)
 
+    # RowShardedStateful (horovod/torch/reducer.py): what hvd.checkpoint reads and writes per rank
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the parameters are split across."""
+        return _GROUPS[self].n
+
+    def row_shards(self) -> dict[str, RowShard]:
+        """``{state-dict key: the rows this rank holds}`` of every sharded parameter."""
+        return row_shards(self)  # type: ignore[arg-type]
+
     def full_state_dict(self, to: int | None = None) -> dict[str, torch.Tensor]:
         """The unsharded state dict (every parameter whole, buffers as they are), gathered one
         parameter at a time. ``to``: only that rank of the process set receives it (the others
@@ -540,16 +579,51 @@ _SHARD_NAMES: Any = WeakIdKeyDictionary()
 _SHARDED_AS: Any = WeakIdKeyDictionary()
 
 
-def refuse_in_checkpoint(what: str, model: torch.nn.Module | None) -> None:
-    """``hvd.checkpoint`` does not know fully sharded models yet: their ``state_dict()`` holds
-    this rank's rows, which it would save as whole tensors. Raise rather than write a wrong one."""
-    if model is not None and any(isinstance(m, FullyShardedModule) for m in model.modules()):
-        raise ValueError(
-            f"hvd.checkpoint.{what}: {type(model).__name__} is fully sharded (hvd.fully_shard), which "
-            "hvd.checkpoint does not support yet. Save model.full_state_dict(to=0) and "
-            "horovod.torch.fully_shard.full_optim_state_dict(model, opt, to=0) with torch.save on "
-            "rank 0; load them at any world size with model.load_full_state_dict(sd) and "
-            "load_full_optim_state_dict(model, opt, osd) (docs/fully_shard.md)")
+def row_shards(model: torch.nn.Module | None) -> dict[str, RowShard]:
+    """``{state-dict key: RowShard}`` for every parameter of ``model`` that a ``fully_shard``
+    call inside it shards (each name of a tied one); ``{}`` for a model with none."""
+    if model is None:
+        return {}
+    managed = _managed_by_shard(model)
+    if not managed:
+        return {}
+    return {name: RowShard(q.shape, q.lo, q.hi)
+            for name, p in model.named_parameters(remove_duplicate=False)
+            for q, _ in [managed.get(id(p), (None, None))] if q is not None}
+
+
+def shard_process_sets(model: torch.nn.Module | None) -> list[ProcessSet]:
+    """The process sets over which ``model``'s fully sharded modules are sharded."""
+    out: list[ProcessSet] = []
+    for m in model.modules() if model is not None else []:
+        g = _GROUPS.get(m)
+        if g is not None and all(ps is not g.process_set for ps in out):
+            out.append(g.process_set)
+    return out
+
+
+def _groups_of_params(params: Iterable[torch.Tensor]) -> list[_Group]:
+    """The groups whose shards are among ``params`` (an optimizer's parameters)."""
+    want = {id(p) for p in params}
+    return [g for _, g in list(_GROUPS.items()) if any(id(q.shard) in want for q in g.params)]
+
+
+def is_shard(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a shard that ``fully_shard`` registered in place of a parameter."""
+    return p in _SHARD_NAMES
+
+
+def relayout(groups: Iterable[Any]) -> bool:
+    """Lay the shards of ``groups`` (fully sharded modules, or their groups) out again over their
+    process set's current size and this rank's current rank there (after an elastic reset): each
+    shard keeps its ``nn.Parameter`` object (an optimizer's references stay valid) and gets its
+    new rows, zero until a full state dict is loaded; gradients and the iteration's order are
+    dropped. Returns whether anything changed. Every rank of the new set must call it."""
+    changed = False
+    for g in groups:
+        g = _GROUPS[g] if isinstance(g, torch.nn.Module) else g
+        changed = g.relayout() or changed
+    return changed
 
 
 def fully_shard(module: torch.nn.Module, *, reshard_after_forward: bool = True,
@@ -637,21 +711,24 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-def _managed_by_shard(model: torch.nn.Module) -> dict[int, tuple[_Param, ProcessSet]]:
+def _managed_by_shard(model: torch.nn.Module | None,
+                      optimizer: torch.optim.Optimizer | None = None) -> dict[int, tuple[_Param, ProcessSet]]:
     out = {}
-    for m in model.modules():
-        g = _GROUPS.get(m)
+    groups = ([_GROUPS.get(m) for m in model.modules()] if model is not None else
+              _groups_of_params(p for grp in optimizer.param_groups for p in grp["params"]) if optimizer else [])
+    for g in groups:
         if g is not None:
             for q in g.params:
                 out[id(q.shard)] = (q, g.process_set)
     return out
 
 
-def full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def full_optim_state_dict(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
                           to: int | None = None) -> dict[str, Any]:
     """The optimizer's state dict as an unsharded model's optimizer would have it (every state
-    tensor shaped like its shard gathered whole); ``to`` as in ``full_state_dict``."""
-    managed = _managed_by_shard(model)
+    tensor shaped like its shard gathered whole); ``to`` as in ``full_state_dict``. ``model``
+    None: the fully sharded modules whose shards the optimizer steps."""
+    managed = _managed_by_shard(model, optimizer)
     sd = optimizer.state_dict()
     params = [p for grp in optimizer.param_groups for p in grp["params"]]
     state: dict[int, dict[str, Any]] = {}
@@ -674,11 +751,12 @@ def full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
-def load_full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_full_optim_state_dict(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
                                state_dict: dict[str, Any]) -> None:
     """Load an unsharded optimizer state dict (``full_optim_state_dict``, or a plain optimizer's
-    over the unsharded model's parameters in the same order): each rank keeps its rows."""
-    managed = _managed_by_shard(model)
+    over the unsharded model's parameters in the same order): each rank keeps its rows.
+    ``model`` None: the fully sharded modules whose shards the optimizer steps."""
+    managed = _managed_by_shard(model, optimizer)
     params = [p for grp in optimizer.param_groups for p in grp["params"]]
     state = {}
     for idx, st in state_dict["state"].items():

@@ -36,11 +36,13 @@ The contract, common to all of them:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GradientReducer", "ShardedStateful", "SkipSynchronize", "reducer_of"]
+__all__ = ["GradientReducer", "ShardedStateful", "RowShard", "RowShardedStateful", "SkipSynchronize",
+           "reducer_of"]
 
 
 @runtime_checkable
@@ -125,6 +127,45 @@ class ShardedStateful(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in the plain optimizer's format, keeping this rank's part."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShard:
+    """What a rank holds of one tensor split by rows: rows ``[lo, hi)`` (dimension 0) of a tensor
+    of ``shape`` (a 0-d tensor counts as one row, held as a tensor of shape ``(hi - lo,)``)."""
+
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the part this rank holds."""
+        return (self.hi - self.lo, *self.shape[1:])
+
+
+@runtime_checkable
+class RowShardedStateful(Protocol):
+    """A module whose parameters are split by rows across the ranks (``hvd.fully_shard``): its
+    ``state_dict()`` holds this rank's rows of each sharded parameter, under the unsharded
+    model's names, and ``load_state_dict()`` takes them back.
+
+    ``hvd.checkpoint.save`` writes each rank's rows as one chunk of the whole tensor (the
+    checkpoint holds the unsharded model's keys and shapes); ``hvd.checkpoint.load`` reads each
+    rank's rows at any world size, or whole tensors into an unsharded model. An optimizer over the
+    shards (a plain torch optimizer) is saved alike: its per-element state (the tensors shaped
+    as their shard) by rows, the rest (``step``) once.
+    """
+
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the parameters are split across."""
+        ...
+
+    def row_shards(self) -> dict[str, RowShard]:
+        """``{state-dict key: the rows this rank holds}`` for every sharded parameter (each name
+        of a tied one)."""
         ...
 
 
