@@ -135,9 +135,9 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
         items = [(k, v) for k, v in sd.items() if k not in layout]
         owner = partition_by_bytes([_nbytes(v) for _, v in items], n)
         out.update({f"model.{k}": v for (k, v), o in zip(items, owner) if o == r})
-        for k, rs in layout.items():
-            if k in sd:
-                _add_rows(out, rows, f"model.{k}", sd[k], rs)
+        for key, rs in layout.items():
+            if key in sd:
+                _add_rows(out, rows, f"model.{key}", sd[key], rs)
     if optimizer is not None:
         params = _optimizer_params(optimizer)
         names = _param_names(model, params)
@@ -160,16 +160,15 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
             owner = partition_by_bytes(sizes, n)
             mine = {}
             for i, st in full.items():
-                rs = layout.get(names[i])
-                for key, v in st.items():
-                    if _per_element(v, rs):
-                        assert rs is not None
-                        _add_rows(out, rows, f"optim.state.{names[i]}.{key}", v, rs)
+                row = layout.get(names[i])
+                for sk, v in st.items():
+                    if row is not None and _per_element(v, row):
+                        _add_rows(out, rows, f"optim.state.{names[i]}.{sk}", v, row)
                     elif owner[i] == r:
-                        mine.setdefault(i, {})[key] = v
+                        mine.setdefault(i, {})[sk] = v
         for i, st in mine.items():
-            for key, v in st.items():
-                out[f"optim.state.{names[i]}.{key}"] = v
+            for sk, v in st.items():
+                out[f"optim.state.{names[i]}.{sk}"] = v
         if r == 0:
             groups, start = [], 0
             for g in optimizer.param_groups:
@@ -574,7 +573,7 @@ def _read(path: str, request: dict[str, Any], regions: dict[str, RowShard] | Non
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     objects: dict[str, Any] = {}
@@ -597,8 +596,9 @@ def _read(path: str, request: dict[str, Any], regions: dict[str, RowShard] | Non
             for fqn, rs in rows.items():
                 chunk = ChunkStorageMetadata(offsets=torch.Size((rs.lo,) + (0,) * (len(rs.shape) - 1)),
                                              sizes=torch.Size(rs.local_shape))
-                items += create_read_items_for_chunk_list(
-                    fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+                md = self.metadata.state_dict_metadata[fqn]
+                assert isinstance(md, TensorStorageMetadata)
+                items += create_read_items_for_chunk_list(fqn, md, [chunk])
             return dataclasses.replace(plan, items=items)
 
         def lookup_tensor(self, index: Any) -> Any:

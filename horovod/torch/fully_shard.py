@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,11 +40,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Max, Sum
 from horovod.torch import mpi_ops
+from horovod.torch._clip import clip_by_global_norm
 from horovod.torch.compression import Compression, StatefulCompressor
-from horovod.torch.reducer import RowShard
+from horovod.torch.reducer import RowShard, SkipSynchronize
 
 __all__ = ["fully_shard", "FullyShardedModule", "MixedPrecisionPolicy", "clip_grad_norm_",
-           "full_optim_state_dict", "load_full_optim_state_dict", "row_shards", "relayout"]
+           "full_optim_state_dict", "load_full_optim_state_dict", "row_shards", "relayout",
+           "FullyShardedReducer", "reducer_for", "check_same_modules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,7 @@ class _Group:
         self.unsharded = False
         self.accumulated: set[int] = set()
         self.params: list[_Param] = []
+        self.desc: list[Any] = []  # what collect() checks every rank agrees on
 
     # -------------------------------------------------------------------- setup
     def collect(self) -> None:
@@ -162,16 +166,13 @@ class _Group:
         named = list(first.values())
         # every rank of the set must wrap the same module with the same parameters
         desc = _describe(module, [(n, p) for n, p in named])
-        everyone = mpi_ops.allgather_object_ps(desc, self.process_set) if hasattr(
-            mpi_ops, "allgather_object_ps") else _allgather_object(desc, self.process_set)
-        bad = [i for i, d in enumerate(everyone) if d != everyone[0]]
-        if bad:
-            first_bad = everyone[bad[0]]
-            diff = _first_difference(everyone[0], first_bad)
-            raise ValueError(
-                f"hvd.fully_shard (call {self.index} on this rank): ranks {bad} wrap a different module "
-                f"than rank 0: {diff}; every rank must call fully_shard on the same modules, in the "
-                "same order, with the same parameters")
+        self.desc = desc
+        # an elastic worker may join a running job, whose ranks wrapped their modules long ago:
+        # the check is made by hvd.elastic.TorchState's sync (check_same_modules), with them
+        if os.environ.get("HOROVOD_ELASTIC") != "1":
+            everyone = mpi_ops.allgather_object_ps(desc, self.process_set) if hasattr(
+                mpi_ops, "allgather_object_ps") else _allgather_object(desc, self.process_set)
+            _raise_on_difference([everyone], [self.index])
         dtypes = {p.device.type for _, p in named}
         if len(dtypes) > 1:
             raise ValueError(f"hvd.fully_shard: rank {self.r}: {type(module).__name__} has parameters "
@@ -421,11 +422,33 @@ class _Group:
         pending, self.pending = self.pending, []
         for entry in pending:
             _complete(*entry)
+        if pending:  # this backward reduced (every rank alike)
+            self.agree_finite()
         for g in self.order:
             g.reshard()
         for g in self.prev_order:
             if g.gather is not None:
                 g.reshard()
+
+
+    def agree_finite(self) -> None:
+        """After a backward's reductions (on the root): one 1-element allreduce (Max) so that, if
+        any rank's shards received a non-finite averaged gradient, every rank makes one of its
+        own gradients infinite too, and ``GradScaler`` skips the step on every rank alike (each
+        rank checks only its rows; DistributedOptimizer needs nothing, every rank holding every
+        average)."""
+        shards = [q.shard for m in self.module.modules() if m in _GROUPS for q in _GROUPS[m].params]
+        if not any(p.requires_grad for p in shards):
+            return
+        grads = [p.grad for p in shards if p.grad is not None]
+        bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([1.0 if bad else 0.0], device=shards[0].device)
+        flag = mpi_ops.allreduce(flag, op=Max, name="hvd.fully_shard.nonfinite", process_set=self.process_set)
+        if float(flag[0]) and not bad:
+            for g in grads:
+                if g.numel():
+                    g.view(-1)[0] = float("inf")
+                    break
 
 
 def _complete(g: _Group, handle: int, ctx: Any) -> None:
@@ -444,6 +467,32 @@ def _complete(g: _Group, handle: int, ctx: Any) -> None:
 def _allgather_object(obj: Any, process_set: ProcessSet) -> list[Any]:
     from horovod.torch.functions import allgather_object
     return allgather_object(obj, name="hvd.fully_shard.check", process_set=process_set)
+
+
+def _raise_on_difference(everyone: list[list[Any]], indices: list[int]) -> None:
+    """``everyone[k]``: each rank's description of the module of call ``indices[k]``."""
+    for ranks_desc, index in zip(everyone, indices):
+        bad = [i for i, d in enumerate(ranks_desc) if d != ranks_desc[0]]
+        if bad:
+            diff = _first_difference(ranks_desc[0], ranks_desc[bad[0]])
+            raise ValueError(
+                f"hvd.fully_shard (call {index} on this rank): ranks {bad} wrap a different module "
+                f"than rank 0: {diff}; every rank must call fully_shard on the same modules, in the "
+                "same order, with the same parameters")
+
+
+def check_same_modules(model: torch.nn.Module) -> None:
+    """Raise on every rank unless every rank wrapped the same modules of ``model`` with the same
+    parameters (what ``fully_shard`` checks at once outside an elastic job). One collective."""
+    groups = _groups_in(model)
+    if not groups:
+        return
+    mine = [g.desc for g in groups]
+    everyone = _allgather_object(mine, groups[0].process_set)
+    if len({len(d) for d in everyone}) > 1:
+        raise ValueError(f"hvd.fully_shard: the ranks wrapped {[len(d) for d in everyone]} modules of "
+                         f"{type(model).__name__}; every rank must make the same fully_shard calls")
+    _raise_on_difference([[d[k] for d in everyone] for k in range(len(mine))], [g.index for g in groups])
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -602,7 +651,7 @@ def shard_process_sets(model: torch.nn.Module | None) -> list[ProcessSet]:
     return out
 
 
-def _groups_of_params(params: Iterable[torch.Tensor]) -> list[_Group]:
+def groups_of_params(params: Iterable[torch.Tensor]) -> list[_Group]:
     """The groups whose shards are among ``params`` (an optimizer's parameters)."""
     want = {id(p) for p in params}
     return [g for _, g in list(_GROUPS.items()) if any(id(q.shard) in want for q in g.params)]
@@ -715,7 +764,7 @@ def _managed_by_shard(model: torch.nn.Module | None,
                       optimizer: torch.optim.Optimizer | None = None) -> dict[int, tuple[_Param, ProcessSet]]:
     out = {}
     groups = ([_GROUPS.get(m) for m in model.modules()] if model is not None else
-              _groups_of_params(p for grp in optimizer.param_groups for p in grp["params"]) if optimizer else [])
+              groups_of_params(p for grp in optimizer.param_groups for p in grp["params"]) if optimizer else [])
     for g in groups:
         if g is not None:
             for q in g.params:
@@ -776,3 +825,97 @@ def load_full_optim_state_dict(model: torch.nn.Module | None, optimizer: torch.o
             out[k] = v
         state[idx] = out
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+class FullyShardedReducer(SkipSynchronize):
+    """The ``GradientReducer`` (``horovod/torch/reducer.py``) of a fully sharded model, for a plain
+    optimizer over its shards (ZeRO stage 3): the reduce-scatters are the wrapped modules' own,
+    run in backward, so a step's gradients are in the shards by the end of backward; this object
+    only lets code written for the protocol (the Lightning strategy, ``clip_grad_norm_``) drive
+    it. ``backward_passes_per_step`` > 1 is gradient accumulation through
+    ``set_requires_gradient_sync`` (only the last pass of a window reduces): the caller turns
+    sync off for the other passes (``accumulating(last)``)."""
+
+    def __init__(self, module: torch.nn.Module | FullyShardedModule) -> None:
+        if not isinstance(module, FullyShardedModule) or not isinstance(module, torch.nn.Module):
+            raise ValueError(f"FullyShardedReducer: {type(module).__name__} is not fully sharded "
+                             "(call hvd.fully_shard on it, its root module last)")
+        self.module = module
+        self._passes = 1
+
+    @property
+    def _root(self) -> _Group:
+        return _GROUPS[self.module].root()
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._passes
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self._passes = int(passes)
+
+    def accumulating(self, last: bool) -> None:
+        """Whether the next backward pass reduces (``last`` of an accumulation window) or only
+        accumulates the unsharded gradients locally."""
+        self.module.set_requires_gradient_sync(last)
+
+    def register_hooks(self) -> None:
+        """Nothing to add: the wrapped modules' hooks (``fully_shard``) reduce."""
+
+    def remove_hooks(self) -> None:
+        """Nothing to remove (see ``register_hooks``)."""
+
+    def pending(self) -> bool:
+        root = self._root
+        return bool(root.pending) or root.callback_queued or any(g.accumulated for g in _groups_in(self.module))
+
+    def synchronize(self) -> None:
+        """Finish a backward whose end-of-backward callback did not run (reductions left in
+        flight); nothing to do after a complete backward pass. Repeated calls do nothing."""
+        if self.pending():
+            self._root.finish_backward()
+
+    def check_idle(self) -> None:
+        if self._root.pending:
+            raise AssertionError("fully sharded gradients are being reduce-scattered; finish "
+                                 "backward() (or call synchronize()) before zero_grad()")
+
+    def reset(self) -> None:
+        root = self._root
+        root.pending, root.callback_queued = [], False
+        for g in _groups_in(self.module):
+            g.accumulated.clear()
+            for q in g.params:
+                q.unsharded.grad = None
+            g.reshard()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the shards' gradients by the norm of the whole gradient (one allreduce)."""
+        self.synchronize()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]  # type: ignore[attr-defined]
+        return clip_by_global_norm(grads, grads, max_norm, norm_type, _GROUPS[self.module].process_set,
+                                   "hvd.fully_shard", error_if_nonfinite)
+
+
+def _groups_in(module: torch.nn.Module) -> list[_Group]:
+    return [_GROUPS[m] for m in module.modules() if m in _GROUPS]
+
+
+_REDUCERS: Any = WeakIdKeyDictionary()
+
+
+def reducer_for(module: torch.nn.Module | FullyShardedModule) -> FullyShardedReducer:
+    """The ``FullyShardedReducer`` of a fully sharded root module (one per module)."""
+    r = _REDUCERS.get(module)
+    if r is None:
+        r = _REDUCERS[module] = FullyShardedReducer(module)
+    return r

@@ -9,6 +9,9 @@ Implementations:
   backward runs. ``hvd.DistributedOptimizer`` and ``hvd.ZeroRedundancyOptimizer(stage=1)`` use it.
 - ``ShardedGradients`` (``horovod/torch/_zero_grads.py``): ZeRO stage 2, each rank keeps only the
   averaged gradients of the parameters it owns (a reduce-scatter per bucket).
+- ``FullyShardedReducer`` (``horovod/torch/fully_shard.py``, ``reducer_for(module)``): ZeRO stage
+  3, the reduce-scatters that ``hvd.fully_shard``'s modules run in backward, seen from a plain
+  optimizer over their shards.
 
 An optimizer holds its reducer as the public attribute ``reducer`` (``opt.reducer``); the Lightning
 strategy and the checkpoint code use only the members below, never an optimizer's private fields.
@@ -31,6 +34,8 @@ The contract, common to all of them:
 - ``reset()`` drops this step's reductions and pass counters (a failed step, a reload).
 - ``state_dict()`` / ``load_state_dict()``: the reducer's own state for checkpoints (a stateful
   compression's, such as PowerSGD's error feedback); ``{}`` where there is none.
+- ``clip_grad_norm_(max_norm)``: clipping by the norm of the whole averaged gradient, whichever
+  part of it each rank holds (what the Lightning strategy calls for ``gradient_clip_val``).
 """
 
 from __future__ import annotations
@@ -98,6 +103,14 @@ class GradientReducer(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict()`` returned."""
+        ...
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Any:
+        """Clip this step's averaged gradients by the norm of the whole gradient (the same on
+        every rank, combined across ranks where each holds part of it), as
+        ``torch.nn.utils.clip_grad_norm_`` over the unsharded model; finishes a reduction still
+        in flight first. Returns the norm (a tensor). Every rank of the process set calls it."""
         ...
 
 
