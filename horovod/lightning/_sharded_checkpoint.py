@@ -1,4 +1,4 @@
-"""Lightning checkpoints of ``HorovodStrategy(zero_stage=1|2)``, sharded: each rank writes its part
+"""Lightning checkpoints of ``HorovodStrategy(zero_stage=1|2|3)``, sharded: each rank writes its part
 with ``hvd.checkpoint`` (a ``torch.distributed.checkpoint`` directory at the checkpoint's path), as
 Lightning's FSDP strategy writes its sharded checkpoints.
 
@@ -37,7 +37,7 @@ def is_sharded(path: str) -> bool:
 
 
 def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module,
-         optimizer: torch.optim.Optimizer, rank: int) -> None:
+         optimizer: torch.optim.Optimizer | None, rank: int) -> None:
     """Write Lightning's ``checkpoint`` dict to the directory ``path``, each rank its part;
     collective."""
     rest = dict(checkpoint)

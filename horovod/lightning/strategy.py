@@ -20,8 +20,16 @@ classes). What the strategy does, in Lightning's hook order:
 - the strategy holds the optimizers through public members only: their ``GradientReducer``
   (``opt.reducer``, ``horovod/torch/reducer.py``: pending reductions, hooks, pass counts),
   ``synchronize()``/``skip_synchronize()``; ``flat_gradients`` restores the gradient views in
-  ``pre_backward``; with ``zero_stage`` the Trainer's precision plugin gets a mixin that clips by
-  the norm across the shards (``_ClipAcrossShards``).
+  ``pre_backward``; with ``zero_stage``, ``gradient_clip_val`` (by norm) is applied by the
+  optimizers' reducers (``GradientReducer.clip_grad_norm_``: the norm of the whole gradient,
+  across the shards) from a callback's ``on_before_optimizer_step`` (after AMP's unscaling, before
+  Lightning's own clipping, which then finds nothing to clip), as Lightning's DeepSpeed strategy
+  leaves clipping to its engine.
+- ``zero_stage=3``: ``model_to_device`` broadcasts rank 0's weights and shards the module
+  (``hvd.fully_shard``: the modules that ``fully_shard_modules`` picks, then the LightningModule)
+  before ``configure_optimizers`` runs, so its optimizers step the shards; the module's reducer
+  (``horovod.torch.fully_shard.reducer_for``) takes the place of a wrapped optimizer's;
+  checkpoints are always sharded (``hvd.checkpoint``), restored after setup.
 - ``reduce`` / ``all_gather`` / ``broadcast`` / ``barrier`` / ``reduce_boolean_decision`` are
   Horovod collectives (``self.log(..., sync_dist=True)``, early stopping, checkpoint names).
 """
@@ -39,7 +47,8 @@ import torch
 
 import horovod.torch as hvd
 from horovod.lightning import _sharded_checkpoint as sharded
-from horovod.torch.reducer import reducer_of
+from horovod.torch.fully_shard import is_shard, reducer_for
+from horovod.torch.reducer import GradientReducer, reducer_of
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -129,33 +138,6 @@ def _zero_optimizer(opt: torch.optim.Optimizer, named: list[tuple[str, torch.Ten
                                        op=op, gradient_predivide_factor=predivide, **options)
 
 
-class _ClipAcrossShards:
-    """A precision plugin mixin: Lightning's ``gradient_clip_val`` (by norm) on a
-    ``ZeroRedundancyOptimizer`` takes the norm of the whole gradient, computed across the shards
-    (stage 2 keeps only this rank's gradients); other optimizers are clipped as the plugin does.
-    (Lightning's FSDP and DeepSpeed strategies get a precision plugin class of their own from the
-    Trainer; a strategy from another package gets the Trainer's plugin, extended by this mixin.)"""
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: Any) -> None:
-        opt = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's optimizer
-        if isinstance(opt, hvd.ZeroRedundancyOptimizer):
-            opt.clip_grad_norm_(float(clip_val))
-        else:
-            super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
-
-
-def _clipping_across_shards(plugin: Any) -> Any:
-    """``plugin`` (the Trainer's precision plugin) as an instance of a subclass of its class with
-    ``_ClipAcrossShards`` mixed in, holding the same attributes (scaler, precision...)."""
-    if isinstance(plugin, _ClipAcrossShards):
-        return plugin
-    cls = type(plugin)
-    mixed = type(cls.__name__, (_ClipAcrossShards, cls), {"__module__": cls.__module__})
-    out: Any = object.__new__(mixed)
-    out.__dict__.update(vars(plugin))
-    return out
-
-
 def _pending(optimizer: Any) -> bool:
     """Whether ``optimizer``'s gradient reducer has reductions in flight (False for an optimizer
     without one)."""
@@ -175,6 +157,7 @@ def _build(package: str) -> type[Any]:
     states = importlib.import_module(package + ".trainer.states")
     core_optimizer = importlib.import_module(package + ".core.optimizer")
     pl_rank_zero = importlib.import_module(package + ".utilities.rank_zero")
+    pl_callbacks: Any = importlib.import_module(package + ".callbacks")
     from lightning_utilities.core import rank_zero as utils_rank_zero
 
     LightningOptimizer = core_optimizer.LightningOptimizer  # noqa: N806
@@ -217,6 +200,24 @@ def _build(package: str) -> type[Any]:
         def node_rank(self) -> int:
             return hvd.cross_rank()
 
+    class ClipAcrossRanks(pl_callbacks.Callback):
+        """``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` by the norm of the
+        whole gradient: each optimizer's ``GradientReducer.clip_grad_norm_`` (across the shards
+        of ZeRO stage 2 and 3). Added by ``HorovodStrategy(zero_stage=...)`` while it fits."""
+
+        def __init__(self, strategy: Any) -> None:
+            self.strategy = strategy
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            val = trainer.gradient_clip_val
+            algorithm = trainer.gradient_clip_algorithm
+            if not val or not pl_module.automatic_optimization or (
+                    algorithm is not None and str(getattr(algorithm, "value", algorithm)) != "norm"):
+                return
+            reducer = self.strategy.reducer(optimizer)
+            if reducer is not None:
+                reducer.clip_grad_norm_(float(val))
+
     class HorovodStrategy(strategies.ParallelStrategy):
         """Lightning on Horovod: one process per device, started by a Horovod launcher.
 
@@ -236,7 +237,15 @@ def _build(package: str) -> type[Any]:
                 With one optimizer, Lightning's checkpoints are then sharded: a directory at the
                 checkpoint's path where each rank writes its part (``hvd.checkpoint``), which
                 ``ckpt_path=`` resumes from at any world size; with several optimizers they are
-                one file holding the consolidated (plain) optimizer states.
+                one file holding the consolidated (plain) optimizer states. 3 shards the
+                parameters as well (``hvd.fully_shard``, ZeRO stage 3): the optimizers from
+                ``configure_optimizers`` are plain torch optimizers over this rank's shards, and
+                checkpoints are sharded directories (one optimizer).
+            fully_shard_modules: with ``zero_stage=3``, the submodules to shard as units of
+                their own (gathered for their forward and backward only), each before the
+                LightningModule itself: a module class, a tuple of classes, or a function
+                ``module -> bool``; ``None``: the LightningModule as one unit. A LightningModule
+                that ``configure_model`` already sharded is left as it is.
         """
 
         strategy_name = "horovod"
@@ -245,14 +254,25 @@ def _build(package: str) -> type[Any]:
                      checkpoint_io: Any = None, precision_plugin: Any = None,
                      compression: Any = hvd.Compression.none, op: Any = hvd.Average,
                      gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                     flat_gradients: bool = False, zero_stage: int = 0) -> None:
-            if zero_stage not in (0, 1, 2):
+                     flat_gradients: bool = False, zero_stage: int = 0,
+                     fully_shard_modules: Any = None) -> None:
+            if zero_stage not in (0, 1, 2, 3):
                 raise ValueError(f"HorovodStrategy: zero_stage={zero_stage!r}; use 0 (no sharding), "
-                                 "1 (optimizer state) or 2 (optimizer state and gradients)")
+                                 "1 (optimizer state), 2 (optimizer state and gradients) or 3 "
+                                 "(parameters too: hvd.fully_shard)")
+            if fully_shard_modules is not None and zero_stage != 3:
+                raise ValueError("HorovodStrategy: fully_shard_modules applies to zero_stage=3")
+            if zero_stage == 3 and not isinstance(compression, type(hvd.Compression.none)) and (
+                    isinstance(compression, hvd.compression.StatefulCompressor)):
+                raise ValueError("HorovodStrategy(zero_stage=3): a stateful compression (PowerSGD) "
+                                 "averages whole gradients; fully sharded gradients are "
+                                 "reduce-scattered. Use hvd.Compression.fp16/bf16")
             if zero_stage and flat_gradients:
                 raise ValueError("HorovodStrategy: flat_gradients applies to DistributedOptimizer, "
                                  "not to zero_stage; use one of them")
             self._zero_stage = zero_stage
+            self._fully_shard_modules = fully_shard_modules
+            self._clip_callback: Any = None
             hvd.init()
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                              cluster_environment=HorovodEnvironment(), checkpoint_io=checkpoint_io,
@@ -299,26 +319,66 @@ def _build(package: str) -> type[Any]:
         def model_to_device(self) -> None:
             assert self.model is not None
             self.model.to(self.root_device)
+            if self._zero_stage == 3:
+                self._fully_shard(self.model)
+
+        def _fully_shard(self, module: torch.nn.Module) -> None:
+            """ZeRO stage 3: every rank starts from rank 0's weights, then keeps its rows."""
+            if isinstance(module, hvd.FullyShardedModule):
+                return  # configure_model did it, or an earlier fit
+            hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+            pick = self._fully_shard_modules
+            if pick is None:
+                inner: list[torch.nn.Module] = []
+            else:
+                match = pick if callable(pick) and not isinstance(pick, type) else (
+                    lambda m: isinstance(m, pick))
+                inner = [m for m in module.modules() if m is not module and match(m)]
+            for m in reversed(inner):  # the deepest first
+                hvd.fully_shard(m, compression=self._compression)
+            hvd.fully_shard(module, compression=self._compression)
+
+        def reducer(self, optimizer: Any) -> GradientReducer | None:
+            """The ``GradientReducer`` that averages ``optimizer``'s gradients: a wrapped
+            optimizer's own, or with ``zero_stage=3`` the fully sharded module's."""
+            opt = _unwrap(optimizer, LightningOptimizer)
+            found = reducer_of(opt)
+            if found is None and self._zero_stage == 3 and isinstance(self.model, hvd.FullyShardedModule):
+                return reducer_for(self.model)
+            return found
+
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return self._zero_stage == 3  # the module's shards exist after setup only
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            if self._zero_stage == 3:
+                return {}  # written by each rank from the module (save_checkpoint)
+            return super().lightning_module_state_dict()
 
         # ---------------------------------------------------------------- setup / teardown
         def setup(self, trainer: Any) -> None:
             super().setup(trainer)  # accelerator, precision, model to device, optimizers
             assert self.lightning_module is not None
-            hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
+            if self._zero_stage != 3:  # stage 3: broadcast before sharding (model_to_device)
+                hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
             if trainer.state.fn != TrainerFn.FITTING:
                 return
             automatic = self.lightning_module.automatic_optimization
             passes = trainer.accumulate_grad_batches if automatic else 1
             self.optimizers: list[Any] = self._wrap_optimizers(self.optimizers, passes)
-            if self._zero_stage:
-                self.precision_plugin = _clipping_across_shards(self.precision_plugin)  # type: ignore[has-type]
+            if self._zero_stage and self._clip_callback is None:
+                self._clip_callback = ClipAcrossRanks(self)
+                trainer.callbacks.append(self._clip_callback)
             for opt in self.optimizers:
                 self._broadcast_optimizer_state(_unwrap(opt, LightningOptimizer))
             # Gradients are synchronized in post_backward (every wrapped optimizer, after every
             # backward, automatic or manual optimization); step() must not do it again.
             self._skip_sync = contextlib.ExitStack()
             for opt in self.optimizers:
-                self._skip_sync.enter_context(_unwrap(opt, LightningOptimizer).skip_synchronize())
+                skip = self.reducer(opt) if self._zero_stage == 3 else _unwrap(opt, LightningOptimizer)
+                assert skip is not None
+                self._skip_sync.enter_context(skip.skip_synchronize())
 
         def _wrap_optimizers(self, optimizers: list[Any], passes: int) -> list[Any]:
             assert self.lightning_module is not None
@@ -331,6 +391,16 @@ def _build(package: str) -> type[Any]:
                     out.append(opt)  # the user wrapped it already
                     continue
                 mine = {id(p) for group in opt.param_groups for p in group["params"]}
+                if self._zero_stage == 3:
+                    not_shards = [n for n, p in named if id(p) in mine and not is_shard(p)]
+                    if not_shards:
+                        raise ValueError(f"HorovodStrategy(zero_stage=3): the optimizer steps "
+                                         f"parameters that are not fully sharded: {not_shards[:5]}; "
+                                         "configure_optimizers must use self.parameters() (the "
+                                         "shards, after the strategy sharded the module)")
+                    reducer_for(self.model).set_backward_passes_per_step(passes)
+                    out.append(opt)  # a plain optimizer over the shards
+                    continue
                 if self._zero_stage:
                     wrapped = _zero_optimizer(opt, [(n, p) for n, p in named if id(p) in mine],
                                               self._zero_stage, passes, self._compression, self._op,
@@ -359,9 +429,8 @@ def _build(package: str) -> type[Any]:
                     _track_step_for_schedulers(target)
             return out
 
-        @staticmethod
-        def _broadcast_optimizer_state(opt: torch.optim.Optimizer) -> None:
-            if isinstance(opt, hvd.ZeroRedundancyOptimizer):
+        def _broadcast_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
+            if isinstance(opt, hvd.ZeroRedundancyOptimizer) or self._zero_stage == 3:
                 return  # sharded: each rank holds (only) its own part
             # A fresh optimizer has no state: broadcasting it would take a step on zero gradients
             # to create some (which moves weights under decoupled weight decay). Then only the
@@ -376,6 +445,11 @@ def _build(package: str) -> type[Any]:
 
         def teardown(self) -> None:
             self._views = []
+            if self._clip_callback is not None and self.lightning_module is not None:
+                callbacks = self.lightning_module.trainer.callbacks
+                if self._clip_callback in callbacks:
+                    callbacks.remove(self._clip_callback)
+                self._clip_callback = None
             if self._skip_sync is not None:
                 self._skip_sync.close()
                 self._skip_sync = None
@@ -393,10 +467,16 @@ def _build(package: str) -> type[Any]:
             """Lightning's accumulation micro-batches: no synchronization (the optimizer's own
             ``backward_passes_per_step`` counter holds the allreduces back)."""
             self._blocked = True
+            reducer = reducer_for(self.model) if self._zero_stage == 3 and isinstance(
+                self.model, hvd.FullyShardedModule) else None
+            if reducer is not None:  # stage 3: the micro-batch accumulates unsharded gradients
+                reducer.accumulating(False)
             try:
                 yield None
             finally:
                 self._blocked = False
+                if reducer is not None:
+                    reducer.accumulating(True)
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             # GradientAccumulationScheduler changes accumulate_grad_batches at an epoch's start (a
@@ -405,6 +485,8 @@ def _build(package: str) -> type[Any]:
                 return
             _restore_views(self._views)
             passes = self.lightning_module.trainer.accumulate_grad_batches
+            if self._zero_stage == 3:
+                return  # block_backward_sync holds the micro-batches' reductions back
             for opt in self.optimizers:
                 opt = _unwrap(opt, LightningOptimizer)
                 if opt.backward_passes_per_step != passes:
@@ -433,7 +515,12 @@ def _build(package: str) -> type[Any]:
             for opt in self.optimizers:
                 opt = _unwrap(opt, LightningOptimizer)
                 if any(p.requires_grad for group in opt.param_groups for p in group["params"]):
-                    opt.synchronize()
+                    if self._zero_stage == 3:
+                        reducer = self.reducer(opt)
+                        assert reducer is not None
+                        reducer.synchronize()
+                    else:
+                        opt.synchronize()
 
         def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
             if (self._skip_sync is not None and self.lightning_module is not None
@@ -481,6 +568,8 @@ def _build(package: str) -> type[Any]:
             (``save_checkpoint`` writes each rank's shard), else the whole state consolidated on
             rank 0 (every rank calls this while Lightning builds a checkpoint; rank 0 writes it)."""
             opt = _unwrap(optimizer, LightningOptimizer)
+            if self._zero_stage == 3 and opt is self._sharded_optimizer():
+                return {sharded.MARK: True}  # each rank's rows, written by save_checkpoint
             if isinstance(opt, hvd.ZeroRedundancyOptimizer):
                 if opt is self._sharded_optimizer():
                     return {sharded.MARK: True}
@@ -492,7 +581,7 @@ def _build(package: str) -> type[Any]:
         def _sharded_optimizer(self) -> Any:
             """The optimizer whose checkpoints are sharded: the only one, a ZeRO one."""
             opts = [_unwrap(o, LightningOptimizer) for o in self.optimizers]
-            if len(opts) == 1 and isinstance(opts[0], hvd.ZeroRedundancyOptimizer):
+            if len(opts) == 1 and (isinstance(opts[0], hvd.ZeroRedundancyOptimizer) or self._zero_stage == 3):
                 return opts[0]
             return None
 
@@ -501,7 +590,14 @@ def _build(package: str) -> type[Any]:
             """With ``zero_stage`` and one optimizer: a sharded checkpoint directory at
             ``filepath``, each rank writing its part (collective); otherwise Lightning's file."""
             opt = self._sharded_optimizer()
-            if opt is None or self.lightning_module is None:
+            if self._zero_stage == 3 and self.lightning_module is not None and opt is None:
+                if self.optimizers:
+                    raise NotImplementedError(
+                        f"HorovodStrategy(zero_stage=3): checkpoints of {len(self.optimizers)} "
+                        "optimizers are not supported (one optimizer: a sharded hvd.checkpoint "
+                        "directory)")
+                opt = None  # weights only (validate/test, or no optimizer)
+            elif opt is None or self.lightning_module is None:
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             if storage_options is not None:
                 raise TypeError("HorovodStrategy(zero_stage=...).save_checkpoint(..., storage_options=...) "

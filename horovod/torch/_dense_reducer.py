@@ -30,6 +30,7 @@ from horovod.common.objects import broadcast_object
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average
 from horovod.torch._autograd import GradHooks, at_end_of_backward
+from horovod.torch._clip import clip_by_global_norm
 from horovod.torch._grad_comm import GradientCommunicator
 from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
 from horovod.torch.compression import StatefulCompressor, _TorchCast
@@ -264,6 +265,16 @@ class DenseReducer(SkipSynchronize):
     def state_dict(self) -> dict[str, Any]:
         """A stateful compression's state (PowerSGD) under ``"horovod_compression"``, else {}."""
         return {COMPRESSION_KEY: self._compression.state_dict()} if self._whole_step else {}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradients by their norm (every rank holds all of them: the same norm
+        everywhere, no communication); finishes reductions in flight first."""
+        if self.pending():
+            self.synchronize()
+        grads = [p.grad for _, p in self._all_params() if p.grad is not None]
+        return clip_by_global_norm(grads, grads, max_norm, norm_type, None, "hvd.DistributedOptimizer",
+                                   error_if_nonfinite)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if COMPRESSION_KEY in state and self._whole_step:

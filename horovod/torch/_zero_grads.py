@@ -40,6 +40,7 @@ import torch
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average, Max
 from horovod.torch._autograd import GradHooks, at_end_of_backward
+from horovod.torch._clip import clip_by_global_norm
 from horovod.torch.mpi_ops import allreduce_, alltoall_async, grouped_allreduce_async_, synchronize
 from horovod.torch.reducer import SkipSynchronize
 
@@ -386,6 +387,17 @@ class ShardedGradients(SkipSynchronize):
     def state_dict(self) -> dict[str, Any]:
         """Nothing of its own to checkpoint (the partition follows from the parameters)."""
         return {}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip by the norm of the whole averaged gradient: each rank the norm of the gradients it
+        owns, combined by one allreduce; finishes reductions in flight first."""
+        if self.pending():
+            self.synchronize()
+        mine = [p.grad for i, p in enumerate(self.params) if self.owner[i] == self.rank and p.grad is not None]
+        every = [p.grad for p in self.params if p.grad is not None]
+        return clip_by_global_norm(mine, every, max_norm, norm_type, self.process_set, "zero",
+                                   error_if_nonfinite)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
+import math
 import os
 import sys
 import threading
@@ -44,8 +46,7 @@ from horovod.common.basics import is_initialized, rank, size
 from horovod.common.job_state import next_number
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.torch import _checkpoint_dir as layout
-from horovod.torch.fully_shard import refuse_in_checkpoint
-from horovod.torch.reducer import ShardedStateful
+from horovod.torch.reducer import RowShard, ShardedStateful
 from horovod.torch.zero import partition_by_bytes
 
 __all__ = ["save", "load", "latest", "SaveHandle", "FORMAT_VERSION", "release_buffers"]
@@ -88,14 +89,55 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[str]:
     return sorted({k for g in groups for k in g if k != "params"})
 
 
+def _row_layout(model: torch.nn.Module | None, n: int, what: str) -> dict[str, RowShard]:
+    """The rows each sharded parameter of a fully sharded ``model`` holds here (``{}`` for any
+    other model); its process sets must span the job."""
+    from horovod.torch.fully_shard import row_shards, shard_process_sets
+
+    for ps in shard_process_sets(model):
+        if ps.size() != n:
+            raise ValueError(f"hvd.checkpoint.{what}: {type(model).__name__} is fully sharded over "
+                             f"{ps.size()} ranks (process set {ps}), the job has {n}; checkpoints "
+                             "of a fully sharded model need it sharded over the global process set")
+    return row_shards(model)
+
+
+def _add_rows(out: dict[str, Any], rows: dict[str, RowShard], key: str, v: torch.Tensor,
+              rs: RowShard) -> None:
+    """Write ``v``, this rank's rows of the tensor ``rs.shape``, as its chunk of the whole tensor
+    (a 0-d tensor: whole, by the rank that holds its one row; nothing where no row is held)."""
+    if tuple(v.shape) != rs.local_shape:
+        raise ValueError(f"hvd.checkpoint.save: {key} has shape {tuple(v.shape)} on rank "
+                         f"{_world()[0]}, its rows {rs.lo}:{rs.hi} of {rs.shape} have {rs.local_shape}")
+    if rs.hi <= rs.lo:
+        return
+    if not rs.shape:
+        out[key] = v.reshape(())
+    else:
+        out[key], rows[key] = v, rs
+
+
+def _per_element(v: Any, rs: RowShard | None) -> bool:
+    """Whether the optimizer state ``v`` of a sharded parameter is per element (rows, like the
+    shard) rather than one value for the parameter (``step``)."""
+    return rs is not None and isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == rs.local_shape
+
+
 def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                extra: dict[str, Any] | None, r: int, n: int) -> dict[str, Any]:
-    """The flat state dict this rank writes."""
+                extra: dict[str, Any] | None, r: int, n: int) -> tuple[dict[str, Any], dict[str, RowShard]]:
+    """The flat state dict this rank writes, and which of its entries are rows of a larger
+    tensor (a fully sharded parameter's, or their optimizer state's)."""
     out: dict[str, Any] = {}
+    rows: dict[str, RowShard] = {}
+    layout = _row_layout(model, n, "save")
     if model is not None:
-        items = list(model.state_dict().items())
+        sd = model.state_dict()
+        items = [(k, v) for k, v in sd.items() if k not in layout]
         owner = partition_by_bytes([_nbytes(v) for _, v in items], n)
         out.update({f"model.{k}": v for (k, v), o in zip(items, owner) if o == r})
+        for key, rs in layout.items():
+            if key in sd:
+                _add_rows(out, rows, f"model.{key}", sd[key], rs)
     if optimizer is not None:
         params = _optimizer_params(optimizer)
         names = _param_names(model, params)
@@ -105,14 +147,28 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
                 raise ValueError(f"hvd.checkpoint.save: the {kind} is sharded over "
                                  f"{optimizer.num_shards} ranks, the job has {n}; checkpoints of a "
                                  f"{kind} need it on the global process set")
+            if layout:
+                raise ValueError(f"hvd.checkpoint.save: a {kind} over a fully sharded model: its "
+                                 "parameters are already shards; step them with a plain torch "
+                                 "optimizer (torch.optim.AdamW(model.parameters()))")
             mine = optimizer.local_state_dict()
         else:
             full = optimizer.state_dict()["state"]
-            owner = partition_by_bytes([p.numel() * p.element_size() for p in params], n)
-            mine = {i: v for i, v in full.items() if owner[i] == r}
+            # ownership by the whole parameter's bytes: the same on every rank
+            sizes = [math.prod(layout[nm].shape) * p.element_size() if nm in layout
+                     else p.numel() * p.element_size() for nm, p in zip(names, params)]
+            owner = partition_by_bytes(sizes, n)
+            mine = {}
+            for i, st in full.items():
+                row = layout.get(names[i])
+                for sk, v in st.items():
+                    if row is not None and _per_element(v, row):
+                        _add_rows(out, rows, f"optim.state.{names[i]}.{sk}", v, row)
+                    elif owner[i] == r:
+                        mine.setdefault(i, {})[sk] = v
         for i, st in mine.items():
-            for key, v in st.items():
-                out[f"optim.state.{names[i]}.{key}"] = v
+            for sk, v in st.items():
+                out[f"optim.state.{names[i]}.{sk}"] = v
         if r == 0:
             groups, start = [], 0
             for g in optimizer.param_groups:
@@ -128,7 +184,7 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
             cls = _algorithm(optimizer)
             out["horovod"].update(optimizer=cls.__name__, optimizer_module=cls.__module__,
                                   hyperparameters=_hyperparameters(optimizer.param_groups))
-    return out
+    return out, rows
 
 
 class _Snapshot:
@@ -186,6 +242,41 @@ def release_buffers() -> None:
             _Snapshot.buf = None
 
 
+def _save_planner(rows: dict[str, RowShard]) -> Any:
+    """DCP's default planner (objects stay one entry each), writing each entry of ``rows`` as
+    the chunk at its first row of the whole tensor: the index then holds whole tensors that
+    load at any world size (DCP checks that the chunks tile each tensor)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class _Planner(DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            items = []
+            for item in plan.items:
+                rs = rows.get(item.index.fqn)
+                if rs is None:
+                    items.append(item)
+                    continue
+                v = self.state_dict[item.index.fqn]
+                offsets = torch.Size((rs.lo,) + (0,) * (len(rs.shape) - 1))
+                items.append(WriteItem(
+                    index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(rs.local_shape)),
+                        properties=TensorProperties.create_from_tensor(v), size=torch.Size(rs.shape))))
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
+        def lookup_object(self, index: Any) -> Any:
+            if index.fqn in rows:
+                return self.state_dict[index.fqn]
+            return super().lookup_object(index)
+
+    return _Planner(flatten_state_dict=False)
+
+
 class _Failed(str):
     """A rank's error while planning, sent to the other ranks in place of its plan."""
 
@@ -196,8 +287,9 @@ class SaveHandle:
     finished at interpreter exit (see ``save``)."""
 
     def __init__(self, path: str, tmp: str, part: dict[str, Any], r: int, n: int, name: str,
-                 background: bool, kept: bool = False, created: bool = False) -> None:
-        self.path, self._tmp, self._part = path, tmp, part
+                 background: bool, kept: bool = False, created: bool = False,
+                 rows: dict[str, RowShard] | None = None) -> None:
+        self.path, self._tmp, self._part, self._rows = path, tmp, part, dict(rows or {})
         self._r, self._n, self._name, self._kept, self._created = r, n, name, kept, created
         self.version: str | None = None  # the committed version's directory, once committed
         self._writer: Any = None
@@ -228,10 +320,10 @@ class SaveHandle:
                 _Snapshot.give_back()
 
     def _plan(self) -> tuple[Any, Any]:
-        from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+        from torch.distributed.checkpoint import FileSystemWriter
 
         r, n, name = self._r, self._n, self._name
-        planner = DefaultSavePlanner(flatten_state_dict=False)  # objects stay one entry each
+        planner = _save_planner(self._rows)
         local: Any
         try:
             # rank 0 made the version's directory (``save``); every file is fsync'd when written
@@ -376,7 +468,6 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
         RuntimeError: a rank failed to plan or write; raised on every rank, and nothing is
             committed.
     """
-    refuse_in_checkpoint("save", model)
     path = os.fspath(path)
     r, n = _world()
     earlier = _pending.get(os.path.realpath(path))
@@ -388,7 +479,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
                                f"non-blocking save to the same path, finished first, failed: "
                                f"{exc}") from exc
     name = f"checkpoint.save.{next_number('checkpoint.save')}"
-    part = _local_part(model, optimizer, extra, r, n)
+    part, rows = _local_part(model, optimizer, extra, r, n)
     where: Any = None
     if r == 0:  # rank 0 checks the directory and makes the new version's; every rank learns it
         try:
@@ -407,7 +498,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
     if not blocking:
         part, kept = _Snapshot.take(part)
     handle = SaveHandle(path, tmp, part, r, n, name, background=not blocking, kept=kept,
-                        created=created)
+                        created=created, rows=rows)
     if blocking:
         return handle.wait()
     _pending[os.path.realpath(path)] = handle
@@ -450,16 +541,69 @@ def _read_metadata(path: str) -> tuple[str, Any]:
     raise AssertionError("unreachable")
 
 
-def _read(path: str, request: dict[str, Any]) -> dict[str, Any]:
+class _RowRequests:
+    """The entries a rank reads as rows of a whole tensor (a fully sharded parameter's, or its
+    optimizer state's): the region of each, the ones with no row here (nothing to read), and
+    0-d tensors read whole and held as one row."""
+
+    def __init__(self) -> None:
+        self.regions: dict[str, RowShard] = {}
+        self.ready: dict[str, torch.Tensor] = {}
+        self.zero_d: set[str] = set()
+
+    def add(self, request: dict[str, Any], key: str, rs: RowShard, dtype: torch.dtype) -> None:
+        if rs.hi <= rs.lo:
+            self.ready[key] = torch.empty(rs.local_shape, dtype=dtype)
+        elif not rs.shape:
+            request[key] = torch.empty((), dtype=dtype)
+            self.zero_d.add(key)
+        else:
+            request[key] = torch.empty(rs.local_shape, dtype=dtype)
+            self.regions[key] = rs
+
+    def finish(self, got: dict[str, Any]) -> dict[str, Any]:
+        for key in self.zero_d:
+            got[key] = got[key].reshape(1)
+        got.update(self.ready)
+        return got
+
+
+def _read(path: str, request: dict[str, Any], regions: dict[str, RowShard] | None = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     objects: dict[str, Any] = {}
+    rows = regions or {}
 
     class _Planner(DefaultLoadPlanner):
         # dcp.load reads objects into a copy of the request that it drops: keep them aside
         def load_bytes(self, read_item: Any, value: Any) -> None:
             objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+        # the entries of ``regions`` are read as their rows of the whole tensor (chunks of it
+        # that other world sizes wrote, or the whole tensor an unsharded model saved)
+        def create_local_plan(self) -> Any:
+            if not rows:
+                return super().create_local_plan()
+            assert self.metadata is not None
+            rest = {k: v for k, v in self.state_dict.items() if k not in rows}
+            plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+            items = list(plan.items)
+            for fqn, rs in rows.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size((rs.lo,) + (0,) * (len(rs.shape) - 1)),
+                                             sizes=torch.Size(rs.local_shape))
+                md = self.metadata.state_dict_metadata[fqn]
+                assert isinstance(md, TensorStorageMetadata)
+                items += create_read_items_for_chunk_list(fqn, md, [chunk])
+            return dataclasses.replace(plan, items=items)
+
+        def lookup_tensor(self, index: Any) -> Any:
+            if index.fqn in rows:
+                return self.state_dict[index.fqn]
+            return super().lookup_tensor(index)
 
     if request:
         with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
@@ -485,7 +629,6 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
             names the missing, unexpected and mismatched keys, or the optimizer classes and
             their differing hyper-parameters); nothing was loaded.
     """
-    refuse_in_checkpoint("load", model)
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.fspath(path)
@@ -511,6 +654,8 @@ def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | Non
     problems: list[str] = []
     request: dict[str, Any] = {}
     model_sd: dict[str, Any] = {}
+    layout = _row_layout(model, _world()[1], "load")
+    rows = _RowRequests()
     if model is not None:
         model_sd = model.state_dict()
         want = {f"model.{k}" for k in model_sd}
@@ -521,10 +666,14 @@ def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | Non
             problems.append(f"unexpected model keys {sorted(k[6:] for k in have - want)}")
         for k, v in model_sd.items():
             m = md.get(f"model.{k}")
+            rs = layout.get(k)
             if isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata):
-                if tuple(m.size) != tuple(v.shape):
+                shape = rs.shape if rs is not None else tuple(v.shape)  # a shard: the whole one's
+                if tuple(m.size) != shape:
                     problems.append(f"model key {k!r}: shape {tuple(m.size)} in the checkpoint, "
-                                    f"{tuple(v.shape)} in the model")
+                                    f"{shape} in the model")
+                elif rs is not None:
+                    rows.add(request, f"model.{k}", rs, m.properties.dtype)
                 else:
                     request[f"model.{k}"] = torch.empty(v.shape, dtype=m.properties.dtype)
             elif m is not None:
@@ -532,12 +681,12 @@ def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | Non
     optim_sd = None
     if optimizer is not None:
         optim_sd = _optimizer_request(optimizer, model, md, head.get("optim.param_groups"),
-                                      problems, request, head.get("horovod") or {})
+                                      problems, request, head.get("horovod") or {}, layout, rows)
     if problems:
         raise ValueError(f"hvd.checkpoint.load({path!r}): the checkpoint does not match the "
                          f"{'model and optimizer' if optimizer is not None else 'model'} given: "
                          + "; ".join(problems) + ". Nothing was loaded.")
-    got = _read(where, request)
+    got = rows.finish(_read(where, request, rows.regions))
     if model is not None:
         model.load_state_dict({k: got[f"model.{k}"] for k in model_sd})
     if optimizer is not None and optim_sd is not None:
@@ -579,7 +728,8 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved_groups: list[dic
 
 def _optimizer_request(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, md: Any,
                        saved_groups: Any, problems: list[str], request: dict[str, Any],
-                       header: dict[str, Any]) -> Any:
+                       header: dict[str, Any], layout: dict[str, RowShard] | None = None,
+                       rows: _RowRequests | None = None) -> Any:
     """Check the saved optimizer against ``optimizer``; add what to read to ``request`` and
     return the full state dict to fill (state keys under ``_keys``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -613,9 +763,15 @@ def _optimizer_request(optimizer: torch.optim.Optimizer, model: torch.nn.Module 
         if not entries or i not in owned:
             continue
         keys[i] = entries
-        for fk in entries.values():
+        rs = (layout or {}).get(name)
+        for key, fk in entries.items():
             m = md[fk]
-            if isinstance(m, TensorStorageMetadata):
+            # a sharded parameter's per-element state (its shape; of a 0-d parameter's 0-d
+            # state tensors, ``step`` is the one that is not per element): this rank's rows
+            if (rs is not None and rows is not None and isinstance(m, TensorStorageMetadata)
+                    and tuple(m.size) == rs.shape and (rs.shape or key != "step")):
+                rows.add(request, fk, rs, m.properties.dtype)
+            elif isinstance(m, TensorStorageMetadata):
                 request[fk] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
             elif isinstance(m, BytesStorageMetadata):
                 request[fk] = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -40,10 +41,13 @@ from horovod.common.job_state import next_number
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Max, Sum
 from horovod.torch import mpi_ops
+from horovod.torch._clip import clip_by_global_norm
 from horovod.torch.compression import Compression, StatefulCompressor
+from horovod.torch.reducer import RowShard, SkipSynchronize
 
 __all__ = ["fully_shard", "FullyShardedModule", "MixedPrecisionPolicy", "clip_grad_norm_",
-           "full_optim_state_dict", "load_full_optim_state_dict"]
+           "full_optim_state_dict", "load_full_optim_state_dict", "row_shards", "relayout",
+           "FullyShardedReducer", "reducer_for", "check_same_modules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,7 @@ class _Group:
         self.unsharded = False
         self.accumulated: set[int] = set()
         self.params: list[_Param] = []
+        self.desc: list[Any] = []  # what collect() checks every rank agrees on
 
     # -------------------------------------------------------------------- setup
     def collect(self) -> None:
@@ -162,16 +167,13 @@ class _Group:
         named = list(first.values())
         # every rank of the set must wrap the same module with the same parameters
         desc = _describe(module, [(n, p) for n, p in named])
-        everyone = mpi_ops.allgather_object_ps(desc, self.process_set) if hasattr(
-            mpi_ops, "allgather_object_ps") else _allgather_object(desc, self.process_set)
-        bad = [i for i, d in enumerate(everyone) if d != everyone[0]]
-        if bad:
-            first_bad = everyone[bad[0]]
-            diff = _first_difference(everyone[0], first_bad)
-            raise ValueError(
-                f"hvd.fully_shard (call {self.index} on this rank): ranks {bad} wrap a different module "
-                f"than rank 0: {diff}; every rank must call fully_shard on the same modules, in the "
-                "same order, with the same parameters")
+        self.desc = desc
+        # an elastic worker may join a running job, whose ranks wrapped their modules long ago:
+        # the check is made by hvd.elastic.TorchState's sync (check_same_modules), with them
+        if os.environ.get("HOROVOD_ELASTIC") != "1":
+            everyone = mpi_ops.allgather_object_ps(desc, self.process_set) if hasattr(
+                mpi_ops, "allgather_object_ps") else _allgather_object(desc, self.process_set)
+            _raise_on_difference([everyone], [self.index])
         dtypes = {p.device.type for _, p in named}
         if len(dtypes) > 1:
             raise ValueError(f"hvd.fully_shard: rank {self.r}: {type(module).__name__} has parameters "
@@ -272,6 +274,34 @@ class _Group:
             q.free()
             q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
         self.unsharded = False
+
+    def relayout(self) -> bool:
+        """Lay the shards out over the process set's current size and rank (see ``relayout``)."""
+        n, r = self.process_set.size() or 1, self.process_set.rank() or 0
+        if (n, r) == (self.n, self.r):
+            return False
+        self.reshard()
+        self.n, self.r = n, r
+        self.order, self.prev_order, self.pending = [], [], []
+        self.callback_queued, self.in_forward = False, False
+        self.accumulated.clear()
+        offset = 0
+        for q in self.params:
+            q.chunk_rows = -(-q.rows // n)
+            q.seg = q.chunk_rows * q.row_numel
+            q.offset = offset
+            offset += q.seg
+            q.lo, q.hi = min(q.rows, r * q.chunk_rows), min(q.rows, (r + 1) * q.chunk_rows)
+            q.shard.grad = None
+            q.shard.data = torch.zeros((q.hi - q.lo, *q.shape[1:]), dtype=q.dtype, device=q.shard.device)
+        self.segment = offset
+        self.flat = None
+        if self.params and len({q.dtype for q in self.params}) == 1:
+            flat = torch.zeros(offset, dtype=self.params[0].dtype, device=self.params[0].shard.device)
+            for q in self.params:
+                q.shard.data = flat[q.offset:q.offset + q.local_numel].view(q.shard.shape)
+            self.flat = flat
+        return True
 
     # -------------------------------------------------------------------- forward hooks
     def pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
@@ -393,11 +423,33 @@ class _Group:
         pending, self.pending = self.pending, []
         for entry in pending:
             _complete(*entry)
+        if pending:  # this backward reduced (every rank alike)
+            self.agree_finite()
         for g in self.order:
             g.reshard()
         for g in self.prev_order:
             if g.gather is not None:
                 g.reshard()
+
+
+    def agree_finite(self) -> None:
+        """After a backward's reductions (on the root): one 1-element allreduce (Max) so that, if
+        any rank's shards received a non-finite averaged gradient, every rank makes one of its
+        own gradients infinite too, and ``GradScaler`` skips the step on every rank alike (each
+        rank checks only its rows; DistributedOptimizer needs nothing, every rank holding every
+        average)."""
+        shards = [q.shard for m in self.module.modules() if m in _GROUPS for q in _GROUPS[m].params]
+        if not any(p.requires_grad for p in shards):
+            return
+        grads = [p.grad for p in shards if p.grad is not None]
+        bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([1.0 if bad else 0.0], device=shards[0].device)
+        flag = mpi_ops.allreduce(flag, op=Max, name="hvd.fully_shard.nonfinite", process_set=self.process_set)
+        if float(flag[0]) and not bad:
+            for g in grads:
+                if g.numel():
+                    g.view(-1)[0] = float("inf")
+                    break
 
 
 def _complete(g: _Group, handle: int, ctx: Any) -> None:
@@ -416,6 +468,32 @@ def _complete(g: _Group, handle: int, ctx: Any) -> None:
 def _allgather_object(obj: Any, process_set: ProcessSet) -> list[Any]:
     from horovod.torch.functions import allgather_object
     return allgather_object(obj, name="hvd.fully_shard.check", process_set=process_set)
+
+
+def _raise_on_difference(everyone: list[list[Any]], indices: list[int]) -> None:
+    """``everyone[k]``: each rank's description of the module of call ``indices[k]``."""
+    for ranks_desc, index in zip(everyone, indices):
+        bad = [i for i, d in enumerate(ranks_desc) if d != ranks_desc[0]]
+        if bad:
+            diff = _first_difference(ranks_desc[0], ranks_desc[bad[0]])
+            raise ValueError(
+                f"hvd.fully_shard (call {index} on this rank): ranks {bad} wrap a different module "
+                f"than rank 0: {diff}; every rank must call fully_shard on the same modules, in the "
+                "same order, with the same parameters")
+
+
+def check_same_modules(model: torch.nn.Module) -> None:
+    """Raise on every rank unless every rank wrapped the same modules of ``model`` with the same
+    parameters (what ``fully_shard`` checks at once outside an elastic job). One collective."""
+    groups = _groups_in(model)
+    if not groups:
+        return
+    mine = [g.desc for g in groups]
+    everyone = _allgather_object(mine, groups[0].process_set)
+    if len({len(d) for d in everyone}) > 1:
+        raise ValueError(f"hvd.fully_shard: the ranks wrapped {[len(d) for d in everyone]} modules of "
+                         f"{type(model).__name__}; every rank must make the same fully_shard calls")
+    _raise_on_difference([[d[k] for d in everyone] for k in range(len(mine))], [g.index for g in groups])
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -490,6 +568,16 @@ class FullyShardedModule:
         return clip_grad_norm_(self.parameters(), max_norm, norm_type,  # type: ignore[attr-defined]
                                process_set=_GROUPS[self].process_set)
 
+    # RowShardedStateful (horovod/torch/reducer.py): what hvd.checkpoint reads and writes per rank
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the parameters are split across."""
+        return _GROUPS[self].n
+
+    def row_shards(self) -> dict[str, RowShard]:
+        """``{state-dict key: the rows this rank holds}`` of every sharded parameter."""
+        return row_shards(self)  # type: ignore[arg-type]
+
     def full_state_dict(self, to: int | None = None) -> dict[str, torch.Tensor]:
         """The unsharded state dict (every parameter whole, buffers as they are), gathered one
         parameter at a time. ``to``: only that rank of the process set receives it (the others
@@ -540,16 +628,51 @@ _SHARD_NAMES: Any = WeakIdKeyDictionary()
 _SHARDED_AS: Any = WeakIdKeyDictionary()
 
 
-def refuse_in_checkpoint(what: str, model: torch.nn.Module | None) -> None:
-    """``hvd.checkpoint`` does not know fully sharded models yet: their ``state_dict()`` holds
-    this rank's rows, which it would save as whole tensors. Raise rather than write a wrong one."""
-    if model is not None and any(isinstance(m, FullyShardedModule) for m in model.modules()):
-        raise ValueError(
-            f"hvd.checkpoint.{what}: {type(model).__name__} is fully sharded (hvd.fully_shard), which "
-            "hvd.checkpoint does not support yet. Save model.full_state_dict(to=0) and "
-            "horovod.torch.fully_shard.full_optim_state_dict(model, opt, to=0) with torch.save on "
-            "rank 0; load them at any world size with model.load_full_state_dict(sd) and "
-            "load_full_optim_state_dict(model, opt, osd) (docs/fully_shard.md)")
+def row_shards(model: torch.nn.Module | None) -> dict[str, RowShard]:
+    """``{state-dict key: RowShard}`` for every parameter of ``model`` that a ``fully_shard``
+    call inside it shards (each name of a tied one); ``{}`` for a model with none."""
+    if model is None:
+        return {}
+    managed = _managed_by_shard(model)
+    if not managed:
+        return {}
+    return {name: RowShard(q.shape, q.lo, q.hi)
+            for name, p in model.named_parameters(remove_duplicate=False)
+            for q, _ in [managed.get(id(p), (None, None))] if q is not None}
+
+
+def shard_process_sets(model: torch.nn.Module | None) -> list[ProcessSet]:
+    """The process sets over which ``model``'s fully sharded modules are sharded."""
+    out: list[ProcessSet] = []
+    for m in model.modules() if model is not None else []:
+        g = _GROUPS.get(m)
+        if g is not None and all(ps is not g.process_set for ps in out):
+            out.append(g.process_set)
+    return out
+
+
+def groups_of_params(params: Iterable[torch.Tensor]) -> list[_Group]:
+    """The groups whose shards are among ``params`` (an optimizer's parameters)."""
+    want = {id(p) for p in params}
+    return [g for _, g in list(_GROUPS.items()) if any(id(q.shard) in want for q in g.params)]
+
+
+def is_shard(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a shard that ``fully_shard`` registered in place of a parameter."""
+    return p in _SHARD_NAMES
+
+
+def relayout(groups: Iterable[Any]) -> bool:
+    """Lay the shards of ``groups`` (fully sharded modules, or their groups) out again over their
+    process set's current size and this rank's current rank there (after an elastic reset): each
+    shard keeps its ``nn.Parameter`` object (an optimizer's references stay valid) and gets its
+    new rows, zero until a full state dict is loaded; gradients and the iteration's order are
+    dropped. Returns whether anything changed. Every rank of the new set must call it."""
+    changed = False
+    for g in groups:
+        g = _GROUPS[g] if isinstance(g, torch.nn.Module) else g
+        changed = g.relayout() or changed
+    return changed
 
 
 def fully_shard(module: torch.nn.Module, *, reshard_after_forward: bool = True,
@@ -636,21 +759,24 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-def _managed_by_shard(model: torch.nn.Module) -> dict[int, tuple[_Param, ProcessSet]]:
+def _managed_by_shard(model: torch.nn.Module | None,
+                      optimizer: torch.optim.Optimizer | None = None) -> dict[int, tuple[_Param, ProcessSet]]:
     out = {}
-    for m in model.modules():
-        g = _GROUPS.get(m)
+    groups = ([_GROUPS.get(m) for m in model.modules()] if model is not None else
+              groups_of_params(p for grp in optimizer.param_groups for p in grp["params"]) if optimizer else [])
+    for g in groups:
         if g is not None:
             for q in g.params:
                 out[id(q.shard)] = (q, g.process_set)
     return out
 
 
-def full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def full_optim_state_dict(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
                           to: int | None = None) -> dict[str, Any]:
     """The optimizer's state dict as an unsharded model's optimizer would have it (every state
-    tensor shaped like its shard gathered whole); ``to`` as in ``full_state_dict``."""
-    managed = _managed_by_shard(model)
+    tensor shaped like its shard gathered whole); ``to`` as in ``full_state_dict``. ``model``
+    None: the fully sharded modules whose shards the optimizer steps."""
+    managed = _managed_by_shard(model, optimizer)
     sd = optimizer.state_dict()
     params = [p for grp in optimizer.param_groups for p in grp["params"]]
     state: dict[int, dict[str, Any]] = {}
@@ -673,11 +799,12 @@ def full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
-def load_full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_full_optim_state_dict(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
                                state_dict: dict[str, Any]) -> None:
     """Load an unsharded optimizer state dict (``full_optim_state_dict``, or a plain optimizer's
-    over the unsharded model's parameters in the same order): each rank keeps its rows."""
-    managed = _managed_by_shard(model)
+    over the unsharded model's parameters in the same order): each rank keeps its rows.
+    ``model`` None: the fully sharded modules whose shards the optimizer steps."""
+    managed = _managed_by_shard(model, optimizer)
     params = [p for grp in optimizer.param_groups for p in grp["params"]]
     state = {}
     for idx, st in state_dict["state"].items():
@@ -697,3 +824,97 @@ def load_full_optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Op
             out[k] = v
         state[idx] = out
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+class FullyShardedReducer(SkipSynchronize):
+    """The ``GradientReducer`` (``horovod/torch/reducer.py``) of a fully sharded model, for a plain
+    optimizer over its shards (ZeRO stage 3): the reduce-scatters are the wrapped modules' own,
+    run in backward, so a step's gradients are in the shards by the end of backward; this object
+    only lets code written for the protocol (the Lightning strategy, ``clip_grad_norm_``) drive
+    it. ``backward_passes_per_step`` > 1 is gradient accumulation through
+    ``set_requires_gradient_sync`` (only the last pass of a window reduces): the caller turns
+    sync off for the other passes (``accumulating(last)``)."""
+
+    def __init__(self, module: torch.nn.Module | FullyShardedModule) -> None:
+        if not isinstance(module, FullyShardedModule) or not isinstance(module, torch.nn.Module):
+            raise ValueError(f"FullyShardedReducer: {type(module).__name__} is not fully sharded "
+                             "(call hvd.fully_shard on it, its root module last)")
+        self.module = module
+        self._passes = 1
+
+    @property
+    def _root(self) -> _Group:
+        return _GROUPS[self.module].root()
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._passes
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self._passes = int(passes)
+
+    def accumulating(self, last: bool) -> None:
+        """Whether the next backward pass reduces (``last`` of an accumulation window) or only
+        accumulates the unsharded gradients locally."""
+        self.module.set_requires_gradient_sync(last)
+
+    def register_hooks(self) -> None:
+        """Nothing to add: the wrapped modules' hooks (``fully_shard``) reduce."""
+
+    def remove_hooks(self) -> None:
+        """Nothing to remove (see ``register_hooks``)."""
+
+    def pending(self) -> bool:
+        root = self._root
+        return bool(root.pending) or root.callback_queued or any(g.accumulated for g in _groups_in(self.module))
+
+    def synchronize(self) -> None:
+        """Finish a backward whose end-of-backward callback did not run (reductions left in
+        flight); nothing to do after a complete backward pass. Repeated calls do nothing."""
+        if self.pending():
+            self._root.finish_backward()
+
+    def check_idle(self) -> None:
+        if self._root.pending:
+            raise AssertionError("fully sharded gradients are being reduce-scattered; finish "
+                                 "backward() (or call synchronize()) before zero_grad()")
+
+    def reset(self) -> None:
+        root = self._root
+        root.pending, root.callback_queued = [], False
+        for g in _groups_in(self.module):
+            g.accumulated.clear()
+            for q in g.params:
+                q.unsharded.grad = None
+            g.reshard()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the shards' gradients by the norm of the whole gradient (one allreduce)."""
+        self.synchronize()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]  # type: ignore[attr-defined]
+        return clip_by_global_norm(grads, grads, max_norm, norm_type, _GROUPS[self.module].process_set,
+                                   "hvd.fully_shard", error_if_nonfinite)
+
+
+def _groups_in(module: torch.nn.Module) -> list[_Group]:
+    return [_GROUPS[m] for m in module.modules() if m in _GROUPS]
+
+
+_REDUCERS: Any = WeakIdKeyDictionary()
+
+
+def reducer_for(module: torch.nn.Module | FullyShardedModule) -> FullyShardedReducer:
+    """The ``FullyShardedReducer`` of a fully sharded root module (one per module)."""
+    r = _REDUCERS.get(module)
+    if r is None:
+        r = _REDUCERS[module] = FullyShardedReducer(module)
+    return r

@@ -9,6 +9,9 @@ Implementations:
   backward runs. ``hvd.DistributedOptimizer`` and ``hvd.ZeroRedundancyOptimizer(stage=1)`` use it.
 - ``ShardedGradients`` (``horovod/torch/_zero_grads.py``): ZeRO stage 2, each rank keeps only the
   averaged gradients of the parameters it owns (a reduce-scatter per bucket).
+- ``FullyShardedReducer`` (``horovod/torch/fully_shard.py``, ``reducer_for(module)``): ZeRO stage
+  3, the reduce-scatters that ``hvd.fully_shard``'s modules run in backward, seen from a plain
+  optimizer over their shards.
 
 An optimizer holds its reducer as the public attribute ``reducer`` (``opt.reducer``); the Lightning
 strategy and the checkpoint code use only the members below, never an optimizer's private fields.
@@ -31,16 +34,20 @@ The contract, common to all of them:
 - ``reset()`` drops this step's reductions and pass counters (a failed step, a reload).
 - ``state_dict()`` / ``load_state_dict()``: the reducer's own state for checkpoints (a stateful
   compression's, such as PowerSGD's error feedback); ``{}`` where there is none.
+- ``clip_grad_norm_(max_norm)``: clipping by the norm of the whole averaged gradient, whichever
+  part of it each rank holds (what the Lightning strategy calls for ``gradient_clip_val``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GradientReducer", "ShardedStateful", "SkipSynchronize", "reducer_of"]
+__all__ = ["GradientReducer", "ShardedStateful", "RowShard", "RowShardedStateful", "SkipSynchronize",
+           "reducer_of"]
 
 
 @runtime_checkable
@@ -98,6 +105,14 @@ class GradientReducer(Protocol):
         """Load what ``state_dict()`` returned."""
         ...
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Any:
+        """Clip this step's averaged gradients by the norm of the whole gradient (the same on
+        every rank, combined across ranks where each holds part of it), as
+        ``torch.nn.utils.clip_grad_norm_`` over the unsharded model; finishes a reduction still
+        in flight first. Returns the norm (a tensor). Every rank of the process set calls it."""
+        ...
+
 
 @runtime_checkable
 class ShardedStateful(Protocol):
@@ -125,6 +140,45 @@ class ShardedStateful(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in the plain optimizer's format, keeping this rank's part."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShard:
+    """What a rank holds of one tensor split by rows: rows ``[lo, hi)`` (dimension 0) of a tensor
+    of ``shape`` (a 0-d tensor counts as one row, held as a tensor of shape ``(hi - lo,)``)."""
+
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the part this rank holds."""
+        return (self.hi - self.lo, *self.shape[1:])
+
+
+@runtime_checkable
+class RowShardedStateful(Protocol):
+    """A module whose parameters are split by rows across the ranks (``hvd.fully_shard``): its
+    ``state_dict()`` holds this rank's rows of each sharded parameter, under the unsharded
+    model's names, and ``load_state_dict()`` takes them back.
+
+    ``hvd.checkpoint.save`` writes each rank's rows as one chunk of the whole tensor (the
+    checkpoint holds the unsharded model's keys and shapes); ``hvd.checkpoint.load`` reads each
+    rank's rows at any world size, or whole tensors into an unsharded model. An optimizer over the
+    shards (a plain torch optimizer) is saved alike: its per-element state (the tensors shaped
+    as their shard) by rows, the rest (``step``) once.
+    """
+
+    @property
+    def num_shards(self) -> int:
+        """How many ranks the parameters are split across."""
+        ...
+
+    def row_shards(self) -> dict[str, RowShard]:
+        """``{state-dict key: the rows this rank holds}`` for every sharded parameter (each name
+        of a tied one)."""
         ...
 
 

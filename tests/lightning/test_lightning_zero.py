@@ -126,3 +126,106 @@ def test_lightning_zero_strategy(tmp_path):
         assert res["powersgd_zero1_vs_plain"] <= 1e-6, res
         assert res["powersgd_vs_uncompressed"] > 1e-4, res  # the compression took effect
         assert "use stage=1" in res["powersgd_stage2"], res
+
+
+def _zero3_fits(tmp: str) -> dict:
+    import os
+
+    import lightning.pytorch as L  # noqa: N812
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import horovod.lightning  # noqa: F401
+    import horovod.torch as hvd
+    from horovod.lightning import HorovodStrategy
+
+    hvd.init()
+    r = hvd.rank()
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(5, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.05)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
+
+    g = torch.Generator().manual_seed(3)
+    n = 8 * hvd.size()
+    data = TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 1, generator=g))
+
+    def fit(strategy, epochs=3, ckpt=None, callbacks=None, accumulate=1):
+        model = Net()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_epochs=epochs, logger=False,
+                            enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            gradient_clip_val=0.3, accumulate_grad_batches=accumulate)
+        trainer.fit(model, DataLoader(data, batch_size=2), ckpt_path=ckpt)
+        return trainer, model
+
+    def weights(model):
+        sd = model.full_state_dict() if isinstance(model, hvd.FullyShardedModule) else model.state_dict()
+        return torch.cat([sd[k].detach().reshape(-1) for k in sorted(sd)])
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    out = {"rank": r}
+    for accumulate in (1, 2):
+        _, ref = fit("horovod", accumulate=accumulate)
+        trainer, model = fit(HorovodStrategy(zero_stage=3, fully_shard_modules=torch.nn.Linear),
+                             accumulate=accumulate)
+        out[f"stage3 acc{accumulate}"] = rel(weights(model), weights(ref))
+        if accumulate == 1:
+            want = weights(ref)
+            opt = trainer.strategy.optimizers[0]
+            opt = getattr(opt, "_optimizer", opt)
+            out["type"] = type(opt).__name__
+            out["shards"] = [tuple(p.shape) for p in opt.param_groups[0]["params"]]
+            out["wrapped"] = sorted(type(m).__name__ for m in model.modules()
+                                    if isinstance(m, hvd.FullyShardedModule))
+            out["callbacks_left"] = [type(c).__name__ for c in trainer.callbacks
+                                     if type(c).__name__ == "ClipAcrossRanks"]
+    # a sharded checkpoint (ModelCheckpoint) after 2 epochs, resumed for the third
+    ckpt_dir = os.path.join(tmp, "zero3")
+    fit(HorovodStrategy(zero_stage=3, fully_shard_modules=torch.nn.Linear), epochs=2,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)])
+    hvd.barrier()
+    path = os.path.join(ckpt_dir, sorted(os.listdir(ckpt_dir))[-1])
+    out["ckpt_is_dir"] = os.path.isdir(path)
+    _, resumed = fit(HorovodStrategy(zero_stage=3, fully_shard_modules=torch.nn.Linear), epochs=3, ckpt=path)
+    out["resumed"] = rel(weights(resumed), want)
+    # the same checkpoint read by an unsharded model in this process's view (no strategy)
+    plain = Net()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.02)
+    extra = hvd.checkpoint.load(path, model=plain, optimizer=plain_opt)
+    out["plain_epoch"] = extra["lightning"]["epoch"]
+    out["plain_state_entries"] = len(plain_opt.state_dict()["state"])
+    return out
+
+
+def test_lightning_zero3_strategy(tmp_path):
+    """zero_stage=3 (hvd.fully_shard): the same weights as strategy="horovod" with gradient
+    clipping (the norm across the shards) and with accumulate_grad_batches=2; the optimizer is a
+    plain AdamW over the shards; a sharded ModelCheckpoint resumes to the uninterrupted weights
+    and loads into an unsharded model."""
+    results = run_ranks(_zero3_fits, np=2, args=(str(tmp_path),), timeout=400)
+    for res in results:
+        assert res["stage3 acc1"] <= 1e-5 and res["stage3 acc2"] <= 1e-5, res
+        assert res["type"] == "AdamW", res
+        assert res["wrapped"] == ["FullyShardLinear", "FullyShardLinear", "FullyShardNet"], res
+        assert res["callbacks_left"] == [], res  # taken off at teardown
+        assert res["ckpt_is_dir"] and res["resumed"] <= 1e-5, res
+        assert res["plain_epoch"] == 1 and res["plain_state_entries"] == 4, res
+    # rank 0 holds rows 0..8 of the (17, 5) weight, rank 1 rows 9..16
+    assert results[0]["shards"][0] == (9, 5) and results[1]["shards"][0] == (8, 5), results

@@ -87,3 +87,47 @@ def test_reset_drops_a_pending_step_and_check_idle_guards_zero_grad(hv):
     z.reducer.reset()
     assert not z.reducer.pending()
     z.zero_grad()
+
+
+def test_clip_grad_norm_of_every_reducer_is_torchs_at_one_rank(hv):
+    """``GradientReducer.clip_grad_norm_`` (dense, ZeRO-2, fully sharded) == torch's
+    ``clip_grad_norm_`` over the whole gradient (one rank: every part is this rank's)."""
+    from horovod.torch.fully_shard import FullyShardedReducer, reducer_for
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    ref = _model()
+    ref(x).pow(2).sum().backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    want = [p.grad.clone() for p in ref.parameters()]
+    reducers = {}
+    for name, o in _optimizers(_model()).items():
+        if name != "zero1":
+            reducers[name] = (o.param_groups[0]["params"], reducer_of(o))
+    m = hvd.fully_shard(_model())
+    reducers["fully_shard"] = (list(m.parameters()), reducer_for(m))
+    assert isinstance(reducer_for(m), FullyShardedReducer) and reducer_for(m) is reducer_for(m)
+    for name, (params, reducer) in reducers.items():
+        assert isinstance(reducer, GradientReducer), name
+        model = m if name == "fully_shard" else None
+        if model is None:  # the optimizer's parameters are those of a fresh _model()
+            for p in params:
+                p.grad = None
+            torch.manual_seed(0)
+        out = (model or _Holder(params))(x).pow(2).sum()
+        out.backward()
+        norm = reducer.clip_grad_norm_(0.1)
+        assert abs(float(norm) - float(want_norm)) < 1e-5, (name, norm, want_norm)
+        got = [p.grad.reshape(w.shape) for p, w in zip(params, want)]
+        assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want)), name
+
+
+class _Holder(torch.nn.Module):
+    """_model()'s forward over given parameters (an optimizer's)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.p = params
+
+    def forward(self, x):
+        w1, b1, w2, b2 = self.p
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b1), w2, b2)

@@ -19,11 +19,21 @@ from horovod.common.basics import rank
 from horovod.common.elastic import ObjectState
 from horovod.common.elastic.state import Committed
 from horovod.torch.elastic.sampler import ElasticSampler
+from horovod.torch.fully_shard import (
+    FullyShardedModule,
+    check_same_modules,
+    full_optim_state_dict,
+    groups_of_params,
+    is_shard,
+    load_full_optim_state_dict,
+    relayout,
+)
 from horovod.torch.functions import broadcast_object, broadcast_parameters
 from horovod.torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
-           "ZeroOptimizerStateHandler",
+           "ZeroOptimizerStateHandler", "FullyShardedModelStateHandler",
+           "FullyShardedOptimizerStateHandler",
            "LRSchedulerStateHandler", "SamplerStateHandler", "get_handler_registry",
            "set_handler_registry"]
 
@@ -135,6 +145,84 @@ class ZeroOptimizerStateHandler(StateHandler):
             self.save()
 
 
+class FullyShardedModelStateHandler(StateHandler):
+    """A fully sharded model's (``hvd.fully_shard``) parameters: each commit gathers the whole
+    model on every rank (``full_state_dict``: it survives the loss of the ranks that held some
+    rows); after a reset the shards are laid out over the new world (``relayout``) and each rank
+    takes its new rows from that copy. Memory: the committed copy is the whole model, on every
+    rank. Commits are collective; the first copy is made by the first ``sync``, which also
+    checks that every rank (a worker that joined included) wrapped the same modules."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self._saved: Any = None
+
+    def save(self) -> None:
+        with torch.no_grad():
+            self._saved = _copy_into(self._saved, self.value.full_state_dict(None))
+
+    def restore(self) -> None:
+        relayout(self._modules())
+        if self._saved is not None:
+            with torch.no_grad():
+                self.value.load_full_state_dict(self._saved)
+
+    def _modules(self) -> list[Any]:
+        return [m for m in self.value.modules() if isinstance(m, FullyShardedModule)]
+
+    def reset(self) -> None:
+        """The world changed: lay the shards out over it and load them from the commit."""
+        self.restore()
+
+    def sync(self) -> None:
+        check_same_modules(self.value)
+        relayout(self._modules())
+        has = broadcast_object(self._saved is not None if rank() == 0 else None, root_rank=0,
+                               name="elastic.fully_shard.has")
+        if has:
+            self._saved = broadcast_object(self._saved if rank() == 0 else None, root_rank=0,
+                                           name="elastic.fully_shard")
+            self.restore()
+        else:  # no commit yet: the live rows, gathered
+            self.save()
+
+
+class FullyShardedOptimizerStateHandler(StateHandler):
+    """A plain torch optimizer over a fully sharded model's shards: as
+    ``FullyShardedModelStateHandler``, with the optimizer's state gathered whole at each commit
+    (``full_optim_state_dict``) and each rank's rows loaded from it after a reset."""
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__(optimizer)
+        self._saved: Any = None
+
+    def _groups(self) -> list[Any]:
+        return groups_of_params(p for g in self.value.param_groups for p in g["params"])
+
+    def save(self) -> None:
+        with torch.no_grad():
+            self._saved = _copy_into(self._saved, full_optim_state_dict(None, self.value, None))
+
+    def restore(self) -> None:
+        relayout(self._groups())
+        if self._saved is not None:
+            load_full_optim_state_dict(None, self.value, _copy_into(None, self._saved))
+
+    def reset(self) -> None:
+        self.restore()
+
+    def sync(self) -> None:
+        relayout(self._groups())
+        has = broadcast_object(self._saved is not None if rank() == 0 else None, root_rank=0,
+                               name="elastic.fully_shard_optimizer.has")
+        if has:
+            self._saved = broadcast_object(self._saved if rank() == 0 else None, root_rank=0,
+                                           name="elastic.fully_shard_optimizer")
+            self.restore()
+        else:
+            self.save()
+
+
 class _StateDictHandler(_SavedAtOnce):
     """Keeps a deep copy of ``value.state_dict()``; syncs it from rank 0 by object broadcast."""
 
@@ -160,6 +248,7 @@ class SamplerStateHandler(_StateDictHandler):
 
 
 _handler_registry: list[tuple[type, type[StateHandler]]] = [
+    (FullyShardedModule, FullyShardedModelStateHandler),  # before every other module
     (torch.nn.Module, ModelStateHandler),
     (ZeroRedundancyOptimizer, ZeroOptimizerStateHandler),  # before every other optimizer
     (torch.optim.Optimizer, OptimizerStateHandler),
@@ -178,6 +267,9 @@ def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> Non
 
 
 def _handler_for(value: Any) -> StateHandler | None:
+    if isinstance(value, torch.optim.Optimizer) and not isinstance(value, ZeroRedundancyOptimizer) and any(
+            is_shard(p) for g in value.param_groups for p in g["params"]):
+        return FullyShardedOptimizerStateHandler(value)  # a plain optimizer over shards
     for kind, cls in _handler_registry:
         if isinstance(value, kind):
             return cls(value)
@@ -191,6 +283,9 @@ class TorchState(ObjectState):
         model: a ``torch.nn.Module`` (optional).
         optimizer: a ``torch.optim.Optimizer``, ``DistributedOptimizer`` or
             ``ZeroRedundancyOptimizer`` (optional; its shards are re-partitioned after a reset).
+            A model wrapped by ``hvd.fully_shard`` and a plain optimizer over its shards are
+            laid out again over the new world after a reset (each rank's new rows of the
+            committed parameters and optimizer state).
         kwargs: more models, optimizers, LR schedulers, ``ElasticSampler`` objects, or plain
             values (epoch, batch...), all exposed as attributes.
     """

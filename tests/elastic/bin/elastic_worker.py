@@ -34,6 +34,8 @@ Environment:
                   <dir>/<me> (<me>: "<host>[<slot>]"; the test makes the FIFOs and writes them
                   to release the workers)
   ZERO            "1": a ZeroRedundancyOptimizer (stage 1) instead of DistributedOptimizer
+  FULLY_SHARD     "1": the model fully sharded (hvd.fully_shard on both Linear layers, then the
+                  model) and a plain SGD over its shards instead of DistributedOptimizer
 Prints "COMMIT {json}" after every commit and "FINAL {json}" at the end.
 """
 
@@ -178,7 +180,13 @@ def main() -> None:
     hvd.init()
     model, opt = make_model()
     zero = os.environ.get("ZERO") == "1"
-    if zero:
+    fully = os.environ.get("FULLY_SHARD") == "1"
+    if fully:
+        hvd.fully_shard(model[0])
+        hvd.fully_shard(model[2])
+        hvd.fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    elif zero:
         opt = hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.05,
                                           momentum=0.9, named_parameters=model.named_parameters())
     else:
@@ -241,14 +249,24 @@ def main() -> None:
     state.sync = sync_hook  # type: ignore[method-assign]
     state.register_reset_callbacks([on_reset])
     train(state)
-    if zero:  # the whole state, gathered from the shards
+    weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    if fully:  # the whole model and state, gathered from the rows
+        from horovod.torch.fully_shard import full_optim_state_dict
+
+        whole = model.full_state_dict()
+        weights = [whole[n].flatten().tolist() for n, _ in model.named_parameters()]
+        full = full_optim_state_dict(model, opt)["state"]
+        momentum = [full[i]["momentum_buffer"].flatten().tolist() for i in sorted(full)]
+        print(f"SHARDS {json.dumps({'me': me, 'rows': [p.shape[0] for p in model.parameters()]})}",
+              flush=True)
+    elif zero:  # the whole state, gathered from the shards
         full = opt.full_state_dict(None)["state"]
         momentum = [full[i]["momentum_buffer"].flatten().tolist() for i in sorted(full)]
     else:
         momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()
                     if p in opt.state]
     final = {"me": me, "rank": hvd.rank(), "size": hvd.size(), "step": state.step,
-             "w": [p.detach().flatten().tolist() for p in model.parameters()], "momentum": momentum,
+             "w": weights, "momentum": momentum,
              "sizes": state.sizes}
     print(f"FINAL {json.dumps(final)}", flush=True)
 
