@@ -87,7 +87,7 @@ class FlightRecorder(Observer):
 
     def in_flight(self, entries: Iterable[Any], queued: set[int], now: float,
                   last: int | None = None) -> list[list[Any]]:
-        """Entries submitted and not yet completed, in submission order (``Engine._in_flight``),
+        """Entries submitted and not yet completed, in submission order (``TensorQueue.in_flight``),
         numbered after the completed ones of their process set; ``queued``: ids of entries no
         round has taken yet."""
         return in_flight_rows(entries, queued, now, self.completed, last)

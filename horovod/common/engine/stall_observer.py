@@ -1,7 +1,7 @@
 """The stall observer the engine loop calls: report stalls with every rank's answer, and answer.
 
 On rank 0 it runs the inspector (``stall.StallInspector``) over the coordinator's table. When a
-report is due it *asks*: the next round carries a flag in its bit vector (``Engine._round``), and in
+report is due it *asks*: the next round carries a flag in its bit vector (``RoundController.agree``), and in
 that round every rank calls ``answer_round``: one broadcast from rank 0 (who should send its whole
 stack, and whether Horovod then shuts down) and one gather to rank 0 of each rank's answer
 (``diagnosis.answer``: host, pid, where its main thread is, its flight record). The thread driving
