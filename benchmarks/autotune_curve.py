@@ -36,6 +36,7 @@ from pytorch_synthetic_benchmark import make_model  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 from horovod.common.autotune import ParameterManager  # noqa: E402
 from horovod.common.context import get_context  # noqa: E402
+from horovod.common.engine.observers import AutotuneObserver  # noqa: E402
 
 MiB = 1024 * 1024
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,7 +113,7 @@ def main() -> None:
     manager = ParameterManager(engine.tunables, rank, engine.backend.bcast_from_root, list(KNOBS),
                                warmup_samples=args.warmup_samples, steps_per_sample=args.steps_per_sample,
                                max_samples=args.max_samples, log_path=log if rank == 0 else "",
-                               on_change=engine._autotuned)
+                               on_change=AutotuneObserver(None, engine.rounds).changed)
     hvd.barrier()
     engine._autotune = manager
     hvd.barrier()

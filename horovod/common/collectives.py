@@ -16,8 +16,8 @@ import numpy as np
 
 from horovod.common.context import get_context
 from horovod.common.dtypes import ADASUM_DTYPES, MOVE_DTYPES, REDUCE_DTYPES, check_reduce_op
-from horovod.common.engine.executor import Entry, end_to_end
-from horovod.common.engine.handles import GroupHandle, Handle
+from horovod.common.engine.executor import end_to_end
+from horovod.common.engine.handles import Handle
 from horovod.common.engine.negotiation import ArgumentError
 from horovod.common.exceptions import HorovodError
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -30,7 +30,7 @@ __all__ = [
     "fail_everywhere",
     "allreduce_async", "allgather_async", "broadcast_async", "alltoall_async",
     "reducescatter_async", "barrier", "join", "group_of",
-    "register_handle", "poll", "synchronize", "submit_again", "resubmit_registered", "resubmit_many",
+    "register_handle", "poll", "synchronize",
 ]
 
 # What a call's argument checks raise. A call that fails them is failed on every rank of its set
@@ -102,7 +102,7 @@ def fail_everywhere(kind: RequestType, name: str | None, process_set: ProcessSet
                   rank=ctx.topology.rank)
     exc._hvd_reported = True  # type: ignore[attr-defined]  # outer layers must not report it again
     try:
-        handle = ctx.submit(req, [], None, wake=False)
+        handle = ctx.prepare(req).submit([], None, wake=False)
     except (ValueError, HorovodError):  # the name is in flight here, or the engine stopped
         raise exc from None
     try:
@@ -208,62 +208,7 @@ def _submit(kind: RequestType, arrays: Sequence[np.ndarray], outputs: list[np.nd
     req = Request(name=_key(ctx, kind, name, grouped, ps_id), kind=kind, dtype=dtype,
                   shapes=tuple([a.shape for a in arrays]), process_set_id=ps_id, device=device,
                   rank=ctx.topology.rank, **fields)
-    return ctx.submit(req, list(arrays), outputs, splits, wake=wake)
-
-
-def submit_again(request: Request, arrays: list[np.ndarray], defer: bool = False, wake: bool = True) -> Handle:
-    """Submit ``request`` once more, in place on new buffers: the fast path for an operation
-    repeated every step (a gradient's allreduce_), skipping the argument checks and the request's
-    construction.
-
-    The caller guarantees what the checks established the first time: ``request`` came from a
-    ``*_async`` call of this context (``handle.request``) and ``arrays`` have its dtype and shapes
-    and are C-contiguous. With ``defer=True`` (gradient hooks, whose handles the optimizer always
-    waits for) the engine may hold the operation until a caller waits (``Engine.submit``);
-    ``wake=False`` as for the other calls (the caller waits at once).
-    """
-    ctx = get_context()
-    hid = ctx.counter.next()
-    return ctx.submit(request, arrays, arrays, handle_id=hid, wake=wake, defer=defer)
-
-
-def resubmit_registered(ctx: Any, request: Request, arrays: list[np.ndarray], post: Callable[[Any], Any],
-                        defer: bool = False, wake: bool = True) -> int:
-    """``register_handle(submit_again(request, arrays, defer, wake), post)`` in one call, for a
-    binding's per-tensor fast path (a gradient hook) that has already checked that ``ctx`` is the
-    live context: the same handle, entry and engine submission without the intermediate calls.
-    """
-    hid = ctx.counter.next()
-    handle = Handle(hid, request.name)
-    handle.request = request
-    engine = ctx.engine
-    if engine is None:
-        engine = ctx._engine()  # raises, saying why
-    engine.submit(Entry(request, arrays, arrays, handle), wake, defer)
-    ctx.handles[hid] = (handle, post)
-    return hid
-
-
-def resubmit_many(ctx: Any, requests: Sequence[Request], arrays: Sequence[np.ndarray],
-                  post: Callable[[Any], Any], defer: bool = False, wake: bool = True) -> int:
-    """``resubmit_registered`` for many single-tensor requests at once, with one handle for all
-    (a backward pass's gradients): one engine submission (``Engine.submit_many``) and one
-    ``GroupHandle``, whose ``synchronize`` returns ``post(None)`` once every request completed
-    (raising the first error if any failed). On the wire nothing changes: each request is
-    negotiated and cached under its own name, as if submitted alone.
-
-    The caller guarantees what ``resubmit_registered`` needs, per request, and that the names
-    differ.
-    """
-    hid = ctx.counter.next()
-    handle = GroupHandle(hid, f"{requests[0].name} and {len(requests) - 1} more", len(requests))
-    entries = []
-    for req, a in zip(requests, arrays):
-        buf = [a]
-        entries.append(Entry(req, buf, buf, handle))
-    ctx._engine().submit_many(entries, wake, defer)
-    ctx.handles[hid] = (handle, post)
-    return int(hid)
+    return ctx.prepare(req).submit(list(arrays), outputs, splits, wake=wake)
 
 
 def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,

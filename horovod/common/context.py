@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from horovod.common.backends.registry import create_backend, detect_launch
@@ -13,7 +13,7 @@ from horovod.common.config import EngineConfig
 from horovod.common.current import _lock, get_context, peek_context, set_context  # noqa: F401 - re-exported
 from horovod.common.engine.device import check_gpu_settings
 from horovod.common.engine.executor import Entry
-from horovod.common.engine.handles import Handle, HandleCounter
+from horovod.common.engine.handles import GroupHandle, Handle, HandleCounter
 from horovod.common.engine.loop import Engine
 from horovod.common.job_state import JobState
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -21,7 +21,7 @@ from horovod.common.protocol import RankIdentity
 from horovod.common.topology import homogeneous, topology_from_hostnames
 from horovod.common.types import Request, RequestType
 
-__all__ = ["Context", "get_context", "set_context", "peek_context"]
+__all__ = ["Context", "Prepared", "get_context", "set_context", "peek_context"]
 
 log = logging.getLogger("horovod")
 
@@ -57,6 +57,66 @@ def _node_names(pairs: list[tuple[str, int | None]]) -> list[str]:
     return [h if n is None else f"{h}#node{n}" for h, n in pairs]
 
 
+class Prepared:
+    """A checked request of one context (``Context.prepare``): the one way onto the engine.
+
+    ``submit`` queues the operation on buffers of the request's signature and returns its handle:
+    once, for a call that was just checked (``collectives.py``), or again every step, for a
+    binding that resubmits a checked request as it is (the torch repeat path, a gradient hook).
+    The caller guarantees what the checks established: the buffers have the request's dtype and
+    shapes and are C-contiguous (a device plane's buffers, its own), and the context is live.
+    ``submit_all`` queues many single-tensor prepared requests at once under one handle.
+    """
+
+    __slots__ = ("ctx", "request")
+
+    def __init__(self, ctx: Context, request: Request) -> None:
+        self.ctx = ctx
+        self.request = request
+
+    def submit(self, inputs: list[Any], outputs: list[Any] | None = None, splits: Any = None,
+               wake: bool = True, defer: bool = False, post: Callable[[Any], Any] | None = None) -> Handle:
+        """Queue the operation on ``inputs`` (results into ``outputs``: pass ``inputs`` itself for
+        in place, None for new outputs) and return its handle; with ``post``, the handle is also
+        registered for ``synchronize`` (``ctx.handles[handle.id] = (handle, post)``).
+
+        ``wake=False``: the caller waits at once and drives the round itself; ``defer=True``: the
+        engine may hold it until a caller waits (``TensorQueue.submit``).
+        """
+        ctx = self.ctx
+        request = self.request
+        hid = ctx.counter.next()
+        handle = Handle(hid, request.name)
+        handle.request = request
+        engine = ctx.engine
+        if engine is None:
+            engine = ctx._engine()  # raises, saying why
+        engine.submit(Entry(request, inputs, outputs, handle, splits), wake, defer)
+        if post is not None:
+            ctx.handles[hid] = (handle, post)
+        return handle
+
+    @staticmethod
+    def submit_all(prepared: Sequence[Prepared], arrays: Sequence[Any], post: Callable[[Any], Any],
+                   wake: bool = True, defer: bool = False) -> int:
+        """``submit`` in place for many single-tensor requests of one context at once, with one
+        handle for all (a backward pass's gradients): one engine submission and one
+        ``GroupHandle``, registered with ``post``, whose ``synchronize`` returns ``post(None)``
+        once every request completed (raising the first error if any failed). On the wire nothing
+        changes: each request is negotiated and cached under its own name, as if submitted alone.
+        The names must differ."""
+        ctx = prepared[0].ctx
+        hid = ctx.counter.next()
+        handle = GroupHandle(hid, f"{prepared[0].request.name} and {len(prepared) - 1} more", len(prepared))
+        entries = []
+        for p, a in zip(prepared, arrays):
+            buf = [a]
+            entries.append(Entry(p.request, buf, buf, handle))
+        ctx._engine().submit_many(entries, wake, defer)
+        ctx.handles[hid] = (handle, post)
+        return int(hid)
+
+
 class Context:
     """Everything ``init()`` creates: config, transport, topology, process sets, engine, handles.
 
@@ -81,6 +141,9 @@ class Context:
         self.is_homogeneous = homogeneous(hostnames)
         self.counter = HandleCounter()
         self.handles: dict[int, tuple[Handle, Any]] = {}
+        # A binding's repeat signatures of named calls, by call key (the torch binding's
+        # ``_repeat``): they hold this context and go with it.
+        self.repeats: dict[tuple[Any, ...], Any] = {}
         self.groups = {0: self.backend.world_group()}
         global_process_set.ranks = list(range(self.topology.size))
         global_process_set.process_set_id = 0
@@ -188,21 +251,16 @@ class Context:
         return self.engine
 
     # ------------------------------------------------------------------ submission
-    def submit(self, request: Request, inputs: list[Any], outputs: list[Any] | None = None,
-               splits: Any = None, handle_id: int | None = None, wake: bool = True,
-               defer: bool = False) -> Handle:
-        """Queue an operation on the engine and return its handle (see ``collectives.py``)."""
-        hid = self.counter.next() if handle_id is None else handle_id
-        handle = Handle(hid, request.name)
-        handle.request = request
-        self._engine().submit(Entry(request, inputs, outputs, handle, splits), wake, defer)
-        return handle
+    def prepare(self, request: Request) -> Prepared:
+        """``request``, checked by the caller, ready to submit on this context's engine (once, or
+        every step: ``Prepared.submit``)."""
+        return Prepared(self, request)
 
     def control(self, kind: RequestType, name: str, payload: Any = None, process_set_id: int = 0) -> Any:
         """Run a control operation (barrier, join, process-set change) and wait for its result."""
         req = Request(name=name, kind=kind, dtype="uint8", process_set_id=process_set_id,
                       payload=payload, rank=self.topology.rank)
-        return self.submit(req, [], wake=False).wait()
+        return self.prepare(req).submit([], wake=False).wait()
 
     # ------------------------------------------------------------------ process sets
     def add_process_set(self, process_set: ProcessSet | Iterable[int]) -> ProcessSet:
@@ -253,3 +311,4 @@ class Context:
             if ps_id != 0:
                 ps._invalidate()
         self.handles.clear()
+        self.repeats.clear()

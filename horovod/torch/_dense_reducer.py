@@ -404,7 +404,7 @@ class DenseReducer(SkipSynchronize):
         submission at the end of this backward pass; False when it must be submitted now.
 
         Bundling applies only where the engine would hold the hooks' submissions until ``step()``
-        anyway (``tunables.overlap`` off, see ``Engine.submit``): then submitting the pass's
+        anyway (``tunables.overlap`` off, see ``TensorQueue.submit``): then submitting the pass's
         gradients together, deferred, changes nothing but the cost (one engine submission and
         one handle instead of one per gradient). On the wire each gradient is still its own
         named, cached allreduce. With overlap on, each gradient starts as soon as it is ready.

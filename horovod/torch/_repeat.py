@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from horovod.common import collectives as _C
-from horovod.common.context import get_context, peek_context
+from horovod.common.context import Prepared, get_context, peek_context
 from horovod.common.types import ReduceOp
 from horovod.torch import _convert as _cv
 from horovod.torch._device_tensor import DeviceTensor, again, again_many, wait_done
@@ -47,13 +46,46 @@ class _Same:
 
 
 # Named in-place allreduces repeated with the same arguments (a metric averaged every step, a
-# gradient reduced by hand): (name, op, factors, process set) -> ``_repeat_signature``. A repeat
-# whose tensor still matches resubmits the checked request as it is (``_resubmit``), skipping the
-# checks and conversions; anything else takes the checked path. Bounded: cleared when full (names
-# made fresh every step would only grow it). The optimizer's gradient hooks keep their own
-# per-parameter signatures.
-_REPEAT: dict[tuple[Any, ...], Any] = {}  # a signature, or a _GroupRepeat
+# gradient reduced by hand): (name, op, factors, process set) -> ``_repeat_signature``, kept in
+# the context they were checked in (``Context.repeats``: they go with it). A repeat whose tensor
+# still matches resubmits the checked request as it is (``_resubmit``), skipping the checks and
+# conversions; anything else takes the checked path. Bounded: cleared when full (names made fresh
+# every step would only grow it). The optimizer's gradient hooks keep their own per-parameter
+# signatures. ``mpi_ops`` asks ``repeat_again`` (one call per repeated call) and, after the checked
+# path, ``repeat_remember``.
 _REPEAT_MAX = 4096
+
+
+def repeat_again(key: tuple[Any, ...], tensors: Any, wake: bool) -> int | None:
+    """Resubmit the request remembered under ``key`` on ``tensors`` (one tensor; a list for a
+    grouped key, whose first item is "grouped") when they still match it: the handle; else None."""
+    ctx = peek_context()
+    if ctx is None:
+        return None
+    repeat = ctx.repeats.get(key)
+    if repeat is None:
+        return None
+    if type(repeat) is not _GroupRepeat:
+        return _resubmit(tensors, repeat, wake)
+    arrays = repeat.views(ctx, tensors)
+    if arrays is None:
+        return None
+    return repeat.prepared.submit(arrays, arrays, wake=wake, post=repeat.post).id
+
+
+def repeat_remember(key: tuple[Any, ...], tensors: Any, request: Any, grouped: bool = False) -> None:
+    """After the checked path submitted ``request`` on ``tensors`` in place: remember it under
+    ``key`` when it may be resubmitted unchecked (``_repeat_signature``)."""
+    if grouped:
+        if not tensors:
+            return
+        signatures = tuple(_repeat_signature(t, request) for t in tensors)
+        if all(sig is not None for sig in signatures):
+            _remember(key, _GroupRepeat(signatures))  # type: ignore[arg-type]  # None ruled out above
+        return
+    signature = _repeat_signature(tensors, request)
+    if signature is not None:
+        _remember(key, signature)
 
 
 class _HostView:
@@ -127,9 +159,9 @@ def _repeat_signature(tensor: torch.Tensor, req: Any) -> tuple[Any, ...] | None:
     ctx = get_context()
     group = ctx.groups.get(req.process_set_id)
     dtype, shape = tensor.dtype, tensor.shape
-    # (context, request, dtype, shape, group, the tensor's expected _PROBE, where it was checked,
-    # the host view or the plane wrapper's facts)
-    return (ctx, req, dtype, shape, group, (dtype, shape, False, torch.strided, not tensor.is_cuda),
+    # (context, the request prepared in it, dtype, shape, group, the tensor's expected _PROBE,
+    # where it was checked, the host view or the plane wrapper's facts)
+    return (ctx, ctx.prepare(req), dtype, shape, group, (dtype, shape, False, torch.strided, not tensor.is_cuda),
             (ctx, req.process_set_id, group), memo)
 
 
@@ -150,9 +182,9 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
     it (dtype, shape, context, process set, a plain dense contiguous tensor on the signature's
     device); None when it does not."""
     # _matches(tensor, signature), inlined: this runs once per gradient per step.
-    ctx, req, dtype, shape, group, _probe, _home, memo = signature
+    ctx, prepared, dtype, shape, group, _probe, (_, ps_id, _), memo = signature
     if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
-            and ctx.groups.get(req.process_set_id) is group and ctx is peek_context()
+            and ctx.groups.get(ps_id) is group and ctx is peek_context()
             and not tensor.requires_grad and tensor.layout is torch.strided and tensor.is_contiguous()):
         if memo.host:
             if tensor.is_cpu:
@@ -160,14 +192,15 @@ def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer:
                 arr = memo.array
                 if arr is None or memo.ref() is not tensor or tensor.data_ptr() != memo.ptr:
                     arr = memo.view(tensor)
-                return _C.resubmit_registered(ctx, req, [arr], _Same(tensor), defer, wake)
+                buf = [arr]
+                return prepared.submit(buf, buf, None, wake, defer, _Same(tensor)).id
         elif not memo.cuda:
             if tensor.is_cpu:  # the CPU twin: no events, nothing to wait for in synchronize
                 w: list[Any] = [again(tensor, memo.shape, memo.dtype, memo.ndim, False)]
-                return _C.resubmit_registered(ctx, req, w, _Same(tensor), defer, wake)
+                return prepared.submit(w, w, None, wake, defer, _Same(tensor)).id
         elif tensor.is_cuda and tensor.get_device() == torch.cuda.current_device():
             cw: list[Any] = [again(tensor, memo.shape, memo.dtype, memo.ndim, True)]
-            return _C.resubmit_registered(ctx, req, cw, _PlaneSame(cw[0]), defer, wake)
+            return prepared.submit(cw, cw, None, wake, defer, _PlaneSame(cw[0])).id
     return None
 
 
@@ -200,7 +233,7 @@ class _Each:
 
 def _resubmit_many(tensors: list[torch.Tensor], signatures: list[tuple[Any, ...]], defer: bool = False,
                    wake: bool = True) -> int | None:
-    """``_resubmit`` for many tensors with one handle (``collectives.resubmit_many``): a backward
+    """``_resubmit`` for many tensors with one handle (``Prepared.submit_all``): a backward
     pass's gradients. None, submitting nothing, unless every tensor still matches its signature
     and all signatures share the live context."""
     ctx = peek_context()
@@ -212,7 +245,7 @@ def _resubmit_many(tensors: list[torch.Tensor], signatures: list[tuple[Any, ...]
         if not memo.host:  # device-plane signatures are resubmitted one by one (``_resubmit``)
             return None
         views.append(memo.view(t))
-    return _C.resubmit_many(ctx, [s[1] for s in signatures], views, _Each(tensors), defer, wake)
+    return Prepared.submit_all([s[1] for s in signatures], views, _Each(tensors), wake, defer)
 
 
 def _all_match(ctx: Any, tensors: Sequence[Any], signatures: Sequence[tuple[Any, ...]]) -> bool:
@@ -237,9 +270,11 @@ _PLAIN = frozenset((torch.Tensor,))
 
 
 def _remember(key: tuple[Any, ...], signature: Any) -> None:
-    if len(_REPEAT) >= _REPEAT_MAX:
-        _REPEAT.clear()
-    _REPEAT[key] = signature
+    """Keep a signature (or a ``_GroupRepeat``) under ``key`` in the context it was checked in."""
+    repeats = get_context().repeats
+    if len(repeats) >= _REPEAT_MAX:
+        repeats.clear()
+    repeats[key] = signature
 
 
 class _GroupRepeat:
@@ -257,13 +292,15 @@ class _GroupRepeat:
     ready event recorded on the caller's stream (``again_many``): an event marks one point of
     one stream, and a resubmission is a new point. ``post`` is the handle's post step of the
     last call. The last tensors stay referenced until the name's next call (or until
-    ``_REPEAT`` is cleared when full): one set per name, as the caller's own."""
+    ``Context.repeats`` is cleared when full): one set per name, as the caller's own."""
 
-    __slots__ = ("signatures", "request", "probes", "tensors", "arrays", "ptrs", "post", "facts", "cuda")
+    __slots__ = ("signatures", "prepared", "request", "probes", "tensors", "arrays", "ptrs", "post", "facts",
+                 "cuda")
 
     def __init__(self, signatures: tuple[tuple[Any, ...], ...]) -> None:
         self.signatures = signatures
-        self.request = signatures[0][1]
+        self.prepared = signatures[0][1]  # the checked request, prepared in its context
+        self.request = self.prepared.request
         self.probes = list(map(_PROBE_OF, signatures))
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.arrays: list[Any] = []

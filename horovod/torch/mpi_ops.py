@@ -21,14 +21,13 @@ import numpy as np
 import torch
 
 from horovod.common import collectives as _C
-from horovod.common.context import get_context, peek_context
+from horovod.common.context import get_context
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.types import Average, ReduceOp, RequestType, Sum
 from horovod.torch import _convert as _cv
-from horovod.torch._repeat import (  # noqa: F401 - _resubmit_many: the repeat path's API here
-    _REPEAT,
+from horovod.torch import _repeat
+from horovod.torch._repeat import (  # noqa: F401 - the repeat path's API here
     _GroupRepeat,
-    _remember,
     _repeat_signature,
     _resubmit,
     _resubmit_many,
@@ -135,17 +134,13 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     key = None
     if name is not None and average is None:
         key = (name, op, prescale_factor, postscale_factor, getattr(process_set, "process_set_id", None))
-        signature = _REPEAT.get(key)
-        if signature is not None:
-            handle = _resubmit(tensor, signature, _wake)
-            if handle is not None:
-                return handle
+        handle = _repeat.repeat_again(key, tensor, _wake)
+        if handle is not None:
+            return handle
     h, backs = _allreduce_submit(tensor, average, op, name, prescale_factor, postscale_factor,
                                  process_set, True, False, "allreduce_async_", _wake)
     if key is not None:
-        signature = _repeat_signature(tensor, h.request)
-        if signature is not None:
-            _remember(key, signature)
+        _repeat.repeat_remember(key, tensor, h.request)
     return _register(h, lambda r: backs[0](r[0]))
 
 
@@ -216,18 +211,13 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     if name is not None and average is None:
         key = ("grouped", name, op, prescale_factor, postscale_factor,
                getattr(process_set, "process_set_id", None))
-        repeat = _REPEAT.get(key)
-        ctx = peek_context()
-        if repeat is not None and ctx is not None:
-            arrays = repeat.views(ctx, tensors)
-            if arrays is not None:
-                return _register(_C.submit_again(repeat.request, arrays, wake=_wake), repeat.post)
+        handle = _repeat.repeat_again(key, tensors, _wake)
+        if handle is not None:
+            return handle
     h, backs = _allreduce_submit(tensors, average, op, name, prescale_factor, postscale_factor,
                                  process_set, True, True, "grouped_allreduce_async_", _wake)
-    if key is not None and tensors:
-        signatures = tuple(_repeat_signature(t, h.request) for t in tensors)
-        if all(sig is not None for sig in signatures):
-            _remember(key, _GroupRepeat(signatures))  # type: ignore[arg-type]  # None ruled out above
+    if key is not None:
+        _repeat.repeat_remember(key, tensors, h.request, grouped=True)
     return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 

@@ -20,7 +20,6 @@ def _train() -> dict:
     import torch
 
     import horovod.torch as hvd
-    from horovod.common import collectives
     from horovod.common.context import get_context
     from horovod.common.engine.loop import DEFER_LIMIT_S
 
@@ -43,7 +42,8 @@ def _train() -> dict:
     req = get_context().handles[h][0].request
     hvd.synchronize(h)
     t = torch.ones(3)
-    handle = collectives.submit_again(req, [t.numpy()], defer=True)
+    buf = [t.numpy()]
+    handle = get_context().prepare(req).submit(buf, buf, defer=True)
     t0 = time.monotonic()
     while not handle.done() and time.monotonic() - t0 < DEFER_LIMIT_S + 10:
         time.sleep(0.05)

@@ -383,26 +383,36 @@ def test_error_paths(np_):
 
 
 def _repeat_cases():
+    import sys
+
     import torch
 
-    import horovod.common.collectives as C
     import horovod.torch as hvd
+    from horovod.common.context import Context, Prepared
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     fails = []
     fast = []
-    real, real_registered = C.submit_again, C.resubmit_registered
+    # One submit path (``Prepared.submit``): the checked path (``collectives.py``) prepares the
+    # request it submits (``Context.prepare``); a resubmission submits one prepared earlier.
+    real_prepare, real_submit = Context.prepare, Prepared.submit
+    just_prepared = []
 
-    def spy(*args, **kwargs):
-        fast.append(args[0].name)
-        return real(*args, **kwargs)
+    def spy_prepare(self, request):
+        p = real_prepare(self, request)
+        if sys._getframe(1).f_globals["__name__"] == "horovod.common.collectives":
+            just_prepared[:] = [p]
+        return p
 
-    def spy_registered(ctx, request, *args, **kwargs):  # the per-tensor fast path (hooks, allreduce_)
-        fast.append(request.name)
-        return real_registered(ctx, request, *args, **kwargs)
+    def spy_submit(self, *args, **kwargs):
+        if just_prepared and just_prepared[0] is self:
+            just_prepared.clear()  # the checked path
+        else:
+            fast.append(self.request.name)
+        return real_submit(self, *args, **kwargs)
 
-    C.submit_again, C.resubmit_registered = spy, spy_registered
+    Context.prepare, Prepared.submit = spy_prepare, spy_submit
     total = sum(range(n))
 
     def check(what, got, want):
@@ -486,7 +496,9 @@ def _repeat_cases():
 
     grouped_same("same tensors, first call", False)
     grouped_same("same tensors, second call", True)
-    repeat = next(v for v in mpi_ops._REPEAT.values()
+    from horovod.common.context import get_context
+
+    repeat = next(v for v in get_context().repeats.values()
                   if isinstance(v, mpi_ops._GroupRepeat) and v.request.name.endswith("gsame"))
     views = repeat.arrays
     grouped_same("same tensors, third call", True)
@@ -504,7 +516,7 @@ def _repeat_cases():
         t.data = t.data.double()
     grouped_same("retyped in place", False)
     grouped_same("after the changes", True)
-    C.submit_again, C.resubmit_registered = real, real_registered
+    Context.prepare, Prepared.submit = real_prepare, real_submit
     return fails
 
 

@@ -213,16 +213,16 @@ def test_repeat_host_view_keeps_its_tensors_huge_page_verdict(monkeypatch: pytes
 def test_blocking_calls_drive_the_engine_themselves(hv, monkeypatch: pytest.MonkeyPatch) -> None:
     # A blocking call waits at once, so it does not wake the engine thread (a wake-up costs a
     # thread switch, ~30 us at np=2 on a 2-core host); an async call must, nobody may wait soon.
-    from horovod.common.context import Context
+    from horovod.common.context import Prepared
 
     seen: list[tuple[str, bool]] = []
-    real = Context.submit
+    real = Prepared.submit
 
-    def spy(self, request, *args, **kwargs):
-        seen.append((request.name, kwargs.get("wake", True)))
-        return real(self, request, *args, **kwargs)
+    def spy(self, *args, **kwargs):  # the one submit path: Prepared.submit(inputs, outputs, splits, wake, ...)
+        seen.append((self.request.name, kwargs.get("wake", args[3] if len(args) > 3 else True)))
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Context, "submit", spy)
+    monkeypatch.setattr(Prepared, "submit", spy)
     t = torch.ones(3)
     hv.allreduce_(t, name="b1")
     hv.allreduce(t, name="b2")

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from horovod.common.backends import half
+from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.plan import Call
 
 __all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "run_pipelined",
@@ -429,19 +430,21 @@ class NumpyBuffers:
     defer_scale = False
 
     def __init__(self, empty: Callable[[int], np.ndarray],
-                 output: Callable[[tuple[int, ...], Any], np.ndarray] = np.empty) -> None:
+                 output: Callable[[tuple[int, ...], Any], np.ndarray] = np.empty,
+                 memo: StepMemo | None = None) -> None:
         self._empty = empty  # bytes -> uint8 array (huge-page aligned)
         self._output = output  # (shape, dtype) -> a result array (warm, from the output pool)
         self._buffers: dict[str, np.ndarray] = {}
+        memo = StepMemo() if memo is None else memo  # the runner's step memo (``memo.py``)
         # name -> the last many-tensor entry of that name, its items and their views (``items``)
-        self._items: dict[str, _Remembered] = {}
+        self._items: dict[str, _Remembered] = memo.items
         # id(batch) -> its last arrays' ids, then (seen again) the batch's memo (``recall``)
-        self._batches: dict[int, _Batch | list[int]] = {}
+        self._batches: dict[int, _Batch | list[int]] = memo.batches
 
     #: in-place entries of at least this many tensors have their items remembered; at most this
     #: many names
     ITEMS_MEMO_MIN = 8
-    ITEMS_MEMO_SIZE = 256
+    ITEMS_MEMO_SIZE = StepMemo.ITEMS
     #: remembered views per name (one per set of segments a plan cuts the entry into)
     MOVES_MEMO_SIZE = 8
 
@@ -486,7 +489,7 @@ class NumpyBuffers:
 
     #: batches of at least this many entries are remembered (``recall``); at most this many
     BATCH_MEMO_MIN = 8
-    BATCH_MEMO_SIZE = 64
+    BATCH_MEMO_SIZE = StepMemo.BATCHES
 
     def recall(self, batch: Sequence[Any], entries: Sequence[Any]) -> tuple[tuple[Item, ...], list[int]] | None:
         """The items and starts of ``batch`` when it is a remembered one (a memoized plan's, the

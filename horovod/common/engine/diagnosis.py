@@ -3,7 +3,7 @@
 A rank's engine thread stays alive while the main thread is stuck in user code (waiting on a
 data loader, a lock, a pipe), so the thread that drives the engine's rounds can answer for the
 whole process: ``sys._current_frames()`` gives the main thread's Python stack from any thread.
-The answers travel through the engine's own rounds (``Engine._diagnose``: a flag in the round's
+The answers travel through the engine's own rounds (``StallObserver.agreed``: a flag in the round's
 bit vector, then one broadcast and one gather on the controller, as the straggler exchange does),
 so they reach rank 0 under every transport alike. Everything here is plain data
 (``horovod.common.plain``).

@@ -44,6 +44,7 @@ from horovod.common.engine.buffers import (
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
+from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factors, work_op
@@ -135,7 +136,7 @@ class Executor:
 
     def __init__(self, backend: EngineBackend, groups: dict[int, Group], rank: int, tunables: Tunables,
                  timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None,
-                 timeout_s: float = 30.0, secret: str | None = None) -> None:
+                 timeout_s: float = 30.0, secret: str | None = None, memo: StepMemo | None = None) -> None:
         self.backend = backend
         self.groups = groups
         self.rank = rank
@@ -145,21 +146,24 @@ class Executor:
         self.planes = Planes(PlaneServices(backend, tunables, timeline, timeout_s,
                                            tuple(hostnames) if hostnames is not None else None, secret))
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
+        # The runner's step memo (``memo.py``): this executor's memos of a cached step are tables of it.
+        self.memo = memo = StepMemo() if memo is None else memo
         self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
-        self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty)
+        self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty, memo)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes,
                                        pins_pages=bool(getattr(backend, "pins_pages", True)))
         self._lanes: dict[int, tuple[Group, Lane]] = {}  # id(group) -> (the group, its host lane)
         # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
         # sizes with the same tunables every step). Bounded; the key holds every argument, and the
         # calls are tuples of named tuples (immutable), so a hit is the fresh computation.
-        self._calls: dict[tuple[Any, ...], tuple[Call, ...]] = {}
-        # (dtype name, transport's native dtypes, buffer kind) -> (work dtype, whether it widens, float)
+        self._calls: dict[tuple[Any, ...], tuple[Call, ...]] = memo.calls
+        # (dtype name, transport's native dtypes, buffer kind) -> (work dtype, whether it widens,
+        # float): per process, keyed by value (not a step memo; see ``memo.py``)
         self._dtype_info: dict[tuple[Any, ...], tuple[Any, bool, bool]] = {}
         # id(batch) -> (batch, whether a response of it is flat): ``_any_flat``
-        self._flat_batches: dict[int, tuple[Sequence[Response], bool]] = {}
+        self._flat_batches: dict[int, tuple[Sequence[Response], bool]] = memo.flat
 
-    CALLS_MEMO_SIZE = 256
+    CALLS_MEMO_SIZE = StepMemo.CALLS
 
     def _plan_reduction(self, sizes: Sequence[int], itemsize: int, chunk: int, cut: int, fuse: bool,
                         widen: bool = False) -> tuple[Call, ...]:
@@ -223,11 +227,11 @@ class Executor:
         if is_plane(req.device):  # framework-owned (GPU) tensors: the device plane's lane
             with self.planes.lane(batch, entries, group) as lane:
                 act = lane.transport.name + "_" + _ACTIVITY.get(kind, kind.upper)
-                self._activity(tl, [r.name for r in batch] if tl is not None else (), act, True)
+                _activity(tl, [r.name for r in batch] if tl is not None else (), act, True)
                 try:
                     self._execute(kind, batch, entries, group, lane, None)
                 finally:
-                    self._activity(tl, [r.name for r in batch] if tl is not None else (), act, False)
+                    _activity(tl, [r.name for r in batch] if tl is not None else (), act, False)
         elif kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
             run_adasum(batch, entries, self.host_lane(group))
         else:
@@ -244,21 +248,12 @@ class Executor:
         elif kind == RequestType.BROADCAST:
             self._broadcast(batch, entries, group, lane, tl)
         elif kind == RequestType.ALLGATHER:
-            self._allgather(entries[0], lane)
+            allgather(entries[0], lane)
         elif kind == RequestType.ALLTOALL:
-            self._alltoall(entries[0], lane)
+            alltoall(entries[0], lane)
         elif kind == RequestType.REDUCESCATTER:
             self._reducescatter(entries[0], group, lane)
 
-    @staticmethod
-    def _activity(tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
-        if tl is None:
-            return
-        for n in names:
-            if begin:
-                tl.begin(n, activity)
-            else:
-                tl.end(n)
 
     # ------------------------------------------------------------------ allreduce
     def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], group: Group, lane: Lane,
@@ -289,7 +284,7 @@ class Executor:
         activity = None
         if tl is not None and lane.steps:
             def activity(names: Sequence[str], name: str, begin: bool) -> None:
-                self._activity(tl, names, name, begin)
+                _activity(tl, names, name, begin)
         # Several calls in flight where the transport has asynchronous reductions (Gloo), unless a
         # timeline records each call's copy and transfer steps (they would overlap there).
         starter = getattr(lane.transport, "starter", None)
@@ -389,43 +384,13 @@ class Executor:
                 buf = ops.buffer(ops.dtype("uint8"), call.size)
                 if is_root:
                     ops.pack(buf, items, segs, 1.0, False)
-                self._activity(tl, names, act, True)
+                _activity(tl, names, act, True)
                 tr.broadcast(buf, root)
-                self._activity(tl, names, act, False)
+                _activity(tl, names, act, False)
                 if not is_root:
                     ops.unpack(buf, items, segs, 1.0, 1)
             else:
                 tr.broadcast(moves[segs[0][0]], root)
-
-    # ------------------------------------------------------------------ allgather, alltoall
-    def _allgather(self, entry: Any, lane: Lane) -> None:
-        ops, tr = lane.ops, lane.transport
-        xs = ops.tensors(entry.inputs)
-        # First dimensions travel over the CPU transport: sizing the outputs needs no device sync.
-        all_dims = tr.allgather_ints(np.array([x.shape[0] for x in xs], np.int64))
-        outputs = []
-        for i, x in enumerate(xs):
-            shape = tuple(x.shape)
-            out = ops.empty((int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
-            send, units = ops.move(x)
-            row = _prod(shape[1:]) * units
-            tr.allgatherv(send, ops.move(out)[0], [int(c) * row for c in all_dims[:, i]])
-            outputs.append(out)
-        entry.outputs = outputs
-
-    def _alltoall(self, entry: Any, lane: Lane) -> None:
-        ops, tr = lane.ops, lane.transport
-        x = ops.tensors(entry.inputs)[0]
-        splits = np.asarray(entry.splits, np.int64)
-        recv_splits = tr.alltoall_ints(splits)
-        shape = tuple(x.shape)
-        out = ops.empty((int(recv_splits.sum()),) + shape[1:], x.dtype)
-        send, units = ops.move(x)
-        row = _prod(shape[1:]) * units
-        counts = [int(s) * row for s in splits]
-        tr.alltoallv(ops.piece(send, 0, sum(counts)), counts, ops.move(out)[0],
-                     [int(s) * row for s in recv_splits])
-        entry.outputs = [(out, recv_splits.astype(np.int32))]
 
     # ------------------------------------------------------------------ reducescatter
     def _reducescatter(self, entry: Any, group: Group, lane: Lane) -> None:
@@ -456,6 +421,47 @@ class Executor:
 
 
 _ACTIVITY = {RequestType.BROADCAST: "BCAST"}
+
+
+def _activity(tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
+    if tl is None:
+        return
+    for n in names:
+        if begin:
+            tl.begin(n, activity)
+        else:
+            tl.end(n)
+
+
+def allgather(entry: Any, lane: Lane) -> None:
+    ops, tr = lane.ops, lane.transport
+    xs = ops.tensors(entry.inputs)
+    # First dimensions travel over the CPU transport: sizing the outputs needs no device sync.
+    all_dims = tr.allgather_ints(np.array([x.shape[0] for x in xs], np.int64))
+    outputs = []
+    for i, x in enumerate(xs):
+        shape = tuple(x.shape)
+        out = ops.empty((int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
+        send, units = ops.move(x)
+        row = _prod(shape[1:]) * units
+        tr.allgatherv(send, ops.move(out)[0], [int(c) * row for c in all_dims[:, i]])
+        outputs.append(out)
+    entry.outputs = outputs
+
+
+def alltoall(entry: Any, lane: Lane) -> None:
+    ops, tr = lane.ops, lane.transport
+    x = ops.tensors(entry.inputs)[0]
+    splits = np.asarray(entry.splits, np.int64)
+    recv_splits = tr.alltoall_ints(splits)
+    shape = tuple(x.shape)
+    out = ops.empty((int(recv_splits.sum()),) + shape[1:], x.dtype)
+    send, units = ops.move(x)
+    row = _prod(shape[1:]) * units
+    counts = [int(s) * row for s in splits]
+    tr.alltoallv(ops.piece(send, 0, sum(counts)), counts, ops.move(out)[0],
+                 [int(s) * row for s in recv_splits])
+    entry.outputs = [(out, recv_splits.astype(np.int32))]
 
 
 def _prod(dims: Sequence[int]) -> int:

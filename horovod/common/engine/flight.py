@@ -15,7 +15,7 @@ them the same numbers, so a rank in allreduce 'grad.b' (seq 1235) while the othe
 'grad.a' (seq 1235) is a desync, not a late rank.
 
 A snapshot is plain data (``horovod.common.plain``), the same on the device plane as on the host
-path (both complete through ``Engine._run_batch``)::
+path (both complete through ``BatchRunner.run_batch``)::
 
     {"done": [[seq, process set, op, name, dtype, shapes, age_s, ran_s], ...],   # oldest first
      "in_flight": [[seq, process set, op, name, dtype, shapes, state, age_s], ...]}  # by seq
@@ -27,24 +27,25 @@ from the cache or the coordinator, and it waits for the other ranks to be ready)
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from horovod.common import protocol
+from horovod.common.engine.observers import Observer
 from horovod.common.types import Response
 
-__all__ = ["FlightRecorder", "describe", "format_record", "DEFAULT_SIZE"]
+__all__ = ["FlightRecorder", "flight_record", "describe", "format_record", "DEFAULT_SIZE"]
 
 DEFAULT_SIZE = 1024
 
-# Entry.state values of the engine (loop.py): _DONE, _CACHED, _NEW, _SENT.
+# Entry.state values of the engine (rounds.py): DONE, CACHED, NEW, SENT.
 _STATES = {0: "running", 1: "negotiated", 2: "submitted", 3: "submitted"}
 
 
-class FlightRecorder:
+class FlightRecorder(Observer):
     """A bounded ring of this rank's completed batches, and its count of completed collectives
-    per process set."""
-
+    per process set: an observer of the engine's batches (``observers.py``)."""
 
     def __init__(self, size: int = DEFAULT_SIZE) -> None:
         self.size = max(1, int(size))
@@ -53,6 +54,10 @@ class FlightRecorder:
         # collectives, so the ring always holds the last ``size`` collectives, and may hold more).
         self._ring: collections.deque[tuple[Sequence[Response], int, float, float]] = \
             collections.deque(maxlen=self.size)
+
+    def batch_run(self, kind: Any, batch: Sequence[Response], entries: Sequence[Any], t0: float,
+                  t1: float) -> None:
+        self.batch_done(batch, t0, t1)
 
     def batch_done(self, batch: Sequence[Response], t_start: float, t_end: float) -> None:
         """A batch (one process set's) completed on this rank (once per batch: keep it cheap)."""
@@ -82,10 +87,22 @@ class FlightRecorder:
 
     def in_flight(self, entries: Iterable[Any], queued: set[int], now: float,
                   last: int | None = None) -> list[list[Any]]:
-        """Entries submitted and not yet completed, in submission order (``Engine._in_flight``),
+        """Entries submitted and not yet completed, in submission order (``TensorQueue.in_flight``),
         numbered after the completed ones of their process set; ``queued``: ids of entries no
         round has taken yet."""
         return in_flight_rows(entries, queued, now, self.completed, last)
+
+
+def flight_record(flight: FlightRecorder | None, snapshot: tuple[list[Any], set[int]], now: float,
+                  done: int | None, in_flight: int | None) -> dict[str, Any]:
+    """A rank's flight record: the last ``done`` completed collectives (all kept: None) and the
+    first ``in_flight`` in-flight ones (all: None), from the queue's ``snapshot`` (in-flight
+    entries, ids of the queued ones) at ``now`` (the engine's clock)."""
+    entries, queued = snapshot
+    if flight is None:
+        return {"done": [], "in_flight": in_flight_rows(entries, queued, now, {}, in_flight)}
+    return {"done": flight.done(time.perf_counter(), done),
+            "in_flight": flight.in_flight(entries, queued, now, in_flight)}
 
 
 def in_flight_rows(entries: Iterable[Any], queued: set[int], now: float, completed: dict[int, int],

@@ -69,7 +69,7 @@ class Handle:
         self.error: BaseException | None = None
         # Set by the engine: called by wait() to make progress from the waiting thread.
         self.helper: Any = None
-        self.request: Any = None  # the submitted request (for collectives.submit_again)
+        self.request: Any = None  # the submitted request (a binding prepares it again: ``Context.prepare``)
 
     def _release(self) -> None:
         """Completion: ``_done`` is set; let blocked waiters through."""

@@ -11,7 +11,7 @@
 * per completing round: how long ago this rank submitted its latest tensor of that round
   (``late``: small for the rank the others waited for) and the time since its previous completing
   round. Rounds are collective, so round numbers agree on every rank; the window of these
-  records goes to the coordinator about once a second (``Engine._exchange``), where
+  records goes to the coordinator about once a second (``MetricsObserver.exchange``, observers.py), where
   ``StragglerDetector`` compares ranks round by round. Only durations measured on one host are
   compared, so clocks need not agree across hosts.
 

@@ -26,7 +26,7 @@ from horovod.common.types import (
     shape_text,
 )
 
-__all__ = ["ArgumentError", "Coordinator", "PendingName", "validate"]
+__all__ = ["ArgumentError", "Coordinator", "NameRows", "PendingName", "validate"]
 
 _JOIN_UNSUPPORTED = {
     RequestType.ALLGATHER: "Allgather is not supported with Join at this time. Specify "
@@ -162,7 +162,7 @@ class PendingName:
 
     __slots__ = ("name", "row", "first_seen", "seq", "kind", "process_set_id", "_coord")
 
-    def __init__(self, coord: Coordinator, name: str, row: int, first_seen: float, seq: int,
+    def __init__(self, coord: NameRows, name: str, row: int, first_seen: float, seq: int,
                  kind: RequestType, process_set_id: int) -> None:
         self._coord = coord
         self.name = name
@@ -194,19 +194,13 @@ class _Sent:
         return self.msg.request(i, rank, self.tails[at] if self.tails is not None else b"")
 
 
-class Coordinator:
-    """Message table of the coordinator rank, kept as arrays over (pending name, rank).
+class NameRows:
+    """The coordinator's storage: one row per pending name, arrays over (row, rank), and the
+    messages the rows' requests are decoded from (``Coordinator`` decides; this keeps).
 
-    ``submit_encoded`` takes every rank's message of a round (``wire.encode_requests``), parses
-    each distinct message once, maps its names to rows in one pass, and records the ranks that
-    sent it with a few array operations; validation compares signature digests per name. Requests
-    are decoded only to build a response (the lowest rank's) or an error text (every rank's, when
-    digests differ). Per (name, rank) the coordinator keeps one byte (``seen``).
-
-    Args:
-        size: number of ranks in the world.
-        members: returns the sorted global ranks of a process set id (None if unknown).
-        clock: monotonic clock, injectable for tests.
+    Rows are reused: a released row (``_release``) goes back to the free list with its arrays
+    reset and its generation bumped; the table doubles when no row is free (``_grow``). Messages
+    none of whose names is still pending are forgotten every so often (``_sweep``).
     """
 
     _seen: np.ndarray
@@ -220,18 +214,13 @@ class Coordinator:
     _gen: np.ndarray
     _candidate: np.ndarray
 
-    def __init__(self, size: int, members: Callable[[int], Sequence[int] | None],
-                 clock: Callable[[], float]) -> None:
+    def __init__(self, size: int, clock: Callable[[], float]) -> None:
         self.size = size
-        self._members = members
         self._clock = clock
         self.table: dict[str, PendingName] = {}
         self._row_of: dict[str, int] = {}
         self._by_row: list[PendingName | None] = []
-        self.joined: list[int] = []
         self._seq = itertools.count()
-        self._next_process_set_id = 1
-        self._member_index: dict[int, tuple[Sequence[int], np.ndarray]] = {}
         self._sent: list[_Sent] = []  # messages that may still hold a pending name
         self._sweep_at = 64
         self._rows = 0
@@ -264,6 +253,96 @@ class Coordinator:
         self._by_row.extend([None] * (rows - old))
         self._free.extend(range(rows - 1, old - 1, -1))
         self._rows = rows
+
+    def _new_row(self, name: str, kind: int, process_set_id: int) -> int:
+        if not self._free:
+            self._grow(2 * self._rows)
+        row = self._free.pop()
+        entry = PendingName(self, name, row, self._clock(), next(self._seq), KINDS[kind],
+                            process_set_id)
+        self.table[name] = entry
+        self._row_of[name] = row
+        self._by_row[row] = entry
+        return row
+
+    def _waited(self, row: int, tenths: int) -> None:
+        """A rank's request of this row had waited ``tenths`` / 10 s before it was sent (a
+        cached request sent again after a local stall): the name has waited at least that long."""
+        entry = self._by_row[row]
+        if entry is not None:
+            entry.first_seen = min(entry.first_seen, self._clock() - tenths / 10)
+
+    def _request_of(self, row: int, rank: int) -> Request:
+        """The request ``rank`` sent for the name of ``row``."""
+        if rank == self._src_rank[row]:
+            sent = self._sent[int(self._src_sent[row])]
+            req = sent.request(int(self._src_index[row]), rank)
+            if req is not None:
+                return req
+        got = self._requests_of(row).get(rank)
+        assert got is not None, (row, rank)
+        return got
+
+    def _requests_of(self, row: int) -> dict[int, Request]:
+        out: dict[int, Request] = {}
+        gen = self._gen[row]
+        for sent in self._sent:
+            hit = np.flatnonzero((sent.rows == row) & (sent.gens == gen))
+            for i in hit.tolist():
+                for rank in sent.ranks.tolist():
+                    req = sent.request(i, rank)
+                    assert req is not None
+                    out[rank] = req
+        return dict(sorted(out.items()))
+
+    def _release(self, entry: PendingName) -> None:
+        del self.table[entry.name]
+        del self._row_of[entry.name]
+        row = entry.row
+        self._by_row[row] = None
+        self._seen[row] = False
+        self._count[row] = 0
+        self._digest[row] = 0
+        self._bad[row] = False
+        self._flat[row] = True
+        self._src_rank[row] = _NO_RANK
+        self._gen[row] += 1
+        self._free.append(row)
+
+    def _sweep(self) -> None:
+        """Forget messages none of whose names is still pending (renumbering the sources)."""
+        keep = [s for s in self._sent if (self._gen[s.rows] == s.gens).any()]
+        if len(keep) < len(self._sent):
+            where = {id(s): i for i, s in enumerate(keep)}
+            live = np.flatnonzero(self._src_rank != _NO_RANK)
+            for row in live.tolist():
+                self._src_sent[row] = where[id(self._sent[int(self._src_sent[row])])]
+            self._sent = keep
+        self._sweep_at = max(64, 2 * len(self._sent))
+
+
+class Coordinator(NameRows):
+    """Message table of the coordinator rank, kept as arrays over (pending name, rank).
+
+    ``submit_encoded`` takes every rank's message of a round (``wire.encode_requests``), parses
+    each distinct message once, maps its names to rows in one pass, and records the ranks that
+    sent it with a few array operations; validation compares signature digests per name. Requests
+    are decoded only to build a response (the lowest rank's) or an error text (every rank's, when
+    digests differ). Per (name, rank) the coordinator keeps one byte (``seen``).
+
+    Args:
+        size: number of ranks in the world.
+        members: returns the sorted global ranks of a process set id (None if unknown).
+        clock: monotonic clock, injectable for tests.
+    """
+
+    def __init__(self, size: int, members: Callable[[int], Sequence[int] | None],
+                 clock: Callable[[], float]) -> None:
+        super().__init__(size, clock)
+        self._members = members
+        self.joined: list[int] = []
+        self._next_process_set_id = 1
+        self._member_index: dict[int, tuple[Sequence[int], np.ndarray]] = {}
 
     def reserve_process_set_ids(self, next_id: int) -> None:
         self._next_process_set_id = max(self._next_process_set_id, next_id)
@@ -383,47 +462,6 @@ class Coordinator:
         self._sent.append(_Sent(msg, np.asarray(rank_list, np.int64), tails, at, self._gen[at]))
         return join
 
-    def _new_row(self, name: str, kind: int, process_set_id: int) -> int:
-        if not self._free:
-            self._grow(2 * self._rows)
-        row = self._free.pop()
-        entry = PendingName(self, name, row, self._clock(), next(self._seq), KINDS[kind],
-                            process_set_id)
-        self.table[name] = entry
-        self._row_of[name] = row
-        self._by_row[row] = entry
-        return row
-
-    def _waited(self, row: int, tenths: int) -> None:
-        """A rank's request of this row had waited ``tenths`` / 10 s before it was sent (a
-        cached request sent again after a local stall): the name has waited at least that long."""
-        entry = self._by_row[row]
-        if entry is not None:
-            entry.first_seen = min(entry.first_seen, self._clock() - tenths / 10)
-
-    def _request_of(self, row: int, rank: int) -> Request:
-        """The request ``rank`` sent for the name of ``row``."""
-        if rank == self._src_rank[row]:
-            sent = self._sent[int(self._src_sent[row])]
-            req = sent.request(int(self._src_index[row]), rank)
-            if req is not None:
-                return req
-        got = self._requests_of(row).get(rank)
-        assert got is not None, (row, rank)
-        return got
-
-    def _requests_of(self, row: int) -> dict[int, Request]:
-        out: dict[int, Request] = {}
-        gen = self._gen[row]
-        for sent in self._sent:
-            hit = np.flatnonzero((sent.rows == row) & (sent.gens == gen))
-            for i in hit.tolist():
-                for rank in sent.ranks.tolist():
-                    req = sent.request(i, rank)
-                    assert req is not None
-                    out[rank] = req
-        return dict(sorted(out.items()))
-
     def _expected(self, kind: RequestType, process_set_id: int) -> np.ndarray | None:
         """Global ranks that must submit a name of this kind and set, as an index array."""
         members = range(self.size) if kind == RequestType.JOIN else self._members(process_set_id)
@@ -469,31 +507,6 @@ class Coordinator:
         if len(self._sent) >= self._sweep_at:
             self._sweep()
         return [r for _, r in out]
-
-    def _release(self, entry: PendingName) -> None:
-        del self.table[entry.name]
-        del self._row_of[entry.name]
-        row = entry.row
-        self._by_row[row] = None
-        self._seen[row] = False
-        self._count[row] = 0
-        self._digest[row] = 0
-        self._bad[row] = False
-        self._flat[row] = True
-        self._src_rank[row] = _NO_RANK
-        self._gen[row] += 1
-        self._free.append(row)
-
-    def _sweep(self) -> None:
-        """Forget messages none of whose names is still pending (renumbering the sources)."""
-        keep = [s for s in self._sent if (self._gen[s.rows] == s.gens).any()]
-        if len(keep) < len(self._sent):
-            where = {id(s): i for i, s in enumerate(keep)}
-            live = np.flatnonzero(self._src_rank != _NO_RANK)
-            for row in live.tolist():
-                self._src_sent[row] = where[id(self._sent[int(self._src_sent[row])])]
-            self._sent = keep
-        self._sweep_at = max(64, 2 * len(self._sent))
 
     def _respond(self, entry: PendingName, members: np.ndarray) -> Response:
         row = entry.row

@@ -1,7 +1,7 @@
 """The stall observer the engine loop calls: report stalls with every rank's answer, and answer.
 
 On rank 0 it runs the inspector (``stall.StallInspector``) over the coordinator's table. When a
-report is due it *asks*: the next round carries a flag in its bit vector (``Engine._round``), and in
+report is due it *asks*: the next round carries a flag in its bit vector (``RoundController.agree``), and in
 that round every rank calls ``answer_round``: one broadcast from rank 0 (who should send its whole
 stack, and whether Horovod then shuts down) and one gather to rank 0 of each rank's answer
 (``diagnosis.answer``: host, pid, where its main thread is, its flight record). The thread driving
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from horovod.common.engine import diagnosis
 from horovod.common.engine.flight import describe
+from horovod.common.engine.observers import FLAG_DIAGNOSE, Observer
 from horovod.common.engine.stall import StallDecision, StallInspector, explain
 
 if TYPE_CHECKING:
@@ -71,8 +72,10 @@ class _Question:
         self.answers: dict[int, dict[str, Any]] = {}
 
 
-class StallObserver:
-    """Stall checks (rank 0) and answers (every rank) for one engine."""
+class StallObserver(Observer):
+    """Stall checks (rank 0) and answers (every rank) for one engine: an observer of its rounds
+    (``observers.py``) that raises ``FLAG_DIAGNOSE`` when it has a question, checks the
+    coordinator's table when due, and answers in the round that carries the question."""
 
     def __init__(self, engine: Any, config: EngineConfig, clock: Callable[[], float]) -> None:
         self.engine = engine
@@ -107,7 +110,7 @@ class StallObserver:
         next_report = 0.0
         while not self._stop.wait(0.5):
             eng = self.engine
-            since = eng.negotiating_since
+            since = eng.rounds.negotiating_since
             if eng.stopped or not since:
                 continue
             now = self._clock()
@@ -158,6 +161,21 @@ class StallObserver:
             lines.append(f"rank 0 waits in {describe(row[2], row[3], row[0], row[1])}, submitted {row[7]:.1f} s ago")
         lines.append("Every rank that runs Python prints its stacks on SIGUSR1 (kill -USR1 <horovodrun's pid>).")
         return "\n".join(lines)
+
+    # ---------------------------------------------------------------- the observer's hooks
+    def flags(self, now: float) -> int:
+        return FLAG_DIAGNOSE if self._question is not None else 0
+
+    def inspect(self, coordinator: Coordinator) -> None:
+        if self.inspector is not None and self.inspector.due():
+            self.check(coordinator)
+
+    def agreed(self, flags: int) -> None:
+        if flags & FLAG_DIAGNOSE:
+            rounds = self.engine.rounds
+            rounds.negotiating_since = self._clock()
+            self.answer_round()
+            rounds.negotiating_since = 0.0
 
     # ---------------------------------------------------------------- rank 0
     @property

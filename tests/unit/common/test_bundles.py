@@ -6,7 +6,7 @@
 * ``Engine.submit_many`` refuses a bundle with a name in flight and submits nothing of it;
 * ``ResponseCache.lookup`` matches a resubmitted request object without comparing signatures,
   and never after its slot was refilled;
-* ``collectives.resubmit_many`` / ``mpi_ops._resubmit_many`` reduce in place, equal to one by one.
+* ``Prepared.submit_all`` / ``mpi_ops._resubmit_many`` reduce in place, equal to one by one.
 """
 
 from __future__ import annotations

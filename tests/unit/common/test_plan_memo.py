@@ -1,6 +1,6 @@
 """The memos of a cached step's plans, and the packing of many small tensors (issue 25).
 
-* ``Engine._plan`` memoizes ``fusion.plan_batches`` for rounds of cached responses, by ready
+* ``BatchRunner.plan`` memoizes ``fusion.plan_batches`` for rounds of cached responses, by ready
   slots and planning settings: it must return what a fresh plan would, also after a tunable
   changes, the cache is reset or a name is renegotiated with another shape;
 * ``Executor._plan_reduction`` memoizes ``plan.plan_reduction`` on all of its arguments;
@@ -29,18 +29,18 @@ _CODE = r"""
 import numpy as np
 from horovod.common import collectives as C
 from horovod.common.context import get_context
-from horovod.common.engine import loop
+from horovod.common.engine import runner
 import horovod.numpy as hvd
 hvd.init()
 eng = get_context().engine
 fresh_calls = []
-real_plan_batches = loop.plan_batches
+real_plan_batches = runner.plan_batches
 def counted(*a, **k):
     fresh_calls.append(1)
     return real_plan_batches(*a, **k)
-loop.plan_batches = counted
+runner.plan_batches = counted
 checked = []
-real_plan = eng._plan
+real_plan = eng.runner.plan
 def checked_plan(responses, slots, joined):
     got = real_plan(responses, slots, joined)
     tun = eng.tunables
@@ -54,7 +54,7 @@ def checked_plan(responses, slots, joined):
         assert all(x is y for x, y in zip(b, w)), "stale response objects in a memoized plan"
     checked.append(len(got))
     return got
-eng._plan = checked_plan
+eng.runner.plan = checked_plan
 
 def step(shape=(4,), n=6):
     arrays = [np.ones(shape, np.float32) * (i + 1) for i in range(n)]
@@ -78,8 +78,8 @@ eng.tunables.fusion_threshold = 1 << 20
 step()
 print("batches_restored", checked[-1])
 for slot in list(eng.cache.occupied()):    # the cache reset (autotune's cache toggle, elastic)
-    eng._evict(slot)
-print("memo_after_reset", len(eng._plans))
+    eng.rounds.evict(slot)
+print("memo_after_reset", len(eng.runner.memo.plans))
 step(); step()
 step(shape=(3, 2)); step(shape=(3, 2))     # renegotiated with new shapes: new responses
 print("ok", len(checked))
