@@ -361,7 +361,8 @@ class _Group:
         self.accumulated.clear()
         dt = self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].dtype
         root = self.root()
-        buf = root._take(self.n * self.segment, dt, self.params[0].shard.device).view(self.n, self.segment)
+        whole = root._take(self.n * self.segment, dt, self.params[0].shard.device)
+        buf = whole[:self.n * self.segment].view(self.n, self.segment)
         for q in self.params:
             # rank k's rows of this gradient go to row k of the buffer, in the parameter's slot,
             # padded with zeros to ``seg``
@@ -371,17 +372,17 @@ class _Group:
                 dst.zero_()
                 continue
             flat = g.reshape(-1)
-            whole, rest = divmod(flat.numel(), q.seg)
-            dst[:whole].copy_(flat[:whole * q.seg].view(whole, q.seg))
-            if whole < self.n:
-                dst[whole, :rest].copy_(flat[whole * q.seg:])
-                dst[whole, rest:].zero_()
-                dst[whole + 1:].zero_()
+            k, rest = divmod(flat.numel(), q.seg)  # k ranks' rows in full, then ``rest`` elements
+            dst[:k].copy_(flat[:k * q.seg].view(k, q.seg))
+            if k < self.n:
+                dst[k, :rest].copy_(flat[k * q.seg:])
+                dst[k, rest:].zero_()
+                dst[k + 1:].zero_()
             q.unsharded.grad = None
         sent, ctx = self.compression.compress(buf)
         h = mpi_ops.reducescatter_async(sent, name=self.name("reducescatter"), process_set=self.process_set)
         del sent
-        root.pending.append((self, h, ctx, buf))
+        root.pending.append((self, h, ctx, whole))
         self.reshard()
         # one reduction in flight (it overlaps the next module's backward): an older one's input,
         # a whole module's gradients, must not stay alive until the end of backward
@@ -389,20 +390,17 @@ class _Group:
             _complete(*root.pending.pop(0))
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements for a reduce-scatter's input (on the root): a spare
-        one when it fits, so that the same memory serves every module's reduction (no per-block
-        allocation for the allocator to keep)."""
+        """A flat buffer of at least ``numel`` elements for a reduce-scatter's input (on the
+        root): a spare one when one fits, so that the same memory serves every module's reduction
+        (no per-block allocation for the allocator to keep)."""
         for i, t in enumerate(self.spare):
             if t.dtype == dtype and t.device == device and t.numel() >= numel:
-                return self.spare.pop(i)[:numel]
+                return self.spare.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def _give_back(self, buf: torch.Tensor) -> None:
-        """A reduce-scatter's input, its collective finished: kept for the next (two at most,
-        the largest: one in flight while the next is filled)."""
-        base = buf.reshape(-1)
-        whole = torch.empty(0, dtype=base.dtype, device=base.device).set_(
-            base.untyped_storage(), 0, (base.untyped_storage().nbytes() // base.element_size(),))
+    def _give_back(self, whole: torch.Tensor) -> None:
+        """A reduce-scatter's input buffer (``_take``'s), its collective finished: kept for the
+        next (two at most, the largest: one in flight while the next is filled)."""
         self.spare.append(whole)
         self.spare.sort(key=lambda t: -t.numel())
         del self.spare[2:]
@@ -425,10 +423,10 @@ class _Group:
                 g.reshard()
 
 
-def _complete(g: _Group, handle: int, ctx: Any, buf: torch.Tensor) -> None:
+def _complete(g: _Group, handle: int, ctx: Any, whole: torch.Tensor) -> None:
     """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
     out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
-    g.root()._give_back(buf)
+    g.root()._give_back(whole)
     for q in g.params:
         if not q.shard.requires_grad:
             continue
