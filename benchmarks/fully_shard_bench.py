@@ -13,8 +13,8 @@ Memory: each variant runs in its own launch of ``--mem-np`` ranks; per rank: ``b
 Horovod and a Gloo process group are up but before the model exists; a warm-up step allocates the
 optimizer state; then the kernel's peak-RSS counter is reset (``echo 5 > /proc/self/clear_refs``)
 and after one more step ``VmHWM`` is read: the step's peak, reported absolute and above ``base``
-(the import floor). Bytes sent are not measured (``wchar`` of ``/proc/self/io`` does not count
-Gloo's socket sends); docs/fully_shard.md gives each variant's per-rank bytes from its collectives.
+(the import floor). Bytes sent are not measured (``wchar`` of ``/proc/self/io`` counts none of
+Horovod's MPI sends); docs/fully_shard.md gives each variant's per-rank bytes from its collectives.
 
 ``--malloc-mmap-threshold BYTES`` sets glibc's ``MALLOC_MMAP_THRESHOLD_`` for every rank of every
 variant: allocations from that size on are mapped and unmapped, not carved from the heap. Without
