@@ -122,7 +122,8 @@ class _Group:
         # iteration state (kept on the root group)
         self.order: list[_Group] = []
         self.prev_order: list[_Group] = []
-        self.pending: list[tuple[_Group, int, Any]] = []
+        self.pending: list[tuple[_Group, int, Any, torch.Tensor]] = []
+        self.spare: list[torch.Tensor] = []  # reduce-scatter input buffers, reused (``_take``)
         self.callback_queued = False
         self.in_forward = False
         self.iteration = 0
@@ -390,27 +391,50 @@ class _Group:
         free the unsharded parameters."""
         self.accumulated.clear()
         dt = self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].dtype
-        buf = torch.zeros(self.n, self.segment, dtype=dt, device=self.params[0].shard.device)
+        root = self.root()
+        whole = root._take(self.n * self.segment, dt, self.params[0].shard.device)
+        buf = whole[:self.n * self.segment].view(self.n, self.segment)
         for q in self.params:
+            # rank k's rows of this gradient go to row k of the buffer, in the parameter's slot,
+            # padded with zeros to ``seg``
+            dst = buf[:, q.offset:q.offset + q.seg]
             g = q.unsharded.grad
             if g is None:
+                dst.zero_()
                 continue
             flat = g.reshape(-1)
-            pad = q.seg * self.n - flat.numel()
-            if pad:
-                flat = torch.nn.functional.pad(flat, (0, pad))
-            buf[:, q.offset:q.offset + q.seg].copy_(flat.view(self.n, q.seg))
+            k, rest = divmod(flat.numel(), q.seg)  # k ranks' rows in full, then ``rest`` elements
+            dst[:k].copy_(flat[:k * q.seg].view(k, q.seg))
+            if k < self.n:
+                dst[k, :rest].copy_(flat[k * q.seg:])
+                dst[k, rest:].zero_()
+                dst[k + 1:].zero_()
             q.unsharded.grad = None
         sent, ctx = self.compression.compress(buf)
         h = mpi_ops.reducescatter_async(sent, name=self.name("reducescatter"), process_set=self.process_set)
-        del buf, sent
-        root = self.root()
-        root.pending.append((self, h, ctx))
+        del sent
+        root.pending.append((self, h, ctx, whole))
         self.reshard()
         # one reduction in flight (it overlaps the next module's backward): an older one's input,
         # a whole module's gradients, must not stay alive until the end of backward
         while len(root.pending) > 1:
             _complete(*root.pending.pop(0))
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements for a reduce-scatter's input (on the
+        root): a spare one when one fits, so that the same memory serves every module's reduction
+        (no per-block allocation for the allocator to keep)."""
+        for i, t in enumerate(self.spare):
+            if t.dtype == dtype and t.device == device and t.numel() >= numel:
+                return self.spare.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _give_back(self, whole: torch.Tensor) -> None:
+        """A reduce-scatter's input buffer (``_take``'s), its collective finished: kept for the
+        next (two at most, the largest: one in flight while the next is filled)."""
+        self.spare.append(whole)
+        self.spare.sort(key=lambda t: -t.numel())
+        del self.spare[2:]
 
     def finish_backward(self) -> None:
         """At the end of backward (on the root): reduce what is left, add each rank's part to the
@@ -452,9 +476,10 @@ class _Group:
                     break
 
 
-def _complete(g: _Group, handle: int, ctx: Any) -> None:
+def _complete(g: _Group, handle: int, ctx: Any, whole: torch.Tensor) -> None:
     """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
     out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
+    g.root()._give_back(whole)
     for q in g.params:
         if not q.shard.requires_grad:
             continue

@@ -9,6 +9,8 @@ keep launches of their own.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from horovod.testing import run_ranks
@@ -603,6 +605,46 @@ def test_flat_gradient_set_on_every_rank_is_one_span(np_):
 
 # The bodies above that need only hvd.init() are part of one launch per world size, shared with the
 # other torch modules' such bodies (tests/_shared_launch.py); the error paths run last.
+def _large_cases():
+    """Buffers large enough for Gloo's split reduce-scatter (alltoall + local reduction) and
+    point-to-point allgather; uneven rows, every rank's part checked against the whole."""
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    for dt in [torch.int32, torch.float16, torch.bfloat16, torch.float32, torch.float64]:
+        rows = 64 * 1024 * n + 1  # uneven: the first rank gets one row more
+        base = torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) % 97
+        total = sum(base + k for k in range(n))
+        counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
+        start = sum(counts[:r])
+        for op, want in [(hvd.Sum, total), (hvd.Average, total / n)]:
+            got = hvd.reducescatter((base + r).to(dt), op=op, name=f"big.rs.{dt}.{int(op)}")
+            w = want[start:start + counts[r]]
+            w = w.to(dt) if dt.is_floating_point else torch.trunc(w).to(dt)
+            if got.dtype != dt or tuple(got.shape) != tuple(w.shape) or not torch.allclose(
+                    got.double(), w.double(), rtol=1e-2):
+                bad.append(f"rank {r}: large reducescatter({dt}, op={int(op)}): max error "
+                           f"{(got.double() - w.double()).abs().max() if got.shape == w.shape else got.shape}")
+        for k_rows in (lambda k: 300_000, lambda k: 300_000 + k):  # equal parts (p2p), unequal
+            got = hvd.allgather(torch.full((k_rows(r), 2), r, dtype=torch.float64).to(dt),
+                                name=f"big.ag.{dt}.{k_rows(1)}")
+            want = torch.cat([torch.full((k_rows(k), 2), k, dtype=torch.float64) for k in range(n)]).to(dt)
+            if not torch.equal(got, want):
+                bad.append(f"rank {r}: large allgather({dt}, rows {[k_rows(k) for k in range(n)]}) wrong")
+    return bad
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_large_reducescatter_and_allgather_on_gloo(np_):
+    gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
+    fails = run_ranks(_large_cases, np=np_, timeout=300, launcher=gloo)
+    assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
+
+
 _LAUNCH = {n: joint_launch("torch", n, {"movement": _movement_cases, "grad": _grad_cases,
                                         "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases},
                            timeout=400)
