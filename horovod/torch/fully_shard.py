@@ -123,7 +123,7 @@ class _Group:
         self.order: list[_Group] = []
         self.prev_order: list[_Group] = []
         self.pending: list[tuple[_Group, int, Any, torch.Tensor]] = []
-        self.spare: list[torch.Tensor] = []  # reduce-scatter input buffers, reused (``_take``)
+        self.spare: list[torch.Tensor] = []  # reduce-scatter input buffers, reused (``take_buffer``)
         self.callback_queued = False
         self.in_forward = False
         self.iteration = 0
@@ -392,7 +392,7 @@ class _Group:
         self.accumulated.clear()
         dt = self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].dtype
         root = self.root()
-        whole = root._take(self.n * self.segment, dt, self.params[0].shard.device)
+        whole = root.take_buffer(self.n * self.segment, dt, self.params[0].shard.device)
         buf = whole[:self.n * self.segment].view(self.n, self.segment)
         for q in self.params:
             # rank k's rows of this gradient go to row k of the buffer, in the parameter's slot,
@@ -420,7 +420,7 @@ class _Group:
         while len(root.pending) > 1:
             _complete(*root.pending.pop(0))
 
-    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements for a reduce-scatter's input (on the
         root): a spare one when one fits, so that the same memory serves every module's reduction
         (no per-block allocation for the allocator to keep)."""
@@ -429,8 +429,8 @@ class _Group:
                 return self.spare.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def _give_back(self, whole: torch.Tensor) -> None:
-        """A reduce-scatter's input buffer (``_take``'s), its collective finished: kept for the
+    def give_back_buffer(self, whole: torch.Tensor) -> None:
+        """A reduce-scatter's input buffer (``take_buffer``'s), its collective finished: kept for the
         next (two at most, the largest: one in flight while the next is filled)."""
         self.spare.append(whole)
         self.spare.sort(key=lambda t: -t.numel())
@@ -479,7 +479,7 @@ class _Group:
 def _complete(g: _Group, handle: int, ctx: Any, whole: torch.Tensor) -> None:
     """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
     out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
-    g.root()._give_back(whole)
+    g.root().give_back_buffer(whole)
     for q in g.params:
         if not q.shard.requires_grad:
             continue
