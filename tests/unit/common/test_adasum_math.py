@@ -20,6 +20,16 @@ from horovod.common.engine.adasum import (
 )
 
 
+def _on_threads(size: int, body, errors: list[BaseException]) -> None:
+    """Run ``body(rank)`` for every simulated rank on a thread of its own; fail with what they raised."""
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+
 def _simulate(per_rank: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
     """Run vhdd_allreduce on len(per_rank) threads; each rank's tensors are fused back to back."""
     size = len(per_rank)
@@ -47,12 +57,7 @@ def _simulate(per_rank: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    _on_threads(size, body, errors)
     return out  # type: ignore[return-value]
 
 
@@ -162,13 +167,8 @@ def _run_lane(per_rank: list[list[np.ndarray] | None], prescale: float, postscal
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
-    return out
+    _on_threads(size, body, errors)
+    return out  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
