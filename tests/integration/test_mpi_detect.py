@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from horovod.common.exceptions import BackendUnavailableError
-from horovod.runner.launch.commands import mpirun as mpirun_mod
+from horovod.runner.launch import mpirun as mpirun_mod
 
 pytestmark = pytest.mark.integration
 
