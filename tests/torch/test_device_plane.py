@@ -183,7 +183,7 @@ def _repeat_cases(hvd, r, n, check, bad):
     tensors, after a shape change (checked again), and for grouped calls."""
     import torch
 
-    from horovod.torch import _repeat
+    from horovod.common.context import get_context
 
     same = torch.zeros(5)
     for step in range(4):
@@ -197,7 +197,7 @@ def _repeat_cases(hvd, r, n, check, bad):
         check(f"repeat same tensor (step {step})", same, torch.arange(5.0) * (n * (n + 1) // 2) + n * step)
         check(f"repeat new tensor (step {step})", fresh,
               torch.full((2, 3), (n - 1) / 2 + step, dtype=torch.float64), tol=0)
-    sig = _repeat._REPEAT.get(("rep.same", hvd.Sum, 1.0, 1.0, 0))
+    sig = get_context().repeats.get(("rep.same", hvd.Sum, 1.0, 1.0, 0))
     if sig is None or sig[7].host or sig[7].cuda:
         bad.append(f"rank {r}: no device-plane repeat signature for a repeated twin allreduce_: {sig}")
     changed = torch.full((7,), float(r))  # another shape: the checked path, same name
@@ -216,7 +216,7 @@ def _repeat_cases(hvd, r, n, check, bad):
             check(f"repeat grouped[{k}] (step {step})", t, torch.full((k + 1,), 10 * (n - 1) / 2 + k + step), tol=0)
         check(f"repeat grouped int (step {step})", group[9],
               torch.full((3,), n * (n - 1) // 2 + n * step, dtype=torch.int32), tol=0)
-    rep = _repeat._REPEAT.get(("grouped", "rep.group", hvd.Average, 1.0, 1.0, 0))
+    rep = get_context().repeats.get(("grouped", "rep.group", hvd.Average, 1.0, 1.0, 0))
     if rep is None or rep.facts is None or rep.arrays[0].tensor is not group[0]:
         bad.append(f"rank {r}: the grouped twin call did not keep its wrappers for the repeat path")
 
