@@ -426,12 +426,12 @@ def test_a_load_racing_a_newer_commit_reads_the_newer_version(tmp_path, monkeypa
     hvd.checkpoint.save(path, model=_model(1), extra={"step": 1})
     original, calls = checkpoint._read, []
 
-    def racing(where, request):
+    def racing(where, request, *regions):
         if not calls:
             hvd.checkpoint.save(path, model=_model(2), extra={"step": 2})  # removes `where`
             assert not os.path.exists(where)
         calls.append(where)
-        return original(where, request)
+        return original(where, request, *regions)
     monkeypatch.setattr(checkpoint, "_read", racing)
     assert _loaded_step(path) == 2
     assert [os.path.basename(c) for c in calls] == ["v000001", "v000002", "v000002"], calls
