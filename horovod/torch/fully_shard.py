@@ -392,6 +392,10 @@ class _Group:
         self.accumulated.clear()
         dt = self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].dtype
         root = self.root()
+        # one reduction in flight (it has overlapped this module's backward): finish it first, so
+        # that its input buffer serves this one and a rank holds one module's gradients in flight
+        while root.pending:
+            _complete(*root.pending.pop(0))
         whole = root.take_buffer(self.n * self.segment, dt, self.params[0].shard.device)
         buf = whole[:self.n * self.segment].view(self.n, self.segment)
         for q in self.params:
@@ -415,10 +419,6 @@ class _Group:
         del sent
         root.pending.append((self, h, ctx, whole))
         self.reshard()
-        # one reduction in flight (it overlaps the next module's backward): an older one's input,
-        # a whole module's gradients, must not stay alive until the end of backward
-        while len(root.pending) > 1:
-            _complete(*root.pending.pop(0))
 
     def take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements for a reduce-scatter's input (on the
@@ -431,10 +431,11 @@ class _Group:
 
     def give_back_buffer(self, whole: torch.Tensor) -> None:
         """A reduce-scatter's input buffer (``take_buffer``'s), its collective finished: kept for the
-        next (two at most, the largest: one in flight while the next is filled)."""
+        next module's reduction (one at most, the largest: ``reduce`` finishes the reduction in
+        flight before it takes a buffer, so one buffer serves every module of a backward)."""
         self.spare.append(whole)
         self.spare.sort(key=lambda t: -t.numel())
-        del self.spare[2:]
+        del self.spare[1:]
 
     def finish_backward(self) -> None:
         """At the end of backward (on the root): reduce what is left, add each rank's part to the
