@@ -183,8 +183,9 @@ def test_plain_rank_environment_with_a_secret_opens_the_authenticated_store(tmp_
                 "MASTER_PORT": str(port), "HOROVOD_SECRET_KEY": "5e" * 32})
     job = f"{sys.executable} {JOB}"
     logs = tmp_path / "rank"  # one file per rank: their lines do not interleave
-    script = (f"RANK=0 {job} > {logs}0 2>&1 & RANK=1 {job} > {logs}1 2>&1 & wait -n && wait -n; rc=$?; "
-              f"cat {logs}0 {logs}1; exit $rc")
+    # each rank waited for by its pid: `wait -n` twice returns 127 when both exit together
+    script = (f"RANK=0 {job} > {logs}0 2>&1 & p0=$!; RANK=1 {job} > {logs}1 2>&1 & p1=$!; "
+              f"wait $p0; r0=$?; wait $p1; r1=$?; cat {logs}0 {logs}1; exit $(( r0 | r1 ))")
     proc = subprocess.Popen(["bash", "-c", script], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(tmp_path / "ready", proc)
