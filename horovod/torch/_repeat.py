@@ -66,7 +66,7 @@ def repeat_again(key: tuple[Any, ...], tensors: Any, wake: bool) -> int | None:
     if repeat is None:
         return None
     if type(repeat) is not _GroupRepeat:
-        return _resubmit(tensors, repeat, wake)
+        return _resubmit(tensors, repeat, wake, live=ctx)
     arrays = repeat.views(ctx, tensors)
     if arrays is None:
         return None
@@ -177,14 +177,16 @@ _PROBE_OF = operator.itemgetter(5)
 _HOME_OF = operator.itemgetter(6)
 
 
-def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer: bool = False) -> int | None:
+def _resubmit(tensor: Any, signature: tuple[Any, ...], wake: bool = True, defer: bool = False,
+              live: Any = None) -> int | None:
     """Resubmit the request of ``signature`` on ``tensor`` in place when the tensor still matches
     it (dtype, shape, context, process set, a plain dense contiguous tensor on the signature's
-    device); None when it does not."""
+    device); None when it does not. ``live``: the live context when the caller has just read it
+    (``repeat_again``), so that it is not looked up twice per tensor."""
     # _matches(tensor, signature), inlined: this runs once per gradient per step.
     ctx, prepared, dtype, shape, group, _probe, (_, ps_id, _), memo = signature
     if (type(tensor) is torch.Tensor and tensor.dtype is dtype and tensor.shape == shape
-            and ctx.groups.get(ps_id) is group and ctx is peek_context()
+            and ctx.groups.get(ps_id) is group and ctx is (peek_context() if live is None else live)
             and not tensor.requires_grad and tensor.layout is torch.strided and tensor.is_contiguous()):
         if memo.host:
             if tensor.is_cpu:
