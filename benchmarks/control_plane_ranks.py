@@ -58,7 +58,13 @@ def worker(args: argparse.Namespace) -> None:
     for attr in ("submit_encoded", "submit", "ready"):  # the coordinator, in either tree
         if attr in vars(negotiation.Coordinator):
             _timed(negotiation.Coordinator, attr, acc)
-    _timed(loop.Engine, "_negotiate", acc)  # gather + coordinator + broadcast, encode/decode
+    # gather + coordinator + broadcast, encode/decode: the round controller's (the engine's in
+    # trees from before the engine was split by role)
+    try:
+        from horovod.common.engine.rounds import RoundController as negotiates
+    except ImportError:
+        negotiates = loop.Engine
+    _timed(negotiates, "_negotiate", acc)
     hvd.init()
     grads = [np.full(4, float(hvd.rank()), np.float32) for _ in range(args.tensors)]
     names = [f"grad.module.layer{i // 12}.block{i % 12}.conv.weight" for i in range(args.tensors)]

@@ -3,6 +3,8 @@
     mpirun -np 2 python benchmarks/step_cost.py                  # torch (DistributedOptimizer's path)
     mpirun -np 2 python benchmarks/step_cost.py --profile step.prof   # rank 0 profiles one mode
     mpirun -np 2 python benchmarks/step_cost.py --phases    # rank 0: time per phase of a step
+    mpirun -np 2 python benchmarks/step_cost.py --ab --reps 50   # the step-cost fixes on against
+                 # off, interleaved (modes *_unopt)
     horovodrun -np 2 --monitor-port 0 python benchmarks/step_cost.py --monitor --reps 2000 \
         --monitor-block-s 2   # monitor on vs off: paired blocks, median ratio + bootstrap 95%
                               # interval, the counters' cost per step, the reporter's CPU per push
@@ -85,9 +87,11 @@ parser.add_argument("--modes", default="", help="comma-separated modes to time (
 parser.add_argument("--profile", default="", help="write a cProfile of --profile-mode on rank 0")
 parser.add_argument("--profile-mode", default="async_sync")
 parser.add_argument("--ab", action="store_true",
-                    help="also run each mode with this change's step-cost fixes switched off in the same "
-                         "processes (modes *_unopt, interleaved): fusion-plan memo, plan_reduction memo, "
-                         "one-call pack/unpack, inlined resubmission")
+                    help="also run each mode with the step-cost fixes switched off in the same processes "
+                         "(modes *_unopt, interleaved): fusion-plan memo, plan_reduction memo, one-call "
+                         "pack/unpack, inlined resubmission, and the optimizer's bundles "
+                         "(optimizer_unopt); e.g. mpirun -np 2 python benchmarks/step_cost.py --ab "
+                         "--reps 50")
 parser.add_argument("--flight", action="store_true",
                     help="also run each mode with the flight recorder off (HOROVOD_FLIGHT_RECORDER=0) in "
                          "the same processes (modes *_noflight, interleaved), and report "
@@ -118,20 +122,20 @@ def _wrap(obj: Any, attr: str, label: str, acc: dict[str, float]) -> None:
 
 
 def _unopt_switch() -> Callable[[bool], None]:
-    """A switch between this change's step-cost fixes and the code they replaced (for --ab)."""
-    from horovod.common import collectives as C
-    from horovod.common.context import get_context
+    """A switch between this change's step-cost fixes and the code they replaced (for --ab): the
+    batch runner's fusion-plan memo, the executor's ``plan_reduction`` memo, the buffers'
+    one-call pack/unpack, and the repeat path's inlined resubmission (the hooks' and the
+    optimizer's: a generic check of the tensor against its signature, a fresh NumPy view and a
+    separate handle registration instead)."""
+    from horovod.common.context import get_context, peek_context
     from horovod.common.engine import fusion, plan
-    from horovod.torch import mpi_ops
-    try:  # the repeat path's module (in older trees it lived in mpi_ops)
-        from horovod.torch._repeat import _Same as same
-    except ImportError:
-        same = mpi_ops._Same
+    from horovod.torch import _dense_reducer, _repeat, mpi_ops
 
     eng = get_context().engine
     assert eng is not None
-    ex, ops = eng._executor, eng._executor._ops
-    fast: dict[str, Any] = {"plan": eng._plan, "calls": ex._plan_reduction, "resubmit": mpi_ops._resubmit}
+    runner, ex = eng.runner, eng._executor
+    ops = ex._ops
+    fast: dict[str, Any] = {"plan": runner.plan, "calls": ex._plan_reduction, "resubmit": _repeat._resubmit}
 
     def plan_unmemoized(responses: Any, _slots: Any, _joined: Any) -> Any:
         tun = eng.tunables
@@ -139,17 +143,21 @@ def _unopt_switch() -> Callable[[bool], None]:
                                    not eng.config.disable_group_fusion)
 
     def resubmit(tensor: Any, signature: Any, wake: bool = True, defer: bool = False) -> Any:
-        if mpi_ops._matches(tensor, signature):
-            return mpi_ops._register(C.submit_again(signature[1], [tensor.numpy()], defer=defer, wake=wake),
-                                     same(tensor))
-        return None
+        ctx, prepared, _dtype, _shape, group, probe, (_, ps_id, _), memo = signature
+        if (memo.host and type(tensor) is torch.Tensor and _repeat._PROBE(tensor) == probe
+                and tensor.is_contiguous() and ctx is peek_context() and ctx.groups.get(ps_id) is group):
+            buf = [tensor.numpy()]
+            return mpi_ops._register(prepared.submit(buf, buf, None, wake, defer), _repeat._Same(tensor))
+        return _repeat._resubmit(tensor, signature, wake, defer)  # (the plane's: as it is)
 
     slow: dict[str, Any] = {"plan": plan_unmemoized, "calls": plan.plan_reduction, "resubmit": resubmit}
-    where = {"plan": (eng, "_plan"), "calls": (ex, "_plan_reduction"), "resubmit": (mpi_ops, "_resubmit")}
+    where = {"plan": [(runner, "plan")], "calls": [(ex, "_plan_reduction")],
+             "resubmit": [(mpi_ops, "_resubmit"), (_dense_reducer, "_resubmit")]}
 
     def switch(optimized: bool) -> None:
-        for key, (obj, attr) in where.items():
-            setattr(obj, attr, (fast if optimized else slow)[key])
+        for key, places in where.items():
+            for obj, attr in places:
+                setattr(obj, attr, (fast if optimized else slow)[key])
         if optimized:
             ops.__dict__.pop("pack", None)
             ops.__dict__.pop("unpack", None)
@@ -161,21 +169,18 @@ def _unopt_switch() -> Callable[[bool], None]:
 
 def phases(modes: dict[str, Callable[[], Any]], tensors: list[Any], names: list[str], reps: int,
            barrier: Callable[[], None]) -> dict[str, dict[str, float]]:
-    """Per-step milliseconds of each phase (this rank), for the async_sync, hooks and grouped modes."""
+    """Per-step milliseconds of each phase (this rank), for the async_sync, hooks and grouped modes:
+    timers around the round controller's AND, the batch runner's fusion plan (with its memo: a
+    hit costs the lookup) and completion, and the executor's run."""
     from horovod.common.context import get_context
-    from horovod.common.engine import loop
 
     eng = get_context().engine
     assert eng is not None
     acc: dict[str, float] = collections.defaultdict(float)
     _wrap(eng.backend, "and_bits", "negotiation AND (incl. waiting for peers)", acc)
-    _wrap(eng._executor, "run", "execution (pack, reduce, unpack)", acc)
-    _wrap(eng, "_complete", "completion (results, wake waiters)", acc)
-    # The fusion plan (with its memo, where the engine has one: then a hit costs the lookup).
-    if hasattr(eng, "_plan"):
-        _wrap(eng, "_plan", "fusion plan", acc)
-    else:
-        _wrap(loop, "plan_batches", "fusion plan", acc)
+    _wrap(eng.runner.executor, "run", "execution (pack, reduce, unpack)", acc)
+    _wrap(eng.runner, "complete", "completion (results, wake waiters)", acc)
+    _wrap(eng.runner, "plan", "fusion plan", acc)
     out = {}
     for label in ("async_sync", "hooks", "grouped"):
         per_rep: dict[str, list[float]] = collections.defaultdict(list)
@@ -252,19 +257,22 @@ def counter_costs(modes: dict[str, Callable[[], None]], steps: int, comm: Any) -
 
     engine = get_context().engine
     floor = _timer_floor()
-    parts = {"count_batch": (engine, "_count_batch"), "record_round": (engine.metrics, "record_round"),
+    # (the metrics observer's batch_run is one of the runner's hooks: taken again once wrapped)
+    parts = {"count_batch": (engine._metrics, "batch_run"), "record_round": (engine.metrics, "record_round"),
              "step_done": (engine.metrics, "step_done")}
     out: dict[str, Any] = {"timer_floor_us": round(floor * 1e6, 3)}
     for label, fn in modes.items():
         accs = {k: [0.0, 0, 0.0] for k in parts}
         for k, (obj, attr) in parts.items():
             _timed(obj, attr, accs[k])
+        engine._observe()
         comm.Barrier()
         for _ in range(steps):
             fn()
         comm.Barrier()
         for obj, attr in parts.values():
             delattr(obj, attr)
+        engine._observe()
         per_step = sum(max(a[0] - a[1] * floor, 0.0) for a in accs.values()) / steps
         out[label] = {"counter_us_per_step": round(per_step * 1e6, 2),
                       "calls_per_step": {k: round(a[1] / steps, 2) for k, a in accs.items()}}
@@ -317,7 +325,7 @@ def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: flo
     ctx.reporter = None
     parts = counter_costs(modes, 200, comm)
     exchange = [0.0, 0, 0.0]
-    _timed(ctx.engine, "_exchange", exchange)
+    _timed(ctx.engine._metrics, "exchange", exchange)
     push = [0.0, 0, 0.0]  # seconds, pushes, reporter thread CPU seconds
     on_seconds = 0.0
     times: dict[tuple[str, bool], list[float]] = {(m, on): [] for m in modes for on in (True, False)}
@@ -571,11 +579,11 @@ def main() -> None:
 
         def unbundled() -> None:
             # The optimizer's gradients submitted one by one (each deferred), as before bundling.
-            opt._collect = lambda _p, _s: False  # type: ignore[attr-defined]
+            opt.reducer._collect = lambda _p, _s: False  # type: ignore[attr-defined]
             try:
                 switched(optimizer, False)()
             finally:
-                del opt._collect  # type: ignore[attr-defined]
+                del opt.reducer._collect  # type: ignore[attr-defined]
 
         local = ("raw", "plain", "floor")
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},

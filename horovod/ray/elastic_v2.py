@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 from horovod.common import exceptions as errors
-from horovod.common.protocol import Died, Exited, FailureRecord, Raised, Returned, WorkerOutcome, task_outcome
-from horovod.ray.waiting import first_line
+from horovod.common.protocol import Died, Exited, FailureRecord, Raised, Returned, task_outcome
+from horovod.ray.waiting import LOST
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostManager
 from horovod.runner.elastic.driver import ElasticDriver, Key, key_name
@@ -209,8 +209,13 @@ class ElasticAdapter:
                                  f"holds as a resource 'node:{host}').", host=host)
 
     def run(self, fn: Any, label: str) -> list[Any]:
+        """``fn`` on every worker as one elastic session; the final round's values in rank order.
+
+        Raises:
+            WorkerFailedError: the job gave up (``JobOutcome.failure``: why, the root-cause
+                worker first, in the words of every launcher, and what the cluster offered).
+        """
         ex = self.ex
-        what = f"RayExecutor.run({label}) [elastic]"
         manager = HostManager(self.discovery, tuple(ex.cooldown_range) if ex.cooldown_range else None)
         settings = DriverSettings.from_env(os.environ, timeout=float(ex.elastic_timeout),
                                             reset_limit=ex.reset_limit)
@@ -220,7 +225,8 @@ class ElasticAdapter:
 
         # The rendezvous service outlives the run: successive runs use it until shutdown().
         session = ElasticSession(settings, manager, ex.min_workers, ex.min_workers,
-                                 ex.max_workers, start_worker, self.job, own_service=False)
+                                 ex.max_workers, start_worker, self.job, own_service=False,
+                                 caller=f"RayExecutor.run({label}) [elastic]", lost=LOST)
         self.session = session
         configure_logging()
         try:
@@ -228,38 +234,19 @@ class ElasticAdapter:
         finally:
             self.events = list(session.driver.events)
             self.session = None
-        result = outcome.result
-        if result.error is not None:
-            ranks = {k: w.rank for k, w in session.driver.workers.items()}
-            failed = outcome.failed()
-            root = failed[0] if failed else None
-            raise errors.WorkerFailedError(
-                self._failure_text(what, result.error, ranks, outcome.outcomes),
-                events=result.events, resets=result.resets,
-                rank=ranks.get(root[0]) if root else None, host=root[0][0] if root else None,
-                exception=root[1].error if root else None)
-        return outcome.values()
+        return session.results(outcome, [] if outcome.ok else [self._offered()])
 
-    def _failure_text(self, what: str, error: str, ranks: dict[Key, int | None],
-                      outcomes: dict[Key, WorkerOutcome]) -> str:
+    def _offered(self) -> str:
+        """The executor's limits and the slots the cluster offers now (a failed run's note)."""
         ex = self.ex
         try:
             offered = self.discovery.find_available_hosts_and_slots()
         except Exception:  # noqa: BLE001 - the cluster may be gone
             offered = {}
-        lines = [f"{what}: the elastic job failed: {error}",
-                 f"  (RayExecutor: min_workers={ex.min_workers}, max_workers={ex.max_workers}, "
-                 f"elastic_timeout={ex.elastic_timeout} s, reset_limit={ex.reset_limit}; the Ray "
-                 f"cluster offers {sum(offered.values())} slot(s) of {ex.cpus_per_worker} CPU(s): "
-                 f"{', '.join(f'{h}:{n}' for h, n in offered.items()) or 'none'})"]
-        for key, out in outcomes.items():  # in the order they ended
-            who = f"worker {key_name(key)}" + (f" (rank {ranks[key]})" if ranks.get(key) is not None else "")
-            if isinstance(out, Died):
-                lines.append(f"  {who} died: {first_line(out.error)}")
-            elif isinstance(out, Raised):
-                lines.append(f"  {who} raised {type(out.error).__name__}: {out.error}\n"
-                             f"{out.traceback}")
-        return "\n".join(lines)
+        return (f"  (RayExecutor: min_workers={ex.min_workers}, max_workers={ex.max_workers}, "
+                f"elastic_timeout={ex.elastic_timeout} s, reset_limit={ex.reset_limit}; the Ray "
+                f"cluster offers {sum(offered.values())} slot(s) of {ex.cpus_per_worker} CPU(s): "
+                f"{', '.join(f'{h}:{n}' for h, n in offered.items()) or 'none'})")
 
     def run_remote(self, fn: Any) -> list[Any]:
         raise NotImplementedError("RayExecutor.run_remote: an elastic job's workers come and go, so "

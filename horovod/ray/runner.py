@@ -283,13 +283,15 @@ class RayExecutor:
             return run(pump.wrap(fn))
 
     def _run_adapter(self, fn: Callable[[Any], Any], label: str) -> list[Any]:
+        from horovod.runner.job_outcome import JobFailedError
+
         try:
             return list(self._adapter().run(fn, label))
-        except errors.WorkerFailedError as exc:
+        except JobFailedError as exc:
             if self.monitor is not None:  # the page shows the failure and its culprit
                 from horovod.runner.monitor.cluster import job_failed
 
-                job_failed(self.monitor, exc)
+                job_failed(self.monitor, exc.outcome, str(exc))
             raise
 
     # ------------------------------------------------------------------ the monitor

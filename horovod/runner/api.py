@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.common.exceptions import ConfigError
 from horovod.runner.settings import LaunchSettings, default_start_timeout
 
 __all__ = ["run"]
@@ -89,7 +89,9 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
             ``exception``, and chains the original exception) or a worker died.
 
     Elastic mode (``min_num_proc``, ``max_num_proc`` or ``host_discovery_script``; Gloo) returns
-    the results of the first ``min_num_proc`` ranks of the final round, as upstream does.
+    the results of the first ``min_num_proc`` ranks of the final round, as upstream does; a failed
+    elastic job's ``WorkerFailedError`` says why the job gave up and names the root-cause worker
+    (``rank``, ``host``, ``exception``) as a static job's does.
     """
     from horovod.common.protocol import FunctionCall
     from horovod.runner.launch.horovodrun import launch
@@ -138,7 +140,5 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     assert not isinstance(outcome, str)
     if settings.elastic:
         # Elastic (upstream): the results of the first min_num_proc ranks of the final round.
-        if outcome.returncode != 0:
-            raise WorkerFailedError(f"horovod.run: the elastic job failed: {outcome.error}")
         num_proc = settings.min_np or num_proc
     return outcome.results("horovod.run", num_proc)

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import IO, Any
 
-from horovod.common.exceptions import ConfigError, WorkerFailedError
+from horovod.common.exceptions import ConfigError
 from horovod.common.protocol import (
     SECRET_ENV,
     SPARK_AGENT_SCOPE,
@@ -32,7 +32,6 @@ from horovod.common.protocol import (
     AgentCommand,
     ExitAgent,
     KillWorker,
-    Raised,
     SparkAgentRegistration,
     SparkWorkerExit,
     StartWorker,
@@ -40,7 +39,7 @@ from horovod.common.protocol import (
     spark_agent_key,
 )
 from horovod.runner.elastic.driver import Key, key_name
-from horovod.runner.elastic.session import ElasticSession, SessionResult
+from horovod.runner.elastic.session import ElasticSession
 from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.hosts import SlotInfo
 from horovod.spark.task import JobSpec
@@ -167,7 +166,8 @@ class _ElasticJob:
         settings = DriverSettings.from_env({**os.environ, **self.env}, timeout=elastic_timeout,
                                             reset_limit=reset_limit)
         self.session = ElasticSession(settings, HostManager(self.agents, None), num_proc, min_np,
-                                      max_np, self.start_worker, self.job, discovery_interval=0.5)
+                                      max_np, self.start_worker, self.job, discovery_interval=0.5,
+                                      caller="horovod.spark.run_elastic")
         self.driver = self.session.driver
         self.procs: dict[str, _AgentWorker] = {}  # agent -> its current worker
         self.key_of: dict[str, Key] = {}
@@ -264,7 +264,7 @@ class _ElasticJob:
         monitor = threading.Thread(target=self._monitor, name="hvd-spark-elastic-monitor",
                                    daemon=True)
 
-        def finish() -> None:  # every worker has ended: end the agents, read the results
+        def finish() -> None:  # every worker has ended: end the agents
             self.done.set()
             monitor.join(5)
             self.check()
@@ -274,32 +274,11 @@ class _ElasticJob:
             if spark.is_alive():
                 self.sc.cancelJobGroup(self.group)
                 spark.join(10)
-            self.session.collect_outcomes(self.server.get)
 
         spark.start()
         monitor.start()
-        outcome = self.session.run(finish)
-        if outcome.error is not None:
-            raise self._failure(outcome)
-        return outcome.values()
-
-    def _failure(self, outcome: SessionResult) -> WorkerFailedError:
-        """The driver's reason, and the worker that raised first by the root-cause rule, with
-        its traceback."""
-        result = outcome.result
-        raised = [(k, o) for k, o in outcome.failed() if isinstance(o, Raised)]
-        text = (f"horovod.spark.run_elastic: the elastic job failed: {result.error}\n"
-                f"({result.rounds} round(s), {result.resets} reset(s))")
-        if not raised:
-            return WorkerFailedError(text, events=result.events, resets=result.resets)
-        key, first = raised[0]
-        exc = first.error
-        others = f" (also raised: {', '.join(key_name(k) for k, _ in raised[1:])})" if raised[1:] else ""
-        err = WorkerFailedError(f"{text}\nworker {key_name(key)} raised {type(exc).__name__}: {exc}"
-                                f"{others}\n{first.traceback}", events=result.events,
-                                resets=result.resets, exception=exc, host=key[0])
-        err.__cause__ = exc
-        return err
+        # (the session reads the results the workers stored once every agent has ended)
+        return self.session.results(self.session.run(finish))
 
 
 def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),

@@ -117,7 +117,7 @@ class _FakeBackend:
 
 
 def _services(rows):
-    return PlaneServices(_FakeBackend(rows), Tunables(), lambda: None)
+    return PlaneServices(_FakeBackend(rows), Tunables())
 
 
 def test_two_ranks_on_one_gpu_are_named_before_nccl_runs():

@@ -71,7 +71,6 @@ class PlaneServices:
     Attributes:
         backend: the job's CPU transport (small exchanges: store addresses, sizes, splits).
         tunables: the engine's tunables (``max_tensor_bytes``, ``fusion_threshold``), read per batch.
-        timeline: returns the active timeline or None.
         timeout_s: how long set-up and collectives may wait for peers (``HOROVOD_GLOO_TIMEOUT_SECONDS``).
         hostnames: each rank's host name, by global rank (None: unknown, taken as one host).
         secret: the job secret that keys the plane's stores (None: a key travels over ``backend``).
@@ -79,7 +78,6 @@ class PlaneServices:
 
     backend: EngineBackend
     tunables: Tunables
-    timeline: Callable[[], Any]
     timeout_s: float = 30.0
     hostnames: tuple[str, ...] | None = None
     secret: str | None = None

@@ -48,10 +48,12 @@ from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factors, work_op
-from horovod.common.engine.timeline import Timeline
 from horovod.common.engine.transport import HostTransport, Lane
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
+
+# ``activity(names, activity, begin)``: a step of a running batch begins or ends for those tensors.
+Activity = Callable[[Sequence[str], str, bool], None]
 
 __all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "end_to_end", "SMALL_OUTPUT_BYTES"]
 
@@ -135,15 +137,17 @@ class Executor:
     device plane's)."""
 
     def __init__(self, backend: EngineBackend, groups: dict[int, Group], rank: int, tunables: Tunables,
-                 timeline: Callable[[], Timeline | None], hostnames: Sequence[str] | None = None,
-                 timeout_s: float = 30.0, secret: str | None = None, memo: StepMemo | None = None) -> None:
+                 hostnames: Sequence[str] | None = None, timeout_s: float = 30.0,
+                 secret: str | None = None, memo: StepMemo | None = None) -> None:
         self.backend = backend
         self.groups = groups
         self.rank = rank
         self.tunables = tunables
         self.hostnames = list(hostnames) if hostnames is not None else None
-        self._timeline = timeline
-        self.planes = Planes(PlaneServices(backend, tunables, timeline, timeout_s,
+        # The observers' ``activity(names, activity, begin)`` (the batch runner's ``observe``):
+        # the steps inside a batch (the timeline's rows); None: nobody records them.
+        self.activity: Activity | None = None
+        self.planes = Planes(PlaneServices(backend, tunables, timeout_s,
                                            tuple(hostnames) if hostnames is not None else None, secret))
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         # The runner's step memo (``memo.py``): this executor's memos of a cached step are tables of it.
@@ -220,33 +224,33 @@ class Executor:
         req = batch[0].request
         kind = req.kind
         group = self.groups[req.process_set_id]
-        tl = self._timeline()
-        if tl is not None:
-            for r in batch:
-                tl.begin(r.name, kind.upper)
+        act = self.activity
         if is_plane(req.device):  # framework-owned (GPU) tensors: the device plane's lane
             with self.planes.lane(batch, entries, group) as lane:
-                act = lane.transport.name + "_" + _ACTIVITY.get(kind, kind.upper)
-                _activity(tl, [r.name for r in batch] if tl is not None else (), act, True)
+                if act is None:
+                    self._execute(kind, batch, entries, group, lane, None)
+                    return
+                names = [r.name for r in batch]
+                label = lane.transport.name + "_" + _ACTIVITY.get(kind, kind.upper)
+                act(names, label, True)
                 try:
                     self._execute(kind, batch, entries, group, lane, None)
                 finally:
-                    _activity(tl, [r.name for r in batch] if tl is not None else (), act, False)
+                    act(names, label, False)
         elif kind == RequestType.ALLREDUCE and req.reduce_op == ReduceOp.ADASUM:
             run_adasum(batch, entries, self.host_lane(group))
         else:
-            self._execute(kind, batch, entries, group, self.host_lane(group), tl)
-        if tl is not None:
-            for r in batch:
-                tl.end(r.name, {"dtype": r.request.dtype,
-                                "shape": str([list(s) for s in r.request.shapes])})
+            self._execute(kind, batch, entries, group, self.host_lane(group), act)
 
     def _execute(self, kind: RequestType, batch: Sequence[Response], entries: Sequence[Any], group: Group,
-                 lane: Lane, tl: Timeline | None) -> None:
+                 lane: Lane, act: Activity | None) -> None:
+        """Run one batch on ``lane``; ``act``: the observers' steps (None: not recorded)."""
+        if act is not None and not lane.steps:
+            act = None  # (a lane whose steps the timeline does not show)
         if kind == RequestType.ALLREDUCE:
-            self._allreduce(batch, entries, group, lane, tl)
+            self._allreduce(batch, entries, group, lane, act)
         elif kind == RequestType.BROADCAST:
-            self._broadcast(batch, entries, group, lane, tl)
+            self._broadcast(batch, entries, group, lane, act)
         elif kind == RequestType.ALLGATHER:
             allgather(entries[0], lane)
         elif kind == RequestType.ALLTOALL:
@@ -257,7 +261,7 @@ class Executor:
 
     # ------------------------------------------------------------------ allreduce
     def _allreduce(self, batch: Sequence[Response], entries: Sequence[Any], group: Group, lane: Lane,
-                   tl: Timeline | None) -> None:
+                   activity: Activity | None) -> None:
         """Reduce a batch piece by piece, each piece scaled and copied while it is hot in cache.
 
         ``plan.plan_reduction`` cuts the batch into transport calls from the agreed sizes alone;
@@ -281,12 +285,8 @@ class Executor:
             items, sizes = self._flat_items(batch, items, starts, groups, index)
         calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
                                      self.fusion_enabled, red.widen)
-        activity = None
-        if tl is not None and lane.steps:
-            def activity(names: Sequence[str], name: str, begin: bool) -> None:
-                _activity(tl, names, name, begin)
-        # Several calls in flight where the transport has asynchronous reductions (Gloo), unless a
-        # timeline records each call's copy and transfer steps (they would overlap there).
+        # Several calls in flight where the transport has asynchronous reductions (Gloo), unless an
+        # observer records each call's copy and transfer steps (they would overlap there).
         starter = getattr(lane.transport, "starter", None)
         started = starter(red.op) if starter is not None and activity is None and len(calls) > 1 else None
         if started is not None and isinstance(ops, NumpyBuffers):
@@ -359,7 +359,7 @@ class Executor:
 
     # ------------------------------------------------------------------ broadcast
     def _broadcast(self, batch: Sequence[Response], entries: Sequence[Any], group: Group, lane: Lane,
-                   tl: Timeline | None) -> None:
+                   activity: Activity | None) -> None:
         """The same plan as a reduction's, unchunked, in bytes: tensors above ``max_tensor_bytes``
         alone, the others fused into one call."""
         req = batch[0].request
@@ -375,7 +375,7 @@ class Executor:
                 b = ops.bytes(o)
                 items.append(Item(b, b, True, "", b.shape[0]))
                 moves.append(ops.move(o)[0])
-        names = [r.name for r in batch] if tl is not None and lane.steps else []
+        names = [r.name for r in batch] if activity is not None else []
         act = tr.name + "_BCAST"
         for call in self._plan_reduction([it.n for it in items], 1, 0, self.max_tensor_bytes,
                                          self.fusion_enabled):
@@ -384,9 +384,11 @@ class Executor:
                 buf = ops.buffer(ops.dtype("uint8"), call.size)
                 if is_root:
                     ops.pack(buf, items, segs, 1.0, False)
-                _activity(tl, names, act, True)
+                if activity is not None:
+                    activity(names, act, True)
                 tr.broadcast(buf, root)
-                _activity(tl, names, act, False)
+                if activity is not None:
+                    activity(names, act, False)
                 if not is_root:
                     ops.unpack(buf, items, segs, 1.0, 1)
             else:
@@ -421,16 +423,6 @@ class Executor:
 
 
 _ACTIVITY = {RequestType.BROADCAST: "BCAST"}
-
-
-def _activity(tl: Timeline | None, names: Sequence[str], activity: str, begin: bool) -> None:
-    if tl is None:
-        return
-    for n in names:
-        if begin:
-            tl.begin(n, activity)
-        else:
-            tl.end(n)
 
 
 def allgather(entry: Any, lane: Lane) -> None:

@@ -21,7 +21,6 @@ waits for a tick. A rank with pending operations starts the next round at once.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -125,11 +124,10 @@ class Engine:
         self._timelines = TimelineObserver()
         if self.rank == 0 and config.timeline and config.timeline.upper() != "DYNAMIC":
             self._timelines.timeline = Timeline(config.timeline, config.timeline_mark_cycles)
-        current_timeline = functools.partial(getattr, self._timelines, "timeline")  # the one in use
-        self.rounds = RoundController(backend, config, groups, self.tunables, clock, current_timeline,
-                                      self._thread)
+        self._reobserve = False  # the timeline changed: take the hooks again at the next round
+        self.rounds = RoundController(backend, config, groups, self.tunables, clock, self._thread)
         memo = StepMemo()
-        executor = Executor(backend, groups, self.rank, self.tunables, current_timeline, hostnames,
+        executor = Executor(backend, groups, self.rank, self.tunables, hostnames,
                             timeout_s=getattr(config, "gloo_timeout_seconds", 0.0) or 30.0,
                             secret=job_secret(backend), memo=memo)
         self.metrics = Counters(self.rank, self.size, clock())
@@ -148,13 +146,13 @@ class Engine:
         self._observe()
 
     def _observe(self) -> None:
-        """(Re)build the hooks the round controller, the runner and the loop call."""
-        observers = [self._timelines if self.rank == 0 else None, self._metrics, self._tuning, self.stall,
-                     self._flight]
-        self.rounds.flag_hooks = hooks(observers, "flags")
-        self.rounds.inspect_hooks = hooks(observers, "inspect")
-        self.runner.batch_hooks = hooks(observers, "batch_run")
-        self.runner.done_hooks = hooks(observers, "batches_done")
+        """(Re)build the hooks the round controller, the runner and the loop call (the timeline's
+        only while one is in use: an engine without one pays nothing for it)."""
+        self._reobserve = False
+        observers = [self._timelines if self._timelines.active else None, self._metrics, self._tuning,
+                     self.stall, self._flight]
+        self.rounds.observe(observers)
+        self.runner.observe(observers)
         self._started_hooks = hooks(observers, "round_started")
         self._agreed_hooks = hooks(observers, "agreed")
         self._done_hooks = hooks(observers, "round_done")
@@ -222,12 +220,13 @@ class Engine:
     _stopped = _queue_field("stopped")
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
-        if self.rank != 0:
-            return
-        self._timelines.replace(Timeline(path, mark_cycles))
+        if self.rank == 0:
+            self._timelines.replace(Timeline(path, mark_cycles))
+            self._reobserve = True  # (between rounds: a round's hooks stay those it started with)
 
     def stop_timeline(self) -> None:
         self._timelines.replace(None)
+        self._reobserve = True
 
     # ================================================================ engine thread
     @property
@@ -332,6 +331,8 @@ class Engine:
     def _round(self, new: list[Entry], shutdown: bool) -> bool:
         """One round: the controller agrees on its responses, the runner runs them, the observers
         watch. Returns whether every rank's engine stops now."""
+        if self._reobserve:
+            self._observe()
         for hook in self._started_hooks:
             hook()
         flags = FLAG_SHUTDOWN if shutdown or self._stall_shutdown else 0

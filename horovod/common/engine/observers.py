@@ -8,10 +8,21 @@ an engine without a timeline or a flight recorder pays nothing for them.
 - ``round_started()``: a round begins (timeline: cycle marks);
 - ``flags(now) -> int``: this rank's flags for the round's AND (metrics: a straggler exchange
   is due, rank 0; stall: a question to ask);
+- ``negotiating(coordinator, names, gathered)``: rank 0, the coordinator took the round's
+  requests (``names``: those it saw for the first time; ``gathered``: each rank's encoded
+  message) (timeline: negotiation begins, one tick per rank that reported);
+- ``negotiated(responses)``: rank 0, the coordinator chose the responses ready to run
+  (timeline: their negotiation ends);
 - ``inspect(coordinator)``: rank 0, after negotiation or in a round without (stall: its check of
   the coordinator's table);
+- ``batch_started(kind, batch)``: a batch of collectives is about to run on this rank
+  (timeline: each tensor's operation begins);
+- ``activity(names, activity, begin)``: a step inside a running batch begins or ends for the
+  tensors ``names`` (the transport call, a copy through the fusion buffer: timeline rows);
+  while an observer takes them, the executor runs a reduction's calls one at a time, so that
+  its steps do not overlap;
 - ``batch_run(kind, batch, entries, t0, t1)``: a batch completed on this rank (metrics: counters;
-  the flight recorder);
+  the flight recorder; timeline: each tensor's operation ends);
 - ``batches_done(responses, completed, rounds)``: a round ran its batches (autotune: samples;
   metrics: round records);
 - ``agreed(flags)``: every rank, when the AND carried an observer's flag (metrics: the straggler
@@ -19,7 +30,9 @@ an engine without a timeline or a flight recorder pays nothing for them.
 - ``round_done()``: a round ends (timeline: flush).
 
 The observers: ``TimelineObserver``, ``AutotuneObserver`` and ``MetricsObserver`` here,
-``flight.FlightRecorder`` and ``stall_observer.StallObserver``.
+``flight.FlightRecorder`` and ``stall_observer.StallObserver``. The round controller
+(``RoundController.observe``), the batch runner (``BatchRunner.observe``: the executor's
+``activity`` too) and the loop each take the hooks they call.
 """
 
 from __future__ import annotations
@@ -30,10 +43,11 @@ from typing import Any
 
 from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.metrics import Counters, StragglerDetector
+from horovod.common.engine.negotiation_codec import decode_requests
 from horovod.common.engine.timeline import Timeline
 from horovod.common.types import RequestType, Response
 
-__all__ = ["Observer", "hooks", "TimelineObserver", "AutotuneObserver", "MetricsObserver",
+__all__ = ["Observer", "hooks", "fan_out", "TimelineObserver", "AutotuneObserver", "MetricsObserver",
            "FLAG_NEW", "FLAG_SHUTDOWN", "FLAG_JOINED", "FLAG_EXCHANGE", "FLAG_DIAGNOSE", "OBSERVER_FLAGS"]
 
 # A round's flags (one word of the AND; see ``rounds.RoundController``).
@@ -50,7 +64,19 @@ class Observer:
     def flags(self, now: float) -> int:
         return 0
 
+    def negotiating(self, coordinator: Any, names: Sequence[str], gathered: Sequence[bytes]) -> None:
+        pass
+
+    def negotiated(self, responses: Sequence[Response]) -> None:
+        pass
+
     def inspect(self, coordinator: Any) -> None:
+        pass
+
+    def batch_started(self, kind: RequestType, batch: Sequence[Response]) -> None:
+        pass
+
+    def activity(self, names: Sequence[str], activity: str, begin: bool) -> None:
         pass
 
     def batch_run(self, kind: RequestType, batch: Sequence[Response], entries: Sequence[Any],
@@ -74,17 +100,74 @@ def hooks(observers: Sequence[Any], name: str) -> tuple[Callable[..., Any], ...]
                  if o is not None and getattr(type(o), name, base) is not base)
 
 
+def fan_out(found: tuple[Callable[..., None], ...]) -> Callable[..., None] | None:
+    """One callable for a hook's observers: None for none (the caller skips the hook), the hook
+    itself for one, else one that calls each in turn."""
+    if len(found) < 2:
+        return found[0] if found else None
+
+    def each(*args: Any) -> None:
+        for hook in found:
+            hook(*args)
+    return each
+
+
 class TimelineObserver(Observer):
-    """The timeline's round marks (``HOROVOD_TIMELINE``, rank 0); ``timeline`` is the one in use
-    (None: none), which the executor and the negotiation read for their own events."""
+    """The timeline (``HOROVOD_TIMELINE``, rank 0): the round marks and every tensor's phases,
+    each written where the loop calls its hook; ``timeline`` is the one in use (None: none). The
+    loop gives it its hooks only while a timeline is in use (``active``)."""
 
     def __init__(self, timeline: Timeline | None = None) -> None:
         self.timeline = timeline
+
+    @property
+    def active(self) -> bool:
+        return self.timeline is not None
 
     def round_started(self) -> None:
         tl = self.timeline
         if tl is not None:
             tl.cycle()
+
+    def negotiating(self, coordinator: Any, names: Sequence[str], gathered: Sequence[bytes]) -> None:
+        tl = self.timeline
+        if tl is None:
+            return
+        for name in names:
+            tl.begin(name, "NEGOTIATE_" + coordinator.table[name].kind.upper)
+        for rank, data in enumerate(gathered):
+            for r in decode_requests(data, rank):
+                tl.tick(r.name, str(rank))
+
+    def negotiated(self, responses: Sequence[Response]) -> None:
+        tl = self.timeline
+        if tl is not None:
+            for resp in responses:
+                tl.end(resp.name)
+
+    def batch_started(self, kind: RequestType, batch: Sequence[Response]) -> None:
+        tl = self.timeline
+        if tl is not None:
+            for r in batch:
+                tl.begin(r.name, kind.upper)
+
+    def activity(self, names: Sequence[str], activity: str, begin: bool) -> None:
+        tl = self.timeline
+        if tl is None:
+            return
+        for n in names:
+            if begin:
+                tl.begin(n, activity)
+            else:
+                tl.end(n)
+
+    def batch_run(self, kind: RequestType, batch: Sequence[Response], entries: Sequence[Any],
+                  t0: float, t1: float) -> None:
+        tl = self.timeline
+        if tl is None or kind is RequestType.JOIN or kind is RequestType.BARRIER:
+            return  # (a join or a barrier runs no batch: nothing began)
+        for r in batch:
+            tl.end(r.name, {"dtype": r.request.dtype, "shape": str([list(s) for s in r.request.shapes])})
 
     def round_done(self) -> None:
         tl = self.timeline

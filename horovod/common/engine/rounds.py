@@ -29,9 +29,8 @@ from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.negotiation import Coordinator
-from horovod.common.engine.negotiation_codec import decode_requests, decode_responses, encode_requests, encode_responses
-from horovod.common.engine.observers import FLAG_JOINED, FLAG_NEW
-from horovod.common.engine.timeline import Timeline
+from horovod.common.engine.negotiation_codec import decode_responses, encode_requests, encode_responses
+from horovod.common.engine.observers import FLAG_JOINED, FLAG_NEW, hooks
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import RequestType, Response
 
@@ -60,20 +59,20 @@ class RoundController:
     """Cache bit-vectors, masks, cache slots and the coordinator calls of one engine's rounds."""
 
     def __init__(self, backend: EngineBackend, config: EngineConfig, groups: dict[int, Group],
-                 tunables: Tunables, clock: Callable[[], float], timeline: Callable[[], Timeline | None],
-                 engine_thread: threading.Thread) -> None:
+                 tunables: Tunables, clock: Callable[[], float], engine_thread: threading.Thread) -> None:
         self.backend = backend
         self.config = config
         self.rank: int = backend.rank
         self.groups = groups
         self.tunables = tunables
         self._clock = clock
-        self._timeline = timeline
         self._engine_thread = engine_thread
-        # The observers' hooks this controller calls (``observers.hooks``): their flags for the
-        # AND, and their check of the coordinator's table (rank 0).
+        # The observers' hooks this controller calls (``observe``): their flags for the AND; on
+        # rank 0, the coordinator's requests and responses and its table to check.
         self.flag_hooks: tuple[Callable[[float], int], ...] = ()
         self.inspect_hooks: tuple[Callable[[Any], None], ...] = ()
+        self.negotiating_hooks: tuple[Callable[..., None], ...] = ()
+        self.negotiated_hooks: tuple[Callable[..., None], ...] = ()
         self.on_slot_change: Callable[[], None] = lambda: None
         self.pending: dict[str, Entry] = {}  # this rank's submitted entries, by name, until they run
         self._new: list[Entry] = []
@@ -97,6 +96,13 @@ class RoundController:
         self.round_no = 0
         self.t_ready = 0.0
         self.first_submit = self.last_submit = 0.0
+
+    def observe(self, observers: Sequence[Any]) -> None:
+        """Take the hooks this controller calls from ``observers`` (``observers.hooks``)."""
+        self.flag_hooks = hooks(observers, "flags")
+        self.inspect_hooks = hooks(observers, "inspect")
+        self.negotiating_hooks = hooks(observers, "negotiating")
+        self.negotiated_hooks = hooks(observers, "negotiated")
 
     def _members(self, process_set_id: int) -> list[int] | None:
         g = self.groups.get(process_set_id)
@@ -267,18 +273,12 @@ class RoundController:
         coord = self.coordinator
         if coord is not None:
             assert gathered is not None
-            tl = self._timeline()
             first_time = coord.submit_encoded(gathered)
-            if tl is not None:
-                for name in first_time:
-                    tl.begin(name, "NEGOTIATE_" + coord.table[name].kind.upper)
-                for rank, data in enumerate(gathered):
-                    for r in decode_requests(data, rank):
-                        tl.tick(r.name, str(rank))
+            for hook in self.negotiating_hooks:
+                hook(coord, first_time, gathered)
             responses = coord.ready()
-            if tl is not None:
-                for resp in responses:
-                    tl.end(resp.name)
+            for hook in self.negotiated_hooks:
+                hook(responses)
             for check in self.inspect_hooks:
                 check(coord)
             self.backend.bcast_from_root(encode_responses(responses))

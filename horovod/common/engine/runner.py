@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from horovod.common.backends.base import EngineBackend, Group
 from horovod.common.config import EngineConfig
@@ -22,6 +23,7 @@ from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.fusion import plan_batches
 from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.negotiation import _JOIN_UNSUPPORTED
+from horovod.common.engine.observers import fan_out, hooks
 from horovod.common.engine.rounds import RoundController
 from horovod.common.exceptions import CollectiveMismatchError, HorovodInternalError
 from horovod.common.types import RequestType, Response
@@ -58,9 +60,18 @@ class BatchRunner:
         self._on_ps_added = on_process_set_added
         self._on_ps_removed = on_process_set_removed
         self.round_done = False  # this round completed some of this rank's entries
-        # The observers' hooks (``observers.hooks``): a batch ran; the round's batches ran.
+        # The observers' hooks (``observe``): a batch starts; a batch ran; the round's batches ran.
+        self.start_hooks: tuple[Callable[..., None], ...] = ()
         self.batch_hooks: tuple[Callable[..., None], ...] = ()
         self.done_hooks: tuple[Callable[..., None], ...] = ()
+
+    def observe(self, observers: Sequence[Any]) -> None:
+        """Take the hooks this runner calls from ``observers`` (``observers.hooks``), and give the
+        executor the observers' ``activity`` (None without any: it records no steps)."""
+        self.start_hooks = hooks(observers, "batch_started")
+        self.batch_hooks = hooks(observers, "batch_run")
+        self.done_hooks = hooks(observers, "batches_done")
+        self.executor.activity = fan_out(hooks(observers, "activity"))
 
     def slot_changed(self) -> None:
         """A cache slot was filled or emptied (on every rank alike): forget the step memo."""
@@ -158,6 +169,8 @@ class BatchRunner:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise HorovodInternalError(f"engine state diverged: rank {self.rank} was asked to run {shown}, "
                                        "which it never submitted")
+        for hook in self.start_hooks:
+            hook(kind, batch)
         t0 = time.perf_counter()
         try:
             self.executor.run(batch, entries)

@@ -139,6 +139,7 @@ class ElasticResult:
     events: list[str] = field(default_factory=list)
     final_ranks: dict[Key, int] = field(default_factory=dict)
     failures: list[WorkerFailure] = field(default_factory=list)
+    ranks: dict[Key, int | None] = field(default_factory=dict)  # each slot's last rank (None: none)
 
     def root_cause(self) -> WorkerFailure | None:
         """The failure to report first, by the rule of static jobs (``failures.root_cause``): a
@@ -359,7 +360,8 @@ class ElasticDriver:
                 self.cv.notify_all()
         return ElasticResult(self.error, self.round + 1, self.resets, list(self.events),
                              {k: a.slot.rank for k, a in self.answers.items()
-                              if a.round == self.round}, list(self.failures))
+                              if a.round == self.round}, list(self.failures),
+                             {k: w.rank for k, w in self.workers.items()})
 
     def stop_all(self, grace: float = 5.0) -> None:
         with self.cv:

@@ -13,10 +13,14 @@ and how it is stopped or killed: the launcher gives ``ElasticSession`` a
   session waits on the driver's condition until each has ended, and kills those still alive after
   ``exit_wait`` seconds (``WorkerHandle.kill``);
 * the results: what each worker's function returned or raised, or that its process was lost
-  (``protocol.WorkerOutcome``: ``record_outcome``, or ``collect_outcomes`` from the run-task
-  results in the rendezvous store), the final round's
-  values in rank order, and the failure to name first (``SessionResult.root_cause``, by the rule
-  of static jobs: ``horovod.runner.failures.root_cause`` over the workers' exit records).
+  (``protocol.WorkerOutcome``: reported with ``record_outcome``, or the ``run_task`` results the
+  workers stored under their slot names in the rendezvous store, read at the end), and the job's
+  outcome, a ``JobOutcome`` as every job's (``runner/job_outcome.py``): the final round's results
+  by rank, the workers' outcomes by slot, the driver's rounds and failures;
+* the failure: :meth:`ElasticSession.results` returns the final round's values in rank order or
+  raises ``JobOutcome.failure``, the one text of every launcher, the root-cause worker named
+  first by the rule of static jobs (``horovod.runner.failures.root_cause`` over the workers'
+  exit records).
 """
 
 from __future__ import annotations
@@ -24,18 +28,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from horovod.common import protocol
 from horovod.runner.elastic.discovery import HostManager
-from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, WorkerFailure, WorkerHandle, key_name
+from horovod.runner.elastic.driver import ElasticDriver, ElasticResult, Key, WorkerHandle, key_name
 from horovod.runner.elastic.settings import DriverSettings
 from horovod.runner.failures import exception_record
 from horovod.runner.hosts import SlotInfo
+from horovod.runner.job_outcome import JobOutcome
 
-__all__ = ["ElasticSession", "SessionResult", "ElasticService", "EXIT_WAIT_SECONDS"]
+__all__ = ["ElasticSession", "ElasticService", "EXIT_WAIT_SECONDS"]
 
 log = logging.getLogger("horovod.runner.elastic")
 
@@ -49,41 +53,12 @@ class ElasticService(Protocol):
 
     def put(self, scope: str, key: str, value: bytes) -> None: ...
 
+    def get(self, scope: str, key: str) -> bytes | None: ...
+
     def set_elastic_handler(self, handler: Callable[[str, bytes], tuple[int, bytes]] | None,
                             ) -> None: ...
 
     def stop(self) -> None: ...
-
-
-@dataclass
-class SessionResult:
-    """How an elastic job ended (``result``) and what its workers' functions gave back, by slot
-    (the last outcome of each slot; ``protocol.Died``: its process was lost)."""
-
-    result: ElasticResult
-    outcomes: dict[Key, protocol.WorkerOutcome] = field(default_factory=dict)
-
-    @property
-    def error(self) -> str | None:
-        return self.result.error
-
-    def root_cause(self) -> WorkerFailure | None:
-        return self.result.root_cause()
-
-    def values(self) -> list[Any]:
-        """The values the workers of the final round returned, in their rank order."""
-        final = sorted(self.result.final_ranks.items(), key=lambda kv: kv[1])
-        return [o.value for o in (self.outcomes.get(k) for k, _ in final)
-                if isinstance(o, protocol.Returned)]
-
-    def failed(self) -> list[tuple[Key, protocol.Raised | protocol.Died]]:
-        """The workers whose function raised or whose process was lost, the root cause first,
-        then in the order they ended."""
-        bad = [(k, o) for k, o in self.outcomes.items()
-               if isinstance(o, protocol.Raised | protocol.Died)]
-        root = self.root_cause()
-        bad.sort(key=lambda ko: root is None or ko[0] != root.key)
-        return bad
 
 
 class ElasticSession:
@@ -98,13 +73,18 @@ class ElasticSession:
             runs, as ``RayExecutor`` does).
         discovery_interval: seconds between host discovery runs.
         exit_wait: seconds the workers get to end after the job before they are killed.
+        caller: what its failure's text starts with (``"horovod.run"``,
+            ``"horovod.spark.run_elastic"``, ``"RayExecutor.run(f) [elastic]"``).
+        wording: how the launcher words a lost worker and its notes (``format_failure``).
     """
 
     def __init__(self, settings: DriverSettings, hosts: HostManager, np: int, min_np: int,
                  max_np: int | None, start_worker: Callable[[Key, SlotInfo], WorkerHandle],
                  service: ElasticService, *, own_service: bool = True,
-                 discovery_interval: float = 1.0, exit_wait: float = EXIT_WAIT_SECONDS) -> None:
+                 discovery_interval: float = 1.0, exit_wait: float = EXIT_WAIT_SECONDS,
+                 caller: str = "horovodrun", **wording: Any) -> None:
         self.service, self.own_service, self.exit_wait = service, own_service, exit_wait
+        self.caller, self.wording = caller, wording
         self.driver = ElasticDriver.from_settings(settings, hosts, np, min_np, max_np,
                                                   start_worker, put_kv=service.put,
                                                   discovery_interval=discovery_interval)
@@ -124,7 +104,7 @@ class ElasticSession:
 
     def collect_outcomes(self, get: Callable[[str, str], bytes | None]) -> None:
         """Read every worker's ``run_task`` result from the rendezvous store (``get``), stored
-        under its slot name (``RESULT_KEY_ENV``).
+        under its slot name (``RESULT_KEY_ENV``); ``run`` does at the end.
 
         Raises:
             HorovodInternalError: a stored result is no ``protocol.TaskOutcome``.
@@ -140,14 +120,17 @@ class ElasticSession:
                                                                f"worker {key_name(key)}"))
 
     # ------------------------------------------------------------------ the job
-    def run(self, finish: Callable[[], None] | None = None) -> SessionResult:
+    def run(self, finish: Callable[[], None] | None = None) -> JobOutcome:
         """Drive the job to its end, end every worker, then call ``finish`` (the launcher's own
-        clean-up: its workers are all gone by then) and stop the service if it is ours.
+        clean-up: its workers are all gone by then), read the results the workers stored, and
+        stop the service if it is ours. Returns the job's outcome (exit status 1 when the driver
+        gave up): the final round's results by rank, every slot's by slot.
 
         Raises:
             KeyboardInterrupt: (or any error of the driver) after the workers were ended.
         """
         self.service.set_elastic_handler(self.driver.handle)
+        ended = False
         try:
             try:
                 result = self.driver.run()
@@ -155,17 +138,36 @@ class ElasticSession:
                 self.end_workers(grace=2.0)
                 raise
             self.end_workers()
+            ended = True
         finally:
             try:
                 if finish is not None:
                     finish()
+                if ended:  # (after finish: the launcher's workers have stored their results)
+                    self.collect_outcomes(self.service.get)
             finally:
                 self.service.set_elastic_handler(None)
                 if self.own_service:
                     self.service.stop()
         with self._lock:
-            outcomes = dict(self._outcomes)
-        return SessionResult(self._with_outcome_records(result, outcomes), outcomes)
+            workers = dict(self._outcomes)
+        result = self._with_outcome_records(result, workers)
+        final = {rank: workers[key] for key, rank in result.final_ranks.items() if key in workers}
+        return JobOutcome(returncode=0 if result.error is None else 1, outcomes=final,
+                          error=result.error, elastic=result, workers=workers)
+
+    def results(self, outcome: JobOutcome, notes: Sequence[str] = ()) -> list[Any]:
+        """The values the final round's workers returned, in their rank order.
+
+        Raises:
+            JobFailedError: the driver gave up (or a worker of the final round failed): why, and
+                the workers that failed, the root cause first (``JobOutcome.failure``; ``notes``:
+                the launcher's lines after the workers).
+        """
+        if outcome.ok:
+            return outcome.values()
+        wording = {**self.wording, "notes": [*self.wording.get("notes", ()), *notes]}
+        raise outcome.failure(self.caller, **wording)
 
     def end_workers(self, grace: float = 5.0) -> None:
         """Ask every live worker to stop (killed after ``grace`` seconds by its handle), wait on

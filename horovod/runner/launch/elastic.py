@@ -22,7 +22,6 @@ from horovod.runner.elastic.workers import WorkerProcess
 from horovod.runner.hosts import HostSpec, SlotInfo
 from horovod.runner.job_outcome import JobOutcome
 from horovod.runner.launch.plan import RankPlan, build_plan
-from horovod.runner.launch.static_session import read_outcomes
 from horovod.runner.settings import LaunchSettings
 
 __all__ = ["launch_elastic", "configure_logging"]
@@ -49,7 +48,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                    secret: str | None = None, call: protocol.FunctionCall | None = None,
                    discovery_interval: float = 1.0, monitor: Any = None) -> JobOutcome:
     """Run one elastic job to its end (``call``: the function every worker's ``run_task`` runs,
-    ``horovod.run``; the final round's results come back in ``JobOutcome.outcomes``, by rank).
+    ``horovod.run``; each stores its result under its slot name, and the final round's results
+    come back in ``JobOutcome.outcomes``, by rank, every slot's in ``JobOutcome.workers``).
 
     Raises:
         ConfigError: bad options or discovery output.
@@ -99,6 +99,8 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         env = slot.env()
         env.update({**protocol.elastic_env(host, key[1]), protocol.RENDEZVOUS_ADDR_ENV: addr,
                     protocol.RUNNER_ADDR_ENV: addr})
+        if call is not None:  # run_task stores its result under the slot's name (a rank changes)
+            env[protocol.RESULT_KEY_ENV] = key_name(key)
         rank = RankPlan(slot=slot, local=is_local, argv=list(settings.command), env=env)
         plan = dataclasses.replace(base, ranks=[rank])
         cmd = (local_command(plan, rank, environ, secret) if is_local
@@ -132,7 +134,7 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         server.put(protocol.FUNC_SCOPE, protocol.FUNC_KEY, cloudpickle.dumps(call))
     restore_usr1 = _pass_on_usr1(live_workers, stderr or sys.stderr, write_lock)
     try:
-        result = session.run().result
+        return session.run()
     except KeyboardInterrupt:
         log.warning("elastic: interrupted (SIGINT): every worker was stopped")
         result = ElasticResult("interrupted by SIGINT; every worker was stopped", driver.round + 1,
@@ -140,12 +142,6 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
         return JobOutcome(returncode=130, interrupted="SIGINT", error=result.error, elastic=result)
     finally:
         restore_usr1()
-    outcomes: dict[int, protocol.WorkerOutcome] = {}
-    if call is not None:  # run_task stores its result under its rank in the final round
-        found = read_outcomes(server.get, [str(r) for r in sorted(result.final_ranks.values())])
-        outcomes = {int(k): o for k, o in found.items()}
-    return JobOutcome(returncode=0 if result.error is None else 1, outcomes=outcomes,
-                      error=result.error, elastic=result)
 
 
 def _pass_on_usr1(workers: Callable[[], list[WorkerProcess]], err: IO[str],

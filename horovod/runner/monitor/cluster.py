@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from horovod.common import protocol
+from horovod.runner.job_outcome import JobFailedError, JobOutcome
 from horovod.runner.monitor import start_monitor
 from horovod.runner.monitor.service import MonitorService, answer_report
 
@@ -54,27 +55,45 @@ def attach(svc: MonitorService, job: Any,
     return {protocol.MONITOR_ADDR_ENV: str(job.addr), protocol.MONITOR_PORT_ENV: str(job.port)}
 
 
-def job_failed(svc: MonitorService, error: BaseException) -> None:
-    """Show ``error`` (a ``WorkerFailedError`` names its rank and host) as the job's failure."""
-    rank = getattr(error, "rank", None)
-    host = getattr(error, "host", None) or ""
-    if not host and isinstance(rank, int):
+def job_failed(svc: MonitorService, outcome: JobOutcome, text: str) -> None:
+    """Show a failed job's outcome with the failure's ``text``: its root cause (the rank; its
+    host, from the outcome or else from the rank's reports; what it raised, that it was lost, or
+    how its process ended) and the other failed ranks as stopped."""
+    ranks = outcome.failed_ranks()
+    rank = ranks[0] if ranks else None
+    if outcome.elastic is not None:
+        workers = outcome.failed_workers()
+        o = workers[0][3] if workers else None
+    else:
+        o = outcome.outcomes.get(rank) if rank is not None else None
+    root = outcome.root_cause()
+    own = root is not None and root.rank == rank
+    host = root.host if root is not None and own else ""
+    if not host and rank is not None:
         row = next((r for r in svc.state.job()["ranks"] if r["rank"] == rank), None)
         host = row["host"] if row is not None else ""
-    svc.state.set_failure(rank if isinstance(rank, int) else None, str(host),
-                          type(error).__name__, str(error)[:4000])
-    for other in getattr(error, "ranks", None) or []:
-        if isinstance(other, int) and other != rank:
-            svc.state.set_stopped(other)
+    if isinstance(o, protocol.Raised):
+        status = f"raised {type(o.error).__name__}"
+    elif isinstance(o, protocol.Died):
+        status = "lost"
+    else:
+        status = root.status if root is not None and own else "failed"
+    svc.state.set_failure(rank, host, status, text[:4000])
+    for other in ranks[1:]:
+        svc.state.set_stopped(other)
 
 
 def close(svc: MonitorService | None, error: BaseException | None = None) -> None:
-    """The job ended (with ``error``, or not): record how, and stop the service."""
+    """The job ended (with ``error``, or not): record how, and stop the service. A
+    ``JobFailedError`` shows the outcome it carries (``job_failed``); any other error (the job
+    did not start, a launcher error) is shown as the job's failure, with no rank to blame."""
     if svc is None:
         return
     try:
-        if error is not None:
-            job_failed(svc, error)
+        if isinstance(error, JobFailedError):
+            job_failed(svc, error.outcome, str(error))
+        elif error is not None:
+            svc.state.set_failure(None, "", type(error).__name__, str(error)[:4000])
         svc.state.set_finished(0 if error is None else 1)
     finally:
         svc.stop()

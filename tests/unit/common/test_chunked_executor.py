@@ -40,7 +40,7 @@ def _run(shapes, dtype="float32", op=ReduceOp.AVERAGE, pre=1.0, post=1.0, in_pla
          chunk=1024, max_tensor=256, threshold=1 << 20, joined_at=None):
     backend = FakeBackend(n)
     tun = Tunables(fusion_threshold=threshold, max_tensor_bytes=max_tensor, chunk_bytes=chunk)
-    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun)
     batch, entries, inputs = [], [], []
     for i, shape in enumerate(shapes):
         req = Request(f"t{i}", RequestType.ALLREDUCE, dtype, (shape,), op, pre, post)
@@ -106,7 +106,7 @@ def test_average_divides_by_size_exactly_at_np3() -> None:
 def test_tunables_are_read_at_every_batch() -> None:
     backend = FakeBackend(2)
     tun = Tunables(chunk_bytes=400, max_tensor_bytes=0)
-    ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, tun, lambda: None)
+    ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, tun)
     req = Request("x", RequestType.ALLREDUCE, "float32", ((1000,),), ReduceOp.SUM)
     ex.run([Response(req)], [Entry(req, [np.ones(1000, np.float32)], None, None)])
     assert backend.calls == [400] * 10
@@ -259,7 +259,7 @@ class SpanBackend(FakeBackend):
 def _run_views(views, flat, n=3, pre=1.0, post=1.0, in_place=True, chunk=1024):
     backend = SpanBackend(n, flat)
     tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=chunk)
-    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun)
     reqs = [Request(f"t{i}", RequestType.ALLREDUCE, "float32", (v.shape,), ReduceOp.AVERAGE, pre, post)
             for i, v in enumerate(views)]
     entries = [Entry(r, [v], [v] if in_place else None, None) for r, v in zip(reqs, views)]

@@ -64,12 +64,12 @@ def _entry(name, dev):
 def test_executor_sends_plane_batches_to_their_plane_and_host_batches_to_the_backend(monkeypatch):
     made = []
     monkeypatch.setitem(device._FACTORIES, "fakeplane", lambda ex: made.append(_Plane(ex)) or made[-1])
-    ex = Executor(_Backend(), {0: Group([0], 0, None)}, 0, Tunables(), lambda: None)
+    ex = Executor(_Backend(), {0: Group([0], 0, None)}, 0, Tunables())
     resp, entry = _entry("allreduce.a", "fakeplane:gpu")
     ex.run([resp], [entry])
     # the executor ran the operation on the plane's lane (its transport multiplied by 7)
     assert np.array_equal(entry.outputs[0], np.full(2, 7, np.float32)), entry.outputs
-    # the plane gets the engine's services (transport, tunables, timeline), not the executor
+    # the plane gets the engine's services (transport, tunables, timeout, hosts), not the executor
     assert made[0].services is ex.planes.services and made[0].services.backend is ex.backend
     assert made[0].batches == [(["allreduce.a"], [0])]
     resp, entry = _entry("allreduce.b", "cpu")

@@ -60,7 +60,7 @@ def _grouped(layout: str, hint: bool, dtype: str = "float32", chunk: int = 1024,
         views[2] = views[2].copy()
     backend = Recorder(n, flat)
     tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=chunk)
-    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun)
     req = Request("grouped.g", RequestType.ALLREDUCE, dtype, tuple(SHAPES), ReduceOp.AVERAGE, pre, post,
                   flat=hint)
     entry = None if layout == "joined" else Entry(req, views, views, None)

@@ -34,7 +34,7 @@ class _Backend:
 
 
 def _executor() -> Executor:
-    return Executor(_Backend(), {0: Group([0, 1, 2], 0, None)}, 0, Tunables(), lambda: None)
+    return Executor(_Backend(), {0: Group([0, 1, 2], 0, None)}, 0, Tunables())
 
 
 _plan_args = st.tuples(st.lists(st.integers(0, 3000), max_size=12), st.sampled_from([1, 2, 4, 8]),

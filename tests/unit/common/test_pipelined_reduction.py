@@ -79,7 +79,7 @@ def _run(layout: str, pipeline: int, op: ReduceOp = ReduceOp.AVERAGE, pre: float
         o += size
     backend = LazyTransport(n, pipeline, fail_at)
     tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=1024)
-    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)  # type: ignore[arg-type]
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun)  # type: ignore[arg-type]
     req = Request("grouped.g", RequestType.ALLREDUCE, dtype, tuple(SHAPES), op, pre, post,
                   flat=layout == "flat" and inplace)
     entry = Entry(req, views, views if inplace else None, None)  # type: ignore[arg-type]
@@ -129,7 +129,7 @@ def test_a_failed_wait_leaves_nothing_in_flight():
     views = [np.ones(s, np.float32) for s in SHAPES]
     backend = LazyTransport(3, 3, fail_at=1)
     tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=1024)
-    ex = Executor(backend, {0: Group([0, 1, 2], 0, None)}, 0, tun, lambda: None)  # type: ignore[arg-type]
+    ex = Executor(backend, {0: Group([0, 1, 2], 0, None)}, 0, tun)  # type: ignore[arg-type]
     req = Request("g", RequestType.ALLREDUCE, "float32", tuple(SHAPES), ReduceOp.SUM, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="call 1 failed"):
         ex.run([Response(req)], [Entry(req, views, views, None)])  # type: ignore[arg-type]

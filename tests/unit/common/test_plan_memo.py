@@ -125,7 +125,7 @@ class _Backend:
 
 
 def _executor() -> Executor:
-    return Executor(_Backend(), {0: Group([0, 1], 0, None)}, 0, Tunables(), lambda: None)
+    return Executor(_Backend(), {0: Group([0, 1], 0, None)}, 0, Tunables())
 
 
 # The reference: the per-segment path, one scale_array per segment (the code before the one-call path).
@@ -193,7 +193,7 @@ def test_reduction_values_with_many_small_tensors_and_scale_factors():
         def allreduce(self, buf, op, group, src=None):
             buf *= 2
 
-    ex = Executor(Twice(), {0: Group([0, 1], 0, None)}, 0, Tunables(), lambda: None)
+    ex = Executor(Twice(), {0: Group([0, 1], 0, None)}, 0, Tunables())
     batch, entries, xs = [], [], []
     for i in range(30):
         req = Request(f"t{i}", RequestType.ALLREDUCE, "float32", ((2, 2),), ReduceOp.AVERAGE, 0.5, 3.0)

@@ -87,7 +87,7 @@ def _run(layout: str, dtype: str, own: bool, chunk: int, monkeypatch: pytest.Mon
         o += size
     backend = Recorder(n)
     tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=chunk)
-    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun, lambda: None)
+    ex = Executor(backend, {0: Group(list(range(n)), 0, None)}, 0, tun)
     req = Request("g", RequestType.ALLREDUCE, dtype, tuple(SHAPES), ReduceOp.AVERAGE, 1.0, 1.0,
                   flat=(layout == "flat"))
     outs = None if layout == "out of place" else xs

@@ -302,17 +302,62 @@ def test_reports_over_a_jobs_rendezvous_service() -> None:
 
 
 def test_cluster_job_failure_names_the_culprit() -> None:
-    from horovod.common.exceptions import WorkerFailedError
+    """A Spark or Ray job's failure reaches the monitor as its typed outcome (``JobFailedError``
+    carries it): the root cause's rank, its host from its reports, what it raised; the other
+    failed ranks stopped. Any other error is shown with no rank to blame."""
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import Raised, Returned
+    from horovod.runner.job_outcome import JobOutcome
     from horovod.runner.monitor.cluster import close
 
-    svc = MonitorService(make_secret(), 0, state=JobState(3))
-    for rank in range(3):
-        svc.state.ingest(MonitorReport.from_wire(report(rank, size=3)))
-    close(svc, WorkerFailedError("rank 1 raised ValueError: bad batch", rank=1, ranks=[1, 2]))
+    def monitored() -> MonitorService:
+        svc = MonitorService(make_secret(), 0, state=JobState(3))
+        for rank in range(3):
+            svc.state.ingest(MonitorReport.from_wire(report(rank, size=3)))
+        return svc
+
+    svc = monitored()
+    outcome = JobOutcome(returncode=1, outcomes={
+        0: Returned(0), 2: Raised(HorovodInternalError("a peer left"), "tb2"),
+        1: Raised(ValueError("bad batch"), "tb1")}, seen={1: 2.0, 2: 1.0})
+    close(svc, outcome.failure("RayExecutor.run(f)"))
     job = svc.state.job()
-    assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0"
-    assert "bad batch" in job["failure"]["error"] and job["finished"]["returncode"] == 1
+    assert job["failure"]["rank"] == 1 and job["failure"]["host"] == "node0", job["failure"]
+    assert job["failure"]["status"] == "raised ValueError"
+    assert job["failure"]["error"].startswith("RayExecutor.run(f): rank 1 on host ? raised ValueError: bad batch")
+    assert job["finished"]["returncode"] == 1
     assert [r["state"] for r in job["ranks"]] == ["running", "failed", "stopped"]
+
+    svc = monitored()
+    close(svc, LaunchError("RayExecutor: no node has 2 free CPUs"))
+    job = svc.state.job()
+    assert job["failure"]["rank"] is None and job["failure"]["status"] == "LaunchError"
+    assert "no node has 2 free CPUs" in job["failure"]["error"] and job["finished"]["returncode"] == 1
+    assert not {"failed", "stopped"} & {r["state"] for r in job["ranks"]}  # no rank blamed
+
+
+def test_an_elastic_cluster_jobs_failure_names_its_root_cause_worker() -> None:
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.protocol import Raised
+    from horovod.runner.elastic.driver import ElasticResult, WorkerFailure
+    from horovod.runner.failures import exception_record
+    from horovod.runner.job_outcome import JobOutcome
+    from horovod.runner.monitor.cluster import job_failed
+
+    svc = MonitorService(make_secret(), 0, state=JobState(2))
+    own, peer = ValueError("bad batch"), HorovodInternalError("a peer left")
+    result = ElasticResult("reset limit 0 exceeded", 2, 1, failures=[
+        WorkerFailure(("10.0.0.1-ab", 0), 0, "exit code 1", 1, None, 5.0, exception_record(peer, 5.0)),
+        WorkerFailure(("10.0.0.2-cd", 0), 1, "exit code 1", 1, None, 6.0, exception_record(own, 6.0))])
+    outcome = JobOutcome(returncode=1, error=result.error, elastic=result, workers={
+        ("10.0.0.1-ab", 0): Raised(peer, "tb"), ("10.0.0.2-cd", 0): Raised(own, "tb")})
+    err = outcome.failure("RayExecutor.run(f) [elastic]")
+    job_failed(svc, err.outcome, str(err))
+    job = svc.state.job()
+    assert (job["failure"]["rank"], job["failure"]["host"], job["failure"]["status"]) == (
+        1, "10.0.0.2-cd", "raised ValueError"), job["failure"]
+    assert "root cause: worker 10.0.0.2-cd[0] (rank 1) raised ValueError" in job["failure"]["error"]
+    assert [r["state"] for r in job["ranks"]] == ["stopped", "failed"]
 
 
 FLIGHT = {"done": [[7, 0, "allreduce", "grad.w", "float32", [[1024]], 0.3, 0.0025]],
