@@ -22,6 +22,7 @@ integers (``BufferOps.move``); broadcast fuses with the same planner, in bytes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from horovod.common.engine.buffers import (
     run_pipelined,
     run_reduction,
 )
+from horovod.common.engine.choice import TimedChoice
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
@@ -152,6 +154,9 @@ class Executor:
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty, memo)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes,
                                        pins_pages=bool(getattr(backend, "pins_pages", True)))
+        # Per repeated batch, whether memory not on huge pages is reduced where it lies or copied
+        # through the huge-page buffer: timed both ways (``choice.py``); copies until measured.
+        self.small_pages = TimedChoice(False, memo.choices, StepMemo.CHOICES)
         self._lanes: dict[int, tuple[Group, Lane]] = {}  # id(group) -> (the group, its host lane)
         # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
         # sizes with the same tunables every step). Bounded; the key holds every argument, and the
@@ -293,8 +298,21 @@ class Executor:
             run_pipelined(calls, items, ops, red, started[0], started[1], placement,
                           index if groups else None, groups)
             return
-        run_reduction(calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
-                      lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+        reducer = lane.transport.reducer(red.op)
+        if placement is not self.placement or not self.placement.pins_pages or red.widen:
+            run_reduction(calls, items, ops, red, reducer, placement, activity,
+                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+            return
+        # The host placement on a transport that pins pages: in place on small pages, or copied?
+        way = self.small_pages.pick(batch)
+        self.placement.small_pages_in_place = way
+        t0 = time.perf_counter()
+        try:
+            run_reduction(calls, items, ops, red, reducer, placement, activity,
+                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+        finally:
+            self.placement.small_pages_in_place = False
+        self.small_pages.record(batch, way, time.perf_counter() - t0)
 
     def _any_flat(self, batch: Sequence[Response]) -> bool:
         """Whether a response of ``batch`` is flat; remembered for a memoized batch (a tuple: the

@@ -12,6 +12,10 @@ once per call by ``buffers.run_reduction``.
   faster copied through the huge-page buffer (docs/engine.md, "Piecewise reductions"). A tensor
   above ``max_tensor_bytes`` is always reduced in its own memory. On a transport that pins no pages
   (Gloo: ``pins_pages`` False) every contiguous region is reduced where it lies.
+
+  Whether copying pays depends on the machine's state (memory bandwidth), so the executor sets
+  ``small_pages_in_place`` per repeated batch from measured batch times (``choice.TimedChoice``):
+  True reduces memory that is not known to be on huge pages where it lies as well.
 """
 
 from __future__ import annotations
@@ -45,11 +49,18 @@ class HostPlacement:
         self._pins = pins_pages
         # id(span over a flat group) -> its first array, whose owner says where the memory lies
         self.owners: dict[int, np.ndarray] = {}
+        # memory not known to be on huge pages is reduced where it lies too (set per batch)
+        self.small_pages_in_place = False
 
     own_memory = staticmethod(huge_page_backed)
 
+    @property
+    def pins_pages(self) -> bool:
+        """Whether the transport pins pages (where the memory lies can matter)."""
+        return self._pins
+
     def in_own_memory(self, out: np.ndarray) -> bool:
-        return not self._pins or self.own_memory(self.owners.get(id(out), out))
+        return not self._pins or self.small_pages_in_place or self.own_memory(self.owners.get(id(out), out))
 
     def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
         if call.kind == PACKED:
