@@ -22,7 +22,6 @@ integers (``BufferOps.move``); broadcast fuses with the same planner, in bytes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -298,21 +297,12 @@ class Executor:
             run_pipelined(calls, items, ops, red, started[0], started[1], placement,
                           index if groups else None, groups)
             return
-        reducer = lane.transport.reducer(red.op)
-        if placement is not self.placement or not self.placement.pins_pages or red.widen:
-            run_reduction(calls, items, ops, red, reducer, placement, activity,
-                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
-            return
-        # The host placement on a transport that pins pages: in place on small pages, or copied?
-        way = self.small_pages.pick(batch)
-        self.placement.small_pages_in_place = way
-        t0 = time.perf_counter()
-        try:
-            run_reduction(calls, items, ops, red, reducer, placement, activity,
-                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
-        finally:
-            self.placement.small_pages_in_place = False
-        self.small_pages.record(batch, way, time.perf_counter() - t0)
+        args = (calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
+                lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+        if placement is self.placement and self.placement.pins_pages and not red.widen:
+            self.placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
+        else:
+            run_reduction(*args)
 
     def _any_flat(self, batch: Sequence[Response]) -> bool:
         """Whether a response of ``batch`` is flat; remembered for a memoized batch (a tuple: the

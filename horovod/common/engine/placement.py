@@ -20,12 +20,14 @@ once per call by ``buffers.run_reduction``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from horovod.common.engine.buffers import BufferOps, Item, Segment
+from horovod.common.engine.choice import TimedChoice
 from horovod.common.engine.pages import huge_page_backed
 from horovod.common.engine.plan import PACKED, PIECE, Call
 
@@ -58,6 +60,19 @@ class HostPlacement:
     def pins_pages(self) -> bool:
         """Whether the transport pins pages (where the memory lies can matter)."""
         return self._pins
+
+    def run_chosen(self, choice: TimedChoice, batch: Sequence[Any], run: Callable[..., None],
+                   args: tuple[Any, ...]) -> None:
+        """``run(*args)`` (a reduction of ``batch``) with ``small_pages_in_place`` set the way
+        ``choice`` picks for ``batch`` now, and its time recorded for that way."""
+        way = choice.pick(batch)
+        self.small_pages_in_place = way
+        t0 = time.perf_counter()
+        try:
+            run(*args)
+        finally:
+            self.small_pages_in_place = False
+        choice.record(batch, way, time.perf_counter() - t0)
 
     def in_own_memory(self, out: np.ndarray) -> bool:
         return not self._pins or self.small_pages_in_place or self.own_memory(self.owners.get(id(out), out))
