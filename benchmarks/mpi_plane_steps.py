@@ -15,6 +15,8 @@ Modes (each repetition runs every mode once, in turn, after a barrier; default f
   pert    mpi4py: one in-place ``Allreduce`` per tensor, whole (161 calls)
   hvd     ``horovod.torch.allreduce_async_`` of each of the 161 tensors, then ``synchronize`` each
   grp     ``horovod.torch.grouped_allreduce_`` of the 161 tensors
+  hvd-late  hvd with only the last submission waking the engine thread (the private ``_wake``
+          flag): what waking it at the first costs
   hvd-copy / hvd-own  hvd with the executor's timed choice for memory not on huge pages forced:
           copied through the fusion buffer / reduced where it lies
   core    ``horovod.numpy.allreduce_async_`` of NumPy views of the same torch tensors, then
@@ -138,6 +140,13 @@ def main() -> None:
         for h in handles:
             hvd.synchronize(h)
 
+    def mode_hvd_late_wake() -> None:  # the engine thread woken by the last submission only
+        last = len(tensors) - 1
+        handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average, _wake=i == last)
+                   for i, (t, n) in enumerate(zip(tensors, names))]
+        for h in handles:
+            hvd.synchronize(h)
+
     def mode_grp() -> None:
         hvd.grouped_allreduce_(tensors, name="grads", op=hvd.Average)
 
@@ -193,6 +202,7 @@ def main() -> None:
         "pert": lambda: raw_schedules.per_tensor(comm, [t.numpy() for t in tensors], raw.setdefault("pert", {})),
         "hvd": lambda: mode_hvd,
         "grp": lambda: mode_grp,
+        "hvd-late": lambda: mode_hvd_late_wake,
         "hvd-copy": lambda: forced(False),
         "hvd-own": lambda: forced(True),
         "core": lambda: core_mode([t.numpy() for t in tensors], "core", True),
