@@ -72,8 +72,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("chunk_bytes", "HOROVOD_CHUNK_BYTES", "log2", 15, 26),  # 32 KiB - 64 MiB
     # the largest tensor packed into the fusion buffer (larger ones are reduced where they lie, in
     # pieces of chunk_bytes): 4 KiB - 128 MiB. With large pieces and a small bound, each tensor is
-    # reduced whole in its own memory, the fastest schedule of separate tensors when memory
-    # bandwidth is low (docs/performance.md, "The MPI data plane")
+    # reduced whole in its own memory: the fastest schedule of separate tensors in one state of
+    # this project's VM, 2 MiB pieces in another (docs/performance.md, "The MPI data plane")
     Knob("max_tensor_bytes", "HOROVOD_FUSION_MAX_TENSOR_BYTES", "log2", 12, 27),
     Knob("cycle_time_ms", "HOROVOD_CYCLE_TIME", "log10", math.log10(0.5), math.log10(50.0)),
     Knob("cache_enabled", "HOROVOD_CACHE_CAPACITY", "bool"),

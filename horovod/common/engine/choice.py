@@ -3,10 +3,11 @@
 Some choices the executor makes change nothing another rank sees: whether a call is reduced in the
 tensors' memory or copied through the fusion buffer (``placement``) leaves the transport calls as
 planned. Which way is faster depends on the machine's state, not on the code: on this project's
-two-core VM, reducing a gradient piece where it lies on 4 KiB pages took twice the time of copying
-it through the huge-page buffer in one state of the machine (memory bandwidth high, the whole set
-in cache), and copying was the slower one in another (memory bandwidth a third of that; see
-docs/performance.md, "The MPI data plane"). A ``TimedChoice`` settles it per repeated batch:
+two-core VM, reducing a gradient set where it lies on 4 KiB pages took twice the time of copying
+it through the huge-page buffer in one state of the machine, and copying was 2-16% slower in
+another, where the same raw schedules took 3.5x longer (most likely memory bandwidth shared with
+the host's other guests; see docs/performance.md, "The MPI data plane"). A ``TimedChoice``
+settles it per repeated batch:
 
 * a batch planned afresh (a list: not a memoized step) runs with the default;
 * a memoized batch (a tuple, the same object every step of a cached workload) runs ``TRIES``

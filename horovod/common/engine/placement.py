@@ -13,7 +13,7 @@ once per call by ``buffers.run_reduction``.
   above ``max_tensor_bytes`` is always reduced in its own memory. On a transport that pins no pages
   (Gloo: ``pins_pages`` False) every contiguous region is reduced where it lies.
 
-  Whether copying pays depends on the machine's state (memory bandwidth), so the executor sets
+  Whether copying pays depends on the machine's state (``choice.py``), so the executor sets
   ``small_pages_in_place`` per repeated batch from measured batch times (``choice.TimedChoice``):
   True reduces memory that is not known to be on huge pages where it lies as well.
 """
