@@ -3,17 +3,34 @@
     horovodrun -np 2 python benchmarks/mpi_plane_steps.py [--reps 10] [--dtype float32]
     horovodrun -np 2 python benchmarks/mpi_plane_steps.py --phases --modes hvd   # where a step goes
 
-Modes (each repetition runs every mode once, in turn, after a barrier):
-  flat  one mpi4py ``Allreduce`` of one flat float32 buffer of the same size, then / size (the
-        reference of docs/performance.md's "The MPI data plane")
-  hvd   ``horovod.torch.allreduce_async_`` of each of the 161 tensors, then ``synchronize`` each
-  grp   ``horovod.torch.grouped_allreduce_`` of the 161 tensors
+Modes (each repetition runs every mode once, in turn, after a barrier; default flat,hvd,grp):
+  flat    one mpi4py ``Allreduce`` of one flat float32 buffer of the same size, then / size (the
+          reference of docs/performance.md's "The MPI data plane")
+  pieces  mpi4py: the same flat buffer in 2 MiB pieces, each reduced in place and divided while
+          hot (the best raw schedule of ``gradsync_limit.py`` on this machine)
+  sched   mpi4py: the engine's piece schedule written directly on the torch tensors' own memory
+          (``raw_schedules.schedule``, pieces in place where the engine would reduce them in
+          place): the fastest raw schedule of the same bytes in the same memory
+  sched-own  the same with every whole piece reduced where it lies (no huge-page test)
+  pert    mpi4py: one in-place ``Allreduce`` per tensor, whole (161 calls)
+  hvd     ``horovod.torch.allreduce_async_`` of each of the 161 tensors, then ``synchronize`` each
+  grp     ``horovod.torch.grouped_allreduce_`` of the 161 tensors
+  hvd-late  hvd with only the last submission waking the engine thread (the private ``_wake``
+          flag): what waking it at the first costs
+  hvd-copy / hvd-own  hvd with the executor's timed choice for memory not on huge pages forced:
+          copied through the fusion buffer / reduced where it lies
+  core    ``horovod.numpy.allreduce_async_`` of NumPy views of the same torch tensors, then
+          ``synchronize`` (the engine's core path on the same memory, without the torch binding)
+  np      ``horovod.numpy.allreduce_async_`` of NumPy arrays of the same shapes (NumPy's memory)
+  np-oop  ``horovod.numpy.allreduce_async`` (out of place: results in the engine's warm pool)
 
 Rank 0 prints one JSON line (medians, the load average, huge pages) and, per mode, every step's
 milliseconds, the milliseconds inside the backend's MPI calls on each rank (``mpi0``/``mpi1``) and
-rank 0's minor page faults per step. ``--phases`` times the engine's parts of every step instead
-(packing into and out of the fusion buffer, scaling, MPI, negotiation; calls reduced in place
-against through the buffer).
+rank 0's minor page faults per step. ``--phases`` times the parts of every step (engine modes:
+packing into and out of the fusion buffer, scaling, MPI, negotiation, and ``rest`` = the step less
+those: submission, hand-offs to the engine thread, waiting; raw modes: pack, mpi, unpack) and
+prints, per mode, each part's per-step milliseconds (calls reduced in place against through the
+buffer for the engine modes).
 """
 
 from __future__ import annotations
@@ -33,11 +50,17 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import raw_schedules  # noqa: E402
 from shapes import MODELS  # noqa: E402
 
+import horovod.numpy as hvd_np  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 from horovod.common.backends import mpi as mpi_backend  # noqa: E402
-from horovod.common.engine import buffers, placement  # noqa: E402
+from horovod.common.engine import buffers, executor, placement  # noqa: E402
+from horovod.common.engine.executor import huge_page_empty  # noqa: E402
+from horovod.common.engine.pages import huge_page_backed  # noqa: E402
+
+CHUNK = 2 * 1024 * 1024  # the engine's piece size (HOROVOD_CHUNK_BYTES default)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
@@ -48,6 +71,7 @@ parser.add_argument("--dtype", default="float32", choices=["float32", "float16",
 parser.add_argument("--phases", action="store_true")
 
 _acc: dict[str, list[float]] = {}
+_spans: list[tuple[float, float]] = []  # (start, end) of each batch the executor ran this step
 
 
 def _timed(cls: Any, name: str, key: str, static: bool = False) -> None:
@@ -72,6 +96,16 @@ def _instrument(phases: bool) -> dict[str, int]:
         return where
     for name in ("and_bits", "gather_to_root", "bcast_from_root"):
         _timed(mpi_backend.MPIBackend, name, "negotiation")
+    run = executor.Executor.run
+
+    def timed_run(self: Any, batch: Any, entries: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return run(self, batch, entries)
+        finally:
+            t1 = time.perf_counter()
+            _spans.append((t0, t1))
+    executor.Executor.run = timed_run  # type: ignore[method-assign]
     _timed(buffers.NumpyBuffers, "pack", "pack")
     _timed(buffers.NumpyBuffers, "unpack", "unpack")
     _timed(buffers.NumpyBuffers, "scale", "scale", static=True)
@@ -99,42 +133,128 @@ def main() -> None:
     flat = np.ones(numel, np.float32)
     tensors = [torch.ones(s, dtype=getattr(torch, args.dtype)) for s in shapes]
     names = [f"grad.{i}" for i in range(len(tensors))]
-
-    def mode_flat() -> None:
-        comm.Allreduce(MPI.IN_PLACE, flat)
-        np.divide(flat, size, out=flat)
+    raw: dict[str, dict[str, float]] = {}  # raw mode -> its phases of the current step
 
     def mode_hvd() -> None:
         handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average) for t, n in zip(tensors, names)]
         for h in handles:
             hvd.synchronize(h)
 
+    def mode_hvd_late_wake() -> None:  # the engine thread woken by the last submission only
+        last = len(tensors) - 1
+        handles = [hvd.allreduce_async_(t, name=n, op=hvd.Average, _wake=i == last)
+                   for i, (t, n) in enumerate(zip(tensors, names))]
+        for h in handles:
+            hvd.synchronize(h)
+
     def mode_grp() -> None:
         hvd.grouped_allreduce_(tensors, name="grads", op=hvd.Average)
 
-    every: dict[str, Callable[[], None]] = {"flat": mode_flat, "hvd": mode_hvd, "grp": mode_grp}
-    modes = {k: every[k] for k in args.modes.split(",")}
-    for fn in modes.values():
-        for _ in range(args.warmup):
+    def forced(way: bool) -> Callable[[], None]:
+        # hvd with the executor's timed small-pages choice (choice.TimedChoice) forced one way
+        from horovod.common.context import get_context
+
+        ex = get_context().engine.runner.executor
+        chooser = getattr(ex, "small_pages", None)
+
+        def step() -> None:
+            if chooser is None:  # a tree without the timed choice: copies, as it always did
+                mode_hvd()
+                return
+            pick = chooser.pick
+            chooser.pick = lambda batch: way
+            try:
+                mode_hvd()
+            finally:
+                chooser.pick = pick
+        return step
+
+    def core_mode(arrays: list[np.ndarray], prefix: str, in_place: bool) -> Callable[[], None]:
+        keys = [f"{prefix}.{i}" for i in range(len(arrays))]
+        submit = hvd_np.allreduce_async_ if in_place else hvd_np.allreduce_async
+
+        def step() -> None:
+            hs = [submit(a, name=k, op=hvd_np.Average) for a, k in zip(arrays, keys)]
+            for h in hs:
+                hvd_np.synchronize(h)
+        return step
+
+    every: dict[str, Callable[[], Callable[[], None]]] = {
+        "flat": lambda: raw_schedules.flat(comm, flat, raw.setdefault("flat", {})),
+        "pieces": lambda: raw_schedules.pieces(comm, flat, CHUNK, raw.setdefault("pieces", {})),
+        "pieces-mul": lambda: raw_schedules.pieces(comm, flat, CHUNK, raw.setdefault("pieces-mul", {}), True),
+        "sched": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], huge_page_backed, CHUNK,
+                                                huge_page_empty, raw.setdefault("sched", {})),
+        "sched-own": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
+                                                    huge_page_empty, raw.setdefault("sched-own", {})),
+        "sched-64k": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
+                                                    huge_page_empty, raw.setdefault("sched-64k", {}), 64 << 10),
+        "sched-256k": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
+                                                     huge_page_empty, raw.setdefault("sched-256k", {}), 256 << 10),
+        "sched-1m": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
+                                                   huge_page_empty, raw.setdefault("sched-1m", {}), 1 << 20),
+        "whole-256k": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
+                                                     huge_page_empty, raw.setdefault("whole-256k", {}), 256 << 10,
+                                                     1 << 30),
+        "whole-16k": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
+                                                    huge_page_empty, raw.setdefault("whole-16k", {}), 16 << 10,
+                                                    1 << 30),
+        "pert": lambda: raw_schedules.per_tensor(comm, [t.numpy() for t in tensors], raw.setdefault("pert", {})),
+        "hvd": lambda: mode_hvd,
+        "grp": lambda: mode_grp,
+        "hvd-late": lambda: mode_hvd_late_wake,
+        "hvd-copy": lambda: forced(False),
+        "hvd-own": lambda: forced(True),
+        "core": lambda: core_mode([t.numpy() for t in tensors], "core", True),
+        "np": lambda: core_mode([np.ones(s, np.float32) for s in shapes], "np", True),
+        "np-oop": lambda: core_mode([np.ones(s, np.float32) for s in shapes], "oop", False),
+    }
+    unknown = set(args.modes.split(",")) - set(every)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {sorted(every)}")
+    modes = {k: every[k]() for k in args.modes.split(",")}
+    # Warm-up interleaved like the measured steps: every mode's names are cached in the first
+    # repetition (a new cache slot empties the engine's step memo, and with it the executor's
+    # timed trials), so the later warm-up repetitions finish those trials before measuring.
+    for _ in range(args.warmup):
+        for fn in modes.values():
             fn()
     ms: dict[str, list[float]] = {k: [] for k in modes}
     mpi_ms: dict[str, list[float]] = {k: [] for k in modes}
     faults: dict[str, list[int]] = {k: [] for k in modes}
-    phases: list[dict[str, Any]] = []
+    parts: dict[str, dict[str, list[float]]] = {k: {} for k in modes}
+    calls: dict[str, list[str]] = {k: [] for k in modes}
     for _ in range(args.reps):
         for k, fn in modes.items():
             comm.Barrier()
             _acc.clear()
+            _spans.clear()
+            for p in raw.values():
+                p.clear()
             where.update(in_place=0, buffered=0)
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             fn()
-            ms[k].append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            step = (t1 - t0) * 1e3
+            ms[k].append(step)
             faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-            mpi_ms[k].append(_acc.get("mpi", [0.0])[0] * 1e3)
-            if args.phases and k != "flat":
-                phases.append({"mode": k, "ms": round(ms[k][-1], 1),
-                               **{p: round(v[0] * 1e3, 1) for p, v in _acc.items()}, **where})
+            if k in raw:
+                mine = {p: v * 1e3 for p, v in raw[k].items()}
+            else:
+                mine = {p: v[0] * 1e3 for p, v in _acc.items()}
+                calls[k].append(f"{where['in_place']}/{where['buffered']}")
+            mpi_ms[k].append(mine.get("mpi", 0.0))
+            if args.phases:
+                if _spans:  # before the first batch, between batches (negotiation etc.), after the last
+                    inside = sum(e - b for b, e in _spans)
+                    mine["before"] = (_spans[0][0] - t0) * 1e3
+                    mine["after"] = (t1 - _spans[-1][1]) * 1e3
+                    mine["between"] = (_spans[-1][1] - _spans[0][0] - inside) * 1e3 - mine.get("negotiation", 0.0)
+                    calls[k][-1] += f"/{len(_spans)}"
+                mine["rest"] = step - sum(mine.values())
+                for p, v in mine.items():
+                    parts[k].setdefault(p, []).append(v)
     huge = 0
     with open("/proc/self/smaps_rollup") as fh:
         for line in fh:
@@ -144,18 +264,21 @@ def main() -> None:
     if rank != 0:
         return
     med = {k: statistics.median(v) for k, v in ms.items()}
+    ref = {r: med[r] for r in ("flat", "pieces", "sched") if r in med}
     print(json.dumps({"bench": "mpi_plane_steps", "model": args.model, "dtype": args.dtype, "np": size,
                       "load": [round(x, 1) for x in os.getloadavg()],
                       "median_ms": {k: round(v, 1) for k, v in med.items()},
-                      "vs_flat": {k: round(v / med["flat"], 2) for k, v in med.items()} if "flat" in med else {},
+                      **{f"vs_{r}": {k: round(v / base, 2) for k, v in med.items()} for r, base in ref.items()},
                       "anon_huge_MiB_rank0": huge}), flush=True)
     for k in modes:
-        print(f"{k:5s} ms    ", " ".join(f"{x:.0f}" for x in ms[k]))
+        print(f"{k:9s} ms    ", " ".join(f"{x:.0f}" for x in ms[k]))
         for r, per_rank in enumerate(inner or []):
-            print(f"{k:5s} mpi{r}  ", " ".join(f"{x:.0f}" for x in per_rank[k]))
-        print(f"{k:5s} faults", " ".join(str(x) for x in faults[k]))
-    for row in phases:
-        print(json.dumps(row))
+            print(f"{k:9s} mpi{r}  ", " ".join(f"{x:.0f}" for x in per_rank[k]))
+        print(f"{k:9s} faults", " ".join(str(x) for x in faults[k]))
+        for p, vs in parts[k].items():
+            print(f"{k:9s} {p:7s}", " ".join(f"{x:.1f}" for x in vs))
+        if args.phases and calls[k]:
+            print(f"{k:9s} in/buf/batches", " ".join(calls[k]))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ the same step and sample boundaries:
   stops) and every rank receives the decision in one broadcast from rank 0, at the same
   point of its round sequence, and applies it to the engine's ``Tunables``.
 
-The knobs: fusion threshold, piece (chunk) size, cycle time, response cache on/off and, on jobs of
-more than one host, hierarchical allreduce/allgather on/off. A knob whose variable the user set
+The knobs: fusion threshold, piece (chunk) size, the largest tensor packed (fusion max tensor
+bytes), cycle time, response cache on/off and, on jobs of more than one host, hierarchical
+allreduce/allgather on/off. A knob whose variable the user set
 explicitly (``HOROVOD_FUSION_THRESHOLD``, ...) stays fixed, as upstream.
 """
 
@@ -69,6 +70,11 @@ class Knob:
 KNOBS: tuple[Knob, ...] = (
     Knob("fusion_threshold", "HOROVOD_FUSION_THRESHOLD", "log2", 16, 28),  # 64 KiB - 256 MiB
     Knob("chunk_bytes", "HOROVOD_CHUNK_BYTES", "log2", 15, 26),  # 32 KiB - 64 MiB
+    # the largest tensor packed into the fusion buffer (larger ones are reduced where they lie, in
+    # pieces of chunk_bytes): 4 KiB - 128 MiB. With large pieces and a small bound, each tensor is
+    # reduced whole in its own memory: the fastest schedule of separate tensors in one state of
+    # this project's VM, 2 MiB pieces in another (docs/performance.md, "The MPI data plane")
+    Knob("max_tensor_bytes", "HOROVOD_FUSION_MAX_TENSOR_BYTES", "log2", 12, 27),
     Knob("cycle_time_ms", "HOROVOD_CYCLE_TIME", "log10", math.log10(0.5), math.log10(50.0)),
     Knob("cache_enabled", "HOROVOD_CACHE_CAPACITY", "bool"),
     Knob("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", "bool"),
@@ -78,7 +84,7 @@ _HIERARCHICAL = ("hierarchical_allreduce", "hierarchical_allgather")
 
 # Upstream's columns (fusion threshold in MiB, booleans 0/1, torus always 0 here), then ours.
 CSV_HEADER = ["hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
-              "cycle_time_ms", "tensor_fusion_threshold", "score", "chunk_bytes"]
+              "cycle_time_ms", "tensor_fusion_threshold", "score", "chunk_bytes", "fusion_max_tensor_bytes"]
 
 _DATA_KINDS = frozenset({"allreduce", "allgather", "broadcast", "alltoall", "reducescatter"})
 
@@ -213,7 +219,8 @@ class ParameterManager:
         csv.writer(self._log).writerow([
             int(full["hierarchical_allreduce"]), int(full["hierarchical_allgather"]), 0,
             int(full["cache_enabled"]), full["cycle_time_ms"],
-            round(full["fusion_threshold"] / (1024 * 1024), 4), f"{score:.6g}", full["chunk_bytes"]])
+            round(full["fusion_threshold"] / (1024 * 1024), 4), f"{score:.6g}", full["chunk_bytes"],
+            full["max_tensor_bytes"]])
         self._log.flush()
 
 

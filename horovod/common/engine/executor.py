@@ -41,6 +41,7 @@ from horovod.common.engine.buffers import (
     run_pipelined,
     run_reduction,
 )
+from horovod.common.engine.choice import TimedChoice
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
@@ -156,6 +157,9 @@ class Executor:
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty, memo)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes,
                                        pins_pages=bool(getattr(backend, "pins_pages", True)))
+        # Per repeated batch, whether memory not on huge pages is reduced where it lies or copied
+        # through the huge-page buffer: timed both ways (``choice.py``); copies until measured.
+        self.small_pages = TimedChoice(False, memo.choices, StepMemo.CHOICES)
         self._lanes: dict[int, tuple[Group, Lane]] = {}  # id(group) -> (the group, its host lane)
         # plan_reduction is pure: its calls, by its arguments (a cached step plans the same
         # sizes with the same tunables every step). Bounded; the key holds every argument, and the
@@ -293,8 +297,12 @@ class Executor:
             run_pipelined(calls, items, ops, red, started[0], started[1], placement,
                           index if groups else None, groups)
             return
-        run_reduction(calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
-                      lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+        args = (calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
+                lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+        if placement is self.placement and self.placement.pins_pages and not red.widen:
+            self.placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
+        else:
+            run_reduction(*args)
 
     def _any_flat(self, batch: Sequence[Response]) -> bool:
         """Whether a response of ``batch`` is flat; remembered for a memoized batch (a tuple: the

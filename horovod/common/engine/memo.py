@@ -22,6 +22,7 @@ never hit.
 | ``flat`` | id(batch) -> (batch, whether a response of it is flat) | ``Executor._flat_batches`` |
 | ``items`` | name -> an in-place entry's items and buffer views | ``NumpyBuffers._items``, ``_moves`` |
 | ``batches`` | id(batch) -> its arrays' ids, then the batch's items | ``NumpyBuffers._batches`` |
+| ``choices`` | id(batch) -> the timed trials of a rank's own choice for it (``choice.TimedChoice``) | new |
 
 Kept elsewhere on purpose, because they are per process (or per process set), keyed by value and
 right across steps and cache changes: the executor's dtype rule per (dtype, transport, buffer
@@ -42,7 +43,7 @@ __all__ = ["StepMemo"]
 class StepMemo:
     """The tables of one engine's step memo (see the module docstring); one owner, one ``clear``."""
 
-    __slots__ = ("plans", "batch_sizes", "calls", "flat", "items", "batches")
+    __slots__ = ("plans", "batch_sizes", "calls", "flat", "items", "batches", "choices")
 
     #: bounds, per table
     PLANS = 64
@@ -51,6 +52,7 @@ class StepMemo:
     FLAT = 256
     ITEMS = 256
     BATCHES = 64
+    CHOICES = 64
 
     def __init__(self) -> None:
         self.plans: dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]] = {}
@@ -59,6 +61,7 @@ class StepMemo:
         self.flat: dict[int, tuple[Sequence[Any], bool]] = {}
         self.items: dict[str, Any] = {}
         self.batches: dict[int, Any] = {}
+        self.choices: dict[int, Any] = {}
 
     def clear(self) -> None:
         """Forget everything (a cache slot was filled or emptied)."""
@@ -68,6 +71,7 @@ class StepMemo:
         self.flat.clear()
         self.items.clear()
         self.batches.clear()
+        self.choices.clear()
 
     @staticmethod
     def full(table: dict[Any, Any], bound: int) -> None:

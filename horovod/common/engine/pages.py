@@ -5,8 +5,10 @@ Open MPI's shared-memory transport moves a large message with a single copy
 piece of a large tensor therefore reduces up to twice as slowly as the same piece on 2 MiB pages
 (measured with ``benchmarks/gradsync_limit.py``: one 64 MiB float32 tensor at np=2 took 17 ms in
 torch's own 4 KiB-page memory, 14 ms packed through the huge-page fusion buffer, 10.5 ms in
-NumPy's own huge-page memory). So the executor reduces a large tensor in its own memory only when
-that memory is on huge pages, and copies it piece by piece through its huge-page buffer otherwise.
+NumPy's own huge-page memory). So the executor reduces a large tensor in its own memory when that
+memory is on huge pages; elsewhere it copies it piece by piece through its huge-page buffer unless
+this rank measured reducing it in place faster for the repeated batch (``choice.TimedChoice``: in
+another state of the same machine, in place was the faster way).
 
 Which memory is on huge pages is known from who allocated it, not asked of the kernel (reading
 ``/proc/self/smaps`` per tensor would cost more than the copy it saves):

@@ -12,16 +12,22 @@ once per call by ``buffers.run_reduction``.
   faster copied through the huge-page buffer (docs/engine.md, "Piecewise reductions"). A tensor
   above ``max_tensor_bytes`` is always reduced in its own memory. On a transport that pins no pages
   (Gloo: ``pins_pages`` False) every contiguous region is reduced where it lies.
+
+  Whether copying pays depends on the machine's state (``choice.py``), so the executor sets
+  ``small_pages_in_place`` per repeated batch from measured batch times (``choice.TimedChoice``):
+  True reduces memory that is not known to be on huge pages where it lies as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from horovod.common.engine.buffers import BufferOps, Item, Segment
+from horovod.common.engine.choice import TimedChoice
 from horovod.common.engine.pages import huge_page_backed
 from horovod.common.engine.plan import PACKED, PIECE, Call
 
@@ -45,11 +51,31 @@ class HostPlacement:
         self._pins = pins_pages
         # id(span over a flat group) -> its first array, whose owner says where the memory lies
         self.owners: dict[int, np.ndarray] = {}
+        # memory not known to be on huge pages is reduced where it lies too (set per batch)
+        self.small_pages_in_place = False
 
     own_memory = staticmethod(huge_page_backed)
 
+    @property
+    def pins_pages(self) -> bool:
+        """Whether the transport pins pages (where the memory lies can matter)."""
+        return self._pins
+
+    def run_chosen(self, choice: TimedChoice, batch: Sequence[Any], run: Callable[..., None],
+                   args: tuple[Any, ...]) -> None:
+        """``run(*args)`` (a reduction of ``batch``) with ``small_pages_in_place`` set the way
+        ``choice`` picks for ``batch`` now, and its time recorded for that way."""
+        way = choice.pick(batch)
+        self.small_pages_in_place = way
+        t0 = time.perf_counter()
+        try:
+            run(*args)
+        finally:
+            self.small_pages_in_place = False
+        choice.record(batch, way, time.perf_counter() - t0)
+
     def in_own_memory(self, out: np.ndarray) -> bool:
-        return not self._pins or self.own_memory(self.owners.get(id(out), out))
+        return not self._pins or self.small_pages_in_place or self.own_memory(self.owners.get(id(out), out))
 
     def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
         if call.kind == PACKED:

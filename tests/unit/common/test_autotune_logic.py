@@ -68,6 +68,8 @@ def test_knob_encoding_round_trips():
     by = {k.name: k for k in KNOBS}
     assert by["fusion_threshold"].decode(by["fusion_threshold"].encode(64 << 20)) == 64 << 20
     assert by["chunk_bytes"].decode(by["chunk_bytes"].encode(2 << 20)) == 2 << 20
+    assert by["max_tensor_bytes"].decode(by["max_tensor_bytes"].encode(16 << 10)) == 16 << 10
+    assert by["max_tensor_bytes"].env == "HOROVOD_FUSION_MAX_TENSOR_BYTES"
     assert abs(by["cycle_time_ms"].decode(by["cycle_time_ms"].encode(5.0)) - 5.0) < 0.01
     assert by["cache_enabled"].decode(0.6) is True and by["cache_enabled"].decode(0.4) is False
     assert by["fusion_threshold"].encode(0) == 0.0  # below the range: clipped
@@ -146,7 +148,7 @@ def test_every_step_counts_when_a_sample_ends_inside_a_round(tmp_path):
 def test_explicit_settings_and_one_host_keep_knobs_fixed():
     cfg = EngineConfig.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "3"})
     m = from_config(cfg, Tunables.from_config(cfg), 1, lambda x: x, {"HOROVOD_CYCLE_TIME": "3"}, False)
-    assert [k.name for k in m.knobs] == ["fusion_threshold", "chunk_bytes", "cache_enabled"]
+    assert [k.name for k in m.knobs] == ["fusion_threshold", "chunk_bytes", "max_tensor_bytes", "cache_enabled"]
     m2 = from_config(cfg, Tunables.from_config(cfg), 1, lambda x: x, {}, True)
     assert "hierarchical_allreduce" in [k.name for k in m2.knobs]
     nothing = from_config(cfg, SimpleNamespace(), 1, lambda x: x, {k.env: "1" for k in KNOBS}, True)
