@@ -90,7 +90,7 @@ def test_executor_reduces_small_pages_the_faster_measured_way(in_place_faster: b
     tensors = [np.ones(1024, np.float32), np.ones(2048, np.float32)]
     backend = SpanBackend(2, tensors)
     tun = Tunables(fusion_threshold=1 << 20, max_tensor_bytes=1 << 20, chunk_bytes=4096)
-    ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, tun, lambda: None)
+    ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, tun)
     record = ex.small_pages.record
     monkeypatch.setattr(ex.small_pages, "record",
                         lambda batch, way, s: record(batch, way, 1.0 if way == in_place_faster else 2.0))
