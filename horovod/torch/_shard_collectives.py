@@ -55,11 +55,16 @@ def wait_unshard(g: ShardGroup) -> None:
     g.gather = None
     with torch.no_grad():
         for q in g.params:
-            u = q.unsharded.data
             if not q.allocated():
-                u.untyped_storage().resize_(q.nbytes)
-            numel = q.rows * q.row_numel
-            u.view(-1).copy_(out[:, q.offset:q.offset + q.seg].reshape(-1)[:numel])
+                q.unsharded.data.untyped_storage().resize_(q.nbytes)
+            # rank k's rows are row k of ``out``, in the parameter's slot: k ranks' rows in full,
+            # then ``rest`` elements; copied slot by slot (``out[:, slot]`` is strided: reshaping
+            # it whole would copy the parameter once more into a temporary)
+            u = q.unsharded.data.view(-1)
+            k, rest = divmod(u.numel(), q.seg) if q.seg else (0, 0)
+            u[:k * q.seg].view(k, q.seg).copy_(out[:k, q.offset:q.offset + q.seg])
+            if rest:
+                u[k * q.seg:].copy_(out[k, q.offset:q.offset + rest])
     g.unsharded = True
 
 
