@@ -2,7 +2,8 @@
 with ``hvd.checkpoint`` (a ``torch.distributed.checkpoint`` directory at the checkpoint's path), as
 Lightning's FSDP strategy writes its sharded checkpoints.
 
-- ``optimizer_state`` gives Lightning a marker instead of the state (no consolidation);
+- ``optimizer_state`` gives Lightning a marker instead of the state (no consolidation), for each
+  optimizer (stage 3 may have several, saved under their indices);
 - ``save_checkpoint`` (every rank) writes the module's state dict and the optimizer's shard, and
   the rest of Lightning's checkpoint dict (loops, callbacks, schedulers, hyper-parameters) as the
   checkpoint's ``extra`` under ``"lightning"``;
@@ -37,9 +38,9 @@ def is_sharded(path: str) -> bool:
 
 
 def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module,
-         optimizer: torch.optim.Optimizer | None, rank: int) -> None:
+         optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None, rank: int) -> None:
     """Write Lightning's ``checkpoint`` dict to the directory ``path``, each rank its part;
-    collective."""
+    collective. ``optimizer``: one, or the list of several (each one's state under its index)."""
     rest = dict(checkpoint)
     rest.pop("state_dict", None)  # written from ``module``, split across the ranks
     with_optimizer = rest.pop("optimizer_states", None) is not None  # absent: weights only
@@ -60,9 +61,13 @@ def load(path: str, module: torch.nn.Module) -> dict[str, Any]:
     checkpoint["state_dict"] = module.state_dict()
     from torch.distributed.checkpoint import FileSystemReader
 
-    if "optim.param_groups" in FileSystemReader(
-            hvd.checkpoint.latest(path)).read_metadata().state_dict_metadata:
+    md = FileSystemReader(hvd.checkpoint.latest(path)).read_metadata().state_dict_metadata
+    if "optim.param_groups" in md:
         checkpoint["optimizer_states"] = [{MARK: path}]
+    else:  # several optimizers (optim.<i>.param_groups): a marker for each
+        count = sum(1 for k in md if k.startswith("optim.") and k.endswith(".param_groups"))
+        if count:
+            checkpoint["optimizer_states"] = [{MARK: path, "index": i} for i in range(count)]
     return checkpoint
 
 
@@ -71,10 +76,12 @@ def load_optimizer(checkpoint: dict[str, Any], module: torch.nn.Module,
     """Load the optimizer of a sharded checkpoint (each rank its shard); False if
     ``checkpoint`` is not one."""
     states = checkpoint.get("optimizer_states") or []
-    if not (len(states) == 1 and isinstance(states[0], dict) and MARK in states[0]):
+    if not (states and all(isinstance(st, dict) and MARK in st for st in states)):
         return False
-    if len(optimizers) != 1:
-        raise RuntimeError(f"HorovodStrategy: the checkpoint {states[0][MARK]!r} holds one "
-                           f"optimizer's state, this run has {len(optimizers)} optimizers")
-    hvd.checkpoint.load(states[0][MARK], model=module, optimizer=optimizers[0])
+    if len(optimizers) != len(states):
+        raise RuntimeError(f"HorovodStrategy: the checkpoint {states[0][MARK]!r} holds the state of "
+                           f"{len(states)} optimizer(s), this run has {len(optimizers)}: "
+                           "configure_optimizers must return the optimizers it was saved with")
+    several = "index" in states[0]  # saved as a list (hvd.checkpoint.save(optimizer=[...]))
+    hvd.checkpoint.load(states[0][MARK], model=module, optimizer=optimizers if several else optimizers[0])
     return True

@@ -240,7 +240,8 @@ def _build(package: str) -> type[Any]:
                 one file holding the consolidated (plain) optimizer states. 3 shards the
                 parameters as well (``hvd.fully_shard``, ZeRO stage 3): the optimizers from
                 ``configure_optimizers`` are plain torch optimizers over this rank's shards, and
-                checkpoints are sharded directories (one optimizer).
+                checkpoints are sharded directories (every optimizer's rows, each optimizer's
+                state under its index when there are several).
             fully_shard_modules: with ``zero_stage=3``, the submodules to shard as units of
                 their own (gathered for their forward and backward only), each before the
                 LightningModule itself: a module class, a tuple of classes, or a function
@@ -568,43 +569,38 @@ def _build(package: str) -> type[Any]:
             (``save_checkpoint`` writes each rank's shard), else the whole state consolidated on
             rank 0 (every rank calls this while Lightning builds a checkpoint; rank 0 writes it)."""
             opt = _unwrap(optimizer, LightningOptimizer)
-            if self._zero_stage == 3 and opt is self._sharded_optimizer():
-                return {sharded.MARK: True}  # each rank's rows, written by save_checkpoint
+            if any(opt is o for o in self._sharded_optimizers()):
+                return {sharded.MARK: True}  # each rank's part, written by save_checkpoint
             if isinstance(opt, hvd.ZeroRedundancyOptimizer):
-                if opt is self._sharded_optimizer():
-                    return {sharded.MARK: True}
                 opt.consolidate_state_dict(to=0)
                 return opt.state_dict() if opt.rank == 0 else {}
             return super().optimizer_state(optimizer)
 
         # ---------------------------------------------------------------- checkpoints
-        def _sharded_optimizer(self) -> Any:
-            """The optimizer whose checkpoints are sharded: the only one, a ZeRO one."""
+        def _sharded_optimizers(self) -> list[Any]:
+            """The optimizers whose checkpoints are sharded: with ``zero_stage=3`` every one (plain
+            optimizers over the shards); with stage 1 or 2 the only one, a ZeRO one."""
             opts = [_unwrap(o, LightningOptimizer) for o in self.optimizers]
-            if len(opts) == 1 and (isinstance(opts[0], hvd.ZeroRedundancyOptimizer) or self._zero_stage == 3):
-                return opts[0]
-            return None
+            if self._zero_stage == 3 or (len(opts) == 1 and isinstance(opts[0], hvd.ZeroRedundancyOptimizer)):
+                return opts
+            return []
 
         def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                             storage_options: Any = None) -> None:
-            """With ``zero_stage`` and one optimizer: a sharded checkpoint directory at
-            ``filepath``, each rank writing its part (collective); otherwise Lightning's file."""
-            opt = self._sharded_optimizer()
-            if self._zero_stage == 3 and self.lightning_module is not None and opt is None:
-                if self.optimizers:
-                    raise NotImplementedError(
-                        f"HorovodStrategy(zero_stage=3): checkpoints of {len(self.optimizers)} "
-                        "optimizers are not supported (one optimizer: a sharded hvd.checkpoint "
-                        "directory)")
-                opt = None  # weights only (validate/test, or no optimizer)
-            elif opt is None or self.lightning_module is None:
+            """With ``zero_stage=3`` (any number of optimizers), or stage 1/2 and one optimizer: a
+            sharded checkpoint directory at ``filepath``, each rank writing its part
+            (collective); otherwise Lightning's file."""
+            opts = self._sharded_optimizers()
+            if self.lightning_module is None or not (opts or self._zero_stage == 3):
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             if storage_options is not None:
                 raise TypeError("HorovodStrategy(zero_stage=...).save_checkpoint(..., storage_options=...) "
                                 "is not supported: each rank writes its shard with hvd.checkpoint, "
                                 "not through the CheckpointIO plugin")
             path = hvd.broadcast_object(os.fspath(filepath), 0, name="HorovodStrategy.ckpt_path")
-            sharded.save(checkpoint, path, self.lightning_module, opt, self.global_rank)
+            # no optimizer: weights only (validate/test); one: as hvd.checkpoint.save(optimizer=opt)
+            sharded.save(checkpoint, path, self.lightning_module,
+                         None if not opts else opts[0] if len(opts) == 1 else opts, self.global_rank)
 
         def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
             """A sharded checkpoint directory (``hvd.checkpoint``, any world size): the module's

@@ -40,7 +40,7 @@ from horovod.torch.mpi_ops import (
     sparse_allreduce_async,
     synchronize,
 )
-from horovod.torch.reducer import SkipSynchronize
+from horovod.torch.reducer import PassesPerStep, SkipSynchronize
 
 __all__ = ["DenseReducer", "parameter_names", "validate_whole_step", "COMPRESSION_KEY", "MANY_PASSES",
            "ZERO_GRAD", "NO_SYNC_STEP", "STEP_AFTER_SYNC"]
@@ -154,7 +154,7 @@ def _plain_wire(compression: Any) -> torch.dtype | None:
 _PLAIN_WIRE: dict[Any, torch.dtype | None] = {}
 
 
-class DenseReducer(SkipSynchronize):
+class DenseReducer(PassesPerStep, SkipSynchronize):
     """A ``GradientReducer`` (``horovod/torch/reducer.py``) that averages every gradient on every
     rank: see the module docstring.
 
@@ -213,15 +213,7 @@ class DenseReducer(SkipSynchronize):
         return _all_params(self.param_groups)
 
     # ------------------------------------------------------------------ GradientReducer
-    @property
-    def backward_passes_per_step(self) -> int:
-        return self._passes
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated locally before each allreduce."""
-        if passes <= 0:
-            raise ValueError("backward_passes_per_step must be > 0")
-        self._passes = passes
+    def _passes_changed(self, passes: int) -> None:
         for slot in self._slots.values():
             slot.delay = passes
 

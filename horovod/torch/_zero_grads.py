@@ -42,7 +42,7 @@ from horovod.common.types import Average, Max
 from horovod.torch._autograd import GradHooks, at_end_of_backward
 from horovod.torch._clip import clip_by_global_norm
 from horovod.torch.mpi_ops import allreduce_, alltoall_async, grouped_allreduce_async_, synchronize
-from horovod.torch.reducer import SkipSynchronize
+from horovod.torch.reducer import PassesPerStep, SkipSynchronize
 
 __all__ = ["ShardedGradients", "MANY_PASSES", "SCHEDULES"]
 
@@ -117,7 +117,7 @@ def _buckets(params: list[torch.Tensor], owner: list[int], rank: int, world: int
     return [_Bucket(f"zero.grads.{k}", m, params, owner, rank, world) for k, m in enumerate(groups)]
 
 
-class ShardedGradients(SkipSynchronize):
+class ShardedGradients(PassesPerStep, SkipSynchronize):
     """The hooks, buckets and reduction of stage 2 (see the module docstring): a
     ``GradientReducer`` (``horovod/torch/reducer.py``). ``configure`` re-partitions it."""
 
@@ -128,7 +128,7 @@ class ShardedGradients(SkipSynchronize):
         self.params, self.names = params, names
         self.process_set = process_set
         self.op, self.scale, self.compression = op, scale, compression
-        self.backward_passes_per_step = passes
+        self._passes = passes
         self._hooks = GradHooks()
         # End of backward (as ``DenseReducer``): the pass that takes the step's gradients reduces
         # them before ``backward()`` returns, so ``GradScaler.unscale_`` and clipping see them.
@@ -402,9 +402,5 @@ class ShardedGradients(SkipSynchronize):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated locally before the reduction."""
-        if passes <= 0:
-            raise ValueError("backward_passes_per_step must be > 0")
-        self.backward_passes_per_step = passes
+    def _passes_changed(self, passes: int) -> None:
         self._delay = [passes] * len(self.params)

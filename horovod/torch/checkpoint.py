@@ -17,6 +17,8 @@ Keys (a flat state dict, readable by any DCP job):
   its owner (a ``ZeroRedundancyOptimizer``'s shard) or, for an unsharded optimizer, split across
   ranks like the model;
 - ``optim.param_groups``: the groups' options with their parameters' names (rank 0);
+- with a list of optimizers, each one's ``state`` and ``param_groups`` under ``optim.<i>.``
+  instead (``optim.0.state.<parameter name>.<state key>``);
 - ``extra``: the ``extra`` dict given to ``save`` (rank 0); ``horovod``: format version and the
   world size it was saved at (rank 0).
 
@@ -35,9 +37,11 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import sys
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -123,8 +127,24 @@ def _per_element(v: Any, rs: RowShard | None) -> bool:
     return rs is not None and isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == rs.local_shape
 
 
-def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                extra: dict[str, Any] | None, r: int, n: int) -> tuple[dict[str, Any], dict[str, RowShard]]:
+def _optimizer_list(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
+    """``(key prefix, optimizer)`` of each optimizer given to ``save``/``load``: ``optim`` for one,
+    ``optim.<i>`` for each of a list (several optimizers, as a GAN's or Lightning's)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        return [(f"optim.{i}", o) for i, o in enumerate(optimizer)]
+    return [("optim", optimizer)]
+
+
+def _header(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    cls = _algorithm(optimizer)
+    return {"optimizer": cls.__name__, "optimizer_module": cls.__module__,
+            "hyperparameters": _hyperparameters(optimizer.param_groups)}
+
+
+def _local_part(model: torch.nn.Module | None, optimizer: Any, extra: dict[str, Any] | None, r: int,
+                n: int) -> tuple[dict[str, Any], dict[str, RowShard]]:
     """The flat state dict this rank writes, and which of its entries are rows of a larger
     tensor (a fully sharded parameter's, or their optimizer state's)."""
     out: dict[str, Any] = {}
@@ -138,53 +158,61 @@ def _local_part(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
         for key, rs in layout.items():
             if key in sd:
                 _add_rows(out, rows, f"model.{key}", sd[key], rs)
-    if optimizer is not None:
-        params = _optimizer_params(optimizer)
-        names = _param_names(model, params)
-        if isinstance(optimizer, ShardedStateful):
-            kind = type(optimizer).__name__
-            if optimizer.num_shards != n:
-                raise ValueError(f"hvd.checkpoint.save: the {kind} is sharded over "
-                                 f"{optimizer.num_shards} ranks, the job has {n}; checkpoints of a "
-                                 f"{kind} need it on the global process set")
-            if layout:
-                raise ValueError(f"hvd.checkpoint.save: a {kind} over a fully sharded model: its "
-                                 "parameters are already shards; step them with a plain torch "
-                                 "optimizer (torch.optim.AdamW(model.parameters()))")
-            mine = optimizer.local_state_dict()
-        else:
-            full = optimizer.state_dict()["state"]
-            # ownership by the whole parameter's bytes: the same on every rank
-            sizes = [math.prod(layout[nm].shape) * p.element_size() if nm in layout
-                     else p.numel() * p.element_size() for nm, p in zip(names, params)]
-            owner = partition_by_bytes(sizes, n)
-            mine = {}
-            for i, st in full.items():
-                row = layout.get(names[i])
-                for sk, v in st.items():
-                    if row is not None and _per_element(v, row):
-                        _add_rows(out, rows, f"optim.state.{names[i]}.{sk}", v, row)
-                    elif owner[i] == r:
-                        mine.setdefault(i, {})[sk] = v
-        for i, st in mine.items():
-            for sk, v in st.items():
-                out[f"optim.state.{names[i]}.{sk}"] = v
-        if r == 0:
-            groups, start = [], 0
-            for g in optimizer.param_groups:
-                k = len(g["params"])
-                groups.append({**{a: b for a, b in g.items() if a != "params"},
-                               "params": names[start:start + k]})
-                start += k
-            out["optim.param_groups"] = groups
+    optimizers = _optimizer_list(optimizer)
+    for prefix, opt in optimizers:
+        _optimizer_part(out, rows, prefix, opt, model, layout, r, n)
     if r == 0:
         out["extra"] = dict(extra or {})
         out["horovod"] = {"format": FORMAT_VERSION, "world_size": n, "optimizer": None}
-        if optimizer is not None:
-            cls = _algorithm(optimizer)
-            out["horovod"].update(optimizer=cls.__name__, optimizer_module=cls.__module__,
-                                  hyperparameters=_hyperparameters(optimizer.param_groups))
+        if isinstance(optimizer, (list, tuple)):
+            out["horovod"]["optimizers"] = [_header(o) for _, o in optimizers]
+        elif optimizer is not None:
+            out["horovod"].update(_header(optimizer))
     return out, rows
+
+
+def _optimizer_part(out: dict[str, Any], rows: dict[str, RowShard], prefix: str,
+                    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+                    layout: dict[str, RowShard], r: int, n: int) -> None:
+    """Add what this rank writes of ``optimizer`` to ``out`` under ``prefix``."""
+    params = _optimizer_params(optimizer)
+    names = _param_names(model, params)
+    if isinstance(optimizer, ShardedStateful):
+        kind = type(optimizer).__name__
+        if optimizer.num_shards != n:
+            raise ValueError(f"hvd.checkpoint.save: the {kind} is sharded over "
+                             f"{optimizer.num_shards} ranks, the job has {n}; checkpoints of a "
+                             f"{kind} need it on the global process set")
+        if layout:
+            raise ValueError(f"hvd.checkpoint.save: a {kind} over a fully sharded model: its "
+                             "parameters are already shards; step them with a plain torch "
+                             "optimizer (torch.optim.AdamW(model.parameters()))")
+        mine = optimizer.local_state_dict()
+    else:
+        full = optimizer.state_dict()["state"]
+        # ownership by the whole parameter's bytes: the same on every rank
+        sizes = [math.prod(layout[nm].shape) * p.element_size() if nm in layout
+                 else p.numel() * p.element_size() for nm, p in zip(names, params)]
+        owner = partition_by_bytes(sizes, n)
+        mine = {}
+        for i, st in full.items():
+            row = layout.get(names[i])
+            for sk, v in st.items():
+                if row is not None and _per_element(v, row):
+                    _add_rows(out, rows, f"{prefix}.state.{names[i]}.{sk}", v, row)
+                elif owner[i] == r:
+                    mine.setdefault(i, {})[sk] = v
+    for i, st in mine.items():
+        for sk, v in st.items():
+            out[f"{prefix}.state.{names[i]}.{sk}"] = v
+    if r == 0:
+        groups, start = [], 0
+        for g in optimizer.param_groups:
+            k = len(g["params"])
+            groups.append({**{a: b for a, b in g.items() if a != "params"},
+                           "params": names[start:start + k]})
+            start += k
+        out[f"{prefix}.param_groups"] = groups
 
 
 class _Snapshot:
@@ -441,11 +469,15 @@ def _finish_pending_at_exit() -> None:
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module | None = None,
-         optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None,
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+         extra: dict[str, Any] | None = None,
          blocking: bool = True) -> SaveHandle | str:
     """Save ``model``, ``optimizer`` and ``extra`` as a new version of the checkpoint directory
     ``path``, each rank writing only its part. Collective: every rank calls it with the same path
     (on a file system every rank sees).
+
+    ``optimizer`` may be a list of optimizers (a GAN's, Lightning's several): each one's state is
+    kept under its index (``optim.<i>.``), and ``load`` takes the same list, in the same order.
 
     ``path`` must be new, an empty directory or a checkpoint written here: a path that holds
     anything else (a file, a user's files) is refused on every rank before anything is written,
@@ -615,13 +647,13 @@ def _read(path: str, request: dict[str, Any], regions: dict[str, RowShard] | Non
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
-         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> dict[str, Any]:
     """Load the newest committed version of the checkpoint that ``save`` wrote at ``path`` into
     ``model`` and ``optimizer`` and return its ``extra`` dict (leftovers of a crashed save are
     ignored). Works at any world size and in a plain process without ``hvd.init()``; the
     optimizer may be sharded (``ZeroRedundancyOptimizer``: each rank reads only its shard) or not,
-    whatever it was when saved. Every rank checks the checkpoint against its model and
-    optimizer before changing anything.
+    whatever it was when saved; a list of optimizers if ``save`` was given one. Every rank checks
+    the checkpoint against its model and optimizer before changing anything.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
@@ -646,11 +678,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module | None = None,
 
 
 def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | None,
-                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+                  optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = meta.state_dict_metadata
-    head = _read(where, {k: None for k in ("horovod", "optim.param_groups", "extra") if k in md})
+    head = _read(where, {k: None for k in md if k in ("horovod", "extra") or _GROUPS_KEY.fullmatch(k)})
     problems: list[str] = []
     request: dict[str, Any] = {}
     model_sd: dict[str, Any] = {}
@@ -678,10 +710,16 @@ def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | Non
                     request[f"model.{k}"] = torch.empty(v.shape, dtype=m.properties.dtype)
             elif m is not None:
                 request[f"model.{k}"] = None
-    optim_sd = None
-    if optimizer is not None:
-        optim_sd = _optimizer_request(optimizer, model, md, head.get("optim.param_groups"),
-                                      problems, request, head.get("horovod") or {}, layout, rows)
+    header = head.get("horovod") or {}
+    given = _optimizer_list(optimizer)
+    optim_sds: list[tuple[torch.optim.Optimizer, Any]] = []
+    count = _optimizer_count_mismatch(optimizer, header, md)
+    if count:
+        problems.append(count)
+    else:
+        for (prefix, opt), h in zip(given, header.get("optimizers") or [header]):
+            optim_sds.append((opt, _optimizer_request(opt, model, md, head.get(f"{prefix}.param_groups"),
+                                                      problems, request, h, layout, rows, prefix)))
     if problems:
         raise ValueError(f"hvd.checkpoint.load({path!r}): the checkpoint does not match the "
                          f"{'model and optimizer' if optimizer is not None else 'model'} given: "
@@ -689,11 +727,38 @@ def _load_version(path: str, where: str, meta: Any, model: torch.nn.Module | Non
     got = rows.finish(_read(where, request, rows.regions))
     if model is not None:
         model.load_state_dict({k: got[f"model.{k}"] for k in model_sd})
-    if optimizer is not None and optim_sd is not None:
+    for opt, optim_sd in optim_sds:
         for i, keys in optim_sd.pop("_keys").items():
             optim_sd["state"][i] = {sk: got[fk] for sk, fk in keys.items()}
-        optimizer.load_state_dict(optim_sd)
+        opt.load_state_dict(optim_sd)
     return dict(head.get("extra") or {})
+
+
+_GROUPS_KEY = re.compile(r"optim(\.\d+)?\.param_groups")
+
+
+def _optimizer_count_mismatch(optimizer: Any, header: dict[str, Any], md: Any) -> str | None:
+    """Why the optimizers given cannot take the checkpoint's: one given where it holds a list's
+    (``save(optimizer=[...])``), a list where it holds one optimizer's, lists of other lengths."""
+    saved: list[Any] | None = header.get("optimizers")
+    if optimizer is None:
+        return None
+    many = isinstance(optimizer, (list, tuple))
+    if saved is None:
+        if not many:
+            return None
+        if "optim.param_groups" not in md:
+            return "the checkpoint has no optimizer state (it was saved without an optimizer)"
+        return (f"the checkpoint holds one optimizer's state (saved with optimizer=<an optimizer>), a "
+                f"list of {len(optimizer)} was given; pass the optimizer itself")
+    if not many:
+        return (f"the checkpoint holds the state of {len(saved)} optimizers (saved with optimizer=[...]), "
+                f"one {type(optimizer).__name__} was given; pass the list of {len(saved)} optimizers, "
+                "in the order they were saved")
+    if len(saved) != len(optimizer):
+        return (f"the checkpoint holds the state of {len(saved)} optimizers "
+                f"({[h.get('optimizer') for h in saved]}), {len(optimizer)} were given")
+    return None
 
 
 _WRAPPERS = {"ZeroRedundancyOptimizer"}  # names the first format recorded instead of the class
@@ -729,9 +794,9 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, saved_groups: list[dic
 def _optimizer_request(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, md: Any,
                        saved_groups: Any, problems: list[str], request: dict[str, Any],
                        header: dict[str, Any], layout: dict[str, RowShard] | None = None,
-                       rows: _RowRequests | None = None) -> Any:
-    """Check the saved optimizer against ``optimizer``; add what to read to ``request`` and
-    return the full state dict to fill (state keys under ``_keys``)."""
+                       rows: _RowRequests | None = None, key: str = "optim") -> Any:
+    """Check the saved optimizer (its keys under ``key``) against ``optimizer``; add what to read
+    to ``request`` and return the full state dict to fill (state keys under ``_keys``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     if saved_groups is None:
@@ -758,18 +823,18 @@ def _optimizer_request(optimizer: torch.optim.Optimizer, model: torch.nn.Module 
         owned = set(optimizer.owned_indices())  # each rank reads its shard only
     keys: dict[int, dict[str, str]] = {}
     for i, name in enumerate(names):
-        prefix = f"optim.state.{name}."
+        prefix = f"{key}.state.{name}."
         entries = {k[len(prefix):]: k for k in md if k.startswith(prefix) and "." not in k[len(prefix):]}
         if not entries or i not in owned:
             continue
         keys[i] = entries
         rs = (layout or {}).get(name)
-        for key, fk in entries.items():
+        for sk, fk in entries.items():
             m = md[fk]
             # a sharded parameter's per-element state (its shape; of a 0-d parameter's 0-d
             # state tensors, ``step`` is the one that is not per element): this rank's rows
             if (rs is not None and rows is not None and isinstance(m, TensorStorageMetadata)
-                    and tuple(m.size) == rs.shape and (rs.shape or key != "step")):
+                    and tuple(m.size) == rs.shape and (rs.shape or sk != "step")):
                 rows.add(request, fk, rs, m.properties.dtype)
             elif isinstance(m, TensorStorageMetadata):
                 request[fk] = torch.empty(tuple(m.size), dtype=m.properties.dtype)

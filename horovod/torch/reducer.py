@@ -9,7 +9,7 @@ Implementations:
   backward runs. ``hvd.DistributedOptimizer`` and ``hvd.ZeroRedundancyOptimizer(stage=1)`` use it.
 - ``ShardedGradients`` (``horovod/torch/_zero_grads.py``): ZeRO stage 2, each rank keeps only the
   averaged gradients of the parameters it owns (a reduce-scatter per bucket).
-- ``FullyShardedReducer`` (``horovod/torch/fully_shard.py``, ``reducer_for(module)``): ZeRO stage
+- ``FullyShardedReducer`` (``horovod/torch/_shard_reducer.py``, ``reducer_for(module)``): ZeRO stage
   3, the reduce-scatters that ``hvd.fully_shard``'s modules run in backward, seen from a plain
   optimizer over their shards.
 
@@ -47,7 +47,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["GradientReducer", "ShardedStateful", "RowShard", "RowShardedStateful", "SkipSynchronize",
-           "reducer_of"]
+           "PassesPerStep", "reducer_of"]
 
 
 @runtime_checkable
@@ -187,6 +187,27 @@ def reducer_of(optimizer: Any) -> GradientReducer | None:
     optimizer that averages nothing itself (a plain one, the Adasum delta optimizer)."""
     reducer = getattr(optimizer, "reducer", None)
     return reducer if isinstance(reducer, GradientReducer) else None
+
+
+class PassesPerStep:
+    """``backward_passes_per_step`` and its checked setter, as every reducer implements them;
+    ``_passes_changed`` lets a reducer follow a change (its per-parameter counters)."""
+
+    _passes = 1
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._passes
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before the reduction."""
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self._passes = int(passes)
+        self._passes_changed(self._passes)
+
+    def _passes_changed(self, passes: int) -> None:
+        """Called after ``set_backward_passes_per_step`` with the new count."""
 
 
 class SkipSynchronize:

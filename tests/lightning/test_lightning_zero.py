@@ -229,3 +229,115 @@ def test_lightning_zero3_strategy(tmp_path):
         assert res["plain_epoch"] == 1 and res["plain_state_entries"] == 4, res
     # rank 0 holds rows 0..8 of the (17, 5) weight, rank 1 rows 9..16
     assert results[0]["shards"][0] == (9, 5) and results[1]["shards"][0] == (8, 5), results
+
+
+def _zero3_two_optimizers(tmp: str, phase: str, want: list | None = None) -> dict:
+    """Manual optimization with two optimizers (AdamW over one part of the module, SGD with
+    momentum over the other) under ``zero_stage=3``. ``phase`` "np2": the uninterrupted 3-epoch
+    fit, a 2-epoch fit whose ModelCheckpoint writes a sharded directory, and the third epoch
+    resumed from it; "np1": the same checkpoint resumed in one rank with the same global batches
+    (batch 4 here, 2 per rank at np=2)."""
+    import os
+
+    import lightning.pytorch as L  # noqa: N812
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import horovod.lightning  # noqa: F401
+    import horovod.torch as hvd
+    from horovod.lightning import HorovodStrategy
+
+    hvd.init()
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            torch.manual_seed(0)
+            self.body = torch.nn.Sequential(torch.nn.Linear(5, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+            self.head = torch.nn.Linear(5, 1)
+
+        def forward(self, x):
+            return self.body(x) + self.head(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opts = self.optimizers()
+            self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+            for o in opts:
+                o.step()
+                o.zero_grad()
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.body.parameters(), lr=0.02, weight_decay=0.05),
+                    torch.optim.SGD(self.head.parameters(), lr=0.05, momentum=0.9)]
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(16, 5, generator=g), torch.randn(16, 1, generator=g))
+    batch = 4 // hvd.size()
+
+    def fit(epochs, ckpt=None, callbacks=None):
+        model = Net()
+        trainer = L.Trainer(strategy=HorovodStrategy(zero_stage=3, fully_shard_modules=torch.nn.Linear),
+                            accelerator="cpu", max_epochs=epochs, logger=False,
+                            enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(data, batch_size=batch), ckpt_path=ckpt)
+        return trainer, model
+
+    def weights(model):
+        sd = model.full_state_dict()
+        return torch.cat([sd[k].detach().reshape(-1) for k in sorted(sd)])
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    ckpt_dir = os.path.join(tmp, "zero3_two")
+    out: dict = {"rank": hvd.rank()}
+    if phase == "np2":
+        _, ref = fit(3)
+        want = weights(ref).tolist()
+        out["want"] = want
+        fit(2, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)])
+        hvd.barrier()
+    path = os.path.join(ckpt_dir, sorted(os.listdir(ckpt_dir))[-1])
+    out["path"] = path
+    trainer, resumed = fit(3, ckpt=path)
+    assert want is not None
+    out["resumed"] = rel(weights(resumed), torch.tensor(want))
+    opts = [getattr(o, "_optimizer", o) for o in trainer.strategy.optimizers]
+    out["types"] = [type(o).__name__ for o in opts]
+    out["state_entries"] = [len(o.state) for o in opts]
+    return out
+
+
+def test_lightning_zero3_two_optimizers_checkpoint_resumes_at_np2_and_np1(tmp_path):
+    """zero_stage=3 with two optimizers (manual optimization): ModelCheckpoint writes every
+    optimizer's rows (a sharded hvd.checkpoint directory, each optimizer under its index);
+    resuming at np=2 and at np=1 ends at the uninterrupted fit's weights; an unsharded model
+    with the two optimizers reads it in this process, and one optimizer alone is refused."""
+    import torch
+
+    import horovod.torch as hvd
+
+    first = run_ranks(_zero3_two_optimizers, np=2, args=(str(tmp_path), "np2"), timeout=400)
+    want = first[0]["want"]
+    for res in first:
+        assert res["resumed"] <= 1e-5, res
+        assert res["types"] == ["AdamW", "SGD"] and all(res["state_entries"]), res
+    (single,) = run_ranks(_zero3_two_optimizers, np=1, args=(str(tmp_path), "np1", want), timeout=300)
+    assert single["resumed"] <= 1e-5 and single["state_entries"] == [4, 2], single
+    # the same directory in a plain process: an unsharded model and its two optimizers
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(5, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+    head = torch.nn.Linear(5, 1)
+    model = torch.nn.ModuleDict({"body": body, "head": head})
+    opts = [torch.optim.AdamW(body.parameters(), lr=0.02, weight_decay=0.05),
+            torch.optim.SGD(head.parameters(), lr=0.05, momentum=0.9)]
+    extra = hvd.checkpoint.load(first[0]["path"], model=model, optimizer=opts)
+    assert extra["lightning"]["epoch"] == 1
+    assert [len(o.state_dict()["state"]) for o in opts] == [4, 2]
+    assert set(opts[1].state_dict()["state"][0]) == {"momentum_buffer"}
+    with pytest.raises(ValueError, match="2 optimizers"):
+        hvd.checkpoint.load(first[0]["path"], model=model, optimizer=opts[0])

@@ -38,12 +38,15 @@ ALLOWED = {
     ("horovod/torch/_autograd.py", "_execution_engine"):
         "torch's autograd engine: queue_callback (end of a backward pass) has no public API; "
         "torch's DistributedDataParallel uses the same call (the dense reducer's, ZeRO stage 2's)",
-    ("horovod/torch/fully_shard.py", "_execution_engine"):
+    ("horovod/torch/_shard_hooks.py", "_execution_engine"):
         "as in _autograd.py: the end-of-backward callback of fully_shard's root",
-    ("horovod/torch/fully_shard.py", "_parameters"):
+    ("horovod/torch/_shard_params.py", "_parameters"):
         "nn.Module's parameter table: a wrapped module's entry switched between the shard and the "
         "gathered parameter around its forward, as torch's FSDP does (register_parameter refuses "
         "to replace an existing name)",
+    ("horovod/torch/_shard_group.py", "_parameters"):
+        "nn.Module's parameter table, read: the parameters each module registers itself (tied "
+        "ones under each name), which fully_shard takes over (named_parameters drops duplicates)",
     ("horovod/lightning/strategy.py", "_opt_called"):
         "torch's LR scheduler step tracking (set by torch's own step wrapper; no public API) for a "
         "scheduler re-pointed at the wrapped optimizer",

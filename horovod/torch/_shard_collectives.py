@@ -1,0 +1,167 @@
+"""The collectives of ``hvd.fully_shard`` and their buffers: a wrapped module's parameters
+allgathered into its unsharded tensors (``start_unshard``/``wait_unshard``) and freed again
+(``reshard``), its gradients reduce-scattered into the shards' ``.grad`` (``reduce``, then
+``complete``), the reduce-scatter's input buffer that the root keeps for every module's reduction,
+and the agreement on non-finite gradients that ``GradScaler`` needs.
+
+A group's allgather is one collective over the per-rank segments (``_shard_params.py``): each
+parameter's rows padded to its slot; a group's reduce-scatter is one collective over N segments,
+segment k holding rank k's rows of every gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from horovod.common.types import Max
+from horovod.torch import mpi_ops
+from horovod.torch._shard_group import ShardGroup, groups_in
+
+__all__ = ["start_unshard", "wait_unshard", "reshard", "reduce", "complete", "agree_finite"]
+
+
+def start_unshard(g: ShardGroup) -> None:
+    """Start the allgather of ``g``'s shards (nothing if gathered or in flight)."""
+    if g.unsharded or g.gather is not None or not g.params:
+        return
+    dt = g.mp.param_dtype or g.params[0].dtype
+    if g.flat is not None and g.flat.dtype == dt and _views_intact(g, g.flat):
+        send = g.flat  # the shards are views of it: no copy
+    else:
+        send = torch.zeros(g.segment, dtype=dt, device=g.params[0].shard.device)
+        for q in g.params:
+            if q.local_numel:
+                send[q.offset:q.offset + q.local_numel].copy_(q.shard.detach().reshape(-1))
+    g.gather = mpi_ops.allgather_async(send, name=g.name("allgather"), process_set=g.process_set)
+
+
+def _views_intact(g: ShardGroup, flat: torch.Tensor) -> bool:
+    """Whether every shard is still its view of ``flat`` (a user may have replaced ``.data``)."""
+    base, size = flat.data_ptr(), flat.element_size()
+    return all(q.shard.data_ptr() == base + q.offset * size or not q.local_numel for q in g.params)
+
+
+def wait_unshard(g: ShardGroup) -> None:
+    """Finish ``g``'s allgather (starting it if needed) into its unsharded tensors."""
+    if g.unsharded or not g.params:
+        g.unsharded = True
+        return
+    if g.gather is None:
+        start_unshard(g)
+    assert g.gather is not None
+    out = mpi_ops.synchronize(g.gather).view(g.n, g.segment)
+    g.gather = None
+    with torch.no_grad():
+        for q in g.params:
+            if not q.allocated():
+                q.unsharded.data.untyped_storage().resize_(q.nbytes)
+            # rank k's rows are row k of ``out``, in the parameter's slot: k ranks' rows in full,
+            # then ``rest`` elements; copied slot by slot (``out[:, slot]`` is strided: reshaping
+            # it whole would copy the parameter once more into a temporary)
+            u = q.unsharded.data.view(-1)
+            k, rest = divmod(u.numel(), q.seg) if q.seg else (0, 0)
+            u[:k * q.seg].view(k, q.seg).copy_(out[:k, q.offset:q.offset + q.seg])
+            if rest:
+                u[k * q.seg:].copy_(out[k, q.offset:q.offset + rest])
+    g.unsharded = True
+
+
+def reshard(g: ShardGroup) -> None:
+    """Free ``g``'s unsharded tensors and register its shards again."""
+    if g.gather is not None:  # a prefetch nobody used: finish it, drop the result
+        mpi_ops.synchronize(g.gather)
+        g.gather = None
+    for q in g.params:
+        q.free()
+        q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
+    g.unsharded = False
+
+
+def reduce(g: ShardGroup) -> None:
+    """Reduce-scatter ``g``'s accumulated unsharded gradients (missing ones count as zeros) and
+    free its unsharded parameters."""
+    g.accumulated.clear()
+    dt = g.mp.reduce_dtype or g.mp.param_dtype or g.params[0].dtype
+    root = g.root()
+    # one reduction in flight (it has overlapped this module's backward): finish it first, so
+    # that its input buffer serves this one and a rank holds one module's gradients in flight
+    while root.pending:
+        complete(*root.pending.pop(0))
+    whole = _take_buffer(root, g.n * g.segment, dt, g.params[0].shard.device)
+    buf = whole[:g.n * g.segment].view(g.n, g.segment)
+    for q in g.params:
+        # rank k's rows of this gradient go to row k of the buffer, in the parameter's slot,
+        # padded with zeros to ``seg``
+        dst = buf[:, q.offset:q.offset + q.seg]
+        grad = q.unsharded.grad
+        if grad is None:
+            dst.zero_()
+            continue
+        flat = grad.reshape(-1)
+        k, rest = divmod(flat.numel(), q.seg)  # k ranks' rows in full, then ``rest`` elements
+        dst[:k].copy_(flat[:k * q.seg].view(k, q.seg))
+        if k < g.n:
+            dst[k, :rest].copy_(flat[k * q.seg:])
+            dst[k, rest:].zero_()
+            dst[k + 1:].zero_()
+        q.unsharded.grad = None
+    sent, ctx = g.compression.compress(buf)
+    h = mpi_ops.reducescatter_async(sent, name=g.name("reducescatter"), process_set=g.process_set)
+    del sent
+    root.pending.append((g, h, ctx, whole))
+    reshard(g)
+
+
+def _take_buffer(root: ShardGroup, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` elements for a reduce-scatter's input: a spare one of
+    the root's when one fits, so that the same memory serves every module's reduction (no
+    per-block allocation for the allocator to keep)."""
+    for i, t in enumerate(root.spare):
+        if t.dtype == dtype and t.device == device and t.numel() >= numel:
+            return root.spare.pop(i)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _give_back_buffer(root: ShardGroup, whole: torch.Tensor) -> None:
+    """A reduce-scatter's input buffer (``_take_buffer``'s), its collective finished: kept for the
+    next module's reduction (one at most, the largest: ``reduce`` finishes the reduction in
+    flight before it takes a buffer, so one buffer serves every module of a backward)."""
+    root.spare.append(whole)
+    root.spare.sort(key=lambda t: -t.numel())
+    del root.spare[1:]
+
+
+def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor) -> None:
+    """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
+    out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
+    _give_back_buffer(g.root(), whole)
+    for q in g.params:
+        if not q.shard.requires_grad:
+            continue
+        part = out[q.offset:q.offset + q.local_numel].view(q.shard.shape).to(q.dtype)
+        if q.shard.grad is None:
+            q.shard.grad = part
+        else:
+            q.shard.grad.add_(part)
+
+
+def agree_finite(root: ShardGroup) -> None:
+    """After a backward's reductions (on the root): one 1-element allreduce (Max) so that, if any
+    rank's shards received a non-finite averaged gradient, every rank makes one of its own
+    gradients infinite too, and ``GradScaler`` skips the step on every rank alike (each rank
+    checks only its rows; DistributedOptimizer needs nothing, every rank holding every
+    average)."""
+    shards = [q.shard for g in groups_in(root.module) for q in g.params]
+    if not any(p.requires_grad for p in shards):
+        return
+    grads = [p.grad for p in shards if p.grad is not None]
+    bad = not all(bool(torch.isfinite(grad).all()) for grad in grads)
+    flag = torch.tensor([1.0 if bad else 0.0], device=shards[0].device)
+    flag = mpi_ops.allreduce(flag, op=Max, name="hvd.fully_shard.nonfinite", process_set=root.process_set)
+    if float(flag[0]) and not bad:
+        for grad in grads:
+            if grad.numel():
+                grad.view(-1)[0] = float("inf")
+                break
