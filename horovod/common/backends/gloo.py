@@ -155,6 +155,9 @@ SPLIT_REDUCESCATTER_MIN = 1 << 16
 # 56 ms; 64 MiB, np=4: 574 vs 176 ms, np=2: 280 vs 63 ms (same run, raw torch.distributed).
 P2P_ALLGATHER_MIN = 1 << 20
 _ALLGATHER_TAG = 0x4147  # the sends' tag, apart from sendrecv's (0)
+# ``exchange_rows``: point-to-point up to this many ranks (one step), an allgather above; its tag.
+ROWS_P2P_MAX = 8
+_ROWS_TAG = 0x4352
 # Up to this many bytes, the reduce-scatter's receive buffer is kept for the next one (a
 # per-block reduce-scatter of a sharded model reuses it, rather than churning the allocator).
 _RS_SCRATCH_KEEP = 64 << 20
@@ -251,6 +254,34 @@ class GlooBackend:
             o = self._dist.AllreduceOptions()
             o.reduceOp = self._dist.ReduceOp.BAND  # type: ignore[assignment]
             self._run("negotiation", lambda: self._world.allreduce([self._t(out.view(np.int64))], o))
+        return out
+
+    def exchange_rows(self, row: np.ndarray) -> np.ndarray:
+        """Every rank's ``row`` (bytes, the same length on every rank), as rows of a (size, len)
+        array: the negotiation's one exchange when it carries data (``engine.carry``).
+
+        Up to ``ROWS_P2P_MAX`` ranks each row goes straight to every peer (Gloo's point-to-point
+        sends leave from this thread, and a receive completes on the transport's own thread: no
+        hand-off to a process-group thread as a collective's, one network step); above, one
+        allgather."""
+        n = row.size
+        out = np.empty((self.size, n), np.uint8)
+        out[self.rank] = row
+        if self.size == 1:
+            return out
+        world = self._world
+        with self._translate("negotiation"):
+            if self.size > ROWS_P2P_MAX:
+                world.allgather([[self._t(out[i]) for i in range(self.size)]], [self._t(out[self.rank])]).wait()
+                return out
+            src = self._t(out[self.rank])
+            peers = [j for j in range(self.size) if j != self.rank]
+            sends = [world.send([src], j, _ROWS_TAG) for j in peers]
+            recvs = [world.recv([self._t(out[j])], j, _ROWS_TAG) for j in peers]
+            for w in recvs:
+                w.wait()
+            for w in sends:
+                w.wait()
         return out
 
     def _lengths(self, n: int, group: Group) -> np.ndarray:

@@ -162,6 +162,10 @@ class Executor:
         self._dtype_info: dict[tuple[Any, ...], tuple[Any, bool, bool]] = {}
         # id(batch) -> (batch, whether a response of it is flat): ``_any_flat``
         self._flat_batches: dict[int, tuple[Sequence[Response], bool]] = memo.flat
+        # Set by the runner around a batch whose data came with the round's negotiation
+        # (``carry.py``): makes each call's reducer, which reduces every rank's carried data
+        # into the call's buffer instead of calling the transport.
+        self.carried: Callable[[Reduction], Callable[[np.ndarray], None]] | None = None
 
     CALLS_MEMO_SIZE = StepMemo.CALLS
 
@@ -285,6 +289,11 @@ class Executor:
         if tl is not None and lane.steps:
             def activity(names: Sequence[str], name: str, begin: bool) -> None:
                 _activity(tl, names, name, begin)
+        carried = self.carried
+        if carried is not None:  # the data came with the negotiation: no transport call
+            run_reduction(calls, items, ops, red, carried(red), placement, activity,
+                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+            return
         # Several calls in flight where the transport has asynchronous reductions (Gloo), unless a
         # timeline records each call's copy and transfer steps (they would overlap there).
         starter = getattr(lane.transport, "starter", None)

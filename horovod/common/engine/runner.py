@@ -158,9 +158,19 @@ class BatchRunner:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise HorovodInternalError(f"engine state diverged: rank {self.rank} was asked to run {shown}, "
                                        "which it never submitted")
+        carried = self.rounds.carried
+        data = carried.batch(batch) if carried is not None and kind == RequestType.ALLREDUCE else None
         t0 = time.perf_counter()
         try:
-            self.executor.run(batch, entries)
+            if data is not None:  # every rank sent this batch's data with the round's bits
+                self.executor.carried = data.reducer
+                try:
+                    self.executor.run(batch, entries)
+                finally:
+                    self.executor.carried = None
+                data.finish()
+            else:
+                self.executor.run(batch, entries)
         except (TypeError, DevicePlaneError) as exc:  # this batch fails; the engine keeps serving
             for e in entries:
                 if e is not None:
