@@ -102,6 +102,10 @@ parser.add_argument("--flight", action="store_true",
                          "*_flight_cost_pct: the median per-rep step with it on less off, in percent of "
                          "the median step with it off (*_flight_cpu_cost_pct: the same in this process's "
                          "CPU time, less sensitive to a loaded machine)")
+parser.add_argument("--carry", action="store_true",
+                    help="on Gloo: also run each mode with the carried negotiation's data off on every rank "
+                         "(modes *_nocarry, interleaved: the rows still carry the bits, every reduction "
+                         "takes a Gloo call; see horovod/common/engine/carry.py)")
 parser.add_argument("--monitor", action="store_true",
                     help="under horovodrun --monitor-port: alternate blocks of --monitor-block-s seconds "
                          "with every rank's monitor reporter running and stopped (4 blocks per 100 "
@@ -645,11 +649,33 @@ def main() -> None:
             if k not in local:
                 paired[k], paired[f"{k}_noflight"] = flight(f, True), flight(f, False)
         modes = {**paired, **{k: modes[k] for k in local if k in modes}}
+    if args.carry:
+        from horovod.common.context import get_context
+
+        carrier = get_context().engine.rounds.carrier
+        assert carrier is not None, "no carried negotiation here (Gloo, np > 1, HOROVOD_GLOO_CARRY_BYTES > 0)"
+
+        def carry(fn: Callable[[], None], on: bool) -> Callable[[], None]:
+            def run() -> None:
+                carrier.enabled = on
+                try:
+                    fn()
+                finally:
+                    carrier.enabled = True
+            return run
+
+        local = ("raw", "plain", "floor", "floor_and")
+        paired = {}
+        for k, f in modes.items():
+            if k not in local:
+                paired[k], paired[f"{k}_nocarry"] = carry(f, True), carry(f, False)
+        modes = {**paired, **{k: modes[k] for k in local if k in modes}}
     if args.modes:
         keep = set(args.modes.split(",")) | ({"plain"} if any(m.startswith("optimizer") for m in args.modes.split(","))
                                             else set())
         modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep
-                 or k.removesuffix("_small") in keep or k.removesuffix("_noflight") in keep}
+                 or k.removesuffix("_small") in keep or k.removesuffix("_noflight") in keep
+                 or k.removesuffix("_nocarry") in keep}
     if args.monitor:
         monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
                        args.reps, args.monitor_block_s, comm)

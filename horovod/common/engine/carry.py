@@ -9,9 +9,9 @@ itself and reduces each operation that every rank had ready from the rows it rec
 transport call of its own.
 
 The layout of a row needs no agreement beyond what every rank already shares: the header holds
-the round's bits (ready slots, slots to evict, flags: the AND's words) and the bytes this rank
-would have liked to carry; then come the data of the rank's ready, carryable cache slots in slot
-order, each padded to 8 bytes, for as long as they fit in the agreed capacity. Every rank holds
+the round's bits (ready slots, slots to evict, flags: the AND's words), the bytes this rank
+would have liked to carry and whether it carries at all (``Carrier.enabled``); then come the
+data of the rank's ready, carryable cache slots in slot order, each padded to 8 bytes, for as long as they fit in the agreed capacity. Every rank holds
 the same cache, so from any rank's ready bits every rank can tell which slots that rank carried
 and where. An operation is reduced from the rows when every rank carried it; any other (a rank
 had it not ready, it did not fit, a rank joined, it is not carryable) runs through the transport
@@ -89,6 +89,9 @@ class Carrier:
         # changed since it was looked at; ``forget``).
         self._sizes = np.full(cache.capacity, _UNKNOWN, np.int64)
         self.rounds = self.carried_ops = 0  # counters (tests, benchmarks)
+        # Whether this rank packs its data (each row says so; data is used only when every row
+        # does): off, the rows still carry the bits, and every operation takes the transport.
+        self.enabled = True
 
     def forget(self, slot: int) -> None:
         """A cache slot was filled or emptied."""
@@ -138,24 +141,26 @@ class Carrier:
         has joined, ``joined_flag`` in its flags)."""
         nwords = bits.size
         nready = (nwords - 1) // 2
-        header = 8 * (nwords + 1)
+        header = 8 * (nwords + 2)
         capacity = self.capacity
         row = np.zeros(header + capacity, np.uint8)
         head = row[:header].view(np.uint64)
         head[:nwords] = bits
         wish = 0
-        if not joined:
+        carrying = self.enabled and not joined
+        if carrying:
             slots, offsets, wish = self.layout(_slots(bits[:nready]), capacity)
             if len(slots):
                 self._pack(row, header, slots.tolist(), offsets.tolist(), entry_of)
         head[nwords] = wish
+        head[nwords + 1] = carrying
         rows = self._exchange(row)
         words = rows[:, :header].view(np.uint64)
         anded = np.bitwise_and.reduce(words[:, :nwords], axis=0)
         self._resize(int(words[:, nwords].max()))
         self.rounds += 1
         any_flags = int(~anded[nwords - 1])
-        if not capacity or any_flags & joined_flag:
+        if not capacity or any_flags & joined_flag or not words[:, nwords + 1].all():
             return anded, None
         return anded, CarriedRound(self, rows, words, header, capacity, nready)
 
