@@ -8,14 +8,15 @@ ready, in one exchange of equal rows (``backend.exchange_rows``); every rank the
 itself and reduces each operation that every rank had ready from the rows it received, with no
 transport call of its own.
 
-The layout of a row needs no agreement beyond what every rank already shares: the header holds
-the round's bits (ready slots, slots to evict, flags: the AND's words), the bytes this rank
-would have liked to carry and whether it carries at all (``Carrier.enabled``); then come the
-data of the rank's ready, carryable cache slots in slot order, each padded to 8 bytes, for as long as they fit in the agreed capacity. Every rank holds
-the same cache, so from any rank's ready bits every rank can tell which slots that rank carried
-and where. An operation is reduced from the rows when every rank carried it; any other (a rank
-had it not ready, it did not fit, a rank joined, it is not carryable) runs through the transport
-as before, in the same batches, so ranks that disagree on what is ready simply fall back.
+The layout of a row needs no agreement beyond what every rank already shares: the header holds the
+round's bits (ready slots, slots to evict, flags: the AND's words), the bytes this rank would have
+liked to carry and whether it carries at all (``Carrier.enabled``); then come the data of the
+rank's ready, carryable cache slots in slot order, each padded to 8 bytes, for as long as they fit
+in the agreed capacity. Every rank holds the same cache, so from any rank's ready bits every rank
+can tell which slots that rank carried and where. An operation is reduced from the rows when every
+rank carried it; any other (a rank had it not ready, it did not fit, a rank joined, it is not
+carryable) runs through the transport as before, in the same batches, so ranks that disagree on
+what is ready simply fall back.
 
 The capacity starts at 0 and is agreed the same way: after each exchange every rank sets it
 from the largest wish in the rows (rounded up to a power of two, at most ``max_bytes`` and 1 MiB
