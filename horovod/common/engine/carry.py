@@ -168,12 +168,24 @@ class Carrier:
     @staticmethod
     def _pack(row: np.ndarray, header: int, slots: list[int], offsets: list[int],
               entry_of: Callable[[int], Any]) -> None:
+        """Copy each slot's input bytes to its offset; a run of arrays of one dtype lying end to
+        end in the row (no padding between them) is copied by one concatenation."""
+        run: list[np.ndarray] = []
+        run_at = run_end = header
+        run_dtype = None
         for slot, off in zip(slots, offsets):
             pos = header + off
             for a in entry_of(slot).inputs:
-                b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                row[pos:pos + b.size] = b
-                pos += b.size
+                nb = a.nbytes
+                if a.dtype != run_dtype or pos != run_end:
+                    if run:
+                        np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))
+                    run, run_at, run_dtype = [], pos, a.dtype
+                run.append(a)
+                pos += nb
+                run_end = pos
+        if run:
+            np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))
 
     def _resize(self, wish: int) -> None:
         """The next capacity, from the largest wish of the round (every rank alike)."""
