@@ -44,7 +44,8 @@ from horovod.common.types import ReduceOp, RequestType, Response
 
 __all__ = ["CARRY_DTYPES", "Carrier", "CarriedRound", "BatchData"]
 
-CARRY_DTYPES = frozenset({"float16", "float32", "float64", "int8", "uint8", "int32", "int64"})
+_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64")
+CARRY_DTYPES = frozenset(_DTYPES)
 _CARRY_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
 _REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
            ReduceOp.PRODUCT: np.multiply}
@@ -89,6 +90,10 @@ class Carrier:
         # Per cache slot: its padded bytes when carryable, _NOT_CARRIED, or _UNKNOWN (the slot
         # changed since it was looked at; ``forget``).
         self._sizes = np.full(cache.capacity, _UNKNOWN, np.int64)
+        self._nbytes = np.zeros(cache.capacity, np.int64)  # unpadded bytes of a carryable slot
+        self._dtypes = np.zeros(cache.capacity, np.int64)  # its dtype's index in _DTYPES
+        # id(batch) -> (batch, its slots): a memoized plan's batches come back every step
+        self._batches: dict[int, tuple[Sequence[Response], np.ndarray]] = {}
         self.rounds = self.carried_ops = 0  # counters (tests, benchmarks)
         # Whether this rank packs its data (each row says so; data is used only when every row
         # does): off, the rows still carry the bits, and every operation takes the transport.
@@ -97,6 +102,7 @@ class Carrier:
     def forget(self, slot: int) -> None:
         """A cache slot was filled or emptied."""
         self._sizes[slot] = _UNKNOWN
+        self._batches.clear()
 
     def _size_of(self, resp: Response | None) -> int:
         if resp is None or resp.error is not None:
@@ -114,9 +120,13 @@ class Carrier:
         got = sizes[slots]
         unknown = got == _UNKNOWN
         if unknown.any():
-            table = self.cache
+            table = self.cache._slots
             for s in slots[unknown].tolist():
-                sizes[s] = self._size_of(table._slots[s])
+                resp = table[s]
+                sizes[s] = self._size_of(resp)
+                if sizes[s] >= 0:
+                    self._nbytes[s] = resp.request.nbytes  # type: ignore[union-attr]
+                    self._dtypes[s] = _DTYPES.index(resp.request.dtype)  # type: ignore[union-attr]
             got = sizes[slots]
         return got
 
@@ -149,10 +159,12 @@ class Carrier:
         head[:nwords] = bits
         wish = 0
         carrying = self.enabled and not joined
+        own = None
         if carrying:
             slots, offsets, wish = self.layout(_slots(bits[:nready]), capacity)
+            own = (bits[:nready].tobytes(), (slots, offsets))
             if len(slots):
-                self._pack(row, header, slots.tolist(), offsets.tolist(), entry_of)
+                self._pack(row, header, slots, offsets, entry_of)
         head[nwords] = wish
         head[nwords + 1] = carrying
         rows = self._exchange(row)
@@ -163,26 +175,33 @@ class Carrier:
         any_flags = int(~anded[nwords - 1])
         if not capacity or any_flags & joined_flag or not words[:, nwords + 1].all():
             return anded, None
-        return anded, CarriedRound(self, rows, words, header, capacity, nready)
+        return anded, CarriedRound(self, rows, words, header, capacity, nready, own)
 
-    @staticmethod
-    def _pack(row: np.ndarray, header: int, slots: list[int], offsets: list[int],
+    def _pack(self, row: np.ndarray, header: int, slots: np.ndarray, offsets: np.ndarray,
               entry_of: Callable[[int], Any]) -> None:
-        """Copy each slot's input bytes to its offset; a run of arrays of one dtype lying end to
-        end in the row (no padding between them) is copied by one concatenation."""
+        """Copy each slot's input bytes to its offset: all at once when the slots need no padding
+        and share one dtype (a step's gradients), else a run of arrays of one dtype lying end to
+        end in the row (no padding between them) by one concatenation."""
+        nbytes = self._nbytes[slots]
+        codes = self._dtypes[slots]
+        if np.array_equal(nbytes, self._sizes[slots]) and (codes == codes[0]).all():
+            # (an entry's arrays have its request's dtype: it matched the cached signature)
+            arrays = [a for s in slots.tolist() for a in entry_of(s).inputs]
+            total = int(nbytes.sum())
+            np.concatenate(arrays, axis=None, out=row[header:header + total].view(_DTYPES[int(codes[0])]))
+            return
         run: list[np.ndarray] = []
         run_at = run_end = header
         run_dtype = None
-        for slot, off in zip(slots, offsets):
+        for slot, off in zip(slots.tolist(), offsets.tolist()):
             pos = header + off
             for a in entry_of(slot).inputs:
-                nb = a.nbytes
                 if a.dtype != run_dtype or pos != run_end:
                     if run:
                         np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))
                     run, run_at, run_dtype = [], pos, a.dtype
                 run.append(a)
-                pos += nb
+                pos += a.nbytes
                 run_end = pos
         if run:
             np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))
@@ -206,13 +225,13 @@ class CarriedRound:
     """The rows of one round: which operations every rank carried, and their data."""
 
     def __init__(self, carrier: Carrier, rows: np.ndarray, words: np.ndarray, header: int, capacity: int,
-                 nready: int) -> None:
+                 nready: int, own: tuple[bytes, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         self._carrier = carrier
         self._rows = rows
         self._header = header
         self._capacity = capacity
         # Each rank's layout, shared between ranks whose ready words are the same (the usual case).
-        by_words: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        by_words: dict[bytes, tuple[np.ndarray, np.ndarray]] = dict([own]) if own is not None else {}
         self._layouts: list[tuple[np.ndarray, np.ndarray]] = []
         for r in range(rows.shape[0]):
             key = words[r, :nready].tobytes()
@@ -226,22 +245,28 @@ class CarriedRound:
     def batch(self, batch: Sequence[Response]) -> BatchData | None:
         """The data of ``batch`` (an allreduce batch of this round) when every rank carried all
         of its operations, else None (it runs through the transport)."""
-        cache = self._carrier.cache
+        carrier = self._carrier
+        cache = carrier.cache
         slot_of, table = cache.slot_of, cache._slots
-        slots = []
-        for resp in batch:
-            s = slot_of.get(resp.name, -1)
-            if s < 0 or table[s] is not resp:
+        known = carrier._batches.get(id(batch))
+        if known is not None and known[0] is batch:
+            want = known[1]  # (forgotten whenever a slot changes: these are its responses still)
+        else:
+            get = slot_of.get
+            slots = [get(resp.request.name, -1) for resp in batch]
+            if min(slots) < 0 or not all(table[s] is resp for s, resp in zip(slots, batch)):
                 return None
-            slots.append(s)
-        want = np.asarray(slots, np.int64)
-        sizes = self._carrier._sizes[want]
-        if (sizes < 0).any():
+            want = np.asarray(slots, np.int64)
+            if type(batch) is tuple:  # a memoized plan's: the same object next step
+                if len(carrier._batches) >= 256:
+                    carrier._batches.clear()
+                carrier._batches[id(batch)] = (batch, want)
+        if (carrier._sizes[want] < 0).any():
             return None
         dtype = np.dtype(batch[0].request.dtype)
-        nbytes = [r.request.nbytes for r in batch]
-        total = sum(nbytes)
-        aligned = all(n % 8 == 0 for n in nbytes)  # no padding between the slots' bytes
+        nbytes = carrier._nbytes[want]
+        total = int(nbytes.sum())
+        aligned = not (nbytes % 8).any()  # no padding between the slots' bytes
         rows, header = self._rows, self._header
         parts = []
         for r, (lay_slots, lay_offsets) in enumerate(self._layouts):
@@ -256,7 +281,7 @@ class CarriedRound:
                     break
                 parts.append(rows[r, first:first + total])
             else:
-                parts.append(np.concatenate([rows[r, s:s + n] for s, n in zip(starts.tolist(), nbytes)]))
+                parts.append(np.concatenate([rows[r, s:s + n] for s, n in zip(starts.tolist(), nbytes.tolist())]))
         else:
             data = np.stack(parts)
         return BatchData(data.view(dtype), len(batch), self._carrier)

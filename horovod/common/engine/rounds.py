@@ -214,7 +214,7 @@ class RoundController:
 
     def _entry_of(self, slot: int) -> Entry:
         """This rank's pending entry waiting on cache slot ``slot`` (its ready bit is set)."""
-        return self.pending[self.cache.response(slot).name]
+        return self.pending[self.cache._slots[slot].request.name]  # type: ignore[union-attr]
 
     def evict(self, slot: int) -> None:
         self.cache.evict(slot)  # calls _forget_slot
