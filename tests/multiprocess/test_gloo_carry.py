@@ -145,5 +145,6 @@ def test_carry_off_reduces_through_the_transport():
     env = {"HOROVOD_GLOO_CARRY_BYTES": "0"}
     for bad, steady, carried, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
         assert not bad, bad
+        assert carried == 0
         # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)
         assert steady["exchange"] == 0 and steady["allreduce"] >= 5 * 5, steady

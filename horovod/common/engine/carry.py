@@ -192,7 +192,7 @@ class Carrier:
             return
         run: list[np.ndarray] = []
         run_at = run_end = header
-        run_dtype = None
+        run_dtype: Any = None
         for slot, off in zip(slots.tolist(), offsets.tolist()):
             pos = header + off
             for a in entry_of(slot).inputs:
