@@ -14,7 +14,8 @@
     horovodrun --gloo -np 2 python benchmarks/step_cost.py \
         --modes async_sync,hooks,grouped,raw,floor,floor_and
                  # the Gloo data plane: ranks meet in a Gloo barrier; raw, floor and floor_and
-                 # run on a Gloo process group of their own beside the engine's
+                 # run on a Gloo process group of their own beside the engine's; --carry adds
+                 # *_nocarry modes (the carried negotiation's data off on every rank)
     mpirun -np 2 --bind-to none python benchmarks/step_cost.py --reps 300 --flight \
         --modes async_sync,hooks,bundle,optimizer,grouped
                  # the flight recorder on against off (modes *_noflight), interleaved
