@@ -12,9 +12,12 @@
     mpirun -np 2 -x HOROVOD_TORCH_CPU_PLANE=1 python benchmarks/step_cost.py   # the torch device
                  # plane (its CPU twin): every mode but bundle (host tensors only)
     mpirun -np 2 python benchmarks/step_cost.py --modes async_sync,hooks,grouped --slope 21
-    horovodrun --gloo -np 2 python benchmarks/step_cost.py --modes async_sync,hooks,grouped
-                 # the Gloo data plane (ranks meet in hvd.barrier; raw and floor are meaningless)
                  # the cost of one more tensor: 161 against 21 tensors, interleaved
+    horovodrun --gloo -np 2 python benchmarks/step_cost.py \
+        --modes async_sync,hooks,grouped,raw,floor,floor_and
+                 # the Gloo data plane: ranks meet in a Gloo barrier; raw, floor and floor_and
+                 # run on a Gloo process group of their own beside the engine's; --carry adds
+                 # *_nocarry modes (the carried negotiation's data off on every rank)
     mpirun -np 2 --bind-to none python benchmarks/step_cost.py --reps 300 --flight \
         --modes async_sync,hooks,bundle,optimizer,grouped
                  # the flight recorder on against off (modes *_noflight), interleaved
@@ -39,8 +42,13 @@ Modes (interleaved, each rep runs every mode once; medians reported by rank 0 as
   grouped      one ``hvd.grouped_allreduce_`` of the 161 tensors
   raw          ``torch.distributed``-free floor: one mpi4py ``Allreduce`` per tensor (the transport)
   floor        one reduction of all the elements in one buffer on the mode's transport (mpi4py;
-               the plane's Gloo process group on the twin); ``*_us_per_tensor`` is a mode's time
-               less this floor, per tensor: Horovod's host cost per tensor
+               the plane's Gloo process group on the twin; a Gloo group of its own under
+               ``horovodrun --gloo``); ``*_us_per_tensor`` is a mode's time less this floor, per
+               tensor: Horovod's host cost per tensor
+  floor_and    one bitwise AND of the negotiation's bit vector (cache slots ready, slots to evict,
+               flags: ``2 * HOROVOD_CACHE_CAPACITY / 64 + 1`` words) on the same transport: what
+               a cached step's negotiation costs on the wire; ``floor`` + ``floor_and`` is the
+               transport's share of a grouped step that negotiates and reduces in two calls
 
 ``*_marginal_us_per_tensor`` (``--slope N``): the cost of one more tensor, from the same modes
 run interleaved on N tensors: the median over the reps of the step less the small set's step
@@ -70,6 +78,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 import horovod.torch as hvd
@@ -98,6 +107,10 @@ parser.add_argument("--flight", action="store_true",
                          "*_flight_cost_pct: the median per-rep step with it on less off, in percent of "
                          "the median step with it off (*_flight_cpu_cost_pct: the same in this process's "
                          "CPU time, less sensitive to a loaded machine)")
+parser.add_argument("--carry", action="store_true",
+                    help="on Gloo: also run each mode with the carried negotiation's data off on every rank "
+                         "(modes *_nocarry, interleaved: the rows still carry the bits, every reduction "
+                         "takes a Gloo call; see horovod/common/engine/carry.py)")
 parser.add_argument("--monitor", action="store_true",
                     help="under horovodrun --monitor-port: alternate blocks of --monitor-block-s seconds "
                          "with every rank's monitor reporter running and stopped (4 blocks per 100 "
@@ -442,6 +455,14 @@ def transport_timer() -> tuple[list[float], Callable[[], None]]:
     return acc, remove
 
 
+def _bench_gloo_group() -> Any:
+    """A Gloo process group of the job's world beside the engine's own (``horovodrun --gloo``)."""
+    from horovod.common.context import get_context
+
+    backend = get_context().engine.backend
+    return backend._make_pg("bench.step_cost", hvd.rank(), hvd.size())
+
+
 def per_tensor_modes(tensors: list[Any], prefix: str) -> dict[str, Any]:
     """The per-tensor modes on ``tensors`` (names made with ``prefix``): ``async_sync``, ``hooks``
     (where the tree resubmits these tensors' signatures) and ``grouped``, plus the hooks' pieces."""
@@ -503,8 +524,16 @@ def main() -> None:
         hvd.synchronize(mpi_ops._resubmit_many(tensors, sigs, defer=True))  # type: ignore[arg-type]
 
     arrays = [t.numpy() for t in tensors]
+    # Under ``horovodrun --gloo`` mpi4py sees a world of one: the ranks meet in a Gloo barrier,
+    # and ``raw``, ``floor`` and ``floor_and`` run on a Gloo process group of their own, made on
+    # the job's store beside the engine's (the same device and transport, its own pairs).
+    gloo = _bench_gloo_group() if comm.Get_size() != hvd.size() else None
 
     def raw() -> None:
+        if gloo is not None:
+            for t in tensors:
+                gloo.allreduce([t]).wait()
+            return
         for a in arrays:
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
 
@@ -518,8 +547,25 @@ def main() -> None:
     def floor() -> None:
         if plane is not None:
             plane.allreduce([flat]).wait()
+        elif gloo is not None:
+            gloo.allreduce([flat]).wait()
         else:
             comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+
+    # The negotiation's own collective: a bitwise AND of the engine's bit vector (cache slots
+    # ready, slots to evict, flags), on the same transport as ``floor``.
+    from horovod.common.context import get_context
+
+    and_bits = np.zeros(2 * get_context().engine.cache.words + 1, np.uint64)
+    and_out = np.empty_like(and_bits)
+
+    def floor_and() -> None:
+        if gloo is not None:
+            o = torch.distributed.AllreduceOptions()
+            o.reduceOp = torch.distributed.ReduceOp.BAND
+            gloo.allreduce([torch.from_numpy(and_bits.view(np.int64))], o).wait()
+        else:
+            comm.Allreduce(and_bits, and_out, op=MPI.BAND)
 
     # A real optimizer step; the bare optimizer on a copy of the model costs the same autograd.
     def model() -> list[torch.nn.Parameter]:
@@ -555,7 +601,8 @@ def main() -> None:
         optimizer_groups1()
     modes: dict[str, Callable[[], None]] = {"async_sync": async_sync, "hooks": hooks, "bundle": bundle,  # type: ignore[dict-item]
                                             "optimizer": optimizer, "optimizer_groups1": optimizer_groups1,
-                                            "plain": plain, "grouped": grouped, "raw": raw, "floor": floor}
+                                            "plain": plain, "grouped": grouped, "raw": raw, "floor": floor,
+                                            "floor_and": floor_and}
     if not hasattr(mpi_ops, "_resubmit_many") or not host_sigs:  # a tree from before bundles
         modes.pop("bundle")
     if not repeat:
@@ -585,7 +632,7 @@ def main() -> None:
             finally:
                 del opt.reducer._collect  # type: ignore[attr-defined]
 
-        local = ("raw", "plain", "floor")
+        local = ("raw", "plain", "floor", "floor_and")
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
@@ -605,25 +652,51 @@ def main() -> None:
                     eng.flight = recorder
             return run
 
-        local = ("raw", "plain", "floor")
+        local = ("raw", "plain", "floor", "floor_and")
         paired: dict[str, Callable[[], None]] = {}
         for k, f in modes.items():  # each mode next to its twin (see the swap in the loop below)
             if k not in local:
                 paired[k], paired[f"{k}_noflight"] = flight(f, True), flight(f, False)
         modes = {**paired, **{k: modes[k] for k in local if k in modes}}
+    if args.carry:
+        from horovod.common.context import get_context
+
+        carrier = get_context().engine.rounds.carrier
+        assert carrier is not None, "no carried negotiation here (Gloo, np > 1, HOROVOD_GLOO_CARRY_BYTES > 0)"
+
+        def carry(fn: Callable[[], None], on: bool) -> Callable[[], None]:
+            def run() -> None:
+                carrier.enabled = on
+                try:
+                    fn()
+                finally:
+                    carrier.enabled = True
+            return run
+
+        local = ("raw", "plain", "floor", "floor_and")
+        paired = {}
+        for k, f in modes.items():
+            if k not in local:
+                paired[k], paired[f"{k}_nocarry"] = carry(f, True), carry(f, False)
+        modes = {**paired, **{k: modes[k] for k in local if k in modes}}
     if args.modes:
         keep = set(args.modes.split(",")) | ({"plain"} if any(m.startswith("optimizer") for m in args.modes.split(","))
                                             else set())
         modes = {k: f for k, f in modes.items() if k in keep or k.removesuffix("_unopt") in keep
-                 or k.removesuffix("_small") in keep or k.removesuffix("_noflight") in keep}
+                 or k.removesuffix("_small") in keep or k.removesuffix("_noflight") in keep
+                 or k.removesuffix("_nocarry") in keep}
     if args.monitor:
         monitor_on_off({k: modes[k] for k in ("async_sync", "bundle", "optimizer", "grouped") if k in modes},
                        args.reps, args.monitor_block_s, comm)
         hvd.shutdown()
         return
-    # Under ``horovodrun --gloo`` mpi4py sees a world of one: the ranks meet in Horovod's barrier
-    # (then ``raw`` and ``floor`` are one process's own MPI calls: leave them out).
-    barrier = comm.Barrier if comm.Get_size() == hvd.size() else hvd.barrier
+    if gloo is not None:
+        one = torch.zeros(1, dtype=torch.int64)
+
+        def barrier() -> None:  # an allreduce: ordered with the group's other collectives
+            gloo.allreduce([one]).wait()
+    else:
+        barrier = comm.Barrier
     times: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, list[float]] = {m: [] for m in modes}  # each step less its time in the transport
     cpu: dict[str, list[float]] = {m: [] for m in modes}  # this process's CPU seconds per step
@@ -682,7 +755,7 @@ def main() -> None:
         prof = cProfile.Profile()
         fn = modes[args.profile_mode]
         for _ in range(50):
-            comm.Barrier()
+            barrier()
             if hvd.rank() == 0:
                 prof.enable()
             fn()
@@ -719,7 +792,7 @@ def main() -> None:
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                           **per_tensor}), flush=True)
     if args.phases:
-        split = phases({**modes, "hooks_submit": hooks_submit}, tensors, names, args.reps, comm.Barrier)
+        split = phases({**modes, "hooks_submit": hooks_submit}, tensors, names, args.reps, barrier)
         if hvd.rank() == 0:
             print(json.dumps({"phases_ms_per_step": split}), flush=True)
     hvd.shutdown()

@@ -195,6 +195,12 @@ class EngineConfig:
         "Gloo reductions of one batch kept in flight at once: the next piece is packed (and the last "
         "one unpacked) while Gloo's threads move the others (0 or 1: one at a time).", _parse_int,
         minimum=0)
+    gloo_carry_bytes: int = _setting(
+        "HOROVOD_GLOO_CARRY_BYTES", 64 * 1024,
+        "On Gloo, the most bytes of small cached allreduces carried with a round's negotiation: "
+        "each rank sends its ready tensors' data with its cache bits in one exchange, and every "
+        "operation all ranks had ready is reduced from it with no Gloo call of its own (0: off).",
+        _parse_int, minimum=0)
     autotune: bool = _setting(
         "HOROVOD_AUTOTUNE", False,
         "Tune the speed knobs at run time (fusion threshold, piece size, cycle time, response cache, "

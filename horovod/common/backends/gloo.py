@@ -155,6 +155,15 @@ SPLIT_REDUCESCATTER_MIN = 1 << 16
 # 56 ms; 64 MiB, np=4: 574 vs 176 ms, np=2: 280 vs 63 ms (same run, raw torch.distributed).
 P2P_ALLGATHER_MIN = 1 << 20
 _ALLGATHER_TAG = 0x4147  # the sends' tag, apart from sendrecv's (0)
+# ``exchange_rows``: point-to-point up to this many ranks (one step), an allgather above; its tag.
+ROWS_P2P_MAX = 8
+_ROWS_TAG = 0x4352
+# Allreduces of at most this many bytes (and at most ROWS_P2P_MAX members) run as one exchange
+# of point-to-point sends and a local reduction (``GlooBackend._allreduce_small``); its tag.
+SMALL_P2P_BYTES = 16 * 1024
+_SMALL_TAG = 0x4152
+_LOCAL_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+                 ReduceOp.PRODUCT: np.multiply}
 # Up to this many bytes, the reduce-scatter's receive buffer is kept for the next one (a
 # per-block reduce-scatter of a sharded model reuses it, rather than churning the allocator).
 _RS_SCRATCH_KEEP = 64 << 20
@@ -251,6 +260,34 @@ class GlooBackend:
             o = self._dist.AllreduceOptions()
             o.reduceOp = self._dist.ReduceOp.BAND  # type: ignore[assignment]
             self._run("negotiation", lambda: self._world.allreduce([self._t(out.view(np.int64))], o))
+        return out
+
+    def exchange_rows(self, row: np.ndarray) -> np.ndarray:
+        """Every rank's ``row`` (bytes, the same length on every rank), as rows of a (size, len)
+        array: the negotiation's one exchange when it carries data (``engine.carry``).
+
+        Up to ``ROWS_P2P_MAX`` ranks each row goes straight to every peer (Gloo's point-to-point
+        sends leave from this thread, and a receive completes on the transport's own thread: no
+        hand-off to a process-group thread as a collective's, one network step); above, one
+        allgather."""
+        n = row.size
+        out = np.empty((self.size, n), np.uint8)
+        out[self.rank] = row
+        if self.size == 1:
+            return out
+        world = self._world
+        with self._translate("negotiation"):
+            if self.size > ROWS_P2P_MAX:
+                world.allgather([[self._t(out[i]) for i in range(self.size)]], [self._t(out[self.rank])]).wait()
+                return out
+            src = self._t(out[self.rank])
+            peers = [j for j in range(self.size) if j != self.rank]
+            sends = [world.send([src], j, _ROWS_TAG) for j in peers]
+            recvs = [world.recv([self._t(out[j])], j, _ROWS_TAG) for j in peers]
+            for w in recvs:
+                w.wait()
+            for w in sends:
+                w.wait()
         return out
 
     def _lengths(self, n: int, group: Group) -> np.ndarray:
@@ -366,9 +403,31 @@ class GlooBackend:
         if buf.size >= HALF_SPLIT_MIN and buf.dtype.char in "eE" and op in _HALF_OPS:
             self._allreduce_half(buf.reshape(-1), op, group)
             return
+        if (buf.nbytes <= SMALL_P2P_BYTES and group.size <= ROWS_P2P_MAX and buf.dtype.kind in "fiu"
+                and buf.dtype.char != "E"):
+            self._allreduce_small(buf.reshape(-1), op, group)
+            return
         o = self._dist.AllreduceOptions()
         o.reduceOp = self._ops[op]  # type: ignore[assignment]
         self._run("allreduce", lambda: group.handle.allreduce([self._t(buf.reshape(-1))], o))
+
+    def _allreduce_small(self, buf: np.ndarray, op: ReduceOp, group: Group) -> None:
+        """A small allreduce as one exchange: this member's buffer sent straight to every other
+        (point-to-point sends leave from this thread; no hand-off to a process-group thread, one
+        network step, where Gloo's collective takes two per peer and two thread hand-offs), then
+        the members' buffers reduced here in member order: the same bits on every member."""
+        p, me = group.size, group.rank
+        rows = np.empty((p, buf.size), buf.dtype)
+        rows[me] = buf
+        src = self._t(rows[me])
+        with self._translate("allreduce"):
+            sends = [group.handle.send([src], j, _SMALL_TAG) for j in range(p) if j != me]
+            recvs = [group.handle.recv([self._t(rows[j])], j, _SMALL_TAG) for j in range(p) if j != me]
+            for w in recvs:
+                w.wait()
+            for w in sends:
+                w.wait()
+        _LOCAL_REDUCE[op].reduce(rows, axis=0, out=buf)
 
     def allreduce_start(self, buf: np.ndarray, op: ReduceOp, group: Group) -> Callable[[], None]:
         """Start an in-place allreduce of ``buf`` on one of Gloo's threads and return the function

@@ -133,6 +133,22 @@ def _span(items: Sequence[Item]) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(first, shape=(sum(o.size for o in outs),), strides=(first.itemsize,))
 
 
+def any_flat(batch: Sequence[Response], memo: dict[int, tuple[Sequence[Response], bool]], cap: int) -> bool:
+    """Whether a response of ``batch`` is flat; remembered in ``memo`` (at most ``cap`` entries)
+    for a memoized batch (a tuple: the same one every step of a cached workload, whose responses
+    never change)."""
+    if type(batch) is not tuple:
+        return any(r.request.flat for r in batch)
+    seen = memo.get(id(batch))
+    if seen is not None and seen[0] is batch:
+        return seen[1]
+    flat = any(r.request.flat for r in batch)
+    if len(memo) >= cap:
+        memo.clear()
+    memo[id(batch)] = (batch, flat)
+    return flat
+
+
 class Executor:
     """Executes batches for one engine: every operation once, over a ``Lane`` (the host one, or a
     device plane's)."""
@@ -168,8 +184,12 @@ class Executor:
         # (dtype name, transport's native dtypes, buffer kind) -> (work dtype, whether it widens,
         # float): per process, keyed by value (not a step memo; see ``memo.py``)
         self._dtype_info: dict[tuple[Any, ...], tuple[Any, bool, bool]] = {}
-        # id(batch) -> (batch, whether a response of it is flat): ``_any_flat``
+        # id(batch) -> (batch, whether a response of it is flat): ``any_flat``
         self._flat_batches: dict[int, tuple[Sequence[Response], bool]] = memo.flat
+        # Set by the runner around a batch whose data came with the round's negotiation
+        # (``carry.py``): makes each call's reducer, which reduces every rank's carried data
+        # into the call's buffer instead of calling the transport.
+        self.carried: Callable[[Reduction], Callable[[np.ndarray], None]] | None = None
 
     CALLS_MEMO_SIZE = StepMemo.CALLS
 
@@ -283,12 +303,17 @@ class Executor:
         groups: dict[int, tuple[int, list[int]]] = {}
         index: list[int] = []
         placement = lane.placement
-        if not (chunk > 0 and self._any_flat(batch)):
+        if not (chunk > 0 and any_flat(batch, self._flat_batches, self.CALLS_MEMO_SIZE)):
             sizes = [it.n for it in items]
         else:
             items, sizes = self._flat_items(batch, items, starts, groups, index)
         calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
                                      self.fusion_enabled, red.widen)
+        carried = self.carried
+        if carried is not None:  # the data came with the negotiation: no transport call
+            run_reduction(calls, items, ops, red, carried(red), placement, activity,
+                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+            return
         # Several calls in flight where the transport has asynchronous reductions (Gloo), unless an
         # observer records each call's copy and transfer steps (they would overlap there).
         starter = getattr(lane.transport, "starter", None)
@@ -303,20 +328,6 @@ class Executor:
             self.placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
         else:
             run_reduction(*args)
-
-    def _any_flat(self, batch: Sequence[Response]) -> bool:
-        """Whether a response of ``batch`` is flat; remembered for a memoized batch (a tuple: the
-        same one every step of a cached workload, whose responses never change)."""
-        if type(batch) is not tuple:
-            return any(r.request.flat for r in batch)
-        seen = self._flat_batches.get(id(batch))
-        if seen is not None and seen[0] is batch:
-            return seen[1]
-        flat = any(r.request.flat for r in batch)
-        if len(self._flat_batches) >= self.CALLS_MEMO_SIZE:
-            self._flat_batches.clear()
-        self._flat_batches[id(batch)] = (batch, flat)
-        return flat
 
     def _flat_items(self, batch: Sequence[Response], items: Sequence[Item], starts: list[int],
                     groups: dict[int, tuple[int, list[int]]], index: list[int]) -> tuple[list[Item], list[int]]:

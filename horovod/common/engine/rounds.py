@@ -27,6 +27,7 @@ import numpy as np
 from horovod.common.backends.base import EngineBackend, Group
 from horovod.common.config import EngineConfig
 from horovod.common.engine.cache import ResponseCache
+from horovod.common.engine.carry import CarriedRound, Carrier
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.negotiation import Coordinator
 from horovod.common.engine.negotiation_codec import decode_responses, encode_requests, encode_responses
@@ -85,6 +86,14 @@ class RoundController:
         self._occupied_mask = 0
         self._full = (1 << (64 * self.cache.words)) - 1
         self._bits = np.zeros(2 * self.cache.words + 1, np.uint64)
+        # Where the transport exchanges rows (Gloo), a cached step's small allreduces travel with
+        # the round's bits (``carry.py``): ``carried`` holds the round's data for the runner.
+        exchange = getattr(backend, "exchange_rows", None)
+        carry_bytes = int(getattr(config, "gloo_carry_bytes", 0) or 0)
+        self.carrier: Carrier | None = None
+        if exchange is not None and backend.size > 1 and carry_bytes > 0 and self.cache.words:
+            self.carrier = Carrier(exchange, backend.size, self.cache, carry_bytes)
+        self.carried: CarriedRound | None = None
         self.coordinator = Coordinator(backend.size, self._members, clock) if self.rank == 0 else None
         self._local_stall_due = clock() + config.stall_check_time_seconds
         # When this rank's thread entered a negotiation collective it has not left (0.0: none):
@@ -174,7 +183,12 @@ class RoundController:
         bits = self._bits
         bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
         self.negotiating_since = now
-        raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._engine_thread).tobytes()
+        carrier = self.carrier
+        if carrier is not None:
+            anded, self.carried = carrier.exchange(bits, self._entry_of, self.joined, FLAG_JOINED)
+            raw = anded.tobytes()
+        else:
+            raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._engine_thread).tobytes()
         self.t_ready = t_ready = self._clock()
         self.negotiating_since = 0.0
         self.round_no += 1
@@ -204,6 +218,10 @@ class RoundController:
         self.progress = bool(responses or new or evict)
         return responses, ready_slots, any_flags, late
 
+    def _entry_of(self, slot: int) -> Entry:
+        """This rank's pending entry waiting on cache slot ``slot`` (its ready bit is set)."""
+        return self.pending[self.cache._slots[slot].request.name]  # type: ignore[union-attr]
+
     def evict(self, slot: int) -> None:
         self.cache.evict(slot)  # calls _forget_slot
 
@@ -215,6 +233,8 @@ class RoundController:
         """A cache slot was emptied (on every rank alike): clear its bits, and send a request that
         was waiting on it through the coordinator instead."""
         self.on_slot_change()
+        if self.carrier is not None:
+            self.carrier.forget(slot)
         keep = ~(1 << slot)
         self.ready_mask &= keep
         self._excluded_mask &= keep
@@ -234,6 +254,8 @@ class RoundController:
                 slot = cache.lookup(resp.request)[0]
                 if slot >= 0 and slot != before:
                     self.on_slot_change()
+                    if self.carrier is not None:
+                        self.carrier.forget(slot)
                     self._occupied_mask |= 1 << slot
                     if self.rank not in self.groups[resp.request.process_set_id].ranks:
                         self._excluded_mask |= 1 << slot
@@ -288,3 +310,4 @@ class RoundController:
     def reset(self) -> None:
         """The engine stopped: nothing is pending any more."""
         self.pending.clear()
+        self.carried = None

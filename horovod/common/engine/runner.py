@@ -171,9 +171,19 @@ class BatchRunner:
                                        "which it never submitted")
         for hook in self.start_hooks:
             hook(kind, batch)
+        carried = self.rounds.carried
+        data = carried.batch(batch) if carried is not None and kind == RequestType.ALLREDUCE else None
         t0 = time.perf_counter()
         try:
-            self.executor.run(batch, entries)
+            if data is not None:  # every rank sent this batch's data with the round's bits
+                self.executor.carried = data.reducer
+                try:
+                    self.executor.run(batch, entries)
+                finally:
+                    self.executor.carried = None
+                data.finish()
+            else:
+                self.executor.run(batch, entries)
         except (TypeError, DevicePlaneError) as exc:  # this batch fails; the engine keeps serving
             for e in entries:
                 if e is not None:

@@ -1,0 +1,150 @@
+"""Cached small allreduces carried with the negotiation on Gloo (``engine/carry.py``), real ranks.
+
+Every rank contributes different values and checks every element of every result against the
+exact reduction, on np=2 and np=3: a grouped allreduce repeated (cached: after the capacity is
+agreed its data travels with the round's bits and the transport's allreduce is never called),
+per-tensor allreduces with Average and a prescale, mixed dtypes, Min/Max/Product, out of place;
+and the fallbacks: ranks whose ready sets differ (rank 0 submits an extra tensor the others hold
+back until the first is done), a tensor too large to carry, and the first (negotiated) step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from horovod.testing import run_ranks
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _cases():
+    import numpy as np
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.context import get_context
+
+    calls = {"allreduce": 0, "exchange": 0}
+    sync, start, exchange = (gloo_backend.GlooBackend.allreduce, gloo_backend.GlooBackend.allreduce_start,
+                             gloo_backend.GlooBackend.exchange_rows)
+
+    def spy_sync(self, buf, op, group, src=None):
+        calls["allreduce"] += 1
+        return sync(self, buf, op, group, src)
+
+    def spy_start(self, buf, op, group):
+        calls["allreduce"] += 1
+        return start(self, buf, op, group)
+
+    def spy_exchange(self, row):
+        calls["exchange"] += 1
+        return exchange(self, row)
+    gloo_backend.GlooBackend.allreduce = spy_sync
+    gloo_backend.GlooBackend.allreduce_start = spy_start
+    gloo_backend.GlooBackend.exchange_rows = spy_exchange
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    carrier = get_context().engine.rounds.carrier
+    bad: list[str] = []
+
+    def value(k: int, i: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return ((torch.arange(numel, dtype=torch.float64) % 7) + 3 * k + i + step).to(dtype)
+
+    def check(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            at = int((got.reshape(-1) != want.reshape(-1)).nonzero()[0, 0]) if got.shape == want.shape else 0
+            bad.append(f"rank {r} {label}: element {at} is {got.reshape(-1)[at].item()}, expected "
+                       f"{want.reshape(-1)[at].item()}")
+
+    shapes = [(4,), (3, 2), (1,), (5,), (2, 2, 2)]
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.float32, torch.int64]
+    counts = []
+    for step in range(8):
+        if step == 3:
+            calls["allreduce"] = calls["exchange"] = 0
+            carried_before = carrier.carried_ops if carrier is not None else 0
+        # grouped, Sum, one dtype
+        ts = [value(r, i, step, int(np.prod(s)), torch.float32).reshape(s) for i, s in enumerate(shapes)]
+        hvd.grouped_allreduce_(ts, name="carry.grouped", op=hvd.Sum)
+        for i, (t, s) in enumerate(zip(ts, shapes)):
+            want = sum(value(k, i, step, int(np.prod(s)), torch.float64) for k in range(n)).float().reshape(s)
+            check(f"step {step} grouped tensor {i}", t, want)
+        # per tensor, mixed dtypes, Average with a prescale (floats) and Sum (integers)
+        ts = [value(r, i, step, int(np.prod(s)), d).reshape(s) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+        handles = []
+        for i, (t, d) in enumerate(zip(ts, dtypes)):
+            if d.is_floating_point:
+                handles.append(hvd.allreduce_async_(t, name=f"carry.t{i}", op=hvd.Average, prescale_factor=2.0))
+            else:
+                handles.append(hvd.allreduce_async_(t, name=f"carry.t{i}", op=hvd.Sum))
+        for h in handles:
+            hvd.synchronize(h)
+        for i, (t, s, d) in enumerate(zip(ts, shapes, dtypes)):
+            total = sum(value(k, i, step, int(np.prod(s)), torch.float64) for k in range(n))
+            want = (total * 2.0 / n if d.is_floating_point else total).to(d).reshape(s)
+            check(f"step {step} tensor {i} {d}", t, want)
+        # Min, Max, Product out of place
+        x = value(r, 0, step, 6, torch.float64)
+        for op, fn in ((hvd.Min, torch.minimum), (hvd.Max, torch.maximum), (hvd.Product, torch.mul)):
+            got = hvd.allreduce(x, name=f"carry.op{op}", op=op)
+            want = value(0, 0, step, 6, torch.float64)
+            for k in range(1, n):
+                want = fn(want, value(k, 0, step, 6, torch.float64))
+            check(f"step {step} op {op}", got, want)
+        counts.append(dict(calls))
+    carried = carrier.carried_ops - carried_before if carrier is not None else 0
+    steady = dict(calls)
+
+    # Ranks that disagree: rank 0 submits "late" with "early"; the others hold "late" back until
+    # "early" is done. Values must hold whichever round each runs in.
+    fallback = []
+    for step in range(4):
+        early = value(r, 0, step, 4, torch.float32)
+        late = value(r, 1, step, 4, torch.float32)
+        if r == 0:
+            h1 = hvd.allreduce_async_(early, name="carry.early", op=hvd.Sum)
+            h2 = hvd.allreduce_async_(late, name="carry.late", op=hvd.Sum)
+            hvd.synchronize(h1)
+            hvd.synchronize(h2)
+        else:
+            hvd.allreduce_(early, name="carry.early", op=hvd.Sum)
+            hvd.allreduce_(late, name="carry.late", op=hvd.Sum)
+        check(f"disagree step {step} early", early, sum(value(k, 0, step, 4, torch.float64) for k in range(n)).float())
+        check(f"disagree step {step} late", late, sum(value(k, 1, step, 4, torch.float64) for k in range(n)).float())
+        # too large to carry (above HOROVOD_GLOO_CARRY_BYTES): through the transport
+        big = value(r, 2, step, 3000, torch.float32)
+        before = calls["allreduce"]
+        hvd.allreduce_(big, name="carry.big", op=hvd.Sum)
+        fallback.append(calls["allreduce"] - before)
+        check(f"big step {step}", big, sum(value(k, 2, step, 3000, torch.float64) for k in range(n)).float())
+    hvd.shutdown()
+    return bad, steady, carried, fallback
+
+
+def _gloo(np_: int) -> list[str]:
+    return [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_cached_small_allreduces_travel_with_the_negotiation(np_):
+    env = {"HOROVOD_GLOO_CARRY_BYTES": "4096"}
+    for bad, steady, carried, fallback in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_), env=env):
+        assert not bad, bad
+        # 5 steps of: 1 grouped + 5 per-tensor + 3 ops, every one carried, no allreduce call
+        assert steady["allreduce"] == 0, steady
+        assert carried == 5 * 9, carried
+        assert steady["exchange"] >= 5, steady
+        assert all(c >= 1 for c in fallback), fallback  # 12 KB > 4 KiB: the transport's call
+
+
+def test_carry_off_reduces_through_the_transport():
+    env = {"HOROVOD_GLOO_CARRY_BYTES": "0"}
+    for bad, steady, carried, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
+        assert not bad, bad
+        assert carried == 0
+        # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)
+        assert steady["exchange"] == 0 and steady["allreduce"] >= 5 * 5, steady
