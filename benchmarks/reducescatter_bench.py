@@ -1,0 +1,100 @@
+"""Reduce-scatter against allreduce, raw mpi4py and Horovod, interleaved in one launch.
+
+Per size (float32, MiB of the whole buffer) and repetition, every rank runs, in turn:
+
+* ``allreduce``: raw ``comm.Allreduce(IN_PLACE, buf)``;
+* ``rs``: raw ``comm.Reduce_scatter(buf, out, recvcounts=...)`` (what the MPI backend calls);
+* ``rs_block``: raw ``comm.Reduce_scatter_block(buf, out)`` (equal counts);
+* ``a2a_sum``: raw ``comm.Alltoallv`` of each member's part into a kept ``(size, part)`` buffer,
+  then ``np.sum`` over the members (what the MPI backend does since this benchmark);
+* ``hvd_rs``: ``hvd.reducescatter(tensor, op=hvd.Sum)`` (horovod.torch, the engine path);
+* ``hvd_rs_native``: the same with the MPI backend's ``Reduce_scatter`` path (before the split);
+* ``hvd_ar``: ``hvd.allreduce(tensor, op=hvd.Sum)``.
+
+Each timing is a barrier then the call; medians over the repetitions are printed by rank 0 with
+their ratio to the raw allreduce of the same buffer (the machine is shared: read the ratios).
+
+Run::
+
+    mpirun -np 2 --oversubscribe python benchmarks/reducescatter_bench.py --reps 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1,4,16", help="MiB per buffer, comma-separated")
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args()
+
+    import torch
+    from mpi4py import MPI
+
+    import horovod.torch as hvd
+    from horovod.common.backends.mpi import MPIBackend
+
+    hvd.init()
+    comm = MPI.COMM_WORLD
+    size, rank = comm.size, comm.rank
+    rows = []
+    for mib in (float(s) for s in args.sizes.split(",")):
+        n = int(mib * 2**20) // 4 // size * size
+        counts = [n // size] * size
+        buf = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+        work = buf.copy()
+        out = np.empty(n // size, np.float32)
+        t = torch.from_numpy(buf.copy())
+        pieces = np.empty((size, n // size), np.float32)  # kept across calls, as the backend's
+
+        def a2a_sum() -> None:
+            comm.Alltoallv([buf, counts], [pieces.reshape(-1), [n // size] * size])
+            np.sum(pieces, 0, out=out)
+
+        def hvd_rs_native() -> None:  # the engine path on MPI's own Reduce_scatter (before)
+            split = MPIBackend.reducescatter
+            MPIBackend.reducescatter = MPIBackend._reducescatter_native  # type: ignore[method-assign]
+            try:
+                hvd.reducescatter(t, op=hvd.Sum)
+            finally:
+                MPIBackend.reducescatter = split  # type: ignore[method-assign]
+
+        cases = {
+            "allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, work),
+            "rs": lambda: comm.Reduce_scatter(buf, out, recvcounts=counts, op=MPI.SUM),
+            "rs_block": lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM),
+            "a2a_sum": a2a_sum,
+            "hvd_rs_native": hvd_rs_native,
+            "hvd_rs": lambda: hvd.reducescatter(t, op=hvd.Sum),
+            "hvd_ar": lambda: hvd.allreduce(t, op=hvd.Sum),
+        }
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for rep in range(args.reps + 2):
+            for name, fn in cases.items():
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                dt = comm.allreduce(dt, op=MPI.MAX)
+                if rep >= 2:  # two warm-ups
+                    times[name].append(dt)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append((mib, med))
+    if rank == 0:
+        names = list(rows[0][1])
+        print(f"np={size} reps={args.reps}: median ms (ratio to raw allreduce)")
+        print("MiB   " + "".join(f"{n:>17}" for n in names))
+        for mib, med in rows:
+            base = med["allreduce"]
+            print(f"{mib:<6g}" + "".join(f"{med[n] * 1e3:>9.2f} ({med[n] / base:4.2f})" for n in names))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
