@@ -28,67 +28,72 @@ import time
 import numpy as np
 
 
+def _measure(comm, hvd, mib: float, reps: int) -> dict[str, float]:
+    """Median seconds of each case for a buffer of ``mib`` MiB (float32)."""
+    import torch
+    from mpi4py import MPI
+
+    from horovod.common.backends.mpi import MPIBackend
+
+    size, rank = comm.size, comm.rank
+    n = int(mib * 2**20) // 4 // size * size
+    counts = [n // size] * size
+    buf = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    work = buf.copy()
+    out = np.empty(n // size, np.float32)
+    t = torch.from_numpy(buf.copy())
+    pieces = np.empty((size, n // size), np.float32)  # kept across calls, as the backend's
+
+    def a2a_sum() -> None:
+        comm.Alltoallv([buf, counts], [pieces.reshape(-1), [n // size] * size])
+        np.sum(pieces, 0, out=out)
+
+    def hvd_rs_native() -> None:  # the engine path on MPI's own Reduce_scatter (before)
+        split = MPIBackend.reducescatter
+        MPIBackend.reducescatter = MPIBackend._reducescatter_native  # type: ignore[method-assign]
+        try:
+            hvd.reducescatter(t, op=hvd.Sum)
+        finally:
+            MPIBackend.reducescatter = split  # type: ignore[method-assign]
+
+    cases = {
+        "allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, work),
+        "rs": lambda: comm.Reduce_scatter(buf, out, recvcounts=counts, op=MPI.SUM),
+        "rs_block": lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM),
+        "a2a_sum": a2a_sum,
+        "hvd_rs_native": hvd_rs_native,
+        "hvd_rs": lambda: hvd.reducescatter(t, op=hvd.Sum),
+        "hvd_ar": lambda: hvd.allreduce(t, op=hvd.Sum),
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for rep in range(reps + 2):
+        for name, fn in cases.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            dt = comm.allreduce(dt, op=MPI.MAX)
+            if rep >= 2:  # two warm-ups
+                times[name].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1,4,16", help="MiB per buffer, comma-separated")
     p.add_argument("--reps", type=int, default=15)
     args = p.parse_args()
 
-    import torch
     from mpi4py import MPI
 
     import horovod.torch as hvd
-    from horovod.common.backends.mpi import MPIBackend
 
     hvd.init()
     comm = MPI.COMM_WORLD
-    size, rank = comm.size, comm.rank
-    rows = []
-    for mib in (float(s) for s in args.sizes.split(",")):
-        n = int(mib * 2**20) // 4 // size * size
-        counts = [n // size] * size
-        buf = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
-        work = buf.copy()
-        out = np.empty(n // size, np.float32)
-        t = torch.from_numpy(buf.copy())
-        pieces = np.empty((size, n // size), np.float32)  # kept across calls, as the backend's
-
-        def a2a_sum() -> None:
-            comm.Alltoallv([buf, counts], [pieces.reshape(-1), [n // size] * size])
-            np.sum(pieces, 0, out=out)
-
-        def hvd_rs_native() -> None:  # the engine path on MPI's own Reduce_scatter (before)
-            split = MPIBackend.reducescatter
-            MPIBackend.reducescatter = MPIBackend._reducescatter_native  # type: ignore[method-assign]
-            try:
-                hvd.reducescatter(t, op=hvd.Sum)
-            finally:
-                MPIBackend.reducescatter = split  # type: ignore[method-assign]
-
-        cases = {
-            "allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, work),
-            "rs": lambda: comm.Reduce_scatter(buf, out, recvcounts=counts, op=MPI.SUM),
-            "rs_block": lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM),
-            "a2a_sum": a2a_sum,
-            "hvd_rs_native": hvd_rs_native,
-            "hvd_rs": lambda: hvd.reducescatter(t, op=hvd.Sum),
-            "hvd_ar": lambda: hvd.allreduce(t, op=hvd.Sum),
-        }
-        times: dict[str, list[float]] = {k: [] for k in cases}
-        for rep in range(args.reps + 2):
-            for name, fn in cases.items():
-                comm.Barrier()
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-                dt = comm.allreduce(dt, op=MPI.MAX)
-                if rep >= 2:  # two warm-ups
-                    times[name].append(dt)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append((mib, med))
-    if rank == 0:
+    rows = [(mib, _measure(comm, hvd, mib, args.reps)) for mib in (float(x) for x in args.sizes.split(","))]
+    if comm.rank == 0:
         names = list(rows[0][1])
-        print(f"np={size} reps={args.reps}: median ms (ratio to raw allreduce)")
+        print(f"np={comm.size} reps={args.reps}: median ms (ratio to raw allreduce)")
         print("MiB   " + "".join(f"{n:>17}" for n in names))
         for mib, med in rows:
             base = med["allreduce"]
