@@ -176,7 +176,7 @@ def _alltoall_reducescatter_cases():
 
 def _large_reducescatter_cases():
     """Reduce-scatters above the MPI backend's split threshold (one alltoall + a local reduction in
-    member order): uneven rows, integer wrap-around, exact float sums in member order, and the
+    member order): uneven rows (one rank receiving none), integer wrap-around, exact float sums in member order, and the
     parts gathered back equal to the whole sum on every rank."""
     import numpy as np
 
@@ -186,9 +186,9 @@ def _large_reducescatter_cases():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     bad = []
-    width = 16411
+    width = 65537
     for dt in ["int8", "int32", "int64", "float32", "float64"]:
-        for rows in [2 * n + 1, 3 * n]:
+        for rows in [2 * n + 1, 3 * n, n - 1]:  # n - 1: the last rank receives no row
             base, extra = divmod(rows, n)
             counts = [base + (1 if i < extra else 0) for i in range(n)]
             start = sum(counts[:r])
