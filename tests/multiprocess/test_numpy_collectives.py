@@ -174,6 +174,58 @@ def _alltoall_reducescatter_cases():
     return bad
 
 
+def _large_reducescatter_cases():
+    """Reduce-scatters above the MPI backend's split threshold (one alltoall + a local reduction in
+    member order): uneven rows (one rank receiving none), integer wrap-around, exact float sums in member order, and the
+    parts gathered back equal to the whole sum on every rank."""
+    import numpy as np
+
+    import horovod.numpy as hvd
+    from horovod.common.backends.mpi import SPLIT_REDUCESCATTER_MIN
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    bad = []
+    width = 65537
+    for dt in ["int8", "int32", "int64", "float32", "float64"]:
+        for rows in [2 * n + 1, 3 * n, n - 1]:  # n - 1: the last rank receives no row
+            base, extra = divmod(rows, n)
+            counts = [base + (1 if i < extra else 0) for i in range(n)]
+            start = sum(counts[:r])
+            if dt.startswith("float"):
+                xs = [np.random.default_rng(k).standard_normal((rows, width)).astype(dt) for k in range(n)]
+            else:
+                xs = [((np.arange(rows * width).reshape(rows, width) % 251) * (k + 3)).astype(dt)
+                      for k in range(n)]
+            assert xs[r].nbytes >= SPLIT_REDUCESCATTER_MIN
+            total = xs[0].copy()
+            for k in range(1, n):  # member order, in the dtype (integers wrap)
+                total = (total + xs[k]).astype(dt)
+            got = hvd.reducescatter(xs[r], op=hvd.Sum, name=f"bigrs.{dt}.{rows}")
+            want = total[start:start + counts[r]]
+            if got.dtype != want.dtype or not np.array_equal(got, want):
+                diff = np.flatnonzero(got.reshape(-1) != want.reshape(-1)) if got.shape == want.shape else []
+                bad.append(f"rank {r}: reducescatter Sum({dt}, rows={rows}, width={width}) -> shape "
+                           f"{got.shape}, {len(diff)} elements differ from the member-order sum")
+                continue
+            whole = hvd.allgather(got, name=f"bigrs.gather.{dt}.{rows}")
+            if not np.array_equal(whole, total):
+                bad.append(f"rank {r}: reducescatter Sum({dt}, rows={rows}) parts gathered differ "
+                           "from the whole sum")
+            if dt.startswith("float"):
+                got = hvd.reducescatter(xs[r], name=f"bigrsavg.{dt}.{rows}")
+                if not np.allclose(got, want / n, rtol=1e-6, atol=1e-6):
+                    bad.append(f"rank {r}: reducescatter Average({dt}, rows={rows}) -> differs from sum / {n}")
+    return bad
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_large_reducescatter_exact_uneven_and_wrapping(np_):
+    results = _LAUNCH[np_].results("large_reducescatter")
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:40])
+
+
 @pytest.mark.parametrize("np_", NPS)
 def test_allreduce_every_dtype_op_and_variant(np_):
     results = _LAUNCH[np_].results("allreduce")
@@ -381,6 +433,7 @@ def test_grouped_views_of_one_flat_buffer_are_reduced_as_one_span(np_):
 _LAUNCH = {n: joint_launch("numpy", n, {"allreduce": _allreduce_cases,
                                         "allgather_broadcast": _allgather_broadcast_cases,
                                         "alltoall_reducescatter": _alltoall_reducescatter_cases,
+                                        "large_reducescatter": _large_reducescatter_cases,
                                         "average_rounding": _average_rounding_cases,
                                         "mixed_memory": _mixed_memory_cases,
                                         "flat_view": _flat_view_cases, "flat_group": _flat_group_cases},
