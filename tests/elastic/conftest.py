@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,18 @@ def driver_log(res: subprocess.CompletedProcess[str]) -> str:
     return "\n".join(line for line in res.stderr.splitlines() if line.startswith("horovodrun:"))
 
 
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer exists, not even as a zombie (it was reaped)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def no_worker_left(res: subprocess.CompletedProcess[str], extra: list[int]) -> None:
+    """No worker that committed a step (nor any of the ``extra`` pids) outlived the job."""
+    pids = {c["pid"] for c in tagged(res.stdout, "COMMIT")} | set(extra)
+    deadline = time.monotonic() + 10  # reaping is asynchronous only within the kernel's exit
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    left = sorted(p for p in pids if not _gone(p))
+    assert not left, f"worker processes outlived the job: {left}"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._fakehosts import FakeHosts
-from tests.elastic.conftest import check_training, driver_log, run_elastic
+from tests.elastic.conftest import check_training, driver_log, no_worker_left, run_elastic
 
 pytestmark = [pytest.mark.integration, pytest.mark.fakehosts]
 
@@ -138,7 +138,12 @@ def test_a_stopped_worker_is_left_behind_by_its_heartbeat(fakehosts_factory: Fac
                          {"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
     check_training(res, steps, size=2)  # type: ignore[arg-type]
     assert re.search(rf"worker {hosts[2]}\[0\] \(rank 2, pid \d+\) sent no heartbeat for [\d.]+ s "
-                     r"\(HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT 5 s\)", log), log
-    assert f"worker {hosts[2]}[0] hung; blacklisting host {hosts[2]}" in log, log
+                     r"\(HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT 5 s\).*killing it \(SIGKILL\)", log), log
+    assert f"worker {hosts[2]}[0] hung; blacklisting host {hosts[2]} for good" in log, log
+    # killed by the driver, not by a Gloo timeout (60 s here) nor the rejoin timeout (90 s)
     assert "did not rejoin" not in log, log
     assert rec.seconds() < 5 + RECOVERY_BOUND, log
+    # the stopped worker (in the same process namespace as this test) was killed and reaped
+    stopped = re.search(r"KILLING hang pid (\d+)", res.stdout)  # type: ignore[attr-defined]
+    assert stopped, res.stdout[-3000:]  # type: ignore[attr-defined]
+    no_worker_left(res, [int(stopped.group(1))])  # type: ignore[arg-type]

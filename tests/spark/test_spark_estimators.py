@@ -537,25 +537,14 @@ def _torch_fit_matches_reference(estimator_cls: Any, module: Any, spark: Any, tm
                                    err_msg=f"{name}: not the averaged SGD of the ranks' batches")
 
 
-def test_torch_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
-    """The torch estimator's own training loop (the sparse test trains through a
-    ``train_minibatch_fn``)."""
-    import torch
-    import torch.nn.functional as F
-
-    from horovod.spark.torch import TorchEstimator
-
-    torch.manual_seed(0)
-    module = torch.nn.Linear(64, 10)
-    _torch_fit_matches_reference(TorchEstimator, module, spark, tmp_path, loss=F.cross_entropy,
-                                 optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR))
-
-
 def test_torch_estimator_accumulates_backward_passes(spark: Any, tmp_path: Path) -> None:
     """``backward_passes_per_step=3`` as upstream's torch estimator runs it: within an epoch,
     every 3 batches form one optimizer step on the sum of their gradients of the loss divided
     by 3, averaged over the ranks; an epoch's 28 batches end with a group of one, stepped at
-    the epoch's end (``accumulated_steps``). Two epochs, ``shuffle=False``, plain SGD."""
+    the epoch's end (``accumulated_steps``). Two epochs, ``shuffle=False``, plain SGD. With
+    ``test_torch_estimator_trains_upstreams_example_shape`` (one pass per step, momentum) it is the
+    check that the estimator's own training loop averages the ranks' gradients (the sparse test
+    trains through a ``train_minibatch_fn``)."""
     import torch
     import torch.nn.functional as F
 

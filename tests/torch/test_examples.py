@@ -93,9 +93,12 @@ def _seed_recipe(tmp):
     return before, after_broadcast, final, sum(losses) / len(losses)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_seed_recipe_parameters_identical_and_rank0_checkpoints(tmp_path, np_):
+def test_seed_recipe_parameters_identical_and_rank0_checkpoints(tmp_path):
+    # np=3 (an odd world size, uneven shards of the 1797 rows) is the one size this recipe needs:
+    # the seed's recipe at np=2 is test_device_plane.py's (tests/gpu/bin/torch_recipe.py)
     import torch
+
+    np_ = 3
 
     results = run_ranks(_seed_recipe, np=np_, timeout=240, args=(str(tmp_path),))
     before = [r[0] for r in results]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import cloudpickle
 import pytest
 
+from tests._shared_launch import JOINT_TIMEOUT, SharedLaunch
 from tests.torch import fully_shard_nets
 from tests.torch.fully_shard_nets import batches_for, make_batches, net, rel, wrap
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 cloudpickle.register_pickle_by_value(fully_shard_nets)  # the ranks cannot import the tests
 
 
@@ -122,15 +123,27 @@ def _hvd_checkpoint_load_cases(path):
 
 
 # --------------------------------------------------------------------------- tests
-def test_fully_shard_checkpoint_np4_to_np2_and_plain(tmp_path):
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The two checkpoint tests' runs share their launches: one at np=4 that saves both
+    checkpoints (full state dicts, then hvd.checkpoint), one at np=2 that loads both (started by
+    the first test that asks for a load, after the saves); each test reads its own bodies."""
+    d = tmp_path_factory.mktemp("fully_shard_checkpoints")
+    full, sharded = str(d / "ck.pt"), str(d / "ck")
+    save = SharedLaunch(4, {"full": lambda: _checkpoint_save_cases(full),
+                            "hvd": lambda: _hvd_checkpoint_save_cases(sharded)}, timeout=780)
+    load = SharedLaunch(2, {"full": lambda: _checkpoint_load_cases(full),
+                            "hvd": lambda: _hvd_checkpoint_load_cases(sharded)}, timeout=480)
+    return {"full": full, "hvd": sharded, "save": save, "load": load}
+
+
+def test_fully_shard_checkpoint_np4_to_np2_and_plain(checkpoints):
     import torch
     import torch.nn.functional as F
 
-    from horovod.testing import run_ranks
-
-    path = str(tmp_path / "ck.pt")
-    uninterrupted = run_ranks(_checkpoint_save_cases, np=4, timeout=600, args=(path,))[0]
-    resumed = run_ranks(_checkpoint_load_cases, np=2, timeout=420, args=(path,))[0]
+    path = checkpoints["full"]
+    uninterrupted = checkpoints["save"].results("full")[0]
+    resumed = checkpoints["load"].results("full")[0]
     for k, v in uninterrupted.items():
         assert rel(resumed[k], v) <= 1e-4, (k, rel(resumed[k], v))
     # the same checkpoint in a plain process: an unsharded model and AdamW, the global batches
@@ -148,17 +161,16 @@ def test_fully_shard_checkpoint_np4_to_np2_and_plain(tmp_path):
         assert rel(m.state_dict()[k], v) <= 1e-4, (k, rel(m.state_dict()[k], v))
 
 
-def test_fully_shard_hvd_checkpoint_np4_to_np2_and_plain(tmp_path):
+def test_fully_shard_hvd_checkpoint_np4_to_np2_and_plain(checkpoints):
     """The goal: saved by hvd.checkpoint at np=4 (each rank its rows; two shards are empty),
     resumed at np=2 and read by an unsharded model and AdamW in a plain process (no hvd.init),
     each equal to the uninterrupted run within 1e-4."""
     import torch
 
     import horovod.torch as hvd
-    from horovod.testing import run_ranks
 
-    path = str(tmp_path / "ck")
-    uninterrupted = run_ranks(_hvd_checkpoint_save_cases, np=4, timeout=600, args=(path,))[0]
+    path = checkpoints["hvd"]
+    uninterrupted = checkpoints["save"].results("hvd")[0]
     # the checkpoint holds the unsharded model's keys and whole shapes
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -167,7 +179,7 @@ def test_fully_shard_hvd_checkpoint_np4_to_np2_and_plain(tmp_path):
     for k, v in ref.state_dict().items():
         assert tuple(md[f"model.{k}"].size) == tuple(v.shape), (k, md[f"model.{k}"])
     assert tuple(md["optim.state.blocks.0.a.weight.exp_avg"].size) == (18, 9)
-    outs = run_ranks(_hvd_checkpoint_load_cases, np=2, timeout=420, args=(path,))
+    outs = checkpoints["load"].results("hvd")
     start, held, resumed = outs[0]
     assert start == 4
     assert held["blocks.0.a.weight"] == (9, 9) and outs[1][1]["out.weight"] == (1, 9), held  # rows

@@ -191,9 +191,7 @@ def test_fully_shard_holdings_np4():
     blocks (tensor bytes counted, on a model where no parameter dominates); the same model
     replicated fails the same bounds; the ranks' rows of every parameter are disjoint and
     complete."""
-    from horovod.testing import run_ranks
-
-    outs = run_ranks(_holdings_cases, np=4, timeout=600)
+    outs = _MEM.results("holdings")
     sizes, block = outs[0]["sizes"], outs[0]["block"]
     total = sum(sizes.values())
     assert max(sizes.values()) < block < total / 5  # no parameter dominates; a block is small
@@ -218,4 +216,6 @@ def np_(request):
 
 
 _LAUNCH = {n: joint_launch("torch", n, {"reshard": _reshard_cases}, timeout=120) for n in NPS}
-_MEM = joint_launch("torch", 4, {"memory": _memory_cases}, timeout=480)
+# One np=4 launch: the live-tensor bounds first (the holdings' model does not count in them), then
+# the tensor bytes each rank holds.
+_MEM = joint_launch("torch", 4, {"memory": _memory_cases, "holdings": _holdings_cases}, timeout=780)
