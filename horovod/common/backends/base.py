@@ -23,7 +23,33 @@ import numpy as np
 
 from horovod.common.types import ReduceOp
 
-__all__ = ["CollectiveBackend", "Controller", "Group", "SplitsGroups", "EngineBackend"]
+__all__ = ["CollectiveBackend", "Controller", "Group", "LOCAL_REDUCE", "PartsBuffer", "SplitsGroups", "EngineBackend"]
+
+
+# NumPy's reduction for each operation, for a backend that reduces the parts it received itself
+# (in member order, so that every member computing a part gets the same bits).
+LOCAL_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+                ReduceOp.PRODUCT: np.multiply}
+
+
+class PartsBuffer:
+    """A reduce-scatter's receive buffer: every member's part of this member's rows, ``(p, mine)``.
+    Up to ``KEEP`` bytes it is kept for the next call (a sharded model's per-block reduce-scatters
+    reuse it rather than churning the allocator)."""
+
+    KEEP = 64 << 20
+
+    def __init__(self) -> None:
+        self._buf: np.ndarray | None = None
+
+    def parts(self, p: int, mine: int, dtype: np.dtype) -> np.ndarray:
+        need = p * mine * dtype.itemsize
+        buf = self._buf
+        if buf is None or buf.nbytes < need:
+            buf = np.empty(need, np.uint8)
+            if need <= self.KEEP:
+                self._buf = buf
+        return buf[:need].view(dtype).reshape(p, mine)
 
 
 class Group:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from horovod.common import plain
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import LOCAL_REDUCE, Group, PartsBuffer
 from horovod.common.backends.half import TORCH_PIECE
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
@@ -162,11 +162,6 @@ _ROWS_TAG = 0x4352
 # of point-to-point sends and a local reduction (``GlooBackend._allreduce_small``); its tag.
 SMALL_P2P_BYTES = 16 * 1024
 _SMALL_TAG = 0x4152
-_LOCAL_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
-                 ReduceOp.PRODUCT: np.multiply}
-# Up to this many bytes, the reduce-scatter's receive buffer is kept for the next one (a
-# per-block reduce-scatter of a sharded model reuses it, rather than churning the allocator).
-_RS_SCRATCH_KEEP = 64 << 20
 
 
 def _done() -> None:
@@ -199,7 +194,7 @@ class GlooBackend:
         self._group_seq = 0
         self._bf16: bool | None = None  # ``_reduces_bfloat16``
         self._half_buf: np.ndarray | None = None  # ``_half_scratch``
-        self._rs_buf: np.ndarray | None = None  # ``reducescatter``'s receive buffer
+        self._rs_parts = PartsBuffer()  # ``reducescatter``'s receive buffer
         self._split_seq: dict[str, int] = {}
         # Every process group and Group made here, so that close() can tear them down in order
         # while the store still exists (left to interpreter exit, a Gloo group may be destroyed
@@ -427,7 +422,7 @@ class GlooBackend:
                 w.wait()
             for w in sends:
                 w.wait()
-        _LOCAL_REDUCE[op].reduce(rows, axis=0, out=buf)
+        LOCAL_REDUCE[op].reduce(rows, axis=0, out=buf)
 
     def allreduce_start(self, buf: np.ndarray, op: ReduceOp, group: Group) -> Callable[[], None]:
         """Start an in-place allreduce of ``buf`` on one of Gloo's threads and return the function
@@ -604,13 +599,7 @@ class GlooBackend:
         torch = self._torch
         p, me = group.size, group.rank
         mine = counts[me]
-        need = p * mine * flat.dtype.itemsize
-        buf = self._rs_buf
-        if buf is None or buf.nbytes < need:
-            buf = np.empty(need, np.uint8)
-            if need <= _RS_SCRATCH_KEEP:
-                self._rs_buf = buf
-        pieces = buf[:need].view(flat.dtype).reshape(p, mine)
+        pieces = self._rs_parts.parts(p, mine, flat.dtype)
         o = self._dist.AllToAllOptions()
         self._run("reducescatter", lambda: group.handle.alltoall_base(
             self._t(pieces.reshape(-1)), self._t(flat), [mine] * p, counts, o))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common import plain
-from horovod.common.backends.base import Group
+from horovod.common.backends.base import LOCAL_REDUCE, Group, PartsBuffer
 from horovod.common.backends.half import HALF_CHARS, kernel
 from horovod.common.dtypes import HALF_DTYPES
 from horovod.common.exceptions import HorovodInternalError
@@ -57,10 +57,6 @@ def _translate(rank: int, what: str) -> Iterator[None]:
 # 4 MiB float32 call at np=2 (4 for the 512-page result) and 6627 per 16 MiB call
 # (benchmarks/reducescatter_bench.py). Smaller ones are latency-bound and stay MPI's.
 SPLIT_REDUCESCATTER_MIN = 1 << 16
-# Up to this many bytes, the split reduce-scatter's receive buffer is kept for the next call.
-_RS_SCRATCH_KEEP = 64 << 20
-_SPLIT_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,
-                 ReduceOp.MAX: np.maximum}
 
 
 class MPIBackend:
@@ -81,7 +77,7 @@ class MPIBackend:
         self._bits_out: np.ndarray | None = None
         # (dtype name, op) -> the user-defined MPI operation reducing 16-bit floats (``_half``)
         self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
-        self._rs_buf: np.ndarray | None = None  # ``_reducescatter_split``'s receive buffer
+        self._rs_parts = PartsBuffer()  # ``_reducescatter_split``'s receive buffer
 
     # ---------------------------------------------------------------- controller
     def and_bits(self, bits: np.ndarray, spin: bool = True) -> np.ndarray:
@@ -221,7 +217,7 @@ class MPIBackend:
     def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], op: ReduceOp,
                       group: Group) -> None:
         flat = send.reshape(-1)
-        if (group.size > 1 and flat.nbytes >= SPLIT_REDUCESCATTER_MIN and op in _SPLIT_UFUNCS
+        if (group.size > 1 and flat.nbytes >= SPLIT_REDUCESCATTER_MIN and op in LOCAL_REDUCE
                 and flat.dtype.char not in HALF_CHARS and flat.size == sum(counts)):
             self._reducescatter_split(flat, recv.reshape(-1), counts, op, group)
             return
@@ -239,17 +235,11 @@ class MPIBackend:
         """One ``Alltoallv`` into a kept ``(p, counts[rank])`` buffer and a reduction of the p parts
         in member order (the same sum on whichever member computes a part; integers wrap as MPI's)."""
         p, mine = group.size, counts[group.rank]
-        need = p * mine * flat.itemsize
-        buf = self._rs_buf
-        if buf is None or buf.nbytes < need:
-            buf = np.empty(need, np.uint8)
-            if need <= _RS_SCRATCH_KEEP:
-                self._rs_buf = buf
-        pieces = buf[:need].view(flat.dtype).reshape(p, mine)
+        pieces = self._rs_parts.parts(p, mine, flat.dtype)
         with _translate(self.rank, "reducescatter"):
             group.handle.Alltoallv([flat, counts], [pieces.reshape(-1), [mine] * p])
         if mine:
-            _SPLIT_UFUNCS[op].reduce(pieces, axis=0, dtype=flat.dtype, out=recv[:mine])
+            LOCAL_REDUCE[op].reduce(pieces, axis=0, dtype=flat.dtype, out=recv[:mine])
 
     def allgather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         values = np.ascontiguousarray(values, np.int64)
