@@ -67,12 +67,15 @@ def record_result(svc: MonitorService, outcome: JobOutcome) -> None:
 
 def finish(svc: MonitorService, result: JobOutcome | None, linger: float) -> None:
     """The job ended: show its outcome, then stop the service now, or after ``linger`` seconds
-    (``linger()`` waits for that, once the launcher has printed its report)."""
+    (``linger()`` waits for that, once the launcher has printed its report). A job interrupted
+    by a signal does not linger: the user's Ctrl-C, taken by the launcher while the job was still
+    ending, also means "stop the monitor" (it would otherwise be swallowed, and the monitor kept
+    up for the whole linger)."""
     try:
         if result is not None:
             record_result(svc, result)
     finally:
-        if linger > 0:
+        if linger > 0 and (result is None or not result.interrupted):
             _LINGERING.append((svc, time.monotonic() + linger))
         else:
             svc.stop()

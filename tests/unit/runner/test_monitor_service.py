@@ -16,6 +16,8 @@ from horovod.common.exceptions import LaunchError
 from horovod.common.protocol import REPORT_PATH, MonitorReport
 from horovod.common.rendezvous import RendezvousClient, RendezvousError, make_secret
 from horovod.common.reporter import Reporter
+from horovod.runner import monitor
+from horovod.runner.job_outcome import JobOutcome
 from horovod.runner.monitor import JobState, MonitorService, exposition, page, record_result
 from horovod.runner.monitor.service import MAX_CONNECTIONS
 
@@ -477,3 +479,17 @@ console.log(JSON.stringify({opened:opened, link:els["stacks-link"].href, ranks:d
     assert 'File "t.py", line 3, in load' in first
     assert "done       allreduce 'grad.w' (seq 7)" in first and "negotiated allreduce 'grad.w' (seq 8)" in first
     assert "rank 1 on node0 \u2014 starting: no stack reported yet" in got["second"]
+
+
+@pytest.mark.parametrize("interrupted", [None, "SIGINT"])
+def test_a_job_interrupted_while_ending_does_not_linger(interrupted: str | None) -> None:
+    # Ctrl-C reaching horovodrun while its job is still ending is taken by the supervisor (passed
+    # on to the ranks); the monitor must not then stay up for the whole --monitor-linger.
+    svc = MonitorService(make_secret(), 0, state=JobState(2, {0: ("node0", 0), 1: ("node0", 1)}))
+    try:
+        monitor.finish(svc, JobOutcome([], 1, interrupted=interrupted), linger=120)
+        lingering = [s for s, _ in monitor._LINGERING]
+        assert (svc in lingering) == (interrupted is None)
+    finally:
+        while monitor._LINGERING:  # an interrupted job's service was stopped by finish itself
+            monitor._LINGERING.pop()[0].stop()
