@@ -309,22 +309,19 @@ class Executor:
             items, sizes = self._flat_items(batch, items, starts, groups, index)
         calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
                                      self.fusion_enabled, red.widen)
-        carried = self.carried
-        if carried is not None:  # the data came with the negotiation: no transport call
-            run_reduction(calls, items, ops, red, carried(red), placement, activity,
-                          lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
-            return
-        # Several calls in flight where the transport has asynchronous reductions (Gloo), unless an
-        # observer records each call's copy and transfer steps (they would overlap there).
-        starter = getattr(lane.transport, "starter", None)
-        started = starter(red.op) if starter is not None and activity is None and len(calls) > 1 else None
-        if started is not None and isinstance(ops, NumpyBuffers):
-            run_pipelined(calls, items, ops, red, started[0], started[1], placement,
-                          index if groups else None, groups)
-            return
-        args = (calls, items, ops, red, lane.transport.reducer(red.op), placement, activity,
-                lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
-        if placement is self.placement and self.placement.pins_pages and not red.widen:
+        carried = self.carried  # the data came with the negotiation: no transport call
+        if carried is None:
+            # Several calls in flight where the transport has asynchronous reductions (Gloo), unless
+            # an observer records each call's copy and transfer steps (they would overlap there).
+            starter = getattr(lane.transport, "starter", None)
+            started = starter(red.op) if starter is not None and activity is None and len(calls) > 1 else None
+            if started is not None and isinstance(ops, NumpyBuffers):
+                run_pipelined(calls, items, ops, red, started[0], started[1], placement,
+                              index if groups else None, groups)
+                return
+        args = (calls, items, ops, red, lane.transport.reducer(red.op) if carried is None else carried(red),
+                placement, activity, lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
+        if carried is None and placement is self.placement and self.placement.pins_pages and not red.widen:
             self.placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
         else:
             run_reduction(*args)

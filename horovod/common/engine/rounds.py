@@ -220,7 +220,14 @@ class RoundController:
 
     def _entry_of(self, slot: int) -> Entry:
         """This rank's pending entry waiting on cache slot ``slot`` (its ready bit is set)."""
-        return self.pending[self.cache._slots[slot].request.name]  # type: ignore[union-attr]
+        return self.pending[self.cache.response(slot).request.name]
+
+    def _slot_changed(self, slot: int) -> None:
+        """Cache slot ``slot`` was filled or emptied (on every rank alike): what was remembered
+        for it is forgotten (the step memo; the carrier's layout of it)."""
+        self.on_slot_change()
+        if self.carrier is not None:
+            self.carrier.forget(slot)
 
     def evict(self, slot: int) -> None:
         self.cache.evict(slot)  # calls _forget_slot
@@ -232,9 +239,7 @@ class RoundController:
     def _forget_slot(self, slot: int, name: str) -> None:
         """A cache slot was emptied (on every rank alike): clear its bits, and send a request that
         was waiting on it through the coordinator instead."""
-        self.on_slot_change()
-        if self.carrier is not None:
-            self.carrier.forget(slot)
+        self._slot_changed(slot)
         keep = ~(1 << slot)
         self.ready_mask &= keep
         self._excluded_mask &= keep
@@ -253,9 +258,7 @@ class RoundController:
                 cache.put(resp)
                 slot = cache.lookup(resp.request)[0]
                 if slot >= 0 and slot != before:
-                    self.on_slot_change()
-                    if self.carrier is not None:
-                        self.carrier.forget(slot)
+                    self._slot_changed(slot)
                     self._occupied_mask |= 1 << slot
                     if self.rank not in self.groups[resp.request.process_set_id].ranks:
                         self._excluded_mask |= 1 << slot
