@@ -168,6 +168,28 @@ def _done() -> None:
     """The wait of a reduction that finished when it was started."""
 
 
+def _p2p(pg: Any, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], tag: int) -> None:
+    """Post every send (tensor, peer), then every receive, on the process group ``pg`` with
+    ``tag``; wait for the receives, then the sends.
+
+    Whatever happens, this frame keeps no reference to ``pg`` nor to its works (each holds the
+    Gloo context, the group's connections): a failure's traceback keeps the frames it passed
+    through, and a survivor keeps the failure (the engine fails its handles with it). A process
+    group still referenced outlives ``close()`` with its connections open, and a peer waiting for
+    this rank's row in a later exchange (it got every row of this one: a member stopped half-way
+    through) then waits out the whole Gloo timeout instead of failing when this rank closes."""
+    works: list[Any] = []
+    try:
+        works.extend(pg.send([t], j, tag) for t, j in sends)
+        works[:0] = [pg.recv([t], j, tag) for t, j in recvs]
+        pg = None
+        while works:
+            works.pop(0).wait()
+    finally:
+        works.clear()
+        pg = None
+
+
 # --------------------------------------------------------------------------- backend
 class GlooBackend:
     """Controller and collective backend on ``torch.distributed`` Gloo process groups."""
@@ -201,6 +223,9 @@ class GlooBackend:
         # with its threads still running, which aborts the process).
         self._pgs: list[Any] = []
         self._groups: list[Group] = []
+        # ``allreduce_start``'s works not waited for yet, by number (emptied by close()).
+        self._in_flight: dict[int, Any] = {}
+        self._in_flight_seq = 0
         # The job's secret where this backend has one (the device plane keys its stores with it).
         self.job_secret: str | None = rendezvous.job_secret
         self._store: Any = rendezvous.store
@@ -270,19 +295,14 @@ class GlooBackend:
         out[self.rank] = row
         if self.size == 1:
             return out
-        world = self._world
         with self._translate("negotiation"):
             if self.size > ROWS_P2P_MAX:
-                world.allgather([[self._t(out[i]) for i in range(self.size)]], [self._t(out[self.rank])]).wait()
+                self._world.allgather([[self._t(out[i]) for i in range(self.size)]],
+                                      [self._t(out[self.rank])]).wait()
                 return out
             src = self._t(out[self.rank])
             peers = [j for j in range(self.size) if j != self.rank]
-            sends = [world.send([src], j, _ROWS_TAG) for j in peers]
-            recvs = [world.recv([self._t(out[j])], j, _ROWS_TAG) for j in peers]
-            for w in recvs:
-                w.wait()
-            for w in sends:
-                w.wait()
+            _p2p(self._world, [(src, j) for j in peers], [(self._t(out[j]), j) for j in peers], _ROWS_TAG)
         return out
 
     def _lengths(self, n: int, group: Group) -> np.ndarray:
@@ -415,13 +435,9 @@ class GlooBackend:
         rows = np.empty((p, buf.size), buf.dtype)
         rows[me] = buf
         src = self._t(rows[me])
+        peers = [j for j in range(p) if j != me]
         with self._translate("allreduce"):
-            sends = [group.handle.send([src], j, _SMALL_TAG) for j in range(p) if j != me]
-            recvs = [group.handle.recv([self._t(rows[j])], j, _SMALL_TAG) for j in range(p) if j != me]
-            for w in recvs:
-                w.wait()
-            for w in sends:
-                w.wait()
+            _p2p(group.handle, [(src, j) for j in peers], [(self._t(rows[j]), j) for j in peers], _SMALL_TAG)
         LOCAL_REDUCE[op].reduce(rows, axis=0, out=buf)
 
     def allreduce_start(self, buf: np.ndarray, op: ReduceOp, group: Group) -> Callable[[], None]:
@@ -437,13 +453,18 @@ class GlooBackend:
             return _done
         o = self._dist.AllreduceOptions()
         o.reduceOp = self._ops[op]  # type: ignore[assignment]
+        self._in_flight_seq = key = self._in_flight_seq + 1
         with self._translate("allreduce"):
-            work = group.handle.allreduce([self._t(buf.reshape(-1))], o)
-        translate = self._translate
+            self._in_flight[key] = group.handle.allreduce([self._t(buf.reshape(-1))], o)
+        translate, in_flight = self._translate, self._in_flight
 
         def wait() -> None:
+            # The work (it holds the Gloo context) is referenced from ``in_flight`` only, which
+            # close() empties: a wait never called (an earlier one failed) keeps no connection
+            # open, nor does the frame of one that failed (no local refers to the work).
             with translate("allreduce"):
-                work.wait()
+                if key in in_flight:
+                    in_flight.pop(key).wait()
         return wait
 
     def _allreduce_half(self, buf: np.ndarray, op: ReduceOp, group: Group) -> None:
@@ -570,13 +591,11 @@ class GlooBackend:
         received straight into place (Gloo's p2p is asynchronous; pairs keep their order)."""
         me, p = group.rank, group.size
         src = self._t(inp)
+        peers = [j for j in range(p) if j != me]
+        out[me * width:(me + 1) * width] = inp
         with self._translate("allgather"):
-            works = [group.handle.send([src], j, _ALLGATHER_TAG) for j in range(p) if j != me]
-            works += [group.handle.recv([self._t(out[j * width:(j + 1) * width])], j, _ALLGATHER_TAG)
-                      for j in range(p) if j != me]
-            out[me * width:(me + 1) * width] = inp
-            for w in works:
-                w.wait()
+            _p2p(group.handle, [(src, j) for j in peers],
+                 [(self._t(out[j * width:(j + 1) * width]), j) for j in peers], _ALLGATHER_TAG)
 
     def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int], op: ReduceOp,
                       group: Group) -> None:
@@ -639,11 +658,8 @@ class GlooBackend:
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group) -> None:
         with self._translate("sendrecv"):  # Gloo's send is asynchronous: no ordering by rank needed
-            s = group.handle.send([self._t(self._bytes(send))], peer, 0) if send.size else None
-            if recv.size:
-                group.handle.recv([self._t(self._bytes(recv))], peer, 0).wait()
-            if s is not None:
-                s.wait()
+            _p2p(group.handle, [(self._t(self._bytes(send)), peer)] if send.size else [],
+                 [(self._t(self._bytes(recv)), peer)] if recv.size else [], 0)
 
     def close(self) -> None:
         # Groups first (their handles are the only other references to the process groups),
@@ -652,6 +668,7 @@ class GlooBackend:
         for group in self._groups:
             group.handle = None
         self._groups.clear()
+        self._in_flight.clear()
         for pg in reversed(self._pgs):
             with contextlib.suppress(Exception):
                 pg.shutdown()
