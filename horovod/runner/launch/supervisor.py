@@ -129,7 +129,10 @@ class Supervisor:
         self.err = stderr or sys.stderr
         self.line_hook = line_hook
         self._write_lock = threading.Lock()
-        self._events: queue.Queue[_Event] = queue.Queue()
+        # A SimpleQueue: its put is reentrant, and the signal handler puts from the main thread
+        # at any point of the loop's own get (queue.Queue's put would wait forever for the lock
+        # that get holds there: a Ctrl-C that hangs horovodrun).
+        self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._markers: dict[int, protocol.ExitReport] = {}  # the shims' exit reports, by rank
         self._errors: dict[int, protocol.FailureRecord] = {}  # protocol.ERROR_MARKER records, by rank
         self._tails: dict[int | None, collections.deque[str]] = collections.defaultdict(
@@ -329,6 +332,7 @@ class Supervisor:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            self._late_signals()
             for proc in self._procs:
                 self._close_lifeline(proc)
                 if proc.returncode is None:
@@ -342,6 +346,19 @@ class Supervisor:
             for fh in self._files.values():
                 fh.close()
         return self._result()
+
+    def _late_signals(self) -> None:
+        """A SIGINT/SIGTERM/SIGHUP taken by the handler after the loop's last event (every process
+        had ended) still marks the job interrupted: the user's Ctrl-C is never lost (a monitor
+        would otherwise linger on after it, ``monitor.finish``)."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if (isinstance(event, _SignalReceived) and event.signum != signal.SIGUSR1
+                    and self._interrupted is None):
+                self._interrupted = signal.Signals(event.signum).name
 
     def _supervise(self) -> None:
         running = len(self._procs)

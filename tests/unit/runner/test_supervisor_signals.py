@@ -1,0 +1,71 @@
+"""The static supervisor never loses a Ctrl-C (``runner/launch/supervisor.py``).
+
+Its signal handler runs in the main thread, at any line the main thread is executing, the
+supervising loop's own wait for events included; and a signal taken after the loop's last event
+(every process had ended, the handler not yet given back) still marks the job interrupted, so
+that ``--monitor-linger`` does not keep horovodrun up after the user's Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import sys
+import threading
+from typing import Any
+
+from horovod.runner.launch.supervisor import Supervisor
+
+
+def test_the_handler_can_run_at_any_line_of_the_loops_wait_for_events() -> None:
+    # A signal's Python handler runs between two lines of whatever the main thread executes: here
+    # at every line executed while the loop waits for an event (with queue.Queue, inside its get,
+    # which holds the lock its put then waits for: horovodrun hung, its Ctrl-C lost).
+    sup = Supervisor([], 0)
+    got: list[Any] = []
+    calls = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and calls[0] < 50:
+            calls[0] += 1
+            sys.settrace(None)  # the handler itself runs untraced, as a signal handler would
+            try:
+                sup._on_signal(signal.SIGINT, None)
+            finally:
+                sys.settrace(tracer)
+        return tracer
+
+    def wait() -> Any:
+        return sup._events.get(timeout=0.2)  # as _supervise waits (its lines traced from here)
+
+    def loop() -> None:
+        sys.settrace(tracer)
+        try:
+            got.append(wait())
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the signal handler blocked inside the loop's wait for events"
+    assert got and type(got[0]).__name__ == "_SignalReceived" and got[0].signum == signal.SIGINT
+
+
+class _LateSignal(Supervisor):
+    def _supervise(self) -> None:
+        super()._supervise()
+        self._on_signal(signal.SIGINT, None)  # every process ended; the handler is still ours
+
+
+def test_a_signal_taken_after_the_last_event_marks_the_job_interrupted() -> None:
+    outcome = _LateSignal([], 0).run()
+    assert outcome.interrupted == "SIGINT"
+    assert outcome.returncode == 128 + signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_the_job_is_not_marked_interrupted_without_a_signal() -> None:
+    outcome = Supervisor([], 0).run()
+    assert outcome.interrupted is None and outcome.returncode == 0
+    assert isinstance(Supervisor([], 0)._events, queue.SimpleQueue)
