@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
@@ -339,6 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
         _configure_logging(settings)
         result = launch(settings)
+    except KeyboardInterrupt:
+        # A Ctrl-C while no supervisor held the signal (before any rank started, or while the
+        # ended job was collected): a line instead of a traceback, and no monitor left lingering.
+        _stop_monitors()
+        print("horovodrun: interrupted", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - our errors become a message, the rest propagates
         if not isinstance(exc, (errors.ConfigError, errors.LaunchError, errors.BackendUnavailableError)):
             raise
@@ -347,13 +354,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(result, str):
         print(result)
         return 0
-    if result.returncode != 0:
-        print(result.report(), file=sys.stderr)
+    interrupted = False
+    try:
+        if result.returncode != 0:
+            print(result.report(), file=sys.stderr)
+    except KeyboardInterrupt:  # the job had ended; the monitor does not linger after a Ctrl-C
+        interrupted = True
     if settings.monitor_port is not None:
-        from horovod.runner.monitor import linger
+        if interrupted:
+            _stop_monitors()
+        else:
+            from horovod.runner.monitor import linger
 
-        linger()
-    return result.returncode
+            linger()
+    return result.returncode or (128 + int(signal.SIGINT) if interrupted else 0)
+
+
+def _stop_monitors() -> None:
+    """Stop the monitors of ended jobs now (those ``--monitor-linger`` would keep up)."""
+    monitor = sys.modules.get("horovod.runner.monitor")
+    if monitor is not None:
+        monitor.stop_lingering()
 
 
 def run_commandline() -> None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from horovod.runner.job_outcome import JobOutcome
 
 __all__ = ["MonitorService", "JobState", "start_monitor", "worker_env", "record_result", "finish",
-           "linger"]
+           "linger", "stop_lingering"]
 
 # Services kept up after their job ended (--monitor-linger), with when to stop them.
 _LINGERING: list[tuple[MonitorService, float]] = []
@@ -93,5 +93,10 @@ def linger(out: IO[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        while _LINGERING:
-            _LINGERING.pop()[0].stop()
+        stop_lingering()
+
+
+def stop_lingering() -> None:
+    """Stop the services of ended jobs now."""
+    while _LINGERING:
+        _LINGERING.pop()[0].stop()

@@ -69,3 +69,48 @@ def test_the_job_is_not_marked_interrupted_without_a_signal() -> None:
     outcome = Supervisor([], 0).run()
     assert outcome.interrupted is None and outcome.returncode == 0
     assert isinstance(Supervisor([], 0)._events, queue.SimpleQueue)
+
+
+def _monitored_main(monkeypatch: Any, capsys: Any, launch: Any) -> tuple[int, str, Any]:
+    from horovod.common.rendezvous import make_secret
+    from horovod.runner import monitor
+    from horovod.runner.launch import horovodrun
+    from horovod.runner.monitor import JobState, MonitorService
+
+    svc = MonitorService(make_secret(), 0, state=JobState(2))
+
+    def fake_launch(settings: Any) -> Any:
+        monitor.finish(svc, None, linger=120)  # the ended job's monitor, left to linger
+        return launch()
+
+    monkeypatch.setattr(horovodrun, "launch", fake_launch)
+    try:
+        rc = horovodrun.main(["-np", "2", "--monitor-port", "0", "--monitor-linger", "120", "true"])
+    finally:
+        monitor.stop_lingering()
+    return rc, capsys.readouterr().err, monitor
+
+
+def test_a_ctrl_c_while_the_ended_job_is_collected_is_a_line_and_stops_the_monitor(monkeypatch: Any,
+                                                                                  capsys: Any) -> None:
+    # The supervisor had given the signal back; the launcher was still collecting the job.
+    def interrupted() -> Any:
+        raise KeyboardInterrupt
+    rc, err, monitor = _monitored_main(monkeypatch, capsys, interrupted)
+    assert rc == 128 + signal.SIGINT
+    assert "horovodrun: interrupted" in err and "Traceback" not in err
+    assert not monitor._LINGERING
+
+
+def test_a_ctrl_c_during_the_failure_report_ends_horovodrun_without_lingering(monkeypatch: Any,
+                                                                             capsys: Any) -> None:
+    from horovod.runner.job_outcome import JobOutcome
+
+    class Report(JobOutcome):
+        def report(self) -> str:
+            raise KeyboardInterrupt
+
+    rc, err, monitor = _monitored_main(monkeypatch, capsys, lambda: Report([], 1))
+    assert rc == 1
+    assert "monitor stays up" not in err
+    assert not monitor._LINGERING
