@@ -414,4 +414,6 @@ def test_elastic_job_rounds_and_workers(tmp_path: Path) -> None:
         assert "horovod_world_size 2" in text
     finally:
         job.proc.send_signal(signal.SIGINT)
-        job.wait(timeout=60)
+        rc = job.wait(timeout=60)
+    # the Ctrl-C ended the job (1000 steps would take 50 s more): nothing swallowed it
+    assert rc == 130 and "interrupted (SIGINT): every worker was stopped" in job.text, (rc, job.text[-3000:])
