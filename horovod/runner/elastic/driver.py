@@ -191,6 +191,10 @@ class ElasticDriver:
         self._slot_hangs: dict[Key, int] = {}
         self._last_check: float | None = None
         self.cv = threading.Condition()
+        # The signal that interrupted the launcher (its handler sets it, taking no lock): run()
+        # raises KeyboardInterrupt at its next turn even where the handler's own exception was
+        # lost (raised inside a finalizer, where Python only prints it).
+        self.interrupted: str | None = None
         self.workers: dict[Key, Worker] = {}
         self.round = -1
         self.members: list[Key] = []
@@ -350,6 +354,8 @@ class ElasticDriver:
         try:
             with self.cv:
                 while not self.done:
+                    if self.interrupted is not None:
+                        raise KeyboardInterrupt(self.interrupted)
                     self._step()
                     if self.done:
                         break

@@ -133,6 +133,7 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
 
         server.put(protocol.FUNC_SCOPE, protocol.FUNC_KEY, cloudpickle.dumps(call))
     restore_usr1 = _pass_on_usr1(live_workers, stderr or sys.stderr, write_lock)
+    restore_int = _note_sigint(driver)
     try:
         return session.run()
     except KeyboardInterrupt:
@@ -141,7 +142,29 @@ def launch_elastic(settings: LaunchSettings, *, environ: Mapping[str, str] | Non
                                driver.resets, list(driver.events))
         return JobOutcome(returncode=130, interrupted="SIGINT", error=result.error, elastic=result)
     finally:
+        restore_int()
         restore_usr1()
+
+
+def _note_sigint(driver: ElasticDriver) -> Callable[[], None]:
+    """Ctrl-C: the driver is told (``ElasticDriver.interrupted``, which its loop reads every 0.25 s)
+    before KeyboardInterrupt is raised as usual, so the job ends even where that exception is lost
+    (a signal handler's exception raised while the main thread runs a finalizer, such as a
+    generator's close, is printed and dropped: the job then trained on to its end). Returns what
+    puts the previous handler back (nothing to do off the main thread: nothing installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_sigint(signum: int, _frame: Any) -> None:
+        driver.interrupted = signal.Signals(signum).name
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler if old is None else old)
+
+    return restore
 
 
 def _pass_on_usr1(workers: Callable[[], list[WorkerProcess]], err: IO[str],

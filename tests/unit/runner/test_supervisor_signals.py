@@ -114,3 +114,49 @@ def test_a_ctrl_c_during_the_failure_report_ends_horovodrun_without_lingering(mo
     assert rc == 1
     assert "monitor stays up" not in err
     assert not monitor._LINGERING
+
+
+def test_an_elastic_ctrl_c_whose_exception_is_lost_still_ends_the_job() -> None:
+    # A signal handler's KeyboardInterrupt raised while the main thread runs a finalizer (here a
+    # generator's close) is printed and dropped by Python; the elastic driver then trained on
+    # (horovodrun stayed up until the job's end). The handler also tells the driver.
+    import pytest
+
+    from horovod.runner.elastic.discovery import FixedHosts, HostManager
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.launch.elastic import _note_sigint
+
+    class Proc:
+        def stop(self, grace: float = 5.0) -> None:
+            pass
+
+        def kill(self) -> None:
+            pass
+
+    driver = ElasticDriver(HostManager(FixedHosts({"a": 1})), 1, 1, None, lambda key, slot: Proc())
+    restore = _note_sigint(driver)
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+        assert callable(handler) and handler is not signal.default_int_handler
+
+        def step() -> Any:
+            try:
+                yield 1
+            finally:
+                handler(signal.SIGINT, None)  # the signal arrives while the generator is closed
+
+        lost: list[type] = []
+        hook, sys.unraisablehook = sys.unraisablehook, lambda u: lost.append(u.exc_type)
+        try:
+            g = step()
+            next(g)
+            del g  # the KeyboardInterrupt is lost ("Exception ignored in: <generator ...>")
+        finally:
+            sys.unraisablehook = hook
+        assert lost == [KeyboardInterrupt]
+        assert driver.interrupted == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            driver.run()  # at its first turn, not at the job's end
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
