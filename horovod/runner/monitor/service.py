@@ -247,7 +247,14 @@ class MonitorService:
             self._nonces[nonce] = now
         return mac
 
-    def stop(self) -> None:
-        self._server.shutdown()
+    def stop(self, wait: float = 5.0) -> None:
+        """Stop serving and close the port, within about ``wait`` seconds even if the serving
+        thread is stuck in a request: the launcher ends after its Ctrl-C whatever a client does
+        (``socketserver``'s shutdown() alone waits for the serving loop without a limit)."""
+        stopper = threading.Thread(target=self._server.shutdown, name="horovod-monitor-stop", daemon=True)
+        stopper.start()
+        stopper.join(wait)
+        if stopper.is_alive():
+            log.warning("monitor: the serving thread did not stop within %g s; closing its port", wait)
         self._server.server_close()
         self._thread.join(2.0)

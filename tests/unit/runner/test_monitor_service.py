@@ -176,7 +176,7 @@ def test_other_address_needs_the_read_token() -> None:
         conn.close()
         assert post(svc, report(0)) == 200  # reports are signed with the job secret instead
     finally:
-        svc.stop()
+        svc.stop(wait=1.0)
 
 
 def test_page_is_self_contained(service: MonitorService) -> None:
@@ -493,3 +493,34 @@ def test_a_job_interrupted_while_ending_does_not_linger(interrupted: str | None)
     finally:
         while monitor._LINGERING:  # an interrupted job's service was stopped by finish itself
             monitor._LINGERING.pop()[0].stop()
+
+
+def test_stop_ends_even_when_the_serving_thread_is_stuck_in_a_request() -> None:
+    # horovodrun stops its monitor after a Ctrl-C (the linger's end): a serving thread that never
+    # comes back from a request must not keep it up (socketserver's shutdown() waits without limit).
+    import socket
+    import threading
+    import time
+
+    svc = MonitorService(make_secret(), 0, state=JobState(2))
+    release = threading.Event()
+    entered = threading.Event()
+    real = svc._server.process_request
+
+    def stuck(request, client_address):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(60)
+        real(request, client_address)
+
+    svc._server.process_request = stuck  # type: ignore[method-assign]
+    client = socket.create_connection(("127.0.0.1", svc.port), timeout=10)
+    try:
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        svc.stop(wait=1.0)
+        assert time.monotonic() - t0 < 5.0
+        with pytest.raises(OSError):  # the port is closed
+            socket.create_connection(("127.0.0.1", svc.port), timeout=2).close()
+    finally:
+        release.set()
+        client.close()
