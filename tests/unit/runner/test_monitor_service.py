@@ -176,7 +176,7 @@ def test_other_address_needs_the_read_token() -> None:
         conn.close()
         assert post(svc, report(0)) == 200  # reports are signed with the job secret instead
     finally:
-        svc.stop(wait=1.0)
+        svc.stop()
 
 
 def test_page_is_self_contained(service: MonitorService) -> None:
