@@ -28,6 +28,9 @@ pytestmark = pytest.mark.integration
 
 SCRIPT = str(Path(__file__).resolve().parent / "bin" / "hang_worker.py")
 STALL = ["--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds", "11"]
+# The desync job: only its first report is read; the stall shutdown (which ends the job) comes 3 s
+# after it (its text is the same report, should a loaded machine skip the warning).
+DESYNC_STALL = ["--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds", "8"]
 _REPORT = re.compile(r"^\[0\]<stderr>:\[[^\]]* (WARNING|ERROR) horovod rank 0\] Stall: ", re.M)
 
 
@@ -54,10 +57,42 @@ def _report_blocks(stderr: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_stuck_rank_reported_with_its_stack_once_per_period(mode: str, tmp_path: Path) -> None:
-    fifo = tmp_path / "never"
-    os.mkfifo(fifo)
-    res = horovodrun(*_mode_args(mode), "-np", "3", *STALL, "python", SCRIPT, "stuck", str(fifo), timeout=180)
+@pytest.fixture(scope="module")
+def stall_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], subprocess.CompletedProcess[str]]:
+    """The stuck-rank and the desync job of both modes, run at once: each mostly waits, idle, for
+    its stall shutdown (11 s and 8 s), so together they take about as long as the longest."""
+    procs: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+    for kind, stall in (("stuck", STALL), ("desync", DESYNC_STALL)):
+        for m in ("mpi", "gloo"):
+            where = tmp_path_factory.mktemp(f"{kind}-{m}")
+            arg = where / ("never" if kind == "stuck" else "unused")
+            if kind == "stuck":
+                os.mkfifo(arg)
+            procs[(kind, m)] = subprocess.Popen(
+                horovodrun_argv(*_mode_args(m), "-np", "3", *stall, "python", SCRIPT, kind, str(arg)),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=launcher_env(None), cwd=str(REPO))
+    out: dict[tuple[str, str], subprocess.CompletedProcess[str]] = {}
+    try:
+        for key, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+                stderr += b"\n(test: horovodrun killed after 180 s)"
+            # Decoded by hand: text=True would turn the workers' carriage returns into newlines.
+            out[key] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.decode(), stderr.decode())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def test_stuck_rank_reported_with_its_stack_once_per_period(
+        mode: str, stall_jobs: dict[tuple[str, str], subprocess.CompletedProcess[str]]) -> None:
+    res = stall_jobs[("stuck", mode)]
     assert res.returncode != 0, res.stdout + res.stderr
     assert "DONE" not in res.stdout
     reports = _report_blocks(res.stderr)
@@ -86,12 +121,9 @@ def test_stuck_rank_reported_with_its_stack_once_per_period(mode: str, tmp_path:
     assert "[1]<stderr>:  rank 2 (host" in err1 and "load_batch" in err1
 
 
-def test_desync_reported_as_such_with_both_names(mode: str, tmp_path: Path) -> None:
-    # Only the first report is read: the stall shutdown (which ends the job) comes 3 s after it,
-    # not 11 s (its text is the same report, should a loaded machine skip the warning).
-    stall = ["--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds", "8"]
-    res = horovodrun(*_mode_args(mode), "-np", "3", *stall, "python", SCRIPT, "desync", str(tmp_path / "unused"),
-                     timeout=180)
+def test_desync_reported_as_such_with_both_names(
+        mode: str, stall_jobs: dict[tuple[str, str], subprocess.CompletedProcess[str]]) -> None:
+    res = stall_jobs[("desync", mode)]
     assert res.returncode != 0, res.stdout + res.stderr
     reports = _report_blocks(res.stderr)
     assert reports, res.stderr
