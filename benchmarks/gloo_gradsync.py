@@ -4,7 +4,7 @@
     horovodrun --gloo -np 2 python benchmarks/gloo_gradsync.py --modes hvd,ddp-bucket --reps 15
 
 Every mode runs in the same processes, one after the other in each repetition (after a barrier on
-the raw process group), so machine noise hits them alike. Raw modes run on a
+the raw process group; each repetition starts one mode later), so machine noise hits them alike. Raw modes run on a
 ``torch.distributed`` Gloo process group of their own (``init_process_group`` on a port rank 0
 picks), the one DDP would use:
 
@@ -20,7 +20,7 @@ picks), the one DDP would use:
                  (what ``DistributedOptimizer`` does)
   hvd-grouped    one ``grouped_allreduce_`` of all gradients
   hvd-flat       ``grouped_allreduce_`` of gradients that are views of one flat tensor
-  hvd, hvd-grouped, hvd-flat run with the engine's default piece sizes (on Gloo 8 MiB pieces,
+  hvd, hvd-grouped, hvd-flat run with the engine's default piece sizes (on Gloo 16 MiB pieces,
                  tensors of 1 MiB and more reduced where they lie; ``GlooBackend.piece_sizes``)
   hvd-c<k>, hvd-grouped-c<k>, hvd-flat-c<k>   with pieces of k MiB as ``HOROVOD_CHUNK_BYTES``
                  set by a user (every tensor below one piece packed; --chunks). ``hvd-c2`` is
@@ -309,8 +309,12 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in modes}
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in modes}
     loads = [os.getloadavg()[0]]
-    for _ in range(args.reps):
-        for k, fn in modes.items():
+    order = list(modes.items())
+    for rep in range(args.reps):
+        # each repetition starts one mode later (the same order on every rank), so that no mode
+        # always runs right after the same one
+        at = rep % len(order)
+        for k, fn in order[at:] + order[:at]:
             dist.barrier()
             brk.reset()
             t0 = time.perf_counter()

@@ -103,7 +103,7 @@ class EngineConfig:
         "HOROVOD_CHUNK_BYTES", -1,
         "Piece size in bytes of CPU reductions: the fusion buffer and large tensors are reduced in "
         "pieces of at most this size, each scaled while hot in cache (0: one transport call per "
-        "buffer). Unset (-1): the transport's own, 2 MiB on MPI, 8 MiB on Gloo (where tensors of "
+        "buffer). Unset (-1): the transport's own, 2 MiB on MPI, 16 MiB on Gloo (where tensors of "
         "1 MiB and more are then reduced where they lie, not packed).", _parse_int, minimum=0)
     overlap_gradients: str = _setting(
         "HOROVOD_OVERLAP_GRADIENTS", "",

@@ -2,8 +2,8 @@
 
 Small pieces (``HOROVOD_CHUNK_BYTES=4096``) cut every large tensor into many calls, with tails and
 small tensors packed across piece boundaries; the Gloo plane's own large pieces (no
-``HOROVOD_CHUNK_BYTES``) reduce tensors around 1 and 8 MiB in four dtypes, copying only the small
-ones; each rank contributes different values, and every
+``HOROVOD_CHUNK_BYTES``) reduce tensors around 1 MiB and one piece in four dtypes, copying only
+the small ones; each rank contributes different values, and every
 rank checks every element against the exact sum. The same run with ``HOROVOD_GLOO_PIPELINE=0``
 reduces one call at a time. A spy on the backend counts the calls started asynchronously and the
 most in flight at once; another counts fusion-buffer packs (none for views of one flat tensor).
@@ -113,11 +113,11 @@ def _cases():
 
 
 def _default_pieces():
-    """The Gloo plane's own piece sizes (no ``HOROVOD_CHUNK_BYTES``): 8 MiB pieces, tensors of
-    1 MiB and more as calls of their own. Tensors around both sizes (a 9.2 MiB one whose 1.2 MiB
-    tail is a call of its own, an 8.4 MiB one whose 0.4 MiB tail is packed, 1-8 MiB ones reduced
-    where they lie, small ones packed between them) in float32, float64, float16 and int32;
-    separate, grouped, out of place (Average) and views of one flat buffer per dtype."""
+    """The Gloo plane's own piece sizes (no ``HOROVOD_CHUNK_BYTES``): pieces of P = 16 MiB,
+    tensors of A = 1 MiB and more as calls of their own. Tensors around both sizes (one of
+    P + 1.2 A whose tail is a call of its own, one of P + 0.4 A whose tail is packed, 1.5 A and A
+    reduced where they lie, 0.9 A and small ones packed between them) in float32, float64, float16
+    and int32; separate, grouped, out of place (Average) and views of one flat buffer per dtype."""
     import numpy as np
     import torch
 
@@ -140,12 +140,12 @@ def _default_pieces():
     pieces = (tun.chunk_bytes, tun.alone_bytes)
     assert pieces == gloo_backend.GlooBackend.piece_sizes, pieces
     bad: list[str] = []
-    MiB = 1 << 20
+    P, A = pieces
 
     def shapes_for(item: int) -> list[tuple[int, ...]]:
-        # in bytes of the dtype: 9.2 MiB, small, 1.5 MiB, 8.4 MiB, small, 1 MiB exactly, 0.9 MiB
-        return [(3,), (int(9.2 * MiB) // item,), (7, 11), (int(1.5 * MiB) // item // 4, 4), (5,),
-                (int(8.4 * MiB) // item,), (1,), (MiB // item,), (int(0.9 * MiB) // item,), (300,)]
+        # in bytes of the dtype: P + 1.2 A, small, 1.5 A, P + 0.4 A, small, A exactly, 0.9 A
+        return [(3,), (int(P + 1.2 * A) // item,), (7, 11), (int(1.5 * A) // item // 4, 4), (5,),
+                (int(P + 0.4 * A) // item,), (1,), (A // item,), (int(0.9 * A) // item,), (300,)]
 
     import functools
 
@@ -212,7 +212,7 @@ def test_default_large_pieces_reduce_exactly_and_copy_only_small_tensors(np_, mo
     monkeypatch.delenv("HOROVOD_CHUNK_BYTES", raising=False)
     for bad, pieces, most, flat_packs in run_ranks(_default_pieces, np=np_, timeout=300, launcher=_gloo(np_)):
         assert not bad, bad
-        assert pieces == (8 << 20, 1 << 20)
+        assert pieces == (16 << 20, 1 << 20)
         # only tensors (and tails) below 1 MiB went through a fusion buffer
         assert 0 < most < pieces[1], most
         assert flat_packs == 0, f"views of one flat buffer were packed {flat_packs} times"

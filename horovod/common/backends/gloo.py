@@ -165,7 +165,7 @@ _SMALL_TAG = 0x4152
 
 
 # The Gloo plane's piece sizes (``GlooBackend.piece_sizes``; docs/performance.md).
-GLOO_PIECE_BYTES = 8 << 20
+GLOO_PIECE_BYTES = 16 << 20
 GLOO_ALONE_BYTES = 1 << 20
 
 

@@ -1,6 +1,6 @@
 """A transport's own piece sizes (``tunables.piece_sizes``) and the planner's ``alone`` bytes.
 
-* Unset ``HOROVOD_CHUNK_BYTES``: the Gloo backend's pieces (8 MiB, tensors of 1 MiB and more as
+* Unset ``HOROVOD_CHUNK_BYTES``: the Gloo backend's pieces (16 MiB, tensors of 1 MiB and more as
   calls of their own); a backend that declares none (MPI) keeps 2 MiB, as before.
 * Set by the user: that value, with its meaning unchanged (every tensor below a piece packed).
 * ``alone`` bytes: items and tails of at least that size are calls of their own, nothing is lost
