@@ -54,11 +54,12 @@ def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: i
     reduction runs in). ``cut``: items above it are never packed (``max_tensor_bytes``); ``fuse``:
     whether packing is enabled at all; ``widen``: the reduction runs in a wider dtype than the
     tensors (every element then goes through a buffer, so everything is packed); ``alone_bytes``:
-    on a chunked schedule, items (and tails) of at least this many bytes are calls of their own,
-    never packed (0, or above the piece size: the piece size)."""
+    on a chunked schedule without widening, items (and tails) of at least this many bytes are
+    calls of their own, never packed (0, or above the piece size: the piece size)."""
     chunk = chunk_bytes // itemsize if chunk_bytes > 0 else 0
     alone = chunk
-    if chunk > 0 and 0 < alone_bytes < chunk_bytes:
+    if chunk > 0 and not widen and 0 < alone_bytes < chunk_bytes:
+        # (a widened reduction copies every element through the buffer anyway: packed, fewer calls)
         alone = max(1, -(-alone_bytes // itemsize))
     if chunk > 0:
         cap = chunk

@@ -140,3 +140,10 @@ def test_the_executor_plans_with_the_tunables_alone_bytes() -> None:
         assert backend.calls == want, (alone, backend.calls)
         for i, x in enumerate(xs):
             assert (x == 2 * (i + 1)).all()
+
+
+def test_a_widened_reduction_ignores_alone() -> None:
+    """Every element of a widened reduction goes through the buffer: packed as before."""
+    for alone in (0, 1024, 2048):
+        assert plan_reduction(SIZES, 4, 4096, 1 << 30, True, True, alone) == \
+            plan_reduction(SIZES, 4, 4096, 1 << 30, True, True)
