@@ -4,7 +4,7 @@
     horovodrun --gloo -np 2 python benchmarks/gloo_gradsync.py --modes hvd,ddp-bucket --reps 15
 
 Every mode runs in the same processes, one after the other in each repetition (after a barrier on
-the raw process group), so machine noise hits them alike. Raw modes run on a
+the raw process group; each repetition starts one mode later), so machine noise hits them alike. Raw modes run on a
 ``torch.distributed`` Gloo process group of their own (``init_process_group`` on a port rank 0
 picks), the one DDP would use:
 
@@ -20,15 +20,23 @@ picks), the one DDP would use:
                  (what ``DistributedOptimizer`` does)
   hvd-grouped    one ``grouped_allreduce_`` of all gradients
   hvd-flat       ``grouped_allreduce_`` of gradients that are views of one flat tensor
-  hvd-c<k>, hvd-flat-c<k>   hvd / hvd-flat with pieces of k MiB (``HOROVOD_CHUNK_BYTES``; --chunks)
+  hvd, hvd-grouped, hvd-flat run with the engine's default piece sizes (on Gloo 16 MiB pieces,
+                 tensors of 1 MiB and more reduced where they lie; ``GlooBackend.piece_sizes``)
+  hvd-c<k>, hvd-grouped-c<k>, hvd-flat-c<k>   with pieces of k MiB as ``HOROVOD_CHUNK_BYTES``
+                 set by a user (every tensor below one piece packed; --chunks). ``hvd-c2`` is
+                 the Gloo plane's schedule before its own piece sizes (the MPI plane's 2 MiB)
+  hvd-c<k>a<m>   hvd with pieces of k MiB, tensors of m MiB and more calls of their own (--alone)
+  hvd-p<d>, hvd-flat-p<d>   hvd / hvd-flat with d reductions in flight (``HOROVOD_GLOO_PIPELINE``,
+                 default 2; --depths)
   *-before       an hvd mode with the engine as before the Gloo plane's pipelining: one reduction
                  at a time, tensors on 4 KiB pages copied through the fusion buffer
 
 Rank 0 prints one JSON line per mode: the median ms, the ratio to ``ddp-bucket``, and for the
 hvd modes the breakdown of a step (median per step, ms): ``transport`` (inside the Gloo backend's
 collective calls; with pipelined pieces, starting them and blocking until each ends), ``copy``
-(packing into and unpacking out of fusion buffers, scaling included) and ``other`` (the rest:
-submission, negotiation, the engine thread's wake-up, synchronize). ``--json FILE`` appends them
+(packing into and unpacking out of fusion buffers, scaling included), ``scale`` (scaling in the
+tensors' own memory: Average's division of what was reduced in place, prescaling) and ``other``
+(the rest: submission, negotiation, the engine thread's wake-up, synchronize). ``--json FILE`` appends them
 to a file. The load average is printed with them.
 """
 
@@ -62,6 +70,9 @@ parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--modes", default="", help="comma-separated subset of the modes (default: all)")
 parser.add_argument("--pieces", default=PIECES_MIB, help="piece sizes (MiB) of the raw-seq/raw-pipe modes")
 parser.add_argument("--chunks", default="1,4,8", help="piece sizes (MiB) of the hvd-c<k> / hvd-flat-c<k> modes")
+parser.add_argument("--alone", default="0.5,1,2",
+                    help="sizes (MiB) from which tensors are calls of their own, for hvd-c<k>a<m> modes")
+parser.add_argument("--depths", default="1,3,4", help="reductions in flight of the hvd-p<d> modes")
 parser.add_argument("--json", default=None, help="append the results to this file (rank 0)")
 
 
@@ -93,7 +104,7 @@ class Breakdown:
         from horovod.common.context import get_context
 
         eng = get_context().engine
-        self.acc = {"transport": 0.0, "copy": 0.0}
+        self.acc = {"transport": 0.0, "copy": 0.0, "scale": 0.0}
         ex = getattr(eng, "_executor", None)
         self._wrapped: list[tuple[Any, str]] = []
         self._wrap(eng.backend, "allreduce", "transport")
@@ -103,6 +114,7 @@ class Breakdown:
         if ops is not None:
             for name in ("pack", "unpack"):
                 self._wrap(ops, name, "copy")
+            self._wrap(ops, "scale", "scale")  # in place: Average's division, prescaling
 
     def _wrap(self, obj: Any, attr: str, key: str, waits: bool = False) -> None:
         inner = getattr(obj, attr)
@@ -250,19 +262,39 @@ def main() -> None:
     modes.update({"hvd-before": before(hvd_async), "hvd-grouped-before": before(hvd_grouped),
                   "hvd-flat-before": before(hvd_flat)})
 
-    def chunked(fn: Callable[[], None], nbytes: int) -> Callable[[], None]:
-        """``fn`` with pieces of ``nbytes`` (``HOROVOD_CHUNK_BYTES``; set alike on every rank)."""
+    def chunked(fn: Callable[[], None], nbytes: int, alone: int = 0) -> Callable[[], None]:
+        """``fn`` with pieces of ``nbytes`` and tensors of ``alone`` bytes and more as calls of
+        their own (0: as ``HOROVOD_CHUNK_BYTES`` set by a user: tensors below one piece packed);
+        set alike on every rank."""
         def run() -> None:
-            saved, eng.tunables.chunk_bytes = eng.tunables.chunk_bytes, nbytes
+            tun = eng.tunables
+            saved = tun.chunk_bytes, tun.alone_bytes
+            tun.chunk_bytes, tun.alone_bytes = nbytes, alone
             try:
                 fn()
             finally:
-                eng.tunables.chunk_bytes = saved
+                tun.chunk_bytes, tun.alone_bytes = saved
         return run
 
     for k in (float(x) for x in args.chunks.split(",") if x):
         modes[f"hvd-c{k:g}"] = chunked(hvd_async, int(k * 2**20))
+        modes[f"hvd-grouped-c{k:g}"] = chunked(hvd_grouped, int(k * 2**20))
         modes[f"hvd-flat-c{k:g}"] = chunked(hvd_flat, int(k * 2**20))
+        for m in (float(x) for x in args.alone.split(",") if x):
+            modes[f"hvd-c{k:g}a{m:g}"] = chunked(hvd_async, int(k * 2**20), int(m * 2**20))
+    def deep(fn: Callable[[], None], depth: int) -> Callable[[], None]:
+        """``fn`` with ``depth`` reductions in flight (``HOROVOD_GLOO_PIPELINE``; alike on every rank)."""
+        def run() -> None:
+            saved, eng.backend.pipeline = eng.backend.pipeline, depth
+            try:
+                fn()
+            finally:
+                eng.backend.pipeline = saved
+        return run
+
+    for d in (int(x) for x in args.depths.split(",") if x):
+        modes[f"hvd-p{d}"] = deep(hvd_async, d)
+        modes[f"hvd-flat-p{d}"] = deep(hvd_flat, d)
     if args.modes:
         keep = args.modes.split(",")
         unknown = [m for m in keep if m not in modes]
@@ -277,8 +309,12 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in modes}
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in modes}
     loads = [os.getloadavg()[0]]
-    for _ in range(args.reps):
-        for k, fn in modes.items():
+    order = list(modes.items())
+    for rep in range(args.reps):
+        # each repetition starts one mode later (the same order on every rank), so that no mode
+        # always runs right after the same one
+        at = rep % len(order)
+        for k, fn in order[at:] + order[:at]:
             dist.barrier()
             brk.reset()
             t0 = time.perf_counter()
@@ -300,9 +336,11 @@ def main() -> None:
             if k.startswith("hvd"):
                 tr = [p["transport"] for p in parts[k]]
                 cp = [p["copy"] for p in parts[k]]
+                sc = [p["scale"] for p in parts[k]]
                 row["transport_ms"] = round(statistics.median(tr) * 1e3, 2)
                 row["copy_ms"] = round(statistics.median(cp) * 1e3, 2)
-                row["other_ms"] = round(statistics.median(t - a - b for t, a, b in zip(ts, tr, cp)) * 1e3, 2)
+                row["scale_ms"] = round(statistics.median(sc) * 1e3, 2)
+                row["other_ms"] = round(statistics.median(t - a - b - c for t, a, b, c in zip(ts, tr, cp, sc)) * 1e3, 2)
             print(json.dumps(row), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

@@ -100,10 +100,11 @@ class EngineConfig:
         "engine's huge-page buffers (faster than the transport's walk over 4 KiB pages even with the "
         "copies).", _parse_int, minimum=0)
     chunk_bytes: int = _setting(
-        "HOROVOD_CHUNK_BYTES", 2 * 1024 * 1024,
+        "HOROVOD_CHUNK_BYTES", -1,
         "Piece size in bytes of CPU reductions: the fusion buffer and large tensors are reduced in "
         "pieces of at most this size, each scaled while hot in cache (0: one transport call per "
-        "buffer).", _parse_int, minimum=0)
+        "buffer). Unset (-1): the transport's own, 2 MiB on MPI, 16 MiB on Gloo (where tensors of "
+        "1 MiB and more are then reduced where they lie, not packed).", _parse_int, minimum=0)
     overlap_gradients: str = _setting(
         "HOROVOD_OVERLAP_GRADIENTS", "",
         "1: reduce the optimizer's gradients in the background while the backward pass runs; 0: hold "

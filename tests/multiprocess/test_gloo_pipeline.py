@@ -1,7 +1,9 @@
 """The Gloo data plane's pipelined reductions on real ranks (``horovodrun --gloo``, np=2 and np=3).
 
 Small pieces (``HOROVOD_CHUNK_BYTES=4096``) cut every large tensor into many calls, with tails and
-small tensors packed across piece boundaries; each rank contributes different values, and every
+small tensors packed across piece boundaries; the Gloo plane's own large pieces (no
+``HOROVOD_CHUNK_BYTES``) reduce tensors around 1 MiB and one piece in four dtypes, copying only
+the small ones; each rank contributes different values, and every
 rank checks every element against the exact sum. The same run with ``HOROVOD_GLOO_PIPELINE=0``
 reduces one call at a time. A spy on the backend counts the calls started asynchronously and the
 most in flight at once; another counts fusion-buffer packs (none for views of one flat tensor).
@@ -108,6 +110,112 @@ def _cases():
     flat_packs = seen["packs"] - packs_before
     hvd.shutdown()
     return bad, seen, flat_packs
+
+
+def _default_pieces():
+    """The Gloo plane's own piece sizes (no ``HOROVOD_CHUNK_BYTES``): pieces of P = 16 MiB,
+    tensors of A = 1 MiB and more as calls of their own. Tensors around both sizes (one of
+    P + 1.2 A whose tail is a call of its own, one of P + 0.4 A whose tail is packed, 1.5 A and A
+    reduced where they lie, 0.9 A and small ones packed between them) in float32, float64, float16
+    and int32; separate, grouped, out of place (Average) and views of one flat buffer per dtype."""
+    import numpy as np
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.context import get_context
+    from horovod.common.engine import buffers
+
+    packed: list[int] = []  # bytes of every packed segment (a copy into a fusion buffer)
+    pack = buffers.NumpyBuffers.pack
+
+    def spy_pack(self, buf, items, segs, pre, widen):
+        packed.extend((e - s) * items[i].x.itemsize for i, s, e, _ in segs)
+        return pack(self, buf, items, segs, pre, widen)
+    buffers.NumpyBuffers.pack = spy_pack
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    tun = get_context().engine.tunables
+    pieces = (tun.chunk_bytes, tun.alone_bytes)
+    assert pieces == gloo_backend.GlooBackend.piece_sizes, pieces
+    bad: list[str] = []
+    P, A = pieces
+
+    def shapes_for(item: int) -> list[tuple[int, ...]]:
+        # in bytes of the dtype: P + 1.2 A, small, 1.5 A, P + 0.4 A, small, A exactly, 0.9 A
+        return [(3,), (int(P + 1.2 * A) // item,), (7, 11), (int(1.5 * A) // item // 4, 4), (5,),
+                (int(P + 0.4 * A) // item,), (1,), (A // item,), (int(0.9 * A) // item,), (300,)]
+
+    import functools
+
+    @functools.cache
+    def base(numel):
+        return torch.arange(numel, dtype=torch.float64) % 17
+
+    def contribution(k, shape, i, dtype):
+        return (base(int(np.prod(shape))) * (k + 1) + i).to(dtype).reshape(shape)
+
+    @functools.cache
+    def expected(s, i, dtype, average):
+        want = base(int(np.prod(s))) * (n * (n + 1) // 2) + n * i  # the sum over ranks, exact
+        return (want / n if average else want).to(dtype).reshape(s)
+
+    def check(label, got, shapes, dtype, average=False):
+        for i, (g, s) in enumerate(zip(got, shapes)):
+            want = expected(s, i, dtype, average)
+            if not torch.equal(g, want):
+                at = int((g.reshape(-1) != want.reshape(-1)).nonzero()[0, 0])
+                bad.append(f"rank {r} {label} tensor {i} {tuple(s)}: element {at} is "
+                           f"{g.reshape(-1)[at].item()}, expected {want.reshape(-1)[at].item()}")
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.int32):
+        item = torch.tensor([], dtype=dtype).element_size()
+        shapes = shapes_for(item)
+        ts = [contribution(r, s, i, dtype) for i, s in enumerate(shapes)]
+        hvd.grouped_allreduce_(ts, name=f"big.grouped.{dtype}", op=hvd.Sum)
+        check(f"grouped {dtype}", ts, shapes, dtype)
+        ts = [contribution(r, s, i, dtype) for i, s in enumerate(shapes)]
+        handles = [hvd.allreduce_async_(t, name=f"big.async.{dtype}.{i}", op=hvd.Sum) for i, t in enumerate(ts)]
+        for h in handles:
+            hvd.synchronize(h)
+        check(f"async {dtype}", ts, shapes, dtype)
+        if dtype in (torch.float32, torch.float64):
+            ts = [contribution(r, s, i, dtype) for i, s in enumerate(shapes)]
+            outs = hvd.grouped_allreduce(ts, name=f"big.oop.{dtype}", op=hvd.Average)
+            check(f"out of place average {dtype}", outs, shapes, dtype, average=True)
+    most = max(packed)
+    # views of one flat buffer per dtype, float32 and float64 at once: no copy at all
+    before = len(packed)
+    views = {}
+    for dtype in (torch.float32, torch.float64):
+        shapes = shapes_for(torch.tensor([], dtype=dtype).element_size())
+        flat = torch.cat([contribution(r, s, i, dtype).reshape(-1) for i, s in enumerate(shapes)])
+        vs, o = [], 0
+        for s in shapes:
+            k = int(np.prod(s))
+            vs.append(flat[o:o + k].view(s))
+            o += k
+        views[dtype] = (vs, shapes)
+    handles = [hvd.grouped_allreduce_async_(views[d][0], name=f"big.flat.{d}", op=hvd.Average) for d in views]
+    for h in handles:
+        hvd.synchronize(h)
+    for d, (vs, shapes) in views.items():
+        check(f"flat views {d}", vs, shapes, d, average=True)
+    flat_packs = len(packed) - before
+    hvd.shutdown()
+    return bad, pieces, most, flat_packs
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_default_large_pieces_reduce_exactly_and_copy_only_small_tensors(np_, monkeypatch):
+    monkeypatch.delenv("HOROVOD_CHUNK_BYTES", raising=False)
+    for bad, pieces, most, flat_packs in run_ranks(_default_pieces, np=np_, timeout=300, launcher=_gloo(np_)):
+        assert not bad, bad
+        assert pieces == (16 << 20, 1 << 20)
+        # only tensors (and tails) below 1 MiB went through a fusion buffer
+        assert 0 < most < pieces[1], most
+        assert flat_packs == 0, f"views of one flat buffer were packed {flat_packs} times"
 
 
 def _gloo(np_: int) -> list[str]:

@@ -164,6 +164,11 @@ SMALL_P2P_BYTES = 16 * 1024
 _SMALL_TAG = 0x4152
 
 
+# The Gloo plane's piece sizes (``GlooBackend.piece_sizes``; docs/performance.md).
+GLOO_PIECE_BYTES = 16 << 20
+GLOO_ALONE_BYTES = 1 << 20
+
+
 def _done() -> None:
     """The wait of a reduction that finished when it was started."""
 
@@ -199,6 +204,12 @@ class GlooBackend:
     #: buffers (Open MPI's single-copy transfer pins pages; Gloo sends from and receives into any
     #: memory over its sockets, so tensors are reduced where they lie: ``placement.HostPlacement``)
     pins_pages = False
+    #: (piece size, alone bytes) of this transport's reductions when ``HOROVOD_CHUNK_BYTES`` is not
+    #: set (``tunables.piece_sizes``): each Gloo call costs a hand-off to a process-group thread and
+    #: a ring of messages, so larger pieces than MPI's 2 MiB pay, and tensors of ``alone`` bytes
+    #: and more are calls of their own where they lie (copying them into large packed pieces
+    #: would cost more than the calls save). docs/performance.md, "The Gloo data plane".
+    piece_sizes = (GLOO_PIECE_BYTES, GLOO_ALONE_BYTES)
 
     def __init__(self, config: EngineConfig, rendezvous: StoreRendezvous) -> None:
         check_torch()

@@ -194,12 +194,12 @@ class Executor:
     CALLS_MEMO_SIZE = StepMemo.CALLS
 
     def _plan_reduction(self, sizes: Sequence[int], itemsize: int, chunk: int, cut: int, fuse: bool,
-                        widen: bool = False) -> tuple[Call, ...]:
+                        widen: bool = False, alone: int = 0) -> tuple[Call, ...]:
         """``plan.plan_reduction``, memoized on all of its arguments."""
-        key = (tuple(sizes), itemsize, chunk, cut, fuse, widen)
+        key = (tuple(sizes), itemsize, chunk, cut, fuse, widen, alone)
         calls = self._calls.get(key)
         if calls is None:
-            calls = plan_reduction(sizes, itemsize, chunk, cut, fuse, widen)
+            calls = plan_reduction(sizes, itemsize, chunk, cut, fuse, widen, alone)
             if len(self._calls) >= self.CALLS_MEMO_SIZE:
                 self._calls.clear()
             self._calls[key] = calls
@@ -308,7 +308,7 @@ class Executor:
         else:
             items, sizes = self._flat_items(batch, items, starts, groups, index)
         calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
-                                     self.fusion_enabled, red.widen)
+                                     self.fusion_enabled, red.widen, self.tunables.alone_bytes if chunk else 0)
         carried = self.carried  # the data came with the negotiation: no transport call
         if carried is None:
             # Several calls in flight where the transport has asynchronous reductions (Gloo), unless

@@ -99,7 +99,7 @@ class Engine:
         self._stall_shutdown: str | None = None
         # Speed knobs, read afresh every round/batch (an autotuner changes them at run time).
         local_size = hostnames.count(hostnames[self.rank]) if hostnames else 1
-        self.tunables = Tunables.from_config(config, local_size)
+        self.tunables = Tunables.from_config(config, local_size, backend=backend)
         self._last_round = 0.0  # when the engine thread last started a round (perf_counter)
         # What callers submit (``tensor_queue.py``); its submission methods are the engine's.
         self.queue = TensorQueue(clock, self.tunables, self.help_until)

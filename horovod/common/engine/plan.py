@@ -8,11 +8,16 @@ tensors) is the buffer operations' (``buffers``).
 
 The schedule (``Tunables.chunk_bytes`` = ``chunk`` bytes, ``max_tensor_bytes`` = ``cut``):
 
-* chunked (``chunk`` > 0, the host default): an item of at least one piece (or above ``cut``) is
-  cut into whole pieces, each a call alone (``PIECE``); its short tail (at most ``cut`` bytes),
-  the small items and, when the reduction widens the dtype, everything else fill a packed call of
+* chunked (``chunk`` > 0, the host default): an item of at least ``alone`` bytes (default: one
+  piece; ``Tunables.alone_bytes``) or above ``cut`` is cut into whole pieces of at most one piece,
+  each a call alone (``PIECE``); its short tail (at most ``cut`` bytes, and below ``alone``), the
+  small items and, when the reduction widens the dtype, everything else fill a packed call of
   one piece (``PACKED``), which is flushed when full and before the next item's pieces begin (so
-  that views of one flat buffer form runs that may be reduced where they lie);
+  that views of one flat buffer form runs that may be reduced where they lie). With ``alone``
+  below the piece size (the Gloo plane's large pieces), an item between the two is one call of
+  its own, reduced where it lies, rather than copied into a packed piece, and the packed call is
+  flushed only when full (the small items between large ones, a model's biases and norms, would
+  otherwise make as many tiny calls);
 * unchunked (``chunk`` 0, the device planes): items above ``cut`` are one call each (``WHOLE``),
   the others share one packed call after them;
 * without fusion every item is a call of its own.
@@ -44,12 +49,18 @@ class Call(NamedTuple):
 
 
 def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: int, fuse: bool,
-                   widen: bool = False) -> tuple[Call, ...]:
+                   widen: bool = False, alone_bytes: int = 0) -> tuple[Call, ...]:
     """The ordered calls reducing items of ``sizes`` elements of ``itemsize`` bytes (the dtype the
     reduction runs in). ``cut``: items above it are never packed (``max_tensor_bytes``); ``fuse``:
     whether packing is enabled at all; ``widen``: the reduction runs in a wider dtype than the
-    tensors (every element then goes through a buffer, so everything is packed)."""
+    tensors (every element then goes through a buffer, so everything is packed); ``alone_bytes``:
+    on a chunked schedule without widening, items (and tails) of at least this many bytes are
+    calls of their own, never packed (0, or above the piece size: the piece size)."""
     chunk = chunk_bytes // itemsize if chunk_bytes > 0 else 0
+    alone = chunk
+    if chunk > 0 and not widen and 0 < alone_bytes < chunk_bytes:
+        # (a widened reduction copies every element through the buffer anyway: packed, fewer calls)
+        alone = max(1, -(-alone_bytes // itemsize))
     if chunk > 0:
         cap = chunk
     else:  # one packed call for everything that is packed
@@ -64,9 +75,9 @@ def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: i
         if chunk > 0:
             if not fuse:
                 stop = n
-            elif n >= chunk or nbytes > cut:
+            elif n >= alone or nbytes > cut:
                 tail = n % chunk
-                stop = n - tail if tail and tail * itemsize <= cut else n
+                stop = n - tail if tail and tail < alone and tail * itemsize <= cut else n
             else:
                 stop = 0
             step, kind = chunk, PIECE
@@ -77,7 +88,7 @@ def plan_reduction(sizes: Sequence[int], itemsize: int, chunk_bytes: int, cut: i
             stop = step = 0
             kind = PACKED
         if stop > 0:
-            if chunk > 0 and pack:
+            if chunk > 0 and pack and alone == chunk:
                 calls.append(Call(PACKED, fill, tuple(pack)))
                 pack, fill = [], 0
             for s in range(0, stop, step):

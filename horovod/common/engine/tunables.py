@@ -18,7 +18,13 @@ Fields:
     chunk_bytes: piece size in bytes of the reductions (``HOROVOD_CHUNK_BYTES``): the fusion
         buffer and every large tensor are reduced in pieces of at most this size, each piece
         scaled/copied while it is hot in cache. 0 means one transport call per buffer. Read by
-        the executor every batch.
+        the executor every batch. Unset, the transport's own piece size (``piece_sizes``).
+    alone_bytes: on a chunked schedule, tensors (and tails of larger ones) of at least this many
+        bytes are transport calls of their own, reduced where they lie, never packed into the
+        fusion buffer; 0 (or a value above ``chunk_bytes``): the piece size, i.e. only tensors of
+        a whole piece and more. Not a setting: the transport's choice with its own piece size
+        (``piece_sizes``: Gloo's large pieces would otherwise copy most tensors); 0 when the user
+        sets ``HOROVOD_CHUNK_BYTES``. Read by the executor every batch.
     cycle_time_ms: milliseconds between the engine thread's background rounds
         (``HOROVOD_CYCLE_TIME``). Read by the engine loop every round.
     cache_enabled: whether the response cache is consulted and filled (the cache's capacity is
@@ -42,11 +48,28 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["Tunables", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["Tunables", "DEFAULT_CHUNK_BYTES", "piece_sizes"]
 
 # Measured on a 2-core x86 machine (benchmarks/gradsync_limit.py): 1-4 MiB pieces reduce 3-5x
-# faster than one flat call streaming through memory; 2 MiB was the best raw schedule.
+# faster than one flat call streaming through memory; 2 MiB was the best raw schedule (MPI).
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+
+
+def piece_sizes(configured: int, backend: Any = None) -> tuple[int, int]:
+    """(``chunk_bytes``, ``alone_bytes``): the one policy for a reduction's piece sizes.
+
+    ``configured`` is ``HOROVOD_CHUNK_BYTES`` (negative: not set). A value the user set wins, with
+    its meaning unchanged (pieces of that size; tensors below it packed). Unset, the transport's
+    own preference where it declares one (``backend.piece_sizes``: (piece size, alone bytes); the
+    Gloo backend's, docs/performance.md "The Gloo data plane"), else ``DEFAULT_CHUNK_BYTES`` (the
+    MPI plane's 2 MiB, as before)."""
+    if configured >= 0:
+        return configured, 0
+    preferred = getattr(backend, "piece_sizes", None)
+    if preferred is not None:
+        chunk, alone = preferred
+        return int(chunk), int(alone)
+    return DEFAULT_CHUNK_BYTES, 0
 
 
 @dataclass
@@ -56,6 +79,7 @@ class Tunables:
     fusion_threshold: int = 128 * 1024 * 1024
     max_tensor_bytes: int = 128 * 1024 * 1024
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    alone_bytes: int = 0
     cycle_time_ms: float = 1.0
     cache_enabled: bool = True
     hierarchical_allreduce: bool = False
@@ -63,11 +87,13 @@ class Tunables:
     overlap: bool = True
 
     @classmethod
-    def from_config(cls, config: Any, local_size: int = 1, cores: int | None = None) -> Tunables:
+    def from_config(cls, config: Any, local_size: int = 1, cores: int | None = None,
+                    backend: Any = None) -> Tunables:
         """The initial values, from an ``EngineConfig`` (missing fields keep their defaults).
 
         ``local_size`` (ranks on this host) and ``cores`` (usable by this process; default: its
-        CPU affinity) decide ``overlap`` when the setting is auto.
+        CPU affinity) decide ``overlap`` when the setting is auto; ``backend`` (the job's CPU
+        transport) the piece sizes when ``HOROVOD_CHUNK_BYTES`` is not set (``piece_sizes``).
         """
         choice = getattr(config, "overlap_gradients", "")
         if choice == "":
@@ -76,11 +102,13 @@ class Tunables:
             overlap = cores >= 2 * max(local_size, 1)
         else:
             overlap = choice == "1"
+        chunk, alone = piece_sizes(int(getattr(config, "chunk_bytes", -1)), backend)
         return cls(
             overlap=overlap,
             fusion_threshold=int(config.fusion_threshold),
             max_tensor_bytes=int(config.fusion_max_tensor_bytes),
-            chunk_bytes=int(getattr(config, "chunk_bytes", DEFAULT_CHUNK_BYTES)),
+            chunk_bytes=chunk,
+            alone_bytes=alone,
             cycle_time_ms=float(config.cycle_time_ms),
             cache_enabled=int(config.cache_capacity) > 0,
             hierarchical_allreduce=bool(config.hierarchical_allreduce),
