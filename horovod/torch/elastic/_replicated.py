@@ -91,9 +91,9 @@ def rows_meta(v: torch.Tensor) -> tuple[str, tuple[int, ...]]:
 class _Held:
     """What this rank holds of one commit: its own part and the replica of another rank's."""
 
-    def __init__(self, gen: int, n: int, r: int, own: torch.Tensor, own_index: dict[Any, Any],
-                 replica: torch.Tensor | None, replica_of: int | None) -> None:
-        self.gen, self.n, self.r = gen, n, r
+    def __init__(self, gen: int, n: int, r: int, order: list[int], own: torch.Tensor,
+                 own_index: dict[Any, Any], replica: torch.Tensor | None, replica_of: int | None) -> None:
+        self.gen, self.n, self.r, self.order = gen, n, r, order
         self.own, self.own_index = own, own_index
         self.replica, self.replica_of = replica, replica_of
         self.replica_index = unpack_index(replica) if replica is not None else None
@@ -175,7 +175,7 @@ class ReplicatedStateHandler(Committed):
             replica, _ = alltoall(own, splits=splits, name=f"{self._name}.commit", process_set=ps)
             replica_of = source[r]
         self._gen += 1
-        self._held = _Held(self._gen, n, r, own, index, replica, replica_of)
+        self._held = _Held(self._gen, n, r, list(self._order), own, index, replica, replica_of)
         self._pending = False
 
     def restore(self) -> None:
@@ -208,8 +208,8 @@ class ReplicatedStateHandler(Committed):
         ps = self._process_set()
         n, r = self._world()
         held = self._held
-        mine = (_host(), None if held is None else (held.gen, held.n), None if held is None else held.r,
-                {} if held is None else held.parts())
+        mine = (_host(), None if held is None else (held.gen, held.n, tuple(held.order)),
+                None if held is None else held.r, {} if held is None else held.parts())
         seen = allgather_object(mine, name=f"{self._name}.announce", process_set=ps) if n > 1 else [mine]
         order = ring([s[0] for s in seen])
         commits = {s[1] for s in seen if s[1] is not None}
@@ -224,7 +224,7 @@ class ReplicatedStateHandler(Committed):
                 f"hvd.elastic: the survivors hold different commits of {self.label} (commit number, "
                 f"world size: ranks): {by}; a rank failed in the middle of a commit. Resume from the "
                 "last hvd.checkpoint")
-        gen, n_old = commits.pop()
+        gen, n_old, old_order = commits.pop()
         index: dict[int, dict[Any, Any]] = {}
         suppliers: dict[int, list[int]] = {}
         primary: dict[int, int] = {}
@@ -239,12 +239,16 @@ class ReplicatedStateHandler(Committed):
                 js.sort(key=lambda j: (j != primary[old], j))
         lost = [k for k in range(n_old) if k not in suppliers]
         if lost:
+            holders = replica_holders(old_order)
+            where = ", ".join(f"old rank {k}: kept by itself and by old rank {holders[k]}" if k in holders
+                              else f"old rank {k}: kept by itself only" for k in lost)
             raise LostRowsError(
                 f"hvd.elastic: the committed {self.label} of old rank{'s' if len(lost) > 1 else ''} "
-                f"{', '.join(map(str, lost))} (of {n_old}) is held by no surviving rank: each old "
-                "rank's part was kept by itself and replicated on the next rank of the ring "
-                f"(old ranks holding parts now: {sorted(suppliers)}), and both were lost. The "
-                "state cannot be restored; resume from the last hvd.checkpoint (hvd.checkpoint.load)")
+                f"{', '.join(map(str, lost))} (of {n_old}) is held by no surviving rank: each part was "
+                f"kept by its rank and replicated on the next rank of the ring {list(old_order)} "
+                f"({where}), and all of them were lost (the survivors hold the parts of old ranks "
+                f"{sorted(suppliers)}). The state cannot be restored; resume from the last "
+                "hvd.checkpoint (hvd.checkpoint.load), or commit with replicas='all' to survive this")
         kinds: dict[Any, tuple[str, int]] = {}
         metas: dict[Any, Any] = {}
         for idx in index.values():
