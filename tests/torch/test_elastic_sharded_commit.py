@@ -2,7 +2,9 @@
 directly): the bytes each rank keeps of a commit of a fully sharded model with AdamW and of a
 ``ZeroRedundancyOptimizer`` are about 2/N of the whole (a whole-copy commit, ``replicas="all"``,
 fails the same bound in the same test); each rank's replica is exactly the next ring rank's own
-part; ``restore()`` brings back the committed parameters and AdamW state (1e-6), twice."""
+part; ``restore()`` brings back the committed parameters and AdamW state (1e-6), twice. One
+rank (np=1) and a process set of one rank (each of two ranks sharding over its own) commit and
+restore without a replica."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 cloudpickle.register_pickle_by_value(fully_shard_nets)  # the ranks cannot import the tests
 
 NPS = [3, 4]
-MARGIN = 0.12  # serialization overhead and the per-rank "same" entries (steps, options), of the whole
+MARGIN = 0.05  # serialization overhead and the per-rank "same" entries (steps, options), of the whole
 
 
 def _tensor_bytes(obj):
@@ -80,19 +82,21 @@ def _sharded_commit_cases():
                     diff = max(diff, float((now[1]["state"][i][sk].float() - v.float()).abs().max()))
         restored.append(diff)
     # the replica is the source rank's own part, exactly
-    h = state._handlers["model"]._held
-    mine = {k: v for k, v in unpack_values(h.own).items()}
+    h = getattr(state._handlers["model"], "_held", None)  # None: not a sharded commit
+    mine = unpack_values(h.own) if h is not None else {}
     everyone = hvd.allgather_object(mine, name="test.own_parts")
-    src = replica_source(state._handlers["model"]._order)[r]
-    replica = unpack_values(h.replica)
-    same = sorted(replica) == sorted(everyone[src]) and all(
-        torch.equal(replica[k], everyone[src][k]) for k in replica)
+    src, same = -1, False
+    if h is not None:
+        src = replica_source(state._handlers["model"]._order)[r]
+        replica = unpack_values(h.replica)
+        same = sorted(replica) == sorted(everyone[src]) and all(
+            torch.equal(replica[k], everyone[src][k]) for k in replica)
     # the control: the whole-copy commit of the same model keeps the whole on every rank
     whole_state = hvd.elastic.TorchState(model, opt, replicas="all")
     whole_state.sync()
     whole_state.commit()
-    whole_held = (_tensor_bytes(whole_state._handlers["model"]._saved),
-                  _tensor_bytes(whole_state._handlers["optimizer"]._saved))
+    whole_held = (whole_state._handlers["model"].committed_bytes(),
+                  whole_state._handlers["optimizer"].committed_bytes())
     out["fully_shard"] = dict(rank=r, n=n, held=held, whole=(whole_params, whole_optim),
                               whole_held=whole_held, restored=restored, replica_of=src,
                               replica_ok=same)
@@ -115,9 +119,70 @@ def _sharded_commit_cases():
     zwhole_state.sync()
     zwhole_state.commit()
     out["zero"] = dict(rank=r, n=n, held=zheld, whole=_tensor_bytes(zfull["state"]),
-                       whole_held=_tensor_bytes(zwhole_state._handlers["optimizer"]._saved),
+                       whole_held=zwhole_state._handlers["optimizer"].committed_bytes(),
                        restored=zdiff)
     return out
+
+
+def _one_rank_cases():
+    """np=1: the world of one; np=2: each rank's model sharded over a process set of itself
+    alone. A commit keeps the whole once (no replica), ``restore`` gives it back, and a second
+    ``sync`` (as after a reset) keeps it."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import horovod.torch as hvd
+    from horovod.torch.fully_shard import full_optim_state_dict
+    from tests.torch.fully_shard_nets import make_batches, net
+
+    hvd.init()
+    sets = [hvd.add_process_set([r]) for r in range(hvd.size())] if hvd.size() > 1 else [hvd.global_process_set]
+    ps = sets[hvd.rank()]
+    model = net(d=64, blocks=2)
+    for b in model.blocks:
+        hvd.fully_shard(b, process_set=ps)
+    hvd.fully_shard(model, process_set=ps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = make_batches(4, 3)
+
+    def step(k):
+        x, y = batches[k]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step(0)
+    state = hvd.elastic.TorchState(model, opt)
+    state.sync()
+    step(1)
+    state.commit()
+    committed = copy.deepcopy((model.full_state_dict(), full_optim_state_dict(model, opt)))
+    held = {k: state._handlers[k]._held for k in ("model", "optimizer")}
+    diffs = []
+    for _ in range(2):
+        step(2)
+        state.restore()
+        state.sync()  # as after a reset: nothing moves, the commit stays
+        now = (model.full_state_dict(), full_optim_state_dict(model, opt))
+        d = max(float((now[0][k] - v).abs().max()) for k, v in committed[0].items())
+        d = max([d] + [float((now[1]["state"][i][sk].float() - v.float()).abs().max())
+                       for i, st in committed[1]["state"].items() for sk, v in st.items()])
+        diffs.append(d)
+    return dict(rank=hvd.rank(), diffs=diffs, replicas=[h.replica is None for h in held.values()],
+                whole=sum(v.numel() * v.element_size() for v in committed[0].values()),
+                held=state._handlers["model"].committed_bytes())
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_one_rank_commits_without_a_replica(np_):
+    from horovod.testing import run_ranks
+
+    for o in run_ranks(_one_rank_cases, np=np_, timeout=240, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}):
+        assert o["diffs"] and max(o["diffs"]) <= 1e-6, o
+        assert o["replicas"] == [True, True], o  # no replica of itself
+        assert o["whole"] <= o["held"] < o["whole"] * 1.1, o  # the whole, once
 
 
 _LAUNCH = {n: joint_launch("torch", n, {"sharded_commit": _sharded_commit_cases}, timeout=240) for n in NPS}

@@ -78,6 +78,20 @@ class StateHandler(Committed):
         self.value = value
         self.save()
 
+    def committed_bytes(self) -> int:
+        """The bytes of the tensors this rank keeps of the last commit."""
+        return _tensor_bytes(getattr(self, "_saved", None))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
 
 class _SavedAtOnce(StateHandler):
     """A handler whose first copy is made when it is created."""
