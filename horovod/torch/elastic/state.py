@@ -335,7 +335,7 @@ class TorchState(ObjectState):
             the committed copy of its own part plus a replica of the next rank's on a ring that
             alternates hosts, about 2/N of the whole per rank; a reset survives the loss of any
             ranks of which no two are neighbours on that ring (otherwise every rank raises
-            ``LostRowsError`` naming the old ranks whose parts are lost). ``"all"``: every rank
+            ``hvd.elastic.LostRowsError`` naming the old ranks whose parts are lost). ``"all"``: every rank
             keeps the whole committed state (gathered at each commit; survives the loss of all
             ranks but one, at the memory of the whole model on every rank).
         kwargs: more models, optimizers, LR schedulers, ``ElasticSampler`` objects, or plain
