@@ -105,7 +105,8 @@ class _Held:
         return out
 
     def nbytes(self) -> int:
-        return self.own.numel() + (self.replica.numel() if self.replica is not None else 0)
+        """The bytes of the memory the copies keep alive (their storages, not only their views)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.own, self.replica) if t is not None)
 
 
 class ReplicatedStateHandler(Committed):
@@ -122,7 +123,7 @@ class ReplicatedStateHandler(Committed):
         self._gen = 0
         self._order: list[int] | None = None  # the ring of the current world, once known
         self._pending = False  # the world changed since the commit: the rows are not in place
-        self._name = f"elastic.{self.label}.{next_number('elastic.replicated')}"
+        self._name = f"elastic.{self.label.replace(' ', '_')}.{next_number('elastic.replicated')}"
 
     # ------------------------------------------------------------------ what subclasses say
     def _process_set(self) -> ProcessSet:
