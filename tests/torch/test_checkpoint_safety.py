@@ -406,7 +406,7 @@ def test_another_optimizer_class_is_refused_before_anything_loads(tmp_path):
     assert all(torch.all(p == 5.0) for p in m2.parameters()) and not sgd.state
     # the wrapped class counts: a DistributedOptimizer of AdamW (a class made as
     # hvd.DistributedOptimizer makes it) is an AdamW
-    from horovod.torch.checkpoint import _algorithm
+    from horovod.torch._checkpoint_parts import _algorithm
     from horovod.torch.optimizer import _DistributedOptimizer
 
     wrapped = type("AdamW", (_DistributedOptimizer, torch.optim.AdamW), {})
@@ -420,11 +420,11 @@ def test_another_optimizer_class_is_refused_before_anything_loads(tmp_path):
 def test_a_load_racing_a_newer_commit_reads_the_newer_version(tmp_path, monkeypatch):
     """A reader (another process in practice) resolves version 1, then a save commits version 2
     and removes version 1 before the reader reads its files: load reads version 2, whole."""
-    from horovod.torch import checkpoint
+    from horovod.torch import _checkpoint_load
 
     path = str(tmp_path / "ckpt")
     hvd.checkpoint.save(path, model=_model(1), extra={"step": 1})
-    original, calls = checkpoint._read, []
+    original, calls = _checkpoint_load._read, []
 
     def racing(where, request, *regions):
         if not calls:
@@ -432,6 +432,6 @@ def test_a_load_racing_a_newer_commit_reads_the_newer_version(tmp_path, monkeypa
             assert not os.path.exists(where)
         calls.append(where)
         return original(where, request, *regions)
-    monkeypatch.setattr(checkpoint, "_read", racing)
+    monkeypatch.setattr(_checkpoint_load, "_read", racing)
     assert _loaded_step(path) == 2
     assert [os.path.basename(c) for c in calls] == ["v000001", "v000002", "v000002"], calls

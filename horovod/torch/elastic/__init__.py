@@ -20,11 +20,12 @@ from typing import Any
 from horovod.common.elastic import ObjectState, State, run_fn
 from horovod.common.elastic.worker import warm_up_before_joining as _warm_up_before_joining
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.torch.elastic._replica_plan import LostRowsError
 from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.elastic.state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
-           "HostsUpdatedInterrupt"]
+           "HostsUpdatedInterrupt", "LostRowsError"]
 
 def _load_dynamo() -> None:
     import torch._dynamo  # noqa: F401

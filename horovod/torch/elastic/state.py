@@ -6,6 +6,11 @@ copy, so restoring twice gives the same state); ``sync()`` broadcasts rank 0's s
 optimizer state travels as one object (structure included), so a new worker whose optimizer has
 no state yet receives it whole instead of waiting in a broadcast that the others never join
 (upstream #2652).
+
+Sharded states (a ``hvd.fully_shard`` model, the plain optimizer over its shards, a
+``ZeroRedundancyOptimizer``) are committed sharded by default (``sharded_handlers.py``): each rank
+keeps its own part and a replica of one other rank's, about 2/N of the whole; ``replicas="all"``
+keeps the whole committed state on every rank instead (the ``Whole*`` handlers below).
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from horovod.common.basics import rank
 from horovod.common.elastic import ObjectState
 from horovod.common.elastic.state import Committed
 from horovod.torch.elastic.sampler import ElasticSampler
+from horovod.torch.elastic.sharded_handlers import (
+    FullyShardedModelStateHandler,
+    FullyShardedOptimizerStateHandler,
+    ZeroOptimizerStateHandler,
+)
 from horovod.torch.fully_shard import (
     FullyShardedModule,
     check_same_modules,
@@ -33,7 +43,8 @@ from horovod.torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
            "ZeroOptimizerStateHandler", "FullyShardedModelStateHandler",
-           "FullyShardedOptimizerStateHandler",
+           "FullyShardedOptimizerStateHandler", "WholeZeroOptimizerStateHandler",
+           "WholeFullyShardedModelStateHandler", "WholeFullyShardedOptimizerStateHandler",
            "LRSchedulerStateHandler", "SamplerStateHandler", "get_handler_registry",
            "set_handler_registry"]
 
@@ -66,6 +77,20 @@ class StateHandler(Committed):
     def set_value(self, value: Any) -> None:
         self.value = value
         self.save()
+
+    def committed_bytes(self) -> int:
+        """The bytes of the tensors this rank keeps of the last commit."""
+        return _tensor_bytes(getattr(self, "_saved", None))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 class _SavedAtOnce(StateHandler):
@@ -106,14 +131,16 @@ class OptimizerStateHandler(_SavedAtOnce):
             self.value.load_state_dict(state)
 
 
-class ZeroOptimizerStateHandler(StateHandler):
-    """A ``ZeroRedundancyOptimizer``'s state: each commit gathers the whole state on every rank
-    (so it survives the loss of the ranks that owned parts of it); after a reset the optimizer is
-    re-partitioned over the new world and each rank loads its new shard from that copy.
+class WholeZeroOptimizerStateHandler(StateHandler):
+    """``TorchState(replicas="all")``'s handler of a ``ZeroRedundancyOptimizer``: each commit
+    gathers the whole state on every rank (so it survives the loss of any ranks but one); after a
+    reset the optimizer is re-partitioned over the new world and each rank loads its new shard
+    from that copy. Memory: the committed copy is the whole optimizer state, on every rank (the
+    default handler, ``ZeroOptimizerStateHandler``, keeps about 2/N of it).
 
     The commit is collective (every rank commits together); the first copy is made by the first
     ``sync``, so that a worker joining a running job does not wait in a gather the others never
-    make. Memory: the committed copy is the whole optimizer state, on every rank.
+    make.
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -136,7 +163,9 @@ class ZeroOptimizerStateHandler(StateHandler):
     def sync(self) -> None:
         has = broadcast_object(self._saved is not None if rank() == 0 else None, root_rank=0,
                                name="elastic.zero_state.has")
-        self.value.repartition()
+        ps = self.value.process_set
+        if (self.value.rank, self.value.world) != (ps.rank() or 0, ps.size() or 1):
+            self.value.repartition()  # drops the local state: only when the world changed
         if has:
             self._saved = broadcast_object(self._saved if rank() == 0 else None, root_rank=0,
                                            name="elastic.zero_state")
@@ -145,13 +174,14 @@ class ZeroOptimizerStateHandler(StateHandler):
             self.save()
 
 
-class FullyShardedModelStateHandler(StateHandler):
-    """A fully sharded model's (``hvd.fully_shard``) parameters: each commit gathers the whole
-    model on every rank (``full_state_dict``: it survives the loss of the ranks that held some
-    rows); after a reset the shards are laid out over the new world (``relayout``) and each rank
-    takes its new rows from that copy. Memory: the committed copy is the whole model, on every
-    rank. Commits are collective; the first copy is made by the first ``sync``, which also
-    checks that every rank (a worker that joined included) wrapped the same modules."""
+class WholeFullyShardedModelStateHandler(StateHandler):
+    """``TorchState(replicas="all")``'s handler of a fully sharded model (``hvd.fully_shard``):
+    each commit gathers the whole model on every rank (``full_state_dict``: it survives the loss
+    of any ranks but one); after a reset the shards are laid out over the new world
+    (``relayout``) and each rank takes its new rows from that copy. Memory: the committed copy is
+    the whole model, on every rank (the default handler, ``FullyShardedModelStateHandler``, keeps
+    about 2/N of it). Commits are collective; the first copy is made by the first ``sync``, which
+    also checks that every rank (a worker that joined included) wrapped the same modules."""
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -187,10 +217,11 @@ class FullyShardedModelStateHandler(StateHandler):
             self.save()
 
 
-class FullyShardedOptimizerStateHandler(StateHandler):
-    """A plain torch optimizer over a fully sharded model's shards: as
-    ``FullyShardedModelStateHandler``, with the optimizer's state gathered whole at each commit
-    (``full_optim_state_dict``) and each rank's rows loaded from it after a reset."""
+class WholeFullyShardedOptimizerStateHandler(StateHandler):
+    """``TorchState(replicas="all")``'s handler of a plain torch optimizer over a fully sharded
+    model's shards: as ``WholeFullyShardedModelStateHandler``, with the optimizer's state
+    gathered whole at each commit (``full_optim_state_dict``) and each rank's rows loaded from it
+    after a reset."""
 
     def __init__(self, optimizer: Any) -> None:
         super().__init__(optimizer)
@@ -247,7 +278,7 @@ class SamplerStateHandler(_StateDictHandler):
     sync_name = "elastic.sampler_state"
 
 
-_handler_registry: list[tuple[type, type[StateHandler]]] = [
+_handler_registry: list[tuple[type, type[Any]]] = [
     (FullyShardedModule, FullyShardedModelStateHandler),  # before every other module
     (torch.nn.Module, ModelStateHandler),
     (ZeroRedundancyOptimizer, ZeroOptimizerStateHandler),  # before every other optimizer
@@ -257,23 +288,36 @@ _handler_registry: list[tuple[type, type[StateHandler]]] = [
 ]
 
 
-def get_handler_registry() -> list[tuple[type, type[StateHandler]]]:
+def get_handler_registry() -> list[tuple[type, type[Any]]]:
     return _handler_registry
 
 
-def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> None:
+def set_handler_registry(registry: list[tuple[type, type[Any]]]) -> None:
     global _handler_registry
     _handler_registry = registry
 
 
-def _handler_for(value: Any) -> StateHandler | None:
+# replicas="all": the handlers that keep the whole committed state on every rank
+_WHOLE: dict[type, type] = {
+    FullyShardedModelStateHandler: WholeFullyShardedModelStateHandler,
+    FullyShardedOptimizerStateHandler: WholeFullyShardedOptimizerStateHandler,
+    ZeroOptimizerStateHandler: WholeZeroOptimizerStateHandler,
+}
+REPLICAS = ("buddy", "all")
+
+
+def _handler_for(value: Any, replicas: str = "buddy") -> Any:
+    cls: Any = None
     if isinstance(value, torch.optim.Optimizer) and not isinstance(value, ZeroRedundancyOptimizer) and any(
             is_shard(p) for g in value.param_groups for p in g["params"]):
-        return FullyShardedOptimizerStateHandler(value)  # a plain optimizer over shards
-    for kind, cls in _handler_registry:
-        if isinstance(value, kind):
-            return cls(value)
-    return None
+        cls = FullyShardedOptimizerStateHandler  # a plain optimizer over shards
+    else:
+        cls = next((c for kind, c in _handler_registry if isinstance(value, kind)), None)
+    if cls is None:
+        return None
+    if replicas == "all":
+        cls = _WHOLE.get(cls, cls)
+    return cls(value)
 
 
 class TorchState(ObjectState):
@@ -286,17 +330,30 @@ class TorchState(ObjectState):
             A model wrapped by ``hvd.fully_shard`` and a plain optimizer over its shards are
             laid out again over the new world after a reset (each rank's new rows of the
             committed parameters and optimizer state).
+        replicas: how sharded states (a fully sharded model, its optimizer, a
+            ``ZeroRedundancyOptimizer``) are committed. ``"buddy"`` (default): each rank keeps
+            the committed copy of its own part plus a replica of the next rank's on a ring that
+            alternates hosts, about 2/N of the whole per rank; a reset survives the loss of any
+            ranks of which no two are neighbours on that ring (otherwise every rank raises
+            ``hvd.elastic.LostRowsError`` naming the old ranks whose parts are lost). ``"all"``: every rank
+            keeps the whole committed state (gathered at each commit; survives the loss of all
+            ranks but one, at the memory of the whole model on every rank).
         kwargs: more models, optimizers, LR schedulers, ``ElasticSampler`` objects, or plain
             values (epoch, batch...), all exposed as attributes.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, *, replicas: str = "buddy",
+                 **kwargs: Any) -> None:
+        if replicas not in REPLICAS:
+            raise ValueError(f"hvd.elastic.TorchState: replicas={replicas!r}; use 'buddy' (each rank "
+                             "keeps its part of a sharded state and a replica of one other rank's) or "
+                             "'all' (every rank keeps the whole committed state)")
         kwargs.update(model=model, optimizer=optimizer)
-        handlers: dict[str, StateHandler] = {}
+        handlers: dict[str, Any] = {}
         plain: dict[str, Any] = {}
         for k, v in kwargs.items():
-            h = _handler_for(v)
+            h = _handler_for(v, replicas)
             if h is not None:
                 handlers[k] = h
             else:

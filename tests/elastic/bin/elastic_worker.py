@@ -10,7 +10,7 @@ Environment:
   STEPS           steps to train (default 30)
   STEP_SLEEP      seconds per step (default 0.1)
   KILL / RAISE    "<host>[<slot>]@<step>": that worker SIGKILLs itself / raises at that step
-                  ("*@<step>": every worker)
+                  ("*@<step>": every worker; several specs separated by commas)
   KILL_AT         "<host>[<slot>]@<point>@<n>": that worker SIGKILLs itself (SIGSTOPs itself for
                   point "hang") at a chosen point of the elastic protocol:
                     step@<n>    in training, before step n
@@ -36,6 +36,12 @@ Environment:
   ZERO            "1": a ZeroRedundancyOptimizer (stage 1) instead of DistributedOptimizer
   FULLY_SHARD     "1": the model fully sharded (hvd.fully_shard on both Linear layers, then the
                   model) and a plain SGD over its shards instead of DistributedOptimizer
+  HIDDEN          the hidden layer's width (default 3; read by ``reference`` too)
+  REPLICAS        TorchState's replicas= (default: its default, "buddy")
+  CHECK_RESTORE   "1" (with ZERO or FULLY_SHARD): after every commit print "COMMITTED {json}", the
+                  whole committed weights and momentum (gathered), and at every start of the
+                  training function (after each sync) "RESTORED {json}", the same of the state
+                  it starts from
 Prints "COMMIT {json}" after every commit and "FINAL {json}" at the end.
 """
 
@@ -54,7 +60,8 @@ import horovod.torch as hvd
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    hidden = int(os.environ.get("HIDDEN", "3"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
     # A parameter the forward pass never uses: the optimizer of a trained worker has no state for
     # it, while a fresh optimizer initialised by a zero-gradient step would (upstream #2652's
     # shape: a new worker waiting in broadcasts the others never make).
@@ -97,10 +104,25 @@ def reference(sizes: list[int]) -> list[list[float]]:
 
 
 def _matches(spec: str, me: str, step: int) -> bool:
-    if not spec:
-        return False
-    who, _, at = spec.rpartition("@")
-    return (who in ("*", me)) and int(at) == step
+    for one in filter(None, spec.split(",")):
+        who, _, at = one.rpartition("@")
+        if who in ("*", me) and int(at) == step:
+            return True
+    return False
+
+
+def whole_state(model: torch.nn.Module, opt: torch.optim.Optimizer, fully: bool) -> tuple[list, list]:
+    """The whole weights and momentum, gathered from the shards (collective)."""
+    if fully:
+        from horovod.torch.fully_shard import full_optim_state_dict
+
+        whole = model.full_state_dict()
+        weights = [whole[n].flatten().tolist() for n, _ in model.named_parameters()]
+        full = full_optim_state_dict(model, opt)["state"]
+    else:
+        weights = [p.detach().flatten().tolist() for p in model.parameters()]
+        full = opt.full_state_dict(None)["state"]
+    return weights, [full[i]["momentum_buffer"].flatten().tolist() for i in sorted(full)]
 
 
 def _kill_at(me: str, point: str, n: int) -> None:
@@ -196,8 +218,15 @@ def main() -> None:
         print(f"RESET {json.dumps({'me': me, 'rank': hvd.rank(), 'size': hvd.size()})}",
               flush=True)
 
+    check_restore = os.environ.get("CHECK_RESTORE") == "1" and (fully or zero)
+
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
+        if check_restore:
+            w, m = whole_state(model, opt, fully)
+            restored = {'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step,
+                        'w': w, 'momentum': m}
+            print(f"RESTORED {json.dumps(restored)}", flush=True)
         while state.step < steps:
             _kill_at(me, "step", state.step)
             _kill_at(me, "hang", state.step)
@@ -229,9 +258,14 @@ def main() -> None:
             commit = {'me': me, 'rank': hvd.rank(), 'size': hvd.size(), 'step': state.step,
                       'pid': os.getpid()}
             print(f"COMMIT {json.dumps(commit)}", flush=True)
+            if check_restore:
+                w, m = whole_state(model, opt, fully)
+                print(f"COMMITTED {json.dumps({'me': me, 'step': state.step, 'w': w, 'momentum': m})}",
+                      flush=True)
             time.sleep(pause)
 
-    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
+    extra = {"replicas": os.environ["REPLICAS"]} if os.environ.get("REPLICAS") else {}
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[], **extra)
     check_host_updates = state.check_host_updates
 
     def commit_hook() -> None:  # commit() = save(), then check_host_updates(): die in between
@@ -250,18 +284,11 @@ def main() -> None:
     state.register_reset_callbacks([on_reset])
     train(state)
     weights = [p.detach().flatten().tolist() for p in model.parameters()]
-    if fully:  # the whole model and state, gathered from the rows
-        from horovod.torch.fully_shard import full_optim_state_dict
-
-        whole = model.full_state_dict()
-        weights = [whole[n].flatten().tolist() for n, _ in model.named_parameters()]
-        full = full_optim_state_dict(model, opt)["state"]
-        momentum = [full[i]["momentum_buffer"].flatten().tolist() for i in sorted(full)]
-        print(f"SHARDS {json.dumps({'me': me, 'rows': [p.shape[0] for p in model.parameters()]})}",
-              flush=True)
-    elif zero:  # the whole state, gathered from the shards
-        full = opt.full_state_dict(None)["state"]
-        momentum = [full[i]["momentum_buffer"].flatten().tolist() for i in sorted(full)]
+    if fully or zero:  # the whole model and state, gathered from the rows / shards
+        weights, momentum = whole_state(model, opt, fully)
+        if fully:
+            print(f"SHARDS {json.dumps({'me': me, 'rows': [p.shape[0] for p in model.parameters()]})}",
+                  flush=True)
     else:
         momentum = [opt.state[p]["momentum_buffer"].flatten().tolist() for p in model.parameters()
                     if p in opt.state]
