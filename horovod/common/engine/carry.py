@@ -74,14 +74,18 @@ class Carrier:
 
     Args:
         exchange: ``backend.exchange_rows`` (every rank's equal-length byte row, in rank order).
+        post: ``backend.post_rows`` where the transport has it: called after each exchange but
+            the last with the next row's length (known to every rank alike once the rows are in),
+            so that the next exchange's receives are waiting before any rank sends.
         size: ranks in the world.
         cache: the engine's response cache (identical on every rank).
         max_bytes: ``HOROVOD_GLOO_CARRY_BYTES``, the most a row carries.
     """
 
     def __init__(self, exchange: Callable[[np.ndarray], np.ndarray], size: int, cache: ResponseCache,
-                 max_bytes: int) -> None:
+                 max_bytes: int, post: Callable[[int], None] | None = None) -> None:
         self._exchange = exchange
+        self._post = post
         self.size = size
         self.cache = cache
         self.max_bytes = min(int(max_bytes), _ALL_ROWS_BYTES // max(size, 1)) & ~7
@@ -144,12 +148,13 @@ class Carrier:
         return slots[:k], ends[:k] - sizes[:k], wish
 
     def exchange(self, bits: np.ndarray, entry_of: Callable[[int], Any], joined: bool,
-                 joined_flag: int) -> tuple[np.ndarray, CarriedRound | None]:
+                 joined_flag: int, stop_flag: int = 0) -> tuple[np.ndarray, CarriedRound | None]:
         """Exchange this rank's row: ``bits`` (the AND's words: ready slots, slots kept, flags)
         and the data of its ready carryable slots (``entry_of(slot)``: this rank's pending entry;
         nothing when this rank has ``joined``). Returns the AND of every rank's words and the
         round's carried data (None when nothing can be carried: no capacity yet, or some rank
-        has joined, ``joined_flag`` in its flags)."""
+        has joined, ``joined_flag`` in its flags). A round with ``stop_flag`` in some rank's
+        flags is the last: no receives are posted for a next one."""
         nwords = bits.size
         nready = (nwords - 1) // 2
         header = 8 * (nwords + 2)
@@ -173,6 +178,8 @@ class Carrier:
         self._resize(int(words[:, nwords].max()))
         self.rounds += 1
         any_flags = int(~anded[nwords - 1])
+        if self._post is not None and not any_flags & stop_flag:
+            self._post(header + self.capacity)
         if not capacity or any_flags & joined_flag or not words[:, nwords + 1].all():
             return anded, None
         return anded, CarriedRound(self, rows, words, header, capacity, nready, own)
