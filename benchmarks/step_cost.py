@@ -271,6 +271,49 @@ def transport_timer() -> tuple[list[float], Callable[[], None]]:
     return acc, remove
 
 
+def steps_from_last(spans: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Per mode, the median over the reps of (the last rank's end - the last rank's start), in ms:
+    the step as the rank that leaves the barrier last sees it, with every rank's end counted
+    (``*_from_last_ms``). A Gloo barrier releases the ranks up to half a millisecond apart on a
+    loaded host (each wait ends with thread wake-ups; MPI's spins), and the early rank's step then
+    holds that skew as waiting for its peer. Only where every rank is on this host (the clock is
+    then the same: ``time.perf_counter`` is CLOCK_MONOTONIC); {} elsewhere."""
+    if hvd.size() == 1 or hvd.local_size() != hvd.size():
+        return {}
+    labels = list(spans)
+    mine = torch.tensor([[t for m in labels for span in spans[m] for t in span]], dtype=torch.float64)
+    every = hvd.allgather(mine, name="step_cost.spans").reshape(hvd.size(), len(labels), -1, 2)
+    last = every.amax(0)  # (modes, reps, [start, end])
+    return {m: float((last[i, :, 1] - last[i, :, 0]).median()) * 1e3 for i, m in enumerate(labels)}
+
+
+def _raw_rows(pg: Any, engine: Any) -> Callable[[], None] | None:
+    """One raw exchange of the carried negotiation's row on ``pg`` (see ``floor_rows``), or None
+    where the engine carries nothing (``HOROVOD_GLOO_CARRY_BYTES=0``)."""
+    carrier = engine.rounds.carrier
+    if carrier is None:
+        return None
+    n = 8 * (2 * engine.cache.words + 3) + carrier.capacity
+    me, size = hvd.rank(), hvd.size()
+    row = torch.zeros(n, dtype=torch.uint8)
+    peers = [j for j in range(size) if j != me]
+
+    def post() -> list[Any]:
+        out = torch.empty(size, n, dtype=torch.uint8)
+        return [pg.recv([out[j]], j, 0x5254) for j in peers]
+
+    posted = [post()]
+
+    def floor_rows() -> None:
+        sends = [pg.send([row], j, 0x5254) for j in peers]
+        for w in posted[0]:
+            w.wait()
+        for w in sends:
+            w.wait()
+        posted[0] = post()
+    return floor_rows
+
+
 def _bench_gloo_group() -> Any:
     """A Gloo process group of the job's world beside the engine's own (``horovodrun --gloo``)."""
     from horovod.common.context import get_context
@@ -383,6 +426,11 @@ def main() -> None:
         else:
             comm.Allreduce(and_bits, and_out, op=MPI.BAND)
 
+    # Under Gloo: one raw exchange of the carried negotiation's row (its length now: the header
+    # and the agreed capacity) on the bench group, as the engine makes it: each rank's row sent to
+    # every peer with the receives posted after the previous exchange (``GlooBackend.post_rows``).
+    floor_rows = _raw_rows(gloo, get_context().engine) if gloo is not None else None
+
     # A real optimizer step; the bare optimizer on a copy of the model costs the same autograd.
     def model() -> list[torch.nn.Parameter]:
         return [torch.nn.Parameter(torch.ones(args.elements)) for _ in range(args.tensors)]
@@ -419,6 +467,8 @@ def main() -> None:
                                             "optimizer": optimizer, "optimizer_groups1": optimizer_groups1,
                                             "plain": plain, "grouped": grouped, "raw": raw, "floor": floor,
                                             "floor_and": floor_and}
+    if floor_rows is not None:
+        modes["floor_rows"] = floor_rows
     if not hasattr(mpi_ops, "_resubmit_many") or not host_sigs:  # a tree from before bundles
         modes.pop("bundle")
     if not repeat:
@@ -448,7 +498,7 @@ def main() -> None:
             finally:
                 del opt.reducer._collect  # type: ignore[attr-defined]
 
-        local = ("raw", "plain", "floor", "floor_and")
+        local = ("raw", "plain", "floor", "floor_and", "floor_rows")
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
@@ -468,7 +518,7 @@ def main() -> None:
                     eng.flight = recorder
             return run
 
-        local = ("raw", "plain", "floor", "floor_and")
+        local = ("raw", "plain", "floor", "floor_and", "floor_rows")
         paired: dict[str, Callable[[], None]] = {}
         for k, f in modes.items():  # each mode next to its twin (see the swap in the loop below)
             if k not in local:
@@ -489,7 +539,7 @@ def main() -> None:
                     carrier.enabled = True
             return run
 
-        local = ("raw", "plain", "floor", "floor_and")
+        local = ("raw", "plain", "floor", "floor_and", "floor_rows")
         paired = {}
         for k, f in modes.items():
             if k not in local:
@@ -514,6 +564,7 @@ def main() -> None:
     else:
         barrier = comm.Barrier
     times: dict[str, list[float]] = {m: [] for m in modes}
+    spans: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}  # (start, end) per rep
     host: dict[str, list[float]] = {m: [] for m in modes}  # each step less its time in the transport
     cpu: dict[str, list[float]] = {m: [] for m in modes}  # this process's CPU seconds per step
     in_transport, untime = transport_timer()
@@ -532,11 +583,14 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             if rep >= 20:
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                dt = t1 - t0
+                spans[label].append((t0, t1))
                 cpu[label].append(time.process_time() - c0)
                 times[label].append(dt)
                 host[label].append(dt - in_transport[0])
     untime()
+    from_last = steps_from_last(spans)
     flight_calls: dict[str, Any] = {}
     if args.flight:
         # The recorder's own work per step, timed where it runs (every call of batch_done, less
@@ -606,7 +660,8 @@ def main() -> None:
             per_tensor["flight_recorder"] = flight_calls
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
-                          **per_tensor}), flush=True)
+                          **per_tensor, **{f"{k}_from_last_ms": round(v, 3) for k, v in from_last.items()}}),
+              flush=True)
     if args.phases:
         split = phases({**modes, "hooks_submit": hooks_submit}, tensors, names, args.reps, barrier)
         if hvd.rank() == 0:
