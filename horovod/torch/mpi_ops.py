@@ -32,7 +32,7 @@ from horovod.torch._repeat import (  # noqa: F401 - the repeat path's API here
     _resubmit,
     _resubmit_many,
 )
-from horovod.torch.compression import KEPT, Compression, plain_wire
+from horovod.torch.compression import KEPT, Compression, host_empty, plain_wire
 
 __all__ = [
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
@@ -201,7 +201,7 @@ def _allreduce_narrowed(t: torch.Tensor, wire: torch.dtype, name: str | None, op
     buf = KEPT.take(wire, t.shape, t.device)
     buf.copy_(t)
     synchronize(allreduce_async_(buf, None, name, op, pre, post, process_set, _wake=False))
-    out = buf.to(t.dtype)
+    out = host_empty(t.dtype, t.shape).copy_(buf)  # (on huge pages, as the float32 call's output)
     KEPT.give(buf)
     return out
 
