@@ -271,6 +271,9 @@ class Engine:
             if self._driver.acquire(blocking=False):
                 try:
                     if self._nothing_to_do():
+                        # paced as if it had run that round: the next background round is due
+                        # a cycle from now, so a caller's next step drives its own round
+                        self._last_round = time.perf_counter()
                         continue
                     self._last_round = time.perf_counter()
                     self._drive_once()
