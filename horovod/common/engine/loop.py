@@ -82,6 +82,21 @@ def _queue_field(name: str) -> Any:
     return property(get, put, doc=f"``queue.{name}``")
 
 
+def _nothing_to_do(eng: Engine) -> bool:
+    """Whether the engine thread's round now would be an empty one before its idle tick is due:
+    nothing queued or pending, the global process set only, no shutdown, no observer's question,
+    and a round (any thread's) began less than an idle tick ago. A submission wakes the engine
+    thread; when its caller then drives the round itself (a synchronous step), the engine thread
+    would otherwise run an empty round one cycle later, which every peer pairs with one of its
+    own: a whole exchange for nothing, in the way of the next step. A skipped round still counts
+    for the engine thread's pacing (the next background round is due a cycle later): otherwise it
+    races the next step's caller for the driver lock, and on MPI a round it wins runs without
+    spinning and wakes its caller through the handle's latch."""
+    return (not eng._queue and not eng.rounds.pending and not eng._shutdown_requested
+            and not eng._round_wanted and len(eng.groups) == 1
+            and time.perf_counter() - eng._any_round < eng._idle_tick)
+
+
 class Engine:
     """Background communication engine of one process."""
 
@@ -270,26 +285,11 @@ class Engine:
             # round between two of the caller's, which a peer would pair with a real one).
             if self._driver.acquire(blocking=False):
                 try:
-                    if self._nothing_to_do():
-                        # paced as if it had run that round: the next background round is due
-                        # a cycle from now, so a caller's next step drives its own round
-                        self._last_round = time.perf_counter()
-                        continue
-                    self._last_round = time.perf_counter()
-                    self._drive_once()
+                    self._last_round = time.perf_counter()  # (also when skipped: ``_nothing_to_do``)
+                    if not _nothing_to_do(self):
+                        self._drive_once()
                 finally:
                     self._driver.release()
-
-    def _nothing_to_do(self) -> bool:
-        """Whether a round now would be an empty one before its idle tick is due: nothing queued or
-        pending, the global process set only, no shutdown, no observer's question, and a round
-        (any thread's) began less than an idle tick ago. A submission wakes the engine thread;
-        when its caller then drives the round itself (a synchronous step), the engine thread
-        would otherwise run an empty round one cycle later, which every peer pairs with one of
-        its own: a whole exchange for nothing, in the way of the next step."""
-        return (not self._queue and not self.rounds.pending and not self._shutdown_requested
-                and not self._round_wanted and len(self.groups) == 1
-                and time.perf_counter() - self._any_round < self._idle_tick)
 
     def _drive_once(self) -> None:
         """Run one round (the caller holds the driver lock)."""
