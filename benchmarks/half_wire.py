@@ -9,6 +9,7 @@ np=2 ranks of ``horovod.torch`` reduce one tensor of ``--n`` elements (32 Mi by 
 case once per rep, interleaved; rank 0 reports medians. Cases:
 
   float32        ``hvd.allreduce_`` of a float32 tensor (the reference)
+  float32_out    ``hvd.allreduce`` of it (out of place: a new result, the compressed cases' reference)
   fp16_compress  ``hvd.allreduce`` of the float32 tensor with ``Compression.fp16``
   bf16_compress  the same with ``Compression.bf16``
   float16        ``hvd.allreduce_`` of a float16 tensor
@@ -34,7 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-CASES = ("float32", "fp16_compress", "bf16_compress", "float16", "bfloat16")
+CASES = ("float32", "float32_out", "fp16_compress", "bf16_compress", "float16", "bfloat16")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,8 +70,8 @@ def rank_body(args: argparse.Namespace) -> None:
     torch.manual_seed(r)
     cases = args.cases.split(",")
     base = torch.randn(args.n)
-    tensors = {"float32": base.clone(), "fp16_compress": base.clone(), "bf16_compress": base.clone(),
-               "float16": base.half(), "bfloat16": base.bfloat16()}
+    tensors = {"float32": base.clone(), "float32_out": base.clone(), "fp16_compress": base.clone(),
+               "bf16_compress": base.clone(), "float16": base.half(), "bfloat16": base.bfloat16()}
     ms: dict[str, list[float]] = {c: [] for c in cases}
     nbytes: dict[str, list[int]] = {c: [] for c in cases}
 
@@ -80,6 +81,8 @@ def rank_body(args: argparse.Namespace) -> None:
             hvd.allreduce(t, name=tag, compression=hvd.Compression.fp16)
         elif case == "bf16_compress":
             hvd.allreduce(t, name=tag, compression=hvd.Compression.bf16)
+        elif case == "float32_out":
+            hvd.allreduce(t, name=tag)
         else:
             hvd.allreduce_(t, name=tag)
 

@@ -65,6 +65,8 @@ reductions, timed where the engine makes them), per tensor, median over the step
 twin: there a Gloo call right after a blocking MPI call (``floor`` follows an MPI barrier) can wait
 milliseconds for the peer process to be scheduled, which makes ``floor`` larger than the whole
 step on a 2-core host.
+
+``--monitor`` and the timer helpers live beside this file in ``step_cost_monitor.py``.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ import argparse
 import collections
 import cProfile
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +85,10 @@ from typing import Any
 import numpy as np
 import torch
 
-import horovod.torch as hvd
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_cost_monitor import monitor_on_off, timer_floor  # noqa: E402
+
+import horovod.torch as hvd  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tensors", type=int, default=161)
@@ -220,197 +227,6 @@ def phases(modes: dict[str, Callable[[], Any]], tensors: list[Any], names: list[
     return out
 
 
-def _timed(obj: Any, attr: str, acc: list[float]) -> None:
-    """Wrap ``obj.attr`` (an instance attribute from now on) to add each call's seconds and count
-    to ``acc`` = [seconds, calls, thread CPU seconds]."""
-    inner = getattr(obj, attr)
-
-    def timed(*a: Any, **k: Any) -> Any:
-        c0, t0 = time.thread_time(), time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            acc[0] += time.perf_counter() - t0
-            acc[1] += 1
-            acc[2] += time.thread_time() - c0
-
-    setattr(obj, attr, timed)
-
-
-def _timer_floor() -> float:
-    """Seconds a timed call of an empty function costs beyond the call itself (subtracted)."""
-    acc = [0.0, 0, 0.0]
-
-    class _Empty:
-        def f(self) -> None:
-            pass
-
-    e = _Empty()
-    _timed(e, "f", acc)
-    for _ in range(20000):
-        e.f()
-    return acc[0] / acc[1]
-
-
-def _bootstrap(ratios: list[float], n: int = 5000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of the median of ``ratios`` (resampled with replacement)."""
-    import numpy as np
-
-    r = np.asarray(ratios)
-    idx = np.random.default_rng(seed).integers(0, len(r), size=(n, len(r)))
-    meds = np.median(r[idx], axis=1)
-    return float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
-
-
-def counter_costs(modes: dict[str, Callable[[], None]], steps: int, comm: Any) -> dict[str, Any]:
-    """What the engine's counters (always on: ``hvd.metrics()``) cost per step of each mode: every
-    call of the counting functions timed where it runs, with real arguments, less the timer's own
-    cost; and the straggler exchange's time per second."""
-    from horovod.common.context import get_context
-
-    engine = get_context().engine
-    floor = _timer_floor()
-    # (the metrics observer's batch_run is one of the runner's hooks: taken again once wrapped)
-    parts = {"count_batch": (engine._metrics, "batch_run"), "record_round": (engine.metrics, "record_round"),
-             "step_done": (engine.metrics, "step_done")}
-    out: dict[str, Any] = {"timer_floor_us": round(floor * 1e6, 3)}
-    for label, fn in modes.items():
-        accs = {k: [0.0, 0, 0.0] for k in parts}
-        for k, (obj, attr) in parts.items():
-            _timed(obj, attr, accs[k])
-        engine._observe()
-        comm.Barrier()
-        for _ in range(steps):
-            fn()
-        comm.Barrier()
-        for obj, attr in parts.values():
-            delattr(obj, attr)
-        engine._observe()
-        per_step = sum(max(a[0] - a[1] * floor, 0.0) for a in accs.values()) / steps
-        out[label] = {"counter_us_per_step": round(per_step * 1e6, 2),
-                      "calls_per_step": {k: round(a[1] / steps, 2) for k, a in accs.items()}}
-    return out
-
-
-def report_loopback_cpu(pushes: int = 200) -> float:
-    """CPU seconds of one report, both ends: this rank's snapshot, JSON, signature and HTTP
-    request, and the monitor service's parsing, check and ingest, with the service in this
-    process (``time.process_time`` counts every thread of it)."""
-    from horovod.common import reporter as rep_mod
-    from horovod.common.context import get_context
-    from horovod.common.rendezvous import RendezvousClient, make_secret
-    from horovod.runner.monitor.service import MonitorService
-
-    secret = make_secret()
-    svc = MonitorService(secret, 0, "127.0.0.1")
-    try:
-        rep = rep_mod.Reporter(RendezvousClient("127.0.0.1", svc.port, secret, timeout=5.0),
-                               get_context().engine.metrics_snapshot,
-                               rank=hvd.rank(), local_rank=hvd.local_rank(), host="bench")
-        rep.push()
-        c0 = time.process_time()
-        for _ in range(pushes):
-            rep.push()
-        cpu = (time.process_time() - c0) / pushes
-        assert rep.sent == pushes + 1 and svc.state.reports == pushes + 1
-        return cpu
-    finally:
-        svc.stop()
-
-
-def monitor_on_off(modes: dict[str, Callable[[], None]], reps: int, block_s: float, comm: Any) -> None:
-    """Alternate blocks with the monitor reporter on and off (the same ranks, one run); each block
-    runs every mode in turn for ``block_s`` seconds, long enough to hold the reporter's pushes.
-
-    Adjacent blocks pair up (on, off, off, on, ...: pairs (0, 1), (3, 2), ...); each pair gives
-    the ratio of its on block's median step time to its off block's, per mode and for the sum of
-    the modes' medians (``step``), and of this rank's CPU time per step over the block, every
-    thread counted (``cpu_per_step``: what the reporter's thread adds shows there, and machine
-    load only where it makes MPI spin longer). Rank 0 prints the median of the pairs' ratios with a bootstrap
-    95% interval, the reporter's CPU per second (every push timed in the reporter's thread), the
-    counters' cost per step and the straggler exchange's time per second."""
-    from horovod.common import reporter as rep_mod
-    from horovod.common.context import get_context
-
-    ctx = get_context()
-    assert ctx.reporter is not None, "run under horovodrun --monitor-port (no monitor to report to)"
-    ctx.reporter.stop(final=False)
-    ctx.reporter = None
-    parts = counter_costs(modes, 200, comm)
-    exchange = [0.0, 0, 0.0]
-    _timed(ctx.engine._metrics, "exchange", exchange)
-    push = [0.0, 0, 0.0]  # seconds, pushes, reporter thread CPU seconds
-    on_seconds = 0.0
-    times: dict[tuple[str, bool], list[float]] = {(m, on): [] for m in modes for on in (True, False)}
-    block_medians: dict[str, list[tuple[bool, float]]] = {m: [] for m in modes}
-    cpu_blocks: list[tuple[bool, float]] = []  # (on, this rank's CPU seconds per step: all threads)
-    t_start = time.perf_counter()
-    for block in range(4 * max(1, reps // 100)):
-        on = block % 4 in (0, 3)  # on, off, off, on, ...: neither state always comes first
-        if on and ctx.reporter is None:
-            ctx.reporter = rep_mod.from_env(ctx.environ, ctx.engine.metrics_snapshot, hvd.rank(),
-                                            hvd.local_rank())
-            _timed(ctx.reporter, "push", push)
-        elif not on and ctx.reporter is not None:
-            ctx.reporter.stop(final=False)
-            ctx.reporter = None
-        comm.Barrier()
-        t_block, c_block = time.perf_counter(), time.process_time()
-        end = comm.bcast(time.perf_counter() + block_s if hvd.rank() == 0 else None)
-        block: dict[str, list[float]] = {m: [] for m in modes}
-        while True:
-            for label, fn in modes.items():
-                comm.Barrier()
-                t0 = time.perf_counter()
-                fn()
-                block[label].append(time.perf_counter() - t0)
-            if comm.bcast(time.perf_counter() >= end if hvd.rank() == 0 else None):
-                break
-        cpu_blocks.append((on, (time.process_time() - c_block) / sum(len(v) for v in block.values())))
-        if on:
-            on_seconds += time.perf_counter() - t_block
-        for label, ts in block.items():
-            times[(label, on)].extend(ts)
-            block_medians[label].append((on, statistics.median(ts)))
-    run_seconds = time.perf_counter() - t_start
-    if ctx.reporter is not None:
-        ctx.reporter.stop(final=False)
-        ctx.reporter = None
-    loopback = report_loopback_cpu() if hvd.rank() == 0 else 0.0
-    if hvd.rank() == 0:
-        n_blocks = len(next(iter(block_medians.values())))
-        first = block_medians[next(iter(modes))]
-        step_bm = [(first[b][0], sum(block_medians[k][b][1] for k in modes)) for b in range(n_blocks)]
-        out: dict[str, Any] = {"np": hvd.size(), "block_s": block_s, "blocks": n_blocks,
-                               "pushes_rank0": push[1],
-                               "report_ms_per_push": round(push[0] / max(push[1], 1) * 1e3, 3),
-                               "report_cpu_ms_per_push": round(push[2] / max(push[1], 1) * 1e3, 3),
-                               "report_cpu_ms_per_s": round(push[2] / max(on_seconds, 1e-9) * 1e3, 4),
-                               "report_cpu_ms_both_ends": round(loopback * 1e3, 3),
-                               "exchanges": exchange[1],
-                               "exchange_ms_per_s": round(exchange[0] / run_seconds * 1e3, 4),
-                               "counters": parts}
-
-        def paired(bm: list[tuple[bool, float]]) -> list[float]:
-            return [bm[i][1] / bm[i + 1][1] if bm[i][0] else bm[i + 1][1] / bm[i][1]
-                    for i in range(0, len(bm) - 1, 2)]
-
-        for label, bm in [*block_medians.items(), ("step", step_bm), ("cpu_per_step", cpu_blocks)]:
-            pairs = paired(bm)
-            lo, hi = _bootstrap(pairs)
-            row: dict[str, Any] = {"ratio_paired_median": round(statistics.median(pairs), 4),
-                                   "ratio_ci95": [round(lo, 4), round(hi, 4)], "pairs": len(pairs)}
-            if label in modes:
-                on_ms = statistics.median(times[(label, True)]) * 1e3
-                off_ms = statistics.median(times[(label, False)]) * 1e3
-                row.update(on_ms=round(on_ms, 3), off_ms=round(off_ms, 3),
-                           ratio_pooled_median=round(on_ms / off_ms, 4),
-                           steps=len(times[(label, True)]))
-            row["block_ms"] = [round(v * 1e3, 3) for _, v in bm]
-            out[label] = row
-        print(json.dumps(out), flush=True)
-
-
 def _plane_group() -> Any:
     """The torch device plane's process group of the global set (the CPU twin), or None."""
     from horovod.common.context import get_context
@@ -453,6 +269,49 @@ def transport_timer() -> tuple[list[float], Callable[[], None]]:
         for obj in wrapped:
             obj.__dict__.pop(attr, None)
     return acc, remove
+
+
+def steps_from_last(spans: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Per mode, the median over the reps of (the last rank's end - the last rank's start), in ms:
+    the step as the rank that leaves the barrier last sees it, with every rank's end counted
+    (``*_from_last_ms``). A Gloo barrier releases the ranks up to half a millisecond apart on a
+    loaded host (each wait ends with thread wake-ups; MPI's spins), and the early rank's step then
+    holds that skew as waiting for its peer. Only where every rank is on this host (the clock is
+    then the same: ``time.perf_counter`` is CLOCK_MONOTONIC); {} elsewhere."""
+    if hvd.size() == 1 or hvd.local_size() != hvd.size():
+        return {}
+    labels = list(spans)
+    mine = torch.tensor([[t for m in labels for span in spans[m] for t in span]], dtype=torch.float64)
+    every = hvd.allgather(mine, name="step_cost.spans").reshape(hvd.size(), len(labels), -1, 2)
+    last = every.amax(0)  # (modes, reps, [start, end])
+    return {m: float((last[i, :, 1] - last[i, :, 0]).median()) * 1e3 for i, m in enumerate(labels)}
+
+
+def _raw_rows(pg: Any, engine: Any) -> Callable[[], None] | None:
+    """One raw exchange of the carried negotiation's row on ``pg`` (see ``floor_rows``), or None
+    where the engine carries nothing (``HOROVOD_GLOO_CARRY_BYTES=0``)."""
+    carrier = engine.rounds.carrier
+    if carrier is None:
+        return None
+    n = 8 * (2 * engine.cache.words + 3) + carrier.capacity
+    me, size = hvd.rank(), hvd.size()
+    row = torch.zeros(n, dtype=torch.uint8)
+    peers = [j for j in range(size) if j != me]
+
+    def post() -> list[Any]:
+        out = torch.empty(size, n, dtype=torch.uint8)
+        return [pg.recv([out[j]], j, 0x5254) for j in peers]
+
+    posted = [post()]
+
+    def floor_rows() -> None:
+        sends = [pg.send([row], j, 0x5254) for j in peers]
+        for w in posted[0]:
+            w.wait()
+        for w in sends:
+            w.wait()
+        posted[0] = post()
+    return floor_rows
 
 
 def _bench_gloo_group() -> Any:
@@ -567,6 +426,11 @@ def main() -> None:
         else:
             comm.Allreduce(and_bits, and_out, op=MPI.BAND)
 
+    # Under Gloo: one raw exchange of the carried negotiation's row (its length now: the header
+    # and the agreed capacity) on the bench group, as the engine makes it: each rank's row sent to
+    # every peer with the receives posted after the previous exchange (``GlooBackend.post_rows``).
+    floor_rows = _raw_rows(gloo, get_context().engine) if gloo is not None else None
+
     # A real optimizer step; the bare optimizer on a copy of the model costs the same autograd.
     def model() -> list[torch.nn.Parameter]:
         return [torch.nn.Parameter(torch.ones(args.elements)) for _ in range(args.tensors)]
@@ -603,6 +467,8 @@ def main() -> None:
                                             "optimizer": optimizer, "optimizer_groups1": optimizer_groups1,
                                             "plain": plain, "grouped": grouped, "raw": raw, "floor": floor,
                                             "floor_and": floor_and}
+    if floor_rows is not None:
+        modes["floor_rows"] = floor_rows
     if not hasattr(mpi_ops, "_resubmit_many") or not host_sigs:  # a tree from before bundles
         modes.pop("bundle")
     if not repeat:
@@ -632,7 +498,7 @@ def main() -> None:
             finally:
                 del opt.reducer._collect  # type: ignore[attr-defined]
 
-        local = ("raw", "plain", "floor", "floor_and")
+        local = ("raw", "plain", "floor", "floor_and", "floor_rows")
         modes = {**{k: switched(f, True) for k, f in modes.items() if k not in local},
                  **{f"{k}_unopt": switched(f, False) for k, f in modes.items() if k not in local},
                  "optimizer_unopt": unbundled, **{k: modes[k] for k in local}}
@@ -652,7 +518,7 @@ def main() -> None:
                     eng.flight = recorder
             return run
 
-        local = ("raw", "plain", "floor", "floor_and")
+        local = ("raw", "plain", "floor", "floor_and", "floor_rows")
         paired: dict[str, Callable[[], None]] = {}
         for k, f in modes.items():  # each mode next to its twin (see the swap in the loop below)
             if k not in local:
@@ -673,7 +539,7 @@ def main() -> None:
                     carrier.enabled = True
             return run
 
-        local = ("raw", "plain", "floor", "floor_and")
+        local = ("raw", "plain", "floor", "floor_and", "floor_rows")
         paired = {}
         for k, f in modes.items():
             if k not in local:
@@ -698,6 +564,7 @@ def main() -> None:
     else:
         barrier = comm.Barrier
     times: dict[str, list[float]] = {m: [] for m in modes}
+    spans: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}  # (start, end) per rep
     host: dict[str, list[float]] = {m: [] for m in modes}  # each step less its time in the transport
     cpu: dict[str, list[float]] = {m: [] for m in modes}  # this process's CPU seconds per step
     in_transport, untime = transport_timer()
@@ -716,11 +583,14 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             if rep >= 20:
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                dt = t1 - t0
+                spans[label].append((t0, t1))
                 cpu[label].append(time.process_time() - c0)
                 times[label].append(dt)
                 host[label].append(dt - in_transport[0])
     untime()
+    from_last = steps_from_last(spans)
     flight_calls: dict[str, Any] = {}
     if args.flight:
         # The recorder's own work per step, timed where it runs (every call of batch_done, less
@@ -729,7 +599,7 @@ def main() -> None:
         from horovod.common.context import get_context
 
         recorder = get_context().engine.flight
-        floor_s = _timer_floor()
+        floor_s = timer_floor()
         inner = recorder.batch_done
         for label, fn in modes.items():
             if label.endswith("_noflight") or f"{label}_noflight" not in modes:
@@ -790,7 +660,8 @@ def main() -> None:
             per_tensor["flight_recorder"] = flight_calls
         print(json.dumps({"np": hvd.size(), "tensors": args.tensors, "elements": args.elements,
                           "plane": plane is not None, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
-                          **per_tensor}), flush=True)
+                          **per_tensor, **{f"{k}_from_last_ms": round(v, 3) for k, v in from_last.items()}}),
+              flush=True)
     if args.phases:
         split = phases({**modes, "hooks_submit": hooks_submit}, tensors, names, args.reps, barrier)
         if hvd.rank() == 0:

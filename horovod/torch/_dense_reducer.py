@@ -16,7 +16,6 @@ submits them together under one handle (``_collect``): each is still its own all
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import warnings
 from collections.abc import Iterator
@@ -33,7 +32,8 @@ from horovod.torch._autograd import GradHooks, at_end_of_backward
 from horovod.torch._clip import clip_by_global_norm
 from horovod.torch._grad_comm import GradientCommunicator
 from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
-from horovod.torch.compression import StatefulCompressor, _TorchCast
+from horovod.torch.compression import StatefulCompressor
+from horovod.torch.compression import plain_wire as _plain_wire
 from horovod.torch.mpi_ops import (
     allreduce_async_,
     grouped_allreduce_async_,
@@ -127,31 +127,6 @@ class _Slot:
         self.wire: torch.Tensor | None = None
 
 
-def _plain_wire(compression: Any) -> torch.dtype | None:
-    """The dtype a compression sends when it is a plain cast (``Compression.fp16``, ``.bf16``:
-    narrowing and widening are ``tensor.to(dtype)``), else None.
-
-    Such a gradient is narrowed into a 16-bit tensor kept for the next step and widened straight
-    into ``p.grad`` (``Tensor.copy_`` casts), the same values as ``compress``/``decompress``
-    without a new tensor each way: a fresh large tensor costs a page fault per 4 KiB page, twice
-    the conversion itself (32 Mi float32 elements: 38 ms into a new float16 tensor, 15 ms into a
-    kept one; 58 and 18 ms back).
-    """
-    try:
-        return _PLAIN_WIRE[compression]
-    except (KeyError, TypeError):  # not seen yet, or not hashable (then not a compressor class)
-        pass
-    wire = None
-    if isinstance(compression, type) and issubclass(compression, _TorchCast):
-        plain = all(inspect.getattr_static(compression, m) is inspect.getattr_static(_TorchCast, m)
-                    for m in ("narrows", "narrow", "widen", "compress", "decompress", "cast", "is_float",
-                              "dtype_of"))
-        wire = compression.wire if plain and isinstance(compression.wire, torch.dtype) else None
-        _PLAIN_WIRE[compression] = wire
-    return wire
-
-
-_PLAIN_WIRE: dict[Any, torch.dtype | None] = {}
 
 
 class DenseReducer(PassesPerStep, SkipSynchronize):

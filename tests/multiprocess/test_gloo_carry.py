@@ -5,7 +5,8 @@ exact reduction, on np=2 and np=3: a grouped allreduce repeated (cached: after t
 agreed its data travels with the round's bits and the transport's allreduce is never called),
 per-tensor allreduces with Average and a prescale, mixed dtypes, Min/Max/Product, out of place;
 and the fallbacks: ranks whose ready sets differ (rank 0 submits an extra tensor the others hold
-back until the first is done), a tensor too large to carry, and the first (negotiated) step.
+back until the first is done), a tensor too large to carry, and the first (negotiated) step; and
+that each exchange's receives were posted after the one before (``GlooBackend.post_rows``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def _cases():
     from horovod.common.context import get_context
 
     calls = {"allreduce": 0, "exchange": 0}
+    rows = {"exchanges": 0, "posted": 0, "posts": 0}  # over the whole run (shutdown included)
     sync, start, exchange = (gloo_backend.GlooBackend.allreduce, gloo_backend.GlooBackend.allreduce_start,
                              gloo_backend.GlooBackend.exchange_rows)
+    post = gloo_backend.GlooBackend.post_rows
 
     def spy_sync(self, buf, op, group, src=None):
         calls["allreduce"] += 1
@@ -41,10 +44,17 @@ def _cases():
 
     def spy_exchange(self, row):
         calls["exchange"] += 1
+        rows["exchanges"] += 1
+        rows["posted"] += self._rows_posted is not None
         return exchange(self, row)
+
+    def spy_post(self, n):
+        rows["posts"] += 1
+        return post(self, n)
     gloo_backend.GlooBackend.allreduce = spy_sync
     gloo_backend.GlooBackend.allreduce_start = spy_start
     gloo_backend.GlooBackend.exchange_rows = spy_exchange
+    gloo_backend.GlooBackend.post_rows = spy_post
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -122,7 +132,7 @@ def _cases():
         fallback.append(calls["allreduce"] - before)
         check(f"big step {step}", big, sum(value(k, 2, step, 3000, torch.float64) for k in range(n)).float())
     hvd.shutdown()
-    return bad, steady, carried, fallback
+    return bad, steady, carried, fallback, rows
 
 
 def _gloo(np_: int) -> list[str]:
@@ -132,18 +142,22 @@ def _gloo(np_: int) -> list[str]:
 @pytest.mark.parametrize("np_", [2, 3])
 def test_cached_small_allreduces_travel_with_the_negotiation(np_):
     env = {"HOROVOD_GLOO_CARRY_BYTES": "4096"}
-    for bad, steady, carried, fallback in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_), env=env):
+    for bad, steady, carried, fallback, rows in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_),
+                                                          env=env):
         assert not bad, bad
         # 5 steps of: 1 grouped + 5 per-tensor + 3 ops, every one carried, no allreduce call
         assert steady["allreduce"] == 0, steady
         assert carried == 5 * 9, carried
         assert steady["exchange"] >= 5, steady
         assert all(c >= 1 for c in fallback), fallback  # 12 KB > 4 KiB: the transport's call
+        # Every exchange but the first found its receives posted by the one before (the rows'
+        # length changes as the capacity grows); the last one (the shutdown's) posted none.
+        assert rows["posted"] == rows["exchanges"] - 1 == rows["posts"], rows
 
 
 def test_carry_off_reduces_through_the_transport():
     env = {"HOROVOD_GLOO_CARRY_BYTES": "0"}
-    for bad, steady, carried, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
+    for bad, steady, carried, _, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
         assert not bad, bad
         assert carried == 0
         # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)

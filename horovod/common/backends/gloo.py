@@ -173,9 +173,11 @@ def _done() -> None:
     """The wait of a reduction that finished when it was started."""
 
 
-def _p2p(pg: Any, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], tag: int) -> None:
+def _p2p(pg: Any, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], tag: int,
+         posted: list[Any] | None = None) -> None:
     """Post every send (tensor, peer), then every receive, on the process group ``pg`` with
-    ``tag``; wait for the receives, then the sends.
+    ``tag``; wait for the receives, then the sends. ``posted``: receive works posted earlier
+    (``GlooBackend.post_rows``), waited for instead of posting ``recvs``; the list is emptied.
 
     Whatever happens, this frame keeps no reference to ``pg`` nor to its works (each holds the
     Gloo context, the group's connections): a failure's traceback keeps the frames it passed
@@ -185,13 +187,19 @@ def _p2p(pg: Any, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], ta
     through) then waits out the whole Gloo timeout instead of failing when this rank closes."""
     works: list[Any] = []
     try:
+        if posted is not None:
+            works.extend(posted)
+            posted.clear()
+        else:
+            works.extend(pg.recv([t], j, tag) for t, j in recvs)
         works.extend(pg.send([t], j, tag) for t, j in sends)
-        works[:0] = [pg.recv([t], j, tag) for t, j in recvs]
         pg = None
         while works:
             works.pop(0).wait()
     finally:
         works.clear()
+        if posted is not None:
+            posted.clear()
         pg = None
 
 
@@ -228,6 +236,8 @@ class GlooBackend:
         self._bf16: bool | None = None  # ``_reduces_bfloat16``
         self._half_buf: np.ndarray | None = None  # ``_half_scratch``
         self._rs_parts = PartsBuffer()  # ``reducescatter``'s receive buffer
+        # The next ``exchange_rows``' rows and its receives, posted early (``post_rows``).
+        self._rows_posted: tuple[np.ndarray, list[Any]] | None = None
         self._split_seq: dict[str, int] = {}
         # Every process group and Group made here, so that close() can tear them down in order
         # while the store still exists (left to interpreter exit, a Gloo group may be destroyed
@@ -300,9 +310,16 @@ class GlooBackend:
         Up to ``ROWS_P2P_MAX`` ranks each row goes straight to every peer (Gloo's point-to-point
         sends leave from this thread, and a receive completes on the transport's own thread: no
         hand-off to a process-group thread as a collective's, one network step); above, one
-        allgather."""
+        allgather. The receives are those ``post_rows`` posted after the previous exchange
+        when it did (see there), else posted here."""
         n = row.size
-        out = np.empty((self.size, n), np.uint8)
+        posted, self._rows_posted = self._rows_posted, None
+        if posted is not None and posted[0].shape[1] != n:
+            raise HorovodInternalError(
+                f"Gloo negotiation on rank {self.rank}: a row of {n} bytes, but the receives posted "
+                f"after the previous exchange expect {posted[0].shape[1]} (the ranks disagree on the "
+                "carried capacity: an engine bug; please report it).", rank=self.rank, op="negotiation")
+        out = posted[0] if posted is not None else np.empty((self.size, n), np.uint8)
         out[self.rank] = row
         if self.size == 1:
             return out
@@ -313,8 +330,33 @@ class GlooBackend:
                 return out
             src = self._t(out[self.rank])
             peers = [j for j in range(self.size) if j != self.rank]
-            _p2p(self._world, [(src, j) for j in peers], [(self._t(out[j]), j) for j in peers], _ROWS_TAG)
+            early = posted[1] if posted is not None else None
+            posted = None  # (this frame keeps no work: see _p2p)
+            _p2p(self._world, [(src, j) for j in peers], [(self._t(out[j]), j) for j in peers],
+                 _ROWS_TAG, early)
         return out
+
+    def post_rows(self, n: int) -> None:
+        """Post the receives of the next ``exchange_rows`` now, for rows of ``n`` bytes (every rank
+        posts the same ``n``: the carrier's agreed capacity, known to all once this exchange
+        returned; and every rank either posts or does not).
+
+        Gloo's point-to-point transfer is a rendezvous: a send leaves at once only when the
+        receiver has already told the sender that its receive is posted, else the sender's
+        transport thread sends the data when that notice arrives. Posted after the previous
+        exchange, the notice has long reached every peer when the next round starts, so each
+        row goes out from the sending thread and is received while the receiver is still busy;
+        posted in the round, the rank that comes last waits for a notice to travel to a peer,
+        that peer's transport thread to wake and send, and its own to receive: three thread
+        wake-ups, which made it late again for the next step (docs/performance.md, "The fixed
+        cost of a step on Gloo")."""
+        if self.size == 1 or self.size > ROWS_P2P_MAX or self._rows_posted is not None:
+            return
+        out = np.empty((self.size, n), np.uint8)
+        world = self._world
+        with self._translate("negotiation"):
+            recvs = [world.recv([self._t(out[j])], j, _ROWS_TAG) for j in range(self.size) if j != self.rank]
+        self._rows_posted = (out, recvs)
 
     def _lengths(self, n: int, group: Group) -> np.ndarray:
         return self.allgather_ints(np.array([n], np.int64), group)[:, 0]
@@ -680,6 +722,7 @@ class GlooBackend:
             group.handle = None
         self._groups.clear()
         self._in_flight.clear()
+        self._rows_posted = None  # (receives never matched: the groups' shutdown ends them)
         for pg in reversed(self._pgs):
             with contextlib.suppress(Exception):
                 pg.shutdown()

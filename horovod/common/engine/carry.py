@@ -32,7 +32,7 @@ ranks; for 2, a + b is exact either way).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -74,14 +74,18 @@ class Carrier:
 
     Args:
         exchange: ``backend.exchange_rows`` (every rank's equal-length byte row, in rank order).
+        post: ``backend.post_rows`` where the transport has it: called after each exchange but
+            the last with the next row's length (known to every rank alike once the rows are in),
+            so that the next exchange's receives are waiting before any rank sends.
         size: ranks in the world.
         cache: the engine's response cache (identical on every rank).
         max_bytes: ``HOROVOD_GLOO_CARRY_BYTES``, the most a row carries.
     """
 
     def __init__(self, exchange: Callable[[np.ndarray], np.ndarray], size: int, cache: ResponseCache,
-                 max_bytes: int) -> None:
+                 max_bytes: int, post: Callable[[int], None] | None = None) -> None:
         self._exchange = exchange
+        self._post = post
         self.size = size
         self.cache = cache
         self.max_bytes = min(int(max_bytes), _ALL_ROWS_BYTES // max(size, 1)) & ~7
@@ -94,6 +98,12 @@ class Carrier:
         self._dtypes = np.zeros(cache.capacity, np.int64)  # its dtype's index in _DTYPES
         # id(batch) -> (batch, its slots): a memoized plan's batches come back every step
         self._batches: dict[int, tuple[Sequence[Response], np.ndarray]] = {}
+        # (a rank's ready words, capacity) -> its _Layout: a cached step's rows look the same
+        # every step, on every rank (forgotten with the slots' sizes)
+        self._layouts: dict[tuple[bytes, int], _Layout] = {}
+        # (batch, the rows' layouts) -> where the batch lies in every row, when it lies in one
+        # piece at the same place in each (the usual case: every rank carried the same)
+        self._spans: dict[tuple[int, int], tuple[Sequence[Response], _Layout, int, int]] = {}
         self.rounds = self.carried_ops = 0  # counters (tests, benchmarks)
         # Whether this rank packs its data (each row says so; data is used only when every row
         # does): off, the rows still carry the bits, and every operation takes the transport.
@@ -103,6 +113,26 @@ class Carrier:
         """A cache slot was filled or emptied."""
         self._sizes[slot] = _UNKNOWN
         self._batches.clear()
+        self._layouts.clear()
+        self._spans.clear()
+
+    def layout_of(self, ready: np.ndarray, capacity: int) -> _Layout:
+        """``layout`` of a rank whose ready words are ``ready``, memoized."""
+        key = (ready.tobytes(), capacity)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+                self._spans.clear()
+            slots, offsets, wish = self.layout(_slots(ready), capacity)
+            nbytes = self._nbytes[slots]
+            codes = self._dtypes[slots]
+            # one dtype and no padding: the data lie end to end from the first offset
+            uniform = (bool(len(slots)) and np.array_equal(nbytes, self._sizes[slots])
+                       and bool((codes == codes[0]).all()))
+            lay = self._layouts[key] = _Layout(slots, offsets, wish, _DTYPES[int(codes[0])] if uniform else None,
+                                               int(nbytes.sum()))
+        return lay
 
     def _size_of(self, resp: Response | None) -> int:
         if resp is None or resp.error is not None:
@@ -144,12 +174,13 @@ class Carrier:
         return slots[:k], ends[:k] - sizes[:k], wish
 
     def exchange(self, bits: np.ndarray, entry_of: Callable[[int], Any], joined: bool,
-                 joined_flag: int) -> tuple[np.ndarray, CarriedRound | None]:
+                 joined_flag: int, stop_flag: int = 0) -> tuple[np.ndarray, CarriedRound | None]:
         """Exchange this rank's row: ``bits`` (the AND's words: ready slots, slots kept, flags)
         and the data of its ready carryable slots (``entry_of(slot)``: this rank's pending entry;
         nothing when this rank has ``joined``). Returns the AND of every rank's words and the
         round's carried data (None when nothing can be carried: no capacity yet, or some rank
-        has joined, ``joined_flag`` in its flags)."""
+        has joined, ``joined_flag`` in its flags). A round with ``stop_flag`` in some rank's
+        flags is the last: no receives are posted for a next one."""
         nwords = bits.size
         nready = (nwords - 1) // 2
         header = 8 * (nwords + 2)
@@ -159,12 +190,20 @@ class Carrier:
         head[:nwords] = bits
         wish = 0
         carrying = self.enabled and not joined
-        own = None
         if carrying:
-            slots, offsets, wish = self.layout(_slots(bits[:nready]), capacity)
-            own = (bits[:nready].tobytes(), (slots, offsets))
-            if len(slots):
-                self._pack(row, header, slots, offsets, entry_of)
+            own = self.layout_of(bits[:nready], capacity)
+            wish = own.wish
+            if own.uniform is not None:  # (an entry's arrays have its request's dtype: the cached signature)
+                slots = own.slots.tolist()
+                arrays = entry_of(slots[0]).inputs if len(slots) == 1 else [
+                    a for s in slots for a in entry_of(s).inputs]
+                out = row[header:header + own.total].view(own.uniform)
+                try:  # 1-D arrays (a gradient's kept view): axis=None flattens each first, 7x slower
+                    np.concatenate(arrays, out=out)
+                except ValueError:  # some array is not 1-D
+                    np.concatenate(arrays, axis=None, out=out)
+            elif len(own.slots):
+                self._pack(row, header, own.slots, own.offsets, entry_of)
         head[nwords] = wish
         head[nwords + 1] = carrying
         rows = self._exchange(row)
@@ -173,23 +212,17 @@ class Carrier:
         self._resize(int(words[:, nwords].max()))
         self.rounds += 1
         any_flags = int(~anded[nwords - 1])
+        if self._post is not None and not any_flags & stop_flag:
+            self._post(header + self.capacity)
         if not capacity or any_flags & joined_flag or not words[:, nwords + 1].all():
             return anded, None
-        return anded, CarriedRound(self, rows, words, header, capacity, nready, own)
+        return anded, CarriedRound(self, rows, words, header, capacity, nready)
 
     def _pack(self, row: np.ndarray, header: int, slots: np.ndarray, offsets: np.ndarray,
               entry_of: Callable[[int], Any]) -> None:
-        """Copy each slot's input bytes to its offset: all at once when the slots need no padding
-        and share one dtype (a step's gradients), else a run of arrays of one dtype lying end to
-        end in the row (no padding between them) by one concatenation."""
-        nbytes = self._nbytes[slots]
-        codes = self._dtypes[slots]
-        if np.array_equal(nbytes, self._sizes[slots]) and (codes == codes[0]).all():
-            # (an entry's arrays have its request's dtype: it matched the cached signature)
-            arrays = [a for s in slots.tolist() for a in entry_of(s).inputs]
-            total = int(nbytes.sum())
-            np.concatenate(arrays, axis=None, out=row[header:header + total].view(_DTYPES[int(codes[0])]))
-            return
+        """Copy each slot's input bytes to its offset (slots of several dtypes, or padded: those
+        of one dtype and no padding are copied at once by ``exchange``): a run of arrays of one
+        dtype lying end to end in the row (no padding between them) by one concatenation."""
         run: list[np.ndarray] = []
         run_at = run_end = header
         run_dtype: Any = None
@@ -221,31 +254,43 @@ class Carrier:
             self._quiet = 0
 
 
+class _Layout(NamedTuple):
+    """What one rank carried: its slots, their offsets in the row's data, the bytes it wished to
+    carry, the dtype of them all when they share one and need no padding (else None), and their
+    unpadded bytes."""
+
+    slots: np.ndarray
+    offsets: np.ndarray
+    wish: int
+    uniform: str | None
+    total: int
+
+
 class CarriedRound:
     """The rows of one round: which operations every rank carried, and their data."""
 
     def __init__(self, carrier: Carrier, rows: np.ndarray, words: np.ndarray, header: int, capacity: int,
-                 nready: int, own: tuple[bytes, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+                 nready: int) -> None:
         self._carrier = carrier
         self._rows = rows
         self._header = header
         self._capacity = capacity
-        # Each rank's layout, shared between ranks whose ready words are the same (the usual case).
-        by_words: dict[bytes, tuple[np.ndarray, np.ndarray]] = dict([own]) if own is not None else {}
-        self._layouts: list[tuple[np.ndarray, np.ndarray]] = []
-        for r in range(rows.shape[0]):
-            key = words[r, :nready].tobytes()
-            lay = by_words.get(key)
-            if lay is None:
-                slots, offsets, _ = carrier.layout(_slots(words[r, :nready]), capacity)
-                lay = by_words[key] = (slots, offsets)
-            self._layouts.append(lay)
-        self._same = len(by_words) == 1
+        # Each rank's layout (memoized by its ready words: the same object for ranks that had the
+        # same ready, the usual case).
+        self._layouts: list[_Layout] = [carrier.layout_of(words[r, :nready], capacity) for r in range(rows.shape[0])]
+        first = self._layouts[0]
+        self._same = all(lay is first for lay in self._layouts)
 
     def batch(self, batch: Sequence[Response]) -> BatchData | None:
         """The data of ``batch`` (an allreduce batch of this round) when every rank carried all
         of its operations, else None (it runs through the transport)."""
         carrier = self._carrier
+        if self._same:  # a batch seen before in rows of these layouts: where it lies, known
+            span = carrier._spans.get((id(batch), id(self._layouts[0])))
+            if span is not None and span[0] is batch and span[1] is self._layouts[0]:
+                first, total = span[2], span[3]
+                data = self._rows[:, first:first + total]
+                return BatchData(data.view(np.dtype(batch[0].request.dtype)), len(batch), carrier)
         cache = carrier.cache
         slot_of, table = cache.slot_of, cache._slots
         known = carrier._batches.get(id(batch))
@@ -269,7 +314,8 @@ class CarriedRound:
         aligned = not (nbytes % 8).any()  # no padding between the slots' bytes
         rows, header = self._rows, self._header
         parts = []
-        for r, (lay_slots, lay_offsets) in enumerate(self._layouts):
+        for r, lay in enumerate(self._layouts):
+            lay_slots, lay_offsets = lay.slots, lay.offsets
             pos = np.searchsorted(lay_slots, want)
             if (pos >= len(lay_slots)).any() or (lay_slots[pos] != want).any():
                 return None  # rank r did not carry all of it
@@ -278,6 +324,10 @@ class CarriedRound:
             if len(want) == 1 or aligned and np.array_equal(np.diff(starts), nbytes[:-1]):
                 if self._same:  # every rank's bytes at the same place: one view of the rows
                     data = rows[:, first:first + total]
+                    if type(batch) is tuple:  # a memoized plan's: the same object next step
+                        if len(carrier._spans) >= 256:
+                            carrier._spans.clear()
+                        carrier._spans[(id(batch), id(lay))] = (batch, lay, first, total)
                     break
                 parts.append(rows[r, first:first + total])
             else:

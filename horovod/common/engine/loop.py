@@ -82,6 +82,21 @@ def _queue_field(name: str) -> Any:
     return property(get, put, doc=f"``queue.{name}``")
 
 
+def _nothing_to_do(eng: Engine) -> bool:
+    """Whether the engine thread's round now would be an empty one before its idle tick is due:
+    nothing queued or pending, the global process set only, no shutdown, no observer's question,
+    and a round (any thread's) began less than an idle tick ago. A submission wakes the engine
+    thread; when its caller then drives the round itself (a synchronous step), the engine thread
+    would otherwise run an empty round one cycle later, which every peer pairs with one of its
+    own: a whole exchange for nothing, in the way of the next step. A skipped round still counts
+    for the engine thread's pacing (the next background round is due a cycle later): otherwise it
+    races the next step's caller for the driver lock, and on MPI a round it wins runs without
+    spinning and wakes its caller through the handle's latch."""
+    return (not eng._queue and not eng.rounds.pending and not eng._shutdown_requested
+            and not eng._round_wanted and len(eng.groups) == 1
+            and time.perf_counter() - eng._any_round < eng._idle_tick)
+
+
 class Engine:
     """Background communication engine of one process."""
 
@@ -101,6 +116,8 @@ class Engine:
         local_size = hostnames.count(hostnames[self.rank]) if hostnames else 1
         self.tunables = Tunables.from_config(config, local_size, backend=backend)
         self._last_round = 0.0  # when the engine thread last started a round (perf_counter)
+        self._any_round = 0.0  # when any thread last started one
+        self._round_wanted = False  # an observer asked for a round (``wake``)
         # What callers submit (``tensor_queue.py``); its submission methods are the engine's.
         self.queue = TensorQueue(clock, self.tunables, self.help_until)
         self.submit = self.queue.submit
@@ -268,8 +285,9 @@ class Engine:
             # round between two of the caller's, which a peer would pair with a real one).
             if self._driver.acquire(blocking=False):
                 try:
-                    self._last_round = time.perf_counter()
-                    self._drive_once()
+                    self._last_round = time.perf_counter()  # (also when skipped: ``_nothing_to_do``)
+                    if not _nothing_to_do(self):
+                        self._drive_once()
                 finally:
                     self._driver.release()
 
@@ -277,6 +295,8 @@ class Engine:
         """Run one round (the caller holds the driver lock)."""
         if self._stopped:
             return
+        self._any_round = time.perf_counter()
+        self._round_wanted = False
         try:
             new, shutdown = self.queue.take()
             stop = self._round(new, shutdown)
@@ -353,6 +373,7 @@ class Engine:
     def wake(self) -> None:
         """Have the engine thread run a round soon (an observer has something to ask)."""
         with self._cv:
+            self._round_wanted = True
             self._cv.notify()
 
     def stragglers(self) -> list[int]:

@@ -31,7 +31,7 @@ from horovod.common.engine.carry import CarriedRound, Carrier
 from horovod.common.engine.executor import Entry
 from horovod.common.engine.negotiation import Coordinator
 from horovod.common.engine.negotiation_codec import decode_responses, encode_requests, encode_responses
-from horovod.common.engine.observers import FLAG_JOINED, FLAG_NEW, hooks
+from horovod.common.engine.observers import FLAG_JOINED, FLAG_NEW, FLAG_SHUTDOWN, hooks
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import RequestType, Response
 
@@ -92,7 +92,8 @@ class RoundController:
         carry_bytes = int(getattr(config, "gloo_carry_bytes", 0) or 0)
         self.carrier: Carrier | None = None
         if exchange is not None and backend.size > 1 and carry_bytes > 0 and self.cache.words:
-            self.carrier = Carrier(exchange, backend.size, self.cache, carry_bytes)
+            self.carrier = Carrier(exchange, backend.size, self.cache, carry_bytes,
+                                   getattr(backend, "post_rows", None))
         self.carried: CarriedRound | None = None
         self.coordinator = Coordinator(backend.size, self._members, clock) if self.rank == 0 else None
         self._local_stall_due = clock() + config.stall_check_time_seconds
@@ -185,7 +186,7 @@ class RoundController:
         self.negotiating_since = now
         carrier = self.carrier
         if carrier is not None:
-            anded, self.carried = carrier.exchange(bits, self._entry_of, self.joined, FLAG_JOINED)
+            anded, self.carried = carrier.exchange(bits, self._entry_of, self.joined, FLAG_JOINED, FLAG_SHUTDOWN)
             raw = anded.tobytes()
         else:
             raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._engine_thread).tobytes()

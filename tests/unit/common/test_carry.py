@@ -216,3 +216,30 @@ def test_a_reducer_past_the_batch_is_an_engine_bug():
     data.reducer(red)(np.empty(2, np.float32))
     with pytest.raises(HorovodInternalError):
         data.finish()
+
+
+def test_the_next_rows_receives_are_posted_with_their_agreed_length_except_after_the_last_round():
+    # ``post`` (the transport's ``post_rows``) gets the next exchange's row length after each
+    # exchange: the header (the AND's words and two more) and the capacity just agreed, the same
+    # on every rank; a round some rank flags as the last (shutdown) posts nothing.
+    resps, carriers = _setup(2, max_bytes=64)
+    posted: list[list[int]] = [[], []]
+    for r, c in enumerate(carriers):
+        c._post = posted[r].append
+    header = 8 * (2 * WORDS + 1 + 2)
+    _round(carriers, [["a", "g", "c"], ["a"]], resps)  # wishes 80 and 16: capacity 64
+    assert posted == [[header + 64]] * 2
+    stop = 2
+
+    def last(rank: int, c: Carrier) -> None:
+        bits = np.zeros(2 * WORDS + 1, np.uint64)
+        bits[1] = ~np.uint64(0)
+        bits[2] = ~np.uint64(stop if rank == 1 else 0)
+        c.exchange(bits, lambda s: None, False, FLAG_JOINED, stop)
+
+    threads = [threading.Thread(target=last, args=(r, c)) for r, c in enumerate(carriers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert posted == [[header + 64]] * 2  # nothing more: the next exchange never comes

@@ -81,3 +81,41 @@ def test_a_caller_waiting_drives_at_once_whatever_the_cycle():
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 10.0
 
+
+
+_EMPTY = r"""
+import time
+import numpy as np
+import horovod.numpy as hvd
+from horovod.common.context import get_context
+hvd.init()
+eng = get_context().engine
+empty = []
+orig = eng._round
+def counted(new, shutdown):
+    if not new and not eng.rounds.pending and not shutdown:
+        empty.append(time.perf_counter())
+    return orig(new, shutdown)
+eng._round = counted
+x = np.ones(4)
+hvd.synchronize(hvd.allreduce_async(x, name="t"))
+empty.clear()
+t0 = time.perf_counter()
+for i in range(30):
+    hvd.synchronize(hvd.allreduce_async(x, name="t"))  # wakes the engine thread; the caller drives
+    time.sleep(0.01)
+print(len(empty), time.perf_counter() - t0)
+"""
+
+
+def test_no_empty_round_after_a_step_its_caller_drove():
+    # A submission wakes the engine thread; the caller that then waits drives the round itself.
+    # The engine thread, finding nothing left to do, must not run an empty round of its own a
+    # cycle later (on a real job every peer pairs it with one of theirs: a whole exchange for
+    # nothing, in the next step's way). Empty rounds come from the idle tick only: at most one
+    # per 50 ms of the run (+2), where each of the 30 steps used to add one.
+    env = {**os.environ, "HOROVOD_CYCLE_TIME": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", _EMPTY], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr
+    empty, seconds = out.stdout.split()
+    assert int(empty) <= float(seconds) / 0.05 + 2, (empty, seconds)
