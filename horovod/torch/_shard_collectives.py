@@ -96,8 +96,9 @@ def reduce(g: ShardGroup) -> None:
         # padded with zeros to ``seg``
         dst = buf[:, q.offset:q.offset + q.seg]
         grad = q.unsharded.grad
-        if grad is None:
+        if grad is None or not q.seg:  # no gradient, or a parameter of no element (no slot)
             dst.zero_()
+            q.unsharded.grad = None
             continue
         flat = grad.reshape(-1)
         k, rest = divmod(flat.numel(), q.seg)  # k ranks' rows in full, then ``rest`` elements
