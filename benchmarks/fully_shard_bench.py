@@ -24,7 +24,9 @@ model's per-block buffers (16 MiB here) come from the heap, whose freed holes st
 Time: one launch of ``--np`` ranks holds every variant and times their steps interleaved in a
 rotating order, ``--reps`` times each (after a warm-up round); medians of the slowest rank per
 step, and ratios to DistributedOptimizer. Besides the five default variants, ``--variants`` may
-name ``fully_shard_keep`` and ``fsdp2_keep`` (``reshard_after_forward=False``), ``local`` (the
+name ``fully_shard_keep`` and ``fsdp2_keep`` (``reshard_after_forward=False``),
+``fully_shard_norelease`` (``hvd.fully_shard`` without handing freed memory back to the kernel
+after each module, ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0``), ``local`` (the
 same step with no collective: the compute floor) and the wire floors, each variant's raw
 collectives on buffers of its bytes with no compute, every collective of a phase started at once
 (the wire's best case): ``floor_allreduce`` (one allreduce per block's gradients,
@@ -50,6 +52,7 @@ import time
 from typing import Any
 
 VARIANTS = ("distributed", "zero1", "zero2", "fully_shard", "fsdp2", "fully_shard_keep", "fsdp2_keep",
+            "fully_shard_norelease",
             "local", "floor_allreduce", "floor_fully_shard", "floor_fully_shard_keep")
 # the step without any collective (compute floor), and the raw collectives of each variant's
 # bytes without compute (wire floor): only in the timing launch
@@ -115,6 +118,10 @@ def _build(variant: str, cfg: dict[str, Any], mesh: Any) -> tuple[Any, Any]:
                                                   named_parameters=model.named_parameters())
     if variant.startswith("fully_shard"):
         hvd.fully_shard(model)
+        if variant == "fully_shard_norelease":  # the C allocator's free pages kept (no malloc_trim)
+            for m in model.modules():
+                if isinstance(m, hvd.FullyShardedModule):
+                    m._groups()[0].release_memory = False
     else:
         from torch.distributed.fsdp import fully_shard
 

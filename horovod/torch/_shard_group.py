@@ -36,6 +36,8 @@ class ShardGroup:
         self.r = process_set.rank() or 0
         self.owner: ShardGroup | None = None  # the enclosing wrapped module's group, once wrapped
         self.requires_sync = True
+        # after freeing a module's buffers on CPU, give the allocator's free pages back (glibc)
+        self.release_memory = os.environ.get("HOROVOD_FULLY_SHARD_RELEASE_MEMORY", "1") != "0"
         # iteration state (kept on the root group)
         self.order: list[ShardGroup] = []
         self.prev_order: list[ShardGroup] = []
