@@ -11,6 +11,7 @@ segment k holding rank k's rows of every gradient.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
@@ -103,8 +104,29 @@ def release_freed_memory(g: ShardGroup) -> None:
         return
     if not _TRIM:
         _TRIM.append(_malloc_trim())
-    if _TRIM[0] is not None:
+    if _TRIM[0] is None:
+        return
+    # only when the resident set has grown by more than a few modules' buffers since its lowest
+    # point after the last release: the buffers a step has in flight are not released each time
+    # (their pages would be faulted in again), what the allocator keeps beyond them is
+    root = g.root()
+    if not root.release_slack:
+        biggest = max(h.n * h.segment * h.params[0].unsharded.element_size()
+                      for h in groups_in(root.module) if h.params)
+        root.release_slack = 4 * biggest
+    rss = _resident_bytes()
+    root.released_rss = min(root.released_rss, rss)
+    if rss - root.released_rss > root.release_slack:
         _TRIM[0](0)
+        root.released_rss = _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[1]) * _PAGE
+
+
+_PAGE = mmap.PAGESIZE
 
 
 def _malloc_trim() -> Any:

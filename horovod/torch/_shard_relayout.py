@@ -36,7 +36,7 @@ def _relayout_group(g: ShardGroup) -> bool:
     reshard(g)
     g.n, g.r = n, r
     g.order, g.prev_order, g.pending = [], [], []
-    g.callback_queued, g.in_forward = False, False
+    g.callback_queued, g.in_forward, g.open, g.grad_pending = False, False, False, False
     g.accumulated.clear()
     offset = 0
     for q in g.params:
