@@ -21,10 +21,15 @@ it glibc raises its threshold to the largest block freed so far (up to 32 MiB), 
 model's per-block buffers (16 MiB here) come from the heap, whose freed holes stay resident
 (docs/fully_shard.md, "Memory").
 
+``--mem-time-steps K`` also times K more steps in each memory launch (the variant alone in its
+processes: no other variant's memory for its allocator to release or fault in again).
+
 Time: one launch of ``--np`` ranks holds every variant and times their steps interleaved in a
 rotating order, ``--reps`` times each (after a warm-up round); medians of the slowest rank per
 step, and ratios to DistributedOptimizer. Besides the five default variants, ``--variants`` may
-name ``fully_shard_keep`` and ``fsdp2_keep`` (``reshard_after_forward=False``), ``local`` (the
+name ``fully_shard_keep`` and ``fsdp2_keep`` (``reshard_after_forward=False``),
+``fully_shard_norelease`` (``hvd.fully_shard`` without handing freed memory back to the kernel
+after each module, ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0``), ``local`` (the
 same step with no collective: the compute floor) and the wire floors, each variant's raw
 collectives on buffers of its bytes with no compute, every collective of a phase started at once
 (the wire's best case): ``floor_allreduce`` (one allreduce per block's gradients,
@@ -50,6 +55,7 @@ import time
 from typing import Any
 
 VARIANTS = ("distributed", "zero1", "zero2", "fully_shard", "fsdp2", "fully_shard_keep", "fsdp2_keep",
+            "fully_shard_norelease",
             "local", "floor_allreduce", "floor_fully_shard", "floor_fully_shard_keep")
 # the step without any collective (compute floor), and the raw collectives of each variant's
 # bytes without compute (wire floor): only in the timing launch
@@ -115,6 +121,10 @@ def _build(variant: str, cfg: dict[str, Any], mesh: Any) -> tuple[Any, Any]:
                                                   named_parameters=model.named_parameters())
     if variant.startswith("fully_shard"):
         hvd.fully_shard(model)
+        if variant == "fully_shard_norelease":  # the C allocator's free pages kept (no malloc_trim)
+            for m in model.modules():
+                if isinstance(m, hvd.FullyShardedModule):
+                    m._groups()[0].release_memory = False
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -200,7 +210,14 @@ def _memory(variant: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fh.write("5")
     _step(model, opt, x)
     peak = _status("VmHWM")
-    return {"rank": hvd.rank(), "rss_base": rss_base, "peak_rss": peak, "peak_above_base": peak - rss_base}
+    times = []
+    for _ in range(cfg.get("mem_time_steps", 0)):  # this variant alone in its launch
+        hvd.barrier()
+        t0 = time.perf_counter()
+        _step(model, opt, x)
+        times.append(time.perf_counter() - t0)
+    return {"rank": hvd.rank(), "rss_base": rss_base, "peak_rss": peak, "peak_above_base": peak - rss_base,
+            "step_times": times}
 
 
 def _timing(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -259,6 +276,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mem-time-steps", type=int, default=0,
+                        help="after the memory step, time this many steps in each variant's own launch")
     parser.add_argument("--variants", default=",".join(DEFAULT),
                         help=f"comma-separated, of {','.join(VARIANTS)} (the floors: timing only)")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
@@ -273,7 +292,7 @@ def main() -> int:
     env = {} if args.malloc_mmap_threshold is None else {
         "MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)}
     cfg = {"layers": args.layers, "width": args.width, "batch": args.batch, "reps": args.reps,
-           "variants": variants}
+           "variants": variants, "mem_time_steps": args.mem_time_steps}
     psi = args.layers * (args.width * args.width + args.width)
     mib = 2.0 ** 20
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {psi / 1e6:.1f} M parameters, "
@@ -290,9 +309,12 @@ def main() -> int:
         for v in (v for v in variants if v not in FLOORS):
             memory[v] = run_ranks(_memory, np=args.mem_np, args=(v, cfg), timeout=3600, env=env)
             w = memory[v]
+            steps = [max(r["step_times"][i] for r in w) for i in range(args.mem_time_steps)]
+            line = f", step {statistics.median(steps):.3f} s (median of {len(steps)})" if steps else ""
             print(f"  {v:<12} peak {max(r['peak_rss'] for r in w) / mib:7.0f} MiB, above the floor "
                   f"{max(r['peak_above_base'] for r in w) / mib:7.0f} MiB (floor "
-                  f"{max(r['rss_base'] for r in w) / mib:.0f})", flush=True)
+                  f"{max(r['rss_base'] for r in w) / mib:.0f}){line}; load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
         out["memory"] = memory
         worst = {v: max(r["peak_rss"] for r in memory[v]) for v in memory}
         above = {v: max(r["peak_above_base"] for r in memory[v]) for v in memory}

@@ -11,6 +11,7 @@ segment k holding rank k's rows of every gradient.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
@@ -19,7 +20,11 @@ from horovod.common.types import Max
 from horovod.torch import mpi_ops
 from horovod.torch._shard_group import ShardGroup, groups_in
 
-__all__ = ["start_unshard", "wait_unshard", "reshard", "reduce", "complete", "agree_finite"]
+__all__ = ["start_unshard", "wait_unshard", "reshard", "reduce", "complete", "agree_finite",
+           "release_freed_memory"]
+
+# glibc's malloc_trim, looked up on first use: [the function] or [None] off glibc
+_TRIM: list[Any] = []
 
 
 def start_unshard(g: ShardGroup) -> None:
@@ -73,10 +78,68 @@ def reshard(g: ShardGroup) -> None:
     if g.gather is not None:  # a prefetch nobody used: finish it, drop the result
         mpi_ops.synchronize(g.gather)
         g.gather = None
+    freed = False
     for q in g.params:
+        freed = freed or q.allocated()
         q.free()
         q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
     g.unsharded = False
+    if freed:
+        release_freed_memory(g)
+
+
+def release_freed_memory(g: ShardGroup) -> None:
+    """Hand the memory the C allocator holds free back to the kernel (glibc's ``malloc_trim(0)``),
+    after ``g``'s unsharded parameters (and, in backward, its gradients) were freed: on CPU,
+    unless ``g.release_memory`` is off or the C library is not glibc.
+
+    Why: glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so from
+    the first freed block on, each module's unsharded parameters, gradients and the allgather's
+    output are carved from the heap; small allocations (activations) split the holes they leave,
+    the next block's buffers land elsewhere, and the holes stay resident: a step's peak resident
+    memory grew to twice the live tensors (docs/fully_shard.md, "Peak memory"). Trimming after
+    each module bounds what is resident to the live tensors plus one module's buffers. It is a
+    call, not a setting: the process's malloc parameters are left as they are."""
+    if not g.release_memory or not g.params or g.params[0].shard.device.type != "cpu":
+        return
+    if not _TRIM:
+        _TRIM.append(_malloc_trim())
+    if _TRIM[0] is None:
+        return
+    # only when the resident set has grown by more than a few modules' buffers since its lowest
+    # point after the last release: the buffers a step has in flight are not released each time
+    # (their pages would be faulted in again), what the allocator keeps beyond them is
+    root = g.root()
+    if not root.release_slack:
+        biggest = max(h.n * h.segment * h.params[0].unsharded.element_size()
+                      for h in groups_in(root.module) if h.params)
+        root.release_slack = 4 * biggest
+    rss = _resident_bytes()
+    root.released_rss = min(root.released_rss, rss)
+    if rss - root.released_rss > root.release_slack:
+        _TRIM[0](0)
+        root.released_rss = _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[1]) * _PAGE
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = lib.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to release this way
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
 
 
 def reduce(g: ShardGroup) -> None:
@@ -96,8 +159,9 @@ def reduce(g: ShardGroup) -> None:
         # padded with zeros to ``seg``
         dst = buf[:, q.offset:q.offset + q.seg]
         grad = q.unsharded.grad
-        if grad is None:
+        if grad is None or not q.seg:  # no gradient, or a parameter of no element (no slot)
             dst.zero_()
+            q.unsharded.grad = None
             continue
         flat = grad.reshape(-1)
         k, rest = divmod(flat.numel(), q.seg)  # k ranks' rows in full, then ``rest`` elements

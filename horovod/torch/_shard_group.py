@@ -36,6 +36,10 @@ class ShardGroup:
         self.r = process_set.rank() or 0
         self.owner: ShardGroup | None = None  # the enclosing wrapped module's group, once wrapped
         self.requires_sync = True
+        # after freeing a module's buffers on CPU, give the allocator's free pages back (glibc)
+        self.release_memory = os.environ.get("HOROVOD_FULLY_SHARD_RELEASE_MEMORY", "1") != "0"
+        self.release_slack = 0       # (root) resident growth tolerated before a release, bytes
+        self.released_rss = 1 << 62  # (root) the lowest resident set seen since the last release
         # iteration state (kept on the root group)
         self.order: list[ShardGroup] = []
         self.prev_order: list[ShardGroup] = []
@@ -43,6 +47,8 @@ class ShardGroup:
         self.spare: list[torch.Tensor] = []  # reduce-scatter input buffers, reused (``take_buffer``)
         self.callback_queued = False
         self.in_forward = False
+        self.open = False          # an iteration has begun and its backward has not ended
+        self.grad_pending = False  # a forward of this iteration made outputs a backward will use
         self.iteration = 0
         self.seq_iteration = -1
         self.seq: dict[str, int] = {}

@@ -3,6 +3,9 @@
 - before its forward: wait for its parameters (gathering them if no prefetch did), register the
   unsharded ones, start gathering the next module of the previous iteration's order, cast floating
   inputs to ``mp_policy.param_dtype``;
+- a wrapped submodule's forward when no iteration is open (called directly, not through the
+  root's forward): start one; a layer holding the root's own parameters called directly: gather
+  and register them for the call (kept to the end of backward, as the root's forward does);
 - after its forward: register the shards again, free the unsharded parameters when
   ``reshard_after_forward`` (not the root's, nor those of a forward recomputed inside backward),
   put a hook on the outputs for the backward;
@@ -10,7 +13,9 @@
   gather its parameters again, prefetch the module before it in forward order;
 - when each gradient of it has been accumulated: reduce-scatter them (``_shard_collectives``);
 - at the end of backward (the root): reduce what is left, finish every reduction, agree on
-  non-finite gradients, free every unsharded parameter.
+  non-finite gradients, free every unsharded parameter, end the iteration (so does a forward
+  under ``no_grad`` of the root, or of a submodule called directly with nothing awaiting a
+  backward).
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ def install(g: ShardGroup) -> None:
             q.unsharded.register_post_accumulate_grad_hook(_grad_hook(g, i))
     g.module.register_forward_pre_hook(lambda m, a, k: _pre_forward(g, a, k), with_kwargs=True)
     g.module.register_forward_hook(lambda m, a, k, out: _post_forward(g, out), with_kwargs=True)
+    # the submodules that hold its parameters (a root's own layers: ``model.head``), for a call
+    # that does not come through its forward
+    owners = {id(mod): mod for q in g.params for mod, _ in q.owners if mod is not g.module}
+    for mod in owners.values():
+        mod.register_forward_pre_hook(lambda m, a: _owner_pre_forward(g))
+        mod.register_forward_hook(lambda m, a, out: _owner_post_forward(g, out))
 
 
 def _swap_in(g: ShardGroup) -> None:
@@ -45,15 +56,27 @@ def _swap_out(g: ShardGroup) -> None:
         q.use(q.shard)
 
 
+def _begin(root: ShardGroup) -> None:
+    """Start an iteration: this one's order of forwards is the next one's guide for prefetching,
+    and the collectives' names start again (the engine's response cache knows them)."""
+    root.prev_order, root.order = (root.order or root.prev_order), []
+    root.iteration += 1
+    root.open = True
+    root.grad_pending = False
+
+
 def _pre_forward(g: ShardGroup, args: Any, kwargs: Any) -> Any:
     root = g.root()
     if root is g:
         if root.pending or root.callback_queued:  # a backward that did not finish its callback
             finish_backward(root)
-        root.prev_order, root.order = (root.order or root.prev_order), []
-        root.iteration += 1
+        _begin(root)
         root.in_forward = True
     recompute = root.callback_queued and root is not g  # activation checkpointing in backward
+    if not recompute and not root.open:
+        # a wrapped submodule called directly, not through the root's forward (a Lightning
+        # training_step calling self.encoder(x)): it starts the iteration
+        _begin(root)
     if not recompute:
         root.order.append(g)
     wait_unshard(g)
@@ -79,15 +102,15 @@ def _post_forward(g: ShardGroup, output: Any) -> Any:
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
     if not needs_grad:
-        if is_root:  # no backward will come: free everything of this iteration
-            for h in root.order:
-                reshard(h)
-            for h in root.prev_order:
-                if h.gather is not None:
-                    reshard(h)
+        if is_root or not (root.in_forward or root.callback_queued or root.grad_pending):
+            # no backward will come (the root's forward, or a submodule called directly, under
+            # no_grad and with nothing of this iteration awaiting a backward): free everything
+            # of this iteration and end it
+            _end_without_backward(root)
         elif g.reshard_after_forward:
             reshard(g)
     else:
+        root.grad_pending = True
         # a forward recomputed inside backward (activation checkpointing) keeps its parameters
         # for the backward that follows at once
         if g.reshard_after_forward and not is_root and not root.callback_queued:
@@ -100,6 +123,51 @@ def _post_forward(g: ShardGroup, output: Any) -> Any:
         output = tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
                           else t, output)
     return output
+
+
+def _owner_pre_forward(g: ShardGroup) -> None:
+    """A layer holding the root's own parameters called directly (not inside the root's forward):
+    gather them as the root's forward would (kept to the end of backward) and register them for
+    this call. Only the root's: a block's layers called without the block are not handled."""
+    root = g.root()
+    if root is not g or root.in_forward:
+        return
+    if not root.callback_queued:  # (in backward: a recompute, the iteration is the backward's)
+        if not root.open:
+            _begin(root)
+        if all(h is not root for h in root.order):
+            root.order.append(root)
+            k = len(root.order)  # prefetch what came next the previous time
+            if len(root.prev_order) > k and root.prev_order[k - 1] is root:
+                start_unshard(root.prev_order[k])
+    wait_unshard(root)
+    _swap_in(root)
+
+
+def _owner_post_forward(g: ShardGroup, output: Any) -> None:
+    root = g.root()
+    if root is not g or root.in_forward:
+        return
+    _swap_out(root)
+    if root.callback_queued:
+        return
+    tensors, _ = tree_flatten(output)
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if torch.is_grad_enabled() and tensors:
+        root.grad_pending = True
+        for t in tensors:
+            t.register_hook(lambda grad: _pre_backward(root))
+    elif not root.grad_pending:
+        _end_without_backward(root)
+
+
+def _end_without_backward(root: ShardGroup) -> None:
+    for h in root.order:
+        reshard(h)
+    for h in root.prev_order:
+        if h.gather is not None:
+            reshard(h)
+    root.open = False
 
 
 def _pre_backward(g: ShardGroup) -> None:
@@ -147,3 +215,4 @@ def finish_backward(root: ShardGroup) -> None:
     for g in root.prev_order:
         if g.gather is not None:
             reshard(g)
+    root.open = False  # the next forward, of the root or of a submodule, starts an iteration

@@ -66,7 +66,7 @@ class FullyShardedReducer(PassesPerStep, SkipSynchronize):
 
     def reset(self) -> None:
         root = self._root
-        root.pending, root.callback_queued = [], False
+        root.pending, root.callback_queued, root.open = [], False, False
         for g in groups_in(self.module):
             g.accumulated.clear()
             for q in g.params:

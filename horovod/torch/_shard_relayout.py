@@ -36,7 +36,8 @@ def _relayout_group(g: ShardGroup) -> bool:
     reshard(g)
     g.n, g.r = n, r
     g.order, g.prev_order, g.pending = [], [], []
-    g.callback_queued, g.in_forward = False, False
+    g.callback_queued, g.in_forward, g.open, g.grad_pending = False, False, False, False
+    g.release_slack, g.released_rss = 0, 1 << 62  # the modules' buffers have other sizes now
     g.accumulated.clear()
     offset = 0
     for q in g.params:

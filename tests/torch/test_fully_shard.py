@@ -312,6 +312,123 @@ def _bad_input_cases():
     return out
 
 
+def _direct_submodule_cases():
+    """A training step that calls the wrapped blocks and the root's own layers directly, never the
+    root's forward (as a Lightning ``training_step`` calling ``self.blocks``/``self.out`` does):
+    the same weights as the unsharded run (1e-5); every step is one iteration (the order of
+    forwards does not grow, the collectives' names start again, the next step prefetches); a
+    ``no_grad`` pass called the same way frees every gathered parameter."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import horovod.torch as hvd
+    from horovod.torch._shard_params import GROUPS
+
+    hvd.init()
+    r = hvd.rank()
+    bad = []
+
+    def pieces(model, x):  # what the root's forward does (but the scale), piece by piece from outside
+        h = model.inp(x)
+        for b in model.blocks:
+            h = b(h)
+        return model.out(h)
+
+    ref = net()
+    m = wrap(copy.deepcopy(ref))
+    # no weight decay: the unused scale's shard gets a zero gradient (an unused parameter of a
+    # module that reduced), the unsharded one none
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+    root = GROUPS[m]
+    for step, (x, y) in enumerate(make_batches(8, 6, seed=31)):
+        ro.zero_grad()
+        F.cross_entropy(pieces(ref, x), y).backward()
+        average_grads(ref)
+        ro.step()
+        o.zero_grad()
+        F.cross_entropy(pieces(m, x), y).backward()
+        o.step()
+        if len(root.order) != 1 + len(m.blocks) or root.open:
+            bad.append(f"rank {r}: step {step}: the iteration's order holds {len(root.order)} modules "
+                       f"(want {1 + len(m.blocks)}: the root's own parameters, then each block), open={root.open}")
+        seqs = {g.index: dict(g.seq) for g in m._groups()}
+        if any(k > 2 for seq in seqs.values() for k in seq.values()):
+            bad.append(f"rank {r}: step {step}: the collectives' names did not start again: {seqs}")
+    if root.iteration != 6:
+        bad.append(f"rank {r}: 6 steps counted as {root.iteration} iterations")
+    if root.prev_order != root.order:
+        bad.append(f"rank {r}: no prefetch order for the next step")
+    compare(bad, "direct", m, ref, 1e-5)
+    with torch.no_grad():
+        pieces(m, make_batches(8, 1, seed=32)[0][0])
+    held = [q.fqn for g in m._groups() for q in g.params if q.allocated()]
+    if held or root.open:
+        bad.append(f"rank {r}: after a no_grad pass of direct calls, still gathered: {held}, open={root.open}")
+    from horovod.torch.fully_shard import is_shard
+
+    unsharded = [n for n, p in m.named_parameters() if not is_shard(p)]
+    if unsharded:
+        bad.append(f"rank {r}: after a no_grad pass, registered parameters that are not shards: {unsharded}")
+    return bad
+
+
+def _empty_rows_cases():
+    """Parameters with fewer rows than ranks and with no element at all (a zero-size dimension):
+    ranks whose rows of them are empty train to the unsharded weights (1e-5) and receive
+    gradients of their shards' shapes; the gathered state dict has the unsharded shapes."""
+    import copy
+
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    bad = []
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2)  # 2 rows: at np=3 rank 2 holds none
+            self.b = torch.nn.Linear(2, 1)  # 1 row: only rank 0 holds it
+            self.empty = torch.nn.Parameter(torch.zeros(0, 3))   # no row
+            self.hollow = torch.nn.Parameter(torch.zeros(3, 0))  # rows of no element
+            self.s = torch.nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)) * self.s) + self.empty.sum() + self.hollow.sum()
+
+    torch.manual_seed(0)
+    ref = Tiny()
+    m = copy.deepcopy(ref)
+    hvd.fully_shard(m.a)
+    hvd.fully_shard(m.b)
+    hvd.fully_shard(m)
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(40 + r)
+    for _ in range(5):
+        x = torch.randn(4, 2, generator=g)
+        ro.zero_grad()
+        ref(x).square().mean().backward()
+        for p in ref.parameters():
+            if p.numel():
+                p.grad = hvd.allreduce(p.grad, op=hvd.Average)
+        ro.step()
+        o.zero_grad()
+        m(x).square().mean().backward()
+        for name, p in m.named_parameters():
+            if p.grad is None or p.grad.shape != p.shape:
+                bad.append(f"rank {r}: shard {name} {tuple(p.shape)} got gradient "
+                           f"{None if p.grad is None else tuple(p.grad.shape)}")
+        o.step()
+    compare(bad, "empty rows", m, ref, 1e-5)
+    return bad
+
+
 # --------------------------------------------------------------------------- tests
 def test_fully_shard_matches_unsharded_training(np_):
     fails = _LAUNCH[np_].results("equivalence")
@@ -330,6 +447,16 @@ def test_fully_shard_no_sync_and_compression(np_):
 
 def test_fully_shard_activation_checkpointing(np_):
     fails = _LAUNCH[np_].results("activation_checkpoint")
+    assert not any(fails), "\n".join(f for rank_fails in fails for f in rank_fails)
+
+
+def test_fully_shard_submodules_called_directly(np_):
+    fails = _LAUNCH[np_].results("direct_submodules")
+    assert not any(fails), "\n".join(f for rank_fails in fails for f in rank_fails)
+
+
+def test_fully_shard_parameters_with_empty_rows(np_):
+    fails = _LAUNCH[np_].results("empty_rows")
     assert not any(fails), "\n".join(f for rank_fails in fails for f in rank_fails)
 
 
@@ -382,6 +509,8 @@ def np_(request):
 _LAUNCH = {n: joint_launch("torch", n, {"equivalence": _equivalence_cases,
                                         "mixed_precision": _mixed_precision_cases,
                                         "no_sync": _no_sync_and_compression_cases,
-                                        "activation_checkpoint": _activation_checkpoint_cases}, timeout=480)
+                                        "activation_checkpoint": _activation_checkpoint_cases,
+                                        "direct_submodules": _direct_submodule_cases,
+                                        "empty_rows": _empty_rows_cases}, timeout=540)
            for n in NPS}
 _BAD = {n: joint_launch("torch", n, {"bad": _bad_input_cases}, timeout=60, late=True) for n in NPS}

@@ -1,0 +1,82 @@
+"""When ``hvd.fully_shard`` hands the C allocator's free pages back to the kernel on CPU
+(``_shard_collectives.release_freed_memory``, glibc's ``malloc_trim``): only once the resident set
+has grown by more than four modules' buffers since its lowest point after the last release, never
+when ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0`` or off CPU. One process, no ranks; the effect on a
+step's peak is measured by benchmarks/fully_shard_bench.py (docs/fully_shard.md)."""
+
+from __future__ import annotations
+
+import ctypes.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from horovod.torch import _shard_collectives as C
+
+pytestmark = pytest.mark.unit
+
+MIB = 1 << 20
+
+
+def _group(device: str = "cpu", release: bool = True) -> SimpleNamespace:
+    q = SimpleNamespace(shard=torch.zeros(1, device=device), unsharded=torch.zeros(1, device=device))
+    g = SimpleNamespace(release_memory=release, params=[q], n=4, segment=MIB, module=None,
+                        release_slack=0, released_rss=1 << 62)
+    g.root = lambda: g
+    return g
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    trims: list[int] = []
+    rss = [100 * MIB]
+    monkeypatch.setattr(C, "_TRIM", [lambda pad: trims.append(pad) or 1])
+    monkeypatch.setattr(C, "_resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(C, "groups_in", lambda module: [g for g in _made])
+    _made.clear()
+    return trims, rss
+
+
+_made: list[SimpleNamespace] = []
+
+
+def test_release_only_after_growth_beyond_four_modules(fake) -> None:
+    trims, rss = fake
+    g = _group()
+    _made.append(g)
+    C.release_freed_memory(g)
+    assert trims == [] and g.release_slack == 4 * 4 * MIB * 4  # 4 x (n x segment x 4 bytes)
+    rss[0] += 64 * MIB  # in flight: no more than the slack
+    C.release_freed_memory(g)
+    assert trims == []
+    rss[0] += 1 * MIB  # beyond it: released, and the lowest point starts again from there
+    C.release_freed_memory(g)
+    assert trims == [0] and g.released_rss == 165 * MIB
+    rss[0] = 120 * MIB  # lower: the new lowest point
+    C.release_freed_memory(g)
+    rss[0] = 120 * MIB + 65 * MIB
+    C.release_freed_memory(g)
+    assert trims == [0, 0]
+
+
+def test_no_release_when_switched_off_or_off_cpu(fake) -> None:
+    trims, rss = fake
+    for g in (_group(release=False), _group(device="meta")):
+        _made[:] = [g]
+        C.release_freed_memory(g)
+        rss[0] += 1024 * MIB
+        C.release_freed_memory(g)
+    assert trims == []
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library to look up")
+def test_malloc_trim_found_on_glibc() -> None:
+    import platform
+
+    fn = C._malloc_trim()
+    if platform.libc_ver()[0] != "glibc":
+        assert fn is None
+    else:
+        assert fn is not None and fn(0) in (0, 1)
+        assert C._resident_bytes() > 0
