@@ -308,7 +308,7 @@ class Executor:
         else:
             items, sizes = self._flat_items(batch, items, starts, groups, index)
         calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
-                                     self.fusion_enabled, red.widen, self.tunables.alone_bytes if chunk else 0)
+                                     self.fusion_enabled, red.widen, self.tunables.alone_bytes)
         carried = self.carried  # the data came with the negotiation: no transport call
         if carried is None:
             # Several calls in flight where the transport has asynchronous reductions (Gloo), unless

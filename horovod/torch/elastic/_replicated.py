@@ -18,16 +18,16 @@ part is held by nobody (it and the holder of its replica were both lost), every 
 
 from __future__ import annotations
 
+import abc
 import copy
 import io
-import os
 import pickle
-import socket
 import struct
 from typing import Any
 
 import torch
 
+from horovod.common.current import get_context
 from horovod.common.elastic.state import Committed
 from horovod.common.elastic.worker import current_round
 from horovod.common.job_state import next_number
@@ -72,11 +72,12 @@ def unpack_values(blob: torch.Tensor) -> dict[Any, Any]:
     return torch.load(io.BytesIO(raw[8 + n:].tobytes()), weights_only=False)
 
 
-def _host() -> str:
-    info = current_round()
-    if info is not None:
-        return str(info.slot.hostname)
-    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+def _hosts(ps: ProcessSet) -> list[str]:
+    """Every member's host, in the set's rank order: the context's, gathered at ``init`` (in an
+    elastic round, each worker's slot)."""
+    names, ranks = get_context().hostnames, ps.ranks
+    assert ranks is not None  # (a registered set's ranks are known, a communicator's too)
+    return [names[g] for g in ranks]
 
 
 def _empty_rows(meta: Any) -> torch.Tensor:
@@ -109,7 +110,7 @@ class _Held:
         return sum(t.untyped_storage().nbytes() for t in (self.own, self.replica) if t is not None)
 
 
-class ReplicatedStateHandler(Committed):
+class ReplicatedStateHandler(Committed, abc.ABC):
     """The sharded commit of one sharded object (see the module docstring). Subclasses say what
     this rank's part is (``_part``), which rows each rank takes in a world of ``n`` (``_needs``),
     how to lay the object out over the current world (``_relayout``) and how to put a part back
@@ -126,11 +127,13 @@ class ReplicatedStateHandler(Committed):
         self._name = f"elastic.{self.label.replace(' ', '_')}.{next_number('elastic.replicated')}"
 
     # ------------------------------------------------------------------ what subclasses say
+    @abc.abstractmethod
     def _process_set(self) -> ProcessSet:
-        raise NotImplementedError
+        """The process set the object is sharded over."""
 
+    @abc.abstractmethod
     def _part(self) -> dict[Any, Entry]:
-        raise NotImplementedError
+        """This rank's part: ``{key: Entry}`` (its rows of each sharded value, whole the rest)."""
 
     def _needs(self, n: int, kinds: dict[Any, tuple[str, int]]) -> dict[int, dict[Any, tuple[int, int]]]:
         """``{new rank: {key: (lo, hi)}}`` for every rank of a world of ``n`` (after ``_relayout``)."""
@@ -140,11 +143,13 @@ class ReplicatedStateHandler(Committed):
                 out[j][key] = chunk(rows, n, j) if kind == "rows" else (0, 1)
         return out
 
+    @abc.abstractmethod
     def _relayout(self) -> None:
-        raise NotImplementedError
+        """Lay the object out over the current world (its shards' sizes), values to be installed."""
 
+    @abc.abstractmethod
     def _install(self, values: dict[Any, Any]) -> None:
-        raise NotImplementedError
+        """Put ``values`` (``{key: this rank's rows, or the whole value}``) in place."""
 
     # ------------------------------------------------------------------ the commit
     def _world(self) -> tuple[int, int]:
@@ -163,8 +168,7 @@ class ReplicatedStateHandler(Committed):
         ps = self._process_set()
         n, r = self._world()
         if self._order is None or len(self._order) != n:
-            hosts = allgather_object(_host(), name=f"{self._name}.hosts", process_set=ps) if n > 1 else [_host()]
-            self._order = ring(hosts)
+            self._order = ring(_hosts(ps))
         part = self._part()
         index = {k: e[:5] for k, e in part.items()}
         own = pack(index, {k: e[5] for k, e in part.items()})
@@ -209,18 +213,18 @@ class ReplicatedStateHandler(Committed):
         ps = self._process_set()
         n, r = self._world()
         held = self._held
-        mine = (_host(), None if held is None else (held.gen, held.n, tuple(held.order)),
+        mine = (None if held is None else (held.gen, held.n, tuple(held.order)),
                 None if held is None else held.r, {} if held is None else held.parts())
         seen = allgather_object(mine, name=f"{self._name}.announce", process_set=ps) if n > 1 else [mine]
-        order = ring([s[0] for s in seen])
-        commits = {s[1] for s in seen if s[1] is not None}
+        order = ring(_hosts(ps))
+        commits = {s[0] for s in seen if s[0] is not None}
         self._relayout()
         if not commits:  # nothing committed anywhere yet: the live state is the first commit
             self._order, self._gen = order, 0
             self.save()
             return
         if len(commits) > 1:
-            by = {c: [j for j, s in enumerate(seen) if s[1] == c] for c in commits}
+            by = {c: [j for j, s in enumerate(seen) if s[0] == c] for c in commits}
             raise RuntimeError(
                 f"hvd.elastic: the survivors hold different commits of {self.label} (commit number, "
                 f"world size: ranks): {by}; a rank failed in the middle of a commit. Resume from the "
@@ -230,11 +234,11 @@ class ReplicatedStateHandler(Committed):
         suppliers: dict[int, list[int]] = {}
         primary: dict[int, int] = {}
         for j, s in enumerate(seen):
-            for old, idx in s[3].items():
+            for old, idx in s[2].items():
                 index.setdefault(old, idx)
                 suppliers.setdefault(old, []).append(j)
-            if s[2] is not None:  # the survivor whose own part it was sends first
-                primary[s[2]] = j
+            if s[1] is not None:  # the survivor whose own part it was sends first
+                primary[s[1]] = j
         for old, js in suppliers.items():
             if old in primary:
                 js.sort(key=lambda j: (j != primary[old], j))
