@@ -179,9 +179,9 @@ class ShmRows:
                 gone = [j for j in late if not self._alive(j)]
                 if gone:
                     raise HorovodInternalError(
-                        f"Gloo negotiation on rank {self.rank}: ranks {gone} exited without sending "
-                        f"their rows of round {r} (shared-memory rows). A peer process died; check "
-                        "the other ranks' output.", rank=self.rank, op="negotiation")
+                        f"Gloo negotiation on rank {self.rank}: ranks {gone} left (exited or shut "
+                        f"down) without sending their rows of round {r} (shared-memory rows). A peer "
+                        "process died; check the other ranks' output.", rank=self.rank, op="negotiation")
             if now >= deadline:
                 raise HorovodInternalError(
                     f"Gloo negotiation on rank {self.rank}: ranks {late} sent no rows of round {r} "
