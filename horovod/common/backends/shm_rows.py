@@ -46,7 +46,7 @@ __all__ = ["ShmRows", "usable", "SPIN_S"]
 
 _LINE = 64  # one counter per cache line
 _MAGIC = 0x48564452  # "HVDR"
-SPIN_S = 0.002  # polls without sleeping (yielding the core between polls) for this long
+SPIN_S = 0.001  # polls without sleeping (yielding the core between polls) for this long
 SLEEP_MIN_S, SLEEP_MAX_S = 20e-6, 1e-3  # then sleeps between polls, the interval doubling
 _CHECK_S = 0.005  # while sleeping: how often the late peers' locks are tested
 SHM_DIR = "/dev/shm"
