@@ -8,10 +8,14 @@ shared memory in the calling thread (docs/performance.md, "The fixed cost of a s
 
 Here, when every rank of the world runs on this host (they could all open one file in
 ``/dev/shm``), each rank writes its row into its own slot of one shared mapping and then bumps
-its round counter; every rank reads the others' rows once their counters reach the round. No
-thread is woken: the caller polls, giving the core away between polls (``sched_yield``), for at
-most ``SPIN_S``, then sleeps between polls with a growing interval up to ``SLEEP_MAX_S``, so a
-rank whose peers are late (a long forward pass) does not hold a core.
+its round counter, then wakes whoever sleeps on that counter (a futex on the shared page, one
+system call); every rank reads the others' rows once their counters reach the round. No transport
+thread is involved: the caller polls, giving the core away between polls (``sched_yield``), for
+at most ``SPIN_S``, then sleeps on the late peer's counter (``FUTEX_WAIT``) until that peer's
+write wakes it: one thread woken, the caller itself, where Gloo's transfer wakes its transport
+thread and then the caller. A rank whose peers are late (a long forward pass) holds no core.
+Where the futex call is not available the caller sleeps between polls instead, the interval
+doubling from ``SLEEP_MIN_S`` up to ``SLEEP_MAX_S``.
 
 Two slots per rank, used in turn by the round's parity, make the writes safe without locks: a
 rank writes round r+2 into the slot of round r only after it read every rank's row of round r+1,
@@ -29,6 +33,7 @@ after the Gloo timeout, naming the ranks that did not come.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -46,10 +51,28 @@ __all__ = ["ShmRows", "usable", "SPIN_S"]
 
 _LINE = 64  # one counter per cache line
 _MAGIC = 0x48564452  # "HVDR"
-SPIN_S = 0.001  # polls without sleeping (yielding the core between polls) for this long
-SLEEP_MIN_S, SLEEP_MAX_S = 20e-6, 1e-3  # then sleeps between polls, the interval doubling
-_CHECK_S = 0.005  # while sleeping: how often the late peers' locks are tested
+SPIN_S = 50e-6  # polls without sleeping (yielding the core between polls) for this long
+SLEEP_MIN_S, SLEEP_MAX_S = 20e-6, 1e-3  # then sleeps between polls (no futex), the interval doubling
+_CHECK_S = 0.005  # while sleeping: how often the late peers' locks are tested (the futex's timeout)
 SHM_DIR = "/dev/shm"
+_SYS_FUTEX = ctypes.c_long(202)  # x86-64
+# shared (not FUTEX_PRIVATE_FLAG): the word is in a shared mapping
+_FUTEX_WAIT, _FUTEX_WAKE = ctypes.c_int(0), ctypes.c_int(1)
+_ALL, _ZERO = ctypes.c_int(0x7FFFFFFF), ctypes.c_uint32(0)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex() -> Any:
+    """libc's ``syscall`` (the GIL is released around it), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    return fn
 
 
 def usable() -> bool:
@@ -129,6 +152,11 @@ class ShmRows:
         head = _LINE * (size + 1)
         self._slots = buf[head:head + 2 * size * capacity].reshape(2, size, capacity)
         self._peers = [j for j in range(size) if j != rank]
+        # Each counter's address (its low 32 bits are the futex word, little-endian).
+        base = buf.ctypes.data
+        self._addr = [ctypes.c_void_p(base + _LINE * (i + 1)) for i in range(size)]
+        self._syscall = _futex()
+        self._wait_for = _Timespec(0, int(_CHECK_S * 1e9))
 
     def exchange(self, row: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Every rank's ``row`` (bytes, at most ``capacity``, the same length on every rank), as
@@ -139,6 +167,8 @@ class ShmRows:
         slot[self.rank, :n] = row
         self._seq[self.rank] = r  # after the row: a peer that sees r finds the row
         self.round = r
+        if self._syscall is not None:  # wake the peers asleep on this counter
+            self._syscall(_SYS_FUTEX, self._addr[self.rank], _FUTEX_WAKE, _ALL, None, None, _ZERO)
         seq = self._seq
         late = [j for j in self._peers if seq[j] < r]
         if late:
@@ -163,9 +193,17 @@ class ShmRows:
                 break
         pause, check = SLEEP_MIN_S, clock()
         deadline = start + self.timeout_s
+        futex = self._syscall
         while late:
-            time.sleep(pause)
-            pause = min(pause * 2, SLEEP_MAX_S)
+            if futex is not None:  # asleep until the first late peer writes (or _CHECK_S)
+                j = late[0]
+                seen = int(seq[j])
+                if seen < r:
+                    futex(_SYS_FUTEX, self._addr[j], _FUTEX_WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
+                          ctypes.byref(self._wait_for), None, _ZERO)
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, SLEEP_MAX_S)
             late = [j for j in late if seq[j] < r]
             now = clock()
             if not late:
