@@ -202,11 +202,6 @@ class EngineConfig:
         "each rank sends its ready tensors' data with its cache bits in one exchange, and every "
         "operation all ranks had ready is reduced from it with no Gloo call of its own (0: off).",
         _parse_int, minimum=0)
-    gloo_shm_rows: bool = _setting(
-        "HOROVOD_GLOO_SHM_ROWS", True,
-        "On Gloo with every rank on one host (Linux, x86-64), the negotiation's rows and small "
-        "allreduces of the world go through shared memory polled by the caller instead of Gloo's "
-        "point-to-point transfer, whose every row wakes two threads (0: Gloo's exchange).", parse_bool)
     autotune: bool = _setting(
         "HOROVOD_AUTOTUNE", False,
         "Tune the speed knobs at run time (fusion threshold, piece size, cycle time, response cache, "

@@ -26,20 +26,13 @@ def _cases():
 
     import horovod.torch as hvd
     from horovod.common.backends import gloo as gloo_backend
-    from horovod.common.backends import shm_rows
     from horovod.common.context import get_context
 
     calls = {"allreduce": 0, "exchange": 0}
-    rows = {"exchanges": 0, "posted": 0, "posts": 0, "shm": 0}  # over the whole run (shutdown included)
+    rows = {"exchanges": 0, "posted": 0, "posts": 0}  # over the whole run (shutdown included)
     sync, start, exchange = (gloo_backend.GlooBackend.allreduce, gloo_backend.GlooBackend.allreduce_start,
                              gloo_backend.GlooBackend.exchange_rows)
     post = gloo_backend.GlooBackend.post_rows
-    shm_exchange = shm_rows.ShmRows.exchange
-
-    def spy_shm(self, row, out=None):
-        rows["shm"] += 1
-        return shm_exchange(self, row, out)
-    shm_rows.ShmRows.exchange = spy_shm
 
     def spy_sync(self, buf, op, group, src=None):
         calls["allreduce"] += 1
@@ -148,7 +141,7 @@ def _gloo(np_: int) -> list[str]:
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_cached_small_allreduces_travel_with_the_negotiation(np_):
-    env = {"HOROVOD_GLOO_CARRY_BYTES": "4096", "HOROVOD_GLOO_SHM_ROWS": "0"}  # Gloo's exchange
+    env = {"HOROVOD_GLOO_CARRY_BYTES": "4096"}
     for bad, steady, carried, fallback, rows in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_),
                                                           env=env):
         assert not bad, bad
@@ -160,24 +153,6 @@ def test_cached_small_allreduces_travel_with_the_negotiation(np_):
         # Every exchange but the first found its receives posted by the one before (the rows'
         # length changes as the capacity grows); the last one (the shutdown's) posted none.
         assert rows["posted"] == rows["exchanges"] - 1 == rows["posts"], rows
-        assert rows["shm"] == 0, rows
-
-
-@pytest.mark.parametrize("np_", [2, 3])
-def test_rows_through_shared_memory_on_one_host(np_):
-    """The same values with the rows exchanged through shared memory (``backends/shm_rows.py``,
-    the default with every rank on one host): every exchange went there, none was posted on
-    Gloo; the small world allreduces too (the fallbacks' 12 KB one among them)."""
-    env = {"HOROVOD_GLOO_CARRY_BYTES": "4096"}
-    for bad, steady, carried, fallback, rows in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_),
-                                                          env=env):
-        assert not bad, bad
-        assert steady["allreduce"] == 0, steady
-        assert carried == 5 * 9, carried
-        assert all(c >= 1 for c in fallback), fallback
-        assert rows["posted"] == 0, rows
-        # every row exchange, plus the four 12 KB allreduces (small: the world's shared rows)
-        assert rows["shm"] >= rows["exchanges"] + 4, rows
 
 
 def test_carry_off_reduces_through_the_transport():

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from horovod.common import plain
-from horovod.common.backends import shm_rows
 from horovod.common.backends.base import LOCAL_REDUCE, Group, PartsBuffer
 from horovod.common.backends.half import TORCH_PIECE
 from horovod.common.config import EngineConfig
@@ -163,10 +162,6 @@ _ROWS_TAG = 0x4352
 # of point-to-point sends and a local reduction (``GlooBackend._allreduce_small``); its tag.
 SMALL_P2P_BYTES = 16 * 1024
 _SMALL_TAG = 0x4152
-# Rows through shared memory when every rank is on this host (``shm_rows``, HOROVOD_GLOO_SHM_ROWS):
-# each rank's slot holds rows of up to this many bytes more than the carried data's room
-# (the round's bits); larger rows take Gloo's exchange (every rank knows the length alike).
-SHM_ROWS_EXTRA = 8192
 
 
 # The Gloo plane's piece sizes (``GlooBackend.piece_sizes``; docs/performance.md).
@@ -243,12 +238,6 @@ class GlooBackend:
         self._rs_parts = PartsBuffer()  # ``reducescatter``'s receive buffer
         # The next ``exchange_rows``' rows and its receives, posted early (``post_rows``).
         self._rows_posted: tuple[np.ndarray, list[Any]] | None = None
-        # The rows through shared memory (``shm_rows``): None until the first world exchange
-        # decides (every rank alike), then the mapping or False (Gloo's exchange).
-        self._want_shm = bool(getattr(config, "gloo_shm_rows", True))
-        self._shm_bytes = (min(int(getattr(config, "gloo_carry_bytes", 0) or 0), 1 << 20)
-                           + SHM_ROWS_EXTRA + 63) & ~63
-        self._shm: shm_rows.ShmRows | None | bool = None
         self._split_seq: dict[str, int] = {}
         # Every process group and Group made here, so that close() can tear them down in order
         # while the store still exists (left to interpreter exit, a Gloo group may be destroyed
@@ -324,9 +313,6 @@ class GlooBackend:
         allgather. The receives are those ``post_rows`` posted after the previous exchange
         when it did (see there), else posted here."""
         n = row.size
-        shm = self._shm_rows()
-        if shm is not None and n <= shm.capacity:
-            return shm.exchange(row)
         posted, self._rows_posted = self._rows_posted, None
         if posted is not None and posted[0].shape[1] != n:
             raise HorovodInternalError(
@@ -366,57 +352,11 @@ class GlooBackend:
         cost of a step on Gloo")."""
         if self.size == 1 or self.size > ROWS_P2P_MAX or self._rows_posted is not None:
             return
-        shm = self._shm
-        if isinstance(shm, shm_rows.ShmRows) and n <= shm.capacity:
-            return  # (the next exchange goes through shared memory: nothing to post)
         out = np.empty((self.size, n), np.uint8)
         world = self._world
         with self._translate("negotiation"):
             recvs = [world.recv([self._t(out[j])], j, _ROWS_TAG) for j in range(self.size) if j != self.rank]
         self._rows_posted = (out, recvs)
-
-    def _shm_rows(self) -> shm_rows.ShmRows | None:
-        """The shared-memory rows of the world where every rank opened them, else None.
-
-        Decided at the first world exchange that asks (``exchange_rows``, a small world
-        allreduce), which every rank reaches in the same place of its call sequence: rank 0
-        makes the mapping and broadcasts its name, every rank opens it, and one vote (a Gloo
-        allreduce of each rank's success) keeps it only when all did: ranks on several hosts,
-        a host without ``/dev/shm`` or another architecture, or ``HOROVOD_GLOO_SHM_ROWS=0`` on
-        any rank keep Gloo's exchange."""
-        shm = self._shm
-        if shm is None:
-            shm = self._shm = self._open_shm()
-        return shm if isinstance(shm, shm_rows.ShmRows) else None
-
-    def _open_shm(self) -> shm_rows.ShmRows | bool:
-        if self.size == 1 or self.size > ROWS_P2P_MAX:
-            return False
-        want = self._want_shm and shm_rows.usable()
-        made = shm_rows.create(self.size, self._shm_bytes) if self.rank == 0 and want else None
-        rows: shm_rows.ShmRows | None = None
-        try:
-            info = self.bcast_from_root(list(made) if made is not None else [])
-            if want and info:
-                with contextlib.suppress(OSError, ValueError):
-                    rows = shm_rows.ShmRows(str(info[0]), str(info[1]), self.rank, self.size, self._shm_bytes,
-                                            self._timeout.total_seconds())
-            vote = np.array([1 if rows is not None else 0], np.int32)
-            o = self._dist.AllreduceOptions()
-            o.reduceOp = self._dist.ReduceOp.MIN  # type: ignore[assignment]
-            self._run("negotiation", lambda: self._world.allreduce([self._t(vote)], o))
-        except BaseException:
-            if rows is not None:
-                rows.close()
-            raise
-        finally:
-            if made is not None:  # every rank that could open it has: nothing left in /dev/shm
-                shm_rows.discard(made[0])
-        if int(vote[0]) != 1:
-            if rows is not None:
-                rows.close()
-            return False
-        return rows  # type: ignore[return-value]
 
     def _lengths(self, n: int, group: Group) -> np.ndarray:
         return self.allgather_ints(np.array([n], np.int64), group)[:, 0]
@@ -545,11 +485,6 @@ class GlooBackend:
         network step, where Gloo's collective takes two per peer and two thread hand-offs), then
         the members' buffers reduced here in member order: the same bits on every member."""
         p, me = group.size, group.rank
-        if group.handle is self._world:
-            shm = self._shm_rows()
-            if shm is not None and buf.nbytes <= shm.capacity:
-                LOCAL_REDUCE[op].reduce(shm.exchange(buf.view(np.uint8)).view(buf.dtype), axis=0, out=buf)
-                return
         rows = np.empty((p, buf.size), buf.dtype)
         rows[me] = buf
         src = self._t(rows[me])
@@ -788,9 +723,6 @@ class GlooBackend:
         self._groups.clear()
         self._in_flight.clear()
         self._rows_posted = None  # (receives never matched: the groups' shutdown ends them)
-        shm, self._shm = self._shm, False
-        if isinstance(shm, shm_rows.ShmRows):
-            shm.close()
         for pg in reversed(self._pgs):
             with contextlib.suppress(Exception):
                 pg.shutdown()

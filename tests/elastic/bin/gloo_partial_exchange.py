@@ -41,8 +41,7 @@ KEPT: list[BaseException] = []
 def main() -> int:
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=120))
-    config = EngineConfig.from_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "60",
-                                    "HOROVOD_GLOO_SHM_ROWS": "0"})  # Gloo's exchange, not shared rows
+    config = EngineConfig.from_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
     backend = gloo.GlooBackend(config, StoreRendezvous(store=store, rank=rank, size=3, address="127.0.0.1"))
     row = np.full(16, rank + 1, np.uint8)
     rows = backend.exchange_rows(row)
