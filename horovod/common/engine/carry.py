@@ -31,7 +31,7 @@ ranks; for 2, a + b is exact either way).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -130,8 +130,10 @@ class Carrier:
             # one dtype and no padding: the data lie end to end from the first offset
             uniform = (bool(len(slots)) and np.array_equal(nbytes, self._sizes[slots])
                        and bool((codes == codes[0]).all()))
+            table = self.cache._slots
+            names = tuple(table[s].request.name for s in slots.tolist())  # type: ignore[union-attr]
             lay = self._layouts[key] = _Layout(slots, offsets, wish, _DTYPES[int(codes[0])] if uniform else None,
-                                               int(nbytes.sum()))
+                                               int(nbytes.sum()), names)
         return lay
 
     def _size_of(self, resp: Response | None) -> int:
@@ -174,10 +176,13 @@ class Carrier:
         return slots[:k], ends[:k] - sizes[:k], wish
 
     def exchange(self, bits: np.ndarray, entry_of: Callable[[int], Any], joined: bool,
-                 joined_flag: int, stop_flag: int = 0) -> tuple[np.ndarray, CarriedRound | None]:
+                 joined_flag: int, stop_flag: int = 0,
+                 pending: Mapping[str, Any] | None = None) -> tuple[np.ndarray, CarriedRound | None]:
         """Exchange this rank's row: ``bits`` (the AND's words: ready slots, slots kept, flags)
         and the data of its ready carryable slots (``entry_of(slot)``: this rank's pending entry;
-        nothing when this rank has ``joined``). Returns the AND of every rank's words and the
+        ``pending``, where given, holds the same entries by name: a layout's entries are then
+        looked up by the names it remembers, without a call per slot; nothing when this rank
+        has ``joined``). Returns the AND of every rank's words and the
         round's carried data (None when nothing can be carried: no capacity yet, or some rank
         has joined, ``joined_flag`` in its flags). A round with ``stop_flag`` in some rank's
         flags is the last: no receives are posted for a next one."""
@@ -194,9 +199,14 @@ class Carrier:
             own = self.layout_of(bits[:nready], capacity)
             wish = own.wish
             if own.uniform is not None:  # (an entry's arrays have its request's dtype: the cached signature)
-                slots = own.slots.tolist()
-                arrays = entry_of(slots[0]).inputs if len(slots) == 1 else [
-                    a for s in slots for a in entry_of(s).inputs]
+                if pending is not None:
+                    names = own.names
+                    arrays = pending[names[0]].inputs if len(names) == 1 else [
+                        a for n in names for a in pending[n].inputs]
+                else:
+                    slots = own.slots.tolist()
+                    arrays = entry_of(slots[0]).inputs if len(slots) == 1 else [
+                        a for s in slots for a in entry_of(s).inputs]
                 out = row[header:header + own.total].view(own.uniform)
                 try:  # 1-D arrays (a gradient's kept view): axis=None flattens each first, 7x slower
                     np.concatenate(arrays, out=out)
@@ -264,6 +274,7 @@ class _Layout(NamedTuple):
     wish: int
     uniform: str | None
     total: int
+    names: tuple[str, ...] = ()  # the slots' request names (a layout is forgotten when a slot changes)
 
 
 class CarriedRound:

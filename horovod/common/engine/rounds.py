@@ -186,7 +186,8 @@ class RoundController:
         self.negotiating_since = now
         carrier = self.carrier
         if carrier is not None:
-            anded, self.carried = carrier.exchange(bits, self._entry_of, self.joined, FLAG_JOINED, FLAG_SHUTDOWN)
+            anded, self.carried = carrier.exchange(bits, self._entry_of, self.joined, FLAG_JOINED, FLAG_SHUTDOWN,
+                                                   self.pending)
             raw = anded.tobytes()
         else:
             raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._engine_thread).tobytes()

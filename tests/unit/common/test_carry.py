@@ -79,8 +79,9 @@ def _inputs(rank: int, resp: Response) -> list[np.ndarray]:
     return out
 
 
-def _round(carriers, ready: list[list[str]], resps, joined=(), enabled=None):
-    """One exchange on every rank: rank r has the slots of ``ready[r]`` ready."""
+def _round(carriers, ready: list[list[str]], resps, joined=(), enabled=None, by_name_too=False):
+    """One exchange on every rank: rank r has the slots of ``ready[r]`` ready (``by_name_too``:
+    the entries are also handed over by name, as the engine's rounds do)."""
     by_name = {r.name: r for r in resps}
     out: list = [None] * len(carriers)
 
@@ -97,7 +98,8 @@ def _round(carriers, ready: list[list[str]], resps, joined=(), enabled=None):
         flags = FLAG_JOINED if rank in joined else 0
         bits[2] = ~np.uint64(flags)
         entries = {c.cache.slot_of[n]: _Entry(_inputs(rank, by_name[n])) for n in ready[rank]}
-        out[rank] = c.exchange(bits, entries.__getitem__, rank in joined, FLAG_JOINED)
+        pending = {n: entries[c.cache.slot_of[n]] for n in ready[rank]} if by_name_too else None
+        out[rank] = c.exchange(bits, entries.__getitem__, rank in joined, FLAG_JOINED, 0, pending)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(len(carriers))]
     for t in threads:
@@ -243,3 +245,33 @@ def test_the_next_rows_receives_are_posted_with_their_agreed_length_except_after
     for t in threads:
         t.join(10)
     assert posted == [[header + 64]] * 2  # nothing more: the next exchange never comes
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_slots_of_one_dtype_are_packed_at_once_from_their_entries_by_slot_or_by_name(by_name):
+    """Slots of one dtype without padding are packed by one concatenation of their entries' arrays,
+    found by slot (``entry_of``) or by the names the layout remembers (``pending``): every rank
+    reads every rank's values, whichever subset each had ready."""
+    size = 3
+    specs = [(f"u{i}", "float32", ((2,), (2,)) if i == 2 else ((4,),), ReduceOp.SUM) for i in range(6)]
+    resps = _responses(specs)
+    ex = _Exchange(size)
+    carriers = []
+    for r in range(size):
+        cache = ResponseCache(64)
+        for resp in reversed(resps):  # slots in another order than the names
+            cache.put(resp)
+        carriers.append(Carrier(ex.for_rank(r), size, cache, 256))
+    names = [sp[0] for sp in specs]
+    _round(carriers, [names] * size, resps, by_name_too=by_name)  # agrees the capacity
+    for ready in ([names] * size, [names[1:4]] * size):
+        got = _round(carriers, ready, resps, by_name_too=by_name)
+        for rank, (_, carried) in enumerate(got):
+            assert carried is not None
+            for resp in resps:
+                want = _expected(resp, size) if resp.name in ready[0] else None
+                out = _reduce(carried, resp, size)
+                if want is None:
+                    assert out is None, (rank, resp.name)
+                else:
+                    assert out is not None and np.array_equal(out[0], want), (rank, resp.name, out, want)
