@@ -35,7 +35,9 @@ from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
 from horovod.torch.compression import StatefulCompressor
 from horovod.torch.compression import plain_wire as _plain_wire
 from horovod.torch.mpi_ops import (
+    _allreduce_wire_async_,
     allreduce_async_,
+    fused_wire,
     grouped_allreduce_async_,
     sparse_allreduce_async,
     synchronize,
@@ -432,6 +434,17 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             else:
                 return sparse_allreduce_async(tensor, name=str(name), op=self.op,
                                               process_set=self.process_set), None
+        pre, post = self._scale_factors()
+        fused = fused_wire(self._compression, (tensor,), self.op) if slot is not None else None
+        if fused is not None:
+            # A plain cast compression of a host gradient: reduced in place as 16 bits, narrowed in
+            # the fusion buffer and widened back into the gradient (``mpi_ops.fused_wire``); its
+            # request is resubmitted on later steps as an uncompressed gradient's is.
+            handle = _allreduce_wire_async_(tensor, fused, name, self.op, pre, post, self.process_set)
+            signature = _repeat_signature(tensor, get_context().handles[handle][0].request)
+            if signature is not None and slot is not None:
+                slot.fast = signature
+            return handle, (None, tensor)
         wire = _plain_wire(self._compression)
         if wire is not None and slot is not None and tensor.dtype.is_floating_point and tensor.dtype != wire:
             compressed = slot.wire
@@ -442,7 +455,6 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             ctx = tensor.dtype
         else:
             compressed, ctx = self._compression.compress(tensor)
-        pre, post = self._scale_factors()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
         if compressed is tensor:
