@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from horovod.common.backends import half
 from horovod.common.context import get_context
 from horovod.common.dtypes import (
     ADASUM_DTYPES,
@@ -203,6 +204,9 @@ def _check_wire(wire: str, dtype: str, op: ReduceOp, device: str, what: str) -> 
     if op == ReduceOp.ADASUM or device != "cpu":
         raise ValueError(f"{what}: wire={wire!r} is for host arrays and Sum, Average, Min, Max or "
                          "Product; narrow the array yourself (``astype``) for Adasum or a device plane")
+    if wire == "bfloat16" and half.ml_bfloat16() is None:  # (registers NumPy's "bfloat16")
+        raise ValueError(f"{what}: wire='bfloat16' needs the ml_dtypes package (a dependency of "
+                         "horovod): pip install ml_dtypes")
 
 
 def _check_out(arrays: Sequence[np.ndarray], out: Sequence[np.ndarray], what: str,
