@@ -197,20 +197,39 @@ def scale(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> 
 _TORCH_SCALE_MIN = 4096
 
 
-def cast(dst: np.ndarray, src: np.ndarray) -> None:
+def cast(dst: np.ndarray, src: np.ndarray, factor: float = 1.0, divisor: int = 1) -> None:
     """``dst[...] = src`` between a 16-bit float array (float16, ml_dtypes bfloat16) and a wider
     float one, either way: narrowing rounds to nearest even (as ``tensor.to(torch.float16)`` and
-    NumPy's own casts do), widening is exact. torch's vectorized casts once torch is imported, on
-    one thread in cache-sized pieces (``TORCH_PIECE``; NumPy's float16 casts cost about ten times
-    more), NumPy's before. A compression's narrowing into a fusion buffer and its widening back
-    out of it (``buffers``)."""
+    NumPy's own casts do), widening is exact. With a ``factor`` or ``divisor``, the 16-bit side is
+    scaled in place as ``scale`` does (after narrowing, before widening: the 16-bit values a
+    16-bit tensor's reduction gets), piece by piece while each piece is in cache. torch's
+    vectorized casts once torch is imported, on one thread in cache-sized pieces
+    (``TORCH_PIECE``; NumPy's float16 casts cost about ten times more), NumPy's before. A
+    compression's narrowing into a fusion buffer and its widening back out of it (``buffers``)."""
+    narrow = dst.dtype.char in HALF_CHARS
+    scaled = factor != 1.0 or divisor != 1
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "from_numpy") and dst.size >= _TORCH_SCALE_MIN:
         d, s = _as_torch(torch, dst.reshape(-1)), _as_torch(torch, src.reshape(-1))
+        half = d if narrow else s
+        fn, by = (torch.div, float(np.float32(divisor))) if divisor != 1 else (torch.mul, float(np.float32(factor)))
         for i in range(0, d.numel(), TORCH_PIECE):
-            d[i:i + TORCH_PIECE].copy_(s[i:i + TORCH_PIECE])
+            j = i + TORCH_PIECE
+            if narrow:
+                d[i:j].copy_(s[i:j])
+            if scaled:
+                fn(half[i:j], by, out=half[i:j])
+            if not narrow:
+                d[i:j].copy_(s[i:j])
         return
-    with np.errstate(all="ignore"):  # overflow to inf is the result, as torch's cast gives
+    if narrow:
+        with np.errstate(all="ignore"):  # overflow to inf is the result, as torch's cast gives
+            np.copyto(dst, src, casting="unsafe")
+        if scaled:
+            scale(dst, dst, factor, divisor)
+    else:
+        if scaled:
+            scale(src, src, factor, divisor)
         np.copyto(dst, src, casting="unsafe")
 
 

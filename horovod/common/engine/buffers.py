@@ -292,9 +292,7 @@ def _pack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segmen
             if red.pre != 1.0:
                 np.multiply(dst, red.pre, out=dst)
         else:
-            half.cast(dst, src)
-            if red.pre != 1.0:
-                scale_array(dst, dst, red.pre)
+            half.cast(dst, src, red.pre)  # rounded, then prescaled in the 16-bit type, piecewise
 
 
 def _unpack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], red: Reduction) -> None:
@@ -303,8 +301,6 @@ def _unpack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segm
     pass), copied into each 16-bit one. Where the transport widens (``red.widen``), each piece is
     scaled and rounded to the 16-bit dtype first, as the 16-bit tensor's result would be."""
     wire = red.narrow
-    if not red.widen and red.scaled:
-        scale_array(buf, buf, red.post, red.div)
     for i, s, e, b in segs:
         o, v = items[i].o[s:e], buf[b:b + e - s]
         if red.widen:
@@ -315,9 +311,9 @@ def _unpack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segm
                 scale_array(mid, v, red.post, red.div)
                 half.cast(o, mid)
         elif o.dtype == wire:
-            np.copyto(o, v)
+            scale_array(o, v, red.post, red.div)
         else:
-            half.cast(o, v)
+            half.cast(o, v, red.post, red.div)  # scaled in the 16-bit type, widened, piecewise
 
 
 def _in_place(items: Sequence[Item], segs: Sequence[Segment], region: Any, ops: BufferOps, red: Reduction,
