@@ -200,9 +200,9 @@ _TORCH_SCALE_MIN = 4096
 def cast(dst: np.ndarray, src: np.ndarray, factor: float = 1.0, divisor: int = 1) -> None:
     """``dst[...] = src`` between a 16-bit float array (float16, ml_dtypes bfloat16) and a wider
     float one, either way: narrowing rounds to nearest even (as ``tensor.to(torch.float16)`` and
-    NumPy's own casts do), widening is exact. With a ``factor`` or ``divisor``, the 16-bit side is
-    scaled in place as ``scale`` does (after narrowing, before widening: the 16-bit values a
-    16-bit tensor's reduction gets), piece by piece while each piece is in cache. torch's
+    NumPy's own casts do), widening is exact. With a ``factor`` or ``divisor``, the 16-bit values
+    are scaled as ``scale`` does (after narrowing, in ``dst``; before widening, ``src`` unchanged:
+    the 16-bit values a 16-bit tensor's reduction gets), piece by piece while each is in cache. torch's
     vectorized casts once torch is imported, on one thread in cache-sized pieces
     (``TORCH_PIECE``; NumPy's float16 casts cost about ten times more), NumPy's before. A
     compression's narrowing into a fusion buffer and its widening back out of it (``buffers``)."""
@@ -211,16 +211,18 @@ def cast(dst: np.ndarray, src: np.ndarray, factor: float = 1.0, divisor: int = 1
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "from_numpy") and dst.size >= _TORCH_SCALE_MIN:
         d, s = _as_torch(torch, dst.reshape(-1)), _as_torch(torch, src.reshape(-1))
-        half = d if narrow else s
         fn, by = (torch.div, float(np.float32(divisor))) if divisor != 1 else (torch.mul, float(np.float32(factor)))
         for i in range(0, d.numel(), TORCH_PIECE):
             j = i + TORCH_PIECE
-            if narrow:
+            if not scaled:
                 d[i:j].copy_(s[i:j])
-            if scaled:
-                fn(half[i:j], by, out=half[i:j])
-            if not narrow:
+            elif narrow:
                 d[i:j].copy_(s[i:j])
+                fn(d[i:j], by, out=d[i:j])
+            else:
+                # One kernel: torch computes in the inputs' 16-bit dtype (float32 arithmetic,
+                # rounded once, as ``scale``) and casts the result into the wider ``out``.
+                fn(s[i:j], by, out=d[i:j])
         return
     if narrow:
         with np.errstate(all="ignore"):  # overflow to inf is the result, as torch's cast gives
@@ -229,7 +231,9 @@ def cast(dst: np.ndarray, src: np.ndarray, factor: float = 1.0, divisor: int = 1
             scale(dst, dst, factor, divisor)
     else:
         if scaled:
-            scale(src, src, factor, divisor)
+            mid = np.empty(src.shape, src.dtype)
+            scale(mid, src, factor, divisor)
+            src = mid
         np.copyto(dst, src, casting="unsafe")
 
 
