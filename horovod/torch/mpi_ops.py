@@ -191,7 +191,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         c, name, rop, prescale_factor, postscale_factor, process_set),))[0]
 
 
-def fused_wire(compression: Any, tensors: Sequence[torch.Tensor], op: ReduceOp) -> str | None:
+def fused_wire(compression: Any, tensors: Sequence[torch.Tensor], op: int) -> str | None:
     """The engine's 16-bit dtype name when ``tensors`` are reduced with a plain cast compression
     (``Compression.fp16``/``bf16``, detected by ``compression.plain_wire``: a user's subclass that
     overrides a method keeps the generic compress/decompress path) through the engine's fused
@@ -216,7 +216,7 @@ def fused_wire(compression: Any, tensors: Sequence[torch.Tensor], op: ReduceOp) 
 _WIRE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _allreduce_wire_async_(tensor: torch.Tensor, wire: str, name: str | None, op: ReduceOp, pre: float,
+def _allreduce_wire_async_(tensor: torch.Tensor, wire: str, name: str | None, op: int, pre: float,
                            post: float, process_set: ProcessSet, _wake: bool = True) -> int:
     """``allreduce_async_`` of ``tensor`` reduced as the 16-bit ``wire`` (``fused_wire``): narrowed
     into the fusion buffer, widened back into ``tensor``. A repeat (same name and arguments, a
