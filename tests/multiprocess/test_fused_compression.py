@@ -11,12 +11,14 @@ Average and Sum (with factors), odd sizes, small (packed) and large (pieces, Glo
 * narrowed float32 tensors and native 16-bit tensors submitted together share one fused call
   (observed), and each gets its own generic-path value;
 * ``DistributedOptimizer(compression=c)``'s gradients equal the by-hand reduction of the local
-  gradients narrowed, over several steps (the later ones resubmitted unchecked).
+  gradients narrowed, over several steps (the later ones resubmitted unchecked);
+* (Gloo) a repeated step of small narrowed tensors is carried with the negotiation
+  (``engine/carry.py``: the rows hold their narrowed values), with the same results;
+* a user's ``Compressor`` subclass that overrides ``compress`` keeps its own path (never fused).
 
 A fused call and the by-hand reductions are bit for bit equal at np=2 (one rounding of a + b); at
-np=3 MPI may order the steps differently for calls of different sizes, so those two checks then
-allow n roundings of the magnitudes and ask for the same bits on every rank; and
-* a user's ``Compressor`` subclass that overrides ``compress`` keeps its own path (never fused).
+np=3 MPI may order the steps differently for calls of different sizes, so the mixed, optimizer and
+carried checks then allow n roundings of the magnitudes and ask for the same bits on every rank.
 
 Run alone in a job of one process (the local backend widens bfloat16 to float32): the narrowing
 rounds through the 16-bit dtype first, the value a 16-bit tensor gets there.
@@ -35,7 +37,7 @@ from horovod.testing import run_ranks
 pytestmark = [pytest.mark.multiprocess]
 
 
-def _fused_cases():
+def _fused_cases(gloo: bool = False):
     import zlib
 
     import torch
@@ -177,6 +179,47 @@ def _fused_cases():
             with opt.skip_synchronize():
                 opt.step()
 
+    # 5. (Gloo) a repeated step of small narrowed tensors is carried with the negotiation
+    # (``engine/carry.py``): their rows hold the narrowed 16-bit values, no transport call
+    if gloo:
+        from horovod.common.backends import gloo as gloo_backend
+
+        calls = [0]
+        real_start = gloo_backend.GlooBackend.allreduce_start
+        real_sync = gloo_backend.GlooBackend.allreduce
+
+        def spy_start(self, *a, _real=real_start):
+            calls[0] += 1
+            return _real(self, *a)
+
+        def spy_sync(self, *a, _real=real_sync):
+            calls[0] += 1
+            return _real(self, *a)
+        gloo_backend.GlooBackend.allreduce_start = spy_start
+        gloo_backend.GlooBackend.allreduce = spy_sync
+        carried_steps = 0
+        for step in range(12):
+            xs = [torch.randn(c, generator=gen) for c in (5, 33, 257)]
+            native = torch.randn(17, generator=gen).half()
+            wants = [hvd.allreduce(x.half(), name=f"carry.{step}.{i}.ref").float() for i, x in enumerate(xs)]
+            nwant = hvd.allreduce(native, name=f"carry.{step}.n.ref")
+            inputs = [x.clone() for x in xs] + [native.clone()]
+            calls[0] = 0
+            hs = [mpi_ops._allreduce_wire_async_(x, "float16", f"carry.{i}", hvd.Average, 1.0, 1.0, ps)
+                  for i, x in enumerate(xs)]
+            hs.append(hvd.allreduce_async_(native, name="carry.n"))
+            for h in hs:
+                hvd.synchronize(h)
+            carried_steps += calls[0] == 0
+            for i, (x, w, x0) in enumerate(zip(xs + [native.float()], wants + [nwant.float()], inputs)):
+                why = agrees(x, w, x0.float(), torch.float16, f"carry.{step}.{i}.check")
+                if why:
+                    bad.append(f"rank {r}: carried step {step} tensor {i}: {why}")
+        gloo_backend.GlooBackend.allreduce_start = real_start
+        gloo_backend.GlooBackend.allreduce = real_sync
+        if not carried_steps:
+            bad.append(f"rank {r}: no step of narrowed tensors was carried with the negotiation")
+
     # 4. a user's subclass with its own compress keeps the generic path
     class Doubled(hvd.Compression.fp16):
         @staticmethod
@@ -208,7 +251,7 @@ def test_fused_compression_mpi(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_fused_compression_gloo(np_):
     gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-    for rank, bad in enumerate(run_ranks(_fused_cases, np=np_, timeout=300, launcher=gloo)):
+    for rank, bad in enumerate(run_ranks(_fused_cases, np=np_, timeout=300, launcher=gloo, args=(True,))):
         assert bad == [], f"rank {rank}"
 
 
