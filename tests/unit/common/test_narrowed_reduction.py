@@ -109,22 +109,31 @@ def test_narrowed_calls_never_reduce_in_the_arrays_memory(monkeypatch):
     assert seen and np.array_equal(got[0], np.full(5000, 3.75, np.float32))
 
 
+def _scaled(a16: np.ndarray, factor: float, divisor: int) -> np.ndarray:
+    """The reference: float32 arithmetic in NumPy, rounded once to the 16-bit dtype."""
+    wide = a16.astype(np.float32)
+    wide = wide / np.float32(divisor) if divisor != 1 else wide * np.float32(factor)
+    with np.errstate(all="ignore"):
+        return wide.astype(a16.dtype)
+
+
 @pytest.mark.parametrize("wire", [np.dtype(np.float16), BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("with_torch", [True, False])
-@pytest.mark.parametrize("factor,divisor", [(1.0, 1), (1.0, 3), (0.3, 1)])
+@pytest.mark.parametrize("factor,divisor", [(1.0, 1), (1.0, 2), (1.0, 3), (1.0, 8), (0.3, 1)])
 def test_cast_rounds_once_and_scales_in_the_16_bit_type(wire, with_torch, factor, divisor, monkeypatch):
     if not with_torch:
         monkeypatch.setitem(sys.modules, "torch", None)
     x = (np.random.default_rng(1).standard_normal(70_001) * 1e3).astype(np.float32)
     x[:50] *= np.float32(1e-9)  # 16-bit subnormals
+    x16 = x.astype(wire)
+    want = _scaled(x16, factor, divisor)
     narrow = np.empty(x.size, wire)
     half.cast(narrow, x, factor, divisor)
-    want = x.astype(wire)
-    half.scale(want, want, factor, divisor)
     assert np.array_equal(narrow.view(np.uint16), want.view(np.uint16))
+    scaled = np.empty(x.size, wire)
+    half.scale(scaled, x16, factor, divisor)
+    assert np.array_equal(scaled.view(np.uint16), want.view(np.uint16))
     back = np.empty(x.size, np.float32)
-    half.cast(back, want, factor, divisor)
-    scaled = want.copy()
-    half.scale(scaled, scaled, factor, divisor)
-    assert np.array_equal(back, scaled.astype(np.float32))
-    assert np.array_equal(want.view(np.uint16), narrow.view(np.uint16))  # the source is left as it was
+    src = x16.copy()
+    half.cast(back, src, factor, divisor)  # (scales ``src`` in place on the way)
+    assert np.array_equal(back, want.astype(np.float32))
