@@ -36,6 +36,7 @@ from horovod.torch.compression import StatefulCompressor
 from horovod.torch.compression import plain_wire as _plain_wire
 from horovod.torch.mpi_ops import (
     _allreduce_wire_async_,
+    _grouped_allreduce_wire_async_,
     allreduce_async_,
     fused_wire,
     grouped_allreduce_async_,
@@ -464,15 +465,21 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         return handle, (ctx, compressed)
 
     def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        tensors, ctxs = [], []
+        grads = []
         for p in group:
             g = self._grad_for(p)
-            if g.is_sparse:
-                g = g.to_dense()  # grouped reduction is dense
+            grads.append(g.to_dense() if g.is_sparse else g)  # grouped reduction is dense
+        pre, post = self._scale_factors()
+        name = self._parameter_names.get(group[0])
+        fused = fused_wire(self._compression, grads, self.op) if len({g.dtype for g in grads}) == 1 else None
+        if fused is not None:  # narrowed in the fusion buffer, widened back in place (``fused_wire``)
+            handle = _grouped_allreduce_wire_async_(grads, fused, name, self.op, pre, post, self.process_set)
+            return handle, [(None, g) for g in grads]
+        tensors, ctxs = [], []
+        for g in grads:
             c, ctx = self._compression.compress(g)
             tensors.append(c)
             ctxs.append((ctx, c))
-        pre, post = self._scale_factors()
         handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
                                           prescale_factor=pre, postscale_factor=post,
                                           process_set=self.process_set)

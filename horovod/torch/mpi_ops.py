@@ -234,6 +234,15 @@ def _allreduce_wire_async_(tensor: torch.Tensor, wire: str, name: str | None, op
     return _register(h, lambda r: backs[0](r[0]))
 
 
+def _grouped_allreduce_wire_async_(tensors: Sequence[torch.Tensor], wire: str, name: str | None, op: int,
+                                   pre: float, post: float, process_set: ProcessSet) -> int:
+    """``grouped_allreduce_async_`` of ``tensors`` reduced as the 16-bit ``wire`` (``fused_wire``):
+    narrowed into the fusion buffer, widened back into each tensor."""
+    h, backs = _allreduce_submit(tensors, None, op, name, pre, post, process_set, True, True,
+                                 "grouped_allreduce_async_", True, wire)
+    return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
+
+
 # ---------------------------------------------------------------------------- grouped allreduce
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: int | None = None,

@@ -10,8 +10,9 @@ Average and Sum (with factors), odd sizes, small (packed) and large (pieces, Glo
   compress / reduce / decompress the generic path does), and the narrowing ran in the engine;
 * narrowed float32 tensors and native 16-bit tensors submitted together share one fused call
   (observed), and each gets its own generic-path value;
-* ``DistributedOptimizer(compression=c)``'s gradients equal the by-hand reduction of the local
-  gradients narrowed, over several steps (the later ones resubmitted unchecked);
+* ``DistributedOptimizer(compression=c)``'s gradients (per tensor, and with ``groups=2``) equal the
+  by-hand reduction of the local gradients narrowed, over several steps (the later ones
+  resubmitted unchecked);
 * (Gloo) a repeated step of small narrowed tensors is carried with the negotiation
   (``engine/carry.py``: the rows hold their narrowed values), with the same results;
 * a user's ``Compressor`` subclass that overrides ``compress`` keeps its own path (never fused).
@@ -153,13 +154,14 @@ def _fused_cases(gloo: bool = False):
             bad.append(f"rank {r}: {wdt}: no fused call held narrowed and native tensors in 6 tries")
 
     # 3. DistributedOptimizer with compression: gradients reduced in place, narrowed in the buffer
-    for comp, wdt in wires:
+    for (comp, wdt), groups in [(w, g) for w in wires for g in (None, 2)]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.Tanh(), torch.nn.Linear(129, 3))
         twin = torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.Tanh(), torch.nn.Linear(129, 3))
         twin.load_state_dict(model.state_dict())
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                       named_parameters=model.named_parameters(), compression=comp)
+                                       named_parameters=model.named_parameters(), compression=comp,
+                                       groups=groups)
         for step in range(3):
             data = torch.randn(16, 37, generator=gen)
             opt.zero_grad()
@@ -169,13 +171,13 @@ def _fused_cases(gloo: bool = False):
             twin(data).square().sum().backward()
             opt.synchronize()
             if not packed:
-                bad.append(f"rank {r}: optimizer {wdt} step {step}: not narrowed in the fusion buffer")
+                bad.append(f"rank {r}: optimizer {wdt} groups={groups} step {step}: not narrowed in the fusion buffer")
             for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
-                label = f"opt.{wdt}.{step}.{pname}"
+                label = f"opt.{wdt}.{groups}.{step}.{pname}"
                 want = hvd.allreduce(q.grad.to(wdt), name=label).float()
                 why = agrees(p.grad, want, q.grad, wdt, label + ".check")
                 if why:
-                    bad.append(f"rank {r}: optimizer {wdt} step {step} {pname}: {why}")
+                    bad.append(f"rank {r}: optimizer {wdt} groups={groups} step {step} {pname}: {why}")
             with opt.skip_synchronize():
                 opt.step()
 
