@@ -15,6 +15,13 @@ case once per rep, interleaved; rank 0 reports medians. Cases:
   float16        ``hvd.allreduce_`` of a float16 tensor
   bfloat16       ``hvd.allreduce_`` of a bfloat16 tensor
 
+and, only when named in ``--cases``, the compression as it ran before the engine narrowed in its
+fusion buffer (the same values; a before/after in one run, under the same load):
+
+  fp16_twopass   the float32 tensor narrowed into a kept float16 tensor (one pass), reduced there
+                 in place, widened into a new result on NumPy's memory (a second pass)
+  bf16_twopass   the same with bfloat16
+
 Bytes are counted on the wire: the driver re-runs itself in a network namespace of its own
 (``unshare -n``, root only) whose loopback carries nothing but this job; MPI is forced onto its TCP
 transport there (``--mca pml ob1 --mca btl tcp,self``), Gloo is TCP anyway. Rank 0 reads the
@@ -36,6 +43,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CASES = ("float32", "float32_out", "fp16_compress", "bf16_compress", "float16", "bfloat16")
+EXTRA_CASES = ("fp16_twopass", "bf16_twopass")
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +69,7 @@ def _lo_tx() -> int:
 
 
 def rank_body(args: argparse.Namespace) -> None:
+    import numpy as np
     import torch
 
     import horovod.torch as hvd
@@ -71,7 +80,10 @@ def rank_body(args: argparse.Namespace) -> None:
     cases = args.cases.split(",")
     base = torch.randn(args.n)
     tensors = {"float32": base.clone(), "float32_out": base.clone(), "fp16_compress": base.clone(),
-               "bf16_compress": base.clone(), "float16": base.half(), "bfloat16": base.bfloat16()}
+               "bf16_compress": base.clone(), "float16": base.half(), "bfloat16": base.bfloat16(),
+               "fp16_twopass": base.clone(), "bf16_twopass": base.clone()}
+    kept = {"fp16_twopass": torch.empty(args.n, dtype=torch.float16),
+            "bf16_twopass": torch.empty(args.n, dtype=torch.bfloat16)}
     ms: dict[str, list[float]] = {c: [] for c in cases}
     nbytes: dict[str, list[int]] = {c: [] for c in cases}
 
@@ -83,6 +95,11 @@ def rank_body(args: argparse.Namespace) -> None:
             hvd.allreduce(t, name=tag, compression=hvd.Compression.bf16)
         elif case == "float32_out":
             hvd.allreduce(t, name=tag)
+        elif case in kept:  # before the fused narrowing: a pass each way around an in-place call
+            buf = kept[case]
+            buf.copy_(t)
+            hvd.allreduce_(buf, name=tag)
+            torch.from_numpy(np.empty(args.n, np.float32)).copy_(buf)
         else:
             hvd.allreduce_(t, name=tag)
 

@@ -56,7 +56,9 @@ def _compression(variant: str, start_iter: int):
 
 
 class _ByteCounter:
-    """Counts the input bytes of every operation submitted to this rank's engine."""
+    """Counts the bytes of every operation submitted to this rank's engine, in the dtype its
+    request reduces (a ``Compression.fp16`` float32 gradient is handed over as it is and counted as
+    the 16 bits the engine narrows it to)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -64,11 +66,11 @@ class _ByteCounter:
         submit, submit_many = engine.submit, engine.submit_many
 
         def one(entry, *a, **k):
-            self.count += sum(x.nbytes for x in entry.inputs)
+            self.count += entry.request.nbytes
             return submit(entry, *a, **k)
 
         def many(entries, *a, **k):
-            self.count += sum(x.nbytes for e in entries for x in e.inputs)
+            self.count += sum(e.request.nbytes for e in entries)
             return submit_many(entries, *a, **k)
 
         engine.submit, engine.submit_many = one, many

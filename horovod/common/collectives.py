@@ -14,8 +14,16 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from horovod.common.backends import half
 from horovod.common.context import get_context
-from horovod.common.dtypes import ADASUM_DTYPES, MOVE_DTYPES, REDUCE_DTYPES, check_reduce_op
+from horovod.common.dtypes import (
+    ADASUM_DTYPES,
+    FLOAT_DTYPES,
+    HALF_DTYPES,
+    MOVE_DTYPES,
+    REDUCE_DTYPES,
+    check_reduce_op,
+)
 from horovod.common.engine.executor import end_to_end
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.negotiation import ArgumentError
@@ -187,6 +195,20 @@ def _one_dtype(arrays: Sequence[np.ndarray], allowed: frozenset[str], what: str)
     return names.pop()
 
 
+def _check_wire(wire: str, dtype: str, op: ReduceOp, device: str, what: str) -> None:
+    if wire not in HALF_DTYPES:
+        raise ValueError(f"{what}: wire={wire!r} must be one of {sorted(HALF_DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what}: wire={wire!r} narrows floating-point arrays, got {dtype}; reduce "
+                         "this array without wire=")
+    if op == ReduceOp.ADASUM or device != "cpu":
+        raise ValueError(f"{what}: wire={wire!r} is for host arrays and Sum, Average, Min, Max or "
+                         "Product; narrow the array yourself (``astype``) for Adasum or a device plane")
+    if wire == "bfloat16" and half.ml_bfloat16() is None:  # (registers NumPy's "bfloat16")
+        raise ValueError(f"{what}: wire='bfloat16' needs the ml_dtypes package (a dependency of "
+                         "horovod): pip install ml_dtypes")
+
+
 def _check_out(arrays: Sequence[np.ndarray], out: Sequence[np.ndarray], what: str,
                inplace: bool) -> list[np.ndarray]:
     if inplace:
@@ -215,12 +237,18 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
                     op: ReduceOp = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: ProcessSet | None = None,
                     inplace: bool = False, grouped: bool = False, device: str = "cpu", wake: bool = True,
-                    out: Sequence[np.ndarray] | None = None) -> Handle:
+                    out: Sequence[np.ndarray] | None = None, wire: str | None = None) -> Handle:
     """Reduce each array across the ranks of ``process_set``; all its ranks must call this.
 
     ``out`` gives the output arrays (C-contiguous, same shapes and dtypes as the inputs), for a
     caller that keeps warm buffers across steps; by default outputs are new arrays (or the inputs,
     with ``inplace``).
+
+    ``wire`` ("float16" or "bfloat16"; host arrays of a wider float dtype, not Adasum): reduce the
+    arrays as that 16-bit dtype, as a compression's cast does (``tensor.to(wire)``, reduced, cast
+    back into outputs of the arrays' own dtype). The request is the 16-bit one (it fuses and
+    negotiates with 16-bit tensors); the arrays are narrowed on their way into the fusion buffer
+    and widened on the way out (``buffers._pack_narrowed``): no 16-bit copy of them is made.
 
     Raises (on every rank of the set when any rank's arguments are bad, see ``fail_everywhere``):
         ValueError: unsupported dtype, or ``out`` that does not match the inputs.
@@ -232,6 +260,9 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     ps_id, _ = group_of(process_set, what)
     try:
         dtype = _one_dtype(arrays, REDUCE_DTYPES, what)
+        if wire is not None and wire != dtype:
+            _check_wire(wire, dtype, op, device, what)
+            dtype = wire
         check_reduce_op(dtype, op, what)
         if op == ReduceOp.ADASUM:
             check_adasum(ps_id, dtype, what)

@@ -35,7 +35,10 @@ from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
 from horovod.torch.compression import StatefulCompressor
 from horovod.torch.compression import plain_wire as _plain_wire
 from horovod.torch.mpi_ops import (
+    _allreduce_wire_async_,
+    _grouped_allreduce_wire_async_,
     allreduce_async_,
+    fused_wire,
     grouped_allreduce_async_,
     sparse_allreduce_async,
     synchronize,
@@ -432,6 +435,17 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             else:
                 return sparse_allreduce_async(tensor, name=str(name), op=self.op,
                                               process_set=self.process_set), None
+        pre, post = self._scale_factors()
+        fused = fused_wire(self._compression, (tensor,), self.op) if slot is not None else None
+        if fused is not None:
+            # A plain cast compression of a host gradient: reduced in place as 16 bits, narrowed in
+            # the fusion buffer and widened back into the gradient (``mpi_ops.fused_wire``); its
+            # request is resubmitted on later steps as an uncompressed gradient's is.
+            handle = _allreduce_wire_async_(tensor, fused, name, self.op, pre, post, self.process_set)
+            signature = _repeat_signature(tensor, get_context().handles[handle][0].request)
+            if signature is not None and slot is not None:
+                slot.fast = signature
+            return handle, (None, tensor)
         wire = _plain_wire(self._compression)
         if wire is not None and slot is not None and tensor.dtype.is_floating_point and tensor.dtype != wire:
             compressed = slot.wire
@@ -442,7 +456,6 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             ctx = tensor.dtype
         else:
             compressed, ctx = self._compression.compress(tensor)
-        pre, post = self._scale_factors()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
         if compressed is tensor:
@@ -452,15 +465,21 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         return handle, (ctx, compressed)
 
     def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        tensors, ctxs = [], []
+        grads = []
         for p in group:
             g = self._grad_for(p)
-            if g.is_sparse:
-                g = g.to_dense()  # grouped reduction is dense
+            grads.append(g.to_dense() if g.is_sparse else g)  # grouped reduction is dense
+        pre, post = self._scale_factors()
+        name = self._parameter_names.get(group[0])
+        fused = fused_wire(self._compression, grads, self.op) if len({g.dtype for g in grads}) == 1 else None
+        if fused is not None:  # narrowed in the fusion buffer, widened back in place (``fused_wire``)
+            handle = _grouped_allreduce_wire_async_(grads, fused, name, self.op, pre, post, self.process_set)
+            return handle, [(None, g) for g in grads]
+        tensors, ctxs = [], []
+        for g in grads:
             c, ctx = self._compression.compress(g)
             tensors.append(c)
             ctxs.append((ctx, c))
-        pre, post = self._scale_factors()
         handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
                                           prescale_factor=pre, postscale_factor=post,
                                           process_set=self.process_set)

@@ -8,19 +8,15 @@ factors, error feedback: ``horovod.torch.powersgd.PowerSGD``). See docs/compress
 
 from __future__ import annotations
 
-import collections
 import inspect
-import math
-import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 from horovod.common.compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
-           "StatefulCompressor", "plain_wire", "KEPT", "host_empty"]
+           "StatefulCompressor", "plain_wire"]
 
 
 class _TorchCast(CastCompressor):
@@ -62,11 +58,11 @@ def plain_wire(compression: Any) -> torch.dtype | None:
     """The dtype a compression sends when it is a plain cast (``Compression.fp16``, ``.bf16``:
     narrowing and widening are ``tensor.to(dtype)``), else None.
 
-    Such a gradient is narrowed into a 16-bit tensor kept for the next step and widened straight
-    into ``p.grad`` (``Tensor.copy_`` casts), the same values as ``compress``/``decompress``
-    without a new tensor each way: a fresh large tensor costs a page fault per 4 KiB page, twice
-    the conversion itself (32 Mi float32 elements: 38 ms into a new float16 tensor, 15 ms into a
-    kept one; 58 and 18 ms back).
+    Such a tensor is handed to the engine as it is, to be reduced as the 16-bit dtype
+    (``mpi_ops.fused_wire``): narrowed on its way into the fusion buffer and widened on the way
+    out, the same values as ``compress``/``decompress`` without a 16-bit copy of the tensor nor a
+    pass of its own each way. Only the built-in casts qualify: a subclass that overrides any of
+    their methods keeps the generic path (its own ``compress``/``decompress``).
     """
     try:
         return _PLAIN_WIRE[compression]
@@ -83,64 +79,6 @@ def plain_wire(compression: Any) -> torch.dtype | None:
 
 
 _PLAIN_WIRE: dict[Any, torch.dtype | None] = {}
-
-
-def host_empty(dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """A new uninitialised CPU tensor in memory NumPy allocated: NumPy asks the kernel for huge
-    pages from 4 MiB on (``madvise``), torch's allocator only under ``THP_MEM_ALLOC_ENABLE``, and a
-    fresh tensor's first touch costs a page fault per page (64 MiB float32 widened from 16 bits,
-    np=2 on the loaded 2-core machine: 214-316 ms into a ``torch.empty`` tensor, the engine's own
-    out-of-place float32 allreduce with its output on NumPy's memory 252 ms in all)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.empty(math.prod(shape) * item, np.uint8))
-    return raw.view(dtype).reshape(shape)
-
-
-class _Kept:
-    """16-bit buffers kept between calls of ``hvd.allreduce(t, compression=...)`` with a plain
-    cast (``plain_wire``), by dtype, shape and device: the narrowed copy of a large tensor is
-    written into memory already touched, not a fresh tensor (a page fault per 4 KiB page, twice
-    the conversion). A call takes a buffer (no other call holds it meanwhile) and gives it back
-    when done; at most ``LIMIT`` bytes are kept, the least recently given dropped first."""
-
-    LIMIT = 256 << 20
-
-    def __init__(self) -> None:
-        self._free: collections.OrderedDict[tuple[Any, ...], torch.Tensor] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, dtype: torch.dtype, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        key = (dtype, tuple(shape), device)
-        with self._lock:
-            t = self._free.pop(key, None)
-            if t is not None:
-                self._bytes -= t.numel() * t.element_size()
-                return t
-        return host_empty(dtype, shape) if device.type == "cpu" else torch.empty(shape, dtype=dtype, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.LIMIT:
-            return
-        key = (t.dtype, tuple(t.shape), t.device)
-        with self._lock:
-            if key in self._free:
-                return
-            self._free[key] = t
-            self._bytes += nbytes
-            while self._bytes > self.LIMIT:
-                _, old = self._free.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._bytes = 0
-
-
-#: the process's kept 16-bit buffers (``_Kept``)
-KEPT = _Kept()
 
 
 class StatefulCompressor:

@@ -32,7 +32,7 @@ from horovod.torch._repeat import (  # noqa: F401 - the repeat path's API here
     _resubmit,
     _resubmit_many,
 )
-from horovod.torch.compression import KEPT, Compression, host_empty, plain_wire
+from horovod.torch.compression import Compression, plain_wire
 
 __all__ = [
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
@@ -84,7 +84,7 @@ def _one_tensor(tensor: Any, what: str, kind: RequestType, name: str | None, pro
 # ---------------------------------------------------------------------------- allreduce
 def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: str | None,
                       prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
-                      inplace: bool, grouped: bool, what: str, wake: bool = True
+                      inplace: bool, grouped: bool, what: str, wake: bool = True, wire: str | None = None
                       ) -> tuple[Any, list[Callable[[Any], Any]]]:
     try:
         ts = _tensors(tensors, what, _RED) if grouped else [_cv.check_tensor(tensors, what, _RED)]
@@ -100,7 +100,7 @@ def _allreduce_submit(tensors: Any, average: bool | None, op: int | None, name: 
     # In place on the working arrays: either the tensors' own memory or private copies.
     h = _C.allreduce_async(arrays, name=name, op=rop, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor, process_set=process_set,
-                           inplace=inplace, grouped=grouped, device=dev, wake=wake)
+                           inplace=inplace, grouped=grouped, device=dev, wake=wake, wire=wire)
     return h, backs
 
 
@@ -182,28 +182,65 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         HorovodInternalError: ranks disagree on dtype/shape/op, or the transport failed.
     """
     ts, rop = _checked(tensor, "allreduce", _ALLREDUCE, name, process_set, average, op, False)
-    t = ts[0]
-    wire = plain_wire(compression) if compression is not Compression.none else None
-    if (wire is not None and t.dtype.is_floating_point and t.dtype != wire and t.device.type == "cpu"
-            and not (t.requires_grad and torch.is_grad_enabled())):
-        return _allreduce_narrowed(t, wire, name, rop, prescale_factor, postscale_factor, process_set)
+    wire = fused_wire(compression, ts, rop)
+    if wire is not None:
+        h, backs = _allreduce_submit(ts[0], None, rop, name, prescale_factor, postscale_factor, process_set,
+                                     False, False, "allreduce", False, wire)
+        return synchronize(_register(h, lambda r: backs[0](r[0])))  # type: ignore[no-any-return]
     return _compressed(ts, compression, lambda c: (HorovodAllreduce.apply(
         c, name, rop, prescale_factor, postscale_factor, process_set),))[0]
 
 
-def _allreduce_narrowed(t: torch.Tensor, wire: torch.dtype, name: str | None, op: ReduceOp, pre: float,
-                        post: float, process_set: ProcessSet) -> torch.Tensor:
-    """``allreduce`` with a plain cast compression (``Compression.fp16``/``bf16``) of a tensor that
-    needs no gradient: narrowed into a kept 16-bit buffer (``compression.KEPT``), reduced there in
-    place, widened into the new result. The same values as compress, out-of-place allreduce and
-    decompress (the same casts and the same reduction), without the two fresh 16-bit tensors
-    (a page fault per 4 KiB page each) and the copy into the second."""
-    buf = KEPT.take(wire, t.shape, t.device)
-    buf.copy_(t)
-    synchronize(allreduce_async_(buf, None, name, op, pre, post, process_set, _wake=False))
-    out = host_empty(t.dtype, t.shape).copy_(buf)  # (on huge pages, as the float32 call's output)
-    KEPT.give(buf)
-    return out
+def fused_wire(compression: Any, tensors: Sequence[torch.Tensor], op: int) -> str | None:
+    """The engine's 16-bit dtype name when ``tensors`` are reduced with a plain cast compression
+    (``Compression.fp16``/``bf16``, detected by ``compression.plain_wire``: a user's subclass that
+    overrides a method keeps the generic compress/decompress path) through the engine's fused
+    narrowing (``collectives.allreduce_async(wire=)``: float32 narrowed into the fusion buffer and
+    widened out of it, no 16-bit copy of the tensor, no second pass each way); else None.
+
+    Host tensors of a wider float dtype that need no gradient, not Adasum: the same values as
+    compress, allreduce of the 16-bit tensor, decompress (the same casts, the same reduction)."""
+    if compression is Compression.none or op == ReduceOp.ADASUM:
+        return None
+    wire = plain_wire(compression)
+    if wire is None:
+        return None
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if (not t.dtype.is_floating_point or t.dtype == wire or t.device.type != "cpu"
+                or (grad and t.requires_grad)):
+            return None
+    return _WIRE_NAMES.get(wire)
+
+
+_WIRE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _allreduce_wire_async_(tensor: torch.Tensor, wire: str, name: str | None, op: int, pre: float,
+                           post: float, process_set: ProcessSet, _wake: bool = True) -> int:
+    """``allreduce_async_`` of ``tensor`` reduced as the 16-bit ``wire`` (``fused_wire``): narrowed
+    into the fusion buffer, widened back into ``tensor``. A repeat (same name and arguments, a
+    tensor of the same dtype and shape) resubmits the checked request as ``allreduce_async_``
+    does."""
+    key = ("wire", wire, name, op, pre, post, getattr(process_set, "process_set_id", None))
+    if name is not None:
+        handle = _repeat.repeat_again(key, tensor, _wake)
+        if handle is not None:
+            return handle
+    h, backs = _allreduce_submit(tensor, None, op, name, pre, post, process_set, True, False,
+                                 "allreduce_async_", _wake, wire)
+    if name is not None:
+        _repeat.repeat_remember(key, tensor, h.request)
+    return _register(h, lambda r: backs[0](r[0]))
+
+
+def _grouped_allreduce_wire_async_(tensors: Sequence[torch.Tensor], wire: str, name: str | None, op: int,
+                                   pre: float, post: float, process_set: ProcessSet) -> int:
+    """``grouped_allreduce_async_`` of ``tensors`` reduced as the 16-bit ``wire`` (``fused_wire``):
+    narrowed into the fusion buffer, widened back into each tensor."""
+    h, backs = _allreduce_submit(tensors, None, op, name, pre, post, process_set, True, True,
+                                 "grouped_allreduce_async_", True, wire)
+    return _register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))
 
 
 # ---------------------------------------------------------------------------- grouped allreduce
@@ -277,6 +314,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     Differentiable. All ranks of the set must pass lists of the same length, dtypes and shapes.
     """
     ts, rop = _checked(tensors, "grouped_allreduce", _ALLREDUCE, name, process_set, average, op)
+    wire = fused_wire(compression, ts, rop) if ts and len({t.dtype for t in ts}) == 1 else None
+    if wire is not None:
+        h, backs = _allreduce_submit(ts, None, rop, name, prescale_factor, postscale_factor, process_set,
+                                     False, True, "grouped_allreduce", False, wire)
+        return list(synchronize(_register(h, lambda r: tuple(b(x) for b, x in zip(backs, r)))))
     return _compressed(ts, compression, lambda *cs: HorovodGroupedAllreduce.apply(
         name, rop, prescale_factor, postscale_factor, process_set, *cs))
 

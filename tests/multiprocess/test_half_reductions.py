@@ -107,31 +107,22 @@ def _cases(expect_native: bool):
             bad.append(f"rank {r}: {wire} compression -> {got[:3]}, want {want}")
         if expect_native and set(handed) != {wire}:
             bad.append(f"rank {r}: {wire} compression: the transport was handed {sorted(set(handed))}")
-    # ``hvd.allreduce(compression=fp16/bf16)`` of a tensor without a gradient is narrowed into a
-    # kept 16-bit buffer and reduced there: the same bits as compress / allreduce / decompress
-    # done by hand, and the buffer is kept for the next call of that shape.
-    from horovod.torch.compression import KEPT
+    # ``hvd.allreduce(compression=fp16/bf16)`` of a tensor without a gradient is narrowed in the
+    # engine's fusion buffer (test_fused_compression.py): the same bits as compress / allreduce /
+    # decompress done by hand.
     gen = torch.Generator().manual_seed(100 + r)
     for comp, wdt in ((htorch.Compression.fp16, torch.float16), (htorch.Compression.bf16, torch.bfloat16)):
         for op, pre, post in ((htorch.Average, 1.0, 1.0), (htorch.Sum, 0.5, 3.0)):
             x = torch.randn(4099, generator=gen)
-            label = f"kept.{wdt}.{op}"
+            label = f"fused.{wdt}.{op}"
             ref = htorch.allreduce(x.to(wdt), name=label + ".ref", op=op, prescale_factor=pre,
                                    postscale_factor=post).to(torch.float32)
-            taken = []
-            take = KEPT.take
-            KEPT.take = lambda *a, _t=taken, _k=take: _t.append(_k(*a)) or _t[-1]
-            try:
-                for i in range(2):
-                    got = htorch.allreduce(x, name=f"{label}.{i}", op=op, prescale_factor=pre,
-                                           postscale_factor=post, compression=comp)
-                    if got.dtype != torch.float32 or not torch.equal(got, ref):
-                        at = int((got != ref).nonzero()[0, 0]) if got.shape == ref.shape else 0
-                        bad.append(f"rank {r}: {label} call {i}: [{at}] = {got[at]}, by hand {ref[at]}")
-            finally:
-                KEPT.take = take
-            if len(taken) != 2 or taken[0].data_ptr() != taken[1].data_ptr():
-                bad.append(f"rank {r}: {label}: the 16-bit buffer was not kept between calls")
+            for i in range(2):
+                got = htorch.allreduce(x, name=f"{label}.{i}", op=op, prescale_factor=pre,
+                                       postscale_factor=post, compression=comp)
+                if got.dtype != torch.float32 or not torch.equal(got, ref):
+                    at = int((got != ref).nonzero()[0, 0]) if got.shape == ref.shape else 0
+                    bad.append(f"rank {r}: {label} call {i}: [{at}] = {got[at]}, by hand {ref[at]}")
         # with a gradient to carry, the differentiable path (and its gradient) as before
         x = torch.full((9,), 0.5 * (r + 1), requires_grad=True)
         y = htorch.allreduce(x, name=f"kept.grad.{wdt}", op=htorch.Sum, compression=comp)

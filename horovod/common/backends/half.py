@@ -24,6 +24,7 @@ Implementations, chosen per call (never imported for it):
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 from horovod.common.dtypes import HALF_DTYPES
 from horovod.common.types import ReduceOp
 
-__all__ = ["HALF_CHARS", "kernel", "numpy_kernel", "scale", "bf16_widen", "bf16_narrow", "ml_bfloat16"]
+__all__ = ["HALF_CHARS", "kernel", "numpy_kernel", "scale", "cast", "bf16_widen", "bf16_narrow", "ml_bfloat16"]
 
 #: NumPy's type characters of the 16-bit floats: float16, ml_dtypes' bfloat16
 HALF_CHARS = frozenset("eE")
@@ -183,7 +184,7 @@ def scale(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> 
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "from_numpy") and dst.size >= _TORCH_SCALE_MIN:
         d, s = _as_torch(torch, dst.reshape(-1)), _as_torch(torch, src.reshape(-1))
-        fn, by = (torch.div, float(np.float32(divisor))) if divisor != 1 else (torch.mul, float(np.float32(factor)))
+        fn, by = _torch_scaling(torch, factor, divisor)
         for i in range(0, d.numel(), TORCH_PIECE):  # one thread, in cache (``TORCH_PIECE``)
             fn(s[i:i + TORCH_PIECE], by, out=d[i:i + TORCH_PIECE])
         return
@@ -195,6 +196,58 @@ def scale(dst: np.ndarray, src: np.ndarray, factor: float, divisor: int = 1) -> 
 
 # Below this many elements NumPy's call costs less than wrapping the arrays as tensors.
 _TORCH_SCALE_MIN = 4096
+
+
+def cast(dst: np.ndarray, src: np.ndarray, factor: float = 1.0, divisor: int = 1) -> None:
+    """``dst[...] = src`` between a 16-bit float array (float16, ml_dtypes bfloat16) and a wider
+    float one, either way: narrowing rounds to nearest even (as ``tensor.to(torch.float16)`` and
+    NumPy's own casts do), widening is exact. With a ``factor`` or ``divisor``, the 16-bit values
+    are scaled as ``scale`` does (after narrowing, in ``dst``; before widening, in ``src``, which
+    is changed: the 16-bit values a 16-bit tensor's reduction gets), piece by piece while each is
+    in cache. torch's
+    vectorized casts once torch is imported, on one thread in cache-sized pieces
+    (``TORCH_PIECE``; NumPy's float16 casts cost about ten times more), NumPy's before. A
+    compression's narrowing into a fusion buffer and its widening back out of it (``buffers``)."""
+    narrow = dst.dtype.char in HALF_CHARS
+    scaled = factor != 1.0 or divisor != 1
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "from_numpy") and dst.size >= _TORCH_SCALE_MIN:
+        d, s = _as_torch(torch, dst.reshape(-1)), _as_torch(torch, src.reshape(-1))
+        fn, by = _torch_scaling(torch, factor, divisor)
+        for i in range(0, d.numel(), TORCH_PIECE):
+            j = i + TORCH_PIECE
+            if not scaled:
+                d[i:j].copy_(s[i:j])
+            elif narrow:
+                d[i:j].copy_(s[i:j])
+                fn(d[i:j], by, out=d[i:j])
+            else:
+                # scaled in place in the 16-bit type (one dtype: torch's vectorized loop; an
+                # ``out`` of another dtype goes through a temporary), then widened
+                fn(s[i:j], by, out=s[i:j])
+                d[i:j].copy_(s[i:j])
+        return
+    if narrow:
+        with np.errstate(all="ignore"):  # overflow to inf is the result, as torch's cast gives
+            np.copyto(dst, src, casting="unsafe")
+        if scaled:
+            scale(dst, dst, factor, divisor)
+    else:
+        if scaled:
+            scale(src, src, factor, divisor)
+        np.copyto(dst, src, casting="unsafe")
+
+
+def _torch_scaling(torch: Any, factor: float, divisor: int) -> tuple[Any, float]:
+    """(torch function, scalar) computing ``x * factor / divisor`` as ``scale`` does: a division
+    by ``divisor``, a multiplication by ``factor``; a power-of-two divisor as a multiplication by
+    its inverse (exact: the same float32 value, half the cost of a division)."""
+    if divisor == 1:
+        return torch.mul, float(np.float32(factor))
+    m, _ = math.frexp(divisor)
+    if m == 0.5:
+        return torch.mul, float(np.float32(1.0 / divisor))
+    return torch.div, float(np.float32(divisor))
 
 
 def _as_torch(torch: Any, a: np.ndarray) -> Any:

@@ -14,7 +14,10 @@ Scaling (prescale, Average's division, postscale), join zeros and widening live 
   postscale multiplies (``plan.post_factors``); a power-of-two factor of an out-of-place float Sum
   is applied during the copy in, the reduction then runs in place (bit-identical, one pass);
 * a joined rank contributes zeros of the agreed shapes (``zeros``);
-* a dtype the transport cannot reduce is widened into the buffer and narrowed on the way out.
+* a dtype the transport cannot reduce is widened into the buffer and narrowed on the way out;
+* a compression's narrowing (``Reduction.narrow``: float32 arrays reduced as float16 or bfloat16)
+  happens on the way into the fusion buffer and its widening on the way out: one pass each way,
+  in pieces hot in cache, never a 16-bit copy of the whole tensor (``_pack_narrowed``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.plan import Call
 
 __all__ = ["BufferOps", "NumpyBuffers", "Item", "Reduction", "batch_items", "run_reduction", "run_pipelined",
-           "SlotBuffers", "scale_array", "span_of", "Placement", "aligned_empty", "SMALL_OUTPUT_BYTES"]
+           "SlotBuffers", "scale_array", "span_of", "Placement", "aligned_empty", "SMALL_OUTPUT_BYTES",
+           "narrow_items"]
 
 Segment = tuple[int, int, int, int]
 
@@ -60,6 +64,10 @@ class Reduction(NamedTuple):
     work: Any  # the dtype the transport reduces in (a NumPy dtype, a torch dtype, ...)
     widen: bool  # work differs from the tensors' dtype: every element goes through a buffer
     exact_post: bool  # post / div is a power of two on a float Sum: may be applied on the way in
+    # The batch's 16-bit dtype (a NumPy dtype) when some of this rank's items are wider arrays a
+    # compression narrows to it on the way in and widens back on the way out (``narrow_items``);
+    # None otherwise. A local matter: the plan and the transport calls are the same either way.
+    narrow: Any = None
 
     @property
     def scaled(self) -> bool:
@@ -200,7 +208,8 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
     for call in calls:
         segs = call.segments if index is None else _physical(call.segments, index, groups or {})
         names = list(dict.fromkeys(items[i].name for i, *_ in segs)) if activity is not None else []
-        region = None if red.widen else placement.region(call, items, segs, ops)
+        narrowed = red.narrow is not None and _narrowed(items, segs, red.narrow)
+        region = None if red.widen or narrowed else placement.region(call, items, segs, ops)
         if region is not None:
             if activity is not None:
                 activity(names, act, True)
@@ -211,20 +220,100 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
         buf = ops.buffer(red.work, call.size)
         if activity is not None:
             activity(names, "MEMCPY_IN_FUSION_BUFFER", True)
-            ops.pack(buf, items, segs, red.pre, red.widen)
+            _pack(ops, buf, items, segs, red, narrowed)
             activity(names, "MEMCPY_IN_FUSION_BUFFER", False)
             activity(names, act, True)
             reduce(buf)
             activity(names, act, False)
             activity(names, "MEMCPY_OUT_FUSION_BUFFER", True)
-            ops.unpack(buf, items, segs, red.post, red.div)
+            _unpack(ops, buf, items, segs, red, narrowed)
             activity(names, "MEMCPY_OUT_FUSION_BUFFER", False)
+        elif narrowed:
+            _pack_narrowed(buf, items, segs, red)
+            reduce(buf)
+            _unpack_narrowed(buf, items, segs, red)
         else:
             ops.pack(buf, items, segs, red.pre, red.widen)
             reduce(buf)
             ops.unpack(buf, items, segs, red.post, red.div)
     if deferred:
         ops.scale_all(deferred, red.post, red.div)
+
+
+def _pack(ops: BufferOps, buf: Any, items: Sequence[Item], segs: Sequence[Segment], red: Reduction,
+          narrowed: bool) -> None:
+    if narrowed:
+        _pack_narrowed(buf, items, segs, red)
+    else:
+        ops.pack(buf, items, segs, red.pre, red.widen)
+
+
+def _unpack(ops: BufferOps, buf: Any, items: Sequence[Item], segs: Sequence[Segment], red: Reduction,
+            narrowed: bool) -> None:
+    if narrowed:
+        _unpack_narrowed(buf, items, segs, red)
+    else:
+        ops.unpack(buf, items, segs, red.post, red.div)
+
+
+def narrow_items(items: Sequence[Item], wire: np.dtype) -> bool:
+    """Whether some item of a batch of 16-bit dtype ``wire`` is a wider array (a compression's
+    float32 tensor submitted to be reduced as ``wire``: ``collectives.allreduce_async(wire=)``)."""
+    for it in items:
+        if it.x.dtype != wire:
+            return True
+    return False
+
+
+def _narrowed(items: Sequence[Item], segs: Sequence[Segment], wire: np.dtype) -> bool:
+    for i, *_ in segs:
+        if items[i].x.dtype != wire:
+            return True
+    return False
+
+
+def _pack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], red: Reduction) -> None:
+    """``pack`` of a call holding narrowed items (``Reduction.narrow``; NumPy buffers): each wider
+    input rounded to the 16-bit dtype straight into the buffer (one pass, the piece then hot for
+    the transport), then prescaled in the 16-bit type: the values of ``tensor.to(wire)`` reduced
+    as a 16-bit tensor. Where the transport widens the 16-bit dtype (``red.widen``), each piece
+    is rounded through a 16-bit scratch first, as that tensor would be. The batch's own 16-bit
+    items are packed as ``pack`` does."""
+    wire = red.narrow
+    for i, s, e, b in segs:
+        src, dst = items[i].x[s:e], buf[b:b + e - s]
+        if src.dtype == wire:
+            NumpyBuffers.pack_each(buf, items, ((i, s, e, b),), red.pre, red.widen)
+            continue
+        if red.widen:
+            mid = np.empty(e - s, wire)
+            half.cast(mid, src)
+            np.copyto(dst, mid, casting="unsafe")
+            if red.pre != 1.0:
+                np.multiply(dst, red.pre, out=dst)
+        else:
+            half.cast(dst, src, red.pre)  # rounded, then prescaled in the 16-bit type, piecewise
+
+
+def _unpack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], red: Reduction) -> None:
+    """``unpack`` of a call holding narrowed items: the reduced buffer scaled in the 16-bit type
+    (the 16-bit result a 16-bit tensor gets), then widened straight into each wider output (one
+    pass), copied into each 16-bit one. Where the transport widens (``red.widen``), each piece is
+    scaled and rounded to the 16-bit dtype first, as the 16-bit tensor's result would be."""
+    wire = red.narrow
+    for i, s, e, b in segs:
+        o, v = items[i].o[s:e], buf[b:b + e - s]
+        if red.widen:
+            if o.dtype == wire:
+                scale_array(o, v, red.post, red.div)
+            else:
+                mid = np.empty(e - s, wire)
+                scale_array(mid, v, red.post, red.div)
+                half.cast(o, mid)
+        elif o.dtype == wire:
+            scale_array(o, v, red.post, red.div)
+        else:
+            half.cast(o, v, red.post, red.div)  # scaled in the 16-bit type, widened, piecewise
 
 
 def _in_place(items: Sequence[Item], segs: Sequence[Segment], region: Any, ops: BufferOps, red: Reduction,
@@ -289,7 +378,8 @@ def run_pipelined(calls: Sequence[Call], items: Sequence[Item], ops: SlotBuffers
     try:
         for call in calls:
             segs = call.segments if index is None else _physical(call.segments, index, groups or {})
-            region = None if red.widen else placement.region(call, items, segs, ops)
+            narrowed = red.narrow is not None and _narrowed(items, segs, red.narrow)
+            region = None if red.widen or narrowed else placement.region(call, items, segs, ops)
             finish: Callable[[], None] | None
             if region is not None:
                 post = _load(items, segs, region, ops, red)
@@ -298,9 +388,14 @@ def run_pipelined(calls: Sequence[Call], items: Sequence[Item], ops: SlotBuffers
             else:
                 buf = ops.slot_buffer(red.work, call.size, packed % depth)
                 packed += 1
-                ops.pack(buf, items, segs, red.pre, red.widen)
-                wait = start(buf)
-                finish = functools.partial(ops.unpack, buf, items, segs, red.post, red.div)
+                if narrowed:
+                    _pack_narrowed(buf, items, segs, red)
+                    wait = start(buf)
+                    finish = functools.partial(_unpack_narrowed, buf, items, segs, red)
+                else:
+                    ops.pack(buf, items, segs, red.pre, red.widen)
+                    wait = start(buf)
+                    finish = functools.partial(ops.unpack, buf, items, segs, red.post, red.div)
             pending.append((wait, finish))
             if len(pending) >= depth:
                 _finish(*pending.popleft())

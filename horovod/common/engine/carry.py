@@ -46,6 +46,7 @@ __all__ = ["CARRY_DTYPES", "Carrier", "CarriedRound", "BatchData"]
 
 _DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64")
 CARRY_DTYPES = frozenset(_DTYPES)
+_NP_DTYPES = tuple(np.dtype(d) for d in _DTYPES)
 _CARRY_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
 _REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
            ReduceOp.PRODUCT: np.multiply}
@@ -198,7 +199,7 @@ class Carrier:
         if carrying:
             own = self.layout_of(bits[:nready], capacity)
             wish = own.wish
-            if own.uniform is not None:  # (an entry's arrays have its request's dtype: the cached signature)
+            if own.uniform is not None:  # (the arrays have the requests' dtype, or are narrowed to it)
                 if pending is not None:
                     names = own.names
                     arrays = pending[names[0]].inputs if len(names) == 1 else [
@@ -238,13 +239,16 @@ class Carrier:
         run_dtype: Any = None
         for slot, off in zip(slots.tolist(), offsets.tolist()):
             pos = header + off
+            # the slot's agreed dtype: a compression's float32 arrays of a float16 request are
+            # narrowed on the way into the row (``collectives.allreduce_async(wire=)``)
+            dtype = _NP_DTYPES[int(self._dtypes[slot])]
             for a in entry_of(slot).inputs:
-                if a.dtype != run_dtype or pos != run_end:
+                if dtype != run_dtype or pos != run_end:
                     if run:
                         np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))
-                    run, run_at, run_dtype = [], pos, a.dtype
+                    run, run_at, run_dtype = [], pos, dtype
                 run.append(a)
-                pos += a.nbytes
+                pos += a.size * dtype.itemsize
                 run_end = pos
         if run:
             np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from horovod.common.backends.base import EngineBackend, Group, SplitsGroups
-from horovod.common.dtypes import FLOAT_DTYPES, logical_op, reduce_dtype
+from horovod.common.dtypes import FLOAT_DTYPES, HALF_DTYPES, logical_op, reduce_dtype
 from horovod.common.engine.adasum import run_adasum
 from horovod.common.engine.buffers import (
     SMALL_OUTPUT_BYTES,
@@ -37,6 +37,7 @@ from horovod.common.engine.buffers import (
     Reduction,
     aligned_empty,
     batch_items,
+    narrow_items,
     power_of_two,
     run_pipelined,
     run_reduction,
@@ -300,6 +301,10 @@ class Executor:
         chunk = lane.chunk_bytes
         ops = lane.ops
         items, starts = batch_items(batch, entries, ops)
+        if req.dtype in HALF_DTYPES and ops is self._ops:
+            wire = ops.dtype(req.dtype)
+            if narrow_items(items, wire):  # a compression's wider arrays, narrowed in the buffer
+                red = red._replace(narrow=wire)
         groups: dict[int, tuple[int, list[int]]] = {}
         index: list[int] = []
         placement = lane.placement
@@ -321,7 +326,8 @@ class Executor:
                 return
         args = (calls, items, ops, red, lane.transport.reducer(red.op) if carried is None else carried(red),
                 placement, activity, lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
-        if carried is None and placement is self.placement and self.placement.pins_pages and not red.widen:
+        if (carried is None and placement is self.placement and self.placement.pins_pages and not red.widen
+                and red.narrow is None):
             self.placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
         else:
             run_reduction(*args)
