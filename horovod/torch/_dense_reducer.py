@@ -195,6 +195,7 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         # Gradients as views of one flat buffer, reduced in buckets (``_flat_grads``): where nothing
         # asks for another grouping or a compression that makes new tensors.
         self._views: dict[torch.Tensor, torch.Tensor] = {}
+        self._groups: list[tuple[torch.Tensor, ...]] | None
         if hooked and groups is None and not self._whole_step and compression is Compression.none \
                 and _flat_gradients_enabled():
             self._groups, self._views = flat_buckets([p for _, p in self._all_params()])

@@ -46,7 +46,8 @@ def flat_buckets(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
     views: dict[torch.Tensor, torch.Tensor] = {}
     for dtype, ps in by_dtype.items():
         flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype)
-        offset, bucket, used = 0, [], 0
+        offset, used = 0, 0
+        bucket: list[torch.Tensor] = []
         size = flat.element_size()
         for p in ps:
             n = p.numel()
