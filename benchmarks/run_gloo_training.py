@@ -11,8 +11,9 @@ For each world size, ``benchmarks/torch_synthetic.py --modes hvd,ddp,local`` run
 
 and in every run both sides train the same model on the same batch in the same processes, modes
 rotated every iteration (``torch_synthetic.py``), so each hvd/DDP ratio comes from one run. Prints
-a Markdown table (samples/s per rank, the ratio, the load average before and after each run) and
-appends it to ``--out``. ``--modes`` adds ``torch_synthetic.py``'s other modes as columns
+a Markdown table (samples/s per rank, the ratio of the medians, the paired ratio: the median over
+the iterations of hvd / DDP within the iteration, where the two ran back to back; the load average
+before and after each run) and appends it to ``--out``. ``--modes`` adds ``torch_synthetic.py``'s other modes as columns
 (``hvd-separate``: every gradient its own tensor, ``HOROVOD_FLAT_GRADIENTS=0``; ``hvd-overlap``,
 ``hvd-held``); the ratio is always ``hvd`` / ``ddp``. ``--breakdown`` also prints, per run and mode,
 the mean over ranks of each step's phases in ms (zero_grad, forward, backward, step; for the hvd
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -64,6 +66,7 @@ def run(launcher: str, np_: int, args: argparse.Namespace) -> tuple[dict[str, fl
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     rates: dict[str, float] = {}
     phases: dict[str, dict[str, float]] = {}
+    iters: dict[str, list[float]] = {}
     for line in proc.stdout.splitlines():
         at = line.find("{")
         if at < 0:
@@ -74,20 +77,25 @@ def run(launcher: str, np_: int, args: argparse.Namespace) -> tuple[dict[str, fl
             continue
         if row.get("bench") == "torch_synthetic":
             rates[row["mode"]] = row["img_per_sec_per_rank"]
+            iters[row["mode"]] = row.get("img_per_sec_iters", [])
         elif row.get("bench") == "torch_synthetic.breakdown":
             per_rank = row["ms_per_step_per_rank"]
             keys = sorted({k for r in per_rank for k in r})
             phases[row["mode"]] = {k: sum(r.get(k, 0.0) for r in per_rank) / len(per_rank) for k in keys}
     if proc.returncode != 0 or not rates:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    # The paired ratio: hvd / ddp within each iteration (the two ran back to back, so a change of
+    # the machine's load between iterations cancels), then the median over the iterations.
+    pairs = [h / d for h, d in zip(iters.get("hvd", []), iters.get("ddp", [])) if d > 0]
+    rates["paired"] = statistics.median(pairs) if pairs else float("nan")
     return rates, phases
 
 
 def main() -> None:
     args = parser.parse_args()
     modes = args.modes.split(",")
-    lines = ["| np | launcher | " + " | ".join(modes) + " | hvd / ddp | load (1 min) before, after |",
-             "|---|---|" + "---|" * len(modes) + "---|---|"]
+    lines = ["| np | launcher | " + " | ".join(modes) + " | hvd / ddp | paired | load (1 min) before, after |",
+             "|---|---|" + "---|" * len(modes) + "---|---|---|"]
     print("\n".join(lines), flush=True)
     breakdown: list[str] = []
     for np_ in (int(x) for x in args.nps.split(",")):
@@ -97,7 +105,8 @@ def main() -> None:
             r, phases = run(launcher, np_, args)
             after = os.getloadavg()[0]
             line = (f"| {np_} | {launcher} | " + " | ".join(f"{r[m]:.1f}" for m in modes) + " | "
-                    f"**{r['hvd'] / r['ddp']:.2f}x** | {before:.1f}, {after:.1f} ({time.time() - t0:.0f} s) |")
+                    f"**{r['hvd'] / r['ddp']:.2f}x** | {r['paired']:.2f}x | "
+                    f"{before:.1f}, {after:.1f} ({time.time() - t0:.0f} s) |")
             lines.append(line)
             print(line, flush=True)
             for mode, ph in phases.items():

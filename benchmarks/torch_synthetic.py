@@ -114,12 +114,13 @@ def main() -> None:
                 inner = getattr(reducer, attr)
 
                 def timed(*a: Any, _inner: Any = inner, _label: str = label) -> Any:
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.thread_time()
                     try:
                         return _inner(*a)
                     finally:
                         if timing[0]:
                             acc[_label] += time.perf_counter() - t
+                            acc[_label + " (its CPU)"] += time.thread_time() - c
                 setattr(reducer, attr, timed)
 
         def step() -> None:
@@ -252,7 +253,8 @@ def main() -> None:
             print(json.dumps({"bench": "torch_synthetic", "model": args.model,
                               "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                               "batch": args.batch_size, "image": args.image_size, "np": size, "mode": k,
-                              "img_per_sec_per_rank": round(med, 2), "img_per_sec_total": round(med * size, 2)}),
+                              "img_per_sec_per_rank": round(med, 2), "img_per_sec_total": round(med * size, 2),
+                              "img_per_sec_iters": [round(x, 2) for x in r]}),
                   flush=True)
     if args.breakdown:
         # Every rank's phases (ms per step), printed by rank 0.

@@ -489,7 +489,9 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
                 slot.fast = signature
         return handle, (ctx, compressed)
 
-    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...], wake: bool = True) -> tuple[Any, Any]:
+        """Start ``group``'s grouped allreduce; ``wake=False`` where the caller waits for it next
+        (it then drives the round itself, without handing it to the engine thread and back)."""
         tensors, ctxs = [], []
         for p in group:
             g = self._grad_for(p)
@@ -501,7 +503,7 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         pre, post = self._scale_factors()
         handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
                                           prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
+                                          process_set=self.process_set, _wake=wake)
         return handle, ctxs
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
@@ -572,12 +574,12 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             self._submit_collected()
         todo = self._not_launched()
         if self._groups is not None:
-            started: set[tuple[torch.Tensor, ...]] = set()
+            started: set[int] = set()  # ids: a group's hash would hash each of its tensors
             for p in todo:
                 g = self._p_to_group.get(p, (p,))
-                if g not in started:
-                    started.add(g)
-                    self._handles[g] = self._grouped_allreduce_async(g)
+                if id(g) not in started:
+                    started.add(id(g))
+                    self._handles[g] = self._grouped_allreduce_async(g, wake=False)
         else:
             for p in todo:
                 self._handles[p] = self._allreduce_grad_async(p)
