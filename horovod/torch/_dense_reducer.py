@@ -196,10 +196,13 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         # asks for another grouping or a compression that makes new tensors.
         self._views: dict[torch.Tensor, torch.Tensor] = {}
         self._groups: list[tuple[torch.Tensor, ...]] | None
+        self._groups = None
         if hooked and groups is None and not self._whole_step and compression is Compression.none \
                 and _flat_gradients_enabled():
-            self._groups, self._views = flat_buckets([p for _, p in self._all_params()])
-        else:
+            flat_groups, self._views = flat_buckets([p for _, p in self._all_params()])
+            if self._views:  # (no CPU floating-point parameter: each gradient its own allreduce)
+                self._groups = flat_groups
+        if not self._views:
             self._groups = self._make_groups(groups)
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
