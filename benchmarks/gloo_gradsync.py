@@ -20,6 +20,7 @@ picks), the one DDP would use:
                  (what ``DistributedOptimizer`` does)
   hvd-grouped    one ``grouped_allreduce_`` of all gradients
   hvd-flat       ``grouped_allreduce_`` of gradients that are views of one flat tensor
+  hvd-views      ``allreduce_async_`` of each of those views, then ``synchronize`` each
   hvd, hvd-grouped, hvd-flat run with the engine's default piece sizes (on Gloo 16 MiB pieces,
                  tensors of 1 MiB and more reduced where they lie; ``GlooBackend.piece_sizes``)
   hvd-c<k>, hvd-grouped-c<k>, hvd-flat-c<k>   with pieces of k MiB as ``HOROVOD_CHUNK_BYTES``
@@ -241,7 +242,12 @@ def main() -> None:
     def hvd_flat() -> None:
         hvd.grouped_allreduce_(views, name="flat", op=hvd.Average)
 
-    modes.update({"hvd": hvd_async, "hvd-grouped": hvd_grouped, "hvd-flat": hvd_flat})
+    def hvd_views() -> None:
+        handles = [hvd.allreduce_async_(t, name=f"view.{n}", op=hvd.Average) for t, n in zip(views, names)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    modes.update({"hvd": hvd_async, "hvd-grouped": hvd_grouped, "hvd-flat": hvd_flat, "hvd-views": hvd_views})
     from horovod.common.context import get_context
 
     eng = get_context().engine

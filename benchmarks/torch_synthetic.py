@@ -8,6 +8,8 @@ Run under mpirun, horovodrun or torchrun; rank 0 prints one JSON line per mode:
 Modes, each with its own copy of the same model and batch (every iteration runs each mode for
 ``--batches`` steps, in turn, so machine noise hits them alike):
   hvd    hvd.DistributedOptimizer (allreduce from gradient hooks during backward), default settings
+         (CPU gradients as views of one flat buffer, reduced in buckets: HOROVOD_FLAT_GRADIENTS=1)
+  hvd-separate  the same with every gradient its own tensor and allreduce (HOROVOD_FLAT_GRADIENTS=0)
   hvd-overlap / hvd-held  the same with Tunables.overlap forced on / off (HOROVOD_OVERLAP_GRADIENTS=1 / 0)
   ddp    torch.nn.parallel.DistributedDataParallel on a Gloo process group
   local  the same step without any communication (each rank's compute-only speed)
@@ -23,12 +25,15 @@ over token sequences of ``--seq-len`` (default 32), where communication weighs m
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +54,10 @@ parser.add_argument("--warmup", type=int, default=2)
 parser.add_argument("--modes", default="hvd,ddp,local")
 parser.add_argument("--layers", type=int, default=4, help="encoder blocks of --model transformer")
 parser.add_argument("--seq-len", type=int, default=32, help="tokens per sample of --model transformer")
+parser.add_argument("--breakdown", action="store_true",
+                    help="also time each step's phases per mode (zero_grad, forward, backward, step; for hvd "
+                         "the hooks and the gradient sync inside them) and the process's CPU seconds per step "
+                         "(every thread: compute, engine, Gloo), one more JSON line per mode")
 
 VOCAB = 8192
 
@@ -93,18 +102,92 @@ def main() -> None:
     target = torch.randint(0, 1000, (args.batch_size,))
 
     steps = {}
+    # Per mode: phase -> seconds summed over the timed steps (``--breakdown``), and the step count.
+    phases: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    timing = [False]
+
+    def make_step(key: str, model: torch.nn.Module, opt: Any, reducer: Any = None) -> Callable[[], None]:
+        """One training step of ``model``; with ``--breakdown`` each phase timed into ``phases[key]``."""
+        if reducer is not None and args.breakdown:
+            acc = phases[key]
+            for attr, label in (("_synchronize", "bwd: gradient sync"), ("_submit_collected", "bwd: submit")):
+                inner = getattr(reducer, attr)
+
+                def timed(*a: Any, _inner: Any = inner, _label: str = label) -> Any:
+                    t, c = time.perf_counter(), time.thread_time()
+                    try:
+                        return _inner(*a)
+                    finally:
+                        if timing[0]:
+                            acc[_label] += time.perf_counter() - t
+                            acc[_label + " (its CPU)"] += time.thread_time() - c
+                setattr(reducer, attr, timed)
+
+        def step() -> None:
+            if not (args.breakdown and timing[0]):
+                opt.zero_grad()
+                F.cross_entropy(model(data), target).backward()
+                opt.step()
+                return
+            acc = phases[key]
+            c0, t0 = time.process_time(), time.perf_counter()
+            opt.zero_grad()
+            t1 = time.perf_counter()
+            loss = F.cross_entropy(model(data), target)
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            opt.step()
+            t4 = time.perf_counter()
+            acc["zero_grad"] += t1 - t0
+            acc["forward"] += t2 - t1
+            acc["backward"] += t3 - t2
+            acc["step"] += t4 - t3
+            acc["total"] += t4 - t0
+            acc["cpu (all threads)"] += time.process_time() - c0
+            acc["steps"] += 1
+        return step
+
+    if args.breakdown:
+        from horovod.torch import _dense_reducer
+
+        hook_time = phases["hvd"]
+        plain_make_hook = _dense_reducer.DenseReducer._make_hook
+
+        def timed_make_hook(self: Any, p: torch.Tensor) -> Any:
+            hook = plain_make_hook(self, p)
+
+            def timed_hook(param: torch.Tensor) -> None:
+                t = time.perf_counter()
+                try:
+                    hook(param)
+                finally:
+                    if timing[0]:
+                        hook_time["bwd: hooks"] += time.perf_counter() - t
+            return timed_hook
+        _dense_reducer.DenseReducer._make_hook = timed_make_hook  # type: ignore[method-assign]
     if "hvd" in modes:
         torch.manual_seed(0)
         m_hvd = build_model(args)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m_hvd.parameters(), lr=0.01),
                                        named_parameters=m_hvd.named_parameters())
         hvd.broadcast_parameters(m_hvd.state_dict(), 0)
+        steps["hvd"] = make_step("hvd", m_hvd, opt, opt.reducer)
+    if "hvd-separate" in modes:
+        from horovod.torch import _dense_reducer as _dr
 
-        def hvd_step() -> None:
-            opt.zero_grad()
-            F.cross_entropy(m_hvd(data), target).backward()
-            opt.step()
-        steps["hvd"] = hvd_step
+        torch.manual_seed(0)
+        m_sep = build_model(args)
+        flat_setting, _dr._flat_gradients_enabled = _dr._flat_gradients_enabled, lambda: False
+        try:  # as with HOROVOD_FLAT_GRADIENTS=0: every gradient its own tensor and allreduce
+            opt_sep = hvd.DistributedOptimizer(torch.optim.SGD(m_sep.parameters(), lr=0.01),
+                                               named_parameters=m_sep.named_parameters())
+        finally:
+            _dr._flat_gradients_enabled = flat_setting
+        hvd.broadcast_parameters(m_sep.state_dict(), 0)
+        steps["hvd-separate"] = make_step("hvd-separate", m_sep, opt_sep, opt_sep.reducer)
+    if args.breakdown:
+        _dense_reducer.DenseReducer._make_hook = plain_make_hook  # type: ignore[method-assign]
     if "hvd-overlap" in modes or "hvd-held" in modes:
         from horovod.common.context import get_context
 
@@ -115,21 +198,21 @@ def main() -> None:
                                           named_parameters=m_ov.named_parameters())
         hvd.broadcast_parameters(m_ov.state_dict(), 0)
 
-        def forced_step(overlap: bool):
+        def forced_step(key: str, overlap: bool) -> Callable[[], None]:
+            inner = make_step(key, m_ov, opt_ov)
+
             def step() -> None:
                 # Every rank switches at the same point (the timing loop's barrier precedes the mode).
                 saved, tunables.overlap = tunables.overlap, overlap
                 try:
-                    opt_ov.zero_grad()
-                    F.cross_entropy(m_ov(data), target).backward()
-                    opt_ov.step()
+                    inner()
                 finally:
                     tunables.overlap = saved
             return step
         if "hvd-overlap" in modes:
-            steps["hvd-overlap"] = forced_step(True)
+            steps["hvd-overlap"] = forced_step("hvd-overlap", True)
         if "hvd-held" in modes:
-            steps["hvd-held"] = forced_step(False)
+            steps["hvd-held"] = forced_step("hvd-held", False)
     if "ddp" in modes:
         import torch.distributed as dist
 
@@ -141,26 +224,17 @@ def main() -> None:
         torch.manual_seed(0)
         m_ddp = torch.nn.parallel.DistributedDataParallel(build_model(args))
         opt_ddp = torch.optim.SGD(m_ddp.parameters(), lr=0.01)
-
-        def ddp_step() -> None:
-            opt_ddp.zero_grad()
-            F.cross_entropy(m_ddp(data), target).backward()
-            opt_ddp.step()
-        steps["ddp"] = ddp_step
+        steps["ddp"] = make_step("ddp", m_ddp, opt_ddp)
     if "local" in modes:
         torch.manual_seed(0)
         m_loc = build_model(args)
         opt_loc = torch.optim.SGD(m_loc.parameters(), lr=0.01)
-
-        def local_step() -> None:
-            opt_loc.zero_grad()
-            F.cross_entropy(m_loc(data), target).backward()
-            opt_loc.step()
-        steps["local"] = local_step
+        steps["local"] = make_step("local", m_loc, opt_loc)
 
     for fn in steps.values():
         for _ in range(args.warmup):
             fn()
+    timing[0] = True
     rates: dict[str, list[float]] = {k: [] for k in steps}
     names = list(steps)
     for it in range(args.iters):
@@ -179,8 +253,18 @@ def main() -> None:
             print(json.dumps({"bench": "torch_synthetic", "model": args.model,
                               "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                               "batch": args.batch_size, "image": args.image_size, "np": size, "mode": k,
-                              "img_per_sec_per_rank": round(med, 2), "img_per_sec_total": round(med * size, 2)}),
+                              "img_per_sec_per_rank": round(med, 2), "img_per_sec_total": round(med * size, 2),
+                              "img_per_sec_iters": [round(x, 2) for x in r]}),
                   flush=True)
+    if args.breakdown:
+        # Every rank's phases (ms per step), printed by rank 0.
+        mine = {k: {ph: round(v * 1000 / max(acc["steps"], 1), 2) for ph, v in acc.items() if ph != "steps"}
+                for k, acc in phases.items() if acc["steps"]}
+        everyone = hvd.allgather_object(mine, name="torch_synthetic.breakdown")
+        if rank == 0:
+            for k in steps:
+                print(json.dumps({"bench": "torch_synthetic.breakdown", "mode": k, "np": size,
+                                  "ms_per_step_per_rank": [r.get(k, {}) for r in everyone]}), flush=True)
     if "ddp" in steps:
         import torch.distributed as dist
 

@@ -110,6 +110,11 @@ class EngineConfig:
         "1: reduce the optimizer's gradients in the background while the backward pass runs; 0: hold "
         "them until the optimizer waits, then reduce them all on the idle cores; empty (auto): 1 when "
         "the host has at least two cores per local rank, else 0.", _parse_auto_bool)
+    flat_gradients: bool = _setting(
+        "HOROVOD_FLAT_GRADIENTS", True,
+        "1: DistributedOptimizer keeps the CPU gradients of each dtype as views of one flat buffer, "
+        "reduced in buckets of up to 25 MiB as one span each, without copies (DDP's "
+        "gradient_as_bucket_view); 0: each gradient is its own tensor and allreduce.", parse_bool)
     cycle_time_ms: float = _setting(
         "HOROVOD_CYCLE_TIME", 1.0,
         "Milliseconds between the engine thread's negotiation rounds (the least gap between two "

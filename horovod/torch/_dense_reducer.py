@@ -11,6 +11,11 @@ rank submits the same set of names), so ``backward()`` returns with averaged gra
 Where the engine holds the hooks' gradients until the step anyway (``tunables.overlap`` off),
 the hooks of a backward pass only note their gradients, and one callback at the end of the pass
 submits them together under one handle (``_collect``): each is still its own allreduce.
+
+By default (``HOROVOD_FLAT_GRADIENTS=1``, no ``groups``, no compression) the CPU gradients are
+instead views of one flat buffer per dtype, cut into buckets (``horovod/torch/_flat_grads.py``):
+each bucket is the ``groups`` machinery's grouped allreduce, started by the hook of its last
+gradient (overlap on) or at the end of the pass (overlap off), and reduced as one span.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average
 from horovod.torch._autograd import GradHooks, at_end_of_backward
 from horovod.torch._clip import clip_by_global_norm
+from horovod.torch._flat_grads import adopt, flat_buckets
 from horovod.torch._grad_comm import GradientCommunicator
 from horovod.torch._repeat import _repeat_signature, _resubmit, _resubmit_many
-from horovod.torch.compression import StatefulCompressor
+from horovod.torch.compression import Compression, StatefulCompressor
 from horovod.torch.compression import plain_wire as _plain_wire
 from horovod.torch.mpi_ops import (
     _allreduce_wire_async_,
@@ -132,6 +138,19 @@ class _Slot:
 
 
 
+def _flat_gradients_enabled() -> bool:
+    """``HOROVOD_FLAT_GRADIENTS`` (default on): the same value on every rank, as the launcher
+    passes the environment to all of them."""
+    ctx = peek_context()
+    return bool(ctx is not None and getattr(ctx.config, "flat_gradients", True))
+
+
+def _overlapping() -> bool:
+    ctx = peek_context()
+    engine = None if ctx is None else ctx.engine
+    return engine is None or bool(engine.tunables.overlap)
+
+
 class DenseReducer(PassesPerStep, SkipSynchronize):
     """A ``GradientReducer`` (``horovod/torch/reducer.py``) that averages every gradient on every
     rank: see the module docstring.
@@ -175,7 +194,19 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         # A StatefulCompressor (PowerSGD) reduces the step's gradients at once, in synchronize().
         self._whole_step = isinstance(compression, StatefulCompressor)
         self._comm = GradientCommunicator(process_set) if self._whole_step else None
-        self._groups = self._make_groups(groups)
+        hooked = process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        # Gradients as views of one flat buffer, reduced in buckets (``_flat_grads``): where nothing
+        # asks for another grouping or a compression that makes new tensors.
+        self._views: dict[torch.Tensor, torch.Tensor] = {}
+        self._groups: list[tuple[torch.Tensor, ...]] | None
+        self._groups = None
+        if hooked and groups is None and not self._whole_step and compression is Compression.none \
+                and _flat_gradients_enabled():
+            flat_groups, self._views = flat_buckets([p for _, p in self._all_params()])
+            if self._views:  # (no CPU floating-point parameter: each gradient its own allreduce)
+                self._groups = flat_groups
+        if not self._views:
+            self._groups = self._make_groups(groups)
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         # id(group) -> how many of its gradients this step has produced. Keyed by id: a group's
         # hash would hash each of its tensors (a Python call each) in every one of its hooks.
@@ -184,7 +215,7 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             for p in g:
                 self._p_to_group[p] = g
             self._group_counts[id(g)] = 0
-        if process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+        if hooked:
             self.register_hooks()
 
     def _all_params(self) -> Iterator[tuple[int, torch.Tensor]]:
@@ -351,6 +382,12 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             if counts[id(group)] < len(group):
                 self._handles[p] = (None, None)
                 return
+            if self._views and not _overlapping():
+                # A flat bucket while the engine holds the hooks' gradients until the step anyway:
+                # hold it here too (placeholders), so that the end of the pass starts every bucket
+                # in parameter order on every rank (what is sent never depends on this choice).
+                self._handles[p] = (None, None)
+                return
             for gp in group:
                 self._handles.pop(gp, None)
             self._handles[group] = self._grouped_allreduce_async(group)
@@ -412,6 +449,10 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
         return 1.0, 1.0
 
     def _grad_for(self, p: torch.Tensor) -> torch.Tensor:
+        if self._views:
+            view = self._views.get(p)
+            if view is not None:
+                adopt(p, view)  # the gradient moves into (or is zeroed in) its place in the flat buffer
         if p.grad is None:
             # No gradient on this rank (unused in this forward); other ranks may have one, and
             # every rank must submit the same names, so reduce zeros.
@@ -464,7 +505,9 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
                 slot.fast = signature
         return handle, (ctx, compressed)
 
-    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...], wake: bool = True) -> tuple[Any, Any]:
+        """Start ``group``'s grouped allreduce; ``wake=False`` where the caller waits for it next
+        (it then drives the round itself, without handing it to the engine thread and back)."""
         grads = []
         for p in group:
             g = self._grad_for(p)
@@ -482,7 +525,7 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             ctxs.append((ctx, c))
         handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
                                           prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
+                                          process_set=self.process_set, _wake=wake)
         return handle, ctxs
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
@@ -553,12 +596,12 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             self._submit_collected()
         todo = self._not_launched()
         if self._groups is not None:
-            started: set[tuple[torch.Tensor, ...]] = set()
+            started: set[int] = set()  # ids: a group's hash would hash each of its tensors
             for p in todo:
                 g = self._p_to_group.get(p, (p,))
-                if g not in started:
-                    started.add(g)
-                    self._handles[g] = self._grouped_allreduce_async(g)
+                if id(g) not in started:
+                    started.add(id(g))
+                    self._handles[g] = self._grouped_allreduce_async(g, wake=False)
         else:
             for p in todo:
                 self._handles[p] = self._allreduce_grad_async(p)

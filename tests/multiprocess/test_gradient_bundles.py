@@ -26,6 +26,9 @@ def _train(overlap_by_rank: list[str], passes: int = 1) -> dict:
 
     rank = int(os.environ.get("HOROVOD_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
     os.environ["HOROVOD_OVERLAP_GRADIENTS"] = overlap_by_rank[rank % len(overlap_by_rank)]
+    # Bundles are the path of gradients that are separate tensors (flat gradients, the default on
+    # CPU, are reduced in grouped buckets instead: tests/multiprocess/test_flat_gradients.py).
+    os.environ["HOROVOD_FLAT_GRADIENTS"] = "0"
 
     import numpy as np
     import torch

@@ -41,15 +41,28 @@ def _equivalence_cases():
         ("SGD fp16", lambda p: torch.optim.SGD(p, lr=0.1), {"compression": hvd.Compression.fp16}),
         ("Adam bf16", lambda p: torch.optim.Adam(p, lr=0.01), {"compression": hvd.Compression.bf16}),
         ("SGD noname", lambda p: torch.optim.SGD(p, lr=0.1), {"named": False}),
+        ("SGD momentum separate", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {"flat": False}),
+        ("Adam separate", lambda p: torch.optim.Adam(p, lr=0.01), {"flat": False}),
     ]
+    from horovod.torch import _dense_reducer
+
+    flat_setting = _dense_reducer._flat_gradients_enabled
     for label, make_opt, kw in configs:
         kw = dict(kw)
         named = kw.pop("named", True)
         ref = make_model()
         ref_opt = make_opt(ref.parameters())
         model = copy.deepcopy(ref)
-        opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
-                                       named_parameters=model.named_parameters() if named else None, **kw)
+        if not kw.pop("flat", True):  # as with HOROVOD_FLAT_GRADIENTS=0
+            _dense_reducer._flat_gradients_enabled = lambda: False
+        try:
+            opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                           named_parameters=model.named_parameters() if named else None, **kw)
+        finally:
+            _dense_reducer._flat_gradients_enabled = flat_setting
+        flat = bool(opt.reducer._views)
+        if flat != (not label.endswith("separate") and set(kw) <= {"gradient_predivide_factor"}):
+            bad.append(f"rank {r}: {label}: gradients {'' if flat else 'not '}kept flat")
         names = set(opt._parameter_names.values())  # upstream's attribute, read by user code
         if len(names) != len(list(model.parameters())) or hvd.allgather_object(names) != [names] * hvd.size():
             bad.append(f"rank {r}: {label}: parameter names not unique or not the same on every rank: {names}")
@@ -62,7 +75,12 @@ def _equivalence_cases():
             F.cross_entropy(model(xs), ys).backward()
             opt.step()
         fast = sum(slot.fast is not None for slot in opt.reducer._slots.values())
-        if "16" not in label and "groups" not in label and fast != len(list(model.parameters())):
+        if flat:
+            # Every gradient a view of the one flat buffer, reduced as one grouped request.
+            storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+            if len(storages) != 1:
+                bad.append(f"rank {r}: {label}: gradients in {len(storages)} buffers, not one flat buffer")
+        elif "16" not in label and "groups" not in label and fast != len(list(model.parameters())):
             bad.append(f"rank {r}: {label}: the repeat-submission fast path was not taken "
                        f"({fast} parameters)")
         # bf16 keeps 8 bits of mantissa, and MPI now reduces it as bf16 (each pairwise sum rounded,
