@@ -78,6 +78,7 @@ def _profile(cfg: dict[str, Any]) -> dict[str, Any]:
     ops = _Ops()
     ops.synchronize = sync  # type: ignore[attr-defined]
     ops.allgather_async = timed("start allgather", mpi_ops.allgather_async)  # type: ignore[attr-defined]
+    ops.grouped_allgather_async = timed("start allgather", mpi_ops.grouped_allgather_async)  # type: ignore[attr-defined]
     ops.reducescatter_async = timed("start reduce-scatter", mpi_ops.reducescatter_async)  # type: ignore[attr-defined]
     ops.allreduce = timed("finite agreement", mpi_ops.allreduce)  # type: ignore[attr-defined]
     sc.mpi_ops = ops  # type: ignore[assignment]

@@ -28,7 +28,10 @@ _TRIM: list[Any] = []
 
 
 def start_unshard(g: ShardGroup) -> None:
-    """Start the allgather of ``g``'s shards (nothing if gathered or in flight)."""
+    """Start the allgather of ``g``'s shards (nothing if gathered or in flight): one grouped
+    allgather of each parameter's slot of the per-rank segment (its rows padded to ``c``), so that
+    each parameter arrives whole and contiguous (its first ``numel`` elements) in an output of its
+    own, which the unsharded parameter can show without a copy."""
     if g.unsharded or g.gather is not None or not g.params:
         return
     dt = g.mp.param_dtype or g.params[0].dtype
@@ -39,7 +42,9 @@ def start_unshard(g: ShardGroup) -> None:
         for q in g.params:
             if q.local_numel:
                 send[q.offset:q.offset + q.local_numel].copy_(q.shard.detach().reshape(-1))
-    g.gather = mpi_ops.allgather_async(send, name=g.name("allgather"), process_set=g.process_set)
+    slots = [send[q.offset:q.offset + q.seg].view(q.chunk_rows, *q.shape[1:]) for q in g.params if q.seg]
+    if slots:
+        g.gather = mpi_ops.grouped_allgather_async(slots, name=g.name("allgather"), process_set=g.process_set)
 
 
 def _views_intact(g: ShardGroup, flat: torch.Tensor) -> bool:
@@ -49,27 +54,33 @@ def _views_intact(g: ShardGroup, flat: torch.Tensor) -> bool:
 
 
 def wait_unshard(g: ShardGroup) -> None:
-    """Finish ``g``'s allgather (starting it if needed) into its unsharded tensors."""
+    """Finish ``g``'s allgather (starting it if needed) into its unsharded parameters: each shows
+    its allgather output as it is, or, when autograd must find this iteration's saved views of it
+    in one storage from forward to backward (``g.keeps_storage()``), a copy in its own storage."""
     if g.unsharded or not g.params:
         g.unsharded = True
         return
     if g.gather is None:
         start_unshard(g)
-    assert g.gather is not None
-    out = mpi_ops.synchronize(g.gather).view(g.n, g.segment)
+    if g.gather is None:  # no parameter has an element: nothing to gather
+        g.unsharded = True
+        return
+    outs = iter(mpi_ops.synchronize(g.gather))
     g.gather = None
+    own = g.keeps_storage()
+    borrowed = g.root().borrowed
     with torch.no_grad():
         for q in g.params:
-            if not q.allocated():
-                q.unsharded.data.untyped_storage().resize_(q.nbytes)
-            # rank k's rows are row k of ``out``, in the parameter's slot: k ranks' rows in full,
-            # then ``rest`` elements; copied slot by slot (``out[:, slot]`` is strided: reshaping
-            # it whole would copy the parameter once more into a temporary)
-            u = q.unsharded.data.view(-1)
-            k, rest = divmod(u.numel(), q.seg) if q.seg else (0, 0)
-            u[:k * q.seg].view(k, q.seg).copy_(out[:k, q.offset:q.offset + q.seg])
-            if rest:
-                u[k * q.seg:].copy_(out[k, q.offset:q.offset + rest])
+            if not q.seg:
+                continue
+            full = next(outs).view(-1)[:q.numel].view(q.shape)
+            ptr = full.untyped_storage().data_ptr()
+            # an output shared with another parameter (not the engine's way today) is copied:
+            # saved views are found by their storage
+            mine = not own and ptr not in borrowed
+            q.show(full, not mine)
+            if mine:
+                borrowed[ptr] = (g, q)
     g.unsharded = True
 
 
@@ -79,8 +90,11 @@ def reshard(g: ShardGroup) -> None:
         mpi_ops.synchronize(g.gather)
         g.gather = None
     freed = False
+    borrowed = g.root().borrowed
     for q in g.params:
         freed = freed or q.allocated()
+        if q.borrowed:
+            borrowed.pop(q.unsharded.untyped_storage().data_ptr(), None)
         q.free()
         q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
     g.unsharded = False
