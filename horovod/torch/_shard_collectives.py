@@ -19,6 +19,7 @@ import torch
 from horovod.common.types import Max
 from horovod.torch import mpi_ops
 from horovod.torch._shard_group import ShardGroup, groups_in
+from horovod.torch.compression import Compression
 
 __all__ = ["start_unshard", "wait_unshard", "reshard", "reduce", "complete", "agree_finite", "all_finite",
            "release_freed_memory"]
@@ -166,6 +167,24 @@ def reduce(g: ShardGroup) -> None:
     # that its input buffer serves this one and a rank holds one module's gradients in flight
     while root.pending:
         complete(*root.pending.pop(0))
+    direct = _direct_params(g, dt)
+    if direct is not None:
+        # each gradient is the reduce-scatter's input as it is (no copy into a buffer): the
+        # engine's split of its rows is the shards' (``_direct_params``)
+        grads = []
+        for q in direct:
+            grad = q.unsharded.grad
+            if grad is None:  # not used in this backward: zeros, as every rank sends the same list
+                grad = torch.zeros(q.shape, dtype=dt, device=q.shard.device)
+            grads.append(grad.reshape(q.rows, *q.shape[1:]))
+            q.unsharded.grad = None
+        for q in g.params:
+            q.unsharded.grad = None
+        h = mpi_ops.grouped_reducescatter_async(grads, name=g.name("reducescatter"), process_set=g.process_set)
+        del grads
+        root.pending.append((g, h, direct, None))
+        reshard(g)
+        return
     whole = _take_buffer(root, g.n * g.segment, dt, g.params[0].shard.device)
     buf = whole[:g.n * g.segment].view(g.n, g.segment)
     for q in g.params:
@@ -192,6 +211,30 @@ def reduce(g: ShardGroup) -> None:
     reshard(g)
 
 
+def _direct_params(g: ShardGroup, dt: torch.dtype) -> list[Any] | None:
+    """The parameters whose gradients ``g``'s reduce-scatter takes as they are (one grouped
+    reduce-scatter, no copy), or None when the packed buffer is needed: a compression or a reduce
+    dtype other than the gradients' (a cast is a copy anyway), or a parameter whose rows the
+    engine splits otherwise than the shards (it gives the first ``R % N`` ranks one row more; the
+    shards give each rank ``ceil(R/N)`` rows while they last). The same answer on every rank."""
+    if g.direct is None:
+        ok = g.compression is Compression.none and all(
+            q.unsharded.dtype == dt and _engine_rows(q.rows, g.n) == _shard_rows(q.rows, g.n)
+            for q in g.params if q.seg)
+        g.direct = [q for q in g.params if q.seg and q.unsharded.requires_grad] if ok else []
+    return g.direct or None
+
+
+def _engine_rows(rows: int, n: int) -> list[int]:
+    base, extra = divmod(rows, n)
+    return [base + (1 if k < extra else 0) for k in range(n)]
+
+
+def _shard_rows(rows: int, n: int) -> list[int]:
+    c = -(-rows // n)
+    return [max(0, min(rows, (k + 1) * c) - k * c) for k in range(n)]
+
+
 def _take_buffer(root: ShardGroup, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat buffer of at least ``numel`` elements for a reduce-scatter's input: a spare one of
     the root's when one fits, so that the same memory serves every module's reduction (no
@@ -211,8 +254,21 @@ def _give_back_buffer(root: ShardGroup, whole: torch.Tensor) -> None:
     del root.spare[1:]
 
 
-def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor) -> None:
+def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor | None) -> None:
     """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
+    if whole is None:  # a grouped reduce-scatter of the gradients themselves: ctx lists them
+        outs = dict(zip(map(id, ctx), mpi_ops.synchronize(handle)))
+        for q in g.params:
+            if not q.shard.requires_grad:
+                continue
+            got = outs.get(id(q))
+            part = (got.view(q.shard.shape).to(q.dtype) if got is not None
+                    else torch.zeros(q.shard.shape, dtype=q.dtype, device=q.shard.device))
+            if q.shard.grad is None:
+                q.shard.grad = part
+            else:
+                q.shard.grad.add_(part)
+        return
     out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
     _give_back_buffer(g.root(), whole)
     for q in g.params:

@@ -43,7 +43,7 @@ class ShardGroup:
         # iteration state (kept on the root group)
         self.order: list[ShardGroup] = []
         self.prev_order: list[ShardGroup] = []
-        self.pending: list[tuple[ShardGroup, int, Any, torch.Tensor]] = []
+        self.pending: list[tuple[ShardGroup, int, Any, torch.Tensor | None]] = []
         self.spare: list[torch.Tensor] = []  # reduce-scatter input buffers, reused (``take_buffer``)
         # (root) the unsharded parameters that show an allgather output, by its storage's address,
         # and the saved-tensor hooks that keep autograd's saved views of them by parameter, not by
@@ -64,6 +64,9 @@ class ShardGroup:
         # until that iteration's backward is done
         self.own_storage_iteration = -1
         self.saving: Any = None  # our saved-tensor hooks, pushed for this module's forward
+        # the parameters whose gradients the reduce-scatter takes as they are ([]: none, the
+        # packed buffer; None: not decided yet; ``_shard_collectives._direct_params``)
+        self.direct: list[ShardedParam] | None = None
         self.unsharded = False
         self.accumulated: set[int] = set()
         self.params: list[ShardedParam] = []

@@ -136,7 +136,7 @@ class _SavedView:
 
     __slots__ = ("g", "q", "offset", "size", "stride")
 
-    def __init__(self, g: ShardGroup, q: Any, offset: int, size: Any, stride: Any) -> None:
+    def __init__(self, g: ShardGroup, q: Any, offset: Any, size: Any, stride: Any) -> None:
         self.g, self.q, self.offset, self.size, self.stride = g, q, offset, size, stride
 
 
