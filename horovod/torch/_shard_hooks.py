@@ -172,7 +172,9 @@ def _saved_hooks(root: ShardGroup) -> tuple[Any, Any]:
     return root.saved_hooks
 
 
-_TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
+# the innermost saved-tensor hooks in force (a private torch function: without it, every
+# resharding module keeps its parameters' own storage, as if someone else's hooks were in force)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _start_saving(g: ShardGroup, root: ShardGroup, recompute: bool) -> None:
@@ -184,7 +186,7 @@ def _start_saving(g: ShardGroup, root: ShardGroup, recompute: bool) -> None:
     if not torch.is_grad_enabled():
         return
     pack, unpack = _saved_hooks(root)
-    top = _TOP_HOOKS(False)
+    top = _TOP_HOOKS(False) if _TOP_HOOKS is not None else (None, None)
     if top is not None and top[0] is not pack:
         g.own_storage_iteration = root.iteration
     elif top is None and not recompute and g is not root and g.reshard_after_forward and g.saving is None:
