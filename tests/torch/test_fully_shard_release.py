@@ -1,8 +1,9 @@
 """When ``hvd.fully_shard`` hands the C allocator's free pages back to the kernel on CPU
 (``_shard_collectives.release_freed_memory``, glibc's ``malloc_trim``): only once the resident set
 has grown by more than four modules' buffers since its lowest point after the last release, never
-when ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0`` or off CPU. One process, no ranks; the effect on a
-step's peak is measured by benchmarks/fully_shard_bench.py (docs/fully_shard.md)."""
+when ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0`` or off CPU; and the end-of-backward finite check
+(``all_finite``). One process, no ranks; the effect on a step's peak is measured by
+benchmarks/fully_shard_bench.py (docs/fully_shard.md)."""
 
 from __future__ import annotations
 
