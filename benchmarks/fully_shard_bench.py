@@ -26,7 +26,9 @@ processes: no other variant's memory for its allocator to release or fault in ag
 
 Time: one launch of ``--np`` ranks holds every variant and times their steps interleaved in a
 rotating order, ``--reps`` times each (after a warm-up round); medians of the slowest rank per
-step, and ratios to DistributedOptimizer. Besides the five default variants, ``--variants`` may
+step, and ratios to DistributedOptimizer (and FSDP2): of the medians, and the median of the ratios
+within each round (``paired_ratio``: the variants of a round ran one after the other, so a load that
+changes over minutes moves them together). Besides the five default variants, ``--variants`` may
 name ``fully_shard_keep`` and ``fsdp2_keep`` (``reshard_after_forward=False``),
 ``fully_shard_norelease`` (``hvd.fully_shard`` without handing freed memory back to the kernel
 after each module, ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0``), ``local`` (the
@@ -327,16 +329,23 @@ def main() -> int:
         _write(args.out, out)  # a timing launch that does not finish keeps the memory figures
     if args.np:
         timing = run_ranks(_timing, np=args.np, args=(cfg,), timeout=3600, env=env)
-        med = {v: statistics.median(max(t["times"][v][i] for t in timing) for i in range(args.reps))
-               for v in variants}
+        steps = {v: [max(t["times"][v][i] for t in timing) for i in range(args.reps)] for v in variants}
+        med = {v: statistics.median(steps[v]) for v in variants}
+        out["step_s"] = steps
         out["median_step_s"] = med
         out["time_ratio"] = {v: med[v] / med[ref] for v in variants}
+        # each round runs every variant once, one after the other: the ratio within a round, whose
+        # variants ran minutes apart at most, is less exposed to the load than a ratio of medians
+        paired = {v: {w: statistics.median(steps[v][i] / steps[w][i] for i in range(args.reps))
+                      for w in (ref, "fsdp2") if w in steps} for v in variants}
+        out["paired_ratio"] = paired
         out["max_weight_difference"] = max(t["max_weight_difference"] for t in timing)
         print(f"\nstep time at np={args.np} (median of {args.reps}, slowest rank per step), interleaved:")
         for v in variants:
             line = f"  {v:<22}{med[v]:8.3f} s   x{med[v] / med[ref]:.3f} of {ref}"
             if "fsdp2" in med:
                 line += f"   x{med[v] / med['fsdp2']:.3f} of fsdp2"
+            line += "   (within a round: " + ", ".join(f"x{x:.3f} of {w}" for w, x in paired[v].items()) + ")"
             print(line)
         print(f"fully_shard's weights vs DistributedOptimizer's after the same steps: max difference "
               f"{out['max_weight_difference']:.2e}")

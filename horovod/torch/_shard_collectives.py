@@ -19,8 +19,9 @@ import torch
 from horovod.common.types import Max
 from horovod.torch import mpi_ops
 from horovod.torch._shard_group import ShardGroup, groups_in
+from horovod.torch.compression import Compression
 
-__all__ = ["start_unshard", "wait_unshard", "reshard", "reduce", "complete", "agree_finite",
+__all__ = ["start_unshard", "wait_unshard", "reshard", "reduce", "complete", "agree_finite", "all_finite",
            "release_freed_memory"]
 
 # glibc's malloc_trim, looked up on first use: [the function] or [None] off glibc
@@ -28,7 +29,10 @@ _TRIM: list[Any] = []
 
 
 def start_unshard(g: ShardGroup) -> None:
-    """Start the allgather of ``g``'s shards (nothing if gathered or in flight)."""
+    """Start the allgather of ``g``'s shards (nothing if gathered or in flight): one grouped
+    allgather of each parameter's slot of the per-rank segment (its rows padded to ``c``), so that
+    each parameter arrives whole and contiguous (its first ``numel`` elements) in an output of its
+    own, which the unsharded parameter can show without a copy."""
     if g.unsharded or g.gather is not None or not g.params:
         return
     dt = g.mp.param_dtype or g.params[0].dtype
@@ -39,7 +43,9 @@ def start_unshard(g: ShardGroup) -> None:
         for q in g.params:
             if q.local_numel:
                 send[q.offset:q.offset + q.local_numel].copy_(q.shard.detach().reshape(-1))
-    g.gather = mpi_ops.allgather_async(send, name=g.name("allgather"), process_set=g.process_set)
+    slots = [send[q.offset:q.offset + q.seg].view(q.chunk_rows, *q.shape[1:]) for q in g.params if q.seg]
+    if slots:
+        g.gather = mpi_ops.grouped_allgather_async(slots, name=g.name("allgather"), process_set=g.process_set)
 
 
 def _views_intact(g: ShardGroup, flat: torch.Tensor) -> bool:
@@ -49,27 +55,33 @@ def _views_intact(g: ShardGroup, flat: torch.Tensor) -> bool:
 
 
 def wait_unshard(g: ShardGroup) -> None:
-    """Finish ``g``'s allgather (starting it if needed) into its unsharded tensors."""
+    """Finish ``g``'s allgather (starting it if needed) into its unsharded parameters: each shows
+    its allgather output as it is, or, when autograd must find this iteration's saved views of it
+    in one storage from forward to backward (``g.keeps_storage()``), a copy in its own storage."""
     if g.unsharded or not g.params:
         g.unsharded = True
         return
     if g.gather is None:
         start_unshard(g)
-    assert g.gather is not None
-    out = mpi_ops.synchronize(g.gather).view(g.n, g.segment)
+    if g.gather is None:  # no parameter has an element: nothing to gather
+        g.unsharded = True
+        return
+    outs = iter(mpi_ops.synchronize(g.gather))
     g.gather = None
+    own = g.keeps_storage()
+    borrowed = g.root().borrowed
     with torch.no_grad():
         for q in g.params:
-            if not q.allocated():
-                q.unsharded.data.untyped_storage().resize_(q.nbytes)
-            # rank k's rows are row k of ``out``, in the parameter's slot: k ranks' rows in full,
-            # then ``rest`` elements; copied slot by slot (``out[:, slot]`` is strided: reshaping
-            # it whole would copy the parameter once more into a temporary)
-            u = q.unsharded.data.view(-1)
-            k, rest = divmod(u.numel(), q.seg) if q.seg else (0, 0)
-            u[:k * q.seg].view(k, q.seg).copy_(out[:k, q.offset:q.offset + q.seg])
-            if rest:
-                u[k * q.seg:].copy_(out[k, q.offset:q.offset + rest])
+            if not q.seg:
+                continue
+            full = next(outs).view(-1)[:q.numel].view(q.shape)
+            ptr = full.untyped_storage().data_ptr()
+            # an output shared with another parameter (not the engine's way today) is copied:
+            # saved views are found by their storage
+            mine = not own and ptr not in borrowed
+            q.show(full, not mine)
+            if mine:
+                borrowed[ptr] = (g, q)
     g.unsharded = True
 
 
@@ -79,8 +91,11 @@ def reshard(g: ShardGroup) -> None:
         mpi_ops.synchronize(g.gather)
         g.gather = None
     freed = False
+    borrowed = g.root().borrowed
     for q in g.params:
         freed = freed or q.allocated()
+        if q.borrowed:
+            borrowed.pop(q.unsharded.untyped_storage().data_ptr(), None)
         q.free()
         q.use(q.shard)  # never leave a freed tensor registered (a recompute stopped early)
     g.unsharded = False
@@ -152,6 +167,24 @@ def reduce(g: ShardGroup) -> None:
     # that its input buffer serves this one and a rank holds one module's gradients in flight
     while root.pending:
         complete(*root.pending.pop(0))
+    direct = _direct_params(g, dt)
+    if direct is not None:
+        # each gradient is the reduce-scatter's input as it is (no copy into a buffer): the
+        # engine's split of its rows is the shards' (``_direct_params``)
+        grads = []
+        for q in direct:
+            grad = q.unsharded.grad
+            if grad is None:  # not used in this backward: zeros, as every rank sends the same list
+                grad = torch.zeros(q.shape, dtype=dt, device=q.shard.device)
+            grads.append(grad.reshape(q.rows, *q.shape[1:]))
+            q.unsharded.grad = None
+        for q in g.params:
+            q.unsharded.grad = None
+        h = mpi_ops.grouped_reducescatter_async(grads, name=g.name("reducescatter"), process_set=g.process_set)
+        del grads
+        root.pending.append((g, h, direct, None))
+        reshard(g)
+        return
     whole = _take_buffer(root, g.n * g.segment, dt, g.params[0].shard.device)
     buf = whole[:g.n * g.segment].view(g.n, g.segment)
     for q in g.params:
@@ -178,6 +211,30 @@ def reduce(g: ShardGroup) -> None:
     reshard(g)
 
 
+def _direct_params(g: ShardGroup, dt: torch.dtype) -> list[Any] | None:
+    """The parameters whose gradients ``g``'s reduce-scatter takes as they are (one grouped
+    reduce-scatter, no copy), or None when the packed buffer is needed: a compression or a reduce
+    dtype other than the gradients' (a cast is a copy anyway), or a parameter whose rows the
+    engine splits otherwise than the shards (it gives the first ``R % N`` ranks one row more; the
+    shards give each rank ``ceil(R/N)`` rows while they last). The same answer on every rank."""
+    if g.direct is None:
+        ok = g.compression is Compression.none and all(
+            q.unsharded.dtype == dt and _engine_rows(q.rows, g.n) == _shard_rows(q.rows, g.n)
+            for q in g.params if q.seg)
+        g.direct = [q for q in g.params if q.seg and q.unsharded.requires_grad] if ok else []
+    return g.direct or None
+
+
+def _engine_rows(rows: int, n: int) -> list[int]:
+    base, extra = divmod(rows, n)
+    return [base + (1 if k < extra else 0) for k in range(n)]
+
+
+def _shard_rows(rows: int, n: int) -> list[int]:
+    c = -(-rows // n)
+    return [max(0, min(rows, (k + 1) * c) - k * c) for k in range(n)]
+
+
 def _take_buffer(root: ShardGroup, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat buffer of at least ``numel`` elements for a reduce-scatter's input: a spare one of
     the root's when one fits, so that the same memory serves every module's reduction (no
@@ -197,8 +254,21 @@ def _give_back_buffer(root: ShardGroup, whole: torch.Tensor) -> None:
     del root.spare[1:]
 
 
-def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor) -> None:
+def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor | None) -> None:
     """Wait for a module's reduce-scatter; add this rank's part to its shards' gradients."""
+    if whole is None:  # a grouped reduce-scatter of the gradients themselves: ctx lists them
+        outs = dict(zip(map(id, ctx), mpi_ops.synchronize(handle)))
+        for q in g.params:
+            if not q.shard.requires_grad:
+                continue
+            got = outs.get(id(q))
+            part = (got.view(q.shard.shape).to(q.dtype) if got is not None
+                    else torch.zeros(q.shard.shape, dtype=q.dtype, device=q.shard.device))
+            if q.shard.grad is None:
+                q.shard.grad = part
+            else:
+                q.shard.grad.add_(part)
+        return
     out = g.compression.decompress(mpi_ops.synchronize(handle), ctx).reshape(-1)
     _give_back_buffer(g.root(), whole)
     for q in g.params:
@@ -211,6 +281,20 @@ def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor) -> None:
             q.shard.grad.add_(part)
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite. A sum is finite only if every element is
+    (an inf or a NaN makes it inf or NaN), and summing is one pass without a temporary, where
+    ``torch.isfinite(t).all()`` on CPU took 12x as long (65 ms against 5 for 6.3 M elements): the
+    sums decide, and only a sum that is not finite (a non-finite element, or finite elements whose
+    sum overflowed) takes the exact check."""
+    ts = [t.detach() for t in tensors if t.numel()]
+    if not ts:
+        return True
+    if bool(torch.isfinite(torch.stack([t.sum().float() for t in ts]).sum())):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in ts)
+
+
 def agree_finite(root: ShardGroup) -> None:
     """After a backward's reductions (on the root): one 1-element allreduce (Max) so that, if any
     rank's shards received a non-finite averaged gradient, every rank makes one of its own
@@ -221,7 +305,7 @@ def agree_finite(root: ShardGroup) -> None:
     if not any(p.requires_grad for p in shards):
         return
     grads = [p.grad for p in shards if p.grad is not None]
-    bad = not all(bool(torch.isfinite(grad).all()) for grad in grads)
+    bad = not all_finite(grads)
     flag = torch.tensor([1.0 if bad else 0.0], device=shards[0].device)
     flag = mpi_ops.allreduce(flag, op=Max, name="hvd.fully_shard.nonfinite", process_set=root.process_set)
     if float(flag[0]) and not bad:

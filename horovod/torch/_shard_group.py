@@ -43,8 +43,13 @@ class ShardGroup:
         # iteration state (kept on the root group)
         self.order: list[ShardGroup] = []
         self.prev_order: list[ShardGroup] = []
-        self.pending: list[tuple[ShardGroup, int, Any, torch.Tensor]] = []
+        self.pending: list[tuple[ShardGroup, int, Any, torch.Tensor | None]] = []
         self.spare: list[torch.Tensor] = []  # reduce-scatter input buffers, reused (``take_buffer``)
+        # (root) the unsharded parameters that show an allgather output, by its storage's address,
+        # and the saved-tensor hooks that keep autograd's saved views of them by parameter, not by
+        # storage (``_shard_hooks``)
+        self.borrowed: dict[int, tuple[ShardGroup, ShardedParam]] = {}
+        self.saved_hooks: tuple[Any, Any] | None = None
         self.callback_queued = False
         self.in_forward = False
         self.open = False          # an iteration has begun and its backward has not ended
@@ -54,6 +59,14 @@ class ShardGroup:
         self.seq: dict[str, int] = {}
         # this group's state
         self.gather: int | None = None
+        # the iteration in which a forward of this module ran under saved-tensor hooks other than
+        # ours (activation checkpointing, offloading): its parameters then keep their own storage
+        # until that iteration's backward is done
+        self.own_storage_iteration = -1
+        self.saving: Any = None  # our saved-tensor hooks, pushed for this module's forward
+        # the parameters whose gradients the reduce-scatter takes as they are ([]: none, the
+        # packed buffer; None: not decided yet; ``_shard_collectives._direct_params``)
+        self.direct: list[ShardedParam] | None = None
         self.unsharded = False
         self.accumulated: set[int] = set()
         self.params: list[ShardedParam] = []
@@ -114,6 +127,11 @@ class ShardGroup:
         self.segment = offset
         self.flat = flatten_shards(self.params, offset)
         self.n_grad = sum(1 for q in self.params if q.unsharded.requires_grad)
+
+    def keeps_storage(self) -> bool:
+        """Whether this iteration's gathers copy into the parameters' own storages (see
+        ``own_storage_iteration``) rather than showing the allgather's output."""
+        return self.own_storage_iteration == self.root().iteration
 
     def root(self) -> ShardGroup:
         g = self

@@ -38,6 +38,8 @@ def install(g: ShardGroup) -> None:
             q.unsharded.register_post_accumulate_grad_hook(_grad_hook(g, i))
     g.module.register_forward_pre_hook(lambda m, a, k: _pre_forward(g, a, k), with_kwargs=True)
     g.module.register_forward_hook(lambda m, a, k, out: _post_forward(g, out), with_kwargs=True)
+    # a forward that raises still pops the saved-tensor hooks its pre-hook pushed
+    g.module.register_forward_hook(lambda m, a, out: _stop_saving(g), always_call=True)
     # the submodules that hold its parameters (a root's own layers: ``model.head``), for a call
     # that does not come through its forward
     owners = {id(mod): mod for q in g.params for mod, _ in q.owners if mod is not g.module}
@@ -79,6 +81,7 @@ def _pre_forward(g: ShardGroup, args: Any, kwargs: Any) -> Any:
         _begin(root)
     if not recompute:
         root.order.append(g)
+    _start_saving(g, root, recompute)
     wait_unshard(g)
     _swap_in(g)
     # prefetch the next module of the previous iteration's order
@@ -93,6 +96,7 @@ def _pre_forward(g: ShardGroup, args: Any, kwargs: Any) -> Any:
 
 
 def _post_forward(g: ShardGroup, output: Any) -> Any:
+    _stop_saving(g)
     root = g.root()
     _swap_out(g)
     is_root = root is g
@@ -123,6 +127,77 @@ def _post_forward(g: ShardGroup, output: Any) -> Any:
         output = tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
                           else t, output)
     return output
+
+
+class _SavedView:
+    """What autograd keeps of a saved tensor that is a view of an unsharded parameter showing an
+    allgather output: the parameter and the view's geometry, not the storage (which is freed after
+    the forward and gathered anew, elsewhere, for the backward)."""
+
+    __slots__ = ("g", "q", "offset", "size", "stride")
+
+    def __init__(self, g: ShardGroup, q: Any, offset: Any, size: Any, stride: Any) -> None:
+        self.g, self.q, self.offset, self.size, self.stride = g, q, offset, size, stride
+
+
+def _saved_hooks(root: ShardGroup) -> tuple[Any, Any]:
+    """The root's pack and unpack hooks (``torch.autograd.graph.saved_tensors_hooks``), pushed
+    for the forward of each module that frees its parameters after it."""
+    if root.saved_hooks is not None:
+        return root.saved_hooks
+    borrowed = root.borrowed
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return t
+        try:
+            hit = borrowed.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
+            return t
+        if hit is None or t.dtype != hit[1].unsharded.dtype:
+            return t
+        g, q = hit
+        return _SavedView(g, q, t.storage_offset() - q.unsharded.storage_offset(), tuple(t.size()),
+                          tuple(t.stride()))
+
+    def unpack(s: Any) -> Any:
+        if type(s) is not _SavedView:
+            return s
+        if not s.g.unsharded:  # read outside the module's backward (every rank alike)
+            wait_unshard(s.g)
+        u = s.q.unsharded.detach()
+        return u.as_strided(s.size, s.stride, u.storage_offset() + s.offset)
+
+    root.saved_hooks = (pack, unpack)
+    return root.saved_hooks
+
+
+# the innermost saved-tensor hooks in force (a private torch function: without it, every
+# resharding module keeps its parameters' own storage, as if someone else's hooks were in force)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _start_saving(g: ShardGroup, root: ShardGroup, recompute: bool) -> None:
+    """Before ``g``'s forward (with autograd recording): under saved-tensor hooks of someone else
+    (activation checkpointing, offloading) its parameters keep their own storage until this
+    iteration's backward is done (those hooks may keep views of it); otherwise, for a module that
+    frees its parameters after the forward, push ours, so that autograd keeps the parameters'
+    views by parameter and the gathered output can be freed and gathered anew elsewhere."""
+    if not torch.is_grad_enabled():
+        return
+    pack, unpack = _saved_hooks(root)
+    top = _TOP_HOOKS(False) if _TOP_HOOKS is not None else (None, None)
+    if top is not None and top[0] is not pack:
+        g.own_storage_iteration = root.iteration
+    elif top is None and not recompute and g is not root and g.reshard_after_forward and g.saving is None:
+        g.saving = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        g.saving.__enter__()
+
+
+def _stop_saving(g: ShardGroup) -> None:
+    if g.saving is not None:
+        saving, g.saving = g.saving, None
+        saving.__exit__(None, None, None)
 
 
 def _owner_pre_forward(g: ShardGroup) -> None:

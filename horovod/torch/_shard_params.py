@@ -46,7 +46,13 @@ class ShardedParam:
         SHARD_NAMES[self.shard] = fqn
         self.unsharded = torch.nn.Parameter(torch.empty(self.shape, dtype=compute_dtype, device=full.device),
                                             requires_grad=full.requires_grad)
-        self.nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        # the unsharded parameter's own storage (resized to 0 when freed): what it shows when it
+        # must keep one storage from forward to backward; otherwise it shows the allgather's output
+        # itself (``borrowed``: no copy, freed by dropping it)
+        self.own = self.unsharded.data
+        self.borrowed = False
+        self.numel = self.unsharded.numel()
+        self.nbytes = self.numel * self.unsharded.element_size()
         self.free()
 
     def lay_out(self, n: int, r: int, offset: int) -> int:
@@ -64,7 +70,25 @@ class ShardedParam:
         return (self.hi - self.lo) * self.row_numel
 
     def free(self) -> None:
-        self.unsharded.data.untyped_storage().resize_(0)
+        if self.borrowed:  # drop the allgather's output: show the own (empty) storage again
+            self.unsharded.data = self.own
+            self.borrowed = False
+        self.own.untyped_storage().resize_(0)
+
+    def show(self, full: torch.Tensor, own: bool) -> None:
+        """Make the unsharded parameter hold ``full`` (the whole parameter, a view of the
+        allgather's output): copied into its own storage when ``own``, else shown as it is."""
+        if own:
+            if self.borrowed:
+                self.unsharded.data = self.own
+                self.borrowed = False
+            st = self.own.untyped_storage()
+            if st.size() != self.nbytes:
+                st.resize_(self.nbytes)
+            self.own.copy_(full)
+        else:
+            self.unsharded.data = full
+            self.borrowed = True
 
     def allocated(self) -> bool:
         return self.unsharded.data.untyped_storage().size() > 0

@@ -39,6 +39,7 @@ def _relayout_group(g: ShardGroup) -> bool:
     g.callback_queued, g.in_forward, g.open, g.grad_pending = False, False, False, False
     g.release_slack, g.released_rss = 0, 1 << 62  # the modules' buffers have other sizes now
     g.accumulated.clear()
+    g.direct = None  # the rows' split is another
     offset = 0
     for q in g.params:
         offset = q.lay_out(n, r, offset)

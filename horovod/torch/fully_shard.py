@@ -14,14 +14,18 @@ is split by rows (dimension 0; a 0-d parameter counts as one row): with R rows o
 rank r keeps rows ``[r*c, min(R, (r+1)*c))`` with ``c = ceil(R/N)`` as a plain ``nn.Parameter``
 registered under the parameter's own name, so ``named_parameters()`` keeps its names and each
 shard its number of dimensions. Just before a wrapped module's forward, its shards (cast to
-``mp_policy.param_dtype``) are allgathered in one collective (each parameter's rows padded to ``c``
-in a per-rank segment) into unsharded tensors that are swapped in for the forward, and swapped out
-after it; with ``reshard_after_forward`` their storage is resized to 0 after the forward and
-refilled before the module's backward (autograd's saved references stay valid). The next module is
+``mp_policy.param_dtype``) are allgathered in one grouped collective (each parameter's rows padded
+to ``c``, its own output), and each unsharded parameter shows its output as it is (no copy); they
+are swapped in for the forward and swapped out after it. With ``reshard_after_forward`` the outputs
+are dropped after the forward and gathered anew before the module's backward: saved-tensor hooks
+pushed for the module's forward keep autograd's saved views of a parameter by parameter, not by
+storage (under someone else's saved-tensor hooks, e.g. activation checkpointing, the parameters
+keep their own storage for the iteration instead, resized to 0 and refilled). The next module is
 allgathered ahead (the order of the previous iteration forward, its reverse in backward). When
 every gradient of a module has been accumulated, they are reduce-scattered (``op=Average``, in
-``mp_policy.reduce_dtype``) in one collective; the end of backward waits for them and adds each
-rank's part to its shards' ``.grad``. See docs/fully_shard.md.
+``mp_policy.reduce_dtype``; the gradients themselves when no cast is needed and the engine splits
+their rows as the shards, else packed into one buffer); the end of backward waits for them and
+adds each rank's part to its shards' ``.grad``. See docs/fully_shard.md.
 
 The machinery lives in modules named for their role: ``_shard_params`` (each parameter's row
 layout, shard and unsharded tensor), ``_shard_group`` (a wrapped module's state),

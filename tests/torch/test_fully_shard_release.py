@@ -1,8 +1,9 @@
 """When ``hvd.fully_shard`` hands the C allocator's free pages back to the kernel on CPU
 (``_shard_collectives.release_freed_memory``, glibc's ``malloc_trim``): only once the resident set
 has grown by more than four modules' buffers since its lowest point after the last release, never
-when ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0`` or off CPU. One process, no ranks; the effect on a
-step's peak is measured by benchmarks/fully_shard_bench.py (docs/fully_shard.md)."""
+when ``HOROVOD_FULLY_SHARD_RELEASE_MEMORY=0`` or off CPU; and the end-of-backward finite check
+(``all_finite``). One process, no ranks; the effect on a step's peak is measured by
+benchmarks/fully_shard_bench.py (docs/fully_shard.md)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,20 @@ def test_malloc_trim_found_on_glibc_and_none_elsewhere() -> None:
     else:
         assert fn is not None and fn(0) in (0, 1)
         assert C._resident_bytes() > 0
+
+
+def test_all_finite_sums_first_and_checks_exactly_when_a_sum_is_not_finite() -> None:
+    """The end-of-backward finite check (``all_finite``): a sum decides when it is finite; a
+    non-finite element always makes it not finite (inf, NaN, inf and -inf cancelling into NaN);
+    finite elements whose sum overflows (fp32, and fp16 summed in fp16) are finite all the same."""
+    nan, inf = float("nan"), float("inf")
+    assert C.all_finite([torch.ones(5), torch.zeros(3, 2)])
+    assert C.all_finite([]) and C.all_finite([torch.empty(0), torch.empty(0, 4)])
+    assert not C.all_finite([torch.ones(5), torch.tensor([1.0, nan])])
+    assert not C.all_finite([torch.tensor([inf, -inf])])  # the sum is NaN
+    assert not C.all_finite([torch.tensor([-inf, 2.0])])
+    big = torch.full((8,), 3e38)
+    assert not torch.isfinite(big.sum())  # the sum overflows ...
+    assert C.all_finite([big, torch.ones(2)])  # ... the elements are finite
+    assert C.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)])
+    assert not C.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([inf])])
