@@ -18,6 +18,7 @@ import torch
 
 from horovod.common.types import Max
 from horovod.torch import mpi_ops
+from horovod.torch._finite import all_finite
 from horovod.torch._shard_group import ShardGroup, groups_in
 from horovod.torch.compression import Compression
 
@@ -279,20 +280,6 @@ def complete(g: ShardGroup, handle: int, ctx: Any, whole: torch.Tensor | None) -
             q.shard.grad = part
         else:
             q.shard.grad.add_(part)
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite. A sum is finite only if every element is
-    (an inf or a NaN makes it inf or NaN), and summing is one pass without a temporary, where
-    ``torch.isfinite(t).all()`` on CPU took 12x as long (65 ms against 5 for 6.3 M elements): the
-    sums decide, and only a sum that is not finite (a non-finite element, or finite elements whose
-    sum overflowed) takes the exact check."""
-    ts = [t.detach() for t in tensors if t.numel()]
-    if not ts:
-        return True
-    if bool(torch.isfinite(torch.stack([t.sum().float() for t in ts]).sum())):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
 def agree_finite(root: ShardGroup) -> None:

@@ -41,6 +41,7 @@ from horovod.common.process_sets import ProcessSet
 from horovod.common.types import Average, Max
 from horovod.torch._autograd import GradHooks, at_end_of_backward
 from horovod.torch._clip import clip_by_global_norm
+from horovod.torch._finite import all_finite
 from horovod.torch.mpi_ops import allreduce_, alltoall_async, grouped_allreduce_async_, synchronize
 from horovod.torch.reducer import PassesPerStep, SkipSynchronize
 
@@ -325,11 +326,11 @@ class ShardedGradients(PassesPerStep, SkipSynchronize):
             p = self.params[i]
             if p.requires_grad:
                 p.grad = total[off:off + n].view_as(p)
-        return bool(torch.isfinite(total).all())
+        return all_finite([total])
 
     def _finish_allreduce(self, bucket: _Bucket, outputs: Any, ctxs: list[Any]) -> bool:
         """Keep the averaged gradients of this rank's parameters, release the others."""
-        finite = True
+        kept: list[torch.Tensor] = []
         for (i, _, _), out, ctx in zip(bucket.send, outputs, ctxs):
             p = self.params[i]
             g = p.grad
@@ -340,8 +341,8 @@ class ShardedGradients(PassesPerStep, SkipSynchronize):
             result = self.compression.decompress(out, ctx)
             if result is not g:
                 g.copy_(result)
-            finite = finite and bool(torch.isfinite(g).all())
-        return finite
+            kept.append(g)
+        return all_finite(kept)
 
     def _agree_finite(self, finite: bool, elapsed: float) -> float:
         """One 2-element allreduce (Max): if any rank's averaged gradients are not finite, make one

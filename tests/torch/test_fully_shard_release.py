@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from horovod.torch import _finite as F
 from horovod.torch import _shard_collectives as C
 
 pytestmark = pytest.mark.unit
@@ -86,13 +87,13 @@ def test_all_finite_sums_first_and_checks_exactly_when_a_sum_is_not_finite() -> 
     non-finite element always makes it not finite (inf, NaN, inf and -inf cancelling into NaN);
     finite elements whose sum overflows (fp32, and fp16 summed in fp16) are finite all the same."""
     nan, inf = float("nan"), float("inf")
-    assert C.all_finite([torch.ones(5), torch.zeros(3, 2)])
-    assert C.all_finite([]) and C.all_finite([torch.empty(0), torch.empty(0, 4)])
-    assert not C.all_finite([torch.ones(5), torch.tensor([1.0, nan])])
-    assert not C.all_finite([torch.tensor([inf, -inf])])  # the sum is NaN
-    assert not C.all_finite([torch.tensor([-inf, 2.0])])
+    assert F.all_finite([torch.ones(5), torch.zeros(3, 2)])
+    assert F.all_finite([]) and F.all_finite([torch.empty(0), torch.empty(0, 4)])
+    assert not F.all_finite([torch.ones(5), torch.tensor([1.0, nan])])
+    assert not F.all_finite([torch.tensor([inf, -inf])])  # the sum is NaN
+    assert not F.all_finite([torch.tensor([-inf, 2.0])])
     big = torch.full((8,), 3e38)
     assert not torch.isfinite(big.sum())  # the sum overflows ...
-    assert C.all_finite([big, torch.ones(2)])  # ... the elements are finite
-    assert C.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)])
-    assert not C.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([inf])])
+    assert F.all_finite([big, torch.ones(2)])  # ... the elements are finite
+    assert F.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)])
+    assert not F.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([inf])])

@@ -40,6 +40,12 @@ ALLOWED = {
         "torch's DistributedDataParallel uses the same call (the dense reducer's, ZeRO stage 2's)",
     ("horovod/torch/_shard_hooks.py", "_execution_engine"):
         "as in _autograd.py: the end-of-backward callback of fully_shard's root",
+    ("horovod/torch/_shard_hooks.py", "_C"): "torch's C extension, for the next entry",
+    ("horovod/torch/_shard_hooks.py", "_autograd"): "torch's autograd bindings, for the next entry",
+    ("horovod/torch/_shard_hooks.py", "_top_saved_tensors_default_hooks"):
+        "the innermost saved-tensor hooks in force (no public reader; torch's AOT autograd reads "
+        "them too): fully_shard pushes its own only where no one else's are in force, and without "
+        "the function every resharding module keeps its parameters' storage (read with getattr)",
     ("horovod/torch/_shard_params.py", "_parameters"):
         "nn.Module's parameter table: a wrapped module's entry switched between the shard and the "
         "gathered parameter around its forward, as torch's FSDP does (register_parameter refuses "
