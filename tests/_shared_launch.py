@@ -18,6 +18,7 @@ with ``late=True`` (errors on purpose) run after every other body of the launch.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,16 +28,24 @@ import pytest
 from horovod.testing import run_ranks
 
 
-def _run_bodies(bodies: list[tuple[str, Callable[[], Any]]]) -> dict[str, tuple[bool, Any]]:
+def _run_bodies(bodies: list[tuple[str, Callable[[], Any]]]) -> dict[str, tuple[bool, Any, float]]:
+    """Each body's (returned, value or traceback, seconds) in this rank."""
+    import time
     import traceback
 
-    out: dict[str, tuple[bool, Any]] = {}
+    out: dict[str, tuple[bool, Any, float]] = {}
     for name, body in bodies:
+        t0 = time.monotonic()
         try:
-            out[name] = (True, body())
+            out[name] = (True, body(), time.monotonic() - t0)
         except Exception:  # noqa: BLE001 - reported to that body's test
-            out[name] = (False, traceback.format_exc())
+            out[name] = (False, traceback.format_exc(), time.monotonic() - t0)
     return out
+
+
+# Every launch that has run in this process, for the suite's summary of where their time went
+# (tests/conftest.py: ``pytest_terminal_summary``).
+LAUNCHED: list[SharedLaunch] = []
 
 
 class SharedLaunch:
@@ -45,8 +54,10 @@ class SharedLaunch:
     def __init__(self, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
                  env: Mapping[str, str] | None = None) -> None:
         self.np, self.bodies, self.timeout, self.env = np, dict(bodies), timeout, env
+        self.label = f"np={np} " + ", ".join(self.bodies)
+        self.seconds = 0.0  # the launch's wall time, start-up included, once it has run
         self._late: set[str] = set()
-        self._results: list[dict[str, tuple[bool, Any]]] | None = None
+        self._results: list[dict[str, tuple[bool, Any, float]]] | None = None
         self._error: BaseException | None = None
 
     def add(self, bodies: Mapping[str, Callable[[], Any]], timeout: float, late: bool = False) -> None:
@@ -69,11 +80,14 @@ class SharedLaunch:
                 module = sys.modules.get(body.__module__)
                 if module is not None:
                     cloudpickle.register_pickle_by_value(module)
+            t0 = time.monotonic()
             try:
                 self._results = run_ranks(_run_bodies, np=self.np, timeout=self.timeout,
                                           env=self.env, args=(self._ordered(),))
             except BaseException as exc:
                 self._error = exc
+            self.seconds = time.monotonic() - t0
+            LAUNCHED.append(self)
         if self._error is not None:
             raise AssertionError(f"the shared launch of {sorted(self.bodies)} at np={self.np} "
                                  f"failed:\n{self._error}") from None
@@ -82,6 +96,14 @@ class SharedLaunch:
                   for r, res in enumerate(self._results) if not res[name][0]]
         assert not raised, "\n".join(raised)
         return [res[name][1] for res in self._results]
+
+    def timings(self) -> tuple[float, list[tuple[float, str]]]:
+        """The launch's wall seconds and each body's seconds on its slowest rank (slowest body
+        first); no bodies if the launch failed."""
+        if self._results is None:
+            return self.seconds, []
+        return self.seconds, sorted(((max(res[name][2] for res in self._results), name)
+                                     for name in self.bodies), reverse=True)
 
     def _ordered(self) -> list[tuple[str, Callable[[], Any]]]:
         items = list(self.bodies.items())
@@ -120,6 +142,7 @@ def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], t
     launch = _JOINT.get(key)
     if launch is None:
         launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None)
+        launch.label = f"{group} np={np}" + "".join(f" {k}={v}" for k, v in key[2])
     launch.add(named, timeout, late=late)
     launch.timeout = min(launch.timeout, _JOINT_TIMEOUT_S - 60)
     return JointPart(launch, owner)
