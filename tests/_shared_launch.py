@@ -12,7 +12,8 @@ Order the bodies so that those that provoke errors on purpose come last.
 ``joint_launch(group, np, bodies, timeout, env)`` goes one step further: every module that
 registers bodies for the same group (say "tensorflow"), world size and environment (at import,
 i.e. while pytest collects) gets its part of one launch shared by all of them; bodies registered
-with ``late=True`` (errors on purpose) run after every other body of the launch.
+with ``late=True`` (errors on purpose) run after every other body of the launch. A body that starts
+Horovod with process sets of its own joins a launch wrapped in ``own_init`` (and ``late``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,26 @@ class SharedLaunch:
     def _ordered(self) -> list[tuple[str, Callable[[], Any]]]:
         items = list(self.bodies.items())
         return [i for i in items if i[0] not in self._late] + [i for i in items if i[0] in self._late]
+
+
+def own_init(body: Callable[[], Any]) -> Callable[[], Any]:
+    """``body`` between two ``hvd.shutdown()`` calls, for a body that starts Horovod with settings
+    of its own (``hvd.init(process_sets=...)``: static or dynamic process sets) in a launch shared
+    with plain-init bodies: it starts from a fresh ``init``, and the bodies after it init afresh in
+    turn (tests/multiprocess/test_init_lifecycle.py: init after shutdown under MPI). Register it
+    ``late``, with the bodies that provoke errors."""
+
+    def fresh() -> Any:
+        from horovod.common import basics
+
+        basics.shutdown()
+        try:
+            return body()
+        finally:
+            basics.shutdown()
+
+    fresh.__module__, fresh.__qualname__ = body.__module__, f"own_init({body.__qualname__})"
+    return fresh
 
 
 # The test that starts a joint launch waits for every module's bodies: more than the suite's

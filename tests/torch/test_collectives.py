@@ -3,7 +3,8 @@
 Each rank body runs all cases of one family and returns its list of failures (it does not stop at
 the first), so one launch reports every broken (dtype, shape, op) combination. The bodies that
 need nothing but ``hvd.init()`` share one launch per world size with the other torch modules'
-(tests/_shared_launch.py, the error paths last); the dynamic process sets and the resubmit spies
+(tests/_shared_launch.py, the error paths last), and so does the allreduce family, which starts
+Horovod with dynamic process sets between shutdowns of its own (``own_init``); the resubmit spies
 keep launches of their own.
 """
 
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -362,7 +363,7 @@ def _error_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_allreduce_family(np_):
-    fails = run_ranks(_allreduce_cases, np=np_, timeout=180)
+    fails = _OWN[np_].results("allreduce")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -649,4 +650,7 @@ _LAUNCH = {n: joint_launch("torch", n, {"movement": _movement_cases, "grad": _gr
                                         "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases},
                            timeout=400)
            for n in NPS}
+# The allreduce family starts Horovod with dynamic process sets: a late part of the same launches,
+# between shutdowns of its own (own_init).
+_OWN = {n: joint_launch("torch", n, {"allreduce": own_init(_allreduce_cases)}, timeout=180, late=True) for n in NPS}
 _ERRORS = {n: joint_launch("torch", n, {"errors": _error_cases}, timeout=80, late=True) for n in NPS}
