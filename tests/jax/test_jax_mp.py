@@ -2,7 +2,7 @@
 ``jax.jit``, their gradients, the optax DistributedOptimizer in a jitted step against one process
 on the whole batch, a rank-dependent program under jit, JaxState.
 
-One launch per world size (shared with tests/keras' JAX-backend bodies) runs every check and returns
+One launch per world size (at np=3 shared with tests/keras' JAX-backend body) runs every check and returns
 the list of failures (JAX's import is slow).
 """
 
@@ -272,8 +272,8 @@ def _all_checks():
     return bad
 
 
-# A part of the launch per world size that the JAX bodies share (tests/keras on the JAX backend
-# too: tests/_shared_launch.py); among the last bodies, since it ends with errors on purpose.
+# A part of the launch per world size that the JAX bodies share (at np=3 tests/keras on the JAX
+# backend too: tests/_shared_launch.py); among the last bodies, since it ends with errors on purpose.
 _LAUNCHES = {n: joint_launch("jax", n, {"all": _all_checks}, timeout=240, env={"JAX_PLATFORMS": "cpu"}, late=True)
              for n in (2, 3)}
 
