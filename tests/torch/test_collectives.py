@@ -3,9 +3,9 @@
 Each rank body runs all cases of one family and returns its list of failures (it does not stop at
 the first), so one launch reports every broken (dtype, shape, op) combination. The bodies that
 need nothing but ``hvd.init()`` share one launch per world size with the other torch modules'
-(tests/_shared_launch.py, the error paths last), and so does the allreduce family, which starts
-Horovod with dynamic process sets between shutdowns of its own (``own_init``); the resubmit spies
-keep launches of their own.
+(tests/_shared_launch.py, the error paths last), and so do the allreduce family, which starts
+Horovod with dynamic process sets, and the resubmit spies, each between shutdowns of its own
+(``own_init``).
 """
 
 from __future__ import annotations
@@ -525,7 +525,7 @@ def _repeat_cases():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_repeated_named_allreduce_resubmits_and_falls_back(np_):
-    fails = run_ranks(_repeat_cases, np=np_, timeout=120)
+    fails = _OWN[np_].results("repeat")
     assert fails == [[]] * np_, fails
 
 
@@ -650,7 +650,9 @@ _LAUNCH = {n: joint_launch("torch", n, {"movement": _movement_cases, "grad": _gr
                                         "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases},
                            timeout=400)
            for n in NPS}
-# The allreduce family starts Horovod with dynamic process sets: a late part of the same launches,
-# between shutdowns of its own (own_init).
-_OWN = {n: joint_launch("torch", n, {"allreduce": own_init(_allreduce_cases)}, timeout=180, late=True) for n in NPS}
+# The allreduce family starts Horovod with dynamic process sets, and the resubmit spies need a context
+# of their own (the repeats it has seen): late parts of the same launches, each between shutdowns
+# of its own (own_init).
+_OWN = {n: joint_launch("torch", n, {"allreduce": own_init(_allreduce_cases), "repeat": own_init(_repeat_cases)},
+                        timeout=300, late=True) for n in NPS}
 _ERRORS = {n: joint_launch("torch", n, {"errors": _error_cases}, timeout=80, late=True) for n in NPS}
