@@ -53,8 +53,9 @@ class SharedLaunch:
     """``np`` ranks that run ``bodies`` (name -> function) in order, started on first use."""
 
     def __init__(self, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, launcher: list[str] | None = None) -> None:
         self.np, self.bodies, self.timeout, self.env = np, dict(bodies), timeout, env
+        self.launcher = launcher  # run_ranks' command prefix (default: mpirun)
         self.label = f"np={np} " + ", ".join(self.bodies)
         self.seconds = 0.0  # the launch's wall time, start-up included, once it has run
         self._late: set[str] = set()
@@ -84,7 +85,7 @@ class SharedLaunch:
             t0 = time.monotonic()
             try:
                 self._results = run_ranks(_run_bodies, np=self.np, timeout=self.timeout,
-                                          env=self.env, args=(self._ordered(),))
+                                          env=self.env, args=(self._ordered(),), launcher=self.launcher)
             except BaseException as exc:
                 self._error = exc
             self.seconds = time.monotonic() - t0
@@ -137,7 +138,7 @@ def own_init(body: Callable[[], Any]) -> Callable[[], Any]:
 _JOINT_TIMEOUT_S = 900
 JOINT_TIMEOUT = pytest.mark.timeout(_JOINT_TIMEOUT_S)
 
-_JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...]], SharedLaunch] = {}
+_JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...], bool], SharedLaunch] = {}
 
 
 class JointPart:
@@ -151,19 +152,21 @@ class JointPart:
 
 
 def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
-                 env: Mapping[str, str] | None = None, *, late: bool = False) -> JointPart:
+                 env: Mapping[str, str] | None = None, *, late: bool = False, gloo: bool = False) -> JointPart:
     """Register a module's ``bodies`` (name -> function) in the one launch of ``group`` (the
     framework the ranks import) at world size ``np`` and environment ``env`` that every module
     registering for them shares. Call it at import: a launch takes the bodies registered before its
     first test asks for results. The launch's timeout is the sum of its parts' (at most 840 s; its
-    tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others."""
+    tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others; ``gloo``: the ranks are
+    started by ``horovodrun --gloo`` instead of mpirun (a launch of its own)."""
     owner = next(iter(bodies.values())).__module__  # names are per module
-    key = (group, np, tuple(sorted((env or {}).items())))
+    key = (group, np, tuple(sorted((env or {}).items())), gloo)
     named = {f"{owner}:{name}": body for name, body in bodies.items()}
     launch = _JOINT.get(key)
     if launch is None:
-        launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None)
-        launch.label = f"{group} np={np}" + "".join(f" {k}={v}" for k, v in key[2])
+        launcher = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np)] if gloo else None
+        launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None, launcher=launcher)
+        launch.label = f"{group} np={np}" + " gloo" * gloo + "".join(f" {k}={v}" for k, v in key[2])
     launch.add(named, timeout, late=late)
     launch.timeout = min(launch.timeout, _JOINT_TIMEOUT_S - 60)
     return JointPart(launch, owner)

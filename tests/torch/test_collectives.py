@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from horovod.testing import run_ranks
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
@@ -386,7 +385,6 @@ def test_error_paths(np_):
 
 
 def _repeat_cases():
-    import sys
 
     import torch
 
@@ -641,8 +639,7 @@ def _large_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_large_reducescatter_and_allgather_on_gloo(np_):
-    gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-    fails = run_ranks(_large_cases, np=np_, timeout=300, launcher=gloo)
+    fails = _GLOO[np_].results("large")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -653,6 +650,8 @@ _LAUNCH = {n: joint_launch("torch", n, {"movement": _movement_cases, "grad": _gr
 # The allreduce family starts Horovod with dynamic process sets, and the resubmit spies need a context
 # of their own (the repeats it has seen): late parts of the same launches, each between shutdowns
 # of its own (own_init).
+# Under horovodrun --gloo: one launch per world size, shared with the other torch modules' Gloo bodies.
+_GLOO = {n: joint_launch("torch", n, {"large": _large_cases}, timeout=300, gloo=True) for n in NPS}
 _OWN = {n: joint_launch("torch", n, {"allreduce": own_init(_allreduce_cases), "repeat": own_init(_repeat_cases)},
                         timeout=300, late=True) for n in NPS}
 _ERRORS = {n: joint_launch("torch", n, {"errors": _error_cases}, timeout=80, late=True) for n in NPS}
