@@ -16,8 +16,7 @@ The documented exceptions, each unavoidable where it is (CONTRIBUTING.md, "Impor
   import Lightning (seconds) itself.
 
 One fresh interpreter imports the frameworks first (their own import-time effects are theirs),
-takes a snapshot, imports every module of the package, and compares (the Lightning test's
-interpreter runs beside it).
+takes a snapshot, imports every module of the package, and compares.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -116,42 +114,12 @@ _OPTIONAL = ("horovod.spark", "horovod.ray", "horovod.lightning", "horovod.tenso
              "horovod._keras", "horovod.jax", "horovod.torch")
 
 
-class _Interpreter:
-    """A fresh interpreter running ``code``, started at once; ``result()`` waits for it."""
-
-    def __init__(self, code: str, **env: str) -> None:
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
-        environ.update(PYTHONPATH=str(REPO), **env)
-        self.args = [sys.executable, "-c", textwrap.dedent(code)]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=environ, cwd=REPO)
-
-    def result(self) -> subprocess.CompletedProcess[str]:
-        try:
-            out, err = self.proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
-            raise AssertionError(f"the interpreter did not finish within 600 s:\n{err[-3000:]}") from None
-        return subprocess.CompletedProcess(self.args, self.proc.returncode, out, err)
-
-
-@pytest.fixture(scope="module")
-def interpreters() -> Iterator[dict[str, _Interpreter]]:
-    """Both tests' interpreters, started together: each is one import-bound thread for most of its
-    time, so on two cores the pair takes about as long as the slower one alone."""
-    started = {"every module": _Interpreter(_CODE, TF_CPP_MIN_LOG_LEVEL="3"),
-               "lightning": _Interpreter(_LIGHTNING_CODE)}
-    yield started
-    for interp in started.values():
-        if interp.proc.poll() is None:
-            interp.proc.kill()
-            interp.proc.communicate()
-
-
 @pytest.mark.timeout(900)  # every framework imported in one process: 35 s of CPU, minutes on a loaded machine
-def test_importing_every_module_changes_nothing_process_wide(interpreters: dict[str, _Interpreter]) -> None:
-    res = interpreters["every module"].result()
+def test_importing_every_module_changes_nothing_process_wide() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3")
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_CODE)], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=REPO)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
@@ -161,7 +129,7 @@ def test_importing_every_module_changes_nothing_process_wide(interpreters: dict[
     # The one exception (docs/tensorflow.md, "TF1 sessions"): horovod.tensorflow widens TensorFlow's
     # inter-op pool when the program chose none, before TensorFlow reads the variable once.
     changed = result["changed"]
-    if "horovod.tensorflow" in result["imported"] and "TF_NUM_INTEROP_THREADS" not in os.environ:
+    if "horovod.tensorflow" in result["imported"] and "TF_NUM_INTEROP_THREADS" not in env:
         assert changed.get("environ", {}).pop("TF_NUM_INTEROP_THREADS", None) == [None, "64"], changed
         if not changed["environ"]:
             del changed["environ"]
@@ -190,11 +158,13 @@ print("RESULT " + json.dumps(result))
 
 
 @pytest.mark.timeout(900)
-def test_horovod_lightning_adds_only_its_documented_import_hook_and_removes_it(
-        interpreters: dict[str, _Interpreter]) -> None:
+def test_horovod_lightning_adds_only_its_documented_import_hook_and_removes_it() -> None:
     """The one import hook (see the module's docstring): one finder, only while a Lightning package
     that is installed is not imported yet, gone once they are, and the name registered in each."""
-    res = interpreters["lightning"].result()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env.update(PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_LIGHTNING_CODE)], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=REPO)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     if res.returncode != 0 and "No module named 'torch'" in res.stderr:
         pytest.skip("PyTorch is not installed")
