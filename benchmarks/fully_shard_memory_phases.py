@@ -17,6 +17,9 @@ import os
 import sys
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _sharded_memory import by_value, reset_peak, sharded_stack, status  # noqa: E402
+
 
 def _phases(layers: int, width: int) -> list[tuple[Any, ...]]:
     import ctypes
@@ -32,10 +35,6 @@ def _phases(layers: int, width: int) -> list[tuple[Any, ...]]:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
 
-    def status(field: str) -> int:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
-
     rows: list[tuple[Any, ...]] = []
 
     def snap(tag: str) -> None:
@@ -46,20 +45,11 @@ def _phases(layers: int, width: int) -> list[tuple[Any, ...]]:
     hvd.init()
     torch.set_num_threads(1)
     base = status("VmRSS")
-    blocks = []
-    for i in range(layers):
-        torch.manual_seed(i)
-        b = torch.nn.Linear(width, width)
-        hvd.fully_shard(b)  # type: ignore[attr-defined]
-        blocks.append(b)
-    model = torch.nn.Sequential(*blocks)
-    hvd.fully_shard(model)  # type: ignore[attr-defined]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = sharded_stack(layers, width)
     snap("built")
     x = torch.randn(16, width)
     for k in range(3):
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
+        reset_peak()
         opt.zero_grad()
         loss = model(x).square().mean()
         snap(f"step {k} forward")
@@ -79,6 +69,7 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from horovod.testing import run_ranks
 
+    by_value()
     res = run_ranks(_phases, np=args.np, args=(args.layers, args.width), timeout=3600)
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '(unset)')}, MiB:")
     print(f"{'phase':<20}{'RSS':>7}{'peak':>7}{'heap used':>11}{'heap free':>11}{'mapped':>8}{'worst peak':>12}")

@@ -17,6 +17,9 @@ import os
 import sys
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _sharded_memory import by_value, reset_peak, sharded_stack, status  # noqa: E402
+
 
 def _trace(layers: int, width: int, steps: int) -> list[tuple[Any, ...]]:
     import ctypes
@@ -50,10 +53,6 @@ def _trace(layers: int, width: int, steps: int) -> list[tuple[Any, ...]]:
         held = int(re.findall(r'<system type="current" size="(\d+)"/>', text)[-1])
         return held >> 20, sum(f for _, _, f in per), per
 
-    def status(field: str) -> int:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
-
     rows: list[tuple[Any, ...]] = []
     on = [False]
 
@@ -79,20 +78,11 @@ def _trace(layers: int, width: int, steps: int) -> list[tuple[Any, ...]]:
     hvd.init()
     torch.set_num_threads(1)
     base = status("VmRSS")
-    blocks = []
-    for i in range(layers):
-        torch.manual_seed(i)
-        b = torch.nn.Linear(width, width)
-        hvd.fully_shard(b)  # type: ignore[attr-defined]
-        blocks.append(b)
-    model = torch.nn.Sequential(*blocks)
-    hvd.fully_shard(model)  # type: ignore[attr-defined]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = sharded_stack(layers, width)
     x = torch.randn(16, width)
     for k in range(steps):
         on[0] = k == steps - 1
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
+        reset_peak()
         snap("step start")
         opt.zero_grad()
         model(x).square().mean().backward()
@@ -111,6 +101,7 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from horovod.testing import run_ranks
 
+    by_value()
     res = run_ranks(_trace, np=args.np, args=(args.layers, args.width, args.steps), timeout=3600)
     worst = max(range(args.np), key=lambda r: max(row[2] for row in res[r]))
     print(f"rank {worst}, MiB (RSS and peak above the RSS after hvd.init(); arenas absolute)")

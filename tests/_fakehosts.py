@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -41,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from tests import _apt
+from tests._procs import alive as _alive
+from tests._procs import locked
+from tests._procs import proc_start as _proc_start
 
 __all__ = ["FakeHosts", "FakeHostsError", "unavailable_reason"]
 
@@ -100,31 +102,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _locked():
+def _locked() -> contextlib.AbstractContextManager[None]:
     """One process at a time allocates, sweeps and edits the shared files (/etc/hosts)."""
-    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK_FILE, "a") as fd:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _proc_start(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    return locked(LOCK_FILE)
 
 
 def _netns_pids(netns: str) -> list[int]:

@@ -12,12 +12,14 @@ Order the bodies so that those that provoke errors on purpose come last.
 ``joint_launch(group, np, bodies, timeout, env)`` goes one step further: every module that
 registers bodies for the same group (say "tensorflow"), world size and environment (at import,
 i.e. while pytest collects) gets its part of one launch shared by all of them; bodies registered
-with ``late=True`` (errors on purpose) run after every other body of the launch.
+with ``late=True`` (errors on purpose) run after every other body of the launch. A body that starts
+Horovod with process sets of its own joins a launch wrapped in ``own_init`` (and ``late``).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,26 +29,37 @@ import pytest
 from horovod.testing import run_ranks
 
 
-def _run_bodies(bodies: list[tuple[str, Callable[[], Any]]]) -> dict[str, tuple[bool, Any]]:
+def _run_bodies(bodies: list[tuple[str, Callable[[], Any]]]) -> dict[str, tuple[bool, Any, float]]:
+    """Each body's (returned, value or traceback, seconds) in this rank."""
+    import time
     import traceback
 
-    out: dict[str, tuple[bool, Any]] = {}
+    out: dict[str, tuple[bool, Any, float]] = {}
     for name, body in bodies:
+        t0 = time.monotonic()
         try:
-            out[name] = (True, body())
+            out[name] = (True, body(), time.monotonic() - t0)
         except Exception:  # noqa: BLE001 - reported to that body's test
-            out[name] = (False, traceback.format_exc())
+            out[name] = (False, traceback.format_exc(), time.monotonic() - t0)
     return out
+
+
+# Every launch that has run in this process, for the suite's summary of where their time went
+# (tests/conftest.py: ``pytest_terminal_summary``).
+LAUNCHED: list[SharedLaunch] = []
 
 
 class SharedLaunch:
     """``np`` ranks that run ``bodies`` (name -> function) in order, started on first use."""
 
     def __init__(self, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, launcher: list[str] | None = None) -> None:
         self.np, self.bodies, self.timeout, self.env = np, dict(bodies), timeout, env
+        self.launcher = launcher  # run_ranks' command prefix (default: mpirun)
+        self.label = f"np={np} " + ", ".join(self.bodies)
+        self.seconds = 0.0  # the launch's wall time, start-up included, once it has run
         self._late: set[str] = set()
-        self._results: list[dict[str, tuple[bool, Any]]] | None = None
+        self._results: list[dict[str, tuple[bool, Any, float]]] | None = None
         self._error: BaseException | None = None
 
     def add(self, bodies: Mapping[str, Callable[[], Any]], timeout: float, late: bool = False) -> None:
@@ -69,11 +82,14 @@ class SharedLaunch:
                 module = sys.modules.get(body.__module__)
                 if module is not None:
                     cloudpickle.register_pickle_by_value(module)
+            t0 = time.monotonic()
             try:
                 self._results = run_ranks(_run_bodies, np=self.np, timeout=self.timeout,
-                                          env=self.env, args=(self._ordered(),))
+                                          env=self.env, args=(self._ordered(),), launcher=self.launcher)
             except BaseException as exc:
                 self._error = exc
+            self.seconds = time.monotonic() - t0
+            LAUNCHED.append(self)
         if self._error is not None:
             raise AssertionError(f"the shared launch of {sorted(self.bodies)} at np={self.np} "
                                  f"failed:\n{self._error}") from None
@@ -83,9 +99,37 @@ class SharedLaunch:
         assert not raised, "\n".join(raised)
         return [res[name][1] for res in self._results]
 
+    def timings(self) -> tuple[float, list[tuple[float, str]]]:
+        """The launch's wall seconds and each body's seconds on its slowest rank (slowest body
+        first); no bodies if the launch failed."""
+        if self._results is None:
+            return self.seconds, []
+        return self.seconds, sorted(((max(res[name][2] for res in self._results), name)
+                                     for name in self.bodies), reverse=True)
+
     def _ordered(self) -> list[tuple[str, Callable[[], Any]]]:
         items = list(self.bodies.items())
         return [i for i in items if i[0] not in self._late] + [i for i in items if i[0] in self._late]
+
+
+def own_init(body: Callable[[], Any]) -> Callable[[], Any]:
+    """``body`` between two ``hvd.shutdown()`` calls, for a body that starts Horovod with settings
+    of its own (``hvd.init(process_sets=...)``: static or dynamic process sets) in a launch shared
+    with plain-init bodies: it starts from a fresh ``init``, and the bodies after it init afresh in
+    turn (tests/multiprocess/test_init_lifecycle.py: init after shutdown under MPI). Register it
+    ``late``, with the bodies that provoke errors."""
+
+    def fresh() -> Any:
+        from horovod.common import basics
+
+        basics.shutdown()
+        try:
+            return body()
+        finally:
+            basics.shutdown()
+
+    fresh.__module__, fresh.__qualname__ = body.__module__, f"own_init({body.__qualname__})"
+    return fresh
 
 
 # The test that starts a joint launch waits for every module's bodies: more than the suite's
@@ -94,7 +138,7 @@ class SharedLaunch:
 _JOINT_TIMEOUT_S = 900
 JOINT_TIMEOUT = pytest.mark.timeout(_JOINT_TIMEOUT_S)
 
-_JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...]], SharedLaunch] = {}
+_JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...], bool], SharedLaunch] = {}
 
 
 class JointPart:
@@ -108,18 +152,21 @@ class JointPart:
 
 
 def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], timeout: float,
-                 env: Mapping[str, str] | None = None, *, late: bool = False) -> JointPart:
+                 env: Mapping[str, str] | None = None, *, late: bool = False, gloo: bool = False) -> JointPart:
     """Register a module's ``bodies`` (name -> function) in the one launch of ``group`` (the
     framework the ranks import) at world size ``np`` and environment ``env`` that every module
     registering for them shares. Call it at import: a launch takes the bodies registered before its
     first test asks for results. The launch's timeout is the sum of its parts' (at most 840 s; its
-    tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others."""
+    tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others; ``gloo``: the ranks are
+    started by ``horovodrun --gloo`` instead of mpirun (a launch of its own)."""
     owner = next(iter(bodies.values())).__module__  # names are per module
-    key = (group, np, tuple(sorted((env or {}).items())))
+    key = (group, np, tuple(sorted((env or {}).items())), gloo)
     named = {f"{owner}:{name}": body for name, body in bodies.items()}
     launch = _JOINT.get(key)
     if launch is None:
-        launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None)
+        launcher = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np)] if gloo else None
+        launch = _JOINT[key] = SharedLaunch(np, {}, timeout=0, env=dict(env) if env else None, launcher=launcher)
+        launch.label = f"{group} np={np}" + " gloo" * gloo + "".join(f" {k}={v}" for k, v in key[2])
     launch.add(named, timeout, late=late)
     launch.timeout = min(launch.timeout, _JOINT_TIMEOUT_S - 60)
     return JointPart(launch, owner)

@@ -27,7 +27,6 @@ cannot run here, or returns None. A fixture of this repository's tests, not part
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import os
 import re
@@ -38,10 +37,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests import _apt
+from tests._procs import alive as _alive
+from tests._procs import cmdline as _cmdline
+from tests._procs import locked
+from tests._procs import proc_start as _proc_start
 
 __all__ = ["SlurmCluster", "SlurmError", "port_owners", "unavailable_reason"]
 
@@ -85,38 +88,11 @@ def unavailable_reason() -> str | None:
         return _install_packages()
 
 
-@contextlib.contextmanager
-def _locked() -> Iterator[None]:
-    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK_FILE, "a") as fd:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+def _locked() -> contextlib.AbstractContextManager[None]:
+    return locked(LOCK_FILE)
 
 
 # ----------------------------------------------------------------- processes and ports
-def _proc_start(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
 
 
 def _listening_inodes(port: int) -> set[str]:

@@ -53,6 +53,22 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     enforce(collector, outcome.get_result(), os.environ)  # type: ignore[attr-defined]
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After ``--durations``: the shared launches' time per body (tests/_shared_launch.py), since
+    the durations charge a whole launch to the first test that asks for it."""
+    import sys
+
+    shared = sys.modules.get("tests._shared_launch")
+    if shared is None or not shared.LAUNCHED:
+        return
+    terminalreporter.write_sep("=", "shared launches: wall seconds, then each body's on its slowest rank")
+    for launch in sorted(shared.LAUNCHED, key=lambda ln: -ln.seconds):
+        total, bodies = launch.timings()
+        parts = ", ".join(f"{name} {sec:.1f}" for sec, name in bodies) or "failed"
+        terminalreporter.write_line(f"{total:7.1f}s {launch.label}: {parts}")
+
+
 @pytest.fixture(autouse=True)
 def _horovod_shutdown():
     """Make sure no test leaves an engine running for the next one."""

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from horovod.testing import RanksFailed, run_mpi_script, run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -225,7 +225,7 @@ def _process_sets():
 
 
 def test_static_process_sets():
-    res = run_ranks(_process_sets, np=3, timeout=90)
+    res = _LAUNCHES[3].results("static_sets")
     for out in res:
         assert out["ids"] == (1, 2) and out["world"] == [3.0], out
     for r in (0, 2):
@@ -261,7 +261,7 @@ def _dynamic_sets():
 
 
 def test_dynamic_process_sets():
-    res = run_ranks(_dynamic_sets, np=3, timeout=90)
+    res = _LAUNCHES[3].results("dynamic_sets")
     for _r, out in enumerate(res):
         assert out["id"] == 1 and out["removed"] is True and out["id_after"] is None, out
         assert out["removed_global"] is False and "duplicate" in out["dup"] and out["id2"] == 2
@@ -477,11 +477,14 @@ def test_more_tensors_than_cache_slots_never_diverges(np_):
 
 
 # The plain-init bodies above are parts of the launch per world size that the NumPy modules'
-# plain-init bodies share (tests/_shared_launch.py), among the last (errors on purpose); the
-# bodies with other settings, process sets or a shutdown keep launches of their own.
+# plain-init bodies share (tests/_shared_launch.py), among the last (errors on purpose), and so are
+# the process-set bodies at np=3, between shutdowns of their own (own_init); the bodies with other
+# settings or a shutdown keep launches of their own.
 _LAUNCHES = {n: joint_launch("numpy", n, {"join": _join_body, "join_in_turn": _join_in_turn_with_unnamed_calls,
                                           "mismatches": _mismatches}
-                             | ({"bad_arguments": _bad_arguments} if n == 3 else {}), timeout=420, late=True)
+                             | ({"bad_arguments": _bad_arguments, "static_sets": own_init(_process_sets),
+                                 "dynamic_sets": own_init(_dynamic_sets)} if n == 3 else {}),
+                             timeout=420 + 180 * (n == 3), late=True)
              for n in (2, 3)}
 
 

@@ -10,17 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
-
-
-def _assert_every_rank_passes(body, np_, timeout):
-    """Run ``body`` on ``np_`` ranks; each returns its list of failure messages."""
-    results = run_ranks(body, np=np_, timeout=timeout)
-    failures = [msg for per_rank in results for msg in per_rank]
-    assert not failures, "\n".join(failures)
 
 
 def _ops_body():
@@ -201,7 +193,8 @@ def _process_set_body():
 
 
 def test_tf_process_sets_np3():
-    _assert_every_rank_passes(_process_set_body, 3, 180)
+    failures = [msg for per_rank in _SETS.results("process_sets") for msg in per_rank]
+    assert not failures, "\n".join(failures)
 
 
 def _reused_outputs_body():
@@ -248,6 +241,8 @@ def test_tf_pooled_outputs_held_across_steps_are_not_overwritten(np_):
 
 
 # One launch per world size for both bodies, shared with the other TensorFlow modules' bodies
-# (TensorFlow's start-up dominates their time).
+# (TensorFlow's start-up dominates their time); the process sets at np=3 too, late, between
+# shutdowns of their own (own_init).
 _LAUNCH = {n: joint_launch("tensorflow", n, {"ops": _ops_body, "pooled": _reused_outputs_body}, timeout=420)
            for n in (2, 3)}
+_SETS = joint_launch("tensorflow", 3, {"process_sets": own_init(_process_set_body)}, timeout=180, late=True)

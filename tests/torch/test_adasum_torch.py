@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -131,7 +131,7 @@ def _rules_cases():
 
 
 def test_adasum_rules_np3():
-    for bad in run_ranks(_rules_cases, np=3, timeout=120):
+    for bad in _NP3.results("rules"):
         assert bad == []
 
 
@@ -218,3 +218,6 @@ def test_adasum_delta_optimizer_np2():
 # The allreduce values and the optimizer are part of the np=2 launch shared with the other torch
 # modules' plain-init bodies (tests/_shared_launch.py).
 _NP2 = joint_launch("torch", 2, {"allreduce": _allreduce_cases, "optimizer": _optimizer_cases}, timeout=360)
+# The rules at np=3 (a static process set): a late part of the np=3 launch, between shutdowns of
+# its own (own_init).
+_NP3 = joint_launch("torch", 3, {"rules": own_init(_rules_cases)}, timeout=120, late=True)

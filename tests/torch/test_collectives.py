@@ -3,8 +3,9 @@
 Each rank body runs all cases of one family and returns its list of failures (it does not stop at
 the first), so one launch reports every broken (dtype, shape, op) combination. The bodies that
 need nothing but ``hvd.init()`` share one launch per world size with the other torch modules'
-(tests/_shared_launch.py, the error paths last); the dynamic process sets and the resubmit spies
-keep launches of their own.
+(tests/_shared_launch.py, the error paths last), and so do the allreduce family, which starts
+Horovod with dynamic process sets, and the resubmit spies, each between shutdowns of its own
+(``own_init``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import sys
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -362,7 +362,7 @@ def _error_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_allreduce_family(np_):
-    fails = run_ranks(_allreduce_cases, np=np_, timeout=180)
+    fails = _OWN[np_].results("allreduce")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -385,7 +385,6 @@ def test_error_paths(np_):
 
 
 def _repeat_cases():
-    import sys
 
     import torch
 
@@ -524,7 +523,7 @@ def _repeat_cases():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_repeated_named_allreduce_resubmits_and_falls_back(np_):
-    fails = run_ranks(_repeat_cases, np=np_, timeout=120)
+    fails = _OWN[np_].results("repeat")
     assert fails == [[]] * np_, fails
 
 
@@ -640,8 +639,7 @@ def _large_cases():
 
 @pytest.mark.parametrize("np_", NPS)
 def test_large_reducescatter_and_allgather_on_gloo(np_):
-    gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-    fails = run_ranks(_large_cases, np=np_, timeout=300, launcher=gloo)
+    fails = _GLOO[np_].results("large")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
@@ -649,4 +647,11 @@ _LAUNCH = {n: joint_launch("torch", n, {"movement": _movement_cases, "grad": _gr
                                         "flat_gradient": _flat_gradient_cases, "flat_hint": _flat_hint_cases},
                            timeout=400)
            for n in NPS}
+# The allreduce family starts Horovod with dynamic process sets, and the resubmit spies need a context
+# of their own (the repeats it has seen): late parts of the same launches, each between shutdowns
+# of its own (own_init).
+# Under horovodrun --gloo: one launch per world size, shared with the other torch modules' Gloo bodies.
+_GLOO = {n: joint_launch("torch", n, {"large": _large_cases}, timeout=300, gloo=True) for n in NPS}
+_OWN = {n: joint_launch("torch", n, {"allreduce": own_init(_allreduce_cases), "repeat": own_init(_repeat_cases)},
+                        timeout=300, late=True) for n in NPS}
 _ERRORS = {n: joint_launch("torch", n, {"errors": _error_cases}, timeout=80, late=True) for n in NPS}

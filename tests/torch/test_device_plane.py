@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = pytest.mark.multiprocess
 
@@ -222,8 +223,9 @@ def _repeat_cases(hvd, r, n, check, bad):
 
 
 @pytest.mark.parametrize("np_", NPS)
+@JOINT_TIMEOUT
 def test_device_plane_collectives_on_cpu_twin(np_):
-    results = run_ranks(_collective_cases, np=np_, timeout=180, env=TWIN)
+    results = _TWIN[np_].results("collectives")
     assert results == [[]] * np_, "\n".join(x for res in results for x in res)
 
 
@@ -325,9 +327,17 @@ def _mixed_join_and_errors():
 
 
 @pytest.mark.parametrize("np_", NPS)
+@JOINT_TIMEOUT
 def test_device_plane_mixes_with_host_joins_and_fails_everywhere(np_):
-    results = run_ranks(_mixed_join_and_errors, np=np_, timeout=120, env=TWIN)
+    results = _TWIN[np_].results("mixed")
     assert results == [[]] * np_, "\n".join(x for res in results for x in res)
+
+
+# One launch per world size on the CPU twin runs both bodies above, each from a fresh hvd.init()
+# (own_init; the first starts with dynamic process sets, the second provokes errors).
+_TWIN = {n: joint_launch("torch", n, {"collectives": own_init(_collective_cases),
+                                      "mixed": own_init(_mixed_join_and_errors)}, timeout=300, env=TWIN)
+         for n in NPS}
 
 
 def _training():

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -134,12 +133,14 @@ def test_rank_dependent_bad_arguments_fail_everywhere_and_ranks_stay_in_step(np_
 
 @pytest.mark.parametrize("np_", NPS)
 def test_unnamed_operations_are_numbered_per_process_set(np_):
-    fails = run_ranks(_unnamed_numbering_per_set, np=np_, timeout=90)
+    fails = _LAUNCH[np_].results("numbering_per_set")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
-# The plain-init body is part of the launch per world size shared with the other torch modules'
-# plain-init bodies, among the last (errors on purpose; tests/_shared_launch.py); the body with
-# dynamic process sets keeps launches of its own.
-_LAUNCH = {n: joint_launch("torch", n, {"rank_dependent": _rank_dependent_errors}, timeout=120, late=True)
+# Both bodies are parts of the launch per world size shared with the other torch modules' plain-init
+# bodies, among the last (errors on purpose; tests/_shared_launch.py); the one with dynamic process
+# sets between shutdowns of its own (own_init).
+_LAUNCH = {n: joint_launch("torch", n, {"rank_dependent": _rank_dependent_errors,
+                                        "numbering_per_set": own_init(_unnamed_numbering_per_set)},
+                           timeout=210, late=True)
            for n in NPS}

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -417,7 +416,7 @@ def _cast_compression_cases():
 
 
 def test_cast_compression_narrows_in_the_fusion_buffer():
-    for bad in run_ranks(_cast_compression_cases, np=2, timeout=300):  # ~100 s at a load of 50
+    for bad in _LAUNCH[2].results("cast_compression"):  # ~100 s at a load of 50
         assert bad == []
 
 
@@ -439,16 +438,18 @@ def test_optimizer_edge_cases(np_):
 
 
 def test_optimizer_process_set():
-    fails = run_ranks(_process_set_cases, np=3, timeout=120)
+    fails = _EDGE[3].results("process_set")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
 # The bodies that need only hvd.init() are part of one launch per world size, shared with the other
 # torch modules' such bodies, the edge cases among the last (tests/_shared_launch.py); the
-# process-set body keeps its own launch.
+# process-set body too, at np=3, between shutdowns of its own (own_init: dynamic process sets).
 _LAUNCH = {
-    2: joint_launch("torch", 2, {"equivalence": _equivalence_cases, "every_optimizer": _every_optimizer_cases},
-                    timeout=450),
+    2: joint_launch("torch", 2, {"equivalence": _equivalence_cases, "every_optimizer": _every_optimizer_cases,
+                                 "cast_compression": _cast_compression_cases}, timeout=750),
     3: joint_launch("torch", 3, {"equivalence": _equivalence_cases}, timeout=330),
 }
-_EDGE = {n: joint_launch("torch", n, {"edge": _edge_cases}, timeout=150, late=True) for n in NPS}
+_EDGE = {n: joint_launch("torch", n, {"edge": _edge_cases}
+                         | ({"process_set": own_init(_process_set_cases)} if n == 3 else {}),
+                         timeout=150 + 120 * (n == 3), late=True) for n in NPS}

@@ -14,13 +14,6 @@ from tests.torch.test_powersgd import resnet18_shapes
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def hv():
-    hvd.init()
-    yield hvd
-    hvd.shutdown()
-
-
 class _OneRank:
     """A communicator for one rank (averages are the tensors themselves), counting bytes."""
 

@@ -16,13 +16,6 @@ from horovod.torch.reducer import GradientReducer, ShardedStateful, reducer_of
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def hv():
-    hvd.init()
-    yield hvd
-    hvd.shutdown()
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

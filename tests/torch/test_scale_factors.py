@@ -9,11 +9,8 @@ reducescatter gradient: ``allgather(grad)``, times the set size for Sum, times b
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from horovod.testing import run_ranks
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
@@ -82,12 +79,11 @@ def _scaled_cases():
 @pytest.mark.parametrize("np_", NPS)
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_scale_factors_follow_upstream_rounding(np_, launcher):
-    gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-    fails = run_ranks(_scaled_cases, np=np_, timeout=180, launcher=gloo) if launcher == "gloo" \
-        else _MPIRUN[np_].results("scaled")
+    fails = (_GLOO if launcher == "gloo" else _MPIRUN)[np_].results("scaled")
     assert not any(fails), "\n".join(f for per_rank in fails for f in per_rank)
 
 
-# Under mpirun, the body is part of the launch per world size shared with the other torch modules'
-# plain-init bodies (tests/_shared_launch.py); the Gloo launcher keeps launches of its own.
+# The body is part of the launch per world size (and launcher) shared with the other torch modules'
+# plain-init bodies (tests/_shared_launch.py).
 _MPIRUN = {n: joint_launch("torch", n, {"scaled": _scaled_cases}, timeout=180) for n in NPS}
+_GLOO = {n: joint_launch("torch", n, {"scaled": _scaled_cases}, timeout=180, gloo=True) for n in NPS}

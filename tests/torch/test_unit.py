@@ -13,13 +13,6 @@ from horovod.common import BASICS
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def hv():
-    hvd.init()
-    yield hvd
-    hvd.shutdown()
-
-
 def test_surface_reexports_every_basic_name_and_collective():
     missing = [n for n in BASICS if n not in hvd.__all__ or not hasattr(hvd, n)]
     assert not missing, f"horovod.torch lacks process-level names {missing}"
