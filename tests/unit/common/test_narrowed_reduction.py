@@ -137,3 +137,22 @@ def test_cast_rounds_once_and_scales_in_the_16_bit_type(wire, with_torch, factor
     src = x16.copy()
     half.cast(back, src, factor, divisor)  # (scales ``src`` in place on the way)
     assert np.array_equal(back, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("divisor", [2, 4, 8])
+def test_bfloat16_widening_by_a_power_of_two_scales_in_float32(divisor):
+    """Widening bfloat16 with a power-of-two divisor (Average at np=2, 4, 8) scales after the
+    widening, in float32: the 16-bit scaling's values everywhere bfloat16 is normal, and, below
+    2**-126 (bfloat16's subnormals), the exact product that bfloat16 would have rounded."""
+    import torch  # noqa: F401  (the torch path)
+
+    rng = np.random.default_rng(3)
+    x16 = (rng.standard_normal(70_001) * 1e3).astype(np.float32).astype(BF16)
+    tiny = np.float32(2.0 ** -126) * np.arange(1, 201, dtype=np.float32)  # halves are subnormal
+    x16[:200] = (tiny * np.float32(1.0078125)).astype(BF16)
+    back = np.empty(x16.size, np.float32)
+    half.cast(back, x16.copy(), 1.0, divisor)
+    want = x16.astype(np.float32) * np.float32(1.0 / divisor)
+    assert np.array_equal(back, want)
+    normal = np.abs(want) >= np.float32(2.0 ** -126)
+    assert np.array_equal(back[normal], _scaled(x16, 1.0, divisor).astype(np.float32)[normal])
