@@ -210,6 +210,8 @@ def fused_wire(compression: Any, tensors: Sequence[torch.Tensor], op: int) -> st
         if (not t.dtype.is_floating_point or t.dtype == wire or t.device.type != "cpu"
                 or (grad and t.requires_grad)):
             return None
+    if tensors and _cv.route(tensors[0], _ALLREDUCE, ReduceOp(op)) != "cpu":
+        return None  # a CPU tensor on the device plane's Gloo twin (``HOROVOD_TORCH_CPU_PLANE``)
     return _WIRE_NAMES.get(wire)
 
 
