@@ -36,6 +36,27 @@ def net(d=9, blocks=3, twice=False):
     return Net()
 
 
+
+def checkpointed_net(reentrant):
+    """Three blocks under torch.utils.checkpoint (recomputed inside backward) and an output layer."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh())
+                                               for _ in range(3)])
+            self.out = torch.nn.Linear(7, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = checkpoint(b, x, use_reentrant=reentrant)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    return Net()
+
 def wrap(m, **kw):
     import horovod.torch as hvd
 

@@ -12,7 +12,16 @@ import pytest
 
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 from tests.torch import fully_shard_nets
-from tests.torch.fully_shard_nets import average_grads, compare, make_batches, net, rel, value_error, wrap
+from tests.torch.fully_shard_nets import (
+    average_grads,
+    checkpointed_net,
+    compare,
+    make_batches,
+    net,
+    rel,
+    value_error,
+    wrap,
+)
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 cloudpickle.register_pickle_by_value(fully_shard_nets)  # the ranks cannot import the tests
@@ -176,7 +185,6 @@ def _activation_checkpoint_cases():
 
     import torch
     import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
 
     import horovod.torch as hvd
 
@@ -184,20 +192,7 @@ def _activation_checkpoint_cases():
     r = hvd.rank()
     bad = []
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh())
-                                               for _ in range(3)])
-            self.out = torch.nn.Linear(7, 3)
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = checkpoint(b, x, use_reentrant=False)
-            return self.out(x)
-
-    torch.manual_seed(0)
-    ref = Net()
+    ref = checkpointed_net(reentrant=False)
     m = wrap(copy.deepcopy(ref))
     ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)

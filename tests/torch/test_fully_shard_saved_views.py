@@ -11,7 +11,7 @@ import pytest
 
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 from tests.torch import fully_shard_nets
-from tests.torch.fully_shard_nets import average_grads, compare, make_batches, net, wrap
+from tests.torch.fully_shard_nets import average_grads, checkpointed_net, compare, make_batches, net, wrap
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 cloudpickle.register_pickle_by_value(fully_shard_nets)  # the ranks cannot import the tests
@@ -25,7 +25,6 @@ def _saved_view_cases():
 
     import torch
     import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
 
     import horovod.torch as hvd
     from horovod.torch import _shard_hooks
@@ -90,20 +89,7 @@ def _saved_view_cases():
 
     # reentrant activation checkpointing: each block's forward runs without grad and is recomputed
     # in backward
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh())
-                                               for _ in range(3)])
-            self.out = torch.nn.Linear(7, 3)
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = checkpoint(b, x, use_reentrant=True)
-            return self.out(x)
-
-    torch.manual_seed(0)
-    ref = Net()
+    ref = checkpointed_net(reentrant=True)
     m = wrap(copy.deepcopy(ref))
     ro = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)
