@@ -514,7 +514,7 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             grads.append(g.to_dense() if g.is_sparse else g)  # grouped reduction is dense
         pre, post = self._scale_factors()
         name = self._parameter_names.get(group[0])
-        fused = fused_wire(self._compression, grads, self.op) if len({g.dtype for g in grads}) == 1 else None
+        fused = fused_wire(self._compression, grads, self.op)
         if fused is not None:  # narrowed in the fusion buffer, widened back in place (``fused_wire``)
             handle = _grouped_allreduce_wire_async_(grads, fused, name, self.op, pre, post, self.process_set)
             return handle, [(None, g) for g in grads]
@@ -523,7 +523,7 @@ class DenseReducer(PassesPerStep, SkipSynchronize):
             c, ctx = self._compression.compress(g)
             tensors.append(c)
             ctxs.append((ctx, c))
-        handle = grouped_allreduce_async_(tensors, name=self._parameter_names.get(group[0]), op=self.op,
+        handle = grouped_allreduce_async_(tensors, name=name, op=self.op,
                                           prescale_factor=pre, postscale_factor=post,
                                           process_set=self.process_set, _wake=wake)
         return handle, ctxs

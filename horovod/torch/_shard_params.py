@@ -69,19 +69,20 @@ class ShardedParam:
     def local_numel(self) -> int:
         return (self.hi - self.lo) * self.row_numel
 
-    def free(self) -> None:
-        if self.borrowed:  # drop the allgather's output: show the own (empty) storage again
+    def _unborrow(self) -> None:
+        if self.borrowed:  # drop the allgather's output: show the own storage again
             self.unsharded.data = self.own
             self.borrowed = False
+
+    def free(self) -> None:
+        self._unborrow()
         self.own.untyped_storage().resize_(0)
 
     def show(self, full: torch.Tensor, own: bool) -> None:
         """Make the unsharded parameter hold ``full`` (the whole parameter, a view of the
         allgather's output): copied into its own storage when ``own``, else shown as it is."""
         if own:
-            if self.borrowed:
-                self.unsharded.data = self.own
-                self.borrowed = False
+            self._unborrow()
             st = self.own.untyped_storage()
             if st.size() != self.nbytes:
                 st.resize_(self.nbytes)

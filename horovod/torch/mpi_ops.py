@@ -198,19 +198,22 @@ def fused_wire(compression: Any, tensors: Sequence[torch.Tensor], op: int) -> st
     narrowing (``collectives.allreduce_async(wire=)``: float32 narrowed into the fusion buffer and
     widened out of it, no 16-bit copy of the tensor, no second pass each way); else None.
 
-    Host tensors of a wider float dtype that need no gradient, not Adasum: the same values as
+    Host tensors of one wider float dtype that need no gradient, not Adasum: the same values as
     compress, allreduce of the 16-bit tensor, decompress (the same casts, the same reduction)."""
     if compression is Compression.none or op == ReduceOp.ADASUM:
         return None
     wire = plain_wire(compression)
     if wire is None:
         return None
+    if not tensors:
+        return None
     grad = torch.is_grad_enabled()
+    dtype = tensors[0].dtype
     for t in tensors:
-        if (not t.dtype.is_floating_point or t.dtype == wire or t.device.type != "cpu"
+        if (t.dtype != dtype or not t.dtype.is_floating_point or t.dtype == wire or t.device.type != "cpu"
                 or (grad and t.requires_grad)):
             return None
-    if tensors and _cv.route(tensors[0], _ALLREDUCE, ReduceOp(op)) != "cpu":
+    if _cv.route(tensors[0], _ALLREDUCE, ReduceOp(op)) != "cpu":
         return None  # a CPU tensor on the device plane's Gloo twin (``HOROVOD_TORCH_CPU_PLANE``)
     return _WIRE_NAMES.get(wire)
 
@@ -316,7 +319,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     Differentiable. All ranks of the set must pass lists of the same length, dtypes and shapes.
     """
     ts, rop = _checked(tensors, "grouped_allreduce", _ALLREDUCE, name, process_set, average, op)
-    wire = fused_wire(compression, ts, rop) if ts and len({t.dtype for t in ts}) == 1 else None
+    wire = fused_wire(compression, ts, rop)
     if wire is not None:
         h, backs = _allreduce_submit(ts, None, rop, name, prescale_factor, postscale_factor, process_set,
                                      False, True, "grouped_allreduce", False, wire)

@@ -203,11 +203,12 @@ def cast(dst: np.ndarray, src: np.ndarray, factor: float = 1.0, divisor: int = 1
     float one, either way: narrowing rounds to nearest even (as ``tensor.to(torch.float16)`` and
     NumPy's own casts do), widening is exact. With a ``factor`` or ``divisor``, the 16-bit values
     are scaled as ``scale`` does (after narrowing, in ``dst``; before widening, in ``src``, which
-    is changed: the 16-bit values a 16-bit tensor's reduction gets), piece by piece while each is
-    in cache. torch's
-    vectorized casts once torch is imported, on one thread in cache-sized pieces
-    (``TORCH_PIECE``; NumPy's float16 casts cost about ten times more), NumPy's before. A
-    compression's narrowing into a fusion buffer and its widening back out of it (``buffers``)."""
+    may be changed: the 16-bit values a 16-bit tensor's reduction gets; bfloat16 with a
+    power-of-two multiplier is scaled after widening instead, see below), piece by piece while
+    each is in cache. torch's vectorized casts once torch is imported, on one thread in
+    cache-sized pieces (``TORCH_PIECE``; NumPy's float16 casts cost about ten times more), NumPy's
+    before. A compression's narrowing into a fusion buffer and its widening back out of it
+    (``buffers``)."""
     narrow = dst.dtype.char in HALF_CHARS
     scaled = factor != 1.0 or divisor != 1
     torch = sys.modules.get("torch")

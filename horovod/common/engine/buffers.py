@@ -228,14 +228,10 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
             activity(names, "MEMCPY_OUT_FUSION_BUFFER", True)
             _unpack(ops, buf, items, segs, red, narrowed)
             activity(names, "MEMCPY_OUT_FUSION_BUFFER", False)
-        elif narrowed:
-            _pack_narrowed(buf, items, segs, red)
-            reduce(buf)
-            _unpack_narrowed(buf, items, segs, red)
         else:
-            ops.pack(buf, items, segs, red.pre, red.widen)
+            _pack(ops, buf, items, segs, red, narrowed)
             reduce(buf)
-            ops.unpack(buf, items, segs, red.post, red.div)
+            _unpack(ops, buf, items, segs, red, narrowed)
     if deferred:
         ops.scale_all(deferred, red.post, red.div)
 
@@ -259,17 +255,12 @@ def _unpack(ops: BufferOps, buf: Any, items: Sequence[Item], segs: Sequence[Segm
 def narrow_items(items: Sequence[Item], wire: np.dtype) -> bool:
     """Whether some item of a batch of 16-bit dtype ``wire`` is a wider array (a compression's
     float32 tensor submitted to be reduced as ``wire``: ``collectives.allreduce_async(wire=)``)."""
-    for it in items:
-        if it.x.dtype != wire:
-            return True
-    return False
+    return any(it.x.dtype != wire for it in items)
 
 
 def _narrowed(items: Sequence[Item], segs: Sequence[Segment], wire: np.dtype) -> bool:
-    for i, *_ in segs:
-        if items[i].x.dtype != wire:
-            return True
-    return False
+    """Whether a call's segments hold a narrowed item (``narrow_items``, per call)."""
+    return any(items[i].x.dtype != wire for i, *_ in segs)
 
 
 def _pack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segment], red: Reduction) -> None:
@@ -303,15 +294,12 @@ def _unpack_narrowed(buf: np.ndarray, items: Sequence[Item], segs: Sequence[Segm
     wire = red.narrow
     for i, s, e, b in segs:
         o, v = items[i].o[s:e], buf[b:b + e - s]
-        if red.widen:
-            if o.dtype == wire:
-                scale_array(o, v, red.post, red.div)
-            else:
-                mid = np.empty(e - s, wire)
-                scale_array(mid, v, red.post, red.div)
-                half.cast(o, mid)
-        elif o.dtype == wire:
+        if o.dtype == wire:  # the batch's own 16-bit items
             scale_array(o, v, red.post, red.div)
+        elif red.widen:
+            mid = np.empty(e - s, wire)
+            scale_array(mid, v, red.post, red.div)
+            half.cast(o, mid)
         else:
             half.cast(o, v, red.post, red.div)  # scaled in the 16-bit type, widened, piecewise
 
@@ -388,14 +376,9 @@ def run_pipelined(calls: Sequence[Call], items: Sequence[Item], ops: SlotBuffers
             else:
                 buf = ops.slot_buffer(red.work, call.size, packed % depth)
                 packed += 1
-                if narrowed:
-                    _pack_narrowed(buf, items, segs, red)
-                    wait = start(buf)
-                    finish = functools.partial(_unpack_narrowed, buf, items, segs, red)
-                else:
-                    ops.pack(buf, items, segs, red.pre, red.widen)
-                    wait = start(buf)
-                    finish = functools.partial(ops.unpack, buf, items, segs, red.post, red.div)
+                _pack(ops, buf, items, segs, red, narrowed)
+                wait = start(buf)
+                finish = functools.partial(_unpack, ops, buf, items, segs, red, narrowed)
             pending.append((wait, finish))
             if len(pending) >= depth:
                 _finish(*pending.popleft())
