@@ -139,6 +139,7 @@ _JOINT_TIMEOUT_S = 900
 JOINT_TIMEOUT = pytest.mark.timeout(_JOINT_TIMEOUT_S)
 
 _JOINT: dict[tuple[str, int, tuple[tuple[str, str], ...], bool], SharedLaunch] = {}
+_OWNERS: dict[tuple[str, tuple[str, ...]], str] = {}  # (file, body names) -> the module name it registered as
 
 
 class JointPart:
@@ -160,6 +161,12 @@ def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], t
     tests carry ``JOINT_TIMEOUT``); ``late`` bodies run after the others; ``gloo``: the ranks are
     started by ``horovodrun --gloo`` instead of mpirun (a launch of its own)."""
     owner = next(iter(bodies.values())).__module__  # names are per module
+    source = getattr(sys.modules.get(owner), "__file__", None) or owner
+    first = _OWNERS.setdefault((source, tuple(bodies)), owner)
+    assert first == owner, (
+        f"{source} registered its bodies twice, imported as {first!r} and as {owner!r}: another "
+        "module imports this test module (the bodies would run twice); move what it imports into "
+        "a helper module that is not a test module")
     key = (group, np, tuple(sorted((env or {}).items())), gloo)
     named = {f"{owner}:{name}": body for name, body in bodies.items()}
     launch = _JOINT.get(key)

@@ -58,7 +58,26 @@ def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
     return child
 
 
+# How many times a test's mpirun is started when it fails before starting any rank.
+_STARTS = 3
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to its end (``RanksFailed`` after ``timeout`` s); start it again when mpirun
+    failed before starting any rank for a reason a new start survives (``failed_to_start``)."""
+    from horovod.runner.launch.mpirun import failed_to_start
+
+    res = _run_once(cmd, env, timeout)
+    for attempt in range(2, _STARTS + 1):
+        if res.returncode == 0 or not failed_to_start(res.stdout):
+            break
+        print(f"horovod.testing: mpirun failed before starting any rank; starting it again "
+              f"({attempt} of {_STARTS})\n{res.stdout[-2000:]}", file=sys.stderr)
+        res = _run_once(cmd, env, timeout)
+    return res
+
+
+def _run_once(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -7,21 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests.torch.model_shapes import resnet18_shapes
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
-
-
-def resnet18_shapes():
-    """The 62 parameter shapes of torchvision's ResNet-18 (11,689,512 parameters)."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]
-    inp = 64
-    for width in (64, 128, 256, 512):
-        for b in range(2):
-            shapes += [(width, inp, 3, 3), (width,), (width,), (width, width, 3, 3), (width,), (width,)]
-            if b == 0 and inp != width:
-                shapes += [(width, inp, 1, 1), (width,), (width,)]
-            inp = width
-    return shapes + [(1000, 512), (1000,)]
 
 
 class _Reference:

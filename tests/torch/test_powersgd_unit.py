@@ -9,7 +9,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import StatefulCompressor
 from horovod.torch.powersgd import PowerSGD, _orthogonalize_
-from tests.torch.test_powersgd import resnet18_shapes
+from tests.torch.model_shapes import resnet18_shapes
 
 pytestmark = pytest.mark.unit
 

@@ -206,19 +206,39 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         cmds = _commands(plan, settings, environ, impl, secret)
         for c in cmds:
             log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
-        supervisor = Supervisor(
-            cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
-            local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
-            timestamp=settings.prefix_timestamp,
-            output_dir=settings.output_filename if mode == "gloo" else None,
-            stdout=stdout, stderr=stderr, line_hook=line_hook)
-        result = session.run(supervisor.run)
+        starts = _MPIRUN_STARTS if mode == "mpi" else 1
+        for attempt in range(1, starts + 1):
+            supervisor = Supervisor(
+                cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
+                local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
+                timestamp=settings.prefix_timestamp,
+                output_dir=settings.output_filename if mode == "gloo" else None,
+                stdout=stdout, stderr=stderr, line_hook=line_hook)
+            result = session.run(supervisor.run)
+            if attempt == starts or not _mpirun_failed_to_start(result):
+                break
+            log.warning("mpirun failed before starting any rank (Open MPI's launcher could not "
+                        "start; nothing of the job ran): starting it again (%d of %d)",
+                        attempt + 1, starts)
         return result
     finally:
         if server is not None:
             server.stop()
         if monitor is not None:
             _end_monitor(monitor, result, settings.monitor_linger)
+
+
+# How many times horovodrun starts mpirun when it fails before any rank starts (``_mpirun_failed_to_start``).
+_MPIRUN_STARTS = 3
+
+
+def _mpirun_failed_to_start(result: JobOutcome) -> bool:
+    """Whether mpirun ended the job before starting any rank, for a reason that a new start survives."""
+    from horovod.runner.launch.mpirun import failed_to_start
+
+    return (result.returncode != 0 and result.interrupted is None
+            and all(e.rank is None for e in result.exits)
+            and failed_to_start("\n".join(result.launcher_tail)))
 
 
 def _end_monitor(monitor: object, result: JobOutcome | None, linger: float) -> None:

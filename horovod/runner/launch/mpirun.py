@@ -25,7 +25,7 @@ from horovod.runner.settings import LaunchSettings
 
 __all__ = ["MpiImplementation", "MpiFlavour", "FLAVOURS", "detect_mpi", "parse_mpi_version",
            "default_cache_dir",
-           "find_mpirun", "mpirun_command", "MPI_NOT_FOUND_MESSAGE"]
+           "find_mpirun", "mpirun_command", "MPI_NOT_FOUND_MESSAGE", "failed_to_start"]
 
 MPI_NOT_FOUND_MESSAGE = (
     "horovod does not find an installed MPI.\n\nChoose one of:\n"
@@ -35,6 +35,17 @@ MPI_NOT_FOUND_MESSAGE = (
     "3. Use the built-in Gloo launcher (horovodrun --gloo ...).")
 
 _LARGE_CLUSTER_THRESHOLD = 64
+
+# What mpirun prints when it fails before starting any rank in a way that a second start survives:
+# Open MPI's PMIx server could not start its listener thread (seen about once in a few hundred
+# starts on a loaded two-core host; nothing of the job had run).
+_START_FAILURES = ("The PMIx server's listener thread failed to start",)
+
+
+def failed_to_start(output: str) -> bool:
+    """Whether mpirun's ``output`` says that it failed before starting any rank, for a reason that
+    starting it again survives (``_START_FAILURES``)."""
+    return any(text in output for text in _START_FAILURES)
 
 
 @dataclass(frozen=True)
