@@ -206,20 +206,24 @@ def _launch_static(settings: LaunchSettings, environ: dict[str, str], stdout: IO
         cmds = _commands(plan, settings, environ, impl, secret)
         for c in cmds:
             log.info("%s", c.text() if c.tagged else f"rank {c.ranks[0]} on {c.host}: {c.text()}")
-        starts = _MPIRUN_STARTS if mode == "mpi" else 1
-        for attempt in range(1, starts + 1):
-            supervisor = Supervisor(
+
+        def supervised() -> JobOutcome:
+            return session.run(Supervisor(
                 cmds, plan.np, hosts_by_rank={r.slot.rank: r.slot.hostname for r in plan.ranks},
                 local_rank_by_rank={r.slot.rank: r.slot.local_rank for r in plan.ranks},
                 timestamp=settings.prefix_timestamp,
                 output_dir=settings.output_filename if mode == "gloo" else None,
-                stdout=stdout, stderr=stderr, line_hook=line_hook)
-            result = session.run(supervisor.run)
-            if attempt == starts or not _mpirun_failed_to_start(result):
+                stdout=stdout, stderr=stderr, line_hook=line_hook).run)
+
+        result = supervised()
+        starts = _MPIRUN_STARTS if mode == "mpi" else 1
+        for attempt in range(2, starts + 1):
+            if not _mpirun_failed_to_start(result):
                 break
             log.warning("mpirun failed before starting any rank (Open MPI's launcher could not "
                         "start; nothing of the job ran): starting it again (%d of %d)",
-                        attempt + 1, starts)
+                        attempt, starts)
+            result = supervised()
         return result
     finally:
         if server is not None:
