@@ -106,8 +106,9 @@ def _instrument() -> dict[str, float]:
     kernel = mpi.kernel
     mpi.kernel = lambda dtype, op: timed("op16", kernel(dtype, op))
     gloo.GlooBackend.allreduce = timed("reduce", gloo.GlooBackend.allreduce)
-    gloo._reduce_half_pair = timed("half_local", gloo._reduce_half_pair)
-    gloo._reduce_half_parts = timed("half_local", gloo._reduce_half_parts)
+    for name in ("_reduce_half_pair", "_reduce_half_parts"):  # absent from older trees
+        if hasattr(gloo, name):
+            setattr(gloo, name, timed("half_local", getattr(gloo, name)))
     start = gloo.GlooBackend.allreduce_start
 
     def timed_start(self, *a, **k):  # type: ignore[no-untyped-def]
