@@ -99,13 +99,13 @@ def _instrument() -> dict[str, float]:
 
     buffers._pack_narrowed = timed("pack", buffers._pack_narrowed)
     buffers._unpack_narrowed = timed("unpack", buffers._unpack_narrowed)
-    buffers.NumpyBuffers.pack = timed("pack", buffers.NumpyBuffers.pack)
-    buffers.NumpyBuffers.unpack = timed("unpack", buffers.NumpyBuffers.unpack)
+    buffers.NumpyBuffers.pack = timed("pack", buffers.NumpyBuffers.pack)  # type: ignore[method-assign]
+    buffers.NumpyBuffers.unpack = timed("unpack", buffers.NumpyBuffers.unpack)  # type: ignore[method-assign]
     buffers.NumpyBuffers.scale = staticmethod(timed("scale", buffers.NumpyBuffers.scale))
-    mpi.MPIBackend.allreduce = timed("reduce", mpi.MPIBackend.allreduce)
+    mpi.MPIBackend.allreduce = timed("reduce", mpi.MPIBackend.allreduce)  # type: ignore[method-assign]
     kernel = mpi.kernel
     mpi.kernel = lambda dtype, op: timed("op16", kernel(dtype, op))
-    gloo.GlooBackend.allreduce = timed("reduce", gloo.GlooBackend.allreduce)
+    gloo.GlooBackend.allreduce = timed("reduce", gloo.GlooBackend.allreduce)  # type: ignore[method-assign]
     for name in ("_reduce_half_pair", "_reduce_half_parts"):  # absent from older trees
         if hasattr(gloo, name):
             setattr(gloo, name, timed("half_local", getattr(gloo, name)))
@@ -113,7 +113,7 @@ def _instrument() -> dict[str, float]:
 
     def timed_start(self, *a, **k):  # type: ignore[no-untyped-def]
         return timed("reduce", timed("reduce", start)(self, *a, **k))
-    gloo.GlooBackend.allreduce_start = timed_start
+    gloo.GlooBackend.allreduce_start = timed_start  # type: ignore[method-assign]
     return spent
 
 
