@@ -28,6 +28,16 @@ transport there (``--mca pml ob1 --mca btl tcp,self``), Gloo is TCP anyway. Rank
 loopback's transmitted bytes (``/proc/net/dev``) around each case, between barriers: every byte
 the two ranks send each other, plus the barrier's few. With ``--local`` nothing is counted and MPI
 keeps its shared-memory transport: the time one host pays for 16-bit arithmetic.
+
+``--phases`` adds, per case, the CPU time (``time.thread_time``: not inflated by other jobs'
+load, unlike the wall clock) rank 0's engine thread spends in each part of the call, medians in
+ms: ``pack`` (copies into the fusion buffer, a compression's narrowing included), ``reduce`` (the
+transport's allreduce, waiting included: MPI polls), ``op16`` (inside it: MPI's 16-bit user
+operation), ``half_local`` (inside it: Gloo's local 16-bit reduction), ``unpack`` (copies out,
+scaling and a compression's widening included) and ``scale`` (a call reduced in the tensor's own
+memory: its copy in and its scaling)::
+
+    python benchmarks/half_wire.py --local --planes mpi,gloo --n 16777216 --reps 7 --phases
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local", action="store_true",
                    help="no namespace, MPI's default transports, time only")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of the cases")
+    p.add_argument("--phases", action="store_true",
+                   help="rank 0's engine-thread CPU time per part of each case (see above)")
     p.add_argument("--rank-body", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -68,12 +80,50 @@ def _lo_tx() -> int:
     return 0
 
 
+def _instrument() -> dict[str, float]:
+    """Wrap the engine's parts (``--phases``): CPU seconds of the calling thread per part, summed
+    into the returned dict (cleared by the caller around each case)."""
+    from horovod.common.backends import gloo, mpi
+    from horovod.common.engine import buffers
+
+    spent: dict[str, float] = {}
+
+    def timed(part: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.thread_time() - t0
+        return wrapper
+
+    buffers._pack_narrowed = timed("pack", buffers._pack_narrowed)
+    buffers._unpack_narrowed = timed("unpack", buffers._unpack_narrowed)
+    buffers.NumpyBuffers.pack = timed("pack", buffers.NumpyBuffers.pack)  # type: ignore[method-assign]
+    buffers.NumpyBuffers.unpack = timed("unpack", buffers.NumpyBuffers.unpack)  # type: ignore[method-assign]
+    buffers.NumpyBuffers.scale = staticmethod(timed("scale", buffers.NumpyBuffers.scale))
+    mpi.MPIBackend.allreduce = timed("reduce", mpi.MPIBackend.allreduce)  # type: ignore[method-assign]
+    kernel = mpi.kernel
+    mpi.kernel = lambda dtype, op: timed("op16", kernel(dtype, op))
+    gloo.GlooBackend.allreduce = timed("reduce", gloo.GlooBackend.allreduce)  # type: ignore[method-assign]
+    for name in ("_reduce_half_pair", "_reduce_half_parts"):  # absent from older trees
+        if hasattr(gloo, name):
+            setattr(gloo, name, timed("half_local", getattr(gloo, name)))
+    start = gloo.GlooBackend.allreduce_start
+
+    def timed_start(self, *a, **k):  # type: ignore[no-untyped-def]
+        return timed("reduce", timed("reduce", start)(self, *a, **k))
+    gloo.GlooBackend.allreduce_start = timed_start  # type: ignore[method-assign]
+    return spent
+
+
 def rank_body(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
     import horovod.torch as hvd
 
+    spent = _instrument() if args.phases else None
     hvd.init()
     r = hvd.rank()
     torch.manual_seed(r)
@@ -85,6 +135,7 @@ def rank_body(args: argparse.Namespace) -> None:
     kept = {"fp16_twopass": torch.empty(args.n, dtype=torch.float16),
             "bf16_twopass": torch.empty(args.n, dtype=torch.bfloat16)}
     ms: dict[str, list[float]] = {c: [] for c in cases}
+    parts: dict[str, dict[str, list[float]]] = {c: {} for c in cases}
     nbytes: dict[str, list[int]] = {c: [] for c in cases}
 
     def one(case: str, tag: str) -> None:
@@ -108,11 +159,16 @@ def rank_body(args: argparse.Namespace) -> None:
     for rep in range(args.reps):
         for case in cases:
             hvd.barrier()
+            if spent is not None:
+                spent.clear()
             tx = _lo_tx()
             start = time.perf_counter()
             one(case, f"{case}.{rep}")
             elapsed = time.perf_counter() - start
             hvd.barrier()
+            if spent is not None:
+                for part, sec in spent.items():
+                    parts[case].setdefault(part, []).append(sec * 1e3)
             ms[case].append(elapsed * 1e3)
             nbytes[case].append(_lo_tx() - tx)
     if r == 0:
@@ -123,6 +179,9 @@ def rank_body(args: argparse.Namespace) -> None:
             "transport": os.environ.get("HALF_WIRE_PLANE", "?"), "n": args.n, "reps": args.reps,
             "median_ms": med, "time_vs_float32": {c: v / ref_ms for c, v in med.items()} if ref_ms else {},
         }
+        if spent is not None:
+            out["phases_cpu_ms"] = {c: {p: round(sorted(v)[len(v) // 2], 2) for p, v in ps.items()}
+                                    for c, ps in parts.items()}
         if os.environ.get("HALF_WIRE_COUNT") == "1":  # our own namespace: the loopback is ours
             out["bytes"] = mb
             out["bytes_vs_float32"] = {c: v / ref_b for c, v in mb.items()} if ref_b else {}
@@ -132,7 +191,7 @@ def rank_body(args: argparse.Namespace) -> None:
 
 def _launch(plane: str, args: argparse.Namespace) -> dict:
     body = [sys.executable, os.path.abspath(__file__), "--rank-body", "--n", str(args.n),
-            "--reps", str(args.reps), "--cases", args.cases]
+            "--reps", str(args.reps), "--cases", args.cases] + (["--phases"] if args.phases else [])
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HALF_WIRE_PLANE=plane,
                HALF_WIRE_COUNT="0" if args.local else "1")

@@ -100,3 +100,66 @@ def test_scale_is_float32_math_rounded_once(dtype, with_torch, monkeypatch):
             wide = src.astype(np.float32)
             want = (wide / np.float32(div) if div != 1 else wide * np.float32(factor)).astype(dt)
         assert _same(got.view(np.uint16), want.view(np.uint16), dtype)
+
+
+def test_the_piece_size_follows_torchs_threads_on_the_calling_thread():
+    class OneThread:
+        @staticmethod
+        def get_num_threads() -> int:
+            return 1
+
+    class TwoThreads:
+        @staticmethod
+        def get_num_threads() -> int:
+            return 2
+
+    assert half.piece(OneThread) == half.SOLO_PIECE
+    assert half.piece(TwoThreads) == half.TORCH_PIECE
+    assert half.SOLO_PIECE > half.TORCH_PIECE
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op,uf", OPS, ids=lambda v: getattr(v, "name", ""))
+@pytest.mark.parametrize("size", [4099, half.TORCH_PIECE, half.SOLO_PIECE])
+def test_the_torch_kernel_gives_the_same_bits_in_any_piece_size(dtype, op, uf, size, monkeypatch):
+    """Pieces of any size (an odd one that leaves a short tail, torch's grain, the one-thread size)
+    reduce every element once: the bits of float32 arithmetic rounded once."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(half, "piece", lambda _torch: size)
+    rng = np.random.default_rng(size)
+    n = 2 * size + 5  # several whole pieces and a tail
+    a = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    b = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    got = b.copy()
+    half._torch_kernel(torch, dtype, op)(a.copy(), got)
+    want = _reference(dtype, uf, a, b)
+    assert _same(got, want, dtype), np.nonzero(got != want)[0][:5]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op,uf", OPS, ids=lambda v: getattr(v, "name", ""))
+def test_gloos_two_member_reduction_is_its_float32_accumulation_rounded_once(dtype, op, uf):
+    """Gloo's large 16-bit allreduce reduces the parts a member receives locally: for two members
+    in one pass in the 16-bit type (``_reduce_half_pair``), the same bits as the float32
+    accumulation of any member count (``_reduce_half_parts``), in both rows (sent to both)."""
+    torch = pytest.importorskip("torch")
+    from horovod.common.backends import gloo
+
+    tdtype = torch.float16 if dtype == "float16" else torch.bfloat16
+    n = 2 * half.TORCH_PIECE + 5
+    rng = np.random.default_rng(n)
+    bits = rng.integers(0, 1 << 16, (2, n), dtype=np.uint32).astype(np.uint16)
+    pair = torch.from_numpy(bits.view(np.int16).copy()).view(tdtype)
+    parts = torch.from_numpy(bits.view(np.int16).copy()).view(tdtype)
+    gloo._reduce_half_pair(torch, pair, op)
+    gloo._reduce_half_parts(torch, parts, op)
+    got = pair.view(torch.int16).numpy().view(np.uint16)
+    acc = parts.view(torch.int16).numpy().view(np.uint16)
+    want = _reference(dtype, uf, bits[1], bits[0])
+    for row in range(2):
+        assert _same(got[row], want, dtype), f"pair row {row}: {np.nonzero(got[row] != want)[0][:5]}"
+        assert _same(acc[row], want, dtype), f"parts row {row}: {np.nonzero(acc[row] != want)[0][:5]}"
+    three = torch.from_numpy(rng.integers(0, 1 << 16, (3, 1000), dtype=np.uint32).astype(np.int16)).view(tdtype)
+    gloo._reduce_half_parts(torch, three, op)
+    rows = three.view(torch.int16).numpy()
+    assert np.array_equal(rows[0], rows[1]) and np.array_equal(rows[0], rows[2])

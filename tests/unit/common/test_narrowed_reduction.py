@@ -118,11 +118,17 @@ def _scaled(a16: np.ndarray, factor: float, divisor: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("wire", [np.dtype(np.float16), BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("with_torch", [True, False])
+@pytest.mark.parametrize("with_torch", [True, False, "one-thread"])
 @pytest.mark.parametrize("factor,divisor", [(1.0, 1), (1.0, 2), (1.0, 3), (1.0, 8), (0.3, 1)])
 def test_cast_rounds_once_and_scales_in_the_16_bit_type(wire, with_torch, factor, divisor, monkeypatch):
+    """With torch in torch's grain-sized pieces (several here), with torch on one thread (in
+    ``half.SOLO_PIECE`` pieces: one here), and with NumPy: the same bits."""
     if not with_torch:
         monkeypatch.setitem(sys.modules, "torch", None)
+    elif with_torch == "one-thread":
+        monkeypatch.setattr(half, "piece", lambda _torch: half.SOLO_PIECE)
+    else:
+        monkeypatch.setattr(half, "piece", lambda _torch: half.TORCH_PIECE)
     x = (np.random.default_rng(1).standard_normal(70_001) * 1e3).astype(np.float32)
     x[:50] *= np.float32(1e-9)  # 16-bit subnormals
     x16 = x.astype(wire)
@@ -140,12 +146,14 @@ def test_cast_rounds_once_and_scales_in_the_16_bit_type(wire, with_torch, factor
 
 
 @pytest.mark.parametrize("divisor", [2, 4, 8])
-def test_bfloat16_widening_by_a_power_of_two_scales_in_float32(divisor):
+@pytest.mark.parametrize("size", [4099, half.SOLO_PIECE])
+def test_bfloat16_widening_by_a_power_of_two_scales_in_float32(divisor, size, monkeypatch):
     """Widening bfloat16 with a power-of-two divisor (Average at np=2, 4, 8) scales after the
     widening, in float32: the 16-bit scaling's values everywhere bfloat16 is normal, and, below
     2**-126 (bfloat16's subnormals), the exact product that bfloat16 would have rounded."""
     import torch  # noqa: F401  (the torch path)
 
+    monkeypatch.setattr(half, "piece", lambda _torch: size)
     rng = np.random.default_rng(3)
     x16 = (rng.standard_normal(70_001) * 1e3).astype(np.float32).astype(BF16)
     tiny = np.float32(2.0 ** -126) * np.arange(1, 201, dtype=np.float32)  # halves are subnormal
