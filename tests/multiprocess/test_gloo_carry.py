@@ -6,7 +6,7 @@ agreed its data travels with the round's bits and the transport's allreduce is n
 per-tensor allreduces with Average and a prescale, mixed dtypes, Min/Max/Product, out of place;
 and the fallbacks: ranks whose ready sets differ (rank 0 submits an extra tensor the others hold
 back until the first is done), a tensor too large to carry, and the first (negotiated) step; and
-that each exchange's receives were posted after the one before (``GlooBackend.post_rows``).
+that each exchange's receives were posted during the one before (``GlooBackend.post_rows``).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def _cases():
         calls["allreduce"] += 1
         return start(self, buf, op, group)
 
-    def spy_exchange(self, row):
+    def spy_exchange(self, row, post_next=0):
         calls["exchange"] += 1
         rows["exchanges"] += 1
         rows["posted"] += self._rows_posted is not None
-        return exchange(self, row)
+        return exchange(self, row, post_next)
 
     def spy_post(self, n):
         rows["posts"] += 1
@@ -150,9 +150,12 @@ def test_cached_small_allreduces_travel_with_the_negotiation(np_):
         assert carried == 5 * 9, carried
         assert steady["exchange"] >= 5, steady
         assert all(c >= 1 for c in fallback), fallback  # 12 KB > 4 KiB: the transport's call
-        # Every exchange but the first found its receives posted by the one before (the rows'
-        # length changes as the capacity grows); the last one (the shutdown's) posted none.
-        assert rows["posted"] == rows["exchanges"] - 1 == rows["posts"], rows
+        # Every exchange but the first found its receives posted during the one before (the
+        # rows' length agreed a round ahead, as the capacity grows); each exchange posts the
+        # next one's receives, but the shutdown's on a rank that asked for it (a rank that learns
+        # of the shutdown from the rows has posted them: its close ends them).
+        assert rows["posted"] == rows["exchanges"] - 1, rows
+        assert rows["exchanges"] - 1 <= rows["posts"] <= rows["exchanges"], rows
 
 
 def test_carry_off_reduces_through_the_transport():
