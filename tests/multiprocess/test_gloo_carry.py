@@ -28,7 +28,9 @@ def _cases():
     from horovod.common.backends import gloo as gloo_backend
     from horovod.common.context import get_context
 
-    calls = {"allreduce": 0, "exchange": 0}
+    from horovod.common.engine import buffers
+
+    calls = {"allreduce": 0, "exchange": 0, "pack": 0}
     rows = {"exchanges": 0, "posted": 0, "posts": 0}  # over the whole run (shutdown included)
     sync, start, exchange = (gloo_backend.GlooBackend.allreduce, gloo_backend.GlooBackend.allreduce_start,
                              gloo_backend.GlooBackend.exchange_rows)
@@ -47,6 +49,13 @@ def _cases():
         rows["exchanges"] += 1
         rows["posted"] += self._rows_posted is not None
         return exchange(self, row, post_next)
+
+    pack = buffers._pack
+
+    def spy_pack(*a):  # this rank's data copied into a fusion buffer
+        calls["pack"] += 1
+        return pack(*a)
+    buffers._pack = spy_pack
 
     def spy_post(self, n):
         rows["posts"] += 1
@@ -75,7 +84,7 @@ def _cases():
     counts = []
     for step in range(8):
         if step == 3:
-            calls["allreduce"] = calls["exchange"] = 0
+            calls["allreduce"] = calls["exchange"] = calls["pack"] = 0
             carried_before = carrier.carried_ops if carrier is not None else 0
         # grouped, Sum, one dtype
         ts = [value(r, i, step, int(np.prod(s)), torch.float32).reshape(s) for i, s in enumerate(shapes)]
@@ -148,6 +157,8 @@ def test_cached_small_allreduces_travel_with_the_negotiation(np_):
         # 5 steps of: 1 grouped + 5 per-tensor + 3 ops, every one carried, no allreduce call
         assert steady["allreduce"] == 0, steady
         assert carried == 5 * 9, carried
+        # reduced from the rows into the fusion buffer: this rank's data is never packed there
+        assert steady["pack"] == 0, steady
         assert steady["exchange"] >= 5, steady
         assert all(c >= 1 for c in fallback), fallback  # 12 KB > 4 KiB: the transport's call
         # Every exchange but the first found its receives posted during the one before (the
@@ -165,3 +176,4 @@ def test_carry_off_reduces_through_the_transport():
         assert carried == 0
         # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)
         assert steady["exchange"] == 0 and steady["allreduce"] >= 5 * 5, steady
+        assert steady["pack"] >= 5, steady  # (the spy sees the transport's packs)

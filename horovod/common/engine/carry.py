@@ -205,6 +205,7 @@ class Carrier:
         head[:nwords] = bits
         wish = 0
         carrying = self.enabled and not joined
+        own: _Layout | None = None
         if carrying:
             own = self.layout_of(bits[:nready], capacity)
             wish = own.wish
@@ -226,23 +227,31 @@ class Carrier:
                 self._pack(row, header, own.slots, own.offsets, entry_of)
         head[nwords] = wish
         head[nwords + 1] = carrying
+        following = self.next_capacity
         if self.post_ahead:
-            following = self.next_capacity
             stops = int(~bits[nwords - 1]) & stop_flag
             rows = self._exchange(row, 0 if stops else header + following)
-            self._resize(int(rows[:, :header].view(np.uint64)[:, nwords].max()))
-            self.capacity = following
         else:
             rows = self._exchange(row)
-            self._resize(int(rows[:, :header].view(np.uint64)[:, nwords].max()))
-            self.capacity = self.next_capacity
         words = rows[:, :header].view(np.uint64)
-        anded = np.bitwise_and.reduce(words[:, :nwords], axis=0)
+        # A cached step's usual round: every rank sent the same header (bits, wish, carrying), so
+        # the AND is this rank's words and every rank's layout is this one's.
+        mine = row[:header].tobytes()
+        same = all(rows[r, :header].tobytes() == mine for r in range(rows.shape[0]))
+        if same:
+            anded = words[0, :nwords]
+            self._resize(wish)
+            everyone_carries = carrying
+        else:
+            anded = np.bitwise_and.reduce(words[:, :nwords], axis=0)
+            self._resize(int(words[:, nwords].max()))
+            everyone_carries = bool(words[:, nwords + 1].all())
+        self.capacity = following if self.post_ahead else self.next_capacity
         self.rounds += 1
         any_flags = int(~anded[nwords - 1])
-        if not capacity or any_flags & joined_flag or not words[:, nwords + 1].all():
+        if not capacity or any_flags & joined_flag or not everyone_carries:
             return anded, None
-        return anded, CarriedRound(self, rows, words, header, capacity, nready)
+        return anded, CarriedRound(self, rows, words, header, capacity, nready, own if same else None)
 
     def _pack(self, row: np.ndarray, header: int, slots: np.ndarray, offsets: np.ndarray,
               entry_of: Callable[[int], Any]) -> None:
@@ -300,14 +309,15 @@ class CarriedRound:
     """The rows of one round: which operations every rank carried, and their data."""
 
     def __init__(self, carrier: Carrier, rows: np.ndarray, words: np.ndarray, header: int, capacity: int,
-                 nready: int) -> None:
+                 nready: int, every: _Layout | None = None) -> None:
         self._carrier = carrier
         self._rows = rows
         self._header = header
         self._capacity = capacity
         # Each rank's layout (memoized by its ready words: the same object for ranks that had the
-        # same ready, the usual case).
-        self._layouts: list[_Layout] = [carrier.layout_of(words[r, :nready], capacity) for r in range(rows.shape[0])]
+        # same ready, the usual case; ``every``: known to be every rank's).
+        self._layouts: list[_Layout] = ([every] * rows.shape[0] if every is not None else
+                                        [carrier.layout_of(words[r, :nready], capacity) for r in range(rows.shape[0])])
         first = self._layouts[0]
         self._same = all(lay is first for lay in self._layouts)
 
@@ -400,6 +410,9 @@ class BatchData:
                 part = work
             fn.reduce(part, axis=0, out=buf)
             self._at = at + n
+        # every element of ``buf`` written from the rows, none read: the executor packs nothing
+        # into a fusion buffer for it (``buffers.run_reduction``)
+        reduce.fills = True  # type: ignore[attr-defined]
         return reduce
 
     def finish(self) -> None:
