@@ -27,7 +27,6 @@ def _cases():
     import horovod.torch as hvd
     from horovod.common.backends import gloo as gloo_backend
     from horovod.common.context import get_context
-
     from horovod.common.engine import buffers
 
     calls = {"allreduce": 0, "exchange": 0, "pack": 0}
@@ -177,3 +176,76 @@ def test_carry_off_reduces_through_the_transport():
         # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)
         assert steady["exchange"] == 0 and steady["allreduce"] >= 5 * 5, steady
         assert steady["pack"] >= 5, steady  # (the spy sees the transport's packs)
+
+
+def _calls_per_cached_step():
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.common.context import get_context
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    backend = get_context().engine.backend
+    world = backend._world
+    counts: dict[str, int] = {}
+    order: list[str] = []
+
+    class _Waited:  # a receive's work: when this rank waits for it
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *a):
+            order.append("wait for a receive")
+            return self.work.wait(*a)
+
+    class _Counted:  # every call this rank makes on the world's Gloo process group
+        def __getattr__(self, name):
+            fn = getattr(world, name)
+
+            def counted(*a, **k):
+                counts[name] = counts.get(name, 0) + 1
+                order.append(name)
+                work = fn(*a, **k)
+                return _Waited(work) if name == "recv" else work
+            return counted
+
+    ts = [torch.full((4,), float(r + i)) for i in range(161)]
+    bad = []
+    per_step = []
+    orders = []
+    for step in range(12):
+        if step == 4:  # cached, the capacity agreed and the receives posted ahead
+            backend._world = _Counted()
+        counts.clear()
+        order.clear()
+        for i, t in enumerate(ts):
+            t.fill_(float(r + i + step))
+        hvd.grouped_allreduce_(ts, name="calls.grouped", op=hvd.Sum)
+        for i, t in enumerate(ts):
+            want = float(sum(k + i + step for k in range(n)))
+            if not bool((t == want).all()):
+                bad.append(f"rank {r} step {step} tensor {i}: {t.tolist()} != {want}")
+        if step >= 4:
+            per_step.append(dict(counts))
+        if step >= 5:  # (the receives waited for were posted in a counted step)
+            orders.append(list(order))
+    backend._world = world
+    hvd.shutdown()
+    return bad, per_step, orders
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_cached_tiny_grouped_step_is_one_exchange_of_sends_and_receives_posted_ahead(np_):
+    # Every Gloo call of a cached grouped step of 161 tiny tensors: the row sent to each peer and
+    # the next exchange's receives from each peer posted, before this rank waits for the rows;
+    # nothing else (no collective, no second round). A long cycle time keeps the engine thread
+    # from running idle rounds of its own.
+    env = {"HOROVOD_CYCLE_TIME": "60000"}
+    for bad, per_step, orders in run_ranks(_calls_per_cached_step, np=np_, timeout=240, launcher=_gloo(np_),
+                                           env=env):
+        assert not bad, bad[:3]
+        assert per_step == [{"send": np_ - 1, "recv": np_ - 1}] * 8, per_step
+        # the next exchange's receives are posted before this rank waits for this one's rows
+        peers = np_ - 1
+        assert orders == [["send"] * peers + ["recv"] * peers + ["wait for a receive"] * peers] * 7, orders
