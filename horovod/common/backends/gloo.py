@@ -340,7 +340,8 @@ class GlooBackend:
             peers = [j for j in range(self.size) if j != self.rank]
             early = posted[1] if posted is not None else None
             posted = None  # (this frame keeps no work: see _p2p)
-            _p2p(self._world, [(src, j) for j in peers], [(self._t(out[j]), j) for j in peers],
+            _p2p(self._world, [(src, j) for j in peers],
+                 [(self._t(out[j]), j) for j in peers] if early is None else [],
                  _ROWS_TAG, early, (lambda: self.post_rows(post_next)) if post_next else None)
         return out
 
