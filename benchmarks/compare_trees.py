@@ -4,6 +4,8 @@
         mpirun -np 2 python benchmarks/step_cost.py --reps 200
     python benchmarks/compare_trees.py --before ../main --after . --env HOROVOD_TORCH_CPU_PLANE=1 -- \\
         mpirun -np 2 -x HOROVOD_TORCH_CPU_PLANE python benchmarks/step_cost.py --reps 200
+    python benchmarks/compare_trees.py --before ../main --after . --runs 6 -- \\
+        horovodrun --gloo -np 2 python benchmarks/step_cost.py --reps 200 --modes grouped,floor_rows
 
 The command runs ``--runs`` times per tree, alternating (before, after, after, before, ...: neither
 tree always goes first), with ``PYTHONPATH`` set to the tree; the script path in the command is
@@ -18,16 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 from typing import Any
 
+_RANK_PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
+
 
 def _figures(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
-        line = line.strip()
+        line = _RANK_PREFIX.sub("", line.strip())  # horovodrun's "[0]<stdout>:" before a rank's line
         if not (line.startswith("{") and line.endswith("}")):
             continue
         try:

@@ -8,9 +8,9 @@ then one ``hvd.grouped_allreduce_async`` of the 161 tensors and its ``synchroniz
 the engine's methods record, on every rank, when each phase begins and ends (``time.perf_counter``:
 CLOCK_MONOTONIC, one clock for every process of this host, so the ranks' events compare): the
 submission, the round's agreement up to the exchange (the bits, and on Gloo the carried row's
-packing), the exchange (Gloo: posting the sends, waiting for the receives; MPI: the bit AND), the
-rows read after it (on Gloo with the next exchange's receives posted), the plan, the batch's run
-and the completion. Rank 0 prints, per rank, the median over the reps where each rank ran one
+packing), the exchange (Gloo: posting the sends and the next exchange's receives, waiting for
+this one's; MPI: the bit AND), the rows read after it, the plan, the batch's run and the
+completion. Rank 0 prints, per rank, the median over the reps where each rank ran one
 round (JSON), and the skew between the ranks: when each left the barrier and entered the exchange,
 and how long after the peer's send each rank's receive completed.
 """
@@ -31,8 +31,8 @@ from horovod.common.context import get_context
 from horovod.common.objects import allgather_object
 
 PHASES = [("submit", "start", "submit>"), ("bits and row", "agree<", "xchg<"), ("exchange", "xchg<", "xchg>"),
-          ("post the sends", "xchg<", "rwait<"), ("wait for receives", "rwait<", "rwait>"),
-          ("read rows (+ post next)", "xchg>", "agree>"), ("plan", "execute<", "run<"), ("run", "run<", "run>"),
+          ("post the sends (+ the next receives)", "xchg<", "rwait<"), ("wait for receives", "rwait<", "rwait>"),
+          ("read rows", "xchg>", "agree>"), ("plan", "execute<", "run<"), ("run", "run<", "run>"),
           ("complete", "complete<", "complete>"), ("step", "start", "end")]
 
 

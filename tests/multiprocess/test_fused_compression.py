@@ -154,6 +154,9 @@ def _fused_cases(gloo: bool = False):
             bad.append(f"rank {r}: {wdt}: no fused call held narrowed and native tensors in 6 tries")
 
     # 3. DistributedOptimizer with compression: gradients reduced in place, narrowed in the buffer
+    from horovod.common.context import get_context
+
+    carrier = get_context().engine.rounds.carrier
     for (comp, wdt), groups in [(w, g) for w in wires for g in (None, 2)]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.Tanh(), torch.nn.Linear(129, 3))
@@ -167,10 +170,13 @@ def _fused_cases(gloo: bool = False):
             opt.zero_grad()
             twin.zero_grad()
             packed.clear()  # (the hooks may start the reductions during the backward pass)
+            carried = carrier.carried_ops if carrier is not None else 0
             model(data).square().sum().backward()
             twin(data).square().sum().backward()
             opt.synchronize()
-            if not packed:
+            # (on Gloo a repeated step's small gradients may travel with the negotiation, narrowed
+            # into its rows: no fusion buffer; part 5 checks those rows)
+            if not packed and (carrier is None or carrier.carried_ops == carried):
                 bad.append(f"rank {r}: optimizer {wdt} groups={groups} step {step}: not narrowed in the fusion buffer")
             for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
                 label = f"opt.{wdt}.{groups}.{step}.{pname}"

@@ -6,7 +6,7 @@ agreed its data travels with the round's bits and the transport's allreduce is n
 per-tensor allreduces with Average and a prescale, mixed dtypes, Min/Max/Product, out of place;
 and the fallbacks: ranks whose ready sets differ (rank 0 submits an extra tensor the others hold
 back until the first is done), a tensor too large to carry, and the first (negotiated) step; and
-that each exchange's receives were posted after the one before (``GlooBackend.post_rows``).
+that each exchange's receives were posted during the one before (``GlooBackend.post_rows``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def _cases():
     import horovod.torch as hvd
     from horovod.common.backends import gloo as gloo_backend
     from horovod.common.context import get_context
+    from horovod.common.engine import buffers
 
-    calls = {"allreduce": 0, "exchange": 0}
+    calls = {"allreduce": 0, "exchange": 0, "pack": 0}
     rows = {"exchanges": 0, "posted": 0, "posts": 0}  # over the whole run (shutdown included)
     sync, start, exchange = (gloo_backend.GlooBackend.allreduce, gloo_backend.GlooBackend.allreduce_start,
                              gloo_backend.GlooBackend.exchange_rows)
@@ -42,11 +43,18 @@ def _cases():
         calls["allreduce"] += 1
         return start(self, buf, op, group)
 
-    def spy_exchange(self, row):
+    def spy_exchange(self, row, post_next=0):
         calls["exchange"] += 1
         rows["exchanges"] += 1
         rows["posted"] += self._rows_posted is not None
-        return exchange(self, row)
+        return exchange(self, row, post_next)
+
+    pack = buffers._pack
+
+    def spy_pack(*a):  # this rank's data copied into a fusion buffer
+        calls["pack"] += 1
+        return pack(*a)
+    buffers._pack = spy_pack
 
     def spy_post(self, n):
         rows["posts"] += 1
@@ -75,7 +83,7 @@ def _cases():
     counts = []
     for step in range(8):
         if step == 3:
-            calls["allreduce"] = calls["exchange"] = 0
+            calls["allreduce"] = calls["exchange"] = calls["pack"] = 0
             carried_before = carrier.carried_ops if carrier is not None else 0
         # grouped, Sum, one dtype
         ts = [value(r, i, step, int(np.prod(s)), torch.float32).reshape(s) for i, s in enumerate(shapes)]
@@ -148,11 +156,16 @@ def test_cached_small_allreduces_travel_with_the_negotiation(np_):
         # 5 steps of: 1 grouped + 5 per-tensor + 3 ops, every one carried, no allreduce call
         assert steady["allreduce"] == 0, steady
         assert carried == 5 * 9, carried
+        # reduced from the rows into the fusion buffer: this rank's data is never packed there
+        assert steady["pack"] == 0, steady
         assert steady["exchange"] >= 5, steady
         assert all(c >= 1 for c in fallback), fallback  # 12 KB > 4 KiB: the transport's call
-        # Every exchange but the first found its receives posted by the one before (the rows'
-        # length changes as the capacity grows); the last one (the shutdown's) posted none.
-        assert rows["posted"] == rows["exchanges"] - 1 == rows["posts"], rows
+        # Every exchange but the first found its receives posted during the one before (the
+        # rows' length agreed a round ahead, as the capacity grows); each exchange posts the
+        # next one's receives, but the shutdown's on a rank that asked for it (a rank that learns
+        # of the shutdown from the rows has posted them: its close ends them).
+        assert rows["posted"] == rows["exchanges"] - 1, rows
+        assert rows["exchanges"] - 1 <= rows["posts"] <= rows["exchanges"], rows
 
 
 def test_carry_off_reduces_through_the_transport():
@@ -162,3 +175,77 @@ def test_carry_off_reduces_through_the_transport():
         assert carried == 0
         # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)
         assert steady["exchange"] == 0 and steady["allreduce"] >= 5 * 5, steady
+        assert steady["pack"] >= 5, steady  # (the spy sees the transport's packs)
+
+
+def _calls_per_cached_step():
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.common.context import get_context
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    backend = get_context().engine.backend
+    world = backend._world
+    counts: dict[str, int] = {}
+    order: list[str] = []
+
+    class _Waited:  # a receive's work: when this rank waits for it
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *a):
+            order.append("wait for a receive")
+            return self.work.wait(*a)
+
+    class _Counted:  # every call this rank makes on the world's Gloo process group
+        def __getattr__(self, name):
+            fn = getattr(world, name)
+
+            def counted(*a, **k):
+                counts[name] = counts.get(name, 0) + 1
+                order.append(name)
+                work = fn(*a, **k)
+                return _Waited(work) if name == "recv" else work
+            return counted
+
+    ts = [torch.full((4,), float(r + i)) for i in range(161)]
+    bad = []
+    per_step = []
+    orders = []
+    for step in range(12):
+        if step == 4:  # cached, the capacity agreed and the receives posted ahead
+            backend._world = _Counted()
+        counts.clear()
+        order.clear()
+        for i, t in enumerate(ts):
+            t.fill_(float(r + i + step))
+        hvd.grouped_allreduce_(ts, name="calls.grouped", op=hvd.Sum)
+        for i, t in enumerate(ts):
+            want = float(sum(k + i + step for k in range(n)))
+            if not bool((t == want).all()):
+                bad.append(f"rank {r} step {step} tensor {i}: {t.tolist()} != {want}")
+        if step >= 4:
+            per_step.append(dict(counts))
+        if step >= 5:  # (the receives waited for were posted in a counted step)
+            orders.append(list(order))
+    backend._world = world
+    hvd.shutdown()
+    return bad, per_step, orders
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_cached_tiny_grouped_step_is_one_exchange_of_sends_and_receives_posted_ahead(np_):
+    # Every Gloo call of a cached grouped step of 161 tiny tensors: the row sent to each peer and
+    # the next exchange's receives from each peer posted, before this rank waits for the rows;
+    # nothing else (no collective, no second round). A long cycle time keeps the engine thread
+    # from running idle rounds of its own.
+    env = {"HOROVOD_CYCLE_TIME": "60000"}
+    for bad, per_step, orders in run_ranks(_calls_per_cached_step, np=np_, timeout=240, launcher=_gloo(np_),
+                                           env=env):
+        assert not bad, bad[:3]
+        assert per_step == [{"send": np_ - 1, "recv": np_ - 1}] * 8, per_step
+        # the next exchange's receives are posted before this rank waits for this one's rows
+        peers = np_ - 1
+        assert orders == [["send"] * peers + ["recv"] * peers + ["wait for a receive"] * peers] * 7, orders

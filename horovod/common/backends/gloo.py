@@ -174,10 +174,12 @@ def _done() -> None:
 
 
 def _p2p(pg: Any, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], tag: int,
-         posted: list[Any] | None = None) -> None:
+         posted: list[Any] | None = None, between: Callable[[], None] | None = None) -> None:
     """Post every send (tensor, peer), then every receive, on the process group ``pg`` with
     ``tag``; wait for the receives, then the sends. ``posted``: receive works posted earlier
     (``GlooBackend.post_rows``), waited for instead of posting ``recvs``; the list is emptied.
+    ``between``: called once everything is posted, before the waits (the next exchange's
+    receives posted ahead: ``GlooBackend.exchange_rows``).
 
     Whatever happens, this frame keeps no reference to ``pg`` nor to its works (each holds the
     Gloo context, the group's connections): a failure's traceback keeps the frames it passed
@@ -194,6 +196,8 @@ def _p2p(pg: Any, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], ta
             works.extend(pg.recv([t], j, tag) for t, j in recvs)
         works.extend(pg.send([t], j, tag) for t, j in sends)
         pg = None
+        if between is not None:
+            between()
         while works:
             works.pop(0).wait()
     finally:
@@ -342,21 +346,25 @@ class GlooBackend:
             self._run("negotiation", lambda: self._world.allreduce([self._t(out.view(np.int64))], o))
         return out
 
-    def exchange_rows(self, row: np.ndarray) -> np.ndarray:
+    def exchange_rows(self, row: np.ndarray, post_next: int = 0) -> np.ndarray:
         """Every rank's ``row`` (bytes, the same length on every rank), as rows of a (size, len)
         array: the negotiation's one exchange when it carries data (``engine.carry``).
 
         Up to ``ROWS_P2P_MAX`` ranks each row goes straight to every peer (Gloo's point-to-point
         sends leave from this thread, and a receive completes on the transport's own thread: no
         hand-off to a process-group thread as a collective's, one network step); above, one
-        allgather. The receives are those ``post_rows`` posted after the previous exchange
-        when it did (see there), else posted here."""
+        allgather. The receives are those posted during the previous exchange when it did
+        (``post_next``), else posted here. ``post_next``: the next exchange's row length (every
+        rank's alike; 0: none), whose receives are posted once this rank's sends are out and
+        before it waits for the peers' rows (``post_rows``): a rank that came early posts them
+        while it waits anyway, off the step's critical path (Gloo matches a peer's messages of
+        one tag to the receives in the order they were posted)."""
         n = row.size
         posted, self._rows_posted = self._rows_posted, None
         if posted is not None and posted[0].shape[1] != n:
             raise HorovodInternalError(
                 f"Gloo negotiation on rank {self.rank}: a row of {n} bytes, but the receives posted "
-                f"after the previous exchange expect {posted[0].shape[1]} (the ranks disagree on the "
+                f"during the previous exchange expect {posted[0].shape[1]} (the ranks disagree on the "
                 "carried capacity: an engine bug; please report it).", rank=self.rank, op="negotiation")
         out = posted[0] if posted is not None else np.empty((self.size, n), np.uint8)
         out[self.rank] = row
@@ -371,14 +379,15 @@ class GlooBackend:
             peers = [j for j in range(self.size) if j != self.rank]
             early = posted[1] if posted is not None else None
             posted = None  # (this frame keeps no work: see _p2p)
-            _p2p(self._world, [(src, j) for j in peers], [(self._t(out[j]), j) for j in peers],
-                 _ROWS_TAG, early)
+            _p2p(self._world, [(src, j) for j in peers],
+                 [(self._t(out[j]), j) for j in peers] if early is None else [],
+                 _ROWS_TAG, early, (lambda: self.post_rows(post_next)) if post_next else None)
         return out
 
     def post_rows(self, n: int) -> None:
         """Post the receives of the next ``exchange_rows`` now, for rows of ``n`` bytes (every rank
-        posts the same ``n``: the carrier's agreed capacity, known to all once this exchange
-        returned; and every rank either posts or does not).
+        posts the same ``n``: the carrier's agreed capacity, known to all a round ahead; a rank
+        that posted and whose peer stopped leaves them unmatched, ended by ``close``).
 
         Gloo's point-to-point transfer is a rendezvous: a send leaves at once only when the
         receiver has already told the sender that its receive is posted, else the sender's

@@ -205,6 +205,9 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
     rank) to (its first item, the element offsets of its items).
     """
     deferred: list[Any] = []
+    # A reducer that writes the whole reduction without reading the buffer (the negotiation's
+    # carried data, ``carry.BatchData.reducer``) needs this rank's data in no fusion buffer.
+    fills = getattr(reduce, "fills", False)
     for call in calls:
         segs = call.segments if index is None else _physical(call.segments, index, groups or {})
         names = list(dict.fromkeys(items[i].name for i, *_ in segs)) if activity is not None else []
@@ -220,7 +223,8 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
         buf = ops.buffer(red.work, call.size)
         if activity is not None:
             activity(names, "MEMCPY_IN_FUSION_BUFFER", True)
-            _pack(ops, buf, items, segs, red, narrowed)
+            if not fills:
+                _pack(ops, buf, items, segs, red, narrowed)
             activity(names, "MEMCPY_IN_FUSION_BUFFER", False)
             activity(names, act, True)
             reduce(buf)
@@ -229,7 +233,8 @@ def run_reduction(calls: Sequence[Call], items: Sequence[Item], ops: BufferOps, 
             _unpack(ops, buf, items, segs, red, narrowed)
             activity(names, "MEMCPY_OUT_FUSION_BUFFER", False)
         else:
-            _pack(ops, buf, items, segs, red, narrowed)
+            if not fills:
+                _pack(ops, buf, items, segs, red, narrowed)
             reduce(buf)
             _unpack(ops, buf, items, segs, red, narrowed)
     if deferred:

@@ -20,7 +20,11 @@ what is ready simply fall back.
 
 The capacity starts at 0 and is agreed the same way: after each exchange every rank sets it
 from the largest wish in the rows (rounded up to a power of two, at most ``max_bytes`` and 1 MiB
-over all rows), and lowers it after many rounds of smaller wishes. A carryable slot is an
+over all rows), and lowers it after many rounds of smaller wishes. Where the transport posts the
+next exchange's receives ahead (``post_ahead``: Gloo), a round's wishes set the capacity of the
+round after next: every rank then knows the next row's length before this round's rows arrive,
+and posts its receives for it between its sends and its wait (in the wait of a rank that came
+early, off the step's critical path). A carryable slot is an
 allreduce of the global process set on host memory, Sum/Average/Min/Max/Product, of a dtype NumPy
 reduces exactly as the transport would (``CARRY_DTYPES``), of at most the largest capacity.
 
@@ -75,22 +79,26 @@ class Carrier:
 
     Args:
         exchange: ``backend.exchange_rows`` (every rank's equal-length byte row, in rank order).
-        post: ``backend.post_rows`` where the transport has it: called after each exchange but
-            the last with the next row's length (known to every rank alike once the rows are in),
-            so that the next exchange's receives are waiting before any rank sends.
         size: ranks in the world.
         cache: the engine's response cache (identical on every rank).
         max_bytes: ``HOROVOD_GLOO_CARRY_BYTES``, the most a row carries.
+        post_ahead: the transport posts the next exchange's receives during this one (Gloo's
+            ``exchange_rows(row, post_next)``): ``exchange`` is then called with the next row's
+            length as well (0 when this rank ends the job this round: no next exchange), known
+            to every rank alike before the rows arrive (the capacity is agreed a round ahead).
     """
 
-    def __init__(self, exchange: Callable[[np.ndarray], np.ndarray], size: int, cache: ResponseCache,
-                 max_bytes: int, post: Callable[[int], None] | None = None) -> None:
+    def __init__(self, exchange: Callable[..., np.ndarray], size: int, cache: ResponseCache,
+                 max_bytes: int, post_ahead: bool = False) -> None:
         self._exchange = exchange
-        self._post = post
+        self.post_ahead = post_ahead
         self.size = size
         self.cache = cache
         self.max_bytes = min(int(max_bytes), _ALL_ROWS_BYTES // max(size, 1)) & ~7
-        self.capacity = 0  # agreed: the same on every rank after every exchange
+        self.capacity = 0  # this round's: the same on every rank
+        # The next round's capacity, agreed from the rows of the round before (post_ahead: the
+        # next row's length is known before this round's rows arrive); else equal to capacity.
+        self.next_capacity = 0
         self._quiet = 0
         # Per cache slot: its padded bytes when carryable, _NOT_CARRIED, or _UNKNOWN (the slot
         # changed since it was looked at; ``forget``).
@@ -185,8 +193,9 @@ class Carrier:
         looked up by the names it remembers, without a call per slot; nothing when this rank
         has ``joined``). Returns the AND of every rank's words and the
         round's carried data (None when nothing can be carried: no capacity yet, or some rank
-        has joined, ``joined_flag`` in its flags). A round with ``stop_flag`` in some rank's
-        flags is the last: no receives are posted for a next one."""
+        has joined, ``joined_flag`` in its flags). A rank with ``stop_flag`` in its own flags
+        posts no receives for a next exchange (a peer that stops in the same round leaves the
+        receives it posted ahead unmatched: the transport's close ends them)."""
         nwords = bits.size
         nready = (nwords - 1) // 2
         header = 8 * (nwords + 2)
@@ -196,6 +205,7 @@ class Carrier:
         head[:nwords] = bits
         wish = 0
         carrying = self.enabled and not joined
+        own: _Layout | None = None
         if carrying:
             own = self.layout_of(bits[:nready], capacity)
             wish = own.wish
@@ -217,17 +227,31 @@ class Carrier:
                 self._pack(row, header, own.slots, own.offsets, entry_of)
         head[nwords] = wish
         head[nwords + 1] = carrying
-        rows = self._exchange(row)
+        following = self.next_capacity
+        if self.post_ahead:
+            stops = int(~bits[nwords - 1]) & stop_flag
+            rows = self._exchange(row, 0 if stops else header + following)
+        else:
+            rows = self._exchange(row)
         words = rows[:, :header].view(np.uint64)
-        anded = np.bitwise_and.reduce(words[:, :nwords], axis=0)
-        self._resize(int(words[:, nwords].max()))
+        # A cached step's usual round: every rank sent the same header (bits, wish, carrying), so
+        # the AND is this rank's words and every rank's layout is this one's.
+        mine = row[:header].tobytes()
+        same = all(rows[r, :header].tobytes() == mine for r in range(rows.shape[0]))
+        if same:
+            anded = words[0, :nwords]
+            self._resize(wish)
+            everyone_carries = carrying
+        else:
+            anded = np.bitwise_and.reduce(words[:, :nwords], axis=0)
+            self._resize(int(words[:, nwords].max()))
+            everyone_carries = bool(words[:, nwords + 1].all())
+        self.capacity = following if self.post_ahead else self.next_capacity
         self.rounds += 1
         any_flags = int(~anded[nwords - 1])
-        if self._post is not None and not any_flags & stop_flag:
-            self._post(header + self.capacity)
-        if not capacity or any_flags & joined_flag or not words[:, nwords + 1].all():
+        if not capacity or any_flags & joined_flag or not everyone_carries:
             return anded, None
-        return anded, CarriedRound(self, rows, words, header, capacity, nready)
+        return anded, CarriedRound(self, rows, words, header, capacity, nready, own if same else None)
 
     def _pack(self, row: np.ndarray, header: int, slots: np.ndarray, offsets: np.ndarray,
               entry_of: Callable[[int], Any]) -> None:
@@ -254,15 +278,15 @@ class Carrier:
             np.concatenate(run, axis=None, out=row[run_at:run_end].view(run_dtype))
 
     def _resize(self, wish: int) -> None:
-        """The next capacity, from the largest wish of the round (every rank alike)."""
-        cap = self.capacity
+        """``next_capacity``, from the largest wish of the round (every rank alike)."""
+        cap = self.next_capacity
         if wish > cap:
-            self.capacity = min(_pow2(wish), self.max_bytes)
+            self.next_capacity = min(_pow2(wish), self.max_bytes)
             self._quiet = 0
         elif 4 * wish <= cap:
             self._quiet += 1
             if self._quiet >= SHRINK_ROUNDS:
-                self.capacity = _pow2(wish) if wish else 0
+                self.next_capacity = _pow2(wish) if wish else 0
                 self._quiet = 0
         else:
             self._quiet = 0
@@ -285,14 +309,15 @@ class CarriedRound:
     """The rows of one round: which operations every rank carried, and their data."""
 
     def __init__(self, carrier: Carrier, rows: np.ndarray, words: np.ndarray, header: int, capacity: int,
-                 nready: int) -> None:
+                 nready: int, every: _Layout | None = None) -> None:
         self._carrier = carrier
         self._rows = rows
         self._header = header
         self._capacity = capacity
         # Each rank's layout (memoized by its ready words: the same object for ranks that had the
-        # same ready, the usual case).
-        self._layouts: list[_Layout] = [carrier.layout_of(words[r, :nready], capacity) for r in range(rows.shape[0])]
+        # same ready, the usual case; ``every``: known to be every rank's).
+        self._layouts: list[_Layout] = ([every] * rows.shape[0] if every is not None else
+                                        [carrier.layout_of(words[r, :nready], capacity) for r in range(rows.shape[0])])
         first = self._layouts[0]
         self._same = all(lay is first for lay in self._layouts)
 
@@ -385,6 +410,9 @@ class BatchData:
                 part = work
             fn.reduce(part, axis=0, out=buf)
             self._at = at + n
+        # every element of ``buf`` written from the rows, none read: the executor packs nothing
+        # into a fusion buffer for it (``buffers.run_reduction``)
+        reduce.fills = True  # type: ignore[attr-defined]
         return reduce
 
     def finish(self) -> None:

@@ -93,7 +93,7 @@ class RoundController:
         self.carrier: Carrier | None = None
         if exchange is not None and backend.size > 1 and carry_bytes > 0 and self.cache.words:
             self.carrier = Carrier(exchange, backend.size, self.cache, carry_bytes,
-                                   getattr(backend, "post_rows", None))
+                                   post_ahead=hasattr(backend, "post_rows"))
         self.carried: CarriedRound | None = None
         self.coordinator = Coordinator(backend.size, self._members, clock) if self.rank == 0 else None
         self._local_stall_due = clock() + config.stall_check_time_seconds

@@ -220,17 +220,34 @@ def test_a_reducer_past_the_batch_is_an_engine_bug():
         data.finish()
 
 
-def test_the_next_rows_receives_are_posted_with_their_agreed_length_except_after_the_last_round():
-    # ``post`` (the transport's ``post_rows``) gets the next exchange's row length after each
-    # exchange: the header (the AND's words and two more) and the capacity just agreed, the same
-    # on every rank; a round some rank flags as the last (shutdown) posts nothing.
+def test_posted_ahead_the_next_rows_length_is_agreed_a_round_early_and_not_posted_by_a_rank_that_stops():
+    # With ``post_ahead`` (Gloo's ``exchange_rows(row, post_next)``) each exchange is told the
+    # next row's length before the rows arrive: the header (the AND's words and two more) and a
+    # capacity agreed from the round before, the same on every rank; the row of each round has
+    # exactly the length the round before announced. A rank that stops this round announces none.
     resps, carriers = _setup(2, max_bytes=64)
-    posted: list[list[int]] = [[], []]
+    calls: list[list[tuple[int, int]]] = [[], []]
     for r, c in enumerate(carriers):
-        c._post = posted[r].append
+        def exchange(row: np.ndarray, post_next: int, inner=c._exchange, r=r) -> np.ndarray:
+            calls[r].append((row.size, post_next))
+            return inner(row)
+        c._exchange, c.post_ahead = exchange, True
     header = 8 * (2 * WORDS + 1 + 2)
-    _round(carriers, [["a", "g", "c"], ["a"]], resps)  # wishes 80 and 16: capacity 64
-    assert posted == [[header + 64]] * 2
+    ready = [["a", "g", "c"], ["a"]]  # wishes 80 and 16: capacity 64 (the most), "a" and "g" fit
+    first = _round(carriers, ready, resps)
+    assert calls == [[(header, header)]] * 2  # nothing agreed before the first rows
+    assert all(c is None for _, c in first)
+    assert [(c.capacity, c.next_capacity) for c in carriers] == [(0, 64)] * 2
+    second = _round(carriers, ready, resps)
+    assert all(c is None for _, c in second)  # the wish of round 1 is round 3's capacity
+    assert [k[-1] for k in calls] == [(header, header + 64)] * 2
+    third = _round(carriers, ready, resps)
+    assert [k[-1] for k in calls] == [(header + 64, header + 64)] * 2
+    a = resps[0]
+    for rank, (_, carried) in enumerate(third):
+        got = _reduce(carried, a, 2)
+        assert got is not None, rank
+        np.testing.assert_array_equal(got[0], _expected(a, 2), err_msg=f"rank {rank}")
     stop = 2
 
     def last(rank: int, c: Carrier) -> None:
@@ -244,7 +261,8 @@ def test_the_next_rows_receives_are_posted_with_their_agreed_length_except_after
         t.start()
     for t in threads:
         t.join(10)
-    assert posted == [[header + 64]] * 2  # nothing more: the next exchange never comes
+    # rank 1 stops: no next exchange for it; rank 0 learns it only from the rows
+    assert [k[-1] for k in calls] == [(header + 64, header + 64), (header + 64, 0)]
 
 
 @pytest.mark.parametrize("by_name", [False, True])
