@@ -171,7 +171,10 @@ def test_fully_shard_memory_per_rank_np4():
         assert o["fwd_peak"] <= p / 4 + block + o["root"] + 8192, (r, o)
         assert o["blocks_measured"] == (3, 3), (r, o)
         # in backward: the shards, the gradients reduced so far (<= 1/4), the gathered block and
-        # the previous one's reduction in flight (its gradients), the root's parameters
+        # the previous one's reduction in flight (its gradients), the root's parameters (measured
+        # 288292 of 337816 at the second block; one block's gradients more, which the engine
+        # kept after their reduce-scatter had finished until it dropped a finished operation's
+        # inputs before waking the waiter, broke it now and then: docs/fully_shard.md, Holdings)
         assert o["bwd_peak"] <= 2 * p / 4 + 2 * block + o["root"] + 2048, (r, o)
         # after a step: 1/4 of parameters, gradients and AdamW's two moments, plus two blocks
         assert o["state"] <= 2 * p / 4 + 4096, (r, o)

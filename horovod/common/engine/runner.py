@@ -126,6 +126,13 @@ class BatchRunner:
         if step_over:
             self._step_done()
         for e in done:
+            # The inputs are the submitter's buffers: drop them before its waiter wakes. The
+            # round still holds this entry (``take``'s list, the queue's) until it returns, and
+            # the waiter, on another thread, may free its tensors at once: they must then be
+            # freed, not kept alive for as long as this thread takes to end the round (a fully
+            # sharded module's gradients would outlive their reduction by a timing-dependent
+            # while: tests/torch/test_fully_shard_memory.py).
+            e.inputs = []
             e.handle.set_result(e.outputs)
 
     def _fail(self, e: Entry, error: BaseException) -> None:
