@@ -41,7 +41,10 @@ import sys
 import threading
 import time
 from types import FrameType, ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the shim loads the least it can: it starts before every rank
+    from collections.abc import Mapping
 
 
 def _load_protocol() -> ModuleType:
@@ -127,20 +130,39 @@ def _watch_stdin(stopper: _Stopper) -> None:
 
 def _watch_parent(stopper: _Stopper, parent: int) -> None:
     while True:
-        time.sleep(0.5)
         if os.getppid() != parent:
             stopper.stop("the process that started this worker died")
             return
+        time.sleep(0.5)
+
+
+def _orphaned_at_start(parent: int, environ: Mapping[str, str], hostname: str) -> bool:
+    """Whether the process that started this shim died before the shim could note its pid (on a
+    loaded host the interpreter's start takes seconds; a horovodrun killed then takes mpirun with
+    it, and the shim would start its command for nobody): the shim was handed to init (pid 1), or
+    Open MPI's ``mpirun`` on this host started it (``environ``: mpirun's, given with ``--mpirun``;
+    its ``PMIX_NAMESPACE`` is ``prterun-<host>-<pid>@<job>``, and mpirun starts this host's ranks
+    itself) and the parent is another process (a subreaper's)."""
+    if parent == 1:
+        return True
+    launcher, _, job = environ.get("PMIX_NAMESPACE", "").partition("@")
+    if not launcher.startswith("prterun-") or not job:
+        return False
+    host, _, pid = launcher[len("prterun-"):].rpartition("-")
+    return host == hostname and pid.isdigit() and int(pid) != parent
 
 
 def main(argv: list[str]) -> int:
-    watch_stdin = stdin_env = False
+    parent = os.getppid()  # first: the earlier noted, the shorter the window for a parent to die unseen
+    watch_stdin = stdin_env = under_mpirun = False
     while argv and argv[0] != "--":
         flag = argv.pop(0)
         if flag == "--watch-stdin":
             watch_stdin = True
         elif flag == "--stdin-env":
             stdin_env = True
+        elif flag == "--mpirun":
+            under_mpirun = True
         else:
             sys.stderr.write(f"horovod shim: unknown option {flag}\n")
             return 2
@@ -158,6 +180,11 @@ def main(argv: list[str]) -> int:
             return 2
     rank = protocol.env_rank(env) or "?"
     host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    if not watch_stdin and _orphaned_at_start(parent, os.environ if under_mpirun else {},
+                                              socket.gethostname()):
+        sys.stderr.write(f"horovod shim: rank {rank} on {host}: the process that started this worker "
+                         "had already died; not starting the command\n")
+        return 1
 
     record_path = os.path.join(os.environ.get("TMPDIR") or "/tmp",
                                f"horovod-exit-{os.getpid()}-{time.time_ns()}.json")
@@ -211,7 +238,7 @@ def main(argv: list[str]) -> int:
     if watch_stdin:
         threading.Thread(target=_watch_stdin, args=(stopper,), daemon=True).start()
     else:
-        threading.Thread(target=_watch_parent, args=(stopper, os.getppid()), daemon=True).start()
+        threading.Thread(target=_watch_parent, args=(stopper, parent), daemon=True).start()
 
     status = child.wait()
     # Whatever the command left running in its group (data loader workers, ...) goes with it.

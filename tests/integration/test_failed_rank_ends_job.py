@@ -161,10 +161,18 @@ def test_horovodrun_killed_takes_mpirun_and_ranks_with_it() -> None:
         while alive and time.monotonic() < deadline:
             alive = [p for p in alive if _alive(p)]
             time.sleep(0.2)
-        assert not alive, f"left running after horovodrun was killed: {[_cmdline(p) for p in alive]}"
+        assert not alive, ("left running after horovodrun was killed: "
+                           f"{[(_cmdline(p), _parent(p)) for p in alive]} (command line, parent pid)")
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _cmdline(pid: int) -> bytes:

@@ -16,9 +16,12 @@ SHIM_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 
 def shim_argv(command: list[str], *, python: str | None = None, watch_stdin: bool = False,
-              stdin_env: bool = False) -> list[str]:
-    """The argv that runs ``command`` under the worker shim (exit report, process-tree cleanup)."""
+              stdin_env: bool = False, mpirun: bool = False) -> list[str]:
+    """The argv that runs ``command`` under the worker shim (exit report, process-tree cleanup;
+    ``mpirun``: started by mpirun, whose environment tells the shim its expected parent)."""
     argv = [python or sys.executable, "-S", "-u", SHIM_PATH]
+    if mpirun:
+        argv.append("--mpirun")
     if watch_stdin:
         argv.append("--watch-stdin")
     if stdin_env:

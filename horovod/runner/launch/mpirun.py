@@ -274,7 +274,7 @@ def mpirun_command(plan: LaunchPlan, settings: LaunchSettings, impl: MpiImplemen
             args += ["-genvlist", SECRET_ENV]
     if settings.mpi_args:
         args += shlex.split(settings.mpi_args)
-    args += shim_argv(plan.command, python=python)
+    args += shim_argv(plan.command, python=python, mpirun=True)
     return Command(argv=args, env=env, ranks=tuple(range(plan.np)),
                    host=",".join(h.name for h in plan.hosts),
                    tagged="openmpi" if fl.open_mpi_like else "mpich",

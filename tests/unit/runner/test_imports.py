@@ -56,7 +56,8 @@ def test_launch_path_does_not_import_the_engine() -> None:
 def test_shim_uses_only_the_standard_library() -> None:
     mods = {m.split(".")[0] for m, _ in imported_modules(RUNNER / "_shim.py")}
     assert mods <= {"json", "os", "signal", "socket", "subprocess", "sys", "threading", "time",
-                    "ctypes", "importlib", "types", "typing", "__future__"}, mods
+                    "ctypes", "importlib", "types", "typing", "__future__",
+                    "collections"}, mods  # collections: for type checking only
 
 
 def test_the_package_ships_no_test_fixture_that_installs_software() -> None:

@@ -128,3 +128,37 @@ def test_a_remote_shim_takes_its_workers_environment_from_its_first_stdin_line()
     assert res.returncode == 0 and res.stdout.decode().strip() == "from the launcher", res.stderr
     bad = subprocess.run(argv, input=b'{"environ": {}}\n', capture_output=True, timeout=120)
     assert bad.returncode == 2 and b"bad environment line from the launcher" in bad.stderr, bad.stderr
+
+
+def test_a_shim_whose_mpirun_died_before_it_started_starts_nothing(tmp_path: Path) -> None:
+    # On a loaded host a shim's interpreter starts in seconds; mpirun (killed with horovodrun)
+    # may be gone by then, the shim handed to another parent: it must not start its command.
+    import socket
+
+    from horovod.runner._shim import _orphaned_at_start
+    from horovod.runner.launch.commands import shim_argv
+
+    host = socket.gethostname()
+    assert _orphaned_at_start(1, {}, host)
+    assert not _orphaned_at_start(4242, {}, host)  # horovodrun or ssh's shell: its own parent
+    started_here = {"PMIX_NAMESPACE": f"prterun-{host}-4242@1"}
+    assert not _orphaned_at_start(4242, started_here, host)  # mpirun, alive, is the parent
+    assert _orphaned_at_start(77, started_here, host)  # someone else's child now
+    assert not _orphaned_at_start(77, {"PMIX_NAMESPACE": "prterun-otherhost-4242@1"}, host)  # prted's
+    assert not _orphaned_at_start(77, {"PMIX_NAMESPACE": "slurm.pmix.12.0"}, host)
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that was mpirun's, now no process's
+    marker = tmp_path / "ran"
+    argv = shim_argv([sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"], mpirun=True)
+    res = subprocess.run(argv, capture_output=True, timeout=120,
+                         env={**os.environ, "PMIX_NAMESPACE": f"prterun-{host}-{gone.pid}@1"})
+    assert res.returncode == 1 and b"had already died; not starting the command" in res.stderr, res.stderr
+    assert not marker.exists()
+    ok = subprocess.run(argv, capture_output=True, timeout=120,
+                        env={**os.environ, "PMIX_NAMESPACE": f"prterun-{host}-{os.getpid()}@1"})
+    assert ok.returncode == 0 and marker.exists(), ok.stderr
+    marker.unlink()  # not started by mpirun (horovod.run inside an mpirun job): its variables are not the shim's
+    local = subprocess.run(shim_argv(argv[argv.index("--") + 1:]), capture_output=True, timeout=120,
+                           env={**os.environ, "PMIX_NAMESPACE": f"prterun-{host}-{gone.pid}@1"})
+    assert local.returncode == 0 and marker.exists(), local.stderr

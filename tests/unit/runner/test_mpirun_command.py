@@ -55,8 +55,9 @@ def test_open_mpi_5_command() -> None:
     assert {"PATH", "FOO", "PYTHONUNBUFFERED", "NCCL_SOCKET_IFNAME", "HOROVOD_SECRET_KEY"} <= exported
     assert "s3cret" not in " ".join(a) and "s3cret" not in cmd.text()
     assert cmd.env is not None and cmd.env["HOROVOD_SECRET_KEY"] == "s3cret"
-    assert a[-10:-7] == ["--mca", "foo", "bar"]  # --mpi-args go last before the program
-    assert a[-4:] == [SHIM_PATH, "--", "python", "train.py"]
+    assert a[-11:-8] == ["--mca", "foo", "bar"]  # --mpi-args go last before the program
+    # the shim, told that mpirun started it (its parent is mpirun: _shim._orphaned_at_start)
+    assert a[-5:] == [SHIM_PATH, "--mpirun", "--", "python", "train.py"]
     assert cmd.tagged == "openmpi" and cmd.ranks == (0, 1, 2, 3)
 
 
