@@ -31,12 +31,20 @@ WORKER = str(Path(__file__).resolve().parent / "bin" / "monitor_worker.py")
 URL_LINE = re.compile(r"horovodrun: monitor at (http://\S+/)")
 
 
+def _ignore_sigint() -> None:
+    """How a shell without job control starts a background job (``cmd &`` in a script: CI)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Job:
     """``horovodrun`` running in the background; its output collected, its monitor URL parsed."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(horovodrun_argv(*args), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=launcher_env(env), cwd=str(REPO))
+    def __init__(self, *args: str, env: dict[str, str] | None = None, sigint_ignored: bool = False) -> None:
+        # PYTHONFAULTHANDLER: a horovodrun that does not end is asked for its threads' stacks
+        # (SIGABRT) before it is killed (``wait``).
+        self.proc = subprocess.Popen(horovodrun_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=launcher_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
+                                     cwd=str(REPO), preexec_fn=_ignore_sigint if sigint_ignored else None)
         self.out: list[str] = []
         self.err: list[str] = []
         self._url = threading.Event()
@@ -63,9 +71,15 @@ class Job:
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"horovodrun did not end within {timeout:.0f} s: {self.text[-4000:]}")
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            for t in self._threads:
+                t.join(10)
+            pytest.fail(f"horovodrun did not end within {timeout:.0f} s: {self.text[-8000:]}")
         for t in self._threads:
             t.join(10)
         return rc
@@ -314,6 +328,19 @@ def _release(fifo: Path, deadline: float) -> None:
         os.write(fd, b"r")
     finally:
         os.close(fd)
+
+
+def test_ctrl_c_ends_the_linger_of_a_horovodrun_started_with_sigint_ignored() -> None:
+    # Python keeps an inherited SIG_IGN: horovodrun must still end its linger on SIGINT, as it
+    # ends a running job (what made the browser test above wait out its linger under CI).
+    job = Job("--gloo", "-np", "2", "--monitor-port", "0", "--monitor-linger", "120",
+              "python", "-c", "pass", sigint_ignored=True)
+    deadline = time.monotonic() + 60
+    while "the monitor stays up" not in job.text and job.proc.poll() is None:
+        assert time.monotonic() < deadline, job.text[-3000:]
+        time.sleep(0.1)
+    job.proc.send_signal(signal.SIGINT)
+    assert job.wait(timeout=30) == 0, job.text[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["mpi", "gloo"])

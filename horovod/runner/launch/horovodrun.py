@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
@@ -348,7 +349,25 @@ def _configure_logging(settings: LaunchSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``horovodrun`` with ``argv``; return the exit status."""
+    """Run ``horovodrun`` with ``argv``; return the exit status.
+
+    A SIGINT ends the job (the supervisor passes it on) and then a monitor's linger, also when
+    horovodrun was started with SIGINT ignored (a background job of a script: ``cmd &`` in a
+    shell without job control, which is how test runners and CI start it): Python then keeps
+    the inherited ``SIG_IGN``, and a Ctrl-C or ``kill -INT`` after the job's end was lost, the
+    monitor kept up for its whole ``--monitor-linger``. The inherited disposition is restored on
+    return."""
+    inherited = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    finally:
+        if inherited is not None:
+            signal.signal(signal.SIGINT, inherited)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from horovod.runner.cli import parse_args, settings_from_args
 
     args = parse_args(argv)
