@@ -46,10 +46,19 @@ def _run(argv: list[str], timeout: float = 120, env: dict[str, str] | None = Non
         raise AssertionError(f"{argv} did not finish in {timeout} s:\n{exc.stdout}") from None
 
 
-def torchrun(np_: int, *args: str) -> list[str]:
-    # --tee 3: the agent copies each worker's output line by line (no interleaved lines).
+def torchrun(np_: int, log_dir: Path, *args: str) -> list[str]:
+    # --tee 3 --log-dir: each worker's output goes to its own file, which the tests read once the agent
+    # ended; the agent's copy on its stdout is only for the failure messages (its tailer threads read
+    # the files while they grow, so a line can reach that copy split or not at all).
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={np_}", "--tee", "3",
-            *args]
+            f"--log-dir={log_dir}", *args]
+
+
+def _workers_output(log_dir: Path) -> str:
+    """Every worker's stdout as torchrun's agents wrote it under ``log_dir``, whole lines only."""
+    files = sorted(log_dir.glob("**/attempt_*/*/stdout.log"))
+    assert files, f"no worker output under {log_dir}"
+    return "".join(f.read_text(errors="replace") for f in files)
 
 
 def _recipe_lines(out: str, np_: int) -> dict[int, tuple[float, float, float]]:
@@ -58,13 +67,13 @@ def _recipe_lines(out: str, np_: int) -> dict[int, tuple[float, float, float]]:
     return lines
 
 
-def test_torchrun_runs_the_seed_recipe_like_horovodrun():
+def test_torchrun_runs_the_seed_recipe_like_horovodrun(tmp_path):
     """The unchanged seed script under torchrun: size N, identical parameters, horovodrun's losses
     (N=3, an odd size; torchrun with two workers on a node is the two-node test's)."""
     np_ = 3
-    res = _run(torchrun(np_, str(RECIPE)))
+    res = _run(torchrun(np_, tmp_path, str(RECIPE)))
     assert res.returncode == 0, res.stdout[-3000:]
-    mine = _recipe_lines(res.stdout, np_)
+    mine = _recipe_lines(_workers_output(tmp_path), np_)
     ref = _run([sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_), sys.executable, str(RECIPE)])
     assert ref.returncode == 0, ref.stdout[-3000:]
     theirs = _recipe_lines(ref.stdout, np_)
@@ -75,10 +84,10 @@ def test_torchrun_runs_the_seed_recipe_like_horovodrun():
 
 
 @pytest.mark.parametrize(("binding", "np_"), [("numpy", 3), ("tensorflow", 2)])
-def test_numpy_and_tensorflow_bindings_under_torchrun(binding, np_):
-    res = _run(torchrun(np_, str(BIN / "bindings.py"), binding), timeout=180)
+def test_numpy_and_tensorflow_bindings_under_torchrun(binding, np_, tmp_path):
+    res = _run(torchrun(np_, tmp_path, str(BIN / "bindings.py"), binding), timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
-    lines = sorted(BINDING_LINE.findall(res.stdout), key=lambda x: int(x[1]))
+    lines = sorted(BINDING_LINE.findall(_workers_output(tmp_path)), key=lambda x: int(x[1]))
     assert [int(x[1]) for x in lines] == list(range(np_)), res.stdout[-3000:]
     for name, rank, size, lr, ls, cr, cs, s, b in lines:
         assert (name, int(size), int(lr), int(ls), int(cr), int(cs)) == (binding, np_, int(rank), np_, 0, 1)
@@ -253,17 +262,18 @@ def test_ray_train_torch_trainer_two_workers():
     assert found == {0: want, 1: want}, res.stdout[-3000:]
 
 
-def test_torchrun_two_nodes_local_and_cross_ranks():
+def test_torchrun_two_nodes_local_and_cross_ranks(tmp_path):
     """Two torchrun agents (--nnodes=2, static rendezvous) of 2 workers each on this machine:
     local ranks follow torchrun's nodes (GROUP_RANK), cross ranks join the nodes."""
     port = str(_free_port())
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--tee", "3",
             "--master_addr=127.0.0.1", f"--master_port={port}"]
-    procs = [subprocess.Popen([*argv, f"--node_rank={n}", str(BIN / "bindings.py"), "torch"], env=_env(),
+    procs = [subprocess.Popen([*argv, f"--node_rank={n}", f"--log-dir={tmp_path / str(n)}",
+                               str(BIN / "bindings.py"), "torch"], env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
     outs = [p.communicate(timeout=150)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)[-3000:]
-    lines = sorted(BINDING_LINE.findall("\n".join(outs)), key=lambda x: int(x[1]))
+    lines = sorted(BINDING_LINE.findall(_workers_output(tmp_path)), key=lambda x: int(x[1]))
     got = [tuple(int(v) for v in x[1:7]) for x in lines]
     # (rank, size, local rank, local size, cross rank, cross size)
     assert got == [(0, 4, 0, 2, 0, 2), (1, 4, 1, 2, 0, 2), (2, 4, 0, 2, 1, 2), (3, 4, 1, 2, 1, 2)], outs
