@@ -1,27 +1,38 @@
 """The 161-tiny-tensor step on the Gloo and the MPI plane in the same processes, phase by phase,
-beside the raw transports' own latency (docs/performance.md, "The tiny step, both planes in one job").
+beside the raw transports' own latency (docs/performance.md, "Both planes in one job").
 
-    mpirun -np 2 --oversubscribe --bind-to none python benchmarks/tiny_step_planes.py --blocks 6 --reps 150
+    mpirun -np 2 --oversubscribe --bind-to none python benchmarks/tiny_step_planes.py --blocks 4 --reps 200
+    ... --work-ms 2      # 2 ms of the caller's own busy work before each step (a training step's
+                         # compute: the caller's thread hot, the transports' threads idle)
+    ... --barrier mpi    # an MPI barrier before each step instead of a Gloo one
+    ... --no-wake        # experiment: no submission wakes the engine thread
+    ... --variant ATTR   # experiment in a patched tree: every block on Gloo, every other one with
+                         # the Gloo backend's attribute ATTR set to True
 
 One ``mpirun`` job. The engine is started ``--blocks`` times, on the Gloo plane and the MPI plane in
 turn (``hvd.init()`` / ``hvd.shutdown()``; on Gloo the MPI launcher's variables are hidden and the
 ranks meet as torchrun's would, on a port rank 0 picks): both planes see the same load, in blocks
-seconds apart. Every rep starts with one MPI barrier (MPI's ranks leave it within microseconds,
-where a Gloo barrier releases them up to half a millisecond apart), then times, in order:
+seconds apart. Every rep starts with a barrier (by default an allreduce of one integer on a Gloo
+process group of the benchmark's own, as ``step_cost.py`` under ``horovodrun --gloo``; an MPI
+barrier on this loaded 2-core host hands Gloo's next call a cold start of milliseconds), then
+times, each mode in its own run of ``--reps`` reps (``--interleave``: every mode in turn in every
+rep; a raw call right after an engine step waits for threads the step left busy):
 
 * ``grouped``: one ``hvd.grouped_allreduce_`` of the 161 tensors of 4 floats (a cached step), with
-  every phase marked on every rank (``step_timeline.py``'s timers: submission, the round's bits and
-  row, the exchange, reading the rows, plan, the batch's run, completion);
-* ``gloo_rows``: one raw exchange of a row as long as the carried negotiation's (a send to the peer,
-  the receive posted during the previous one) on a Gloo process group of the benchmark's own;
+  every phase marked on every rank (wall and thread CPU time): submission, the round's bits and
+  row, the exchange (on Gloo: the send call, posting the next receives, the waits), reading the
+  rows, plan, the batch's run, completion;
+* ``gloo_rows``: one raw exchange of a row as long as the carried negotiation's (a send to the
+  peer, the receive posted during the previous one) on the benchmark's Gloo group;
 * ``gloo_small`` / ``gloo_fused``: one raw ``ProcessGroupGloo.allreduce`` of 4 floats / of the fused
   buffer's 644 floats on that group;
 * ``mpi_small`` / ``mpi_fused``: one raw mpi4py ``Allreduce`` of the same.
 
 Each figure is the median over a block's reps of the time from the last rank's start to the last
-rank's end (the ranks' clocks are the host's CLOCK_MONOTONIC); rank 0 prints one JSON line per
-block and, at the end, per plane the median over its blocks, and the differences that the goal
-reads: Gloo's step less MPI's, and less MPI's plus one raw Gloo exchange.
+rank's end (the ranks' clocks are the host's CLOCK_MONOTONIC); the phases are medians per rank, the
+rank that entered the exchange last being "late". Rank 0 prints one JSON line per block and a
+summary per pair of blocks (Gloo, then MPI): Gloo's step less MPI's, and less one raw Gloo
+exchange as well.
 """
 
 from __future__ import annotations
@@ -144,7 +155,8 @@ def _instrument(ev: list[tuple[str, float, float]]) -> None:
         backend._world = _PG()
 
 
-def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[Any]) -> dict[str, Any]:
+def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[Any],
+          variant: bool = False) -> dict[str, Any]:
     """One engine's life on ``plane``: warm-up, then ``steps`` reps of every mode. ``posted``: the
     raw exchange's receives posted ahead (kept from block to block: Gloo matches a peer's messages
     to the receives in the order they were posted)."""
@@ -169,6 +181,8 @@ def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[An
     assert eng.backend.name == plane, eng.backend.name
     ev: list[tuple[str, float, float]] = []
     _instrument(ev)
+    if args.variant and plane == "gloo" and variant:
+        setattr(eng.backend, args.variant, True)
     if args.no_wake:  # experiment: submissions never wake the engine thread
         q = eng.queue
 
@@ -227,6 +241,10 @@ def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[An
         for rep in range(args.warmup + steps):
             for label, fn in run:
                 barrier()
+                if args.work_ms:  # a training step's compute: this thread busy, the transport's idle
+                    until = time.perf_counter() + args.work_ms / 1e3
+                    while time.perf_counter() < until:
+                        pass
                 ev.clear()
                 t0 = time.perf_counter()
                 fn()
@@ -241,7 +259,8 @@ def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[An
     every_events = comm.gather(events, root=0)
     if rank != 0:
         return {}
-    out: dict[str, Any] = {"plane": plane, "barrier": args.barrier, "load": round(os.getloadavg()[0], 2),
+    out: dict[str, Any] = {"plane": plane + ("+" + args.variant if variant else ""), "barrier": args.barrier,
+                           "work_ms": args.work_ms, "load": round(os.getloadavg()[0], 2),
                            "rounds": rounds}
     for m in modes:
         starts = np.array([[s for s, _ in r[m]] for r in every_spans])
@@ -284,10 +303,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--tensors", type=int, default=161)
     p.add_argument("--elements", type=int, default=4)
+    p.add_argument("--work-ms", type=float, default=0.0,
+                   help="milliseconds of busy work between the barrier and each mode (a training "
+                        "step's compute: the caller's thread busy, the transports' threads idle)")
     p.add_argument("--interleave", action="store_true", help="every rep runs every mode in turn")
     p.add_argument("--modes", default="", help="comma-separated modes to time (default: all)")
+    p.add_argument("--variant", default="", help="experiment: every block on Gloo, every other one "
+                   "with this attribute of the Gloo backend set to True")
     p.add_argument("--no-wake", action="store_true", help="experiment: no submission wakes the engine thread")
-    p.add_argument("--barrier", choices=("mpi", "gloo"), default="mpi",
+    p.add_argument("--barrier", choices=("mpi", "gloo"), default="gloo",
                    help="what every rep starts with: an MPI barrier, or an allreduce of one integer on "
                         "the benchmark's Gloo group (step_cost.py's, under horovodrun --gloo)")
     args = p.parse_args()
@@ -298,7 +322,10 @@ def main() -> None:
     results = []
     posted: list[Any] = []
     for b in range(args.blocks):
-        res = block("gloo" if b % 2 == 0 else "mpi", args, comm, pg, args.reps, posted)
+        if args.variant:  # experiment: Gloo blocks without and with the variant, in turn
+            res = block("gloo", args, comm, pg, args.reps, posted, variant=b % 2 == 1)
+        else:
+            res = block("gloo" if b % 2 == 0 else "mpi", args, comm, pg, args.reps, posted)
         if comm.Get_rank() == 0:
             print(json.dumps(res), flush=True)
             results.append(res)
