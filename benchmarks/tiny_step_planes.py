@@ -5,7 +5,9 @@ beside the raw transports' own latency (docs/performance.md, "Both planes in one
     ... --work-ms 2      # 2 ms of the caller's own busy work before each step (a training step's
                          # compute: the caller's thread hot, the transports' threads idle)
     ... --barrier mpi    # an MPI barrier before each step instead of a Gloo one
-    ... --no-wake        # experiment: no submission wakes the engine thread
+    ... --async          # grouped_allreduce_async_ + synchronize (its submission wakes the engine
+                         # thread) instead of the synchronous grouped_allreduce_ (which does not)
+    ... --async --no-wake    # experiment: no submission wakes the engine thread
     ... --variant ATTR   # experiment in a patched tree: every block on Gloo, every other one with
                          # the Gloo backend's attribute ATTR set to True
 
@@ -18,7 +20,8 @@ barrier on this loaded 2-core host hands Gloo's next call a cold start of millis
 times, each mode in its own run of ``--reps`` reps (``--interleave``: every mode in turn in every
 rep; a raw call right after an engine step waits for threads the step left busy):
 
-* ``grouped``: one ``hvd.grouped_allreduce_`` of the 161 tensors of 4 floats (a cached step), with
+* ``grouped``: one ``hvd.grouped_allreduce_`` (``--async``: ``grouped_allreduce_async_`` and
+  ``synchronize``) of the 161 tensors of 4 floats (a cached step), with
   every phase marked on every rank (wall and thread CPU time): submission, the round's bits and
   row, the exchange (on Gloo: the send call, posting the next receives, the waits), reading the
   rows, plan, the batch's run, completion;
@@ -199,7 +202,10 @@ def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[An
 
     def grouped() -> None:
         ev.append(("start", time.perf_counter(), time.thread_time()))
-        hvd.grouped_allreduce_(tensors, name="planes.grouped", op=hvd.Average)
+        if args.use_async:  # the submission wakes the engine thread; the caller then drives
+            hvd.synchronize(hvd.grouped_allreduce_async_(tensors, name="planes.grouped", op=hvd.Average))
+        else:  # the synchronous call submits without waking it (the caller drives at once)
+            hvd.grouped_allreduce_(tensors, name="planes.grouped", op=hvd.Average)
         ev.append(("end", time.perf_counter(), time.thread_time()))
 
     # The carried row's length on the Gloo plane (header + data); the same bytes on MPI's.
@@ -310,6 +316,8 @@ def main() -> None:
     p.add_argument("--modes", default="", help="comma-separated modes to time (default: all)")
     p.add_argument("--variant", default="", help="experiment: every block on Gloo, every other one "
                    "with this attribute of the Gloo backend set to True")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="grouped_allreduce_async_ + synchronize instead of grouped_allreduce_")
     p.add_argument("--no-wake", action="store_true", help="experiment: no submission wakes the engine thread")
     p.add_argument("--barrier", choices=("mpi", "gloo"), default="gloo",
                    help="what every rep starts with: an MPI barrier, or an allreduce of one integer on "
