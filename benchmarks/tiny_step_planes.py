@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 PHASES = [("submit and hand-off to the round", "start", "drive<"),
           ("bits and row", "agree<", "xchg<"),
@@ -323,6 +322,8 @@ def main() -> None:
                    help="what every rep starts with: an MPI barrier, or an allreduce of one integer on "
                         "the benchmark's Gloo group (step_cost.py's, under horovodrun --gloo)")
     args = p.parse_args()
+    from mpi4py import MPI  # (here: importing this module starts no MPI)
+
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
         raise SystemExit("run it under mpirun -np 2 (or more)")
