@@ -4,7 +4,7 @@ beside the raw transports' own latency (docs/performance.md, "Both planes in one
     mpirun -np 2 --oversubscribe --bind-to none python benchmarks/tiny_step_planes.py --blocks 4 --reps 200
     ... --work-ms 2      # 2 ms of the caller's own busy work before each step (a training step's
                          # compute: the caller's thread hot, the transports' threads idle)
-    ... --barrier mpi    # an MPI barrier before each step instead of a Gloo one
+    ... --barrier mpi    # an MPI barrier before each step on both planes (gloo: a Gloo one)
     ... --async          # grouped_allreduce_async_ + synchronize (its submission wakes the engine
                          # thread) instead of the synchronous grouped_allreduce_ (which does not)
     ... --async --no-wake    # experiment: no submission wakes the engine thread
@@ -14,9 +14,12 @@ beside the raw transports' own latency (docs/performance.md, "Both planes in one
 One ``mpirun`` job. The engine is started ``--blocks`` times, on the Gloo plane and the MPI plane in
 turn (``hvd.init()`` / ``hvd.shutdown()``; on Gloo the MPI launcher's variables are hidden and the
 ranks meet as torchrun's would, on a port rank 0 picks): both planes see the same load, in blocks
-seconds apart. Every rep starts with a barrier (by default an allreduce of one integer on a Gloo
-process group of the benchmark's own, as ``step_cost.py`` under ``horovodrun --gloo``; an MPI
-barrier on this loaded 2-core host hands Gloo's next call a cold start of milliseconds), then
+seconds apart. Every rep starts with a barrier, by default the plane's own as in ``step_cost.py``:
+on Gloo an allreduce of one integer on a Gloo process group of the benchmark's own (it releases
+the ranks up to half a millisecond apart), on MPI ``MPI_Barrier`` (microseconds apart). The other
+plane's barrier would bias the comparison on a loaded 2-core host: after an MPI barrier Gloo's
+next call waits milliseconds for its threads, and after a Gloo barrier the MPI rank that comes
+early polls the core its late peer needs. Then
 times, each mode in its own run of ``--reps`` reps (``--interleave``: every mode in turn in every
 rep; a raw call right after an engine step waits for threads the step left busy):
 
@@ -235,7 +238,8 @@ def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[An
     if args.modes:
         modes = {k: f for k, f in modes.items() if k in args.modes.split(",")}
     one = torch.zeros(1, dtype=torch.int64)
-    barrier = comm.Barrier if args.barrier == "mpi" else lambda: pg.allreduce([one]).wait()
+    kind = args.barrier if args.barrier != "own" else plane
+    barrier = comm.Barrier if kind == "mpi" else lambda: pg.allreduce([one]).wait()
     spans: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     events: list[list[tuple[str, float, float]]] = []
     # Each mode in its own run of reps (a raw call right after an engine step, or after another
@@ -318,9 +322,10 @@ def main() -> None:
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="grouped_allreduce_async_ + synchronize instead of grouped_allreduce_")
     p.add_argument("--no-wake", action="store_true", help="experiment: no submission wakes the engine thread")
-    p.add_argument("--barrier", choices=("mpi", "gloo"), default="gloo",
-                   help="what every rep starts with: an MPI barrier, or an allreduce of one integer on "
-                        "the benchmark's Gloo group (step_cost.py's, under horovodrun --gloo)")
+    p.add_argument("--barrier", choices=("own", "mpi", "gloo"), default="own",
+                   help="what every rep starts with: the plane's own (default; as step_cost.py under "
+                        "horovodrun --gloo and under mpirun), an MPI barrier, or an allreduce of one "
+                        "integer on the benchmark's Gloo group")
     args = p.parse_args()
     from mpi4py import MPI  # (here: importing this module starts no MPI)
 
@@ -355,7 +360,9 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     over_raw = [round(g["grouped"] - m["grouped"] - g["gloo_rows"], 4) for g, m in pairs]
     return {"summary": True, "gloo_grouped": [g["grouped"] for g, _ in pairs],
             "mpi_grouped": [m["grouped"] for _, m in pairs],
-            "gloo_rows": [g["gloo_rows"] for g, _ in pairs],
+            "gloo_rows": [g["gloo_rows"] for g, _ in pairs],  # (each raw figure from its own plane's block)
+            "gloo_small": [g.get("gloo_small") for g, _ in pairs], "mpi_small": [m.get("mpi_small") for _, m in pairs],
+            "mpi_fused": [m.get("mpi_fused") for _, m in pairs],
             "gloo_minus_mpi": diff, "gloo_minus_mpi_minus_rows": over_raw,
             "median_gloo_minus_mpi": statistics.median(diff) if diff else None,
             "median_gloo_minus_mpi_minus_rows": statistics.median(over_raw) if over_raw else None,
