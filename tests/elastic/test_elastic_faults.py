@@ -104,8 +104,9 @@ def test_new_worker_killed_in_its_first_state_sync(fakehosts_factory: Factory,
     hosts = list(fh.hosts)
     steps = 16
     grow = json.dumps({"4": "".join(f"{h}:1\n" for h in hosts)})
+    # However late the driver takes the host in, the workers wait for the kill at the last step.
     rec, log, res = _run(fh, tmp_path, hosts, 2, f"{hosts[2]}[0]@sync@1", steps,
-                         {"HOSTS_AT": grow}, max_np=3)
+                         {"HOSTS_AT": grow, "WAIT_FOR_KILL": str(steps - 1)}, max_np=3)
     check_training(res, steps, size=2)  # type: ignore[arg-type]
     assert re.search(rf"round 1: training resumes with 3 workers .*new: {hosts[2]}\[0\]", log), log
     assert re.search(rf"worker {hosts[2]}\[0\] \(rank 2\) failed \(killed by signal 9", log), log
@@ -119,8 +120,11 @@ def test_member_killed_when_the_host_notice_reaches_it(fakehosts_factory: Factor
     hosts = list(fh.hosts)
     steps = 16
     grow = json.dumps({"4": "".join(f"{h}:1\n" for h in hosts)})
+    # The notice comes when the driver has started the new worker, however late on a loaded
+    # machine: the workers wait at the last step for the kill, then for the new worker.
     rec, log, res = _run(fh, tmp_path, hosts, 2, f"{hosts[1]}[0]@notice@1", steps,
-                         {"HOSTS_AT": grow}, max_np=3)
+                         {"HOSTS_AT": grow, "WAIT_FOR_KILL": str(steps - 1),
+                          "WAIT_FOR_SIZE": f"2@{steps - 1}"}, max_np=3)
     check_training(res, steps, size=2)  # type: ignore[arg-type]
     assert re.search(rf"worker {hosts[1]}\[0\] \(rank 1\) failed \(killed by signal 9", log), log
     assert rec.seconds() < RECOVERY_BOUND, log

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -22,17 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from tests._ports import reserved_port
+
 pytestmark = [pytest.mark.integration]
 
 SCRIPT = Path(__file__).resolve().parent / "bin" / "gloo_partial_exchange.py"
 REPO = Path(__file__).resolve().parents[2]
 GLOO_TIMEOUT = 60.0  # the script's HOROVOD_GLOO_TIMEOUT_SECONDS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stopped(pid: int) -> bool:
@@ -42,7 +37,11 @@ def _stopped(pid: int) -> bool:
 
 def test_a_survivor_waiting_on_a_peer_that_failed_and_closed_fails_at_once() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    port = str(_free_port())
+    with reserved_port() as held:  # for rank 0's store (torch binds it with SO_REUSEADDR)
+        _survivors_on(env, str(held))
+
+
+def _survivors_on(env: dict[str, str], port: str) -> None:
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), port], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(3)]
     out: list[list[str]] = [[], [], []]

@@ -135,12 +135,12 @@ def test_allreduce_across_two_hosts(fakehosts_factory: Factory, mode: str) -> No
 
 @pytest.mark.parametrize("mode", ["mpi", "gloo"])
 def test_worker_killed_on_second_host_ends_job_with_report(fakehosts_factory: Factory,
-                                                           mode: str) -> None:
+                                                           mode: str, tmp_path: Path) -> None:
     fh = fakehosts_factory(2)
     h1, h2 = fh.hosts
     start = time.monotonic()
     res = run_horovodrun_on(fh, h1, f"--{mode}", "-np", "4", "-H", f"{h1}:2,{h2}:2",
-                            sys.executable, WORKER, "kill", "2", timeout=120)
+                            sys.executable, WORKER, "kill", "2", str(tmp_path), timeout=120)
     elapsed = time.monotonic() - start
     report = res.stderr
     assert res.returncode == 137, report

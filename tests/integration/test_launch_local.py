@@ -122,9 +122,9 @@ def test_output_prefixes_partial_lines_unicode_and_carriage_returns(mode: str) -
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
-def test_failure_stops_everyone_and_reports_first_rank(mode: str, how: str) -> None:
+def test_failure_stops_everyone_and_reports_first_rank(mode: str, how: str, tmp_path: Path) -> None:
     start = time.monotonic()
-    args = ["fail", "1", "3"] if how == "exit" else ["kill", "1"]
+    args = (["fail", "1", "3"] if how == "exit" else ["kill", "1"]) + [str(tmp_path)]
     res = horovodrun(f"--{mode}", "-np", "3", "python", WORKER, *args, timeout=60)
     elapsed = time.monotonic() - start
     report = res.stderr

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from horovod.testing import run_ranks
+from tests._ports import reserved_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -94,26 +95,20 @@ def test_numpy_and_tensorflow_bindings_under_torchrun(binding, np_, tmp_path):
         assert float(s) == np_ * (np_ + 1) / 2 and float(b) == np_ - 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_unreachable_torchrun_store_fails_every_rank_naming_the_variables():
     """WORLD_SIZE=2 and torchrun's variables, but nobody serves MASTER_ADDR:MASTER_PORT: no rank runs alone."""
-    port = _free_port()
-    procs = []
-    start = time.monotonic()
-    for rank in range(2):
-        env = _env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "HOROVOD_GLOO_TIMEOUT_SECONDS": "3"})
-        procs.append(subprocess.Popen([sys.executable, str(BIN / "bindings.py"), "torch"], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = [p.communicate(timeout=90)[0] for p in procs]
-    elapsed = time.monotonic() - start
+    with reserved_port() as port:  # held, never listened on: no other process serves it meanwhile
+        procs = []
+        start = time.monotonic()
+        for rank in range(2):
+            env = _env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                        "HOROVOD_GLOO_TIMEOUT_SECONDS": "3"})
+            procs.append(subprocess.Popen([sys.executable, str(BIN / "bindings.py"), "torch"], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+        elapsed = time.monotonic() - start
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode != 0 and "BINDING" not in out, out
         assert f"Rank {rank} of a job started by torchrun cannot reach the job's store at 127.0.0.1:{port}" in out, out
@@ -157,7 +152,8 @@ def _spawned(i: int, port: int, size: int, q) -> None:  # noqa: ANN001
 
 def test_already_initialised_gloo_group_from_torch_multiprocessing_spawn():
     """torch.multiprocessing.spawn + init_process_group('gloo'), then hvd.init(): np=3."""
-    code = f"""
+    with reserved_port() as port:  # for rank 0's store (torch binds it with SO_REUSEADDR)
+        code = f"""
 import os, sys
 sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
 import torch.multiprocessing as mp
@@ -165,10 +161,10 @@ from test_run_anywhere import _spawned
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.spawn(_spawned, args=({_free_port()}, 3, q), nprocs=3, join=True)
+    mp.spawn(_spawned, args=({port}, 3, q), nprocs=3, join=True)
     print("SPAWN", sorted(q.get() for _ in range(3)), flush=True)
 """
-    res = _run([sys.executable, "-c", code], timeout=150)
+        res = _run([sys.executable, "-c", code], timeout=150)
     assert res.returncode == 0, res.stdout[-3000:]
     line = next(x for x in res.stdout.splitlines() if x.startswith("SPAWN"))
     got = eval(line[len("SPAWN "):])  # noqa: S307 - our own repr of tuples of numbers
@@ -265,13 +261,13 @@ def test_ray_train_torch_trainer_two_workers():
 def test_torchrun_two_nodes_local_and_cross_ranks(tmp_path):
     """Two torchrun agents (--nnodes=2, static rendezvous) of 2 workers each on this machine:
     local ranks follow torchrun's nodes (GROUP_RANK), cross ranks join the nodes."""
-    port = str(_free_port())
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--tee", "3",
-            "--master_addr=127.0.0.1", f"--master_port={port}"]
-    procs = [subprocess.Popen([*argv, f"--node_rank={n}", f"--log-dir={tmp_path / str(n)}",
-                               str(BIN / "bindings.py"), "torch"], env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
-    outs = [p.communicate(timeout=150)[0] for p in procs]
+    with reserved_port() as port:  # for the agents' store (torch binds it with SO_REUSEADDR)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--tee", "3",
+                "--master_addr=127.0.0.1", f"--master_port={port}"]
+        procs = [subprocess.Popen([*argv, f"--node_rank={n}", f"--log-dir={tmp_path / str(n)}",
+                                   str(BIN / "bindings.py"), "torch"], env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
+        outs = [p.communicate(timeout=150)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)[-3000:]
     lines = sorted(BINDING_LINE.findall(_workers_output(tmp_path)), key=lambda x: int(x[1]))
     got = [tuple(int(v) for v in x[1:7]) for x in lines]

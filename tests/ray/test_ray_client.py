@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests._ports import reserved_port
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 CLIENT = r"""
@@ -60,19 +62,19 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def _client_server(address: str) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "ray.util.client.server", "--mode", "legacy",
-                               "--host", "127.0.0.1", "--port", str(port), "--address", address],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120  # readiness only: the server starts slowly on a loaded machine
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, port
-        except OSError:
-            time.sleep(0.5)
+    # The port stays reserved until the server listens on it (gRPC binds it with SO_REUSEADDR):
+    # no other process takes it while the server starts, nor answers this readiness check.
+    with reserved_port() as port:
+        server = subprocess.Popen([sys.executable, "-m", "ray.util.client.server", "--mode", "legacy",
+                                   "--host", "127.0.0.1", "--port", str(port), "--address", address],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120  # readiness only: the server starts slowly on a loaded machine
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return server, port
+            except OSError:
+                time.sleep(0.5)
     server.kill()
     pytest.fail(f"the Ray Client server did not start (exit code {server.poll()})")
 

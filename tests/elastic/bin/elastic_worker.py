@@ -22,13 +22,17 @@ Environment:
                     hang@<n>    stops (SIGSTOP) before step n instead of dying (once per job:
                                 a worker started later on that slot goes on)
                   It prints "KILLING <point> pid <pid>" first (the test times the recovery from
-                  there).
+                  there) and leaves the file HOSTS_FILE.killed (WAIT_FOR_KILL).
   BUSY            "<host>[<slot>]@<step>@<seconds>": that worker computes in pure Python for that
                   long before that step (its main thread never waits)
   HOSTS_FILE, HOSTS_AT   JSON {"<step>": "<file content>"}: rank 0 writes the discovery file
                   when it first reaches that step
   WAIT_FOR_SIZE   "<n>@<step>[,<n>@<step>...]": the workers wait at that step (at most 90 s)
                   until the job has n workers
+  WAIT_FOR_KILL   "<step>": the workers wait at that step (at most 90 s, before WAIT_FOR_SIZE's
+                  wait) until the KILL_AT worker has reached its point: a kill that waits for
+                  the driver (a host notice, a new worker's sync) happens however fast the
+                  others train
   BLOCK_AT        "<step>@<dir>": every worker, before that step, prints "READY <me> rank <r>"
                   and blocks in ``blocked_until_released`` until it reads the end of the FIFO
                   <dir>/<me> (<me>: "<host>[<slot>]"; the test makes the FIFOs and writes them
@@ -136,6 +140,8 @@ def _kill_at(me: str, point: str, n: int) -> None:
             if os.path.exists(marker):
                 return
             open(marker, "w").close()
+        if os.environ.get("HOSTS_FILE"):
+            open(os.environ["HOSTS_FILE"] + ".killed", "w").close()
         print(f"KILLING {point} pid {os.getpid()}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP if point == "hang" else signal.SIGKILL)
 
@@ -196,6 +202,8 @@ def main() -> None:
     me = f"{os.environ['HOROVOD_ELASTIC_HOST']}[{os.environ['HOROVOD_ELASTIC_SLOT']}]"
     hosts_at = json.loads(os.environ.get("HOSTS_AT", "{}"))
     wait_for = os.environ.get("WAIT_FOR_SIZE", "")
+    wait_kill = int(os.environ.get("WAIT_FOR_KILL", "-1"))
+    killed = os.environ.get("HOSTS_FILE", "") + ".killed"
     syncs = [0]
     _install_protocol_hooks(me)
 
@@ -243,6 +251,12 @@ def main() -> None:
                     fh.write(content)
                 os.replace(os.environ["HOSTS_FILE"] + ".tmp", os.environ["HOSTS_FILE"])
                 open(marker, "w").close()
+            # Rank 0's view of the kill decides (broadcast): every rank loops the same number of times.
+            for _ in range(450 if state.step == wait_kill else 0):
+                if hvd.broadcast_object(os.path.exists(killed), 0, name="wait_for_kill"):
+                    break
+                time.sleep(0.2)
+                state.check_host_updates()
             for spec in filter(None, wait_for.split(",")):
                 n, _, at = spec.partition("@")
                 # Every rank loops the same number of times (check_host_updates is collective).

@@ -5,9 +5,11 @@
     worker.py reinit                hvd.init/allreduce/shutdown three times, print ROUND {json}
     worker.py wait-file PATH        print "waiting", wait (30 s max) for PATH, print "done"
     worker.py output                write partial lines, unicode, progress-bar carriage returns
-    worker.py fail RANK CODE        rank RANK exits with CODE after writing to stderr; the others
-                                    start a grandchild (printing its pid) and sleep
-    worker.py kill RANK             like fail, but rank RANK is killed by SIGKILL
+    worker.py fail RANK CODE DIR    rank RANK exits with CODE after writing to stderr; the others
+                                    start a grandchild (printing its pid), mark DIR/started.<r>
+                                    and sleep; rank RANK fails once every other rank has marked
+                                    (however late a loaded machine starts them)
+    worker.py kill RANK DIR         like fail, but rank RANK is killed by SIGKILL
     worker.py sigint DIR            print "ready", then wait; on SIGINT/SIGTERM write its name to
                                     DIR/rank<r>, print "got <SIGNAL>" and exit 7
     worker.py env NAME...           print NAME=value for each NAME
@@ -29,6 +31,13 @@ def env_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def env_size() -> int:
+    for var in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
 
 
 def main(argv: list[str]) -> int:
@@ -89,15 +98,19 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"err from {rank}\n")
         return 0
     if what in ("fail", "kill"):
-        bad = int(argv[1])
+        bad, marks = int(argv[1]), argv[-1]
         if rank == bad:
-            time.sleep(1.0)
+            others = [os.path.join(marks, f"started.{r}") for r in range(env_size()) if r != bad]
+            deadline = time.monotonic() + 60
+            while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             print(f"rank {rank} is failing on purpose", file=sys.stderr, flush=True)
             if what == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             return int(argv[2])
         child = subprocess.Popen(["sleep", "300"])
         print(f"GRANDCHILD {child.pid}", flush=True)
+        open(os.path.join(marks, f"started.{rank}"), "w").close()
         time.sleep(120)
         return 0
     if what == "sigint":

@@ -1,7 +1,10 @@
 """Ray Train's TorchTrainer (2 workers, local Ray) running an unchanged Horovod training function.
 
 Ray Train initialises torch.distributed's default group before the function runs; hvd.init()
-joins it. Every rank prints ``TRAINER <rank> <json>``: every rank's (rank, size, local rank, local size, launcher, sum).
+joins it. Every rank writes what it saw to a file; once the run ended, this driver prints
+``TRAINER <rank> <json>`` for each: every rank's (rank, size, local rank, local size, launcher, sum).
+(Not the workers' own prints: Ray's log monitor tails their log files and forwards the lines on its
+own schedule, so a line printed as the run ends can miss a driver that shuts Ray down.)
 """
 
 import json
@@ -20,9 +23,11 @@ def train(config: dict) -> None:
     total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()
     mine = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), get_context().launch.launcher, total)
     everyone = hvd.allgather_object(mine)
-    hvd_rank = hvd.rank()
+    path = os.path.join(config["out"], f"rank{hvd.rank()}.json")
     hvd.shutdown()
-    print(f"TRAINER {hvd_rank} " + json.dumps(everyone), flush=True)  # forwarded by Ray to the driver
+    with open(path + ".tmp", "w") as f:
+        json.dump(everyone, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
@@ -33,9 +38,14 @@ if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     ray.init(address="local", num_cpus=n, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    try:
-        trainer = TorchTrainer(train, scaling_config=ScalingConfig(num_workers=n, use_gpu=False),
-                               run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hvd-ray-train-")))
-        trainer.fit()
-    finally:
-        ray.shutdown()
+    with tempfile.TemporaryDirectory(prefix="hvd-ray-train-out-") as out:
+        try:
+            trainer = TorchTrainer(train, train_loop_config={"out": out},
+                                   scaling_config=ScalingConfig(num_workers=n, use_gpu=False),
+                                   run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hvd-ray-train-")))
+            trainer.fit()
+        finally:
+            ray.shutdown()
+        for name in sorted(os.listdir(out)):
+            with open(os.path.join(out, name)) as f:
+                print(f"TRAINER {name[len('rank'):-len('.json')]} {f.read()}", flush=True)
