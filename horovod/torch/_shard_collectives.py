@@ -113,9 +113,14 @@ def release_freed_memory(g: ShardGroup) -> None:
     the first freed block on, each module's unsharded parameters, gradients and the allgather's
     output are carved from the heap; small allocations (activations) split the holes they leave,
     the next block's buffers land elsewhere, and the holes stay resident: a step's peak resident
-    memory grew to twice the live tensors (docs/fully_shard.md, "Peak memory"). Trimming after
-    each module bounds what is resident to the live tensors plus one module's buffers. It is a
-    call, not a setting: the process's malloc parameters are left as they are."""
+    memory grew to twice the live tensors (docs/fully_shard.md, "Peak memory"). Trimming when
+    that free memory has grown by four modules' buffers within an iteration bounds what is
+    resident to the live tensors plus a few modules' buffers. Since the gradients are freed as soon
+    as they are reduced (``reduce``) and the collectives' results come from the engine's warm pool,
+    the heap hardly grows within an iteration and the release rarely has anything to do (a
+    release costs ~3 ms, and every page it hands back is faulted in again when reused:
+    docs/fully_shard.md, "Sixth round"). It is a call, not a setting: the process's malloc
+    parameters are left as they are."""
     if not g.release_memory or not g.params or g.params[0].shard.device.type != "cpu":
         return
     if not _TRIM:
@@ -125,9 +130,10 @@ def release_freed_memory(g: ShardGroup) -> None:
     trim, in_use = _TRIM[0]
     # only when the memory that is resident but not in use (the resident set less what the
     # allocator has handed out) has grown by more than a few modules' buffers since its lowest
-    # point after the last release: live tensors growing (the shards' gradients during backward)
-    # is not a reason, and free memory the next buffers reuse at once is not handed back each time
-    # (its pages would be faulted in again)
+    # point in this iteration (since the last release): live tensors growing (the shards'
+    # gradients during backward) is not a reason, nor is memory freed before the iteration began,
+    # and free memory the next buffers reuse at once is not handed back each time (its pages would
+    # be faulted in again)
     root = g.root()
     if not root.release_slack:
         biggest = max(h.n * h.segment * h.params[0].unsharded.element_size()

@@ -84,6 +84,28 @@ def test_live_growth_is_no_reason_to_release(fake) -> None:
     assert trims == [0]
 
 
+def test_memory_freed_before_an_iteration_is_not_released(fake) -> None:
+    """Each iteration (``_shard_hooks._begin``) counts from its own start: memory freed between
+    iterations (the optimizer's temporaries, another model's buffers, which their owners reuse)
+    is no reason to release; growth within the iteration is."""
+    from horovod.torch._shard_hooks import _begin
+
+    trims, rss = fake
+    used = _used[0]
+    g = _group()
+    g.order, g.prev_order, g.iteration, g.open, g.grad_pending = [], [], 0, False, False
+    _made.append(g)
+    _begin(g)
+    C.release_freed_memory(g)
+    used[0] -= 200 * MIB  # freed between iterations, still resident
+    _begin(g)
+    C.release_freed_memory(g)
+    assert trims == []
+    used[0] -= 65 * MIB  # freed within the iteration: beyond the slack
+    C.release_freed_memory(g)
+    assert trims == [0]
+
+
 def test_no_release_when_switched_off_or_off_cpu(fake) -> None:
     trims, rss = fake
     for g in (_group(release=False), _group(device="meta")):
