@@ -8,6 +8,9 @@ memory release on and off, alternated, one launch of ``--np`` ranks each.
     python benchmarks/fully_shard_faults.py --direct      # gradients as the reduce-scatter's input
     python benchmarks/fully_shard_faults.py --addresses   # and each module's gradient address
 
+It first prints what one 4 MiB gradient's copy into the packed reduce-scatter layout costs
+against faulting in 4 MiB of fresh pages (one process, median of 30).
+
 ``--direct`` makes every module's reduce-scatter take its gradients as they are (the path used
 off CPU) instead of copying them into the root's kept buffer (CPU's path); ``--addresses`` prints,
 for the last step, the address of each module's weight gradient as the reduce-scatter gets it.
@@ -57,13 +60,15 @@ def _run(release: bool, layers: int, width: int, steps: int, direct: bool, addre
     trims = [0]
     if not C._TRIM:
         C._TRIM.append(C._malloc_trim())
-    if C._TRIM[0] is not None:
-        trim, in_use = C._TRIM[0]
+    found = C._TRIM[0]
+    if found is not None:
+        # (malloc_trim, in use); an older checkout keeps malloc_trim alone
+        trim = found[0] if isinstance(found, tuple) else found
 
         def counted(pad: int) -> Any:
             trims[0] += 1
             return trim(pad)
-        C._TRIM[0] = (counted, in_use)
+        C._TRIM[0] = (counted, found[1]) if isinstance(found, tuple) else counted
     seen: list[tuple[int, int]] = []
     if addresses:
         reduce = C.reduce
@@ -97,6 +102,31 @@ def _run(release: bool, layers: int, width: int, steps: int, direct: bool, addre
     return {"rank": hvd.rank(), "rows": rows, "addresses": list(seen)}
 
 
+def _copy_against_faults() -> str:
+    import mmap
+
+    import torch
+
+    torch.set_num_threads(1)
+    src = torch.randn(1024, 1024)  # 4 MiB of float32: one module's weight gradient at width 1024
+    buf = torch.empty(2, 512 * 1024 + 512)  # the packed layout at np=2: each rank's rows padded
+    copy, fault = [], []
+    for _ in range(30):
+        t = time.perf_counter()
+        buf[:, :512 * 1024].copy_(src.view(2, -1))
+        copy.append(time.perf_counter() - t)
+        m = mmap.mmap(-1, 4 << 20)
+        view = memoryview(m)
+        t = time.perf_counter()
+        for off in range(0, 4 << 20, mmap.PAGESIZE):
+            view[off] = 1
+        fault.append(time.perf_counter() - t)
+        view.release()
+        m.close()
+    return (f"copying a 4 MiB gradient into the packed buffer {1e3 * statistics.median(copy):.2f} ms; "
+            f"faulting in 4 MiB of fresh pages {1e3 * statistics.median(fault):.2f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=2)
@@ -113,6 +143,7 @@ def main() -> int:
     print(f"{args.layers} x Linear({args.width}, {args.width}), np={args.np}, "
           f"gradients {'as the reduce-scatter input (direct)' if args.direct else 'as the code chooses'}; "
           f"load average {os.getloadavg()[0]:.1f}")
+    print(_copy_against_faults())
     for k in range(2 * args.launches):
         release = k % 2 == 0
         out = run_ranks(_run, np=args.np, args=(release, args.layers, args.width, args.steps, args.direct,
