@@ -153,7 +153,8 @@ def main() -> int:
               f"{len(rows)} steps:")
         for key in PHASES + ("releases",):
             print(f"  {key:<10} {statistics.median(r[key] for r in rows):8.0f} faults" if key != "releases" else
-                  f"  {key:<10} {statistics.median(r[key] for r in rows):8.1f} per step", end="")
+                  f"  {key:<10} {statistics.median(r[key] for r in rows):8.1f} per step (median; "
+                  f"each step: {[r[key] for r in rows]})", end="")
             if key in PHASES:
                 print(f"   {statistics.median(r[key + '_s'] for r in rows):.3f} s")
             else:
