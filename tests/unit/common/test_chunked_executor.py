@@ -161,7 +161,8 @@ def test_output_pool_forgets_dropped_buffers_of_other_sizes_when_full() -> None:
     assert pool.tracked_bytes == 8800 and set(pool._by_size) == {4000, 4800}
     again = pool.empty((1000,), np.float32)  # the used one is never handed out again
     assert again.__array_interface__["data"][0] != kept.__array_interface__["data"][0]
-    assert pool.tracked_bytes == 8800  # no room: allocated plainly, not tracked
+    assert pool.tracked_bytes == 8800  # no room (both in use): allocated plainly, not tracked
+    assert new.shape == (1200,) and again.shape == kept.shape == (1000,)
 
 
 def test_large_outputs_start_on_a_huge_page(monkeypatch: pytest.MonkeyPatch) -> None:
