@@ -148,3 +148,18 @@ def test_all_finite_sums_first_and_checks_exactly_when_a_sum_is_not_finite() -> 
     assert F.all_finite([big, torch.ones(2)])  # ... the elements are finite
     assert F.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)])
     assert not F.all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([inf])])
+
+
+def test_gradients_are_packed_and_freed_at_once_on_cpu() -> None:
+    """On CPU a module's gradients are copied into the root's kept buffer and freed at once
+    (``_direct_params`` None), so that each is allocated where the previous one was; off CPU they
+    are the reduce-scatter's input as they are (docs/fully_shard.md, "Sixth round")."""
+    from horovod.torch.compression import Compression
+
+    for device, direct in (("cpu", False), ("meta", True)):
+        q = SimpleNamespace(seg=8, rows=8, dtype=torch.float32,
+                            shard=torch.zeros(2, 4, device=device),
+                            unsharded=torch.zeros(8, 4, device=device, requires_grad=True))
+        g = SimpleNamespace(direct=None, compression=Compression.none, n=4, params=[q])
+        got = C._direct_params(g, torch.float32)
+        assert (got == [q]) if direct else got is None, (device, got)
