@@ -113,28 +113,37 @@ def release_freed_memory(g: ShardGroup) -> None:
     the first freed block on, each module's unsharded parameters, gradients and the allgather's
     output are carved from the heap; small allocations (activations) split the holes they leave,
     the next block's buffers land elsewhere, and the holes stay resident: a step's peak resident
-    memory grew to twice the live tensors (docs/fully_shard.md, "Peak memory"). Trimming after
-    each module bounds what is resident to the live tensors plus one module's buffers. It is a
-    call, not a setting: the process's malloc parameters are left as they are."""
+    memory grew to twice the live tensors (docs/fully_shard.md, "Peak memory"). Trimming when
+    that free memory has grown by four modules' buffers within an iteration bounds what is
+    resident to the live tensors plus a few modules' buffers. Since the gradients are freed as soon
+    as they are reduced (``reduce``) and the collectives' results come from the engine's warm pool,
+    the heap hardly grows within an iteration and the release rarely has anything to do (a
+    release costs ~3 ms, and every page it hands back is faulted in again when reused:
+    docs/fully_shard.md, "Sixth round"). It is a call, not a setting: the process's malloc
+    parameters are left as they are."""
     if not g.release_memory or not g.params or g.params[0].shard.device.type != "cpu":
         return
     if not _TRIM:
         _TRIM.append(_malloc_trim())
     if _TRIM[0] is None:
         return
-    # only when the resident set has grown by more than a few modules' buffers since its lowest
-    # point after the last release: the buffers a step has in flight are not released each time
-    # (their pages would be faulted in again), what the allocator keeps beyond them is
+    trim, in_use = _TRIM[0]
+    # only when the memory that is resident but not in use (the resident set less what the
+    # allocator has handed out) has grown by more than a few modules' buffers since its lowest
+    # point in this iteration (since the last release): live tensors growing (the shards'
+    # gradients during backward) is not a reason, nor is memory freed before the iteration began,
+    # and free memory the next buffers reuse at once is not handed back each time (its pages would
+    # be faulted in again)
     root = g.root()
     if not root.release_slack:
         biggest = max(h.n * h.segment * h.params[0].unsharded.element_size()
                       for h in groups_in(root.module) if h.params)
         root.release_slack = 4 * biggest
-    rss = _resident_bytes()
-    root.released_rss = min(root.released_rss, rss)
-    if rss - root.released_rss > root.release_slack:
-        _TRIM[0](0)
-        root.released_rss = _resident_bytes()
+    idle = _resident_bytes() - in_use()
+    root.released_idle = min(root.released_idle, idle)
+    if idle - root.released_idle > root.release_slack:
+        trim(0)
+        root.released_idle = _resident_bytes() - in_use()
 
 
 def _resident_bytes() -> int:
@@ -145,9 +154,15 @@ def _resident_bytes() -> int:
 _PAGE = mmap.PAGESIZE
 
 
-def _malloc_trim() -> Any:
+def _malloc_trim() -> tuple[Any, Any] | None:
+    """glibc's ``malloc_trim`` and a function giving the bytes its allocator has handed out (in
+    every arena, and mapped: ``mallinfo2``; 0 before glibc 2.33), or None off glibc."""
     import ctypes
     import ctypes.util
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
 
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -155,7 +170,15 @@ def _malloc_trim() -> Any:
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to release this way
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    info = getattr(lib, "mallinfo2", None)
+    if info is None:
+        return fn, lambda: 0
+    info.argtypes, info.restype = [], MallInfo2
+
+    def in_use() -> int:
+        m = info()
+        return int(m.uordblks + m.hblkhd)
+    return fn, in_use
 
 
 def reduce(g: ShardGroup) -> None:
@@ -217,9 +240,16 @@ def _direct_params(g: ShardGroup, dt: torch.dtype) -> list[Any] | None:
     reduce-scatter, no copy), or None when the packed buffer is needed: a compression or a reduce
     dtype other than the gradients' (a cast is a copy anyway), or a parameter whose rows the
     engine splits otherwise than the shards (it gives the first ``R % N`` ranks one row more; the
-    shards give each rank ``ceil(R/N)`` rows while they last). The same answer on every rank."""
+    shards give each rank ``ceil(R/N)`` rows while they last); and on CPU, where the copy costs
+    less than the page faults it saves: a gradient kept as the reduce-scatter's input is freed only
+    after the next module's gradients are allocated, and glibc cannot put a gradient into the hole
+    of a freed one of the same size (torch allocates them aligned, ``posix_memalign``, which asks
+    for more than the hole), so each module's gradients would take new pages and leave a hole
+    behind: a backward's worth of holes, resident or (released) faulted in again every step. Copied
+    into the root's kept buffer and freed at once, each gradient is allocated where the previous
+    one was, warm (docs/fully_shard.md, "Sixth round"). The same answer on every rank."""
     if g.direct is None:
-        ok = g.compression is Compression.none and all(
+        ok = g.compression is Compression.none and g.params[0].shard.device.type != "cpu" and all(
             q.unsharded.dtype == dt and _engine_rows(q.rows, g.n) == _shard_rows(q.rows, g.n)
             for q in g.params if q.seg)
         g.direct = [q for q in g.params if q.seg and q.unsharded.requires_grad] if ok else []

@@ -38,8 +38,8 @@ class ShardGroup:
         self.requires_sync = True
         # after freeing a module's buffers on CPU, give the allocator's free pages back (glibc)
         self.release_memory = os.environ.get("HOROVOD_FULLY_SHARD_RELEASE_MEMORY", "1") != "0"
-        self.release_slack = 0       # (root) resident growth tolerated before a release, bytes
-        self.released_rss = 1 << 62  # (root) the lowest resident set seen since the last release
+        self.release_slack = 0        # (root) growth of resident free memory tolerated, bytes
+        self.released_idle = 1 << 62  # (root) the least resident free memory since the last release
         # iteration state (kept on the root group)
         self.order: list[ShardGroup] = []
         self.prev_order: list[ShardGroup] = []

@@ -65,6 +65,10 @@ def _begin(root: ShardGroup) -> None:
     root.iteration += 1
     root.open = True
     root.grad_pending = False
+    # the memory release counts what this iteration leaves free, not what was freed before it
+    # (the optimizer's temporaries, another model's buffers: theirs to reuse, and handing them back
+    # would make their next use fault them in again)
+    root.released_idle = 1 << 62
 
 
 def _pre_forward(g: ShardGroup, args: Any, kwargs: Any) -> Any:

@@ -37,7 +37,7 @@ def _relayout_group(g: ShardGroup) -> bool:
     g.n, g.r = n, r
     g.order, g.prev_order, g.pending = [], [], []
     g.callback_queued, g.in_forward, g.open, g.grad_pending = False, False, False, False
-    g.release_slack, g.released_rss = 0, 1 << 62  # the modules' buffers have other sizes now
+    g.release_slack, g.released_idle = 0, 1 << 62  # the modules' buffers have other sizes now
     g.accumulated.clear()
     g.direct = None  # the rows' split is another
     offset = 0

@@ -531,6 +531,10 @@ class NumpyBuffers:
     #: remembered views per name (one per set of segments a plan cuts the entry into)
     MOVES_MEMO_SIZE = 8
 
+    def result(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A new result of an allgather or reduce-scatter (warm, from the output pool)."""
+        return self._output(shape, dtype)
+
     def outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None) -> list[np.ndarray]:
         if given is not None:
             return given if type(given) is list else list(given)

@@ -170,7 +170,7 @@ class Executor:
         self._hierarchies: dict[tuple[int, ...], Hierarchy | None] = {}
         # The runner's step memo (``memo.py``): this executor's memos of a cached step are tables of it.
         self.memo = memo = StepMemo() if memo is None else memo
-        self._outputs = OutputPool()  # out-of-place allreduce/broadcast results, recycled warm
+        self._outputs = OutputPool()  # out-of-place allreduce/broadcast, allgather, reducescatter results, warm
         self._ops = NumpyBuffers(huge_page_empty, self._outputs.empty, memo)
         self.placement = HostPlacement(lambda: self.tunables.max_tensor_bytes,
                                        pins_pages=bool(getattr(backend, "pins_pages", True)))
@@ -434,17 +434,34 @@ class Executor:
                 send = buf
             rows = reducescatter_rows(shape[0], group.size)
             row = _prod(shape[1:])
-            recv = ops.empty((rows[group.rank],) + shape[1:], red.work)
+            recv = _result(ops, (rows[group.rank],) + shape[1:], red.work)
             tr.reducescatter(send, ops.flat(recv), [r * row for r in rows], red.op, scratch)
-            if red.widen or red.scaled:
-                out = ops.empty(tuple(recv.shape), x.dtype)
+            if red.widen or (red.scaled and not _scales_in_place(recv)):
+                out = _result(ops, tuple(recv.shape), x.dtype)
                 ops.scale(ops.flat(out), ops.flat(recv), red.post, red.div)
                 recv = out
+            elif red.scaled:
+                ops.scale(ops.flat(recv), ops.flat(recv), red.post, red.div)
             outputs.append(recv)
         entry.outputs = outputs
 
 
 _ACTIVITY = {RequestType.BROADCAST: "BCAST"}
+
+
+def _scales_in_place(a: Any) -> bool:
+    """Whether a reduce-scatter's result is scaled where it lies (host float32/float64: the same
+    rounding as into a second buffer; 16-bit results are scaled in float32 into a copy)."""
+    return isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.dtype.itemsize >= 4
+
+
+def _result(ops: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A new allgather or reduce-scatter result: from the warm output pool where the buffers are
+    host NumPy ones (``NumpyBuffers.result``; a sharded model gathers and reduce-scatters buffers
+    of the same sizes every step, and fresh memory costs a page fault per 4 KiB each time), else
+    plainly allocated."""
+    result = getattr(ops, "result", None)
+    return ops.empty(shape, dtype) if result is None else result(shape, dtype)
 
 
 def allgather(entry: Any, lane: Lane) -> None:
@@ -455,7 +472,7 @@ def allgather(entry: Any, lane: Lane) -> None:
     outputs = []
     for i, x in enumerate(xs):
         shape = tuple(x.shape)
-        out = ops.empty((int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
+        out = _result(ops, (int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
         send, units = ops.move(x)
         row = _prod(shape[1:]) * units
         tr.allgatherv(send, ops.move(out)[0], [int(c) * row for c in all_dims[:, i]])

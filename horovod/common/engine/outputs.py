@@ -5,7 +5,8 @@ usually fresh pages from the kernel (large blocks are ``mmap``ed and unmapped on
 touching them costs a page fault and zeroing per 4 KiB: for a ResNet-50 gradient set (97.5 MiB)
 that is as much time as the reduction itself. ``OutputPool`` keeps the raw buffers it handed out;
 once the caller has dropped the result and every view of it, the next result of the same size
-reuses the buffer, warm.
+reuses the buffer, warm. Allgather and reduce-scatter results come from it too (a sharded model,
+``hvd.fully_shard``, gathers and reduce-scatters buffers of the same sizes every step).
 
 How the pool knows: each result is built on its own holder array (``np.frombuffer`` over a
 ``memoryview`` of the raw buffer). NumPy makes every view of the result, and of its views, keep
@@ -69,7 +70,9 @@ class OutputPool:
                 if ref is None or ref() is None:
                     return slot
         if self.tracked_bytes + nbytes > self.max_bytes:
-            return None
+            self._evict_dropped()
+            if self.tracked_bytes + nbytes > self.max_bytes:
+                return None
         slot = [_raw(nbytes), None]
         self._by_size.setdefault(nbytes, []).append(slot)
         self.tracked_bytes += nbytes
@@ -92,6 +95,18 @@ class OutputPool:
         holder = np.frombuffer(memoryview(raw[off:off + nbytes]), dtype)
         slot[1] = weakref.ref(holder)
         return holder.reshape(shape)
+
+    def _evict_dropped(self) -> None:
+        """Forget the buffers no result uses now (of every size): results whose sizes change from
+        call to call (an allgather of batches of varying rows) would otherwise keep the pool full
+        of sizes that never come again."""
+        for nbytes, slots in list(self._by_size.items()):
+            kept = [slot for slot in slots if slot[1] is not None and slot[1]() is not None]
+            self.tracked_bytes -= nbytes * (len(slots) - len(kept))
+            if kept:
+                self._by_size[nbytes] = kept
+            else:
+                del self._by_size[nbytes]
 
     def clear(self) -> None:
         self._by_size.clear()

@@ -149,6 +149,22 @@ def test_output_pool_reuses_only_dropped_buffers() -> None:
     assert pool.empty((1000,), np.float32).__array_interface__["data"][0] == e_addr
 
 
+def test_output_pool_forgets_dropped_buffers_of_other_sizes_when_full() -> None:
+    """Results whose sizes change from call to call (an allgather of varying rows) do not keep
+    the pool full: a new size beyond the budget evicts the dropped buffers, never one in use."""
+    pool = OutputPool(min_bytes=1024, max_bytes=10_000)
+    kept = pool.empty((1000,), np.float32)  # 4000 bytes, in use
+    dropped = pool.empty((500,), np.float32)  # 2000 bytes
+    del dropped
+    assert pool.tracked_bytes == 6000
+    new = pool.empty((1200,), np.float32)  # 4800: over the budget until the dropped one goes
+    assert pool.tracked_bytes == 8800 and set(pool._by_size) == {4000, 4800}
+    again = pool.empty((1000,), np.float32)  # the used one is never handed out again
+    assert again.__array_interface__["data"][0] != kept.__array_interface__["data"][0]
+    assert pool.tracked_bytes == 8800  # no room (both in use): allocated plainly, not tracked
+    assert new.shape == (1200,) and again.shape == kept.shape == (1000,)
+
+
 def test_large_outputs_start_on_a_huge_page(monkeypatch: pytest.MonkeyPatch) -> None:
     from horovod.common.engine import pages
 
