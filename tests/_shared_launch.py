@@ -177,3 +177,27 @@ def joint_launch(group: str, np: int, bodies: Mapping[str, Callable[[], Any]], t
     launch.add(named, timeout, late=late)
     launch.timeout = min(launch.timeout, _JOINT_TIMEOUT_S - 60)
     return JointPart(launch, owner)
+
+
+def in_turn(fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> Callable[[], list[Any]]:
+    """A rank body (for ``run_ranks``): ``[fn(*args) for args in calls]``, each call from a fresh
+    ``hvd.init()`` (between two ``hvd.shutdown()`` calls, as ``own_init``). Runs that differ only in
+    settings read at ``init`` (``HOROVOD_*`` variables that ``fn`` sets before it) then share one
+    launch, whose ranks start and import their framework once instead of once per run."""
+    module = sys.modules.get(fn.__module__)
+    if module is not None:  # a test module: the ranks cannot import it
+        cloudpickle.register_pickle_by_value(module)
+
+    def body() -> list[Any]:
+        from horovod.common import basics
+
+        out = []
+        for args in calls:
+            basics.shutdown()
+            try:
+                out.append(fn(*args))
+            finally:
+                basics.shutdown()
+        return out
+
+    return body

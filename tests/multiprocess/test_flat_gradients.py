@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import in_turn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,12 +41,14 @@ def _train(flat_by_rank: list[str], overlap_by_rank: list[str], passes: int = 1)
 
     hvd.init()
     grouped: list[int] = []
-    real = _dense_reducer.grouped_allreduce_async_
+    # the original, not an earlier run's counter (in_turn: several runs in one process)
+    real = getattr(_dense_reducer.grouped_allreduce_async_, "__wrapped__", _dense_reducer.grouped_allreduce_async_)
 
     def counted(tensors, *a, **k):
         grouped.append(len(tensors))
         return real(tensors, *a, **k)
 
+    counted.__wrapped__ = real  # type: ignore[attr-defined]
     _dense_reducer.grouped_allreduce_async_ = counted
     torch.manual_seed(0)
     embed = torch.nn.Embedding(10, 4, sparse=True)
@@ -98,8 +101,9 @@ def _gloo(np_: int) -> list[str]:
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_flat_gradients_train_as_separate_tensors_on_gloo(np_: int) -> None:
-    runs = {"separate": run_ranks(_train, np=np_, timeout=240, args=(["0"], ["0"]), launcher=_gloo(np_)),
-            "flat": run_ranks(_train, np=np_, timeout=240, args=(["1"], ["0"]), launcher=_gloo(np_))}
+    # both runs in one launch, each from a fresh hvd.init() (in_turn)
+    runs = dict(zip(("separate", "flat"), zip(*run_ranks(in_turn(_train, [(["0"], ["0"]), (["1"], ["0"])]),
+                                                         np=np_, timeout=400, launcher=_gloo(np_)))))
     _check(runs)
     for r in runs["flat"]:
         assert r["flat"]
@@ -114,8 +118,8 @@ def test_flat_gradients_train_as_separate_tensors_on_gloo(np_: int) -> None:
 
 
 def test_flat_gradients_on_mpi_with_accumulation_and_mixed_overlap() -> None:
-    runs = {"separate": run_ranks(_train, np=2, timeout=240, args=(["0"], ["0"], 2)),
-            "flat, overlap differs": run_ranks(_train, np=2, timeout=240, args=(["1"], ["1", "0"], 2))}
+    runs = dict(zip(("separate", "flat, overlap differs"),
+                    zip(*run_ranks(in_turn(_train, [(["0"], ["0"], 2), (["1"], ["1", "0"], 2)]), np=2, timeout=400))))
     _check(runs)
     for r in runs["flat, overlap differs"]:
         assert r["flat"] and r["shared"] == [1] * 5, r["shared"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import in_turn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,13 +39,15 @@ def _train(overlap_by_rank: list[str], passes: int = 1) -> dict:
 
     hvd.init()
     bundles: list[int] = []
-    real = hvd_optimizer._resubmit_many
+    # the original, not an earlier run's counter (in_turn: several runs in one process)
+    real = getattr(hvd_optimizer._resubmit_many, "__wrapped__", hvd_optimizer._resubmit_many)
 
     def counted(tensors, signatures, defer=False, wake=True):
         h = real(tensors, signatures, defer, wake)
         bundles.append(0 if h is None else len(tensors))
         return h
 
+    counted.__wrapped__ = real  # type: ignore[attr-defined]
     hvd_optimizer._resubmit_many = counted
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -82,7 +85,8 @@ def _check(runs: dict[str, list[dict]]) -> None:
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_bundled_gradients_train_exactly_as_one_by_one(np_: int) -> None:
-    runs = {o: run_ranks(_train, np=np_, timeout=180, args=([o],)) for o in ("0", "1")}
+    # both runs in one launch, each from a fresh hvd.init() (in_turn)
+    runs = dict(zip(("0", "1"), zip(*run_ranks(in_turn(_train, [(["0"],), (["1"],)]), np=np_, timeout=300))))
     _check(runs)
     for r in runs["0"]:
         # Step 1 takes the checked path; steps 2, 3 and 5 bundle every gradient that the loss
@@ -93,8 +97,8 @@ def test_bundled_gradients_train_exactly_as_one_by_one(np_: int) -> None:
 
 
 def test_ranks_may_differ_in_bundling_and_accumulate_passes() -> None:
-    runs = {"mixed": run_ranks(_train, np=2, timeout=180, args=(["0", "1"], 2)),
-            "one by one": run_ranks(_train, np=2, timeout=180, args=(["1"], 2))}
+    runs = dict(zip(("mixed", "one by one"),
+                    zip(*run_ranks(in_turn(_train, [(["0", "1"], 2), (["1"], 2)]), np=2, timeout=300))))
     _check(runs)
     assert runs["mixed"][0]["bundles"] == [5, 5, 0, 5], runs["mixed"][0]["bundles"]
     assert runs["mixed"][1]["bundles"] == []

@@ -5,10 +5,6 @@ Multi-rank behaviour is in the ``*_mp.py`` files of this directory.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -16,6 +12,7 @@ tf = pytest.importorskip("tensorflow")
 
 import horovod.tensorflow as hvd  # noqa: E402
 import horovod.tensorflow.keras as hvdk  # noqa: E402
+from tests.tensorflow._fresh_import import fresh_import  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -25,10 +22,10 @@ def _init():
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, horovod.tensorflow, horovod.tensorflow.keras; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    # the fresh interpreter that test_tf_side_effects_unit.py reads as well (one TensorFlow import)
+    res = fresh_import()
+    torch = [ln for ln in res.stdout.splitlines() if ln.startswith("TORCH ")]
+    assert res.returncode == 0 and torch == ["TORCH False"], (res.stdout, res.stderr[-3000:])
 
 
 def test_exports_match_api():

@@ -173,10 +173,13 @@ def _accuracy_body():
 
     hvd.init()
     out = {}
+    # 8 and 3 epochs (the benchmark's figures, docs/compression.md, train 15): at np=2 / np=3,
+    # none 94.6 / 94.6 %, PowerSGD rank 2 within 0.4 / 0.2 of it, without feedback 11.1 / 8.1
+    # behind at rank 2 and 43.9 / 37.0 behind at rank 1 (15 and 5 epochs: 4.8 / 4.0 and 25.8 / 27.0).
     for kind in ("none", "powersgd", "no_feedback"):
-        out[(kind, 2)] = _digits_accuracy(kind, epochs=15, psgd_rank=2, seed=1)
+        out[(kind, 2)] = _digits_accuracy(kind, epochs=8, psgd_rank=2, seed=1)
     for kind in ("powersgd", "no_feedback"):
-        out[(kind, 1)] = _digits_accuracy(kind, epochs=5, psgd_rank=1, seed=0)
+        out[(kind, 1)] = _digits_accuracy(kind, epochs=3, psgd_rank=1, seed=0)
     return out
 
 
