@@ -3,9 +3,10 @@
 ``detect(environ, torch_group)`` is the one place that decides; ``hvd.init()`` of every binding
 calls it (through ``horovod.common.backends.registry``). Precedence, first match wins:
 
-1. ``HOROVOD_CONTROLLER`` / ``HOROVOD_CPU_OPERATIONS`` name the transport explicitly; with the Gloo
-   launcher's rendezvous variables (``HOROVOD_GLOO_RENDEZVOUS_ADDR``: ``horovodrun --gloo``,
-   ``horovod.run``, Spark, Ray) or an MPI launcher's variables as today.
+1. ``HOROVOD_CONTROLLER`` / ``HOROVOD_CPU_OPERATIONS`` name the transport explicitly; the launcher
+   is still detected below (its ranks and store are used). Gloo joins every launcher (under
+   ``mpirun`` the ranks meet through MPI); MPI needs an MPI launcher's variables when the job has
+   more than one process, else it is a ``LauncherError``.
 2. ``HOROVOD_GLOO_RENDEZVOUS_ADDR``: a Horovod launcher (Gloo).
 3. An MPI launcher (``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``, ``PMIX_RANK``...): MPI.
 4. An already-initialised default ``torch.distributed`` group (Ray Train's ``TorchTrainer``,
@@ -224,35 +225,14 @@ def _launcher_name(launch: Launch) -> str:
             "slurm": "srun"}.get(launch.launcher, launch.launcher)
 
 
-def _mpi_size(environ: Mapping[str, str]) -> int | None:
-    """The world size an MPI launcher announces (None: it announces none, only a rank)."""
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        size = _int(environ, name)
-        if size is not None:
-            return size
-    return None
-
-
 def _check_explicit(environ: Mapping[str, str], launch: Launch, explicit: str, variable: str,
                     comm: Any) -> None:
     """An explicit transport the launcher cannot give is an error, never a job of one process.
 
     MPI needs an MPI launcher (``mpirun``'s variables): under any other launcher of more than one
-    process, ``MPI_Init`` makes every rank a world of its own. Gloo needs what a Gloo launcher gives
-    (rank, size and a store): an MPI launcher gives none of them.
+    process, ``MPI_Init`` makes every rank a world of its own. Gloo joins every launcher: under
+    ``mpirun`` its ranks meet through MPI (``horovod.common.backends.factories.create_gloo``).
     """
-    if explicit == "gloo" and launch.launcher == "mpi" and comm is None:
-        size = _mpi_size(environ)
-        if size is not None and size <= 1:
-            return
-        raise LauncherError(
-            f"{variable}=gloo asks for the Gloo transport, but this process was started by "
-            f"{_launcher_name(launch)}, which gives Gloo no rank, size or store to meet at "
-            f"(variables seen: {', '.join(f'{k}={v}' for k, v in launch.seen.items()) or 'none'}; "
-            f"missing: {protocol.RENDEZVOUS_ADDR_ENV}, HOROVOD_RANK, HOROVOD_SIZE). Every rank would "
-            f"run alone. Start the job with `horovodrun --gloo`, or unset {variable} to use MPI "
-            "under mpirun.", launcher=launch.launcher, variable=variable,
-            missing=(protocol.RENDEZVOUS_ADDR_ENV, "HOROVOD_RANK", "HOROVOD_SIZE"))
     if explicit == "mpi" and launch.launcher != "mpi" and comm is None:
         if any(k in environ for k in MPI_VARIABLES):
             return  # an MPI launcher started it too (horovodrun's MPI mode): MPI joins its job
