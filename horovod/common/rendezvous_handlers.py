@@ -340,9 +340,21 @@ class MPIHandler(_JoinedHandler):
         super().__init__(config, environ, launch)
         self.comm = comm
 
-    def _rank0_store(self, rdv: StoreRendezvous, hosts: list[str]) -> tuple[Any, tuple[str, int, bytes]]:
+    @staticmethod
+    def store_host(environ: Mapping[str, str], hosts: list[str]) -> str:
+        """Where rank 0 (on ``hosts[0]``) serves the store: ``HOROVOD_GLOO_IFACE``'s address, else
+        the one that routes to another rank's host (``127.0.0.1`` when all share one host)."""
         others = [h for h in hosts if h != hosts[0]]
-        addr = local_address(self.environ, socket.gethostbyname(others[0]) if others else "127.0.0.1")
+        if not others:
+            return local_address(environ, "127.0.0.1")
+        try:
+            toward = socket.gethostbyname(others[0])
+        except OSError:  # a host name only the MPI runtime resolves: this host's own address
+            toward = socket.gethostbyname(socket.gethostname())
+        return local_address(environ, toward)
+
+    def _rank0_store(self, rdv: StoreRendezvous, hosts: list[str]) -> tuple[Any, tuple[str, int, bytes]]:
+        addr = self.store_host(self.environ, hosts)
         key = authstore.derive_key(rdv.job_secret) if rdv.job_secret else authstore.random_key()
         store = authstore.open_store(addr, key, self.wait)
         return store, (addr, int(store.server.port), key)

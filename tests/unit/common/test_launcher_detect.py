@@ -195,3 +195,13 @@ def test_controller_wins_over_cpu_operations_in_the_message():
     cfg = EngineConfig.from_env({"HOROVOD_CPU_OPERATIONS": "MPI"})
     with pytest.raises(LauncherError, match="HOROVOD_CPU_OPERATIONS=mpi"):
         detect_launch(cfg, TORCHRUN)
+
+
+def test_gloo_under_mpirun_store_host():
+    from horovod.common.rendezvous_handlers import MPIHandler
+
+    assert MPIHandler.store_host({}, ["n1", "n1", "n1"]) == "127.0.0.1"
+    assert MPIHandler.store_host({}, ["n1", "localhost"]) == "127.0.0.1"  # routes to the other host
+    # A peer name this host cannot resolve: still an address of this host, no error.
+    assert MPIHandler.store_host({}, ["n1", "no-such-host.invalid"])
+    assert MPIHandler.store_host({"HOROVOD_GLOO_IFACE": "lo"}, ["n1", "n2"]) == "127.0.0.1"
