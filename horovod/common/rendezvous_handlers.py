@@ -237,6 +237,9 @@ class HorovodHandler:
 class _JoinedHandler:
     """The store of a job Horovod did not start (see docs/launcher.md); subclasses open it."""
 
+    # What decides where the store is (named when it cannot be reached).
+    where = "MASTER_ADDR/MASTER_PORT (or the first node of SLURM_STEP_NODELIST)"
+
     def __init__(self, config: EngineConfig, environ: Mapping[str, str], launch: _launcher.Launch) -> None:
         self.config, self.environ, self.launch = config, environ, launch
         self.rank, self.size = launch.rank or 0, launch.size or 1
@@ -258,14 +261,15 @@ class _JoinedHandler:
             raise
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses, OSError...
             rdv.joined()
+            launch = self.launch  # with the address rank 0 sent, where the launcher gives none
             seen = ", ".join(f"{k}={v}" for k, v in launch.seen.items())
             raise _launcher.LauncherError(
                 f"Rank {self.rank} of a job started by {launch.launcher} cannot reach the job's "
                 f"store at {launch.master_addr}:{launch.master_port} within {self.wait:g} s ({exc}). "
-                f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
-                "of SLURM_STEP_NODELIST), that HOROVOD_SECRET_KEY is exported to every rank or to none, "
-                "and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
-                "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
+                f"Variables seen: {seen or 'none'}. Check {self.where}, that HOROVOD_SECRET_KEY is "
+                "exported to every rank or to none, and that rank 0 runs; raise "
+                "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank,
+                launcher=launch.launcher) from exc
         # A Python store lives only while its Python object does: keep it beside the prefix store.
         rdv.owned.append(store)
         rdv.store = dist.PrefixStore(f"horovod/{launch.scope}/{seq}", store)
@@ -334,6 +338,8 @@ class MPIHandler(_JoinedHandler):
     rank 0 opens Horovod's authenticated store, keyed with ``HOROVOD_SECRET_KEY`` or else a fresh
     random key, and sends its address and key to the other ranks over ``MPI_COMM_WORLD`` (the
     job's own channel); rank and size are the communicator's."""
+
+    where = "that every host reaches rank 0's address (HOROVOD_GLOO_IFACE chooses it)"
 
     def __init__(self, config: EngineConfig, environ: Mapping[str, str], launch: _launcher.Launch,
                  comm: Any) -> None:
