@@ -3,9 +3,10 @@
 ``detect(environ, torch_group)`` is the one place that decides; ``hvd.init()`` of every binding
 calls it (through ``horovod.common.backends.registry``). Precedence, first match wins:
 
-1. ``HOROVOD_CONTROLLER`` / ``HOROVOD_CPU_OPERATIONS`` name the transport explicitly; with the Gloo
-   launcher's rendezvous variables (``HOROVOD_GLOO_RENDEZVOUS_ADDR``: ``horovodrun --gloo``,
-   ``horovod.run``, Spark, Ray) or an MPI launcher's variables as today.
+1. ``HOROVOD_CONTROLLER`` / ``HOROVOD_CPU_OPERATIONS`` name the transport explicitly; the launcher
+   is still detected below (its ranks and store are used). Gloo joins every launcher (under
+   ``mpirun`` the ranks meet through MPI); MPI needs an MPI launcher's variables when the job has
+   more than one process, else it is a ``LauncherError``.
 2. ``HOROVOD_GLOO_RENDEZVOUS_ADDR``: a Horovod launcher (Gloo).
 3. An MPI launcher (``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``, ``PMIX_RANK``...): MPI.
 4. An already-initialised default ``torch.distributed`` group (Ray Train's ``TorchTrainer``,
@@ -196,7 +197,7 @@ def torch_default_group() -> tuple[int, int] | None:
 
 # ------------------------------------------------------------------------------ detection
 def detect(environ: Mapping[str, str], torch_group: tuple[int, int] | None = None,
-           explicit: str = "", comm: Any = None) -> Launch:
+           explicit: str = "", comm: Any = None, explicit_variable: str = "HOROVOD_CONTROLLER") -> Launch:
     """Decide the launcher and transport (see the module docstring for the order).
 
     Args:
@@ -205,14 +206,49 @@ def detect(environ: Mapping[str, str], torch_group: tuple[int, int] | None = Non
         explicit: ``HOROVOD_CONTROLLER``/``HOROVOD_CPU_OPERATIONS`` (lower case), if set: it
             replaces the transport; the launcher is still detected (its ranks and store are used).
         comm: what ``hvd.init(comm=...)`` got (an mpi4py communicator or a list of ranks).
+        explicit_variable: the variable ``explicit`` came from (named in errors).
 
     Raises:
-        LauncherError: a launcher says the world is larger than one and cannot be joined.
+        LauncherError: a launcher says the world is larger than one and cannot be joined, also
+            not with the explicit transport (see :func:`_check_explicit`).
     """
     launch = _detect(environ, torch_group, comm)
     if explicit and explicit != launch.transport:
+        _check_explicit(environ, launch, explicit, explicit_variable, comm)
         return replace(launch, transport=explicit)
     return launch
+
+
+def _launcher_name(launch: Launch) -> str:
+    return {"horovod": "horovodrun --gloo (HOROVOD_GLOO_RENDEZVOUS_ADDR)", "mpi": "mpirun/mpiexec",
+            "torch-group": "an initialised torch.distributed group", "torchrun": "torchrun",
+            "slurm": "srun"}.get(launch.launcher, launch.launcher)
+
+
+def _check_explicit(environ: Mapping[str, str], launch: Launch, explicit: str, variable: str,
+                    comm: Any) -> None:
+    """An explicit transport the launcher cannot give is an error, never a job of one process.
+
+    MPI needs an MPI launcher (``mpirun``'s variables): under any other launcher of more than one
+    process, ``MPI_Init`` makes every rank a world of its own. Gloo joins every launcher: under
+    ``mpirun`` its ranks meet through MPI (``horovod.common.backends.factories.create_gloo``).
+    """
+    if explicit == "mpi" and launch.launcher != "mpi" and comm is None:
+        if any(k in environ for k in MPI_VARIABLES):
+            return  # an MPI launcher started it too (horovodrun's MPI mode): MPI joins its job
+        if launch.size is not None and launch.size <= 1:
+            return  # a job of one process: MPI's singleton is the whole world
+        if launch.launcher == "none":
+            return
+        count = "an unknown number" if launch.size is None else str(launch.size)
+        raise LauncherError(
+            f"{variable}=mpi asks for the MPI transport, but this process was started by "
+            f"{_launcher_name(launch)} for a job of {count} processes, not by an MPI launcher "
+            f"(variables seen: {', '.join(f'{k}={v}' for k, v in launch.seen.items()) or 'none'}; "
+            f"missing: {', '.join(MPI_VARIABLES[:3])}). MPI would make every rank a world of its own. "
+            f"Start the job with `mpirun` (or `horovodrun --mpi`), or unset {variable} to use Gloo "
+            f"on what {_launcher_name(launch)} gives.", launcher=launch.launcher, variable=variable,
+            missing=MPI_VARIABLES[:3])
 
 
 def _detect(environ: Mapping[str, str], torch_group: tuple[int, int] | None, comm: Any) -> Launch:

@@ -19,6 +19,8 @@ store, this rank and the world size; the process groups are built on that store)
   else torch's ``TCPStore``).
 * :class:`SlurmHandler`: an ``srun`` step: task 0 opens an authenticated store on the step's first
   node, keyed with the step's secret (``horovod.common.slurm_secret``).
+* :class:`MPIHandler`: ``mpirun`` with ``HOROVOD_CONTROLLER=gloo``: rank 0 opens an authenticated
+  store and sends its address and key to the others over MPI.
 
 The stores of launchers Horovod did not start carry Horovod's keys under a ``horovod/...`` prefix
 (docs/launcher.md). The handlers only answer where and how the ranks meet: the transports are
@@ -34,7 +36,7 @@ import itertools
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from horovod.common import launcher_detection as _launcher
@@ -45,7 +47,7 @@ from horovod.common.exceptions import BackendUnavailableError, HorovodInternalEr
 from horovod.common.rendezvous import RendezvousClient, RendezvousError, route_address
 
 __all__ = ["StoreRendezvous", "RendezvousHandler", "HorovodHandler", "TorchGroupHandler",
-           "TorchrunHandler", "SlurmHandler", "LauncherService", "handler_for", "horovod_store",
+           "TorchrunHandler", "SlurmHandler", "MPIHandler", "LauncherService", "handler_for", "horovod_store",
            "local_address", "single_store", "elastic_round"]
 
 log = logging.getLogger("horovod")
@@ -235,6 +237,9 @@ class HorovodHandler:
 class _JoinedHandler:
     """The store of a job Horovod did not start (see docs/launcher.md); subclasses open it."""
 
+    # What decides where the store is (named when it cannot be reached).
+    where = "MASTER_ADDR/MASTER_PORT (or the first node of SLURM_STEP_NODELIST)"
+
     def __init__(self, config: EngineConfig, environ: Mapping[str, str], launch: _launcher.Launch) -> None:
         self.config, self.environ, self.launch = config, environ, launch
         self.rank, self.size = launch.rank or 0, launch.size or 1
@@ -256,14 +261,15 @@ class _JoinedHandler:
             raise
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError subclasses, OSError...
             rdv.joined()
+            launch = self.launch  # with the address rank 0 sent, where the launcher gives none
             seen = ", ".join(f"{k}={v}" for k, v in launch.seen.items())
             raise _launcher.LauncherError(
                 f"Rank {self.rank} of a job started by {launch.launcher} cannot reach the job's "
                 f"store at {launch.master_addr}:{launch.master_port} within {self.wait:g} s ({exc}). "
-                f"Variables seen: {seen or 'none'}. Check MASTER_ADDR/MASTER_PORT (or the first node "
-                "of SLURM_STEP_NODELIST), that HOROVOD_SECRET_KEY is exported to every rank or to none, "
-                "and that rank 0 runs; raise HOROVOD_GLOO_TIMEOUT_SECONDS if "
-                "start-up is slow.", rank=self.rank, launcher=launch.launcher) from exc
+                f"Variables seen: {seen or 'none'}. Check {self.where}, that HOROVOD_SECRET_KEY is "
+                "exported to every rank or to none, and that rank 0 runs; raise "
+                "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank,
+                launcher=launch.launcher) from exc
         # A Python store lives only while its Python object does: keep it beside the prefix store.
         rdv.owned.append(store)
         rdv.store = dist.PrefixStore(f"horovod/{launch.scope}/{seq}", store)
@@ -325,6 +331,64 @@ class SlurmHandler(_JoinedHandler):
         rdv.job_secret, rdv.key_service = slurm_secret.step_secret(
             self.environ, launch, self.rank, host, self.wait, seq)
         return self._authenticated(rdv, host)
+
+
+class MPIHandler(_JoinedHandler):
+    """An MPI launcher's job on Gloo (``HOROVOD_CONTROLLER=gloo`` under ``mpirun``, as upstream):
+    rank 0 opens Horovod's authenticated store, keyed with ``HOROVOD_SECRET_KEY`` or else a fresh
+    random key, and sends its address and key to the other ranks over ``MPI_COMM_WORLD`` (the
+    job's own channel); rank and size are the communicator's."""
+
+    where = "that every host reaches rank 0's address (HOROVOD_GLOO_IFACE chooses it)"
+
+    def __init__(self, config: EngineConfig, environ: Mapping[str, str], launch: _launcher.Launch,
+                 comm: Any) -> None:
+        super().__init__(config, environ, launch)
+        self.comm = comm
+
+    @staticmethod
+    def store_host(environ: Mapping[str, str], hosts: list[str]) -> str:
+        """Where rank 0 (on ``hosts[0]``) serves the store: ``HOROVOD_GLOO_IFACE``'s address, else
+        the one that routes to another rank's host (``127.0.0.1`` when all share one host)."""
+        others = [h for h in hosts if h != hosts[0]]
+        if not others:
+            return local_address(environ, "127.0.0.1")
+        try:
+            toward = socket.gethostbyname(others[0])
+        except OSError:  # a host name only the MPI runtime resolves: this host's own address
+            toward = socket.gethostbyname(socket.gethostname())
+        return local_address(environ, toward)
+
+    def _rank0_store(self, rdv: StoreRendezvous, hosts: list[str]) -> tuple[Any, tuple[str, int, bytes]]:
+        addr = self.store_host(self.environ, hosts)
+        key = authstore.derive_key(rdv.job_secret) if rdv.job_secret else authstore.random_key()
+        store = authstore.open_store(addr, key, self.wait)
+        return store, (addr, int(store.server.port), key)
+
+    def _open(self, rdv: StoreRendezvous, seq: int) -> Any:
+        hosts = self.comm.allgather(socket.gethostname())
+        store: Any = None
+        if self.rank == 0:
+            try:
+                store, meeting = self._rank0_store(rdv, hosts)
+            except BaseException as exc:
+                self.comm.bcast(f"{type(exc).__name__}: {exc}", root=0)  # the others fail too
+                raise
+            self.comm.bcast(meeting, root=0)
+        else:
+            meeting = self.comm.bcast(None, root=0)
+            if isinstance(meeting, str):
+                raise _launcher.LauncherError(
+                    f"Rank {self.rank} of a job started by mpirun cannot join Gloo: rank 0 could not "
+                    f"open the job's store ({meeting}). Check HOROVOD_GLOO_IFACE, or unset "
+                    "HOROVOD_CONTROLLER/HOROVOD_CPU_OPERATIONS to use MPI.", rank=self.rank,
+                    launcher="mpi")
+        addr, port, key = meeting
+        self.launch = replace(self.launch, master_addr=addr, master_port=port)
+        rdv.address = addr if self.rank == 0 else local_address(self.environ, addr)
+        if store is None:
+            store = authstore.connect_store(addr, port, key, self.wait)
+        return store
 
 
 _JOINED: dict[str, type[_JoinedHandler]] = {

@@ -3,7 +3,8 @@ worker's transport once its launcher's job has been met.
 
 * :func:`create_gloo`: Gloo on the store that this launcher's rendezvous handler returns
   (``horovod.common.rendezvous_handlers``; an elastic worker's rounds have their own factory,
-  ``horovod.common.elastic.rounds``).
+  ``horovod.common.elastic.rounds``); under ``mpirun`` the ranks meet through MPI
+  (``MPIHandler``).
 * :func:`create_mpi`: MPI on a private duplicate of the job's communicator; :func:`mpi_communicator`
   is the one place that sets MPI up in a worker: the environment MPI reads at its start
   (``OMPI_MCA_mpi_yield_when_idle``), the thread level, ``MPI_Init_thread`` when the program left
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from horovod.common import launcher_detection as _launcher
@@ -22,7 +24,7 @@ from horovod.common import lifecycle
 from horovod.common.backends.gloo import gloo_checks
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError
-from horovod.common.rendezvous_handlers import handler_for
+from horovod.common.rendezvous_handlers import MPIHandler, handler_for
 
 if TYPE_CHECKING:
     from horovod.common.backends.gloo import GlooBackend
@@ -45,6 +47,12 @@ def create_gloo(config: EngineConfig, environ: Mapping[str, str], comm: Any = No
     gloo_checks(comm)
     environ = os.environ if environ is None else environ
     launch = _launcher.detect(environ, _launcher.torch_default_group())
+    if launch.launcher == "mpi":
+        # HOROVOD_CONTROLLER=gloo under mpirun (as upstream): the ranks meet through MPI.
+        world = mpi_communicator(config)
+        launch = replace(launch, rank=world.Get_rank(), size=world.Get_size(), scope="mpi")
+        if world.Get_size() > 1:
+            return GlooBackend(config, MPIHandler(config, environ, launch, world).next_rendezvous())
     return GlooBackend(config, handler_for(config, environ, launch).next_rendezvous())
 
 

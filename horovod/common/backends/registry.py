@@ -42,7 +42,8 @@ def detect_launch(config: EngineConfig, environ: Mapping[str, str], comm: Any = 
         LauncherError: a launcher says the job is larger than one process and cannot be joined.
     """
     explicit = (config.controller or config.cpu_operations).lower()
-    return _launcher.detect(environ, _launcher.torch_default_group(), explicit, comm)
+    variable = "HOROVOD_CONTROLLER" if config.controller else "HOROVOD_CPU_OPERATIONS"
+    return _launcher.detect(environ, _launcher.torch_default_group(), explicit, comm, variable)
 
 
 def select_backend_name(config: EngineConfig, environ: Mapping[str, str], comm: Any = None) -> str:

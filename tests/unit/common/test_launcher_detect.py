@@ -112,7 +112,8 @@ def test_explicit_controller_keeps_the_launcher():
     cfg = EngineConfig.from_env({"HOROVOD_CONTROLLER": "gloo"})
     launch = detect_launch(cfg, TORCHRUN)
     assert (launch.launcher, launch.transport, launch.rank) == ("torchrun", "gloo", 1)
-    assert select_backend_name(EngineConfig.from_env({"HOROVOD_CONTROLLER": "mpi"}), TORCHRUN) == "mpi"
+    assert select_backend_name(EngineConfig.from_env({"HOROVOD_CONTROLLER": "mpi"}),
+                               {**TORCHRUN, **MPIRUN}) == "mpi"
 
 
 def test_torch_group_of_one_is_local():
@@ -132,3 +133,75 @@ def test_diagnose_command_reports_the_launcher(monkeypatch, capsys):
     monkeypatch.delenv("MASTER_ADDR")
     assert diagnose.main([]) == 1
     assert "Missing: MASTER_ADDR" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ explicit transport x launcher
+HVD_GLOO = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1", "HOROVOD_RANK": "1",
+            "HOROVOD_SIZE": "2"}
+# What Open MPI's mpirun -np 2 sets for its second rank (the variables detect reads).
+MPIRUN = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "PMIX_RANK": "1"}
+LAUNCHES = {"horovod": (HVD_GLOO, None), "mpi": (MPIRUN, None), "torch-group": ({}, (1, 2)),
+            "torchrun": (TORCHRUN, None), "slurm": (SRUN, None), "none": ({}, None)}
+# (launcher, explicit) -> joinable. Gloo meets under mpirun through MPI (create_gloo); MPI cannot join
+# a job of more than one process that no MPI launcher started (every rank would be a world of one).
+JOINABLE = {("horovod", "gloo"): True, ("mpi", "gloo"): True, ("torch-group", "gloo"): True,
+            ("torchrun", "gloo"): True, ("slurm", "gloo"): True, ("none", "gloo"): True,
+            ("horovod", "mpi"): False, ("mpi", "mpi"): True, ("torch-group", "mpi"): False,
+            ("torchrun", "mpi"): False, ("slurm", "mpi"): False, ("none", "mpi"): True}
+
+
+@pytest.mark.parametrize("variable", ["HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"])
+@pytest.mark.parametrize("launcher,explicit", sorted(JOINABLE))
+def test_explicit_transport_under_every_launcher(launcher, explicit, variable):
+    env, group = LAUNCHES[launcher]
+    cfg = EngineConfig.from_env({variable: explicit.upper()})
+    if JOINABLE[(launcher, explicit)]:
+        launch = detect(env, group, explicit, explicit_variable=variable)
+        assert (launch.launcher, launch.transport) == (launcher, explicit)
+        return
+    with pytest.raises(LauncherError) as info:
+        detect(env, group, explicit, explicit_variable=variable)
+    msg = str(info.value)
+    other = "gloo" if explicit == "mpi" else "mpi"
+    # The launcher, the variable that asked, what is missing, and the fix.
+    assert f"{variable}={explicit}" in msg and "missing: " in msg and f"unset {variable}" in msg, msg
+    assert {"mpi": "mpirun", "horovod": "horovodrun --gloo", "torch-group": "torch.distributed group",
+            "torchrun": "torchrun", "slurm": "srun"}[launcher] in msg, msg
+    assert "`mpirun`" in msg, msg
+    assert (info.value.launcher, info.value.variable) == (launcher, variable)
+    assert other not in msg.split("asks for")[0]
+    # The same through the registry (hvd.init()'s path), naming the variable that was set.
+    with pytest.raises(LauncherError, match=f"{variable}={explicit}"):
+        if group is None:
+            detect_launch(cfg, env)
+        else:
+            detect(env, group, explicit, explicit_variable=variable)
+
+
+def test_explicit_mpi_under_a_launcher_of_one_or_with_mpi_variables():
+    assert detect({"WORLD_SIZE": "1", "RANK": "0"}, None, "mpi").transport == "mpi"
+    assert detect({}, (0, 1), "mpi").transport == "mpi"
+    assert detect({**SRUN, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"}, None, "mpi").transport == "mpi"
+    # srun --mpi=pmix and horovodrun's MPI mode under a torch environment: MPI variables too.
+    assert detect({**TORCHRUN, **MPIRUN}, None, "mpi").launcher == "mpi"
+    assert detect({**HVD_GLOO, **MPIRUN}, None, "mpi").transport == "mpi"
+
+
+def test_controller_wins_over_cpu_operations_in_the_message():
+    cfg = EngineConfig.from_env({"HOROVOD_CONTROLLER": "MPI", "HOROVOD_CPU_OPERATIONS": "MPI"})
+    with pytest.raises(LauncherError, match="HOROVOD_CONTROLLER=mpi"):
+        detect_launch(cfg, TORCHRUN)
+    cfg = EngineConfig.from_env({"HOROVOD_CPU_OPERATIONS": "MPI"})
+    with pytest.raises(LauncherError, match="HOROVOD_CPU_OPERATIONS=mpi"):
+        detect_launch(cfg, TORCHRUN)
+
+
+def test_gloo_under_mpirun_store_host():
+    from horovod.common.rendezvous_handlers import MPIHandler
+
+    assert MPIHandler.store_host({}, ["n1", "n1", "n1"]) == "127.0.0.1"
+    assert MPIHandler.store_host({}, ["n1", "localhost"]) == "127.0.0.1"  # routes to the other host
+    # A peer name this host cannot resolve: still an address of this host, no error.
+    assert MPIHandler.store_host({}, ["n1", "no-such-host.invalid"])
+    assert MPIHandler.store_host({"HOROVOD_GLOO_IFACE": "lo"}, ["n1", "n2"]) == "127.0.0.1"
