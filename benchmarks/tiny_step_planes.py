@@ -7,7 +7,6 @@ beside the raw transports' own latency (docs/performance.md, "Both planes in one
     ... --barrier mpi    # an MPI barrier before each step on both planes (gloo: a Gloo one)
     ... --async          # grouped_allreduce_async_ + synchronize (its submission wakes the engine
                          # thread) instead of the synchronous grouped_allreduce_ (which does not)
-    ... --async --no-wake    # experiment: no submission wakes the engine thread
     ... --variant ATTR   # experiment in a patched tree: every block on Gloo, every other one with
                          # the Gloo backend's attribute ATTR set to True
 
@@ -188,12 +187,6 @@ def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[An
     _instrument(ev)
     if args.variant and plane == "gloo" and variant:
         setattr(eng.backend, args.variant, True)
-    if args.no_wake:  # experiment: submissions never wake the engine thread
-        q = eng.queue
-
-        class _Quiet(type(q)):  # type: ignore[misc]
-            idle = property(lambda self: False, lambda self, v: None)
-        q.__class__ = _Quiet
     tensors = [torch.ones(args.elements) for _ in range(args.tensors)]
     n_fused = args.tensors * args.elements
     carrier = eng.rounds.carrier
@@ -321,7 +314,6 @@ def main() -> None:
                    "with this attribute of the Gloo backend set to True")
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="grouped_allreduce_async_ + synchronize instead of grouped_allreduce_")
-    p.add_argument("--no-wake", action="store_true", help="experiment: no submission wakes the engine thread")
     p.add_argument("--barrier", choices=("own", "mpi", "gloo"), default="own",
                    help="what every rep starts with: the plane's own (default; as step_cost.py under "
                         "horovodrun --gloo and under mpirun), an MPI barrier, or an allreduce of one "
