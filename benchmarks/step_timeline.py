@@ -22,6 +22,7 @@ import collections
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,19 +37,12 @@ PHASES = [("submit", "start", "submit>"), ("bits and row", "agree<", "xchg<"), (
           ("complete", "complete<", "complete>"), ("step", "start", "end")]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--reps", type=int, default=300)
-    p.add_argument("--tensors", type=int, default=161)
-    args = p.parse_args()
-    hvd.init()
-    eng = get_context().engine
+def instrument(eng: Any, mark: Callable[[str], None]) -> None:
+    """Timers around the running engine's methods: ``mark(label + "<")`` as each begins and
+    ``mark(label + ">")`` as it ends (drive, agree, xchg, execute, run, complete); on Gloo with a
+    carried negotiation also the sends (``send``), their waits (``swait``), the receives' posting
+    (``post``) and their waits (``rwait``). ``tiny_step_planes.py`` uses it too."""
     backend = eng.backend
-    ev: list[tuple[str, float]] = []
-    clock = time.perf_counter
-
-    def mark(name: str) -> None:
-        ev.append((name, clock()))
 
     def wrap(obj: Any, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
@@ -68,33 +62,58 @@ def main() -> None:
     wrap(eng.runner, "execute", "execute")
     wrap(eng.runner.executor, "run", "run")
     wrap(eng.runner, "complete", "complete")
-    if carrier is not None:  # the receives' waits inside exchange_rows
-        world = backend._world
+    if carrier is None:
+        return
+    world = backend._world  # the receives' and sends' waits inside exchange_rows
 
-        class _Waits:
-            def __init__(self, w: Any, label: str) -> None:
-                self.w, self.label = w, label
+    class _Waits:
+        def __init__(self, w: Any, label: str) -> None:
+            self.w, self.label = w, label
 
-            def wait(self) -> Any:
-                mark(self.label + "<")
-                try:
-                    return self.w.wait()
-                finally:
-                    mark(self.label + ">")
+        def wait(self) -> Any:
+            mark(self.label + "<")
+            try:
+                return self.w.wait()
+            finally:
+                mark(self.label + ">")
 
-        class _PG:
-            def __getattr__(self, a: str) -> Any:
-                return getattr(world, a)
+        def __getattr__(self, a: str) -> Any:
+            return getattr(self.w, a)
 
-            def send(self, *a: Any) -> Any:
-                w = world.send(*a)
-                mark("send>")
-                return w
+    class _PG:
+        def __getattr__(self, a: str) -> Any:
+            return getattr(world, a)
 
-            def recv(self, *a: Any) -> Any:
-                return _Waits(world.recv(*a), "rwait")
+        def send(self, *a: Any) -> Any:
+            mark("send<")
+            w = world.send(*a)
+            mark("send>")
+            return _Waits(w, "swait")
 
-        backend._world = _PG()
+        def recv(self, *a: Any) -> Any:
+            mark("post<")
+            w = _Waits(world.recv(*a), "rwait")
+            mark("post>")
+            return w
+
+    backend._world = _PG()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--tensors", type=int, default=161)
+    args = p.parse_args()
+    hvd.init()
+    eng = get_context().engine
+    backend = eng.backend
+    ev: list[tuple[str, float]] = []
+    clock = time.perf_counter
+
+    def mark(name: str) -> None:
+        ev.append((name, clock()))
+
+    instrument(eng, mark)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

@@ -97,66 +97,14 @@ def _free_port(comm: Any) -> int:
 
 
 def _instrument(ev: list[tuple[str, float, float]]) -> None:
-    """``step_timeline.py``'s timers on the running engine's methods."""
+    """``step_timeline.py``'s timers on the running engine's methods, each event with the thread's
+    CPU time too (this script runs from ``benchmarks/``, where ``step_timeline`` is importable)."""
+    from step_timeline import instrument
+
     from horovod.common.context import get_context
 
-    eng: Any = get_context().engine
-    backend: Any = eng.backend
-    clock = time.perf_counter
-    cpu = time.thread_time
-
-    def wrap(obj: Any, attr: str, label: str) -> None:
-        fn = getattr(obj, attr)
-
-        def timed(*a: Any, **k: Any) -> Any:
-            ev.append((label + "<", clock(), cpu()))
-            try:
-                return fn(*a, **k)
-            finally:
-                ev.append((label + ">", clock(), cpu()))
-        setattr(obj, attr, timed)
-
-    wrap(eng, "_drive_once", "drive")
-    wrap(eng.rounds, "agree", "agree")
-    carrier = eng.rounds.carrier
-    wrap(carrier, "_exchange", "xchg") if carrier is not None else wrap(backend, "and_bits", "xchg")
-    wrap(eng.runner, "execute", "execute")
-    wrap(eng.runner.executor, "run", "run")
-    wrap(eng.runner, "complete", "complete")
-    if carrier is not None:
-        world = backend._world
-
-        class _Waits:
-            def __init__(self, w: Any, label: str) -> None:
-                self.w, self.label = w, label
-
-            def wait(self) -> Any:
-                ev.append((self.label + "<", clock(), cpu()))
-                try:
-                    return self.w.wait()
-                finally:
-                    ev.append((self.label + ">", clock(), cpu()))
-
-            def __getattr__(self, a: str) -> Any:
-                return getattr(self.w, a)
-
-        class _PG:
-            def __getattr__(self, a: str) -> Any:
-                return getattr(world, a)
-
-            def send(self, *a: Any) -> Any:
-                ev.append(("send<", clock(), cpu()))
-                w = world.send(*a)
-                ev.append(("send>", clock(), cpu()))
-                return _Waits(w, "swait")
-
-            def recv(self, *a: Any) -> Any:
-                ev.append(("post<", clock(), cpu()))
-                w = _Waits(world.recv(*a), "rwait")
-                ev.append(("post>", clock(), cpu()))
-                return w
-
-        backend._world = _PG()
+    clock, cpu = time.perf_counter, time.thread_time
+    instrument(get_context().engine, lambda label: ev.append((label, clock(), cpu())))
 
 
 def block(plane: str, args: Any, comm: Any, pg: Any, steps: int, posted: list[Any],
