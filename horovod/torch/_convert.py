@@ -72,9 +72,9 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
     Whatever the launcher and ``THP_MEM_ALLOC_ENABLE``, a reduction where such a tensor lies moves
     whole huge pages, as the engine's own fusion buffers do (``pages.huge_page_empty``): at np=2 on
-    MPI, ResNet-50's gradients as views of one such buffer synchronise in 0.84-0.94x one raw
-    ``Allreduce`` against 1.21-1.46x for the same views of ``torch.zeros`` under a plain
-    ``mpirun`` (docs/performance.md, "Flat gradients on huge pages").
+    MPI under a plain ``mpirun``, ResNet-50's gradients as views of one such buffer synchronise in
+    0.70-0.92x the time of one raw ``Allreduce``, the same views of ``torch.zeros`` in 0.94-1.36x
+    (docs/performance.md, "Flat gradients on huge pages").
     """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < _THP_MIN_BYTES:
