@@ -349,6 +349,9 @@ class SlurmHandler(_JoinedHandler):
                     f"candidate port is taken ({', '.join(map(str, ports))}; {exc}). Set "
                     "MASTER_PORT to a free port.", rank=0, launcher="slurm") from exc
             port = int(store.server.port)
+            if port != ports[0]:
+                log.info("srun step %s: store port %d is taken; the store is on candidate port %d",
+                         launch.scope, ports[0], port)
         else:
             store, port = authstore.connect_any(launch.master_addr, ports, key, self.wait)
         self.launch = replace(launch, master_port=port)
