@@ -6,6 +6,9 @@
         python examples/elastic/keras_digits_elastic.py
     # meanwhile: printf 'localhost:2\\n127.0.0.1:1\\n' > hosts.txt   (a worker joins)
 
+However fast the training, ``--finish-with-workers 2`` keeps it going (past ``--epochs``, one epoch
+at a time) until an epoch ends with two workers, so a worker you add always takes part.
+
 The Horovod elastic recipe is marked with "Horovod:" comments: ``KerasState`` keeps the model,
 its optimizer and the epoch/batch counters; the elastic callbacks keep them up to date and commit.
 """
@@ -28,6 +31,10 @@ parser = argparse.ArgumentParser(description="Elastic Keras digits example")
 parser.add_argument("--epochs", type=int, default=8)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--lr", type=float, default=0.01, help="learning rate of one worker")
+parser.add_argument("--finish-with-workers", type=int, default=1, metavar="N",
+                    help="train past --epochs, one epoch at a time, until an epoch ends with at "
+                         "least N workers (default 1: stop after --epochs), so that workers you "
+                         "add take part however fast the training is")
 args = parser.parse_args()
 
 # Horovod: initialize (in an elastic job this joins the driver's current round).
@@ -54,7 +61,7 @@ model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(fro
               metrics=["accuracy"])
 
 # Horovod: the state to keep across resets.
-state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+state = hvd.elastic.KerasState(model, batch=0, epoch=0, last_epoch_workers=0)
 
 
 def on_reset() -> None:
@@ -64,18 +71,29 @@ def on_reset() -> None:
 
 state.register_reset_callbacks([on_reset])
 
+
+def epoch_ended(epoch: int, logs: dict | None = None) -> None:
+    state.last_epoch_workers = hvd.size()
+    if hvd.rank() == 0:
+        print(f"epoch {state.epoch - 1}: {hvd.size()} workers, loss {(logs or {}).get('loss', 0):.3f}"
+              f", accuracy {(logs or {}).get('accuracy', 0):.3f}", flush=True)
+
+
 callbacks = [
     # Horovod: keep state.batch / state.epoch current, then commit every 5 batches.
     hvd.elastic.UpdateBatchStateCallback(state),
     hvd.elastic.UpdateEpochStateCallback(state),
+    keras.callbacks.LambdaCallback(on_epoch_end=epoch_ended),  # before the epoch's commit
     hvd.elastic.CommitStateCallback(state, batches_per_commit=5),
 ]
 
 
 @hvd.elastic.run
 def train(state: hvd.elastic.KerasState) -> None:
-    model.fit(dataset, steps_per_epoch=steps_per_epoch, epochs=args.epochs - state.epoch,
-              callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
+    # Horovod: the state is the same on every worker, so all of them decide alike.
+    while state.epoch < args.epochs or state.last_epoch_workers < args.finish_with_workers:
+        model.fit(dataset, steps_per_epoch=steps_per_epoch, epochs=max(args.epochs - state.epoch, 1),
+                  callbacks=callbacks, verbose=0)
 
 
 train(state)

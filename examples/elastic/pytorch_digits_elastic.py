@@ -9,6 +9,9 @@ Run on this machine, with a discovery script listing the "hosts" (two names of t
     # meanwhile: add a worker ...        printf 'localhost:2\\n127.0.0.1:1\\n' > hosts.txt
     # ... or kill one (training goes on): kill -9 <pid of a worker>
 
+However fast the training, ``--finish-with-workers 2`` keeps it going (past ``--epochs``, one epoch
+at a time) until an epoch ends with two workers, so a worker you add always takes part.
+
 The Horovod elastic recipe is marked with "Horovod:" comments: the state to keep (model,
 optimizer, sampler, epoch) lives in a ``TorchState``, the training function is wrapped in
 ``hvd.elastic.run`` and commits the state every few batches.
@@ -34,6 +37,10 @@ parser.add_argument("--lr", type=float, default=0.02, help="learning rate of one
 parser.add_argument("--batches-per-commit", type=int, default=5)
 parser.add_argument("--batch-sleep", type=float, default=0.02,
                     help="seconds of extra work per batch, so there is time to add or kill a host")
+parser.add_argument("--finish-with-workers", type=int, default=1, metavar="N",
+                    help="train past --epochs, one epoch at a time, until an epoch ends with at "
+                         "least N workers (default 1: stop after --epochs), so that workers you "
+                         "add take part however fast the training is")
 args = parser.parse_args()
 
 # Horovod: initialize (in an elastic job this joins the driver's current round).
@@ -74,10 +81,15 @@ def evaluate() -> float:
         return float((model(test_x).argmax(1) == test_y).float().mean())
 
 
+def finished(state: hvd.elastic.TorchState) -> bool:
+    # Horovod: the state is the same on every worker, so all of them decide alike.
+    return state.epoch >= args.epochs and state.last_epoch_workers >= args.finish_with_workers
+
+
 # Horovod: the training function runs again after a reset, from the last commit.
 @hvd.elastic.run
 def train(state: hvd.elastic.TorchState) -> None:
-    while state.epoch < args.epochs:
+    while not finished(state):
         model.train()
         for batch_idx, (data, target) in enumerate(loader):
             optimizer.zero_grad()
@@ -93,6 +105,7 @@ def train(state: hvd.elastic.TorchState) -> None:
             print(f"epoch {state.epoch}: {hvd.size()} workers, test accuracy {evaluate():.3f}",
                   flush=True)
         # Horovod: end of epoch: reset the sampler and commit.
+        state.last_epoch_workers = hvd.size()
         state.batch = 0
         state.epoch += 1
         state.sampler.set_epoch(state.epoch)
@@ -105,7 +118,8 @@ def on_reset() -> None:
         group["lr"] = args.lr * hvd.size()
 
 
-state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0,
+                               last_epoch_workers=0)
 state.register_reset_callbacks([on_reset])
 train(state)
 if hvd.rank() == 0:

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from horovod.common import protocol
+from horovod.common import protocol, slurm_ports
 from horovod.common.exceptions import HorovodError
 
 __all__ = ["Launch", "LauncherError", "detect", "expand_nodelist", "first_node", "torch_default_group",
@@ -172,10 +172,9 @@ def first_node(text: str) -> str:
 
 
 def _slurm_port(environ: Mapping[str, str]) -> int:
-    """A port every task of a step computes alike: from the job and step ids (like Lightning)."""
-    job = _int(environ, "SLURM_JOB_ID") or 0
-    step = _int(environ, "SLURM_STEP_ID") or 0
-    return 20000 + (job * 7 + step) % 20000
+    """The first of the store's candidate ports, which every task of a step derives alike from the
+    job and step ids (``horovod.common.slurm_ports``: task 0 falls back to the next ones)."""
+    return slurm_ports.step_ports(environ)[0]
 
 
 # ------------------------------------------------------------------------------ torch group probe

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from horovod.common import launcher_detection as _launcher
-from horovod.common import protocol, slurm_secret
+from horovod.common import protocol, slurm_ports, slurm_secret
 from horovod.common.backends import authstore
 from horovod.common.config import EngineConfig
 from horovod.common.exceptions import BackendUnavailableError, HorovodInternalError
@@ -319,7 +319,12 @@ class TorchrunHandler(_JoinedHandler):
 
 
 class SlurmHandler(_JoinedHandler):
-    """An srun step: task 0 opens an authenticated store on the step's first node."""
+    """An srun step: task 0 opens an authenticated store on the step's first node, on the first
+    free one of the step's candidate ports; the other tasks find it among them
+    (``horovod.common.slurm_ports``)."""
+
+    where = ("MASTER_ADDR/MASTER_PORT (or the first node of SLURM_STEP_NODELIST and the candidate "
+             "ports of docs/launcher.md#slurm)")
 
     def _open(self, rdv: StoreRendezvous, seq: int) -> Any:
         launch = self.launch
@@ -330,7 +335,27 @@ class SlurmHandler(_JoinedHandler):
         # private key file), else a LauncherError (horovod.common.slurm_secret).
         rdv.job_secret, rdv.key_service = slurm_secret.step_secret(
             self.environ, launch, self.rank, host, self.wait, seq)
-        return self._authenticated(rdv, host)
+        assert rdv.job_secret
+        key = authstore.derive_key(rdv.job_secret)
+        ports = slurm_ports.step_ports(self.environ)
+        if self.rank == 0:
+            try:
+                store = slurm_ports.bind_first(
+                    ports, lambda port: authstore.open_store(host, key, self.wait, port=port))
+            except OSError as exc:
+                rdv.joined()
+                raise _launcher.LauncherError(
+                    f"srun step {launch.scope}: task 0 cannot open the job's store on {host}: every "
+                    f"candidate port is taken ({', '.join(map(str, ports))}; {exc}). Set "
+                    "MASTER_PORT to a free port.", rank=0, launcher="slurm") from exc
+            port = int(store.server.port)
+            if port != ports[0]:
+                log.info("srun step %s: store port %d is taken; the store is on candidate port %d",
+                         launch.scope, ports[0], port)
+        else:
+            store, port = authstore.connect_any(launch.master_addr, ports, key, self.wait)
+        self.launch = replace(launch, master_port=port)
+        return store
 
 
 class MPIHandler(_JoinedHandler):

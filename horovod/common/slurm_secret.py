@@ -13,8 +13,9 @@ joined. In order, the first that applies:
    with ``unmunge`` and accepts it only if it was *made* by its own uid and names its own step.
    A stranger who connects gets a credential it cannot decode; one who serves a credential of its
    own is refused (wrong uid); a credential is decoded once (MUNGE refuses replays). The key port
-   is ``MASTER_PORT + 1`` when ``MASTER_PORT`` is set, else ``40000 + (7 * job id + step id) mod
-   20000`` (store ports are 20000-39999). Trusts: munged and its key (as Slurm does), root.
+   is ``MASTER_PORT + 1`` when ``MASTER_PORT`` is set, else the first free one of the step's
+   candidates (``horovod.common.slurm_ports``: odd ports of 20000-32767, beside the store's even
+   ones), which the other tasks try in turn. Trusts: munged and its key (as Slurm does), root.
 3. **A key file** (no MUNGE, or ``HOROVOD_SLURM_KEY=file``): task 0 writes the secret to
    ``<dir>/slurm-<job id>.<step id>.<n>.key`` (``n`` counts the ``hvd.init()`` calls; mode 0600,
    in a directory of mode 0700 owned by the user; written whole, then renamed into place), the
@@ -44,9 +45,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from horovod.common import slurm_ports
 from horovod.common.launcher_detection import Launch, LauncherError
 
-__all__ = ["KeyService", "step_secret", "key_port", "munge_available"]
+__all__ = ["KeyService", "step_secret", "key_ports", "munge_available"]
 
 log = logging.getLogger("horovod")
 
@@ -62,13 +64,9 @@ class KeyService:
         pass
 
 
-def key_port(environ: Mapping[str, str], store_port: int) -> int:
-    """The port of task 0's MUNGE key service (see the module docstring)."""
-    if environ.get("MASTER_PORT"):
-        return store_port + 1
-    job = int(environ.get("SLURM_JOB_ID") or 0)
-    step = int(environ.get("SLURM_STEP_ID") or 0)
-    return 40000 + (job * 7 + step) % 20000
+def key_ports(environ: Mapping[str, str]) -> list[int]:
+    """The candidate ports of task 0's MUNGE key service (see the module docstring)."""
+    return slurm_ports.step_ports(environ, "key")
 
 
 def munge_available() -> str | None:
@@ -117,11 +115,11 @@ def step_secret(environ: Mapping[str, str], launch: Launch, rank: int, bind_host
         raise LauncherError(f"HOROVOD_SLURM_KEY={choice!r}: use auto, munge or file.", launcher="slurm")
     no_munge = munge_available() if choice in ("auto", "munge") else "HOROVOD_SLURM_KEY=file"
     if no_munge is None:
-        assert launch.master_port is not None and launch.master_addr
-        port = key_port(environ, launch.master_port)
+        assert launch.master_addr
+        ports = key_ports(environ)
         if rank == 0:
-            return _serve_munge(bind_host, port, scope)
-        return _fetch_munge(launch.master_addr, port, scope, rank, timeout), None
+            return _serve_munge(bind_host, ports, scope)
+        return _fetch_munge(launch.master_addr, ports, scope, rank, timeout), None
     if choice == "munge":
         raise LauncherError(f"HOROVOD_SLURM_KEY=munge but MUNGE cannot be used here: {no_munge}.",
                             launcher="slurm", rank=rank)
@@ -190,19 +188,28 @@ class _MungeService(KeyService):
         self._thread.join(timeout=5)
 
 
-def _serve_munge(host: str, port: int, scope: str) -> tuple[str, KeyService]:
-    secret = secrets.token_hex(32)
+def _listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(64)
-    except OSError as exc:
+    except OSError:
         sock.close()
+        raise
+    return sock
+
+
+def _serve_munge(host: str, ports: list[int], scope: str) -> tuple[str, KeyService]:
+    secret = secrets.token_hex(32)
+    try:
+        sock = slurm_ports.bind_first(ports, lambda port: _listen(host, port))
+    except OSError as exc:
         raise LauncherError(
-            f"srun step {scope}: task 0 cannot open its key service on {host}:{port} ({exc}). Another "
-            "job may use that port: set MASTER_PORT (the service uses MASTER_PORT + 1) or export "
-            "HOROVOD_SECRET_KEY.", launcher="slurm", rank=0) from exc
+            f"srun step {scope}: task 0 cannot open its key service on {host} (ports "
+            f"{', '.join(map(str, ports))}: {exc}). Other processes hold them: set MASTER_PORT (the "
+            "service uses MASTER_PORT + 1) to free ports, or export HOROVOD_SECRET_KEY.",
+            launcher="slurm", rank=0) from exc
     return secret, _MungeService(sock, scope, secret)
 
 
@@ -225,31 +232,38 @@ def _decode(cred: bytes, scope: str) -> str:
     raise ValueError("its payload is not a Horovod step secret")
 
 
-def _fetch_munge(host: str, port: int, scope: str, rank: int, timeout: float) -> str:
+def _fetch_munge(host: str, ports: list[int], scope: str, rank: int, timeout: float) -> str:
     deadline = time.monotonic() + timeout
-    last = "no answer"
+    last: dict[int, str] = {}
     while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(5.0, max(timeout, 0.1))) as conn:
-                data = b""
-                while not data.endswith(b"\n") and len(data) < _MAX_CRED:
-                    chunk = conn.recv(_MAX_CRED)
-                    if not chunk:
-                        break
-                    data += chunk
-            return _decode(data.strip(), scope)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            last = str(exc)
-        except ValueError as exc:
-            # Not our task 0 (a stranger on the port) or a stale service: keep asking until timeout.
-            last = f"the credential served there was refused: {exc}"
+        # Task 0 serves on the first free candidate: ask each in turn (nothing there, a stranger
+        # or a stale service moves on to the next) until the deadline.
+        for port in ports:
+            try:
+                return _ask_munge(host, port, scope, timeout)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                last[port] = str(exc)
+            except ValueError as exc:
+                last[port] = f"the credential served there was refused: {exc}"
         if time.monotonic() > deadline:
             raise LauncherError(
                 f"srun step {scope}: rank {rank} could not get the step's secret from task 0's MUNGE key "
-                f"service at {host}:{port} within {timeout:g} s ({last}). Check that task 0 runs; raise "
+                f"service at {host} (ports {', '.join(map(str, ports))}) within {timeout:g} s ("
+                + "; ".join(f"{p}: {e}" for p, e in last.items()) + "). Check that task 0 runs; raise "
                 "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow, or export HOROVOD_SECRET_KEY.",
                 launcher="slurm", rank=rank)
         time.sleep(0.2)
+
+
+def _ask_munge(host: str, port: int, scope: str, timeout: float) -> str:
+    with socket.create_connection((host, port), timeout=min(5.0, max(timeout, 0.1))) as conn:
+        data = b""
+        while not data.endswith(b"\n") and len(data) < _MAX_CRED:
+            chunk = conn.recv(_MAX_CRED)
+            if not chunk:
+                break
+            data += chunk
+    return _decode(data.strip(), scope)
 
 
 # ------------------------------------------------------------------------------- key file

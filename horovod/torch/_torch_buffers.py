@@ -273,6 +273,11 @@ class TorchBuffers:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def result(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new allgather or reduce-scatter result (``BufferOps.result``): allocated, from torch's
+        caching allocator."""
+        return self.empty(shape, dtype)
+
     @staticmethod
     def flat(a: torch.Tensor) -> torch.Tensor:
         return a.reshape(-1)

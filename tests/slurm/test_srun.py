@@ -155,9 +155,9 @@ def test_stranger_with_the_job_id_cannot_join_a_running_jobs_store(slurm, strang
                 break
         ready = json.loads(lines[-1][len("READY "):]) if lines and lines[-1].startswith("READY ") else None
         assert ready is not None, "".join(lines)[-3000:]
-        from horovod.common.slurm_secret import key_port
+        from horovod.common.slurm_secret import key_ports
 
-        kport = key_port({"SLURM_JOB_ID": ready["job"], "SLURM_STEP_ID": ready["step"]}, ready["port"])
+        kport = key_ports({"SLURM_JOB_ID": ready["job"], "SLURM_STEP_ID": ready["step"]})[0]
         res = _as_stranger(slurm, uid, ["/usr/bin/python3", "stranger_probe.py", "127.0.0.1",
                                         str(ready["port"]), str(kport)], probe_dir)
         out = res.stdout.decode(errors="replace") + res.stderr.decode(errors="replace")
@@ -184,7 +184,7 @@ def test_munge_key_service_answers_strangers_with_what_they_cannot_decode(slurm,
     from horovod.common import slurm_secret
 
     uid, probe_dir = stranger
-    secret, service = slurm_secret._serve_munge("127.0.0.1", 0, "7.0.0")
+    secret, service = slurm_secret._serve_munge("127.0.0.1", [0], "7.0.0")
     port = service._sock.getsockname()[1]
     try:
         code = ("import socket,sys; c=socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=10); "
@@ -195,7 +195,7 @@ def test_munge_key_service_answers_strangers_with_what_they_cannot_decode(slurm,
         assert dec.returncode != 0 and secret.encode() not in dec.stdout, dec
         assert b"Unauthorized credential" in dec.stderr, dec
         # The job's user (this process) asks the same service: it gets the secret.
-        assert slurm_secret._fetch_munge("127.0.0.1", port, "7.0.0", 1, 30) == secret
+        assert slurm_secret._fetch_munge("127.0.0.1", [port], "7.0.0", 1, 30) == secret
         # A stranger serving its own credential for the same step is not believed.
         forged = _as_stranger(slurm, uid, ["munge", "-s", f"horovod-slurm-step-secret 7.0.0 {'ab' * 32}"],
                               probe_dir)

@@ -642,6 +642,30 @@ def connect_store(host: str, port: int, key: bytes, timeout: float) -> Any:
     return torch_store(StoreClient(host, port, key, timeout))
 
 
+def connect_any(host: str, ports: Sequence[int], key: bytes, timeout: float) -> tuple[Any, int]:
+    """A torch store connected to the server at ``host`` on whichever of ``ports`` answers with
+    ``key`` (the candidates of ``horovod.common.slurm_ports``), and its port. The candidates are
+    tried in turn, again and again until ``timeout``: nothing listening, a stranger, or a store of
+    another key moves on to the next."""
+    if len(ports) == 1:
+        return connect_store(host, ports[0], key, timeout), ports[0]
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    last: dict[int, str] = {}
+    while True:
+        for port in ports:
+            try:
+                return torch_store(StoreClient(host, port, key, timeout, connect_timeout=0)), port
+            except StoreError as exc:
+                last[port] = str(exc)
+        if time.monotonic() > deadline:
+            raise StoreError(f"no store of this job answered at {host} on any of ports "
+                             f"{', '.join(map(str, ports))} within {timeout:g} s (last answers: "
+                             + "; ".join(f"{p}: {e}" for p, e in last.items()) + ")")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
 def random_key() -> bytes:
     """A fresh store key, for stores whose members share no job secret but a trusted channel."""
     return os.urandom(32)

@@ -126,7 +126,14 @@ class BufferOps(Protocol):
         """An entry's inputs as this kind's buffers (a binding may hand over wrappers)."""
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A new result buffer (allocate)."""
+        """A new buffer (allocate)."""
+
+    def result(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A new allgather or reduce-scatter result, which the caller keeps. The one policy for
+        them: host NumPy results come warm from the output pool (a sharded model gathers and
+        reduce-scatters buffers of the same sizes every step, and fresh memory costs a page fault
+        per 4 KiB each time); a kind without such a pool allocates (``empty``: torch's caching
+        allocator is the device's)."""
 
     def flat(self, a: Any) -> Any:
         """``a``'s elements as a flat view."""
@@ -532,7 +539,8 @@ class NumpyBuffers:
     MOVES_MEMO_SIZE = 8
 
     def result(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A new result of an allgather or reduce-scatter (warm, from the output pool)."""
+        """A new result of an allgather or reduce-scatter: warm, from the output pool
+        (``BufferOps.result``)."""
         return self._output(shape, dtype)
 
     def outputs(self, inputs: Sequence[np.ndarray], given: Sequence[np.ndarray] | None) -> list[np.ndarray]:

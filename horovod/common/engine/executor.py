@@ -417,10 +417,10 @@ class Executor:
                 send = buf
             rows = reducescatter_rows(shape[0], group.size)
             row = _prod(shape[1:])
-            recv = _result(ops, (rows[group.rank],) + shape[1:], red.work)
+            recv = ops.result((rows[group.rank],) + shape[1:], red.work)
             tr.reducescatter(send, ops.flat(recv), [r * row for r in rows], red.op, scratch)
             if red.widen or (red.scaled and not _scales_in_place(recv)):
-                out = _result(ops, tuple(recv.shape), x.dtype)
+                out = ops.result(tuple(recv.shape), x.dtype)
                 ops.scale(ops.flat(out), ops.flat(recv), red.post, red.div)
                 recv = out
             elif red.scaled:
@@ -438,15 +438,6 @@ def _scales_in_place(a: Any) -> bool:
     return isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.dtype.itemsize >= 4
 
 
-def _result(ops: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """A new allgather or reduce-scatter result: from the warm output pool where the buffers are
-    host NumPy ones (``NumpyBuffers.result``; a sharded model gathers and reduce-scatters buffers
-    of the same sizes every step, and fresh memory costs a page fault per 4 KiB each time), else
-    plainly allocated."""
-    result = getattr(ops, "result", None)
-    return ops.empty(shape, dtype) if result is None else result(shape, dtype)
-
-
 def allgather(entry: Any, lane: Lane) -> None:
     ops, tr = lane.ops, lane.transport
     xs = ops.tensors(entry.inputs)
@@ -455,7 +446,7 @@ def allgather(entry: Any, lane: Lane) -> None:
     outputs = []
     for i, x in enumerate(xs):
         shape = tuple(x.shape)
-        out = _result(ops, (int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
+        out = ops.result((int(all_dims[:, i].sum()),) + shape[1:], x.dtype)
         send, units = ops.move(x)
         row = _prod(shape[1:]) * units
         tr.allgatherv(send, ops.move(out)[0], [int(c) * row for c in all_dims[:, i]])

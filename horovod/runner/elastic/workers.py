@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import IO
 
 from horovod.common import protocol
+from horovod.runner.child_output import ChildOutput
 from horovod.runner.launch.commands import Command
-from horovod.runner.output import LineSplitter, prefix_line, write_line
+from horovod.runner.output import prefix_line, write_line
 from horovod.runner.signals import still_starting
 
 __all__ = ["WorkerProcess"]
@@ -45,13 +46,13 @@ class WorkerProcess:
             self.popen.stdin.flush()
         except OSError:
             pass
-        self._readers = []
+        pipes = []
         for stream, pipe in (("stdout", self.popen.stdout), ("stderr", self.popen.stderr)):
             assert pipe is not None
-            t = threading.Thread(target=self._read, args=(pipe, stream), daemon=True,
-                                 name=f"hvd-elastic-read-{name}-{stream}")
-            t.start()
-            self._readers.append(t)
+            fd = os.dup(pipe.fileno())
+            pipe.close()
+            pipes.append((stream, fd, self._handler(stream)))
+        self.output = ChildOutput(f"elastic-{name}", pipes)
         threading.Thread(target=self._wait, daemon=True, name=f"hvd-elastic-wait-{name}").start()
 
     @property
@@ -78,27 +79,19 @@ class WorkerProcess:
         with self.lock:
             write_line(self.err if stream == "stderr" else self.out, line)
 
-    def _read(self, pipe: IO[bytes], stream: str) -> None:
-        splitter = LineSplitter()
-        fd = pipe.fileno()
-        try:
-            while True:
-                data = os.read(fd, 65536)
-                if not data:
-                    break
-                for text, term in splitter.feed(data):
-                    self._emit(stream, text, term)
-        except OSError:
-            pass
-        finally:
-            for text, term in splitter.flush():
+    def _handler(self, stream: str) -> Callable[[list[tuple[str, str]]], None]:
+        def handle(lines: list[tuple[str, str]]) -> None:
+            for text, term in lines:
                 self._emit(stream, text, term)
+        return handle
 
     def _wait(self) -> None:
         rc = self.popen.wait()
         self._ended.set()
-        for t in self._readers:
-            t.join(timeout=2.0)  # the exit report comes on stderr just before the end
+        # Everything the worker (and its shim's exit report) wrote is in the pipes now: the
+        # verdict comes after its last line, and an orphan holding a pipe open delays nothing.
+        self.output.ended()
+        self.output.join()
         self.returncode = rc
         code: int | None
         sig: int | None

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import IO, Any, assert_never
 
 from horovod.common import protocol
+from horovod.runner.child_output import ChildOutput
 from horovod.runner.failures import RankExit, root_cause
 from horovod.runner.job_outcome import JobOutcome
 from horovod.runner.launch.commands import Command
-from horovod.runner.output import LineSplitter, TagParser, prefix_line, write_line
+from horovod.runner.output import TagParser, prefix_line, write_line
 from horovod.runner.signals import still_starting
 
 __all__ = ["Supervisor"]
@@ -94,7 +95,7 @@ class _Proc:
         self.popen = popen
         self.returncode: int | None = None
         self.exit_time = 0.0
-        self.readers: list[threading.Thread] = []
+        self.output: ChildOutput | None = None
 
 
 class Supervisor:
@@ -175,8 +176,8 @@ class Supervisor:
                                     buffering=1)
         return self._files[key]
 
-    def _read(self, proc: _Proc, fd: int, stream: str) -> None:
-        splitter = LineSplitter()
+    def _handler(self, proc: _Proc, stream: str) -> Callable[[list[tuple[str, str]]], None]:
+        """What one reader of ``proc`` does with the lines of ``stream`` (on that reader's thread)."""
         tagger = TagParser(proc.cmd.tagged) if proc.cmd.tagged else None
         own_rank = proc.cmd.ranks[0] if len(proc.cmd.ranks) == 1 else None
 
@@ -188,17 +189,7 @@ class Supervisor:
                 else:
                     self._emit(own_rank, stream, text, term)
 
-        try:
-            while True:
-                data = os.read(fd, 65536)
-                if not data:
-                    break
-                handle(splitter.feed(data))
-        except OSError:
-            pass
-        finally:
-            handle(splitter.flush())
-            os.close(fd)
+        return handle
 
     # -------------------------------------------------------------- processes
     def _start(self) -> None:
@@ -236,19 +227,20 @@ class Supervisor:
                     pass
                 if not cmd.lifeline:
                     popen.stdin.close()
+            pipes = []
             for stream, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
                 assert pipe is not None
                 fd = os.dup(pipe.fileno())
                 pipe.close()
-                t = threading.Thread(target=self._read, args=(proc, fd, stream), daemon=True,
-                                     name=f"hvd-read-{i}-{stream}")
-                t.start()
-                proc.readers.append(t)
+                pipes.append((stream, fd, self._handler(proc, stream)))
+            proc.output = ChildOutput(str(i), pipes)
             threading.Thread(target=self._wait, args=(proc,), daemon=True,
                              name=f"hvd-wait-{i}").start()
 
     def _wait(self, proc: _Proc) -> None:
         rc = proc.popen.wait()
+        assert proc.output is not None
+        proc.output.ended()  # its readers take what it left in the pipes and stop
         self._events.put(_ProcessEnded(proc.index, rc, time.time()))
 
     def _signal_proc(self, proc: _Proc, signum: int) -> None:
@@ -340,9 +332,12 @@ class Supervisor:
                     proc.returncode = proc.popen.wait()
                     proc.exit_time = time.time()
             for proc in self._procs:
-                for t in proc.readers:
-                    # An orphan that inherited the pipe must not keep the launcher waiting.
-                    t.join(timeout=2.0)
+                # Every process has been reaped: its last lines (and its shim's exit report) are
+                # in the pipes, and taking them waits on nothing else (an orphan that inherited
+                # a pipe included), however slow the machine (``runner/child_output.py``).
+                if proc.output is not None:
+                    proc.output.ended()
+                    proc.output.join()
             for fh in self._files.values():
                 fh.close()
         return self._result()

@@ -95,6 +95,7 @@ def test_munge_forced_where_it_cannot_run(tmp_path, monkeypatch):
         slurm_secret.step_secret(_env(tmp_path, HOROVOD_SLURM_KEY="none"), detect(env), 0, "127.0.0.1", 1)
 
 
-def test_key_port():
-    assert slurm_secret.key_port({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"}, 20297) == 40000 + 297
-    assert slurm_secret.key_port({"MASTER_PORT": "29500", "SLURM_JOB_ID": "42"}, 29500) == 29501
+def test_key_ports() -> None:
+    ports = slurm_secret.key_ports({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"})
+    assert ports[0] == 20000 + 2 * 297 + 1 and all(p % 2 == 1 and 20000 < p < 32768 for p in ports)
+    assert slurm_secret.key_ports({"MASTER_PORT": "29500", "SLURM_JOB_ID": "42"}) == [29501]
