@@ -1,8 +1,8 @@
 """One fresh interpreter per environment that imports TensorFlow, then Horovod's TensorFlow and
 Keras modules, inits and shuts down, printing what changed at each point; run once per pytest
 process and environment, for every test that reads its lines (each run costs TensorFlow's import,
-about 10 s): test_tf_side_effects_unit.py (environment and autograph) and test_tf_unit.py (no
-torch imported)."""
+about 10 s): test_tf_side_effects_unit.py (environment and autograph), test_tf_unit.py (no
+torch imported) and test_tf_compat_unit.py (when the graph-error mapping is installed)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ _CODE = """
     import horovod.tensorflow.keras, horovod.keras  # noqa: F401
     import sys
     print("TORCH", "torch" in sys.modules)  # test_tf_unit.py: the TensorFlow bindings import no torch
+    cls = tf.errors.InvalidArgumentError  # test_tf_compat_unit.py: no graph op yet, nothing mapped
+    untouched = "__new__" not in cls.__dict__
     changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
     print("IMPORT", changed)
     from tensorflow.python.autograph.core import config as ag_config
@@ -34,6 +36,13 @@ _CODE = """
     changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
     print("INIT", changed, tf.config.threading.get_inter_op_parallelism_threads())
     print("AG INIT", rules(), conversion.is_allowlisted(hvd.allreduce))
+    hvd.allreduce(tf.ones([2]))  # eager: nothing to map
+    eager_untouched = "__new__" not in cls.__dict__
+    tf.function(lambda t: hvd.allreduce(t, name="g"))(tf.ones([2]))  # the first graph op installs it
+    installed = "__new__" in cls.__dict__
+    other = cls(None, None, "a shape is wrong in the user's own op")
+    ours = cls(None, None, "HorovodFailedPrecondition: HorovodAllreduce ('g'): Mismatched shapes")
+    print("GRAPH ERRORS", untouched, eager_untouched, installed, type(other).__name__, type(ours).__name__)
     hvd.shutdown()
     hvd.init()
     print("AG AGAIN", rules())

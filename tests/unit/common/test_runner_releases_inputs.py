@@ -11,7 +11,6 @@ gradients more, now and then (a load-dependent failure).
 
 from __future__ import annotations
 
-import gc
 import threading
 import types
 import weakref
@@ -34,7 +33,9 @@ class _Watching(Handle):
         self.seen = {"ref": ref}
 
     def set_result(self, result):
-        gc.collect()
+        # No gc.collect(): the arrays are in no reference cycle, so CPython frees one at its last
+        # reference, as a waiter's tensors are freed (a collection of the suite's whole heap took
+        # seconds per entry, and could only hide a release that waits for the cycle collector).
         self.seen["alive_at_wake"] = self.seen["ref"]() is not None
         super().set_result(result)
 
