@@ -35,7 +35,7 @@ import datetime
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -275,13 +275,32 @@ class _JoinedHandler:
         rdv.store = dist.PrefixStore(f"horovod/{launch.scope}/{seq}", store)
         return rdv
 
-    def _authenticated(self, rdv: StoreRendezvous, host: str) -> Any:
-        """Horovod's store keyed with ``rdv.job_secret``: rank 0 serves it on ``host``."""
-        assert rdv.job_secret and self.launch.master_addr and self.launch.master_port
+    def _authenticated(self, rdv: StoreRendezvous, host: str, ports: Sequence[int] = ()) -> Any:
+        """Horovod's store keyed with ``rdv.job_secret``: rank 0 serves it on ``host``, on the first
+        free one of ``ports`` (default: the launch's master port), and the other ranks find it
+        among them (``horovod.common.slurm_ports``); ``self.launch`` then names the port."""
+        launch = self.launch
+        ports = list(ports) or ([launch.master_port] if launch.master_port else [])
+        assert rdv.job_secret and launch.master_addr and ports
         key = authstore.derive_key(rdv.job_secret)
         if self.rank == 0:
-            return authstore.open_store(host, key, self.wait, port=self.launch.master_port)
-        return authstore.connect_store(self.launch.master_addr, self.launch.master_port, key, self.wait)
+            try:
+                store = slurm_ports.bind_first(
+                    ports, lambda port: authstore.open_store(host, key, self.wait, port=port))
+            except OSError as exc:
+                rdv.joined()
+                raise _launcher.LauncherError(
+                    f"{launch.launcher} job {launch.scope}: rank 0 cannot open the job's store on {host}: "
+                    f"every candidate port is taken ({', '.join(map(str, ports))}; {exc}). Set "
+                    "MASTER_PORT to a free port.", rank=0, launcher=launch.launcher) from exc
+            port = int(store.server.port)
+            if port != ports[0]:
+                log.info("%s job %s: store port %d is taken; the store is on candidate port %d",
+                         launch.launcher, launch.scope, ports[0], port)
+        else:
+            store, port = authstore.connect_any(launch.master_addr, ports, key, self.wait)
+        self.launch = replace(launch, master_port=port)
+        return store
 
 
 class TorchGroupHandler(_JoinedHandler):
@@ -335,27 +354,7 @@ class SlurmHandler(_JoinedHandler):
         # private key file), else a LauncherError (horovod.common.slurm_secret).
         rdv.job_secret, rdv.key_service = slurm_secret.step_secret(
             self.environ, launch, self.rank, host, self.wait, seq)
-        assert rdv.job_secret
-        key = authstore.derive_key(rdv.job_secret)
-        ports = slurm_ports.step_ports(self.environ)
-        if self.rank == 0:
-            try:
-                store = slurm_ports.bind_first(
-                    ports, lambda port: authstore.open_store(host, key, self.wait, port=port))
-            except OSError as exc:
-                rdv.joined()
-                raise _launcher.LauncherError(
-                    f"srun step {launch.scope}: task 0 cannot open the job's store on {host}: every "
-                    f"candidate port is taken ({', '.join(map(str, ports))}; {exc}). Set "
-                    "MASTER_PORT to a free port.", rank=0, launcher="slurm") from exc
-            port = int(store.server.port)
-            if port != ports[0]:
-                log.info("srun step %s: store port %d is taken; the store is on candidate port %d",
-                         launch.scope, ports[0], port)
-        else:
-            store, port = authstore.connect_any(launch.master_addr, ports, key, self.wait)
-        self.launch = replace(launch, master_port=port)
-        return store
+        return self._authenticated(rdv, host, slurm_ports.step_ports(self.environ))
 
 
 class MPIHandler(_JoinedHandler):

@@ -76,7 +76,7 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     0.70-0.92x the time of one raw ``Allreduce``, the same views of ``torch.zeros`` in 0.94-1.36x
     (docs/performance.md, "Flat gradients on huge pages").
     """
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < _THP_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
     block = huge_page_empty(nbytes)

@@ -30,17 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from tests._ci_record import passed_before_the_suite
+from tests._ci_record import once_under_ci  # noqa: F401 - the fixture, used by pytestmark
+
+pytestmark = pytest.mark.usefixtures("once_under_ci")
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _once_under_ci(request: pytest.FixtureRequest) -> None:
-    """Under .ci/run, its static step ran this test before the suite (tests/_ci_record.py)."""
-    reason = passed_before_the_suite(request.node.nodeid)
-    if reason:
-        pytest.skip(reason)
 
 
 _CODE = r"""

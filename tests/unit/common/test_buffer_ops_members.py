@@ -57,7 +57,8 @@ def test_numpy_results_come_from_the_output_pool() -> None:
 
 
 def test_torch_results_are_allocated_on_the_ops_device() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     from horovod.torch._torch_buffers import TorchBuffers
 
     out = TorchBuffers(torch.device("cpu")).result((4, 2), torch.float16)

@@ -30,6 +30,31 @@ def _holder() -> socket.socket:
     return sock
 
 
+def _step_holding(taken: int, free: int = 0) -> tuple[dict[str, str], list[int], list[socket.socket]]:
+    """A step whose store candidates, in task 0's order, start with ``taken`` ports held for real
+    by listening sockets (returned) followed by ``free`` ports that were free just now: the step's
+    own derived candidates, no others (the job id is moved on past candidates in use here)."""
+    rng = slurm_ports.ephemeral_range()
+    for job in range(4242, 4242 + 200):
+        step = {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "1"}
+        order = sorted(slurm_ports.step_ports(step), key=lambda p: rng is not None and rng[0] <= p <= rng[1])
+        held: list[socket.socket] = []
+        try:
+            for port in order[:taken + free]:
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+                sock.listen(1)
+        except OSError:
+            for sock in held:
+                sock.close()
+            continue
+        for sock in held[taken:]:
+            sock.close()
+        return step, order, held[:taken]
+    raise AssertionError("no step of 200 has its first candidate ports free here")
+
+
 def test_candidates_are_the_same_everywhere_and_below_the_ephemeral_range() -> None:
     store, key = slurm_ports.step_ports(STEP), slurm_ports.step_ports(STEP, "key")
     assert store == slurm_ports.step_ports(dict(STEP)) and len(set(store)) == slurm_ports.CANDIDATES
@@ -89,18 +114,13 @@ def test_task_0_prefers_candidates_outside_this_nodes_ephemeral_range() -> None:
     assert order == [21000]
 
 
-def test_srun_store_falls_back_to_the_next_candidate_and_every_task_finds_it(monkeypatch: Any) -> None:
+def test_srun_store_falls_back_to_the_next_candidate_and_every_task_finds_it() -> None:
     # Two tasks of an srun step (threads), the store's first candidate held by another process.
-    pytest.importorskip("torch")
     from horovod.common import rendezvous_handlers
     from horovod.common.config import EngineConfig
 
-    taken = _holder()
-    free = _holder()
-    ports = [taken.getsockname()[1], free.getsockname()[1]]
-    free.close()
-    monkeypatch.setattr(slurm_ports, "step_ports", lambda environ, service="store": list(ports))
-    env = {**STEP, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+    step, ports, held = _step_holding(taken=1, free=1)
+    env = {**step, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
            "MASTER_ADDR": "127.0.0.1", "HOROVOD_SECRET_KEY": "ab" * 32}
     config = dataclasses.replace(EngineConfig(), gloo_timeout_seconds=60)
     got: dict[int, Any] = {}
@@ -128,24 +148,24 @@ def test_srun_store_falls_back_to_the_next_candidate_and_every_task_finds_it(mon
     finally:
         for *_, rdv in got.values():
             rdv.close()
-        taken.close()
+        for sock in held:
+            sock.close()
 
 
-def test_srun_store_names_the_taken_candidates_when_none_is_free(monkeypatch: Any) -> None:
-    pytest.importorskip("torch")
+def test_srun_store_names_the_taken_candidates_when_none_is_free() -> None:
     from horovod.common import rendezvous_handlers
     from horovod.common.config import EngineConfig
 
-    taken = _holder()
-    monkeypatch.setattr(slurm_ports, "step_ports", lambda environ, service="store": [taken.getsockname()[1]])
-    env = {**STEP, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
+    step, ports, held = _step_holding(taken=slurm_ports.CANDIDATES)
+    env = {**step, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
            "MASTER_ADDR": "127.0.0.1", "HOROVOD_SECRET_KEY": "ab" * 32}
-    want = f"every candidate port is taken \\({taken.getsockname()[1]};.*MASTER_PORT"
+    listed = ", ".join(map(str, slurm_ports.step_ports(step)))
     try:
-        with pytest.raises(LauncherError, match=want):
+        with pytest.raises(LauncherError, match=f"every candidate port is taken \\({listed};.*MASTER_PORT"):
             rendezvous_handlers.SlurmHandler(EngineConfig(), env, detect(env)).next_rendezvous()
     finally:
-        taken.close()
+        for sock in held:
+            sock.close()
 
 
 def test_munge_key_service_skips_a_taken_candidate() -> None:
