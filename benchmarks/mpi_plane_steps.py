@@ -8,6 +8,8 @@ Modes (each repetition runs every mode once, in turn, after a barrier; default f
           reference of docs/performance.md's "The MPI data plane")
   pieces  mpi4py: the same flat buffer in 2 MiB pieces, each reduced in place and divided while
           hot (the best raw schedule of ``gradsync_limit.py`` on this machine)
+  pieces16  the same in 16 MiB pieces (the best raw schedule in the machine's other state; the
+          engine follows the faster of the two: ``engine/pieces.py``)
   sched   mpi4py: the engine's piece schedule written directly on the torch tensors' own memory
           (``raw_schedules.schedule``, pieces in place where the engine would reduce them in
           place): the fastest raw schedule of the same bytes in the same memory
@@ -60,6 +62,7 @@ from shapes import MODELS  # noqa: E402
 import horovod.numpy as hvd_np  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 from horovod.common.backends import mpi as mpi_backend  # noqa: E402
+from horovod.common.context import get_context  # noqa: E402
 from horovod.common.engine import buffers, executor, placement  # noqa: E402
 from horovod.common.engine.pages import huge_page_backed, huge_page_empty  # noqa: E402
 from horovod.torch._convert import huge_page_zeros  # noqa: E402
@@ -173,8 +176,6 @@ def main() -> None:
 
     def forced(way: bool) -> Callable[[], None]:
         # hvd with the executor's timed small-pages choice (choice.TimedChoice) forced one way
-        from horovod.common.context import get_context
-
         ex = get_context().engine.runner.executor
         chooser = getattr(ex, "small_pages", None)
 
@@ -204,6 +205,7 @@ def main() -> None:
         "flat": lambda: raw_schedules.flat(comm, flat, raw.setdefault("flat", {})),
         "pieces": lambda: raw_schedules.pieces(comm, flat, CHUNK, raw.setdefault("pieces", {})),
         "pieces-mul": lambda: raw_schedules.pieces(comm, flat, CHUNK, raw.setdefault("pieces-mul", {}), True),
+        "pieces16": lambda: raw_schedules.pieces(comm, flat, 16 << 20, raw.setdefault("pieces16", {})),
         "sched": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], huge_page_backed, CHUNK,
                                                 huge_page_empty, raw.setdefault("sched", {})),
         "sched-own": lambda: raw_schedules.schedule(comm, [t.numpy() for t in tensors], lambda a: True, CHUNK,
@@ -247,6 +249,8 @@ def main() -> None:
     faults: dict[str, list[int]] = {k: [] for k in modes}
     parts: dict[str, dict[str, list[float]]] = {k: {} for k in modes}
     calls: dict[str, list[str]] = {k: [] for k in modes}
+    tunables = get_context().engine.tunables
+    piece_mib: dict[str, list[int]] = {k: [] for k in modes if k not in raw}  # the engine's, per step
     for _ in range(args.reps):
         for k, fn in modes.items():
             comm.Barrier()
@@ -261,6 +265,8 @@ def main() -> None:
             t1 = time.perf_counter()
             step = (t1 - t0) * 1e3
             ms[k].append(step)
+            if k in piece_mib:
+                piece_mib[k].append(tunables.chunk_bytes >> 20)
             faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             if k in raw:
                 mine = {p: v * 1e3 for p, v in raw[k].items()}
@@ -284,17 +290,27 @@ def main() -> None:
             if line.startswith("AnonHugePages"):
                 huge = int(line.split()[1]) // 1024
     inner = comm.gather(mpi_ms, 0)
+    follower = get_context().engine.pieces
     if rank != 0:
         return
     med = {k: statistics.median(v) for k, v in ms.items()}
     ref = {r: med[r] for r in ("flat", "pieces", "sched") if r in med}
+    if "pieces" in ms and "pieces16" in ms:  # each step against the faster raw piece size of its rep
+        best = [min(a, b) for a, b in zip(ms["pieces"], ms["pieces16"])]
+        extra = {"vs_best_pieces_per_rep": {k: round(statistics.median(x / b for x, b in zip(v, best)), 2)
+                                            for k, v in ms.items()}}
+    else:
+        extra = {}
     print(json.dumps({"bench": "mpi_plane_steps", "model": args.model, "dtype": args.dtype, "np": size,
                       "load": [round(x, 1) for x in os.getloadavg()],
                       "median_ms": {k: round(v, 1) for k, v in med.items()},
                       **{f"vs_{r}": {k: round(v / base, 2) for k, v in med.items()} for r, base in ref.items()},
-                      "anon_huge_MiB_rank0": huge}), flush=True)
+                      **extra, "anon_huge_MiB_rank0": huge,
+                      "follower": None if follower is None else follower.applied}), flush=True)
     for k in modes:
         print(f"{k:9s} ms    ", " ".join(f"{x:.0f}" for x in ms[k]))
+        if k in piece_mib:
+            print(f"{k:9s} MiB   ", " ".join(str(x) for x in piece_mib[k]))
         for r, per_rank in enumerate(inner or []):
             print(f"{k:9s} mpi{r}  ", " ".join(f"{x:.0f}" for x in per_rank[k]))
         print(f"{k:9s} faults", " ".join(str(x) for x in faults[k]))

@@ -105,6 +105,12 @@ class EngineConfig:
         "pieces of at most this size, each scaled while hot in cache (0: one transport call per "
         "buffer). Unset (-1): the transport's own, 2 MiB on MPI, 16 MiB on Gloo (where tensors of "
         "1 MiB and more are then reduced where they lie, not packed).", _parse_int, minimum=0)
+    adaptive_pieces: bool = _setting(
+        "HOROVOD_ADAPTIVE_PIECES", True,
+        "With HOROVOD_CHUNK_BYTES unset, on MPI: large reductions run in whichever of 2 MiB and "
+        "16 MiB pieces is faster, re-measured while the job runs (docs/performance.md, \"The piece "
+        "size follows the machine\"); 0: always 2 MiB. Off under HOROVOD_AUTOTUNE, which tunes the "
+        "piece size itself.", parse_bool)
     overlap_gradients: str = _setting(
         "HOROVOD_OVERLAP_GRADIENTS", "",
         "1: reduce the optimizer's gradients in the background while the backward pass runs; 0: hold "

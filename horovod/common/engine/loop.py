@@ -11,7 +11,8 @@ class (Horovod's C++ core: ``Controller``, ``PerformOperation``, the observers a
    (``fusion.py``), takes each batch's pending entries, runs it (``executor.py``) and completes
    their handles; it owns the step memo (``memo.py``);
 3. the observers (``observers.py``: timeline, autotune, metrics and stragglers, the flight
-   recorder, stall checks) are called at fixed points of the round.
+   recorder, stall checks, the piece-size follower ``pieces.py``) are called at fixed points of
+   the round.
 
 This module is the loop around them: the queue, submission, deferral, the driver lock, the
 engine thread's pacing, and stopping. A rank with nothing to do waits on a condition variable
@@ -43,6 +44,7 @@ from horovod.common.engine.observers import (
     TimelineObserver,
     hooks,
 )
+from horovod.common.engine.pieces import PieceFollower
 from horovod.common.engine.rounds import RoundController
 from horovod.common.engine.runner import BatchRunner
 from horovod.common.engine.stall_observer import StallObserver
@@ -156,6 +158,7 @@ class Engine:
         self._metrics = MetricsObserver(backend, self.metrics, self.rank, self.size,
                                         config.straggler_interval_seconds, clock, memo)
         self._tuning = AutotuneObserver.from_config(config, self.tunables, backend, self.rounds, hostnames)
+        self.pieces = PieceFollower.from_config(config, self.tunables, backend)
         self.stall = StallObserver(self, config, clock)
         self._flight: FlightRecorder | None = None
         if config.flight_recorder > 0:
@@ -167,7 +170,7 @@ class Engine:
         only while one is in use: an engine without one pays nothing for it)."""
         self._reobserve = False
         observers = [self._timelines if self._timelines.active else None, self._metrics, self._tuning,
-                     self.stall, self._flight]
+                     self.pieces, self.stall, self._flight]
         self.rounds.observe(observers)
         self.runner.observe(observers)
         self._started_hooks = hooks(observers, "round_started")
@@ -182,6 +185,8 @@ class Engine:
     @_autotune.setter
     def _autotune(self, tuner: Any) -> None:
         self._tuning = AutotuneObserver(tuner, self.rounds) if tuner is not None else None
+        if tuner is not None:
+            self.pieces = None  # (the autotuner decides the piece size)
         self._observe()
 
     timeline = property(lambda self: self._timelines.timeline, doc="The timeline in use (None: none).")

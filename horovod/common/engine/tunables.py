@@ -48,11 +48,15 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["Tunables", "DEFAULT_CHUNK_BYTES", "piece_sizes"]
+__all__ = ["Tunables", "DEFAULT_CHUNK_BYTES", "FOLLOWED_CHUNK_BYTES", "piece_sizes", "followed_pieces"]
 
 # Measured on a 2-core x86 machine (benchmarks/gradsync_limit.py): 1-4 MiB pieces reduce 3-5x
 # faster than one flat call streaming through memory; 2 MiB was the best raw schedule (MPI).
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+# The piece sizes the engine follows at run time (``pieces.PieceFollower``): the default, and the
+# best raw schedule of a 2-core AMD EPYC machine in its state where 2 MiB pieces are 2-3x slower
+# (12-24 MiB pieces were best there; benchmarks/results/piece_modes.md).
+FOLLOWED_CHUNK_BYTES = (DEFAULT_CHUNK_BYTES, 16 * 1024 * 1024)
 
 
 def piece_sizes(configured: int, backend: Any = None) -> tuple[int, int]:
@@ -70,6 +74,15 @@ def piece_sizes(configured: int, backend: Any = None) -> tuple[int, int]:
         chunk, alone = preferred
         return int(chunk), int(alone)
     return DEFAULT_CHUNK_BYTES, 0
+
+
+def followed_pieces(configured: int, backend: Any = None) -> tuple[int, ...]:
+    """The piece sizes to follow at run time (``pieces``): ``FOLLOWED_CHUNK_BYTES`` where the
+    piece size is ``piece_sizes``' default (``HOROVOD_CHUNK_BYTES`` unset, a transport without a
+    preference of its own), else none."""
+    if configured >= 0 or getattr(backend, "piece_sizes", None) is not None:
+        return ()
+    return FOLLOWED_CHUNK_BYTES
 
 
 @dataclass

@@ -1,0 +1,213 @@
+"""The piece size follows the machine: large CPU reductions run in whichever of two piece sizes is
+faster now, measured while the job trains (``HOROVOD_ADAPTIVE_PIECES``).
+
+Why: the best piece size is a property of the machine, and on some machines of its current state.
+On a 2-core AMD EPYC virtual machine, raw mpi4py reductions of ResNet-50's 97.5 MiB gradient set
+flip between two states within one process, for stretches of seconds
+(benchmarks/results/piece_modes.md): in one, 2 MiB pieces take 13-19 ms and 16 MiB pieces 28-34;
+in the other, 2 MiB pieces take 42-72 ms and 16 MiB pieces 23-33 (one flat call: 55-67 in both).
+A fixed piece size is 2-3x off the best schedule in one of the two states.
+
+The policy (``PiecePolicy``, pure; rank 0's copy decides):
+
+- a **sample** is one allreduce batch on the host transport of at least ``MIN_SAMPLE_BYTES``, its
+  seconds per byte on this rank; every rank counts the same samples (the batches and their bytes
+  are the agreed responses'), so every rank reaches each check point in the same round. A step's
+  batches differ (a bucket of flat gradients, a fusion buffer of small tensors packed), so a
+  sample is judged against the same batch at the chosen size: a memoized step's batches are the
+  same objects every step;
+- the chosen size runs; after ``period`` samples, or as soon as the chosen size's last ``TRIAL``
+  samples are, by their median, ``DEGRADED`` times slower than the same batches were when the
+  size was last decided (the machine changed), the other size runs a trial of ``TRIAL`` samples
+  (the first sample after a change of size is not counted: a new lane, first touch);
+- the other size wins when the median of its trial's samples, each over the same batch's latest
+  time at the chosen size, is below ``WIN``; the period then starts again at ``FIRST_PERIOD``,
+  else it doubles, up to ``MAX_PERIOD`` (on a machine that never changes, trials of the slower
+  size become rare: ``TRIAL`` samples in ``MAX_PERIOD``).
+
+The follower (``PieceFollower``, an engine observer) feeds rank 0's policy and, at the end of every
+round in which the samples passed a check point (every ``CHECK`` samples), broadcasts rank 0's
+choice; every rank sets ``Tunables.chunk_bytes`` to it at that same round boundary (the tunables'
+rule: the executor's plan must be the same on every rank).
+
+On only where nobody else decides the piece size: the transport has no preference of its own (the
+MPI plane; Gloo's pieces are its own), ``HOROVOD_CHUNK_BYTES`` is unset and ``HOROVOD_AUTOTUNE`` is
+off. The sizes: ``tunables.FOLLOWED_CHUNK_BYTES``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from horovod.common.engine.device import is_plane
+from horovod.common.engine.observers import Observer
+from horovod.common.engine.tunables import Tunables, followed_pieces
+from horovod.common.types import ReduceOp, RequestType, Response
+
+__all__ = ["PiecePolicy", "PieceFollower", "MIN_SAMPLE_BYTES"]
+
+MIN_SAMPLE_BYTES = 8 * 1024 * 1024  # a batch smaller than this is hardly cut either way
+TRIAL = 3
+FIRST_PERIOD = 24
+MAX_PERIOD = 768
+DEGRADED = 1.5
+WIN = 0.9
+CHECK = 2
+
+
+class PiecePolicy:
+    """Which piece size runs next, from the samples seen (see the module docstring). Pure.
+
+    Samples are compared batch by batch: a step's batches differ (a bucket of flat gradients, a
+    fusion buffer of small tensors), so a sample is judged against the same batch's latest time
+    at the chosen size (``key``: the batch's identity; a memoized step's batches are the same
+    objects every step)."""
+
+    def __init__(self, sizes: Sequence[int], trial: int = TRIAL, first_period: int = FIRST_PERIOD,
+                 max_period: int = MAX_PERIOD, degraded: float = DEGRADED, win: float = WIN) -> None:
+        if len(sizes) != 2 or sizes[0] == sizes[1]:
+            raise ValueError(f"two different piece sizes to follow, got {list(sizes)}")
+        self.sizes = (int(sizes[0]), int(sizes[1]))
+        self.trial, self.first_period, self.max_period = trial, first_period, max_period
+        self.degraded, self.win = degraded, win
+        self.chosen = self.running = self.sizes[0]
+        self.period = first_period
+        self._ref: dict[Any, float] = {}  # batch -> its latest seconds per byte at the chosen size
+        self._base: dict[Any, float] = {}  # batch -> the same, when the size was last decided
+        self._drift: deque[float] = deque(maxlen=trial)  # the chosen size's latest / base, per sample
+        self._ratios: list[float] = []  # a trial's samples / the same batches' at the chosen size
+        self._tried = 0  # samples of the running trial (those without a reference too)
+        self._since = 0  # samples of the chosen size since the last decision
+        self._settle = True  # the next sample follows a change of size: not counted
+        self.trials = 0
+        self.changes: list[tuple[int, int]] = []  # (samples seen, the size chosen): every change
+
+    @property
+    def other(self) -> int:
+        return self.sizes[1] if self.chosen == self.sizes[0] else self.sizes[0]
+
+    def sample(self, size: int, key: Any, seconds_per_byte: float) -> None:
+        """One sample of batch ``key`` run at ``size``."""
+        if size != self.running:
+            return  # (run before the size changed at this round's end: not this size's)
+        if self._settle:
+            self._settle = False
+            return
+        if size == self.chosen:
+            self._since += 1
+            base = self._base.setdefault(key, seconds_per_byte)
+            self._drift.append(seconds_per_byte / base)
+            if len(self._ref) >= 256 and key not in self._ref:
+                self._ref.clear()
+                self._base.clear()
+            self._ref[key] = seconds_per_byte
+            return
+        self._tried += 1
+        ref = self._ref.get(key)
+        if ref is not None:
+            self._ratios.append(seconds_per_byte / ref)
+
+    def choose(self, seen: int = 0) -> int:
+        """The size to run from now on (``seen``: samples so far, for ``changes``)."""
+        if self.running != self.chosen:  # a trial
+            if len(self._ratios) < self.trial and self._tried < 4 * self.trial:
+                return self.running
+            if len(self._ratios) >= self.trial and statistics.median(self._ratios) < self.win:
+                self.chosen = self.running
+                self.period = self.first_period
+                self.changes.append((seen, self.chosen))
+                self._ref.clear()  # the times of the size that lost
+            else:
+                self.period = min(2 * self.period, self.max_period)
+            self._base.clear()  # the chosen size's times from now on are its new reference
+            self._drift.clear()
+            self._switch(self.chosen)
+            return self.chosen
+        worse = len(self._drift) == self.trial and statistics.median(self._drift) > self.degraded
+        if self._since >= self.period or worse:
+            self.trials += 1
+            self._ratios, self._tried = [], 0
+            self._switch(self.other)
+        return self.running
+
+    def _switch(self, size: int) -> None:
+        if size != self.running:
+            self.running = size
+            self._settle = True
+        self._since = 0
+
+
+class PieceFollower(Observer):
+    """Feeds this rank's samples to the policy and applies rank 0's choice on every rank."""
+
+    def __init__(self, policy: PiecePolicy, tunables: Tunables, rank: int,
+                 bcast_from_root: Callable[[Any], Any], min_bytes: int = MIN_SAMPLE_BYTES,
+                 check: int = CHECK) -> None:
+        self.policy = policy
+        self.tunables = tunables
+        self.rank = rank
+        self._bcast = bcast_from_root
+        self.min_bytes = min_bytes
+        self._check = check
+        self.samples = 0
+        self._checked = 0
+        self._bytes: dict[int, tuple[Sequence[Response], int]] = {}  # id(batch) -> (batch, bytes)
+        self._timed: tuple[Sequence[Response], int] | None = None  # the running batch, a sample
+        self.applied: list[tuple[int, int]] = [(0, policy.running)]  # (samples, size): every change
+        tunables.chunk_bytes = policy.running
+
+    @classmethod
+    def from_config(cls, config: Any, tunables: Tunables, backend: Any) -> PieceFollower | None:
+        """The follower of this engine, or None where the piece size is decided otherwise."""
+        if not getattr(config, "adaptive_pieces", False) or config.autotune or backend.size < 2:
+            return None
+        sizes = followed_pieces(int(getattr(config, "chunk_bytes", -1)), backend)
+        if not sizes:
+            return None
+        return cls(PiecePolicy(sizes), tunables, backend.rank, backend.bcast_from_root)
+
+    def _batch_bytes(self, batch: Sequence[Response]) -> int:
+        known = self._bytes.get(id(batch))
+        if known is not None and known[0] is batch:
+            return known[1]
+        n = sum(r.request.nbytes for r in batch)
+        if type(batch) is tuple:  # a memoized plan's: the same object next step
+            if len(self._bytes) >= 256:
+                self._bytes.clear()
+            self._bytes[id(batch)] = (batch, n)
+        return n
+
+    def batch_started(self, kind: RequestType, batch: Sequence[Response]) -> None:
+        # Counted here, where every rank of the world sees every batch of the global set (a
+        # batch's own completion may be this rank's alone: ``batch_run`` times it).
+        self._timed = None
+        if kind != RequestType.ALLREDUCE:
+            return
+        req = batch[0].request
+        if req.process_set_id != 0 or req.reduce_op == ReduceOp.ADASUM or is_plane(req.device):
+            return
+        n = self._batch_bytes(batch)
+        if n >= self.min_bytes:
+            self.samples += 1
+            # timed when it is a memoized step's (the same object every step: ``PiecePolicy``
+            # compares a batch with itself); counted either way (every rank alike)
+            self._timed = (batch, n) if type(batch) is tuple else None
+
+    def batch_run(self, kind: RequestType, batch: Sequence[Response], entries: Sequence[Any],
+                  t0: float, t1: float) -> None:
+        timed = self._timed
+        if timed is not None and timed[0] is batch and self.rank == 0:
+            self.policy.sample(self.tunables.chunk_bytes, id(batch), (t1 - t0) / timed[1])
+        self._timed = None
+
+    def batches_done(self, responses: Sequence[Response], completed: bool, rounds: Any) -> None:
+        if self.samples - self._checked < self._check:
+            return
+        self._checked = self.samples
+        size = int(self._bcast(self.policy.choose(self.samples) if self.rank == 0 else None))
+        if size != self.tunables.chunk_bytes:
+            self.tunables.chunk_bytes = size
+            self.applied.append((self.samples, size))

@@ -1,0 +1,252 @@
+"""The piece size follows the machine (``engine/pieces.py``): the policy, when the follower is on,
+and what it counts as a sample and applies.
+
+* ``PiecePolicy`` (pure): the default size runs; a trial of the other size comes after ``period``
+  samples or as soon as the chosen size got ``DEGRADED`` times slower; the other size wins only
+  when ``WIN`` times faster; a lost trial doubles the period (up to its cap), a won one resets it;
+  the first sample after a change of size is not counted; samples of the size not running are.
+* ``followed_pieces`` / ``PieceFollower.from_config``: on only where nobody else decides the piece
+  size (MPI, ``HOROVOD_CHUNK_BYTES`` unset, no autotune, more than one rank, not turned off).
+* ``PieceFollower``: counts every large allreduce batch of the global set (not another set's, not
+  a small one, not Adasum, not another kind), times them on rank 0 only, and at each check point
+  applies the broadcast size to the tunables on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from horovod.common.backends.gloo import GlooBackend
+from horovod.common.backends.mpi import MPIBackend
+from horovod.common.config import EngineConfig
+from horovod.common.engine import pieces
+from horovod.common.engine.pieces import MIN_SAMPLE_BYTES, PieceFollower, PiecePolicy
+from horovod.common.engine.tunables import (
+    DEFAULT_CHUNK_BYTES,
+    FOLLOWED_CHUNK_BYTES,
+    Tunables,
+    followed_pieces,
+    piece_sizes,
+)
+from horovod.common.types import ReduceOp, Request, RequestType, Response
+
+pytestmark = pytest.mark.unit
+
+MiB = 1 << 20
+A, B = 2 * MiB, 16 * MiB
+
+
+def _feed(policy: PiecePolicy, times: dict[int, float], n: int, batches: tuple[float, ...] = (1.0,)) -> list[int]:
+    """``n`` samples, each of the size running: batch ``i % len(batches)`` in turn, its time at
+    a size ``times[size] * batches[i]``; the size after each."""
+    out = []
+    for i in range(n):
+        k = i % len(batches)
+        policy.sample(policy.running, k, times[policy.running] * batches[k])
+        out.append(policy.choose())
+    return out
+
+
+def test_the_default_runs_until_the_period_then_a_trial_that_loses_doubles_the_period() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=6, max_period=24)
+    assert p.running == p.chosen == A
+    ran = _feed(p, {A: 1.0, B: 2.0}, 7)  # 1 settling sample, then 6 counted
+    assert ran[:6] == [A] * 6 and ran[6] == B and p.trials == 1
+    ran = _feed(p, {A: 1.0, B: 2.0}, 4)  # the trial: 1 settling, 3 counted, then back
+    assert ran == [B, B, B, A]
+    assert p.chosen == A and p.period == 12 and p.changes == []
+    # the next trial after 12 (+1 settling) samples of A; the period doubles to its cap
+    assert _feed(p, {A: 1.0, B: 2.0}, 13)[-1] == B
+    _feed(p, {A: 1.0, B: 2.0}, 4)
+    assert p.period == 24
+    assert _feed(p, {A: 1.0, B: 2.0}, 25)[-1] == B
+    _feed(p, {A: 1.0, B: 2.0}, 4)
+    assert p.period == 24 and p.chosen == A
+
+
+def test_a_faster_other_size_wins_and_the_period_starts_again() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=6, max_period=24)
+    _feed(p, {A: 1.0, B: 2.0}, 11)  # one lost trial: period 12
+    assert p.period == 12
+    _feed(p, {A: 1.0, B: 0.5}, 13 + 4)  # the next trial: B twice as fast
+    assert p.chosen == p.running == B and p.period == 6
+    assert [size for _, size in p.changes] == [B]
+    # now A is the other size: its trial comes after 6 samples, and A wins back when faster
+    ran = _feed(p, {A: 0.3, B: 0.5}, 7 + 4)
+    assert ran[6] == A and p.chosen == A and [size for _, size in p.changes] == [B, A]
+
+
+def test_a_margin_below_win_keeps_the_chosen_size() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=6, max_period=24, win=0.9)
+    _feed(p, {A: 1.0, B: 0.95}, 11)  # 5 % faster: not enough
+    assert p.chosen == A and p.trials == 1 and p.changes == []
+
+
+def test_a_degraded_chosen_size_gets_a_trial_before_its_period() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=100, degraded=1.5)
+    _feed(p, {A: 1.0, B: 2.0}, 5)  # baseline 1.0
+    assert p.running == A and p.trials == 0
+    ran = _feed(p, {A: 2.0, B: 0.8}, 3)  # the machine changed: A twice as slow
+    assert ran[-1] == B and p.trials == 1
+    _feed(p, {A: 2.0, B: 0.8}, 4)
+    assert p.chosen == B
+    # after the trial, the baseline is the chosen size's present median: no new trial at once
+    _feed(p, {A: 2.0, B: 0.8}, 10)
+    assert p.trials == 1
+
+
+def test_only_the_running_sizes_samples_count_and_the_first_after_a_change_settles() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=2)
+    p.sample(B, 0, 9.0)  # B is not running: ignored
+    p.sample(A, 0, 100.0)  # the settling sample: ignored (else it would be the reference)
+    for _ in range(3):
+        p.sample(A, 0, 1.0)
+    assert p.choose() == B
+    p.sample(B, 0, 100.0)  # settling
+    for _ in range(3):
+        p.sample(B, 0, 0.5)
+    assert p.choose() == B and p.chosen == B
+
+
+def _trial(chosen: list[str], trial: list[str], factor: float) -> PiecePolicy:
+    """A policy that ran the batches ``chosen`` at A, then ``trial`` at B, B ``factor`` times A's
+    time for every batch (a cheap batch costs 1, a dear one 4)."""
+    cost = {"cheap": 1.0, "dear": 4.0}
+    p = PiecePolicy((A, B), trial=3, first_period=len(chosen))
+    p.sample(A, "cheap", 1.0)  # settles
+    for k in chosen:
+        p.sample(A, k, cost[k])
+    assert p.choose() == B
+    p.sample(B, "cheap", 1.0)  # settles
+    for k in trial:
+        p.sample(B, k, factor * cost[k])
+    p.choose()
+    return p
+
+
+def test_each_sample_is_judged_against_the_same_batch() -> None:
+    # B 0.8x for every batch wins, though its trial sampled dear batches and A's last were cheap
+    # (their medians: 3.2 against 1)
+    assert _trial(["dear", "cheap", "cheap", "cheap"], ["dear", "dear", "cheap"], 0.8).chosen == B
+    # B 1.2x for every batch loses, though its trial sampled cheap ones (1.2 against 4)
+    assert _trial(["cheap", "dear", "dear", "dear"], ["cheap", "cheap", "cheap"], 1.2).chosen == A
+
+
+def test_a_trial_without_references_ends_lost() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=2)
+    _feed(p, {A: 1.0, B: 0.5}, 3, batches=(1.0,))
+    assert p.running == B
+    for i in range(1 + 4 * 3):  # batches never seen at A: no ratio to judge by
+        p.sample(B, 100 + i, 0.1)
+        last = p.choose()
+    assert last == A and p.chosen == A and p.period == 4
+
+
+def test_two_different_sizes_are_required() -> None:
+    with pytest.raises(ValueError, match="two different piece sizes"):
+        PiecePolicy((A, A))
+
+
+# ---------------------------------------------------------------- when the follower is on
+
+class _Backend:
+    def __init__(self, size: int = 2, rank: int = 0, gloo: bool = False) -> None:
+        self.size, self.rank = size, rank
+        if gloo:
+            self.piece_sizes = GlooBackend.piece_sizes
+        self.sent: list[object] = []
+
+    def bcast_from_root(self, obj: object) -> object:
+        self.sent.append(obj)
+        return obj
+
+
+def _config(**env: str) -> EngineConfig:
+    return EngineConfig.from_env(env)
+
+
+def test_followed_sizes_only_where_the_transport_has_no_preference_and_the_user_set_none() -> None:
+    assert FOLLOWED_CHUNK_BYTES == (DEFAULT_CHUNK_BYTES, 16 * MiB)
+    assert followed_pieces(-1, MPIBackend) == FOLLOWED_CHUNK_BYTES
+    assert followed_pieces(-1, None) == FOLLOWED_CHUNK_BYTES
+    assert followed_pieces(-1, GlooBackend) == ()
+    assert followed_pieces(4 * MiB, MPIBackend) == ()
+    assert followed_pieces(0, MPIBackend) == ()
+
+
+@pytest.mark.parametrize("env,backend,on", [
+    ({}, _Backend(), True),
+    ({"HOROVOD_ADAPTIVE_PIECES": "0"}, _Backend(), False),
+    ({"HOROVOD_CHUNK_BYTES": str(4 * MiB)}, _Backend(), False),
+    ({"HOROVOD_AUTOTUNE": "1"}, _Backend(), False),
+    ({}, _Backend(gloo=True), False),
+    ({}, _Backend(size=1), False),
+])
+def test_the_follower_is_on_only_where_nobody_else_decides(env, backend, on) -> None:
+    config = _config(**env)
+    tunables = Tunables.from_config(config, backend=backend)
+    follower = PieceFollower.from_config(config, tunables, backend)
+    assert (follower is not None) is on
+    # on, it starts at the default piece size; off, the size is the one policy's (piece_sizes)
+    assert tunables.chunk_bytes == piece_sizes(config.chunk_bytes, backend)[0]
+    assert not on or tunables.chunk_bytes == DEFAULT_CHUNK_BYTES
+
+
+# ---------------------------------------------------------------- samples and check points
+
+def _batch(nbytes: int, op: ReduceOp = ReduceOp.SUM, ps: int = 0, name: str = "g") -> tuple[Response, ...]:
+    req = Request(name, RequestType.ALLREDUCE, "float32", ((nbytes // 4,),), reduce_op=op, process_set_id=ps)
+    return (Response(req),)
+
+
+def _run(f: PieceFollower, batch, seconds: float, kind: RequestType = RequestType.ALLREDUCE) -> None:
+    f.batch_started(kind, batch)
+    f.batch_run(kind, batch, [None], 10.0, 10.0 + seconds)
+
+
+def test_only_large_allreduces_of_the_global_set_are_samples() -> None:
+    be = _Backend()
+    tun = Tunables()
+    f = PieceFollower(PiecePolicy((A, B)), tun, 0, be.bcast_from_root)
+    _run(f, _batch(MIN_SAMPLE_BYTES), 0.01)
+    _run(f, _batch(MIN_SAMPLE_BYTES - 4), 0.01)  # small
+    _run(f, _batch(4 * MIN_SAMPLE_BYTES, ps=1), 0.01)  # another process set
+    _run(f, _batch(4 * MIN_SAMPLE_BYTES, op=ReduceOp.ADASUM), 0.01)
+    _run(f, _batch(4 * MIN_SAMPLE_BYTES), 0.01, RequestType.BROADCAST)
+    assert f.samples == 1
+    assert f.policy._ref == {}  # (the first sample after the start settles)
+    _run(f, _batch(2 * MIN_SAMPLE_BYTES), 0.04)
+    assert f.samples == 2 and list(f.policy._ref.values()) == [pytest.approx(0.04 / (2 * MIN_SAMPLE_BYTES))]
+    # a batch planned afresh (a list: not the same object next step) is counted, not timed
+    f.batch_started(RequestType.ALLREDUCE, list(_batch(MIN_SAMPLE_BYTES)))
+    f.batch_run(RequestType.ALLREDUCE, [], [None], 10.0, 11.0)
+    assert f.samples == 3 and len(f.policy._ref) == 1
+
+
+def test_the_broadcast_size_is_applied_at_each_check_point_on_every_rank() -> None:
+    root = _Backend(rank=0)
+    tr, to = Tunables(), Tunables()
+    decided = iter([B, B, A])
+    fr = PieceFollower(PiecePolicy((A, B), first_period=2), tr, 0, root.bcast_from_root, check=2)
+    fo = PieceFollower(PiecePolicy((A, B)), to, 1, lambda obj: next(decided), check=2)  # rank 0's choices
+    assert tr.chunk_bytes == to.chunk_bytes == A
+    big = _batch(MIN_SAMPLE_BYTES)
+    sizes = []
+    for _ in range(6):
+        for f in (fr, fo):
+            _run(f, big, 0.01)
+            f.batches_done([], True, None)
+        sizes.append(to.chunk_bytes)
+    # rank 1 applies what it received, only at check points (every 2 samples)
+    assert sizes == [A, B, B, B, B, A]
+    assert fo.applied == [(0, A), (2, B), (6, A)]
+    assert len(root.sent) == 3 and all(s in (A, B) for s in root.sent)
+    # rank 0 times, rank 1 does not
+    assert fo.policy._ref == {} and fo.policy.trials == 0
+    assert fr.policy._ref and fr.policy.trials >= 1
+
+
+def test_module_constants_make_trials_rare_on_a_steady_machine() -> None:
+    # the cost bound the docs state: at most TRIAL samples of the slower size per MAX_PERIOD
+    assert pieces.TRIAL / pieces.MAX_PERIOD < 0.005
+    assert pieces.WIN < 1 < pieces.DEGRADED
