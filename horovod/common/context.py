@@ -134,6 +134,8 @@ class Context:
         self.launch = detect_launch(self.config, environ, comm)  # logged by init() at info level
         self.backend_name = self.launch.transport
         self.backend = create_backend(self.backend_name, self.config, environ, comm)
+        # The ports task 0 of a joined job bound (an srun step's may be a later candidate).
+        self.launch = self.launch.met(getattr(self.backend, "met", None))
         host = environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         hostnames = _node_names(self.backend.allgather_object((host, self.launch.node_rank)))
         self.hostnames: list[str] = list(hostnames)

@@ -62,7 +62,12 @@ class Launch:
     ``local_size``/``node_rank`` are the launcher's own numbers where it gives them (None otherwise);
     ``master_addr``/``master_port`` where the ranks meet; ``master_is_store`` says whether a store
     already listens there (torchrun's agent) or task 0 must open it; ``scope`` tells apart the
-    store keys of successive restarts of one job.
+    store keys of successive restarts of one job. ``key_port``: the port task 0's srun key service
+    listened on (MUNGE; known on task 0 once the ranks have met, else None).
+
+    ``detect`` names the first of an srun step's candidate ports; once the ranks have met,
+    ``hvd.init()``'s launch names the port task 0 bound (:meth:`met`), a later candidate when
+    another process held the first (``horovod.common.slurm_ports``).
     """
 
     launcher: str
@@ -77,6 +82,16 @@ class Launch:
     master_is_store: bool = False
     scope: str = ""
     seen: Mapping[str, str] = field(default_factory=dict)
+    key_port: int | None = None
+
+    def met(self, found: Launch | None) -> Launch:
+        """This launch with where its ranks met as ``found`` says (a rendezvous handler's launch
+        after the meeting: the store's address and the ports task 0 bound); itself when ``found``
+        is None (the ranks met through Horovod's own launcher)."""
+        if found is None:
+            return self
+        return replace(self, master_addr=found.master_addr, master_port=found.master_port,
+                       key_port=found.key_port)
 
     def describe(self) -> str:
         """One line for logs and diagnostics (variable names and values; never a secret)."""

@@ -67,7 +67,9 @@ class StoreRendezvous:
     default device). ``job_secret``: the secret every rank holds (the device plane keys its stores
     with it). ``owned``: the Python stores this rendezvous opened (they live only while their
     Python objects do), closed by :meth:`close`; ``key_service``: task 0's srun secret service,
-    ended once every rank has joined (:meth:`joined`).
+    ended once every rank has joined (:meth:`joined`). ``launch``: where a job Horovod did not
+    start met (the handler's launch: the store's address and the ports task 0 bound), None when
+    Horovod's launcher met it (``Launch.met``).
     """
 
     store: Any
@@ -78,6 +80,7 @@ class StoreRendezvous:
     job_secret: str | None = None
     owned: list[Any] = field(default_factory=list)
     key_service: slurm_secret.KeyService | None = None
+    launch: _launcher.Launch | None = None
 
     def joined(self) -> None:
         """Every rank has joined the world (or failed to): what only served the meeting ends."""
@@ -270,6 +273,7 @@ class _JoinedHandler:
                 "exported to every rank or to none, and that rank 0 runs; raise "
                 "HOROVOD_GLOO_TIMEOUT_SECONDS if start-up is slow.", rank=self.rank,
                 launcher=launch.launcher) from exc
+        rdv.launch = self.launch  # the ports task 0 bound (``_authenticated``)
         # A Python store lives only while its Python object does: keep it beside the prefix store.
         rdv.owned.append(store)
         rdv.store = dist.PrefixStore(f"horovod/{launch.scope}/{seq}", store)
@@ -354,6 +358,8 @@ class SlurmHandler(_JoinedHandler):
         # private key file), else a LauncherError (horovod.common.slurm_secret).
         rdv.job_secret, rdv.key_service = slurm_secret.step_secret(
             self.environ, launch, self.rank, host, self.wait, seq)
+        if rdv.key_service is not None and rdv.key_service.port is not None:
+            self.launch = replace(launch, key_port=rdv.key_service.port)
         return self._authenticated(rdv, host, slurm_ports.step_ports(self.environ))
 
 

@@ -58,7 +58,10 @@ _TTL = 120  # seconds a served credential stays decodable
 
 
 class KeyService:
-    """What task 0 keeps running until the ranks have joined; ``close()`` ends it (idempotent)."""
+    """What task 0 keeps running until the ranks have joined; ``close()`` ends it (idempotent).
+    ``port``: the port it listens on (None: a key file)."""
+
+    port: int | None = None
 
     def close(self) -> None:  # pragma: no cover - overridden
         pass
@@ -156,6 +159,7 @@ def _mint(scope: str, secret: str) -> bytes:
 class _MungeService(KeyService):
     def __init__(self, sock: socket.socket, scope: str, secret: str) -> None:
         self._sock, self._scope, self._secret = sock, scope, secret
+        self.port = int(sock.getsockname()[1])  # the candidate bound (``slurm_ports.bind_first``)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="horovod-slurm-key", daemon=True)
         self._thread.start()

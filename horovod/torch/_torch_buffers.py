@@ -126,6 +126,17 @@ class TorchBuffers:
         t = x.tensor if type(x) is DeviceTensor else x  # ``unwrap``, inlined (once per tensor)
         return new(Item, (t, t, True, name, t.numel()))
 
+    @staticmethod
+    def recall(batch: Sequence[Any], entries: Sequence[Any]) -> tuple[Sequence[Item], list[int]] | None:
+        """No batch memo (``BufferOps.recall``): the device plane's batches are built each round."""
+        return None
+
+    @staticmethod
+    def remember(batch: Sequence[Any], entries: Sequence[Any], items: list[Item],
+                 starts: list[int]) -> tuple[Sequence[Item], list[int]]:
+        """No batch memo (``BufferOps.remember``): the items as given."""
+        return items, starts
+
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> Sequence[Item]:
         memo = self._items.get(name)
         if (memo is not None and len(inputs) == len(memo[0]) and all(map(operator.is_, inputs, memo[0]))

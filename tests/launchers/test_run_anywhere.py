@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from horovod.testing import run_ranks
-from tests._ports import reserved_port
+from tests._ports import held_step_ports, reserved_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -217,6 +217,41 @@ def test_slurm_tasks():
     for _, rank, size, lr, ls, cr, cs, s, b in lines:
         assert (int(size), int(lr), int(ls), int(cr), int(cs)) == (np_, int(rank), np_, 0, 1)
         assert float(s) == np_ * (np_ + 1) / 2 and float(b) == np_ - 1
+
+
+_MET = """
+import numpy as np
+
+import horovod.numpy as hvd
+from horovod.common.context import get_context
+
+hvd.init()
+s = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]
+print("MET", hvd.rank(), get_context().launch.master_port, s, flush=True)
+hvd.shutdown()
+"""
+
+
+def test_slurm_tasks_name_the_store_port_task_0_bound(tmp_path):
+    """The srun step's first candidate port is held by another process (a listening socket): task 0
+    binds the next one, and every task's ``hvd.init()`` names that port (the launch it logs and a
+    job reads), not the first candidate it derived (variables as srun sets them)."""
+    step, ports, held = held_step_ports(taken=1, free=1, first_job=7700)
+    node = socket.gethostname()
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", _MET], text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT,
+                                  env=_env({**_srun_env(t, 2, node), **step, "SLURM_JOBID": step["SLURM_JOB_ID"],
+                                            "SLURM_STEPID": step["SLURM_STEP_ID"], "HOROVOD_SLURM_KEY": "file",
+                                            "HOROVOD_SLURM_KEY_DIR": str(tmp_path / "keys")}))
+                 for t in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for sock in held:
+            sock.close()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)[-3000:]
+    met = sorted(x.split()[1:] for o in outs for x in o.splitlines() if x.startswith("MET "))
+    assert met == [["0", str(ports[1]), "3.0"], ["1", str(ports[1]), "3.0"]], "\n".join(outs)[-3000:]
 
 
 def _detected() -> str:

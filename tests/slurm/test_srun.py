@@ -139,14 +139,33 @@ def _as_stranger(slurm, uid: int, argv: list[str], cwd: Path, stdin: bytes | Non
                           env=env, cwd=str(cwd), input=stdin, capture_output=True, timeout=120)
 
 
+def _allocation(slurm, ntasks: int) -> str:
+    """A job id of ``ntasks`` granted without a shell (``salloc --no-shell``): its steps' ids are
+    known before they start (the first ``srun --jobid`` is step 0)."""
+    res = _run(slurm, ["salloc", "--no-shell", "-n", str(ntasks)])
+    got = re.search(r"Granted job allocation (\d+)", res.stdout)
+    assert res.returncode == 0 and got, res.stdout
+    return got.group(1)
+
+
 def test_stranger_with_the_job_id_cannot_join_a_running_jobs_store(slurm, stranger, tmp_path):
-    """A running ``srun -n 2`` job with no HOROVOD_SECRET_KEY: another user, who reads the job id
-    with squeue, tries every key derivable from it on the job's store; all are refused (and logged
-    by the store) while the job's own ranks joined and finish with the right values."""
+    """A running ``srun -n 2`` job with no HOROVOD_SECRET_KEY, whose first store and key service
+    candidate ports another process holds (task 0 falls back to later ones, which its READY line
+    names): another user, who reads the job id with squeue, tries every key derivable from it on
+    the job's store; all are refused (and logged by the store) while the job's own ranks joined
+    and finish with the right values."""
+    from horovod.common import slurm_ports
+    from tests._ports import bind_order, hold_port
+
     uid, probe_dir = stranger
     flag = tmp_path / "go"
-    proc = subprocess.Popen(["srun", "-n", "2", sys.executable, JOB, "wait", str(flag)], env=_env(slurm),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
+    job = _allocation(slurm, 2)
+    step = {"SLURM_JOB_ID": job, "SLURM_STEP_ID": "0"}
+    firsts = [bind_order(slurm_ports.step_ports(step, service))[0] for service in ("store", "key")]
+    held = [hold_port(port) for port in firsts]  # None: another process holds it, as well
+    proc = subprocess.Popen(["srun", f"--jobid={job}", "-n", "2", sys.executable, JOB, "wait", str(flag)],
+                            env=_env(slurm), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(REPO))
     lines: list[str] = []
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -155,15 +174,17 @@ def test_stranger_with_the_job_id_cannot_join_a_running_jobs_store(slurm, strang
                 break
         ready = json.loads(lines[-1][len("READY "):]) if lines and lines[-1].startswith("READY ") else None
         assert ready is not None, "".join(lines)[-3000:]
-        from horovod.common.slurm_secret import key_ports
-
-        kport = key_ports({"SLURM_JOB_ID": ready["job"], "SLURM_STEP_ID": ready["step"]})[0]
+        assert (ready["job"], ready["step"]) == (job, "0"), ready
+        # Task 0 bound later candidates, and the job names those: the probe below asks them.
+        assert ready["port"] in slurm_ports.step_ports(step) and ready["port"] != firsts[0], (ready, firsts)
+        assert ready["key_port"] in slurm_ports.step_ports(step, "key") and ready["key_port"] != firsts[1], \
+            (ready, firsts)
         res = _as_stranger(slurm, uid, ["/usr/bin/python3", "stranger_probe.py", "127.0.0.1",
-                                        str(ready["port"]), str(kport)], probe_dir)
+                                        str(ready["port"]), str(ready["key_port"])], probe_dir)
         out = res.stdout.decode(errors="replace") + res.stderr.decode(errors="replace")
         assert res.returncode == 0, out
         probe = json.loads(next(x for x in out.splitlines() if x.startswith("PROBE "))[len("PROBE "):])
-        assert probe["squeue_rc"] == 0 and ready["job"] in probe["squeue"], probe  # it knows the job id
+        assert probe["squeue_rc"] == 0 and job in probe["squeue"], probe  # it knows the job id
         assert probe["joined"] == [], probe
         assert len(probe["refused"]) >= 8 and all(e == "StoreError" for _, e in probe["refused"]), probe
         # Task 0's key service closed once both ranks had joined: nothing left to ask.
@@ -171,6 +192,10 @@ def test_stranger_with_the_job_id_cannot_join_a_running_jobs_store(slurm, strang
     finally:
         flag.touch()
         rest, _ = proc.communicate(timeout=180)
+        for sock in held:
+            if sock is not None:
+                sock.close()
+        _run(slurm, ["scancel", job])
     out = "".join(lines) + rest
     assert proc.returncode == 0, out[-3000:]
     _check_values(out, 2)

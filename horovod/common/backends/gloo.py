@@ -31,6 +31,7 @@ from horovod.common.exceptions import BackendUnavailableError, HorovodInternalEr
 from horovod.common.types import ReduceOp
 
 if TYPE_CHECKING:
+    from horovod.common.launcher_detection import Launch
     from horovod.common.rendezvous_handlers import StoreRendezvous
 
 __all__ = ["GlooBackend", "GlooErrors", "check_torch", "gloo_checks", "shm_allreduce"]
@@ -292,6 +293,9 @@ class GlooBackend:
         self._in_flight_seq = 0
         # The job's secret where this backend has one (the device plane keys its stores with it).
         self.job_secret: str | None = rendezvous.job_secret
+        # Where a job Horovod did not start met (``StoreRendezvous.launch``; the context's launch
+        # takes its ports from it: ``Launch.met``).
+        self.met: Launch | None = rendezvous.launch
         self._store: Any = rendezvous.store
         iface, my_addr = rendezvous.interface, rendezvous.address
         with self._translate("creating the Gloo device"):

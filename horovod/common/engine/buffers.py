@@ -103,6 +103,19 @@ class BufferOps(Protocol):
     def items(self, name: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> Sequence[Item]:
         """The items of one response's tensors (immutable where remembered)."""
 
+    def item(self, new: Any, name: str, x: Any) -> Item:
+        """The item of one tensor reduced in place (``items`` of ``[x], [x]``): ``batch_items``'
+        per-tensor fast path; ``new`` is ``tuple.__new__``."""
+
+    def recall(self, batch: Sequence[Any], entries: Sequence[Any]) -> tuple[Sequence[Item], list[int]] | None:
+        """The items and starts of ``batch`` when it is a remembered one whose entries hand over
+        the same tensors, in place, as then; else None (a kind without a batch memo: always)."""
+
+    def remember(self, batch: Sequence[Any], entries: Sequence[Any], items: list[Item],
+                 starts: list[int]) -> tuple[Sequence[Item], list[int]]:
+        """Note a batch whose entries each hand over one tensor in place (for ``recall``); returns
+        its items and starts (a kind without a batch memo: as given)."""
+
     def zeros(self, n: int, dtype: str) -> Any:
         """A joined rank's contribution: ``n`` zeros of the batch's dtype."""
 
@@ -163,20 +176,17 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
 
     Sets the outputs of out-of-place entries; a joined rank (entry None) contributes zeros of the
     agreed shapes."""
-    recall = getattr(ops, "recall", None)  # a memoized batch of one in-place array per entry
-    remember = getattr(ops, "remember", None)
-    if recall is not None:
-        found = recall(batch, entries)
-        if found is not None:
-            return found
+    found = ops.recall(batch, entries)  # a memoized batch of one in-place array per entry
+    if found is not None:
+        return found
     items: list[Item] = []
     starts: list[int] = []
-    one = getattr(ops, "item", None)  # the one-tensor, in-place case without the general calls
+    one = ops.item  # the one-tensor, in-place case without the general calls
     new = tuple.__new__
     ones = 0
     for resp, entry in zip(batch, entries):
         starts.append(len(items))
-        if one is not None and entry is not None:
+        if entry is not None:
             inputs = entry.inputs
             if len(inputs) == 1 and entry.outputs is inputs:
                 items.append(one(new, resp.request.name, inputs[0]))
@@ -195,8 +205,8 @@ def batch_items(batch: Sequence[Any], entries: Sequence[Any], ops: BufferOps
         if len(batch) == 1:
             return mine, starts  # as ``items`` made it (a tuple when remembered)
         items.extend(mine)
-    if remember is not None and ones == len(batch):
-        return remember(batch, entries, items, starts)  # type: ignore[no-any-return]
+    if ones == len(batch):
+        return ops.remember(batch, entries, items, starts)
     return items, starts
 
 

@@ -3,8 +3,9 @@
 ``values``: allreduce, allgather and broadcast on the torch binding; prints one line per rank
 ``JOB {json}`` with the ranks, the Slurm variables and the results (checked by the test).
 ``fail R``: rank R raises after init while the others run an allreduce.
-``wait PATH``: prints ``READY {json}`` (rank 0), waits until PATH exists, then does ``values``
-(the test probes the running job meanwhile).
+``wait PATH``: prints ``READY {json}`` (rank 0: the step's ids, and the store's address and the
+store's and key service's ports task 0 bound), waits until PATH exists, then does ``values`` (the
+test probes the running job meanwhile).
 """
 
 import json
@@ -27,7 +28,8 @@ if mode == "wait":
     if r == 0:
         launch = get_context().launch
         print("READY " + json.dumps({"job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID"),
-                                     "addr": launch.master_addr, "port": launch.master_port}), flush=True)
+                                     "addr": launch.master_addr, "port": launch.master_port,
+                                     "key_port": launch.key_port}), flush=True)
     while not os.path.exists(sys.argv[2]):  # the test creates it once it has probed the job
         time.sleep(0.05)
 s = hvd.allreduce(torch.arange(4, dtype=torch.float64) + r, op=hvd.Sum)

@@ -1,7 +1,9 @@
 """Every kind of buffer operations has every member of ``BufferOps`` (``engine/buffers.py``), so
 that the executor calls them directly: an allgather's or reduce-scatter's result comes from
 ``ops.result`` on every kind (NumPy's warm output pool, torch's allocator), with no per-result
-``getattr`` fallback in the executor."""
+``getattr`` fallback in the executor; ``batch_items`` asks every kind's batch memo
+(``recall``/``remember``: a no-op on torch's) and one-tensor fast path (``item``) directly, with
+no per-batch ``getattr``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import inspect
 import numpy as np
 import pytest
 
-from horovod.common.engine import executor
+from horovod.common.engine import buffers, executor
 from horovod.common.engine.buffers import BufferOps, NumpyBuffers
 
 
@@ -34,6 +36,10 @@ def test_the_protocol_names_the_result_policy() -> None:
     assert "result" in _members(BufferOps)
 
 
+def test_the_protocol_names_the_batch_memo_and_the_one_tensor_item() -> None:
+    assert {"item", "recall", "remember"} <= _members(BufferOps)
+
+
 @pytest.mark.parametrize("kind", _kinds(), ids=lambda k: k.__name__)
 def test_every_kind_has_every_member(kind: type) -> None:
     missing = sorted(n for n in _members(BufferOps) if not hasattr(kind, n))
@@ -43,6 +49,23 @@ def test_every_kind_has_every_member(kind: type) -> None:
 def test_the_executor_asks_the_ops_for_results_directly() -> None:
     src = inspect.getsource(executor)
     assert 'getattr(ops, "result"' not in src and "ops.result(" in src
+
+
+def test_batch_items_asks_the_ops_directly() -> None:
+    src = inspect.getsource(buffers.batch_items)
+    assert "getattr(" not in src and "ops.recall(" in src and "ops.remember(" in src and "ops.item" in src
+
+
+def test_torch_buffers_have_no_batch_memo() -> None:
+    import torch
+
+    from horovod.torch._torch_buffers import TorchBuffers
+
+    ops = TorchBuffers(torch.device("cpu"))
+    batch, entries, items, starts = (object(),), [object()], [object()], [0]
+    assert ops.recall(batch, entries) is None
+    got = ops.remember(batch, entries, items, starts)  # type: ignore[arg-type]
+    assert got[0] is items and got[1] is starts
 
 
 def test_numpy_results_come_from_the_output_pool() -> None:

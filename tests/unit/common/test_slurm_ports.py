@@ -18,6 +18,7 @@ import pytest
 
 from horovod.common import slurm_ports, slurm_secret
 from horovod.common.launcher_detection import LauncherError, detect
+from tests._ports import held_step_ports
 
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1"}
 
@@ -28,31 +29,6 @@ def _holder() -> socket.socket:
     sock.bind(("127.0.0.1", 0))
     sock.listen(1)
     return sock
-
-
-def _step_holding(taken: int, free: int = 0) -> tuple[dict[str, str], list[int], list[socket.socket]]:
-    """A step whose store candidates, in task 0's order, start with ``taken`` ports held for real
-    by listening sockets (returned) followed by ``free`` ports that were free just now: the step's
-    own derived candidates, no others (the job id is moved on past candidates in use here)."""
-    rng = slurm_ports.ephemeral_range()
-    for job in range(4242, 4242 + 200):
-        step = {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "1"}
-        order = sorted(slurm_ports.step_ports(step), key=lambda p: rng is not None and rng[0] <= p <= rng[1])
-        held: list[socket.socket] = []
-        try:
-            for port in order[:taken + free]:
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-                sock.listen(1)
-        except OSError:
-            for sock in held:
-                sock.close()
-            continue
-        for sock in held[taken:]:
-            sock.close()
-        return step, order, held[:taken]
-    raise AssertionError("no step of 200 has its first candidate ports free here")
 
 
 def test_candidates_are_the_same_everywhere_and_below_the_ephemeral_range() -> None:
@@ -119,7 +95,7 @@ def test_srun_store_falls_back_to_the_next_candidate_and_every_task_finds_it() -
     from horovod.common import rendezvous_handlers
     from horovod.common.config import EngineConfig
 
-    step, ports, held = _step_holding(taken=1, free=1)
+    step, ports, held = held_step_ports(taken=1, free=1)
     env = {**step, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
            "MASTER_ADDR": "127.0.0.1", "HOROVOD_SECRET_KEY": "ab" * 32}
     config = dataclasses.replace(EngineConfig(), gloo_timeout_seconds=60)
@@ -133,6 +109,7 @@ def test_srun_store_falls_back_to_the_next_candidate_and_every_task_finds_it() -
             rdv = handler.next_rendezvous()
             store = rdv.owned[0]  # the raw store (each thread here counts its own init prefix)
             store.set(f"from {rank}", str(rank))
+            assert rdv.launch is handler.launch  # what the context's launch takes the port from
             got[rank] = (handler.launch.master_port, store.get(f"from {1 - rank}"), rdv)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -156,7 +133,7 @@ def test_srun_store_names_the_taken_candidates_when_none_is_free() -> None:
     from horovod.common import rendezvous_handlers
     from horovod.common.config import EngineConfig
 
-    step, ports, held = _step_holding(taken=slurm_ports.CANDIDATES)
+    step, ports, held = held_step_ports(taken=slurm_ports.CANDIDATES)
     env = {**step, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
            "MASTER_ADDR": "127.0.0.1", "HOROVOD_SECRET_KEY": "ab" * 32}
     listed = ", ".join(map(str, slurm_ports.step_ports(step)))
@@ -177,6 +154,7 @@ def test_munge_key_service_skips_a_taken_candidate() -> None:
         _, service = slurm_secret._serve_munge("127.0.0.1", ports, "42.1.0")
         try:
             assert service._sock.getsockname()[1] == ports[1]  # type: ignore[attr-defined]
+            assert service.port == ports[1]  # what task 0's launch names (``Launch.key_port``)
         finally:
             service.close()
         with pytest.raises(LauncherError, match="cannot open its key service.*MASTER_PORT"):
