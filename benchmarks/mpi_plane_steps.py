@@ -21,6 +21,8 @@ Modes (each repetition runs every mode once, in turn, after a barrier; default f
           flat buffer on 2 MiB-aligned huge pages (``_flat_grads.flat_buckets``), one grouped
           in-place allreduce per 25 MiB bucket
   opt-zeros  the same views of one ``torch.zeros`` buffer (the optimizer's allocation before)
+  opt-2m / opt-16m  ``opt`` with the piece size held at 2 / 16 MiB (the engine's piece-size
+          follower, which ``opt`` runs with on MPI, counting nothing meanwhile)
   hvd-late  hvd with only the last submission waking the engine thread (the private ``_wake``
           flag): what waking it at the first costs
   hvd-copy / hvd-own  hvd with the executor's timed choice for memory not on huge pages forced:
@@ -174,6 +176,31 @@ def main() -> None:
                 hvd.synchronize(h)
         return step
 
+    def held(size: int, step: Callable[[], None]) -> Callable[[], None]:
+        # ``step`` with the piece size held at ``size`` and the engine's piece-size follower
+        # (``engine/pieces.py``) counting nothing meanwhile. The tunables are the engine thread's:
+        # a step's handles complete before its round ends, where the follower may still set the
+        # piece size; a small allreduce completes in a later round, after that one ended, so the
+        # size is held only from then on (else a rank could plan the held step with the
+        # follower's size and its peer with the held one: mismatched MPI calls)
+        eng = get_context().engine
+        one = torch.zeros(1)
+
+        def run() -> None:
+            hvd.allreduce_(one, name="held.after_the_round")
+            follower, tun = eng.pieces, eng.tunables
+            saved, floor = tun.chunk_bytes, None if follower is None else follower.min_bytes
+            if follower is not None:
+                follower.min_bytes = 1 << 62
+            tun.chunk_bytes = size
+            try:
+                step()
+            finally:
+                tun.chunk_bytes = saved
+                if follower is not None and floor is not None:
+                    follower.min_bytes = floor
+        return run
+
     def forced(way: bool) -> Callable[[], None]:
         # hvd with the executor's timed small-pages choice (choice.TimedChoice) forced one way
         ex = get_context().engine.runner.executor
@@ -228,6 +255,8 @@ def main() -> None:
         "hvd-late": lambda: mode_hvd_late_wake,
         "opt": lambda: optimizer_buckets(huge_page_zeros, "opt"),
         "opt-zeros": lambda: optimizer_buckets(lambda n, dt: torch.zeros(n, dtype=dt), "optz"),
+        "opt-2m": lambda: held(2 << 20, optimizer_buckets(huge_page_zeros, "opt2m")),
+        "opt-16m": lambda: held(16 << 20, optimizer_buckets(huge_page_zeros, "opt16m")),
         "hvd-copy": lambda: forced(False),
         "hvd-own": lambda: forced(True),
         "core": lambda: core_mode([t.numpy() for t in tensors], "core", True),
@@ -250,7 +279,8 @@ def main() -> None:
     parts: dict[str, dict[str, list[float]]] = {k: {} for k in modes}
     calls: dict[str, list[str]] = {k: [] for k in modes}
     tunables = get_context().engine.tunables
-    piece_mib: dict[str, list[int]] = {k: [] for k in modes if k not in raw}  # the engine's, per step
+    # the piece size the engine ran each step with (the follower's choice; a held mode's own)
+    piece_mib: dict[str, list[int]] = {k: [] for k in modes if k not in raw and k not in ("opt-2m", "opt-16m")}
     for _ in range(args.reps):
         for k, fn in modes.items():
             comm.Barrier()

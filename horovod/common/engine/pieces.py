@@ -18,12 +18,14 @@ The policy (``PiecePolicy``, pure; rank 0's copy decides):
   same objects every step;
 - the chosen size runs; after ``period`` samples, or as soon as the chosen size's last ``TRIAL``
   samples are, by their median, ``DEGRADED`` times slower than the same batches were when the
-  size was last decided (the machine changed), the other size runs a trial of ``TRIAL`` samples
-  (the first sample after a change of size is not counted: a new lane, first touch);
-- the other size wins when the median of its trial's samples, each over the same batch's latest
-  time at the chosen size, is below ``WIN``; the period then starts again at ``FIRST_PERIOD``,
-  else it doubles, up to ``MAX_PERIOD`` (on a machine that never changes, trials of the slower
-  size become rare: ``TRIAL`` samples in ``MAX_PERIOD``).
+  size was last decided (the machine changed), a **trial** runs the two sizes in turn, a check
+  point each, until each has ``TRIAL`` samples (what is compared ran at the same time: the
+  machine's state can change at any moment, and a reference from before it would mislead);
+  a size's first run ever is not counted (a new lane, buffers touched first);
+- the other size wins when the median over the trial's batches of its median time over the
+  chosen size's is below ``WIN``; the period then starts again at ``FIRST_PERIOD``, else it
+  doubles, up to ``MAX_PERIOD`` (on a machine that never changes, the slower size runs
+  ``TRIAL`` samples in ``MAX_PERIOD``).
 
 The follower (``PieceFollower``, an engine observer) feeds rank 0's policy and, at the end of every
 round in which the samples passed a check point (every ``CHECK`` samples), broadcasts rank 0's
@@ -51,7 +53,7 @@ __all__ = ["PiecePolicy", "PieceFollower", "MIN_SAMPLE_BYTES"]
 
 MIN_SAMPLE_BYTES = 8 * 1024 * 1024  # a batch smaller than this is hardly cut either way
 TRIAL = 3
-FIRST_PERIOD = 24
+FIRST_PERIOD = 8
 MAX_PERIOD = 768
 DEGRADED = 1.5
 WIN = 0.9
@@ -61,10 +63,11 @@ CHECK = 2
 class PiecePolicy:
     """Which piece size runs next, from the samples seen (see the module docstring). Pure.
 
-    Samples are compared batch by batch: a step's batches differ (a bucket of flat gradients, a
-    fusion buffer of small tensors), so a sample is judged against the same batch's latest time
-    at the chosen size (``key``: the batch's identity; a memoized step's batches are the same
-    objects every step)."""
+    ``sample`` takes one batch's time at the size running; ``choose``, at each check point, says
+    which size runs until the next one. Samples are compared batch by batch (``key``: the batch's
+    identity; a memoized step's batches are the same objects every step), and a trial alternates
+    the two sizes, so that what is compared ran at the same time, in the same state of the
+    machine."""
 
     def __init__(self, sizes: Sequence[int], trial: int = TRIAL, first_period: int = FIRST_PERIOD,
                  max_period: int = MAX_PERIOD, degraded: float = DEGRADED, win: float = WIN) -> None:
@@ -75,13 +78,15 @@ class PiecePolicy:
         self.degraded, self.win = degraded, win
         self.chosen = self.running = self.sizes[0]
         self.period = first_period
-        self._ref: dict[Any, float] = {}  # batch -> its latest seconds per byte at the chosen size
-        self._base: dict[Any, float] = {}  # batch -> the same, when the size was last decided
-        self._drift: deque[float] = deque(maxlen=trial)  # the chosen size's latest / base, per sample
-        self._ratios: list[float] = []  # a trial's samples / the same batches' at the chosen size
-        self._tried = 0  # samples of the running trial (those without a reference too)
+        # Outside trials, per batch: its latest times at the chosen size, and their median when
+        # the size was last decided; the drift is each new time over that median.
+        self._hist: dict[Any, deque[float]] = {}
+        self._base: dict[Any, float] = {}
+        self._drift: deque[float] = deque(maxlen=trial)
+        # A running trial: size -> batch -> its times during the trial (None: no trial).
+        self._trial: dict[int, dict[Any, list[float]]] | None = None
         self._since = 0  # samples of the chosen size since the last decision
-        self._settle = True  # the next sample follows a change of size: not counted
+        self._fresh = set(self.sizes)  # sizes not run yet: their first sample is not counted
         self.trials = 0
         self.changes: list[tuple[int, int]] = []  # (samples seen, the size chosen): every change
 
@@ -93,51 +98,66 @@ class PiecePolicy:
         """One sample of batch ``key`` run at ``size``."""
         if size != self.running:
             return  # (run before the size changed at this round's end: not this size's)
-        if self._settle:
-            self._settle = False
+        if size in self._fresh:  # a size's first run: a new lane, buffers touched first
+            self._fresh.discard(size)
             return
-        if size == self.chosen:
-            self._since += 1
-            base = self._base.setdefault(key, seconds_per_byte)
-            self._drift.append(seconds_per_byte / base)
-            if len(self._ref) >= 256 and key not in self._ref:
-                self._ref.clear()
+        if self._trial is not None:
+            self._trial[size].setdefault(key, []).append(seconds_per_byte)
+            return
+        self._since += 1
+        hist = self._hist.get(key)
+        if hist is None:
+            if len(self._hist) >= 256:
+                self._hist.clear()
                 self._base.clear()
-            self._ref[key] = seconds_per_byte
-            return
-        self._tried += 1
-        ref = self._ref.get(key)
-        if ref is not None:
-            self._ratios.append(seconds_per_byte / ref)
+            hist = self._hist[key] = deque(maxlen=self.trial)
+        hist.append(seconds_per_byte)
+        if len(hist) == self.trial:
+            base = self._base.setdefault(key, statistics.median(hist))
+            self._drift.append(seconds_per_byte / base)
+
+    def _counts(self) -> tuple[int, int]:
+        assert self._trial is not None
+        return (sum(map(len, self._trial[self.other].values())),
+                sum(map(len, self._trial[self.chosen].values())))
+
+    def verdict(self) -> float | None:
+        """A running trial's result: the median over batches of the other size's median time over
+        the chosen size's (in the trial); None while either has fewer than ``trial`` samples; inf
+        when no batch ran at both."""
+        if self._trial is None or min(self._counts()) < self.trial:
+            return None
+        other, chosen = self._trial[self.other], self._trial[self.chosen]
+        ratios = [statistics.median(t) / statistics.median(chosen[k]) for k, t in other.items() if k in chosen]
+        return statistics.median(ratios) if ratios else float("inf")
 
     def choose(self, seen: int = 0) -> int:
         """The size to run from now on (``seen``: samples so far, for ``changes``)."""
-        if self.running != self.chosen:  # a trial
-            if len(self._ratios) < self.trial and self._tried < 4 * self.trial:
+        if self._trial is not None:
+            result = self.verdict()
+            if result is None and self._counts()[0] < 4 * self.trial:
+                # the trial goes on, the two sizes in turn
+                self.running = self.chosen if self.running == self.other else self.other
                 return self.running
-            if len(self._ratios) >= self.trial and statistics.median(self._ratios) < self.win:
-                self.chosen = self.running
+            if result is not None and result < self.win:
+                self.chosen = self.other
                 self.period = self.first_period
                 self.changes.append((seen, self.chosen))
-                self._ref.clear()  # the times of the size that lost
             else:
                 self.period = min(2 * self.period, self.max_period)
-            self._base.clear()  # the chosen size's times from now on are its new reference
+            self._trial = None
+            self._hist.clear()  # learned again at the size chosen, from now on
+            self._base.clear()
             self._drift.clear()
-            self._switch(self.chosen)
-            return self.chosen
+            self._since = 0
+            self.running = self.chosen
+            return self.running
         worse = len(self._drift) == self.trial and statistics.median(self._drift) > self.degraded
         if self._since >= self.period or worse:
             self.trials += 1
-            self._ratios, self._tried = [], 0
-            self._switch(self.other)
+            self._trial = {size: {} for size in self.sizes}
+            self.running = self.other
         return self.running
-
-    def _switch(self, size: int) -> None:
-        if size != self.running:
-            self.running = size
-            self._settle = True
-        self._since = 0
 
 
 class PieceFollower(Observer):

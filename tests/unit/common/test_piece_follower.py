@@ -37,8 +37,8 @@ A, B = 2 * MiB, 16 * MiB
 
 
 def _feed(policy: PiecePolicy, times: dict[int, float], n: int, batches: tuple[float, ...] = (1.0,)) -> list[int]:
-    """``n`` samples, each of the size running: batch ``i % len(batches)`` in turn, its time at
-    a size ``times[size] * batches[i]``; the size after each."""
+    """``n`` samples, a check point after each: batch ``i % len(batches)`` in turn, its time at a
+    size ``times[size] * batches[i]``; the size running after each."""
     out = []
     for i in range(n):
         k = i % len(batches)
@@ -47,99 +47,124 @@ def _feed(policy: PiecePolicy, times: dict[int, float], n: int, batches: tuple[f
     return out
 
 
-def test_the_default_runs_until_the_period_then_a_trial_that_loses_doubles_the_period() -> None:
+def _warm(p: PiecePolicy) -> None:
+    """Both sizes' first runs (never counted) out of the way, as in a job's first trial."""
+    p._fresh.clear()
+
+
+def test_the_default_runs_until_the_period_then_a_trial_in_turns_that_loses_doubles_the_period() -> None:
     p = PiecePolicy((A, B), trial=3, first_period=6, max_period=24)
+    _warm(p)
     assert p.running == p.chosen == A
-    ran = _feed(p, {A: 1.0, B: 2.0}, 7)  # 1 settling sample, then 6 counted
-    assert ran[:6] == [A] * 6 and ran[6] == B and p.trials == 1
-    ran = _feed(p, {A: 1.0, B: 2.0}, 4)  # the trial: 1 settling, 3 counted, then back
-    assert ran == [B, B, B, A]
-    assert p.chosen == A and p.period == 12 and p.changes == []
-    # the next trial after 12 (+1 settling) samples of A; the period doubles to its cap
-    assert _feed(p, {A: 1.0, B: 2.0}, 13)[-1] == B
-    _feed(p, {A: 1.0, B: 2.0}, 4)
+    ran = _feed(p, {A: 1.0, B: 2.0}, 6)
+    assert ran == [A] * 5 + [B] and p.trials == 1
+    # the trial: B and A in turn until each has 3 samples, then A again, the period doubled
+    ran = _feed(p, {A: 1.0, B: 2.0}, 6)
+    assert ran == [A, B, A, B, A, A]
+    assert p.chosen == A and p.period == 12 and p.changes == [] and p.verdict() is None
+    assert _feed(p, {A: 1.0, B: 2.0}, 12)[-1] == B
+    _feed(p, {A: 1.0, B: 2.0}, 6)
     assert p.period == 24
-    assert _feed(p, {A: 1.0, B: 2.0}, 25)[-1] == B
-    _feed(p, {A: 1.0, B: 2.0}, 4)
-    assert p.period == 24 and p.chosen == A
+    assert _feed(p, {A: 1.0, B: 2.0}, 24)[-1] == B
+    _feed(p, {A: 1.0, B: 2.0}, 6)
+    assert p.period == 24 and p.chosen == A and p.trials == 3
 
 
 def test_a_faster_other_size_wins_and_the_period_starts_again() -> None:
     p = PiecePolicy((A, B), trial=3, first_period=6, max_period=24)
-    _feed(p, {A: 1.0, B: 2.0}, 11)  # one lost trial: period 12
+    _warm(p)
+    _feed(p, {A: 1.0, B: 2.0}, 12)  # one lost trial: period 12
     assert p.period == 12
-    _feed(p, {A: 1.0, B: 0.5}, 13 + 4)  # the next trial: B twice as fast
+    _feed(p, {A: 1.0, B: 0.5}, 12 + 6)  # the next trial: B twice as fast
     assert p.chosen == p.running == B and p.period == 6
     assert [size for _, size in p.changes] == [B]
     # now A is the other size: its trial comes after 6 samples, and A wins back when faster
-    ran = _feed(p, {A: 0.3, B: 0.5}, 7 + 4)
-    assert ran[6] == A and p.chosen == A and [size for _, size in p.changes] == [B, A]
+    _feed(p, {A: 0.3, B: 0.5}, 6 + 6)
+    assert p.chosen == A and [size for _, size in p.changes] == [B, A]
 
 
 def test_a_margin_below_win_keeps_the_chosen_size() -> None:
     p = PiecePolicy((A, B), trial=3, first_period=6, max_period=24, win=0.9)
-    _feed(p, {A: 1.0, B: 0.95}, 11)  # 5 % faster: not enough
+    _warm(p)
+    _feed(p, {A: 1.0, B: 0.95}, 12)  # 5 % faster: not enough
     assert p.chosen == A and p.trials == 1 and p.changes == []
 
 
 def test_a_degraded_chosen_size_gets_a_trial_before_its_period() -> None:
     p = PiecePolicy((A, B), trial=3, first_period=100, degraded=1.5)
-    _feed(p, {A: 1.0, B: 2.0}, 5)  # baseline 1.0
+    _warm(p)
+    _feed(p, {A: 1.0, B: 2.0}, 4)  # the base: 1.0
     assert p.running == A and p.trials == 0
-    ran = _feed(p, {A: 2.0, B: 0.8}, 3)  # the machine changed: A twice as slow
+    ran = _feed(p, {A: 2.0, B: 0.8}, 2)  # the machine changed: A twice as slow
     assert ran[-1] == B and p.trials == 1
-    _feed(p, {A: 2.0, B: 0.8}, 4)
+    _feed(p, {A: 2.0, B: 0.8}, 6)
     assert p.chosen == B
-    # after the trial, the baseline is the chosen size's present median: no new trial at once
+    # after the trial the base is learned again at the chosen size: no new trial at once
     _feed(p, {A: 2.0, B: 0.8}, 10)
     assert p.trials == 1
 
 
-def test_only_the_running_sizes_samples_count_and_the_first_after_a_change_settles() -> None:
+def test_the_trial_compares_what_ran_at_the_same_time() -> None:
+    # A took 2.0 until the trial; then the machine got faster for both sizes (A 1.0, B 1.6):
+    # against A's times from before, B would look 0.8x; in turns it is 1.6x and loses
+    p = PiecePolicy((A, B), trial=3, first_period=6)
+    _warm(p)
+    _feed(p, {A: 2.0, B: 3.2}, 6)
+    assert p.running == B
+    _feed(p, {A: 1.0, B: 1.6}, 6)
+    assert p.chosen == A and p.changes == []
+
+
+def test_a_sizes_first_run_is_not_counted_nor_a_sample_of_the_size_not_running() -> None:
     p = PiecePolicy((A, B), trial=3, first_period=2)
     p.sample(B, 0, 9.0)  # B is not running: ignored
-    p.sample(A, 0, 100.0)  # the settling sample: ignored (else it would be the reference)
-    for _ in range(3):
-        p.sample(A, 0, 1.0)
-    assert p.choose() == B
-    p.sample(B, 0, 100.0)  # settling
-    for _ in range(3):
-        p.sample(B, 0, 0.5)
-    assert p.choose() == B and p.chosen == B
+    p.sample(A, 0, 100.0)  # A's first run: not counted (else it would be in A's base)
+    p.sample(A, 0, 1.0)
+    p.sample(A, 0, 1.0)
+    assert p.choose() == B and p._since == 2
+    p.sample(B, 0, 100.0)  # B's first run: not counted
+    p.sample(B, 0, 0.5)
+    assert p.choose() == A
+    for size in (A, B, A, B, A):  # in turn until each has 3
+        assert p.running == size
+        p.sample(size, 0, 1.0 if size == A else 0.5)
+        p.choose()
+    assert p.chosen == B and p.verdict() is None  # (decided: no trial running)
 
 
-def _trial(chosen: list[str], trial: list[str], factor: float) -> PiecePolicy:
-    """A policy that ran the batches ``chosen`` at A, then ``trial`` at B, B ``factor`` times A's
-    time for every batch (a cheap batch costs 1, a dear one 4)."""
+def _trial(chosen: list[str], other: list[str], factor: float) -> PiecePolicy:
+    """A trial of B against A: the batches ``chosen`` at A and ``other`` at B, in turn, B ``factor``
+    times A's time for every batch (a cheap batch costs 1, a dear one 4); the policy after it."""
     cost = {"cheap": 1.0, "dear": 4.0}
-    p = PiecePolicy((A, B), trial=3, first_period=len(chosen))
-    p.sample(A, "cheap", 1.0)  # settles
-    for k in chosen:
-        p.sample(A, k, cost[k])
+    p = PiecePolicy((A, B), trial=3, first_period=1)
+    _warm(p)
+    p.sample(A, "cheap", 1.0)
     assert p.choose() == B
-    p.sample(B, "cheap", 1.0)  # settles
-    for k in trial:
-        p.sample(B, k, factor * cost[k])
-    p.choose()
+    for a, b in zip(chosen, other):
+        p.sample(B, b, factor * cost[b])
+        assert p.choose() == A
+        p.sample(A, a, cost[a])
+        p.choose()
     return p
 
 
-def test_each_sample_is_judged_against_the_same_batch() -> None:
-    # B 0.8x for every batch wins, though its trial sampled dear batches and A's last were cheap
-    # (their medians: 3.2 against 1)
-    assert _trial(["dear", "cheap", "cheap", "cheap"], ["dear", "dear", "cheap"], 0.8).chosen == B
-    # B 1.2x for every batch loses, though its trial sampled cheap ones (1.2 against 4)
-    assert _trial(["cheap", "dear", "dear", "dear"], ["cheap", "cheap", "cheap"], 1.2).chosen == A
+def test_each_batch_is_compared_with_itself() -> None:
+    # B 0.8x for every batch wins, though its trial sampled dear batches more often than A's
+    # (the plain medians: 3.2 against 1)
+    assert _trial(["dear", "cheap", "cheap"], ["dear", "dear", "cheap"], 0.8).chosen == B
+    # B 1.2x for every batch loses, though its trial sampled cheap ones more often (1.2 against 4)
+    assert _trial(["cheap", "dear", "dear"], ["cheap", "cheap", "dear"], 1.2).chosen == A
 
 
-def test_a_trial_without_references_ends_lost() -> None:
-    p = PiecePolicy((A, B), trial=3, first_period=2)
-    _feed(p, {A: 1.0, B: 0.5}, 3, batches=(1.0,))
-    assert p.running == B
-    for i in range(1 + 4 * 3):  # batches never seen at A: no ratio to judge by
-        p.sample(B, 100 + i, 0.1)
-        last = p.choose()
-    assert last == A and p.chosen == A and p.period == 4
+def test_a_trial_whose_batches_never_ran_at_both_sizes_ends_lost() -> None:
+    p = PiecePolicy((A, B), trial=3, first_period=1)
+    _warm(p)
+    p.sample(A, "x", 1.0)
+    assert p.choose() == B
+    for i in range(2 * 3):  # every batch new: nothing to compare once each size has 3
+        p.sample(p.running, f"b{i}", 0.1)
+        p.choose()
+    assert p.chosen == A and p.running == A and p.period == 2 and p.changes == []
 
 
 def test_two_different_sizes_are_required() -> None:
@@ -214,13 +239,14 @@ def test_only_large_allreduces_of_the_global_set_are_samples() -> None:
     _run(f, _batch(4 * MIN_SAMPLE_BYTES, op=ReduceOp.ADASUM), 0.01)
     _run(f, _batch(4 * MIN_SAMPLE_BYTES), 0.01, RequestType.BROADCAST)
     assert f.samples == 1
-    assert f.policy._ref == {}  # (the first sample after the start settles)
+    assert f.policy._hist == {}  # (the first run of a size is not counted)
     _run(f, _batch(2 * MIN_SAMPLE_BYTES), 0.04)
-    assert f.samples == 2 and list(f.policy._ref.values()) == [pytest.approx(0.04 / (2 * MIN_SAMPLE_BYTES))]
+    want = pytest.approx(0.04 / (2 * MIN_SAMPLE_BYTES))
+    assert f.samples == 2 and [list(h) for h in f.policy._hist.values()] == [[want]]
     # a batch planned afresh (a list: not the same object next step) is counted, not timed
     f.batch_started(RequestType.ALLREDUCE, list(_batch(MIN_SAMPLE_BYTES)))
     f.batch_run(RequestType.ALLREDUCE, [], [None], 10.0, 11.0)
-    assert f.samples == 3 and len(f.policy._ref) == 1
+    assert f.samples == 3 and len(f.policy._hist) == 1
 
 
 def test_the_broadcast_size_is_applied_at_each_check_point_on_every_rank() -> None:
@@ -242,8 +268,8 @@ def test_the_broadcast_size_is_applied_at_each_check_point_on_every_rank() -> No
     assert fo.applied == [(0, A), (2, B), (6, A)]
     assert len(root.sent) == 3 and all(s in (A, B) for s in root.sent)
     # rank 0 times, rank 1 does not
-    assert fo.policy._ref == {} and fo.policy.trials == 0
-    assert fr.policy._ref and fr.policy.trials >= 1
+    assert fo.policy._hist == {} and fo.policy.trials == 0
+    assert fr.policy._hist and fr.policy.trials >= 1
 
 
 def test_module_constants_make_trials_rare_on_a_steady_machine() -> None:

@@ -31,7 +31,12 @@ def _steps(steps: int):
     shapes = [(3 * 1024 * 1024 + 7,), (513, 1031), (4097,), (17,)]  # one group: a sample too
     bad: list[str] = []
     used: list[int] = []
+    sync = np.zeros(1, np.float32)
     for step in range(steps):
+        # The size this step runs with, read once the last step's round has ended (its handles
+        # complete before the round's end, where the follower may change the size; this small
+        # allreduce completes in a later round, which changes nothing: it is no sample).
+        hvd.allreduce(sync, name="sync")
         used.append(eng.tunables.chunk_bytes)
         x = (np.arange(big, dtype=np.float32) % 1000) + r + step
         got = hvd.allreduce(x, name="big", op=hvd.Sum)
@@ -46,8 +51,8 @@ def _steps(steps: int):
             if not np.array_equal(out, want_k):
                 bad.append(f"rank {r} step {step} group[{k}]: {out.reshape(-1)[:3]} != {want_k.reshape(-1)[:3]}")
     follower = eng.pieces
+    hvd.shutdown()  # (the last round, and the follower's choice at its end, done on every rank)
     applied = list(follower.applied) if follower is not None else None
-    hvd.shutdown()
     return bad, used, applied
 
 
