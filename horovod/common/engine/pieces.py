@@ -4,9 +4,9 @@ faster now, measured while the job trains (``HOROVOD_ADAPTIVE_PIECES``).
 Why: the best piece size is a property of the machine, and on some machines of its current state.
 On a 2-core AMD EPYC virtual machine, raw mpi4py reductions of ResNet-50's 97.5 MiB gradient set
 flip between two states within one process, for stretches of seconds
-(benchmarks/results/piece_modes.md): in one, 2 MiB pieces take 13-19 ms and 16 MiB pieces 28-34;
-in the other, 2 MiB pieces take 42-72 ms and 16 MiB pieces 23-33 (one flat call: 55-67 in both).
-A fixed piece size is 2-3x off the best schedule in one of the two states.
+(benchmarks/results/piece_modes.md): in one, 2 MiB pieces take 13-19 ms and 16 MiB pieces 25-34;
+in the other, 2 MiB pieces take 34-72 ms and 16 MiB pieces 20-33 (one flat call: 47-67 in both).
+A fixed piece size is up to 2-3x off the best schedule in one of the two states.
 
 The policy (``PiecePolicy``, pure; rank 0's copy decides):
 
