@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from horovod.spark.lightning.estimator import TorchEstimator, TorchModel
-    from horovod.spark.lightning.estimator import TorchEstimator as LightningEstimator
+
+    LightningEstimator = TorchEstimator
 
 __all__ = ["TorchEstimator", "TorchModel", "LightningEstimator"]
 
