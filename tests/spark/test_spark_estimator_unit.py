@@ -342,3 +342,35 @@ def test_upstream_names_import() -> None:
     out = util.get_spark_df_output_schema(schema, ["y"], ["y_pred"], {"y": {"spark_data_type": "Vector"}})
     assert [f.name for f in out.fields] == ["x", "y_pred"] and isinstance(out.fields[1].dataType, VectorUDT)
     assert util.get_output_cols(schema, ["p"]) == ["x", "p"]
+
+
+def test_a_ranks_training_function_loads_without_pyspark(tmp_path: Path) -> None:
+    """Every rank of a fit unpickles the estimator's training function in a fresh interpreter:
+    the function, its spec and the frameworks' ``remote`` modules load without PySpark (and the
+    pandas it brings), which the ranks never use and which cost each rank most of a second."""
+    import os
+    import subprocess
+    import sys
+
+    import cloudpickle
+    import torch
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.common.training import TrainingSpec
+    from horovod.spark.torch import TorchEstimator
+
+    net = torch.nn.Linear(4, 2)
+    est = TorchEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                         loss=torch.nn.functional.cross_entropy, feature_cols=["f"], label_cols=["l"])
+    fn = est._train_fn(TrainingSpec(store=est.getStore()))
+    (tmp_path / "train.pkl").write_bytes(cloudpickle.dumps(fn))
+    code = ("import sys, cloudpickle\n"
+            f"fn = cloudpickle.loads(open({str(tmp_path / 'train.pkl')!r}, 'rb').read())\n"
+            "assert callable(fn)\n"
+            "import horovod.spark.keras.remote, horovod.spark.lightning.remote\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'pandas')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]

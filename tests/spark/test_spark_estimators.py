@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,32 @@ def _sparse_digits(spark: Any) -> Any:
         rows.append((Vectors.sparse(64, nz.tolist(), (x[nz] / 16.0).tolist()), int(y),
                      1 if i % 10 == 0 else 0, float(i % 7 != 0)))
     return spark.createDataFrame(rows, ["features", "label", "is_val", "weight"])
+
+
+
+@pytest.fixture(scope="module")
+def sparse_digits(spark_session: Any) -> Iterator[Any]:
+    """``_sparse_digits``, built once for this module and cached on the executors (building it
+    runs 1797 rows through Python; every Spark pass over it re-ran that)."""
+    df = _sparse_digits(spark_session).cache()
+    yield df
+    df.unpersist()
+
+
+@pytest.fixture(scope="module")
+def shared_root(tmp_path_factory: Any) -> Any:
+    """``shared_root(name)``: one store directory per name for this module. The fits below that
+    prepare ``sparse_digits`` with the same columns and options give the same name: the first
+    one writes the Parquet, the others train on it (``util.prepare_data`` reuses what this
+    process prepared into that store). Each such directory holds that one dataset only."""
+    made: dict[str, Path] = {}
+
+    def root(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+        return made[name]
+
+    return root
 
 
 def _mlp() -> Any:
@@ -259,7 +286,7 @@ class _RecordingMinibatch:
         return train_minibatch
 
 
-def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> None:
+def test_sparse_vectors_and_validation_column(spark: Any, sparse_digits: Any, tmp_path: Path) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -267,7 +294,7 @@ def test_sparse_vectors_and_validation_column(spark: Any, tmp_path: Path) -> Non
     from horovod.spark.common.store import Store
     from horovod.spark.torch import TorchEstimator
 
-    df = _sparse_digits(spark)
+    df = sparse_digits
     store = Store.create(str(tmp_path / "store"))
     net = _mlp()
     initial = copy.deepcopy(net)
@@ -340,15 +367,15 @@ class _RaisesOnRank1:
         return F.cross_entropy(out, label)
 
 
-def test_raising_rank_fails_fit(spark: Any, tmp_path: Path) -> None:
+def test_raising_rank_fails_fit(spark: Any, sparse_digits: Any, shared_root: Any) -> None:
     import torch
 
     from horovod.common.exceptions import WorkerFailedError
     from horovod.spark.common.store import Store
     from horovod.spark.torch import TorchEstimator
 
-    df = _sparse_digits(spark).limit(400)
-    store = Store.create(str(tmp_path / "store"))
+    df = sparse_digits  # prepared as the plain fits below prepare it: one write for them all
+    store = Store.create(str(shared_root("plain")))
     net = _mlp()
     est = TorchEstimator(num_proc=2, store=store, model=net,
                          optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
@@ -360,14 +387,14 @@ def test_raising_rank_fails_fit(spark: Any, tmp_path: Path) -> None:
     assert not store.exists(store.get_checkpoint_path("raising"))  # no epoch was completed
 
 
-def test_bad_columns_fail_before_training(spark: Any, tmp_path: Path) -> None:
+def test_bad_columns_fail_before_training(spark: Any, sparse_digits: Any, tmp_path: Path) -> None:
     import torch
 
     from horovod.spark.common.store import Store
     from horovod.spark.common.util import DataPreparationError
     from horovod.spark.torch import TorchEstimator
 
-    df = _sparse_digits(spark).limit(200)
+    df = sparse_digits.limit(200)
     from pyspark.sql import functions as F
     df = df.withColumn("name", F.lit("x"))
     store = Store.create(str(tmp_path / "store"))
@@ -515,7 +542,7 @@ def _linear_lightning_module(lr: float) -> Any:
     return LinearDigits()
 
 
-def _torch_fit_matches_reference(estimator_cls: Any, module: Any, spark: Any, tmp_path: Path,
+def _torch_fit_matches_reference(estimator_cls: Any, module: Any, df: Any, root: Path,
                                  **kwargs: Any) -> None:
     """Two epochs of ``module`` (plain SGD at ``_TORCH_LR``, mean cross-entropy) by
     ``estimator_cls`` on two ranks end where plain SGD on the ranks' gradients, averaged at each
@@ -523,13 +550,13 @@ def _torch_fit_matches_reference(estimator_cls: Any, module: Any, spark: Any, tm
     estimator reads them)."""
     from horovod.spark.common.store import Store
 
-    store = Store.create(str(tmp_path / "store"))
+    store = Store.create(str(root))
     initial = copy.deepcopy(module)
     est = estimator_cls(num_proc=2, store=store, model=module, feature_cols=["features"],
                         label_cols=["label"], batch_size=32, epochs=2, shuffle=False, verbose=0,
                         partitions_per_process=2, **kwargs)
-    fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
-    steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
+    fitted = est.fit(df).getModel().state_dict()
+    steps = _fit_steps(store, root, ["features", "label"], epochs=2)
     expected = _torch_reference(initial, steps, "features", "label", lr=_TORCH_LR)
     assert sorted(fitted) == sorted(expected)
     for name, value in fitted.items():
@@ -537,7 +564,8 @@ def _torch_fit_matches_reference(estimator_cls: Any, module: Any, spark: Any, tm
                                    err_msg=f"{name}: not the averaged SGD of the ranks' batches")
 
 
-def test_torch_estimator_accumulates_backward_passes(spark: Any, tmp_path: Path) -> None:
+def test_torch_estimator_accumulates_backward_passes(spark: Any, sparse_digits: Any,
+                                                     shared_root: Any) -> None:
     """``backward_passes_per_step=3`` as upstream's torch estimator runs it: within an epoch,
     every 3 batches form one optimizer step on the sum of their gradients of the loss divided
     by 3, averaged over the ranks; an epoch's 28 batches end with a group of one, stepped at
@@ -554,14 +582,15 @@ def test_torch_estimator_accumulates_backward_passes(spark: Any, tmp_path: Path)
     torch.manual_seed(0)
     module = torch.nn.Linear(64, 10)
     initial = copy.deepcopy(module)
-    store = Store.create(str(tmp_path / "store"))
+    root = shared_root("plain")
+    store = Store.create(str(root))
     est = TorchEstimator(num_proc=2, store=store, model=module, loss=F.cross_entropy,
                          optimizer=torch.optim.SGD(module.parameters(), lr=_TORCH_LR),
                          feature_cols=["features"], label_cols=["label"], batch_size=32,
                          epochs=2, shuffle=False, verbose=0, partitions_per_process=2,
                          backward_passes_per_step=3)
-    fitted = est.fit(_sparse_digits(spark)).getModel().state_dict()
-    steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=2)
+    fitted = est.fit(sparse_digits).getModel().state_dict()
+    steps = _fit_steps(store, root, ["features", "label"], epochs=2)
     per_epoch = len(steps) // 2
     assert per_epoch % 3 == 1, per_epoch  # the epoch's last group is one batch
     groups = accumulated_steps(steps, 3, per_epoch)
@@ -591,7 +620,8 @@ def _log_softmax_mlp() -> Any:
     return LogSoftmaxMLP()
 
 
-def test_torch_estimator_trains_upstreams_example_shape(spark: Any, tmp_path: Path) -> None:
+def test_torch_estimator_trains_upstreams_example_shape(spark: Any, sparse_digits: Any,
+                                                        tmp_path: Path) -> None:
     """Upstream's ``examples/spark/pytorch/pytorch_spark_mnist.py`` as its user writes it: the loss a
     ``lambda`` over an ``nn.NLLLoss()`` of the model's ``log_softmax`` (labels a double column,
     cast with ``.long()`` in the lambda), ``SGD(lr=0.01, momentum=0.5)``, a validation split. Three
@@ -614,7 +644,7 @@ def test_torch_estimator_trains_upstreams_example_shape(spark: Any, tmp_path: Pa
                          loss=lambda input, target: nll(input, target.long()),
                          feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=3,
                          validation="is_val", shuffle=False, verbose=0, partitions_per_process=2)
-    fitted_model = est.fit(_sparse_digits(spark).withColumn("label", col("label").cast("double")))
+    fitted_model = est.fit(sparse_digits.withColumn("label", col("label").cast("double")))
     fitted = fitted_model.getModel().state_dict()
     steps = _fit_steps(store, tmp_path / "store", ["features", "label"], epochs=3)
     expected = _torch_reference(initial, steps, "features", "label", lr=0.01, momentum=0.5,
@@ -627,14 +657,16 @@ def test_torch_estimator_trains_upstreams_example_shape(spark: Any, tmp_path: Pa
     assert len(history["val_loss"]) == 3, history
 
 
-def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+def test_lightning_estimator_averages_the_ranks_gradients(spark: Any, sparse_digits: Any,
+                                                          shared_root: Any) -> None:
     pytest.importorskip("lightning", reason="the Lightning estimator needs lightning installed")
     from horovod.spark.lightning import TorchEstimator
 
-    _torch_fit_matches_reference(TorchEstimator, _linear_lightning_module(_TORCH_LR), spark, tmp_path)
+    _torch_fit_matches_reference(TorchEstimator, _linear_lightning_module(_TORCH_LR), sparse_digits,
+                                 shared_root("plain"))
 
 
-def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
+def _keras_fit_matches_reference(k: Any, df: Any, root: Path) -> Any:
     """Fit a small model of Keras module ``k`` (``keras`` or ``tf_keras``) with plain SGD and
     sample weights for 3 epochs; check its weights against the reference; return the fit."""
     from horovod.spark.common import util
@@ -643,7 +675,7 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
 
     model = k.Sequential([k.Input((64,)), k.layers.Dense(32, activation="relu"),
                           k.layers.Dense(10, activation="softmax")])
-    store = Store.create(str(tmp_path / "store"))
+    store = Store.create(str(root))
     # Plain SGD (Adam would hide gradients summed instead of averaged) and shuffle=False: the
     # reference below replays each rank's batches in the order the estimator reads them.
     est = KerasEstimator(num_proc=2, store=store, model=model, optimizer=k.optimizers.SGD(_KERAS_LR),
@@ -651,7 +683,7 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
                          label_cols=["label"], sample_weight_col="weight", batch_size=32,
                          epochs=3, verbose=0, partitions_per_process=2, shuffle=False,
                          validation="is_val")
-    trained = est.fit(_sparse_digits(spark))
+    trained = est.fit(df)
     loss = trained.getHistory()["loss"]
     assert len(loss) == 3 and loss[-1] < loss[0] / 2
     # The trained weights are those of plain SGD on the ranks' gradients averaged each step,
@@ -659,7 +691,7 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     # each row's loss weighted by its "weight" (Keras: the mean of the weighted losses).
     cols = ["features", "label", "weight"]
     steps = [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
-              for b in step] for step in _fit_steps(store, tmp_path / "store", cols, epochs=3)]
+              for b in step] for step in _fit_steps(store, root, cols, epochs=3)]
     per_epoch = len(steps) // 3
     after = [keras_averaged_weights(k, model, _KERAS_LR, "sparse_categorical_crossentropy",
                                     steps[:per_epoch * e]) for e in (1, 3)]
@@ -673,7 +705,7 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     # (upstream's validation data carries the weights), averaged over the ranks. Later epochs
     # are not checked: which validation batches Keras draws from the generator after the first
     # epoch is Keras's own (Keras 3 replays the batches it peeked at).
-    (idx,) = [p.name.split(".", 1)[1] for p in (tmp_path / "store").iterdir()
+    (idx,) = [p.name.split(".", 1)[1] for p in root.iterdir()
               if p.name.startswith("intermediate_train_data.")]
     val_steps = -(-util.get_dataset_properties(store, idx)[1] // (32 * 2))
     val = [[(b["features"].astype(np.float32), b["label"], b["weight"].astype(np.float32))
@@ -686,19 +718,21 @@ def _keras_fit_matches_reference(k: Any, spark: Any, tmp_path: Path) -> Any:
     return trained
 
 
-def test_keras_estimator_trains_a_tf_keras_model(spark: Any, tmp_path: Path) -> None:
+def test_keras_estimator_trains_a_tf_keras_model(spark: Any, sparse_digits: Any, shared_root: Any,
+                                                  tmp_path: Path) -> None:
     """A Keras 2 (tf_keras) model: the ranks train it with TF_USE_LEGACY_KERAS=1."""
     tf_keras = pytest.importorskip("tf_keras")
     from horovod.spark.keras import KerasModel
 
-    trained = _keras_fit_matches_reference(tf_keras, spark, tmp_path)
+    trained = _keras_fit_matches_reference(tf_keras, sparse_digits, shared_root("keras"))
     assert type(trained.getModel()).__module__.startswith("tf_keras")
     trained.save(str(tmp_path / "m"))
     assert type(KerasModel.load(str(tmp_path / "m")).getModel()).__module__.startswith("tf_keras")
 
 
-def test_keras_estimator_averages_the_ranks_gradients(spark: Any, tmp_path: Path) -> None:
+def test_keras_estimator_averages_the_ranks_gradients(spark: Any, sparse_digits: Any,
+                                                       shared_root: Any) -> None:
     """A Keras 3 model (the example's fit uses Adam, which the reference cannot check)."""
     keras = pytest.importorskip("keras")
-    trained = _keras_fit_matches_reference(keras, spark, tmp_path)
+    trained = _keras_fit_matches_reference(keras, sparse_digits, shared_root("keras"))
     assert not type(trained.getModel()).__module__.startswith("tf_keras")

@@ -21,12 +21,9 @@ from horovod.spark.common.backend import Backend, SparkBackend
 from horovod.spark.common.params import EstimatorParams, ModelParams
 from horovod.spark.common.persistence import HorovodReader, HorovodWriter
 from horovod.spark.common.store import AbstractFilesystemStore
+from horovod.spark.common.training import TrainingSpec, data_module_for  # noqa: F401 - their old home
 
 __all__ = ["HorovodEstimator", "HorovodModel", "TrainingSpec"]
-
-
-class TrainingSpec(dict):
-    """What every rank needs to train: data paths, metadata, steps, and the estimator's params."""
 
 
 class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
@@ -144,29 +141,6 @@ class HorovodEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
                               env={**self._backend_env(), "HOROVOD_SPARK_RUN_ID": run_id})
         result = next(r for r in results if r)
         return self._make_model(result, spec)
-
-
-def data_module_for(spec: TrainingSpec, rank: int, size: int) -> Any:
-    """The rank's ``DataModule`` instance for ``spec`` (the default reads with pyarrow)."""
-    from horovod.spark.common.datamodule import DataModule, ParquetDataModule
-
-    cls = spec["data_module"] or ParquetDataModule
-    if not (isinstance(cls, type) and issubclass(cls, DataModule)):
-        raise TypeError(f"data_module={cls!r}: give a DataModule subclass (the class itself), "
-                        "e.g. horovod.spark.common.datamodule.ParquetDataModule.")
-    columns = spec["feature_cols"] + spec["label_cols"]
-    if spec["sample_weight_col"]:
-        columns.append(spec["sample_weight_col"])
-    return cls(train_dir=spec["train_path"], val_dir=spec["val_path"],
-               num_train_epochs=spec["epochs"], has_val=spec["val_path"] is not None,
-               train_batch_size=spec["batch_size"], val_batch_size=spec["val_batch_size"],
-               shuffle=spec["shuffle"], transform_fn=spec["transformation_fn"],
-               inmemory_cache_all=spec["inmemory_cache_all"], cur_shard=rank, shard_count=size,
-               schema_fields=list(dict.fromkeys(columns)), store=spec["store"],
-               steps_per_epoch_train=spec["train_steps"], steps_per_epoch_val=spec["val_steps"],
-               verbose=spec["verbose"], metadata=spec["metadata"], random_seed=spec["random_seed"],
-               train_reader_worker_count=spec["train_reader_num_workers"],
-               val_reader_worker_count=spec["val_reader_num_workers"])
 
 
 class HorovodModel(Model, ModelParams, MLWritable, MLReadable):

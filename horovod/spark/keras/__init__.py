@@ -1,6 +1,23 @@
 """``horovod.spark.keras``: ``KerasEstimator`` trains a Keras model (Keras 3, or ``tf_keras``) on
 a Spark DataFrame with Horovod and returns a ``KerasModel`` (a Spark ML ``Model``)."""
 
-from horovod.spark.keras.estimator import KerasEstimator, KerasModel
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from horovod.spark.keras.estimator import KerasEstimator, KerasModel
 
 __all__ = ["KerasEstimator", "KerasModel"]
+
+
+def __getattr__(name: str) -> Any:
+    # The estimator (Spark ML: PySpark) loads on first use: the ranks of a fit import this
+    # package's ``remote`` module only, and need no PySpark (horovod.spark.common.training).
+    if name in __all__:
+        from horovod.spark.keras import estimator
+
+        value = getattr(estimator, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ import numpy as np
 
 # upstream's module constants, imported from here by user code
 from horovod.spark.common.constants import BYTES_PER_GIB, TOTAL_BUFFER_MEMORY_CAP_GIB  # noqa: F401
-from horovod.spark.common.estimator import TrainingSpec
+from horovod.spark.common.training import TrainingSpec
 
 __all__ = ["make_train_fn"]
 
@@ -48,7 +48,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         import tensorflow as tf
 
         import horovod.tensorflow.keras as hvd
-        from horovod.spark.common.estimator import data_module_for
+        from horovod.spark.common.training import data_module_for
         from horovod.spark.keras.util import keras_module, model_from_bytes
 
         hvd.init()

@@ -18,7 +18,7 @@ from horovod.spark.common.constants import (  # noqa: F401
     METRIC_PRINT_FREQUENCY,
     TOTAL_BUFFER_MEMORY_CAP_GIB,
 )
-from horovod.spark.common.estimator import TrainingSpec
+from horovod.spark.common.training import TrainingSpec
 
 __all__ = ["make_train_fn"]
 
@@ -50,7 +50,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
 
         import horovod.torch as hvd
         from horovod.lightning import strategy_class
-        from horovod.spark.common.estimator import data_module_for
+        from horovod.spark.common.training import data_module_for
         from horovod.spark.torch.remote import load_checkpoint, save_checkpoint, trained_result
         from horovod.spark.torch.util import _module_from_bytes
 

@@ -21,7 +21,7 @@ from horovod.spark.common.constants import (  # noqa: F401
     PETASTORM_HDFS_DRIVER,
     TOTAL_BUFFER_MEMORY_CAP_GIB,
 )
-from horovod.spark.common.estimator import TrainingSpec
+from horovod.spark.common.training import TrainingSpec
 
 __all__ = ["make_train_fn", "load_checkpoint", "save_checkpoint", "trained_result"]
 
@@ -156,7 +156,7 @@ def make_train_fn(spec: TrainingSpec) -> Callable[[], Any]:
         import torch
 
         import horovod.torch as hvd
-        from horovod.spark.common.estimator import data_module_for
+        from horovod.spark.common.training import data_module_for
         from horovod.spark.torch.util import _module_from_bytes
 
         hvd.init()
