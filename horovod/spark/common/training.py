@@ -8,9 +8,12 @@ import)."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["TrainingSpec", "data_module_for"]
+__all__ = ["TrainingSpec", "data_module_for", "estimator_attrs"]
 
 
 class TrainingSpec(dict):
@@ -38,3 +41,21 @@ def data_module_for(spec: TrainingSpec, rank: int, size: int) -> Any:
                verbose=spec["verbose"], metadata=spec["metadata"], random_seed=spec["random_seed"],
                train_reader_worker_count=spec["train_reader_num_workers"],
                val_reader_worker_count=spec["val_reader_num_workers"])
+
+
+def estimator_attrs(package: str, module: str, names: Sequence[str],
+                    aliases: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+    """A framework package's module ``__getattr__`` (PEP 562): its estimator classes ``names``,
+    loaded from ``module`` on first use (``aliases``: a package name -> the class's name there).
+
+    The ranks of a fit import only the package's ``remote`` module, and so never the estimator's
+    Spark ML classes (PySpark)."""
+    known = {name: (aliases or {}).get(name, name) for name in names}
+
+    def __getattr__(name: str) -> Any:
+        if name in known:
+            value = getattr(importlib.import_module(module), known[name])
+            setattr(sys.modules[package], name, value)
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return __getattr__

@@ -3,7 +3,9 @@ a Spark DataFrame with Horovod and returns a ``KerasModel`` (a Spark ML ``Model`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from horovod.spark.common.training import estimator_attrs
 
 if TYPE_CHECKING:
     from horovod.spark.keras.estimator import KerasEstimator, KerasModel
@@ -11,13 +13,5 @@ if TYPE_CHECKING:
 __all__ = ["KerasEstimator", "KerasModel"]
 
 
-def __getattr__(name: str) -> Any:
-    # The estimator (Spark ML: PySpark) loads on first use: the ranks of a fit import this
-    # package's ``remote`` module only, and need no PySpark (horovod.spark.common.training).
-    if name in __all__:
-        from horovod.spark.keras import estimator
-
-        value = getattr(estimator, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The estimator (Spark ML: PySpark) loads on first use (horovod.spark.common.training).
+__getattr__ = estimator_attrs(__name__, "horovod.spark.keras.estimator", __all__)

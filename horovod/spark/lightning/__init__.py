@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from horovod.spark.common.training import estimator_attrs
 
 if TYPE_CHECKING:
     from horovod.spark.lightning.estimator import TorchEstimator, TorchModel
@@ -14,13 +16,6 @@ if TYPE_CHECKING:
 __all__ = ["TorchEstimator", "TorchModel", "LightningEstimator"]
 
 
-def __getattr__(name: str) -> Any:
-    # The estimator (Spark ML: PySpark) loads on first use: the ranks of a fit import this
-    # package's ``remote`` module only, and need no PySpark (horovod.spark.common.training).
-    if name in __all__:
-        from horovod.spark.lightning import estimator
-
-        value = getattr(estimator, "TorchEstimator" if name == "LightningEstimator" else name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The estimator (Spark ML: PySpark) loads on first use (horovod.spark.common.training).
+__getattr__ = estimator_attrs(__name__, "horovod.spark.lightning.estimator", __all__,
+                              {"LightningEstimator": "TorchEstimator"})

@@ -3,7 +3,9 @@ with Horovod and returns a ``TorchModel`` (a Spark ML ``Model``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from horovod.spark.common.training import estimator_attrs
 
 if TYPE_CHECKING:
     from horovod.spark.torch.estimator import TorchEstimator, TorchModel
@@ -11,13 +13,5 @@ if TYPE_CHECKING:
 __all__ = ["TorchEstimator", "TorchModel"]
 
 
-def __getattr__(name: str) -> Any:
-    # The estimator (Spark ML: PySpark) loads on first use: the ranks of a fit import this
-    # package's ``remote`` module only, and need no PySpark (horovod.spark.common.training).
-    if name in __all__:
-        from horovod.spark.torch import estimator
-
-        value = getattr(estimator, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The estimator (Spark ML: PySpark) loads on first use (horovod.spark.common.training).
+__getattr__ = estimator_attrs(__name__, "horovod.spark.torch.estimator", __all__)
