@@ -182,7 +182,7 @@ class PieceFollower(Observer):
     @classmethod
     def from_config(cls, config: Any, tunables: Tunables, backend: Any) -> PieceFollower | None:
         """The follower of this engine, or None where the piece size is decided otherwise."""
-        if not getattr(config, "adaptive_pieces", False) or config.autotune or backend.size < 2:
+        if not getattr(config, "adaptive_pieces", False) or getattr(config, "autotune", False) or backend.size < 2:
             return None
         sizes = followed_pieces(int(getattr(config, "chunk_bytes", -1)), backend)
         if not sizes:
