@@ -336,7 +336,7 @@ def main() -> None:
                       "median_ms": {k: round(v, 1) for k, v in med.items()},
                       **{f"vs_{r}": {k: round(v / base, 2) for k, v in med.items()} for r, base in ref.items()},
                       **extra, "anon_huge_MiB_rank0": huge,
-                      "follower": None if follower is None else follower.applied}), flush=True)
+                      "follower": None if follower is None else list(follower.applied)}), flush=True)
     for k in modes:
         print(f"{k:9s} ms    ", " ".join(f"{x:.0f}" for x in ms[k]))
         if k in piece_mib:

@@ -158,7 +158,7 @@ class Engine:
         self._metrics = MetricsObserver(backend, self.metrics, self.rank, self.size,
                                         config.straggler_interval_seconds, clock, memo)
         self._tuning = AutotuneObserver.from_config(config, self.tunables, backend, self.rounds, hostnames)
-        self.pieces = PieceFollower.from_config(config, self.tunables, backend)
+        self.pieces = PieceFollower.from_config(config, self.tunables, backend, memo)
         self.stall = StallObserver(self, config, clock)
         self._flight: FlightRecorder | None = None
         if config.flight_recorder > 0:

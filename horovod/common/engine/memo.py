@@ -23,6 +23,7 @@ never hit.
 | ``items`` | name -> an in-place entry's items and buffer views | ``NumpyBuffers._items``, ``_moves`` |
 | ``batches`` | id(batch) -> its arrays' ids, then the batch's items | ``NumpyBuffers._batches`` |
 | ``choices`` | id(batch) -> the timed trials of a rank's own choice for it (``choice.TimedChoice``) | new |
+| ``agreed_bytes`` | id(batch) -> (batch, its requests' bytes: the same on every rank) | ``PieceFollower._bytes`` |
 
 Kept elsewhere on purpose, because they are per process (or per process set), keyed by value and
 right across steps and cache changes: the executor's dtype rule per (dtype, transport, buffer
@@ -43,7 +44,7 @@ __all__ = ["StepMemo"]
 class StepMemo:
     """The tables of one engine's step memo (see the module docstring); one owner, one ``clear``."""
 
-    __slots__ = ("plans", "batch_sizes", "calls", "flat", "items", "batches", "choices")
+    __slots__ = ("plans", "batch_sizes", "calls", "flat", "items", "batches", "choices", "agreed_bytes")
 
     #: bounds, per table
     PLANS = 64
@@ -53,6 +54,7 @@ class StepMemo:
     ITEMS = 256
     BATCHES = 64
     CHOICES = 64
+    AGREED_BYTES = 4 * PLANS
 
     def __init__(self) -> None:
         self.plans: dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]] = {}
@@ -62,6 +64,7 @@ class StepMemo:
         self.items: dict[str, Any] = {}
         self.batches: dict[int, Any] = {}
         self.choices: dict[int, Any] = {}
+        self.agreed_bytes: dict[int, tuple[Sequence[Any], int]] = {}
 
     def clear(self) -> None:
         """Forget everything (a cache slot was filled or emptied)."""
@@ -72,6 +75,7 @@ class StepMemo:
         self.items.clear()
         self.batches.clear()
         self.choices.clear()
+        self.agreed_bytes.clear()
 
     @staticmethod
     def full(table: dict[Any, Any], bound: int) -> None:

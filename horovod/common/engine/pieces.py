@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from horovod.common.engine.device import is_plane
+from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.observers import Observer
 from horovod.common.engine.tunables import Tunables, followed_pieces
 from horovod.common.types import ReduceOp, RequestType, Response
@@ -58,6 +59,7 @@ MAX_PERIOD = 768
 DEGRADED = 1.5
 WIN = 0.9
 CHECK = 2
+HISTORY = 256  # changes kept for ``PiecePolicy.changes`` and ``PieceFollower.applied``
 
 
 class PiecePolicy:
@@ -88,7 +90,8 @@ class PiecePolicy:
         self._since = 0  # samples of the chosen size since the last decision
         self._fresh = set(self.sizes)  # sizes not run yet: their first sample is not counted
         self.trials = 0
-        self.changes: list[tuple[int, int]] = []  # (samples seen, the size chosen): every change
+        # (samples seen, the size chosen): the latest changes
+        self.changes: deque[tuple[int, int]] = deque(maxlen=HISTORY)
 
     @property
     def other(self) -> int:
@@ -164,8 +167,8 @@ class PieceFollower(Observer):
     """Feeds this rank's samples to the policy and applies rank 0's choice on every rank."""
 
     def __init__(self, policy: PiecePolicy, tunables: Tunables, rank: int,
-                 bcast_from_root: Callable[[Any], Any], min_bytes: int = MIN_SAMPLE_BYTES,
-                 check: int = CHECK) -> None:
+                 bcast_from_root: Callable[[Any], Any], memo: StepMemo | None = None,
+                 min_bytes: int = MIN_SAMPLE_BYTES, check: int = CHECK) -> None:
         self.policy = policy
         self.tunables = tunables
         self.rank = rank
@@ -174,20 +177,22 @@ class PieceFollower(Observer):
         self._check = check
         self.samples = 0
         self._checked = 0
-        self._bytes: dict[int, tuple[Sequence[Response], int]] = {}  # id(batch) -> (batch, bytes)
+        self._bytes = (memo if memo is not None else StepMemo()).agreed_bytes  # the step memo's table
         self._timed: tuple[Sequence[Response], int] | None = None  # the running batch, a sample
-        self.applied: list[tuple[int, int]] = [(0, policy.running)]  # (samples, size): every change
+        # (samples, size): the latest changes (a long job's trials would grow a list for ever)
+        self.applied: deque[tuple[int, int]] = deque([(0, policy.running)], maxlen=HISTORY)
         tunables.chunk_bytes = policy.running
 
     @classmethod
-    def from_config(cls, config: Any, tunables: Tunables, backend: Any) -> PieceFollower | None:
+    def from_config(cls, config: Any, tunables: Tunables, backend: Any,
+                    memo: StepMemo | None = None) -> PieceFollower | None:
         """The follower of this engine, or None where the piece size is decided otherwise."""
         if not getattr(config, "adaptive_pieces", False) or getattr(config, "autotune", False) or backend.size < 2:
             return None
         sizes = followed_pieces(int(getattr(config, "chunk_bytes", -1)), backend)
         if not sizes:
             return None
-        return cls(PiecePolicy(sizes), tunables, backend.rank, backend.bcast_from_root)
+        return cls(PiecePolicy(sizes), tunables, backend.rank, backend.bcast_from_root, memo)
 
     def _batch_bytes(self, batch: Sequence[Response]) -> int:
         known = self._bytes.get(id(batch))
@@ -195,8 +200,7 @@ class PieceFollower(Observer):
             return known[1]
         n = sum(r.request.nbytes for r in batch)
         if type(batch) is tuple:  # a memoized plan's: the same object next step
-            if len(self._bytes) >= 256:
-                self._bytes.clear()
+            StepMemo.full(self._bytes, StepMemo.AGREED_BYTES)
             self._bytes[id(batch)] = (batch, n)
         return n
 
