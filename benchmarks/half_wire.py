@@ -84,7 +84,7 @@ def _instrument() -> dict[str, float]:
     """Wrap the engine's parts (``--phases``): CPU seconds of the calling thread per part, summed
     into the returned dict (cleared by the caller around each case)."""
     from horovod.common.backends import gloo, mpi
-    from horovod.common.engine import buffers
+    from horovod.common.engine import host_buffers
 
     spent: dict[str, float] = {}
 
@@ -97,11 +97,12 @@ def _instrument() -> dict[str, float]:
                 spent[part] = spent.get(part, 0.0) + time.thread_time() - t0
         return wrapper
 
-    buffers._pack_narrowed = timed("pack", buffers._pack_narrowed)
-    buffers._unpack_narrowed = timed("unpack", buffers._unpack_narrowed)
-    buffers.NumpyBuffers.pack = timed("pack", buffers.NumpyBuffers.pack)  # type: ignore[method-assign]
-    buffers.NumpyBuffers.unpack = timed("unpack", buffers.NumpyBuffers.unpack)  # type: ignore[method-assign]
-    buffers.NumpyBuffers.scale = staticmethod(timed("scale", buffers.NumpyBuffers.scale))
+    numpy_buffers = host_buffers.NumpyBuffers
+    numpy_buffers.pack_narrowed = timed("pack", numpy_buffers.pack_narrowed)  # type: ignore[method-assign]
+    numpy_buffers.unpack_narrowed = timed("unpack", numpy_buffers.unpack_narrowed)  # type: ignore[method-assign]
+    numpy_buffers.pack = timed("pack", numpy_buffers.pack)  # type: ignore[method-assign]
+    numpy_buffers.unpack = timed("unpack", numpy_buffers.unpack)  # type: ignore[method-assign]
+    numpy_buffers.scale = staticmethod(timed("scale", numpy_buffers.scale))
     mpi.MPIBackend.allreduce = timed("reduce", mpi.MPIBackend.allreduce)  # type: ignore[method-assign]
     kernel = mpi.kernel
     mpi.kernel = lambda dtype, op: timed("op16", kernel(dtype, op))

@@ -65,7 +65,7 @@ import horovod.numpy as hvd_np  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 from horovod.common.backends import mpi as mpi_backend  # noqa: E402
 from horovod.common.context import get_context  # noqa: E402
-from horovod.common.engine import buffers, executor, placement  # noqa: E402
+from horovod.common.engine import executor, host_buffers, placement  # noqa: E402
 from horovod.common.engine.pages import huge_page_backed, huge_page_empty  # noqa: E402
 from horovod.torch._convert import huge_page_zeros  # noqa: E402
 from horovod.torch._flat_grads import flat_buckets  # noqa: E402
@@ -116,9 +116,9 @@ def _instrument(phases: bool) -> dict[str, int]:
             t1 = time.perf_counter()
             _spans.append((t0, t1))
     executor.Executor.run = timed_run  # type: ignore[method-assign]
-    _timed(buffers.NumpyBuffers, "pack", "pack")
-    _timed(buffers.NumpyBuffers, "unpack", "unpack")
-    _timed(buffers.NumpyBuffers, "scale", "scale", static=True)
+    _timed(host_buffers.NumpyBuffers, "pack", "pack")
+    _timed(host_buffers.NumpyBuffers, "unpack", "unpack")
+    _timed(host_buffers.NumpyBuffers, "scale", "scale", static=True)
     region = placement.HostPlacement.region
 
     def counted(self: Any, call: Any, items: Any, segs: Any, ops: Any) -> Any:

@@ -248,7 +248,8 @@ def allreduce_async(arrays: Sequence[np.ndarray], *, name: str | None = None,
     arrays as that 16-bit dtype, as a compression's cast does (``tensor.to(wire)``, reduced, cast
     back into outputs of the arrays' own dtype). The request is the 16-bit one (it fuses and
     negotiates with 16-bit tensors); the arrays are narrowed on their way into the fusion buffer
-    and widened on the way out (``buffers._pack_narrowed``): no 16-bit copy of them is made.
+    and widened on the way out (``host_buffers.NumpyBuffers.pack_narrowed``): no 16-bit copy of
+    them is made.
 
     Raises (on every rank of the set when any rank's arguments are bad, see ``fail_everywhere``):
         ValueError: unsupported dtype, or ``out`` that does not match the inputs.

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from horovod.common import collectives as C
-from horovod.common.engine.executor import SMALL_OUTPUT_BYTES
+from horovod.common.engine.host_buffers import SMALL_OUTPUT_BYTES
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.process_sets import ProcessSet
 from horovod.common.types import ReduceOp

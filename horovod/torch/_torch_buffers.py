@@ -1,6 +1,6 @@
 """``BufferOps`` on torch tensors where they live: the device plane's buffers (CUDA; CPU on the twin).
 
-Scaling follows the host path's rounding (``buffers.scale_array``): floats in their own dtype,
+Scaling follows the host path's rounding (``host_buffers.scale_array``): floats in their own dtype,
 integers in float64 and truncated.
 """
 

@@ -2,9 +2,10 @@
 
 A plain cast compression of a host float32 tensor is handed to the engine as it is, with the
 16-bit dtype as its request's (``collectives.allreduce_async(wire=)``): the engine rounds it into
-the fusion buffer on the way in and widens it on the way out (``buffers._pack_narrowed``,
-``_unpack_narrowed``). Every rank checks, at np=2 and np=3 on MPI and on Gloo, for fp16 and bf16,
-Average and Sum (with factors), odd sizes, small (packed) and large (pieces, Gloo's tensors alone):
+the fusion buffer on the way in and widens it on the way out
+(``host_buffers.NumpyBuffers.pack_narrowed``, ``unpack_narrowed``). Every rank checks, at np=2 and
+np=3 on MPI and on Gloo, for fp16 and bf16, Average and Sum (with factors), odd sizes, small
+(packed) and large (pieces, Gloo's tensors alone):
 
 * ``hvd.allreduce(x, compression=c)`` is bit for bit ``hvd.allreduce(x.to(wire)).float()`` (the
   compress / reduce / decompress the generic path does), and the narrowing ran in the engine;
@@ -44,17 +45,17 @@ def _fused_cases(gloo: bool = False):
     import torch
 
     import horovod.torch as hvd
-    from horovod.common.engine import buffers
+    from horovod.common.engine import host_buffers
     from horovod.torch import mpi_ops
 
     # Spy on the engine's narrowing: the item dtypes of every call it packs narrowed.
     packed: list[frozenset[str]] = []
-    real_pack = buffers._pack_narrowed
+    real_pack = host_buffers.NumpyBuffers.pack_narrowed
 
-    def spy(buf, items, segs, red, _real=real_pack):
+    def spy(self, buf, items, segs, red, _real=real_pack):
         packed.append(frozenset(items[i].x.dtype.name for i, *_ in segs))
-        return _real(buf, items, segs, red)
-    buffers._pack_narrowed = spy
+        return _real(self, buf, items, segs, red)
+    host_buffers.NumpyBuffers.pack_narrowed = spy
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()

@@ -26,11 +26,11 @@ def _cases():
 
     import horovod.torch as hvd
     from horovod.common.backends import gloo as gloo_backend
-    from horovod.common.engine import buffers
+    from horovod.common.engine import host_buffers
 
     seen = {"started": 0, "flight": 0, "most": 0, "sync": 0, "packs": 0}
     start, sync, pack = (gloo_backend.GlooBackend.allreduce_start, gloo_backend.GlooBackend.allreduce,
-                         buffers.NumpyBuffers.pack)
+                         host_buffers.NumpyBuffers.pack)
 
     def spy_start(self, buf, op, group):
         wait = start(self, buf, op, group)
@@ -52,7 +52,7 @@ def _cases():
         return pack(self, *a, **k)
     gloo_backend.GlooBackend.allreduce_start = spy_start
     gloo_backend.GlooBackend.allreduce = spy_sync
-    buffers.NumpyBuffers.pack = spy_pack
+    host_buffers.NumpyBuffers.pack = spy_pack
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -124,15 +124,15 @@ def _default_pieces():
     import horovod.torch as hvd
     from horovod.common.backends import gloo as gloo_backend
     from horovod.common.context import get_context
-    from horovod.common.engine import buffers
+    from horovod.common.engine import host_buffers
 
     packed: list[int] = []  # bytes of every packed segment (a copy into a fusion buffer)
-    pack = buffers.NumpyBuffers.pack
+    pack = host_buffers.NumpyBuffers.pack
 
     def spy_pack(self, buf, items, segs, pre, widen):
         packed.extend((e - s) * items[i].x.itemsize for i, s, e, _ in segs)
         return pack(self, buf, items, segs, pre, widen)
-    buffers.NumpyBuffers.pack = spy_pack
+    host_buffers.NumpyBuffers.pack = spy_pack
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()

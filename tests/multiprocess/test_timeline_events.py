@@ -100,7 +100,7 @@ def test_only_the_observer_writes_the_timeline():
     """The executor, the round controller, the batch runner and the device planes' services hold
     no timeline: no name, attribute, argument or import of one (read from the source)."""
     hits = []
-    for name in ("executor.py", "rounds.py", "runner.py", "device.py", "buffers.py"):
+    for name in ("executor.py", "rounds.py", "runner.py", "device.py", "buffers.py", "host_buffers.py"):
         tree = ast.parse((ENGINE / name).read_text())
         for node in ast.walk(tree):
             ident = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)

@@ -40,9 +40,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from horovod.common.engine.buffers import Reduction, scale_array
+from horovod.common.engine.buffers import Reduction
 from horovod.common.engine.cache import ResponseCache
 from horovod.common.engine.device import is_plane
+from horovod.common.engine.host_buffers import scale_array
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.types import ReduceOp, RequestType, Response
 

@@ -2,11 +2,11 @@
 
 Called only from the engine thread. Each operation (allreduce, broadcast, allgather, alltoall,
 reducescatter, a joined rank's zeros) is written once, over a ``transport.Lane``: the buffer
-operations (``buffers.BufferOps``: NumPy arrays here, a device plane's tensors) and a transport
-bound to the process set (``transport.Transport``: the job's CPU backend, or a device plane's
-library). One widening rule (``dtypes.reduce_dtype``) and one scaling rule (prescale on the way
-in, ``plan.post_factors`` on the way out, through the buffer operations) hold for every lane. A
-reduction is three separate steps:
+operations (``buffers.BufferOps``: NumPy arrays here, ``host_buffers.NumpyBuffers``; a device
+plane's tensors) and a transport bound to the process set (``transport.Transport``: the job's CPU
+backend, or a device plane's library). One widening rule (``dtypes.reduce_dtype``) and one scaling
+rule (prescale on the way in, ``plan.post_factors`` on the way out, through the buffer operations)
+hold for every lane. A reduction is three separate steps:
 
 * ``plan.plan_reduction`` (pure) turns the agreed sizes into the ordered transport calls, piece by
   piece (the lane's ``chunk_bytes``; 0 on device planes): whole pieces of large tensors alone,
@@ -31,11 +31,8 @@ from horovod.common.backends.base import EngineBackend, Group, SplitsGroups
 from horovod.common.dtypes import FLOAT_DTYPES, HALF_DTYPES, logical_op, reduce_dtype
 from horovod.common.engine.adasum import run_adasum
 from horovod.common.engine.buffers import (
-    SMALL_OUTPUT_BYTES,
     Item,
-    NumpyBuffers,
     Reduction,
-    aligned_empty,
     batch_items,
     narrow_items,
     power_of_two,
@@ -46,6 +43,7 @@ from horovod.common.engine.choice import TimedChoice
 from horovod.common.engine.device import Planes, PlaneServices, is_plane
 from horovod.common.engine.handles import Handle
 from horovod.common.engine.hierarchy import Hierarchy, host_layout
+from horovod.common.engine.host_buffers import NumpyBuffers
 from horovod.common.engine.memo import StepMemo
 from horovod.common.engine.outputs import OutputPool
 from horovod.common.engine.pages import huge_page_empty
@@ -58,7 +56,7 @@ from horovod.common.types import ReduceOp, Request, RequestType, Response
 # ``activity(names, activity, begin)``: a step of a running batch begins or ends for those tensors.
 Activity = Callable[[Sequence[str], str, bool], None]
 
-__all__ = ["Entry", "Executor", "reducescatter_rows", "aligned_empty", "end_to_end", "SMALL_OUTPUT_BYTES"]
+__all__ = ["Entry", "Executor", "reducescatter_rows", "end_to_end"]
 
 class Entry:
     """A submitted operation on the submitting rank: its request, buffers and handle."""

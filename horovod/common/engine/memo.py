@@ -4,7 +4,7 @@ A cached workload (a training step whose gradients are all in the response cache
 same batches from the same responses every step, and hands over the same tensors' memory. The
 engine remembers what it worked out from them the first time; every such memo is a table of
 ``StepMemo``, owned by the batch runner (``runner.BatchRunner``) and handed to the executor and
-the host buffer operations it makes.
+the host buffer operations it makes (``host_buffers.NumpyBuffers``).
 
 One clearing rule: ``clear()`` empties every table at once, and the runner calls it whenever a
 cache slot is filled or emptied (``BatchRunner.slot_changed``), the only event that changes which
@@ -20,8 +20,8 @@ never hit.
 | ``batch_sizes`` | id(batch) -> (batch, tensors, bytes) of a fixed-shape batch | ``Engine._batch_sizes`` |
 | ``calls`` | ``plan.plan_reduction``'s arguments -> its calls | ``Executor._calls`` |
 | ``flat`` | id(batch) -> (batch, whether a response of it is flat) | ``Executor._flat_batches`` |
-| ``items`` | name -> an in-place entry's items and buffer views | ``NumpyBuffers._items``, ``_moves`` |
-| ``batches`` | id(batch) -> its arrays' ids, then the batch's items | ``NumpyBuffers._batches`` |
+| ``items`` | name -> an in-place entry's items and buffer views | ``host_buffers.NumpyBuffers._items``, ``_moves`` |
+| ``batches`` | id(batch) -> its arrays' ids, then the batch's items | ``host_buffers.NumpyBuffers._batches`` |
 | ``choices`` | id(batch) -> the timed trials of a rank's own choice for it (``choice.TimedChoice``) | new |
 | ``agreed_bytes`` | id(batch) -> (batch, its requests' bytes: the same on every rank) | ``PieceFollower._bytes`` |
 

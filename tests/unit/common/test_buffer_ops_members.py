@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from horovod.common.engine import buffers, executor
-from horovod.common.engine.buffers import BufferOps, NumpyBuffers
+from horovod.common.engine.buffers import BufferOps, NarrowingBuffers
+from horovod.common.engine.host_buffers import NumpyBuffers
 
 
 def _members(protocol: type) -> set[str]:
@@ -44,6 +45,15 @@ def test_the_protocol_names_the_batch_memo_and_the_one_tensor_item() -> None:
 def test_every_kind_has_every_member(kind: type) -> None:
     missing = sorted(n for n in _members(BufferOps) if not hasattr(kind, n))
     assert not missing, f"{kind.__name__} lacks BufferOps members {missing}"
+
+
+def test_the_host_buffers_narrow() -> None:
+    """The runner reaches a compression's narrowing through the ops (``NarrowingBuffers``); only
+    host buffers narrow (the executor sets ``Reduction.narrow`` for its own NumPy ops alone), so
+    ``NumpyBuffers`` has every member of it."""
+    assert {"pack_narrowed", "unpack_narrowed"} <= _members(NarrowingBuffers)
+    missing = sorted(n for n in _members(NarrowingBuffers) if not hasattr(NumpyBuffers, n))
+    assert not missing, f"NumpyBuffers lacks NarrowingBuffers members {missing}"
 
 
 def test_the_executor_asks_the_ops_for_results_directly() -> None:

@@ -8,8 +8,8 @@ import numpy as np
 
 from horovod.common.backends.base import Group
 from horovod.common.engine import device
-from horovod.common.engine.buffers import NumpyBuffers
 from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.host_buffers import NumpyBuffers
 from horovod.common.engine.placement import DevicePlacement
 from horovod.common.engine.transport import Lane
 from horovod.common.engine.tunables import Tunables

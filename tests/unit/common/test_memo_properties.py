@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from horovod.common.backends.base import Group
-from horovod.common.engine.buffers import NumpyBuffers, batch_items
+from horovod.common.engine.buffers import batch_items
 from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.host_buffers import NumpyBuffers
 from horovod.common.engine.plan import plan_reduction
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response

@@ -19,8 +19,8 @@ import pytest
 
 from horovod.common.backends import half
 from horovod.common.backends.base import Group
-from horovod.common.engine import buffers
 from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.host_buffers import NumpyBuffers
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 
@@ -101,8 +101,8 @@ def test_narrowed_arrays_reduce_as_their_16_bit_copies(wire, native, pipeline, i
 
 def test_narrowed_calls_never_reduce_in_the_arrays_memory(monkeypatch):
     seen = []
-    real = buffers._pack_narrowed
-    monkeypatch.setattr(buffers, "_pack_narrowed", lambda *a: seen.append(1) or real(*a))
+    real = NumpyBuffers.pack_narrowed
+    monkeypatch.setattr(NumpyBuffers, "pack_narrowed", lambda *a: seen.append(1) or real(*a))
     wide = [np.full(5000, 1.25, np.float32)]  # alone: a native tensor this size is reduced in place
     got, backend = _run(wide, np.dtype(np.float16), frozenset({"float16", "float32"}), 1, ReduceOp.SUM,
                         1.0, 1.0, True)

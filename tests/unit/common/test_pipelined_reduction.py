@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from horovod.common.backends.base import Group
-from horovod.common.engine.buffers import NumpyBuffers
 from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.host_buffers import NumpyBuffers
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
 

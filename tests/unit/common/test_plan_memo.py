@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from horovod.common.backends.base import Group
-from horovod.common.engine.buffers import Item, NumpyBuffers, scale_array
+from horovod.common.engine.buffers import Item
 from horovod.common.engine.executor import Executor
+from horovod.common.engine.host_buffers import NumpyBuffers, scale_array
 from horovod.common.engine.plan import PACKED, plan_reduction
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp
