@@ -79,7 +79,7 @@ class OutputPool:
         return slot
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """An uninitialised array whose data starts on a 64-byte boundary (see ``aligned_empty``)."""
+        """An uninitialised array whose data starts on a 64-byte boundary (see ``host_buffers.aligned_empty``)."""
         dtype = np.dtype(dtype)
         n = 1
         for d in shape:
