@@ -148,8 +148,7 @@ def main() -> None:
 
         # The engine's own piece schedule, written directly in mpi4py, on separately allocated
         # in-place arrays like a gradient set's: what the engine could do with zero overhead.
-        from horovod.common.engine.executor import huge_page_empty
-        from horovod.common.engine.pages import huge_page_backed
+        from horovod.common.engine.pages import huge_page_backed, huge_page_empty
 
         sched_arrs = [np.ones(s, np.float32).reshape(-1) for s in shapes]
         piece = DEFAULT_CHUNK // 4

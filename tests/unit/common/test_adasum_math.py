@@ -136,8 +136,8 @@ def _run_lane(per_rank: list[list[np.ndarray] | None], prescale: float, postscal
     """``run_adasum`` on simulated ranks over the engine's own NumPy buffers; a rank whose list is
     None has joined (its entries are None, as the executor hands them over)."""
     from horovod.common.engine.adasum import run_adasum
-    from horovod.common.engine.executor import huge_page_empty
     from horovod.common.engine.host_buffers import NumpyBuffers
+    from horovod.common.engine.pages import huge_page_empty
     from horovod.common.engine.placement import HostPlacement
     from horovod.common.engine.transport import Lane
     from horovod.common.types import ReduceOp, Request, RequestType, Response

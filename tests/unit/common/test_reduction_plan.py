@@ -12,8 +12,9 @@ import pytest
 
 from horovod.common.backends.base import Group
 from horovod.common.engine.buffers import Item, Reduction, run_reduction
-from horovod.common.engine.executor import Entry, Executor, huge_page_empty
+from horovod.common.engine.executor import Entry, Executor
 from horovod.common.engine.host_buffers import NumpyBuffers
+from horovod.common.engine.pages import huge_page_empty
 from horovod.common.engine.placement import DevicePlacement, HostPlacement
 from horovod.common.engine.plan import PACKED, PIECE, WHOLE, plan_reduction, post_factors
 from horovod.common.engine.tunables import Tunables
