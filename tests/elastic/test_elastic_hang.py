@@ -26,6 +26,10 @@ pytestmark = pytest.mark.integration
 # Generous for a loaded 2-core machine shared with other jobs; the goal on a quiet one is < 10 s
 # (5 s heartbeat timeout + a reset).
 RESUME_BOUND = 30.0
+# The busy member's test: the heartbeat timeout it sets, and how long the member computes (more
+# than twice that; the default timeout of 5 s would make it 12 s of a mostly idle job).
+BUSY_TIMEOUT = 3.0
+BUSY_SECONDS = 7.0
 
 
 class Timeline:
@@ -93,12 +97,14 @@ def test_stopped_member_on_a_shared_host_is_replaced(tmp_path: Path) -> None:
     no_worker_left(res, [tl.stopped_pid])  # type: ignore[arg-type]
 
 
-def test_member_busy_in_python_for_12_s_is_kept(tmp_path: Path) -> None:
-    # Busy for more than twice the heartbeat timeout (5 s): only its beating thread keeps it.
+def test_member_busy_in_python_past_twice_the_heartbeat_timeout_is_kept(tmp_path: Path) -> None:
+    # Busy for more than twice the heartbeat timeout (set to BUSY_TIMEOUT here: the rule is the
+    # driver's, relative to the setting): only its beating thread keeps it.
     steps = 10
     res, _ = run_elastic(tmp_path, "localhost:2\n127.0.0.1:1\n",
                          ["-np", "3", "--min-np", "2", "--max-np", "3"],
-                         {"STEPS": str(steps), "BUSY": "127.0.0.1[0]@4@12",
+                         {"STEPS": str(steps), "BUSY": f"127.0.0.1[0]@4@{BUSY_SECONDS:g}",
+                          "HOROVOD_ELASTIC_HEARTBEAT_TIMEOUT": f"{BUSY_TIMEOUT:g}",
                           "HOROVOD_GLOO_TIMEOUT_SECONDS": "90"}, timeout=240)
     check_training(res, steps, size=3)
     log = driver_log(res)

@@ -81,14 +81,17 @@ def _attempt(addr: str, port: int, op: str) -> str:
     return "ALLOWED"
 
 
-def probe(ports: list[tuple[str, int, int]], deadline: float = 12.0) -> dict[tuple[str, int, str], str]:
+def probe(ports: list[tuple[str, int, int]], deadline: float = 6.0) -> dict[tuple[str, int, str], str]:
     """Every operation on every port of ``ports`` (``listening_ports``), in parallel; one with no
     answer by ``deadline`` is refused too (a Gloo or HTTP listener may keep torch's client waiting
     for a reply that never comes; its thread ends when the job closes the socket). Such threads
     always run to the deadline, so it is kept short, and the module's jobs are probed together
-    (``jobs``): an operation a store allows answers in well under a second, and a refusal
-    (torch's client retries within its 3 s connect timeout) in about 7 s on a loaded 2-core
+    (``jobs``): an operation a store allows answers in well under a second (the deadline is
+    counted from after torch's import, which the threads would otherwise wait for), and a refusal
+    (torch's client retries within its 3 s connect timeout) in about 3-7 s on a loaded 2-core
     machine; a refusal that is later still counts as one, and the job's log must show it."""
+    import torch.distributed  # noqa: F401 - imported before the deadline's clock starts
+
     jobs = [(a, p, op) for a, p, _ in ports for op in ("read", "write", "delete", "wait", "count")]
     results: dict[tuple[str, int, str], str] = {}
 

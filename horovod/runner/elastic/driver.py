@@ -639,7 +639,12 @@ class ElasticDriver:
         w = Worker(key, started=self.clock())
         self.workers[key] = w
         self.answers.pop(key, None)  # its slot's last answer was for the worker before it
-        w.proc = self.start_worker(key, slot)
+        try:
+            w.proc = self.start_worker(key, slot)
+        except BaseException:
+            # Never started (its error ends the job): no process to stop or to wait for at the end.
+            w.state, w.removed, w.exit_handled = "exited", True, True
+            raise
 
     def _form_round(self, first: bool) -> None:
         now = self.clock()
