@@ -39,7 +39,7 @@ from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
-def _fused_cases(gloo: bool = False):
+def _fused_cases(gloo: bool = False) -> list[str]:
     """``_fused_checks`` with the engine's narrowing as it was afterwards (the body spies on it, in
     ranks that run other bodies after it)."""
     from horovod.common.engine import host_buffers
@@ -51,7 +51,7 @@ def _fused_cases(gloo: bool = False):
         host_buffers.NumpyBuffers.pack_narrowed = real_pack
 
 
-def _fused_checks(gloo: bool):
+def _fused_checks(gloo: bool) -> list[str]:
     import zlib
 
     import torch
@@ -263,7 +263,7 @@ def _fused_checks(gloo: bool):
     return bad
 
 
-def _fused_cases_gloo():
+def _fused_cases_gloo() -> list[str]:
     return _fused_cases(gloo=True)
 
 
