@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests._fresh_init import under_settings
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
@@ -208,42 +209,17 @@ def _default_pieces():
     return bad, pieces, most, flat_packs
 
 
+def _spied() -> list[tuple[Any, str]]:
+    """The methods the bodies spy on (put back after each)."""
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.engine import host_buffers
+
+    return [(gloo_backend.GlooBackend, "allreduce_start"), (gloo_backend.GlooBackend, "allreduce"),
+            (host_buffers.NumpyBuffers, "pack")]
+
+
 def _settings(fn: Callable[[], Any], env: Mapping[str, str | None]) -> Callable[[], Any]:
-    """``fn`` from a fresh ``hvd.init()`` under the settings ``env`` (None: unset), in ranks that
-    run other bodies before and after it: the settings, Horovod and the spied methods are as they
-    were afterwards."""
-
-    def body() -> Any:
-        import os
-
-        from horovod.common import basics
-        from horovod.common.backends import gloo as gloo_backend
-        from horovod.common.engine import host_buffers
-
-        spied = [(gloo_backend.GlooBackend, "allreduce_start"), (gloo_backend.GlooBackend, "allreduce"),
-                 (host_buffers.NumpyBuffers, "pack")]
-        methods = [getattr(owner, name) for owner, name in spied]
-        saved = {k: os.environ.get(k) for k in env}
-        basics.shutdown()
-        try:
-            for k, v in env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            return fn()
-        finally:
-            basics.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            for (owner, name), method in zip(spied, methods):
-                setattr(owner, name, method)
-
-    body.__qualname__ = f"_settings({fn.__qualname__})"
-    return body
+    return under_settings(fn, env, _spied)
 
 
 # Parts of the Gloo torch launches (horovodrun --gloo) at np=2 and np=3 that other modules share
