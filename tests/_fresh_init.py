@@ -47,3 +47,23 @@ def under_settings(fn: Callable[[], Any], env: Mapping[str, str | None],
     # named as fn (its module is pickled by value for the ranks, and owns the body's name)
     body.__module__, body.__qualname__ = fn.__module__, f"under_settings({fn.__qualname__})"
     return body
+
+
+def runs_in_turn(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], settings: Sequence[str],
+                 spied: Callable[[], Sequence[tuple[Any, str]]] = lambda: ()) -> Callable[[], Any]:
+    """A rank body: ``[fn(*args) for args in calls]``, each from a fresh ``hvd.init()``, where ``fn``
+    sets the ``settings`` variables itself (per rank, say) before its ``init``: as ``in_turn``
+    (tests/_shared_launch.py), but for ranks that run other bodies afterwards (the variables and
+    the ``spied`` methods put back, as ``under_settings``)."""
+
+    def runs() -> list[Any]:
+        from horovod.common import basics
+
+        out = []
+        for args in calls:
+            basics.shutdown()
+            out.append(fn(*args))
+        return out
+
+    runs.__module__, runs.__qualname__ = fn.__module__, f"runs_in_turn({fn.__qualname__})"
+    return under_settings(runs, dict.fromkeys(settings), spied)

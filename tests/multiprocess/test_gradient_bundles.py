@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests._fresh_init import under_settings
+from tests._fresh_init import runs_in_turn
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
@@ -93,19 +93,7 @@ def _spied() -> list[tuple[Any, str]]:
 
 
 def _runs(calls: list[tuple[Any, ...]]) -> Callable[[], Any]:
-    """A rank body: ``[_train(*args) for args in calls]``, each from a fresh ``hvd.init()``, in ranks
-    that run other bodies after it (the settings ``_train`` sets and its counter put back)."""
-
-    def runs() -> list[dict]:
-        from horovod.common import basics
-
-        out = []
-        for args in calls:
-            basics.shutdown()
-            out.append(_train(*args))
-        return out
-
-    return under_settings(runs, {"HOROVOD_OVERLAP_GRADIENTS": None, "HOROVOD_FLAT_GRADIENTS": None}, _spied)
+    return runs_in_turn(_train, calls, ("HOROVOD_OVERLAP_GRADIENTS", "HOROVOD_FLAT_GRADIENTS"), _spied)
 
 
 # Parts of the torch launches at np=2 and np=3 that other modules share (tests/_shared_launch.py).
