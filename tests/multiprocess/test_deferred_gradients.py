@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import in_turn
+from tests._fresh_init import runs_in_turn
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _train(overlap: str) -> dict:
@@ -56,9 +56,14 @@ def _train(overlap: str) -> dict:
             "probe": t.tolist(), "waited": waited}
 
 
+# Both runs, each from a fresh hvd.init(), a late body of the shared torch launch at np=2
+# (tests/_shared_launch.py; the setting put back afterwards).
+_LAUNCH = joint_launch("torch", 2, {"runs": runs_in_turn(_train, [("0",), ("1",)], ("HOROVOD_OVERLAP_GRADIENTS",))},
+                       timeout=300, late=True)
+
+
 def test_deferred_and_overlapped_gradients_train_alike() -> None:
-    # both runs in one launch, each from a fresh hvd.init() (in_turn)
-    runs = dict(zip(("0", "1"), zip(*run_ranks(in_turn(_train, [("0",), ("1",)]), np=2, timeout=300))))
+    runs = dict(zip(("0", "1"), zip(*_LAUNCH.results("runs"))))
     for overlap, results in runs.items():
         for r in results:
             assert r["overlap"] is (overlap == "1"), r

@@ -16,14 +16,15 @@ in-place allreduce each, one span on the wire). Checked on real ranks, on Gloo a
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import in_turn
+from tests._fresh_init import runs_in_turn
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _train(flat_by_rank: list[str], overlap_by_rank: list[str], passes: int = 1) -> dict:
@@ -95,15 +96,28 @@ def _check(runs: dict[str, list[dict]]) -> None:
                 f"{label}, rank {rank}: weights differ from separate tensors"
 
 
-def _gloo(np_: int) -> list[str]:
-    return [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
+def _spied() -> list[tuple[Any, str]]:
+    from horovod.torch import _dense_reducer
+
+    return [(_dense_reducer, "grouped_allreduce_async_")]
+
+
+def _runs(calls: list[tuple[Any, ...]]) -> Callable[[], Any]:
+    """Late bodies of the shared torch launches (tests/_shared_launch.py): each run from a fresh
+    ``hvd.init()``, the settings ``_train`` sets and its counter put back afterwards."""
+    return runs_in_turn(_train, calls, ("HOROVOD_FLAT_GRADIENTS", "HOROVOD_OVERLAP_GRADIENTS"), _spied)
+
+
+_GLOO = {n: joint_launch("torch", n, {"separate_flat": _runs([(["0"], ["0"]), (["1"], ["0"])])}, timeout=400,
+                         gloo=True, late=True) for n in (2, 3)}
+_MPIRUN = joint_launch("torch", 2, {"accumulate_mixed": _runs([(["0"], ["0"], 2), (["1"], ["1", "0"], 2)])},
+                       timeout=400, late=True)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_flat_gradients_train_as_separate_tensors_on_gloo(np_: int) -> None:
-    # both runs in one launch, each from a fresh hvd.init() (in_turn)
-    runs = dict(zip(("separate", "flat"), zip(*run_ranks(in_turn(_train, [(["0"], ["0"]), (["1"], ["0"])]),
-                                                         np=np_, timeout=400, launcher=_gloo(np_)))))
+    # both runs in one launch, each from a fresh hvd.init()
+    runs = dict(zip(("separate", "flat"), zip(*_GLOO[np_].results("separate_flat"))))
     _check(runs)
     for r in runs["flat"]:
         assert r["flat"]
@@ -118,8 +132,7 @@ def test_flat_gradients_train_as_separate_tensors_on_gloo(np_: int) -> None:
 
 
 def test_flat_gradients_on_mpi_with_accumulation_and_mixed_overlap() -> None:
-    runs = dict(zip(("separate", "flat, overlap differs"),
-                    zip(*run_ranks(in_turn(_train, [(["0"], ["0"], 2), (["1"], ["1", "0"], 2)]), np=2, timeout=400))))
+    runs = dict(zip(("separate", "flat, overlap differs"), zip(*_MPIRUN.results("accumulate_mixed"))))
     _check(runs)
     for r in runs["flat, overlap differs"]:
         assert r["flat"] and r["shared"] == [1] * 5, r["shared"]

@@ -11,13 +11,14 @@ that each exchange's receives were posted during the one before (``GlooBackend.p
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._fresh_init import under_settings
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _cases():
@@ -143,15 +144,9 @@ def _cases():
     return bad, steady, carried, fallback, rows
 
 
-def _gloo(np_: int) -> list[str]:
-    return [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-
-
 @pytest.mark.parametrize("np_", [2, 3])
 def test_cached_small_allreduces_travel_with_the_negotiation(np_):
-    env = {"HOROVOD_GLOO_CARRY_BYTES": "4096"}
-    for bad, steady, carried, fallback, rows in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_),
-                                                          env=env):
+    for bad, steady, carried, fallback, rows in _LAUNCH[np_].results("carried"):
         assert not bad, bad
         # 5 steps of: 1 grouped + 5 per-tensor + 3 ops, every one carried, no allreduce call
         assert steady["allreduce"] == 0, steady
@@ -169,8 +164,7 @@ def test_cached_small_allreduces_travel_with_the_negotiation(np_):
 
 
 def test_carry_off_reduces_through_the_transport():
-    env = {"HOROVOD_GLOO_CARRY_BYTES": "0"}
-    for bad, steady, carried, _, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
+    for bad, steady, carried, _, _ in _LAUNCH[2].results("carry_off"):
         assert not bad, bad
         assert carried == 0
         # each step: the grouped allreduce, the three ops, the per-tensor ones (fused by dtype)
@@ -235,15 +229,31 @@ def _calls_per_cached_step():
     return bad, per_step, orders
 
 
+def _spied() -> list[tuple[Any, str]]:
+    """The methods and functions the bodies spy on or replace (put back after each)."""
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.engine import buffers
+
+    return [(gloo_backend.GlooBackend, name) for name in ("allreduce", "allreduce_start", "exchange_rows",
+                                                           "post_rows")] + [(buffers, "_pack")]
+
+
+# Parts of the Gloo torch launches (horovodrun --gloo) at np=2 and np=3 that other modules share
+# (tests/_shared_launch.py), each run from its own init under its own settings (read at init).
+_LAUNCH = {n: joint_launch("torch", n, {
+    "carried": under_settings(_cases, {"HOROVOD_GLOO_CARRY_BYTES": "4096"}, _spied),
+    **({"carry_off": under_settings(_cases, {"HOROVOD_GLOO_CARRY_BYTES": "0"}, _spied)} if n == 2 else {}),
+    "calls_per_step": under_settings(_calls_per_cached_step, {"HOROVOD_CYCLE_TIME": "60000"}, _spied),
+}, timeout=480 if n == 2 else 240, gloo=True, late=True) for n in (2, 3)}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_cached_tiny_grouped_step_is_one_exchange_of_sends_and_receives_posted_ahead(np_):
     # Every Gloo call of a cached grouped step of 161 tiny tensors: the row sent to each peer and
     # the next exchange's receives from each peer posted, before this rank waits for the rows;
     # nothing else (no collective, no second round). A long cycle time keeps the engine thread
     # from running idle rounds of its own.
-    env = {"HOROVOD_CYCLE_TIME": "60000"}
-    for bad, per_step, orders in run_ranks(_calls_per_cached_step, np=np_, timeout=240, launcher=_gloo(np_),
-                                           env=env):
+    for bad, per_step, orders in _LAUNCH[np_].results("calls_per_step"):
         assert not bad, bad[:3]
         assert per_step == [{"send": np_ - 1, "recv": np_ - 1}] * 8, per_step
         # the next exchange's receives are posted before this rank waits for this one's rows

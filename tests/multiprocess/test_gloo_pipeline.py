@@ -11,13 +11,15 @@ most in flight at once; another counts fusion-buffer packs (none for views of on
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 
-from horovod.testing import run_ranks
+from tests._fresh_init import under_settings
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _cases():
@@ -207,10 +209,33 @@ def _default_pieces():
     return bad, pieces, most, flat_packs
 
 
+def _spied() -> list[tuple[Any, str]]:
+    """The methods the bodies spy on (put back after each)."""
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.engine import host_buffers
+
+    return [(gloo_backend.GlooBackend, "allreduce_start"), (gloo_backend.GlooBackend, "allreduce"),
+            (host_buffers.NumpyBuffers, "pack")]
+
+
+def _settings(fn: Callable[[], Any], env: Mapping[str, str | None]) -> Callable[[], Any]:
+    return under_settings(fn, env, _spied)
+
+
+# Parts of the Gloo torch launches (horovodrun --gloo) at np=2 and np=3 that other modules share
+# (tests/_shared_launch.py), each run from its own init under its own settings (read at init):
+# the Gloo plane's own pieces, small pieces pipelined, and (np=2) small pieces one call at a time.
+_CHUNKS = {"HOROVOD_CHUNK_BYTES": "4096"}
+_LAUNCH = {n: joint_launch("torch", n, {
+    "default_pieces": _settings(_default_pieces, {"HOROVOD_CHUNK_BYTES": None}),
+    "pipelined": _settings(_cases, _CHUNKS),
+    **({"pipeline_off": _settings(_cases, {**_CHUNKS, "HOROVOD_GLOO_PIPELINE": "0"})} if n == 2 else {}),
+}, timeout=540 if n == 2 else 300, gloo=True, late=True) for n in (2, 3)}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
-def test_default_large_pieces_reduce_exactly_and_copy_only_small_tensors(np_, monkeypatch):
-    monkeypatch.delenv("HOROVOD_CHUNK_BYTES", raising=False)
-    for bad, pieces, most, flat_packs in run_ranks(_default_pieces, np=np_, timeout=300, launcher=_gloo(np_)):
+def test_default_large_pieces_reduce_exactly_and_copy_only_small_tensors(np_):
+    for bad, pieces, most, flat_packs in _LAUNCH[np_].results("default_pieces"):
         assert not bad, bad
         assert pieces == (16 << 20, 1 << 20)
         # only tensors (and tails) below 1 MiB went through a fusion buffer
@@ -218,22 +243,16 @@ def test_default_large_pieces_reduce_exactly_and_copy_only_small_tensors(np_, mo
         assert flat_packs == 0, f"views of one flat buffer were packed {flat_packs} times"
 
 
-def _gloo(np_: int) -> list[str]:
-    return [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-
-
 @pytest.mark.parametrize("np_", [2, 3])
 def test_pipelined_reductions_sum_exactly(np_):
-    env = {"HOROVOD_CHUNK_BYTES": "4096"}
-    for bad, seen, flat_packs in run_ranks(_cases, np=np_, timeout=240, launcher=_gloo(np_), env=env):
+    for bad, seen, flat_packs in _LAUNCH[np_].results("pipelined"):
         assert not bad, bad
         assert seen["started"] > 50 and seen["most"] == 2 and seen["flight"] == 0, seen
         assert flat_packs == 0, f"views of one flat buffer were packed {flat_packs} times"
 
 
 def test_pipeline_off_reduces_one_call_at_a_time():
-    env = {"HOROVOD_CHUNK_BYTES": "4096", "HOROVOD_GLOO_PIPELINE": "0"}
-    for bad, seen, _ in run_ranks(_cases, np=2, timeout=240, launcher=_gloo(2), env=env):
+    for bad, seen, _ in _LAUNCH[2].results("pipeline_off"):
         assert not bad, bad
         assert seen["started"] == 0 and seen["sync"] > 50, seen
 

@@ -14,12 +14,15 @@ one handle. On the wire each gradient is still its own named, cached allreduce, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from horovod.testing import run_ranks
-from tests._shared_launch import in_turn
+from tests._fresh_init import runs_in_turn
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _train(overlap_by_rank: list[str], passes: int = 1) -> dict:
@@ -83,10 +86,27 @@ def _check(runs: dict[str, list[dict]]) -> None:
             assert r["params"] == ref["params"], f"{label}: parameters differ"
 
 
+def _spied() -> list[tuple[Any, str]]:
+    from horovod.torch import _dense_reducer
+
+    return [(_dense_reducer, "_resubmit_many")]
+
+
+def _runs(calls: list[tuple[Any, ...]]) -> Callable[[], Any]:
+    return runs_in_turn(_train, calls, ("HOROVOD_OVERLAP_GRADIENTS", "HOROVOD_FLAT_GRADIENTS"), _spied)
+
+
+# Parts of the torch launches at np=2 and np=3 that other modules share (tests/_shared_launch.py).
+_LAUNCH = {n: joint_launch("torch", n, {
+    "bundles": _runs([(["0"],), (["1"],)]),
+    **({"mixed": _runs([(["0", "1"], 2), (["1"], 2)])} if n == 2 else {}),
+}, timeout=600 if n == 2 else 300, late=True) for n in (2, 3)}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_bundled_gradients_train_exactly_as_one_by_one(np_: int) -> None:
-    # both runs in one launch, each from a fresh hvd.init() (in_turn)
-    runs = dict(zip(("0", "1"), zip(*run_ranks(in_turn(_train, [(["0"],), (["1"],)]), np=np_, timeout=300))))
+    # both runs in one launch, each from a fresh hvd.init()
+    runs = dict(zip(("0", "1"), zip(*_LAUNCH[np_].results("bundles"))))
     _check(runs)
     for r in runs["0"]:
         # Step 1 takes the checked path; steps 2, 3 and 5 bundle every gradient that the loss
@@ -97,8 +117,7 @@ def test_bundled_gradients_train_exactly_as_one_by_one(np_: int) -> None:
 
 
 def test_ranks_may_differ_in_bundling_and_accumulate_passes() -> None:
-    runs = dict(zip(("mixed", "one by one"),
-                    zip(*run_ranks(in_turn(_train, [(["0", "1"], 2), (["1"], 2)]), np=2, timeout=300))))
+    runs = dict(zip(("mixed", "one by one"), zip(*_LAUNCH[2].results("mixed"))))
     _check(runs)
     assert runs["mixed"][0]["bundles"] == [5, 5, 0, 5], runs["mixed"][0]["bundles"]
     assert runs["mixed"][1]["bundles"] == []

@@ -8,16 +8,35 @@ roundings of the exact float64 result and the bits are checked equal on every ra
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
-def _cases(expect_native: bool):
+def _cases(expect_native: bool | None = True) -> list[str]:
+    """``_checks`` with the transports' ``allreduce`` as they were afterwards (the body spies on
+    them, in ranks that run other bodies after it). ``expect_native`` None: whatever Gloo reduces
+    natively here (``_gloo_reduces``, asked in the rank)."""
+    from horovod.common.backends import gloo as gloo_backend
+    from horovod.common.backends import mpi as mpi_backend
+
+    if expect_native is None:
+        import torch
+
+        dist = torch.distributed
+        expect_native = gloo_backend._gloo_reduces(dist, dist.ProcessGroupGloo.create_default_device(),
+                                                   torch.bfloat16)
+    real = [(cls, cls.allreduce) for cls in (mpi_backend.MPIBackend, gloo_backend.GlooBackend)]
+    try:
+        return _checks(expect_native)
+    finally:
+        for cls, method in real:
+            cls.allreduce = method
+
+
+def _checks(expect_native: bool) -> list[str]:
     import zlib
 
     import ml_dtypes
@@ -132,20 +151,23 @@ def _cases(expect_native: bool):
     return bad
 
 
+def _cases_gloo() -> list[str]:
+    return _cases(expect_native=None)
+
+
+# Parts of the torch launches at np=2 and np=3 that other modules share (tests/_shared_launch.py),
+# on mpirun and on Gloo (horovodrun --gloo): the ranks start and import torch once for all of them.
+_MPIRUN = {n: joint_launch("torch", n, {"half": _cases}, timeout=240) for n in (2, 3)}
+_GLOO = {n: joint_launch("torch", n, {"half": _cases_gloo}, timeout=240, gloo=True) for n in (2, 3)}
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_half_reductions_mpi(np_):
-    for bad in run_ranks(_cases, np=np_, timeout=240, args=(True,)):
+    for bad in _MPIRUN[np_].results("half"):
         assert bad == []
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_half_reductions_gloo(np_):
-    import torch
-
-    from horovod.common.backends.gloo import _gloo_reduces
-
-    dist = torch.distributed
-    native = _gloo_reduces(dist, dist.ProcessGroupGloo.create_default_device(), torch.bfloat16)
-    gloo = [sys.executable, "-m", "horovod.runner", "--gloo", "-np", str(np_)]
-    for bad in run_ranks(_cases, np=np_, timeout=240, launcher=gloo, args=(native,)):
+    for bad in _GLOO[np_].results("half"):
         assert bad == []

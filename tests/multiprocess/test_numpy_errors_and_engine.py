@@ -12,6 +12,7 @@ import time
 import pytest
 
 from horovod.testing import RanksFailed, run_mpi_script, run_ranks
+from tests._fresh_init import under_settings
 from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
@@ -379,14 +380,18 @@ def _config_variants():
     return outs
 
 
-@pytest.mark.parametrize("env", [
-    {"HOROVOD_CACHE_CAPACITY": "0"},
-    {"HOROVOD_CACHE_CAPACITY": "3"},
-    {"HOROVOD_FUSION_THRESHOLD": "0"},
-    {"HOROVOD_FUSION_THRESHOLD": "64", "HOROVOD_CYCLE_TIME": "5"},
-], ids=["no-cache", "tiny-cache", "no-fusion", "tiny-fusion"])
-def test_engine_settings_keep_results_correct(env):
-    res = run_ranks(_config_variants, np=3, timeout=90, env=env)
+# Each a body of the NumPy launch at np=3, from its own init under its settings (_SETTINGS_BODIES).
+_ENGINE_SETTINGS = {
+    "no-cache": {"HOROVOD_CACHE_CAPACITY": "0"},
+    "tiny-cache": {"HOROVOD_CACHE_CAPACITY": "3"},
+    "no-fusion": {"HOROVOD_FUSION_THRESHOLD": "0"},
+    "tiny-fusion": {"HOROVOD_FUSION_THRESHOLD": "64", "HOROVOD_CYCLE_TIME": "5"},
+}
+
+
+@pytest.mark.parametrize("label", list(_ENGINE_SETTINGS))
+def test_engine_settings_keep_results_correct(label):
+    res = _SETTINGS_LAUNCHES[3].results(f"settings-{label}")
     assert all(all(r) for r in res), res
 
 
@@ -472,20 +477,29 @@ def _cache_churn():
 def test_more_tensors_than_cache_slots_never_diverges(np_):
     # Once a step's tensors overflow the response cache, evictions happen while requests wait on
     # the evicted slots; every rank must still run every tensor exactly once, step after step.
-    res = run_ranks(_cache_churn, np=np_, timeout=120, env={"HOROVOD_CACHE_CAPACITY": "64"})
+    res = _SETTINGS_LAUNCHES[np_].results("cache_churn")
     assert res == [[True] * 4] * np_, res
 
 
 # The plain-init bodies above are parts of the launch per world size that the NumPy modules'
 # plain-init bodies share (tests/_shared_launch.py), among the last (errors on purpose), and so are
-# the process-set bodies at np=3, between shutdowns of their own (own_init); the bodies with other
-# settings or a shutdown keep launches of their own.
+# the process-set bodies at np=3, between shutdowns of their own (own_init); the bodies that need a
+# process of their own (a shutdown or death on one rank, a setting that fails init) keep their launches.
 _LAUNCHES = {n: joint_launch("numpy", n, {"join": _join_body, "join_in_turn": _join_in_turn_with_unnamed_calls,
                                           "mismatches": _mismatches}
                              | ({"bad_arguments": _bad_arguments, "static_sets": own_init(_process_sets),
                                  "dynamic_sets": own_init(_dynamic_sets)} if n == 3 else {}),
                              timeout=420 + 180 * (n == 3), late=True)
              for n in (2, 3)}
+
+
+# The bodies with settings of their own (read at init) join those launches too, each from an init of
+# its own under its settings, put back after it (tests/_fresh_init.py).
+_SETTINGS_LAUNCHES = {n: joint_launch("numpy", n, {
+    "cache_churn": under_settings(_cache_churn, {"HOROVOD_CACHE_CAPACITY": "64"}),
+    **({f"settings-{label}": under_settings(_config_variants, env) for label, env in _ENGINE_SETTINGS.items()}
+       if n == 3 else {}),
+}, timeout=120 + 360 * (n == 3), late=True) for n in (2, 3)}
 
 
 def _launch(np_: int):

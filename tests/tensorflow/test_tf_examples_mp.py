@@ -1,7 +1,8 @@
 """The seed recipes as runnable examples, at np=2 (and np=1 for the accuracy reference).
 
 Checks: weights identical on every rank (ranks start from different random seeds), accuracy what
-single-process training reaches, only rank 0 wrote a checkpoint. Slow: each run starts TensorFlow.
+single-process training reaches, only rank 0 wrote a checkpoint. Slow: each launch starts
+TensorFlow, so the TF2 and Keras 3 recipes share their launches (np=2 and np=1).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -40,6 +43,7 @@ def _same_weights_on_every_rank(found: dict) -> None:
 
 
 def _only_rank0_wrote(tmp_path) -> None:
+    """Under ``tmp_path``, only rank 0's checkpoint directory exists, and it is not empty."""
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["ckpt-rank0"], f"checkpoint directories written: {written}"
     assert any(tmp_path.joinpath("ckpt-rank0").iterdir())
@@ -54,18 +58,45 @@ def test_tf1_recipe_monitored_training_session(tmp_path):
     assert any(p.name.startswith("model.ckpt-300") for p in (tmp_path / "ckpt-rank0").iterdir())
 
 
-@pytest.mark.parametrize("script,args", [
-    ("examples/tensorflow2/tensorflow2_mnist.py", ["--steps", "400"]),
-    ("examples/keras/keras_mnist.py", ["--epochs", "3", "--steps-per-epoch", "100"]),
-], ids=["tf2-tape", "keras3-fit"])
-def test_tf2_and_keras_recipes_match_single_process_accuracy(tmp_path, script, args):
-    ck = ["--checkpoint-dir", str(tmp_path / "ckpt-rank{rank}")]
-    two = _run(script, args + ck, 2)
+# The TF2 and Keras 3 recipes run one after the other in the same ranks (tests/tensorflow/bin/
+# run_recipes.py): one TensorFlow start-up per rank for both, at np=2 and at np=1.
+_RECIPES = {
+    "tf2tape": ("examples/tensorflow2/tensorflow2_mnist.py", ["--steps", "400"]),
+    "keras3fit": ("examples/keras/keras_mnist.py", ["--epochs", "3", "--steps-per-epoch", "100"]),
+}
+
+
+def _run_recipes(np_: int, checkpoint_dir: Callable[[str], str]) -> tuple[dict, str]:
+    """Every recipe of ``_RECIPES`` in one launch of ``np_`` ranks, each with its checkpoint
+    directory ``checkpoint_dir(label)``: the RESULT lines found (labelled) and the output."""
+    argv = [sys.executable, os.path.join(ROOT, "tests", "tensorflow", "bin", "run_recipes.py")]
+    for label, (script, args) in _RECIPES.items():
+        argv += [label, os.path.join(ROOT, script), *args, "--checkpoint-dir", checkpoint_dir(label), "--"]
+    res = run_mpi_script(argv, np=np_, timeout=600)
+    return _results(res.stdout, np_), res.stdout
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The recipes at np=2 (checkpoints under ``<dir>/<label>/ckpt-rank{rank}``) and at np=1."""
+    two_dir = tmp_path_factory.mktemp("recipes-np2")
+    one_dir = tmp_path_factory.mktemp("recipes-np1")
+    two = _run_recipes(2, lambda label: str(two_dir / label / "ckpt-rank{rank}"))
+    one = _run_recipes(1, lambda label: str(one_dir / label))
+    return {"two": two, "one": one, "two_dir": two_dir}
+
+
+@pytest.mark.parametrize("label", ["tf2tape", "keras3fit"])
+def test_tf2_and_keras_recipes_match_single_process_accuracy(recipe_runs: dict[str, Any], label: str) -> None:
+    (two_all, out2), (one_all, out1) = recipe_runs["two"], recipe_runs["one"]
+    two = {k: v for k, v in two_all.items() if k[0] == label}
+    one = {k: v for k, v in one_all.items() if k[0] == label}
+    assert sorted(k[1] for k in two) == [0, 1], out2[-3000:]
+    assert sorted(k[1] for k in one) == [0], out1[-3000:]
     _same_weights_on_every_rank(two)
-    _only_rank0_wrote(tmp_path)
-    one = _run(script, args + ["--checkpoint-dir", str(tmp_path / "single")], 1)
-    acc1 = one[("", 0)][0]
-    acc2 = two[("", 0)][0]
+    _only_rank0_wrote(recipe_runs["two_dir"] / label)
+    acc1 = one[(label, 0)][0]
+    acc2 = two[(label, 0)][0]
     assert acc1 >= 0.9 and acc2 >= acc1 - 0.03, f"np=2 accuracy {acc2} vs single process {acc1}"
 
 
