@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -132,6 +132,39 @@ def own_init(body: Callable[[], Any]) -> Callable[[], Any]:
     return fresh
 
 
+def under_settings(fn: Callable[[], Any], env: Mapping[str, str | None],
+                   spied: Callable[[], Sequence[tuple[Any, str]]] = lambda: ()) -> Callable[[], Any]:
+    """``own_init(fn)`` under settings of its own: the ``HOROVOD_*`` variables of ``env`` (None:
+    unset), which Horovod reads at ``init``, set after the first shutdown; they and the methods
+    ``fn`` spies on (``spied``, called in the rank: (class or module, name) pairs) are put back
+    before the second, so that the bodies after it find the process as it was. Register it
+    ``late``, as ``own_init``."""
+
+    def settled() -> Any:
+        import os
+
+        def apply(values: Mapping[str, str | None]) -> None:
+            for k, v in values.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        pairs = list(spied())
+        methods = [getattr(owner, name) for owner, name in pairs]
+        saved = {k: os.environ.get(k) for k in env}
+        apply(env)
+        try:
+            return fn()
+        finally:
+            apply(saved)
+            for (owner, name), method in zip(pairs, methods):
+                setattr(owner, name, method)
+
+    settled.__module__, settled.__qualname__ = fn.__module__, f"under_settings({fn.__qualname__})"
+    return own_init(settled)
+
+
 # The test that starts a joint launch waits for every module's bodies: more than the suite's
 # default per-test timeout. The launch's own timeout (the sum of its parts', at most a minute less
 # than this) ends a hang first, with the ranks' output.
@@ -200,4 +233,5 @@ def in_turn(fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> Callable[[]
                 basics.shutdown()
         return out
 
+    body.__module__, body.__qualname__ = fn.__module__, f"in_turn({fn.__qualname__})"
     return body

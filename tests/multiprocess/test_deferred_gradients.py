@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._fresh_init import runs_in_turn
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, in_turn, joint_launch, under_settings
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -58,7 +57,8 @@ def _train(overlap: str) -> dict:
 
 # Both runs, each from a fresh hvd.init(), a late body of the shared torch launch at np=2
 # (tests/_shared_launch.py; the setting put back afterwards).
-_LAUNCH = joint_launch("torch", 2, {"runs": runs_in_turn(_train, [("0",), ("1",)], ("HOROVOD_OVERLAP_GRADIENTS",))},
+_RUNS = under_settings(in_turn(_train, [("0",), ("1",)]), {"HOROVOD_OVERLAP_GRADIENTS": None})
+_LAUNCH = joint_launch("torch", 2, {"runs": _RUNS},
                        timeout=300, late=True)
 
 

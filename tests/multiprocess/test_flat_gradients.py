@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests._fresh_init import runs_in_turn
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, in_turn, joint_launch, under_settings
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -105,7 +104,8 @@ def _spied() -> list[tuple[Any, str]]:
 def _runs(calls: list[tuple[Any, ...]]) -> Callable[[], Any]:
     """Late bodies of the shared torch launches (tests/_shared_launch.py): each run from a fresh
     ``hvd.init()``, the settings ``_train`` sets and its counter put back afterwards."""
-    return runs_in_turn(_train, calls, ("HOROVOD_FLAT_GRADIENTS", "HOROVOD_OVERLAP_GRADIENTS"), _spied)
+    settings = dict.fromkeys(("HOROVOD_FLAT_GRADIENTS", "HOROVOD_OVERLAP_GRADIENTS"))
+    return under_settings(in_turn(_train, calls), settings, _spied)
 
 
 _GLOO = {n: joint_launch("torch", n, {"separate_flat": _runs([(["0"], ["0"]), (["1"], ["0"])])}, timeout=400,

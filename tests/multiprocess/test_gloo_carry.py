@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests._fresh_init import under_settings
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, under_settings
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests._fresh_init import runs_in_turn
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, in_turn, joint_launch, under_settings
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -93,7 +92,8 @@ def _spied() -> list[tuple[Any, str]]:
 
 
 def _runs(calls: list[tuple[Any, ...]]) -> Callable[[], Any]:
-    return runs_in_turn(_train, calls, ("HOROVOD_OVERLAP_GRADIENTS", "HOROVOD_FLAT_GRADIENTS"), _spied)
+    settings = dict.fromkeys(("HOROVOD_OVERLAP_GRADIENTS", "HOROVOD_FLAT_GRADIENTS"))
+    return under_settings(in_turn(_train, calls), settings, _spied)
 
 
 # Parts of the torch launches at np=2 and np=3 that other modules share (tests/_shared_launch.py).

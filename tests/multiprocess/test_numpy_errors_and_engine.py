@@ -12,8 +12,7 @@ import time
 import pytest
 
 from horovod.testing import RanksFailed, run_mpi_script, run_ranks
-from tests._fresh_init import under_settings
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init, under_settings
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
@@ -494,7 +493,7 @@ _LAUNCHES = {n: joint_launch("numpy", n, {"join": _join_body, "join_in_turn": _j
 
 
 # The bodies with settings of their own (read at init) join those launches too, each from an init of
-# its own under its settings, put back after it (tests/_fresh_init.py).
+# its own under its settings, put back after it (tests/_shared_launch.py).
 _SETTINGS_LAUNCHES = {n: joint_launch("numpy", n, {
     "cache_churn": under_settings(_cache_churn, {"HOROVOD_CACHE_CAPACITY": "64"}),
     **({f"settings-{label}": under_settings(_config_variants, env) for label, env in _ENGINE_SETTINGS.items()}
