@@ -19,8 +19,10 @@ The policy (``PiecePolicy``, pure; rank 0's copy decides):
 - the chosen size runs; after ``period`` samples, or as soon as the chosen size's last ``TRIAL``
   samples are, by their median, ``DEGRADED`` times slower than the same batches were when the
   size was last decided (the machine changed), a **trial** runs the two sizes in turn, a check
-  point each, until each has ``TRIAL`` samples (what is compared ran at the same time: the
-  machine's state can change at any moment, and a reference from before it would mislead);
+  point each, until each has ``TRIAL`` samples of batches that ran at both (what is compared ran
+  at the same time: the machine's state can change at any moment, and a reference from before it
+  would mislead; a step of several large batches runs each at one size per turn, so that takes
+  more than one step), or, with nothing to compare, until the other size has had ``4 * TRIAL``;
   a size's first run ever is not counted (a new lane, buffers touched first);
 - the other size wins when the median over the trial's batches of its median time over the
   chosen size's is below ``WIN``; the period then starts again at ``FIRST_PERIOD``, else it
@@ -119,26 +121,30 @@ class PiecePolicy:
             base = self._base.setdefault(key, statistics.median(hist))
             self._drift.append(seconds_per_byte / base)
 
-    def _counts(self) -> tuple[int, int]:
+    def _counts(self, common: bool) -> tuple[int, int]:
+        """The trial's samples of the other size and of the chosen one; ``common``: only those of
+        batches that ran at both (a step of many large batches runs each at one size per turn)."""
         assert self._trial is not None
-        return (sum(map(len, self._trial[self.other].values())),
-                sum(map(len, self._trial[self.chosen].values())))
+        other, chosen = self._trial[self.other], self._trial[self.chosen]
+        keys = other.keys() & chosen.keys() if common else None
+        return (sum(len(t) for k, t in other.items() if keys is None or k in keys),
+                sum(len(t) for k, t in chosen.items() if keys is None or k in keys))
 
     def verdict(self) -> float | None:
         """A running trial's result: the median over batches of the other size's median time over
-        the chosen size's (in the trial); None while either has fewer than ``trial`` samples; inf
-        when no batch ran at both."""
-        if self._trial is None or min(self._counts()) < self.trial:
+        the chosen size's (in the trial); None while either size has fewer than ``trial`` samples
+        of batches that ran at both."""
+        if self._trial is None or min(self._counts(common=True)) < self.trial:
             return None
         other, chosen = self._trial[self.other], self._trial[self.chosen]
         ratios = [statistics.median(t) / statistics.median(chosen[k]) for k, t in other.items() if k in chosen]
-        return statistics.median(ratios) if ratios else float("inf")
+        return statistics.median(ratios)
 
     def choose(self, seen: int = 0) -> int:
         """The size to run from now on (``seen``: samples so far, for ``changes``)."""
         if self._trial is not None:
             result = self.verdict()
-            if result is None and self._counts()[0] < 4 * self.trial:
+            if result is None and self._counts(common=False)[0] < 4 * self.trial:
                 # the trial goes on, the two sizes in turn
                 self.running = self.chosen if self.running == self.other else self.other
                 return self.running

@@ -161,10 +161,27 @@ def test_a_trial_whose_batches_never_ran_at_both_sizes_ends_lost() -> None:
     _warm(p)
     p.sample(A, "x", 1.0)
     assert p.choose() == B
-    for i in range(2 * 3):  # every batch new: nothing to compare once each size has 3
+    for i in range(2 * 4 * 3):  # every batch new: nothing to compare, up to the trial's 4 x 3 turns
         p.sample(p.running, f"b{i}", 0.1)
         p.choose()
     assert p.chosen == A and p.running == A and p.period == 2 and list(p.changes) == []
+
+
+def test_a_step_of_many_large_batches_is_compared_over_the_steps_it_takes() -> None:
+    # Seven different large batches a step (a per-tensor fusion, grouped calls, flat buckets), a
+    # check point every two samples: in one step's turns each batch runs at one size only, and the
+    # trial goes on until the same batches have run at both. B, 0.5x for every batch, wins its
+    # first trial.
+    p = PiecePolicy((A, B), trial=3, first_period=4)
+    steps = [f"batch{k}" for k in range(7)]
+    seen = 0
+    while p.trials < 2 and seen < 7 * 20:  # up to the start of a second trial
+        key = steps[seen % 7]
+        p.sample(p.running, key, (1.0 if p.running == A else 0.5) * (1 + seen % 7))
+        seen += 1
+        if seen % 2 == 0:
+            p.choose(seen)
+    assert [size for _, size in p.changes][:1] == [B], (p.trials, list(p.changes))
 
 
 def test_two_different_sizes_are_required() -> None:
