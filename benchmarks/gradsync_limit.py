@@ -45,7 +45,10 @@ Modes (every repetition runs each mode once, in turn, after a barrier, so noise 
                     the rows show what the casts cost; a device plane sends 2 bytes per value)
 
 Rank 0 prints the medians and each binding's ratio to the best raw schedule, and with --json
-appends one JSON object per run to the file.
+appends one JSON object per run to the file. ``--modes`` runs a subset (the raw schedules always
+run): ``--modes numpy,torch-grouped,torch-flat,torch-async --warmup 2`` is a step of four kinds of
+large batch through one engine, the mix that once locked the piece follower's trials onto the
+step's phase (``engine/pieces.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--frameworks", default="numpy,torch,tf",
                     help="comma-separated subset of numpy, torch, tf")
 parser.add_argument("--json", default=None, help="append the medians to this file (rank 0)")
+parser.add_argument("--modes", default=None,
+                    help="comma-separated modes to run besides the raw-* ones (always run: they are "
+                         "the reference), e.g. numpy,torch-grouped,torch-flat,torch-async; default all")
 
 
 def case_shapes(case: str) -> list[tuple[int, ...]]:
@@ -289,6 +295,13 @@ def main() -> None:
         if not latency:
             modes["tf-tape-bf16"] = make_step(True, "bf16")
 
+    if args.modes:
+        wanted = set(args.modes.split(","))
+        unknown = wanted - set(modes)
+        if unknown:
+            parser.error(f"--modes: no mode {sorted(unknown)} in this case and these frameworks; "
+                         f"there are {sorted(modes)}")
+        modes = {k: f for k, f in modes.items() if k in wanted or k.startswith("raw")}
     times: dict[str, list[float]] = {k: [] for k in modes}
     for _ in range(args.warmup):
         for f in modes.values():

@@ -18,12 +18,16 @@ The policy (``PiecePolicy``, pure; rank 0's copy decides):
   same objects every step;
 - the chosen size runs; after ``period`` samples, or as soon as the chosen size's last ``TRIAL``
   samples are, by their median, ``DEGRADED`` times slower than the same batches were when the
-  size was last decided (the machine changed), a **trial** runs the two sizes in turn, a check
-  point each, until each has ``TRIAL`` samples of batches that ran at both (what is compared ran
-  at the same time: the machine's state can change at any moment, and a reference from before it
-  would mislead; a step of several large batches runs each at one size per turn, so that takes
-  more than one step), or, with nothing to compare, until the other size has had ``4 * TRIAL``;
-  a size's first run ever is not counted (a new lane, buffers touched first);
+  size was last decided (the machine changed), a **trial** runs the two sizes in turn until each
+  has ``TRIAL`` samples of batches that ran at both (what is compared ran at the same time: the
+  machine's state can change at any moment, and a reference from before it would mislead), or,
+  with nothing to compare, until the other size has had ``4 * TRIAL`` and the chosen size a turn
+  after it; a size's first run ever is not counted (a new lane, buffers touched first);
+- a **turn** lasts until a check point at which it has run every batch the trial has seen, or a
+  batch twice (a whole step), or ``4 * TRIAL`` samples. A turn of one check point would lock onto
+  a step's phase: with four large batches a step and a check point every two samples, one size
+  would run the step's first two batches and the other its last two, every step, and nothing
+  would ever run at both;
 - the other size wins when the median over the trial's batches of its median time over the
   chosen size's is below ``WIN``; the period then starts again at ``FIRST_PERIOD``, else it
   doubles, up to ``MAX_PERIOD`` (on a machine that never changes, the slower size runs
@@ -87,8 +91,11 @@ class PiecePolicy:
         self._hist: dict[Any, deque[float]] = {}
         self._base: dict[Any, float] = {}
         self._drift: deque[float] = deque(maxlen=trial)
-        # A running trial: size -> batch -> its times during the trial (None: no trial).
+        # A running trial: size -> batch -> its times during the trial (None: no trial); the
+        # running turn's batches, and whether one came twice.
         self._trial: dict[int, dict[Any, list[float]]] | None = None
+        self._turn: list[Any] = []
+        self._turn_repeats = False
         self._since = 0  # samples of the chosen size since the last decision
         self._fresh = set(self.sizes)  # sizes not run yet: their first sample is not counted
         self.trials = 0
@@ -108,6 +115,8 @@ class PiecePolicy:
             return
         if self._trial is not None:
             self._trial[size].setdefault(key, []).append(seconds_per_byte)
+            self._turn_repeats = self._turn_repeats or key in self._turn
+            self._turn.append(key)
             return
         self._since += 1
         hist = self._hist.get(key)
@@ -140,14 +149,27 @@ class PiecePolicy:
         ratios = [statistics.median(t) / statistics.median(chosen[k]) for k, t in other.items() if k in chosen]
         return statistics.median(ratios)
 
+    def _turn_done(self) -> bool:
+        """Whether the running turn has run a whole step: every batch the trial has seen, or one
+        batch twice, or ``4 * trial`` samples (see the module docstring)."""
+        assert self._trial is not None
+        if not self._turn:
+            return False
+        seen = self._trial[self.sizes[0]].keys() | self._trial[self.sizes[1]].keys()
+        return self._turn_repeats or len(self._turn) >= 4 * self.trial or seen <= set(self._turn)
+
     def choose(self, seen: int = 0) -> int:
         """The size to run from now on (``seen``: samples so far, for ``changes``)."""
         if self._trial is not None:
             result = self.verdict()
-            if result is None and self._counts(common=False)[0] < 4 * self.trial:
-                # the trial goes on, the two sizes in turn
-                self.running = self.chosen if self.running == self.other else self.other
-                return self.running
+            if result is None:
+                if not self._turn_done():
+                    return self.running
+                if self.running == self.other or self._counts(common=False)[0] < 4 * self.trial:
+                    # the trial goes on, the two sizes in turn
+                    self.running = self.chosen if self.running == self.other else self.other
+                    self._turn, self._turn_repeats = [], False
+                    return self.running
             if result is not None and result < self.win:
                 self.chosen = self.other
                 self.period = self.first_period
@@ -165,6 +187,7 @@ class PiecePolicy:
         if self._since >= self.period or worse:
             self.trials += 1
             self._trial = {size: {} for size in self.sizes}
+            self._turn, self._turn_repeats = [], False
             self.running = self.other
         return self.running
 

@@ -133,17 +133,19 @@ def test_a_sizes_first_run_is_not_counted_nor_a_sample_of_the_size_not_running()
 
 
 def _trial(chosen: list[str], other: list[str], factor: float) -> PiecePolicy:
-    """A trial of B against A: the batches ``chosen`` at A and ``other`` at B, in turn, B ``factor``
-    times A's time for every batch (a cheap batch costs 1, a dear one 4); the policy after it."""
+    """A trial of B against A: A runs the batches ``chosen`` and B the batches ``other``, each in
+    its order whenever its turn comes, B ``factor`` times A's time for every batch (a cheap batch
+    costs 1, a dear one 4), a check point after each sample; the policy after the trial."""
     cost = {"cheap": 1.0, "dear": 4.0}
     p = PiecePolicy((A, B), trial=3, first_period=1)
     _warm(p)
     p.sample(A, "cheap", 1.0)
     assert p.choose() == B
-    for a, b in zip(chosen, other):
-        p.sample(B, b, factor * cost[b])
-        assert p.choose() == A
-        p.sample(A, a, cost[a])
+    turns = {A: iter(chosen), B: iter(other)}
+    while p.trials == 1 and p._trial is not None:
+        size = p.running
+        key = next(turns[size])  # (runs out, and fails, if the trial needs more than it was given)
+        p.sample(size, key, cost[key] * (factor if size == B else 1.0))
         p.choose()
     return p
 
@@ -161,10 +163,35 @@ def test_a_trial_whose_batches_never_ran_at_both_sizes_ends_lost() -> None:
     _warm(p)
     p.sample(A, "x", 1.0)
     assert p.choose() == B
-    for i in range(2 * 4 * 3):  # every batch new: nothing to compare, up to the trial's 4 x 3 turns
-        p.sample(p.running, f"b{i}", 0.1)
+    ran = []
+    for i in range(100):  # every batch new: nothing to compare
+        if p._trial is None:
+            break
+        ran.append(p.running)
+        p.sample(p.running, f"b{i}", 0.1 if p.running == B else 1.0)
         p.choose()
+    # it ends lost once B has had 4 x 3 samples and A a turn after them: a turn ends at 4 x 3
+    # samples where no batch comes twice
+    assert p._trial is None and ran.count(B) >= 12 and ran[-1] == A and len(ran) <= 3 * 12 + 1
     assert p.chosen == A and p.running == A and p.period == 2 and list(p.changes) == []
+
+
+def test_a_turn_runs_a_whole_step_and_does_not_lock_onto_its_phase() -> None:
+    # Four large batches a step, a check point every two samples, B 0.5x for every batch. A turn
+    # of one check point would give B the step's last two batches and A its first two, every
+    # step: nothing would run at both and B would never win.
+    p = PiecePolicy((A, B), trial=3, first_period=4)
+    _warm(p)
+    step = ["grouped", "flat", "async", "numpy"]
+    seen = 0
+    while p.trials < 1 or p._trial is not None:
+        key = step[seen % 4]
+        p.sample(p.running, key, 1.0 if p.running == A else 0.5)
+        seen += 1
+        if seen % 2 == 0:
+            p.choose(seen)
+        assert seen < 4 * 10, "the trial did not end"
+    assert p.chosen == B and [size for _, size in p.changes] == [B]
 
 
 def test_a_step_of_many_large_batches_is_compared_over_the_steps_it_takes() -> None:
