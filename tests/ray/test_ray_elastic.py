@@ -3,7 +3,6 @@ actor is survived and a node added to the cluster is taken in, with no committed
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
@@ -14,6 +13,7 @@ import pytest
 from horovod.common import exceptions as errors
 from horovod.ray import RayExecutor
 from tests._averaging import averaged_params
+from tests._logs import records_of
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -256,30 +256,18 @@ def test_discovery_by_host_names_places_workers_on_the_nodes_holding_node_resour
         free_cluster.remove_node(named)
 
 
-class _Lines(logging.Handler):
-    """The messages a logger emits (the elastic session's logger does not propagate)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_discovery_of_an_unknown_host_name_says_what_names_are_accepted(free_cluster):
     settings = RayExecutor.create_settings(timeout_s=20)
     settings.discovery = _NamedHosts({"no-such-host": 1})
     ex = RayExecutor(settings, min_workers=1, max_workers=1, elastic_timeout=10, override_discovery=False)
-    session_log, kept = logging.getLogger("horovod.runner.elastic"), _Lines()
-    session_log.addHandler(kept)
-    ex.start()
-    try:
-        with pytest.raises(errors.LaunchError, match="node:no-such-host"):
-            ex.run(_rank_and_size)
-    finally:
-        ex.shutdown()
-        session_log.removeHandler(kept)
+    with records_of("horovod.runner.elastic") as records:
+        ex.start()
+        try:
+            with pytest.raises(errors.LaunchError, match="node:no-such-host"):
+                ex.run(_rank_and_size)
+        finally:
+            ex.shutdown()
     # The worker that could not be placed never started: the job's end does not wait for it
     # (it used to, for the 10 s workers get to end before they are killed).
-    assert not [line for line in kept.lines if "still running" in line], kept.lines
+    lines = [r.getMessage() for r in records]
+    assert not [line for line in lines if "still running" in line], lines

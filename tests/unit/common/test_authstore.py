@@ -10,6 +10,7 @@ import struct
 import pytest
 
 from horovod.common.backends import authstore as A
+from tests._logs import records_of
 
 KEY = A.derive_key("ab" * 32)
 
@@ -40,35 +41,18 @@ def test_torch_store_operations(server):
     store.close()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_wrong_key_is_refused_and_logged_once_per_address(server):
-    # A handler on the store's own logger: hvd.init() in an earlier test of the same pytest
-    # process stops the "horovod" logger from propagating to the root (where caplog listens).
-    logger = logging.getLogger("horovod")
-    records, level = _Records(), logger.level
-    logger.addHandler(records)
-    logger.setLevel(logging.WARNING)
-    try:
+    with records_of("horovod", logging.WARNING) as records:
         for _ in range(3):
             with pytest.raises(A.StoreError, match="refused"):
                 A.StoreClient("127.0.0.1", server.port, A.derive_key("cd" * 32), timeout=2)
         good = A.StoreClient("127.0.0.1", server.port, KEY, timeout=2)  # the job is unaffected
         assert good.call(A.NUMKEYS, []) == [b"0"]
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
     assert server.refusals == 3
-    lines = [m for m in records.messages if "refused a connection from 127.0.0.1" in m]
+    messages = [r.getMessage() for r in records]
+    lines = [m for m in messages if "refused a connection from 127.0.0.1" in m]
     assert len(lines) == 1 and "not signed with this job's secret" in lines[0]
-    text = "\n".join(records.messages)
+    text = "\n".join(messages)
     assert ("ab" * 32) not in text and KEY.hex() not in text
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from horovod.common import rendezvous as protocol
 from horovod.runner.rendezvous import RendezvousClient, RendezvousServer, make_secret
+from tests._logs import records_of
 
 MiB = 1 << 20
 
@@ -103,33 +104,17 @@ def _malformed(secret: str) -> dict[str, bytes]:
     }
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_every_malformed_request_gets_a_4xx_and_no_traceback(server: RendezvousServer) -> None:
     secret = server._server.secret
-    logger = logging.getLogger("horovod.runner.rendezvous.server")
-    rec, level = _Records(), logger.level
-    logger.addHandler(rec)
-    logger.setLevel(logging.DEBUG)
-    try:
+    with records_of("horovod.runner.rendezvous.server") as records:
         statuses = {name: _status(_exchange(server.port, raw)) for name, raw in _malformed(secret).items()}
-    finally:
-        logger.removeHandler(rec)
-        logger.setLevel(level)
     assert all(400 <= s < 500 for s in statuses.values()), statuses
     assert statuses["unsigned"] == 403 and statuses["10 GiB"] == 413
     assert statuses["chunked"] == 411 and statuses["unknown method"] == 405
-    assert not [r for r in rec.records if r.exc_info], [r.getMessage() for r in rec.records]
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
     assert server.get("s", "k") is None  # nothing of it was stored
     # Refusals: named once per address, the rest summed up (not one line each).
-    warnings = [r for r in rec.records if r.levelno >= logging.WARNING]
+    warnings = [r for r in records if r.levelno >= logging.WARNING]
     assert 1 <= len(warnings) <= 3
     member = RendezvousClient("127.0.0.1", server.port, secret, timeout=10)
     member.put("s", "k", b"ok")
