@@ -24,10 +24,10 @@ The policy (``PiecePolicy``, pure; rank 0's copy decides):
   with nothing to compare, until the other size has had ``4 * TRIAL`` and the chosen size a turn
   after it; a size's first run ever is not counted (a new lane, buffers touched first);
 - a **turn** lasts until a check point at which it has run every batch the trial has seen, or a
-  batch twice (a whole step), or ``4 * TRIAL`` samples. A turn of one check point would lock onto
-  a step's phase: with four large batches a step and a check point every two samples, one size
-  would run the step's first two batches and the other its last two, every step, and nothing
-  would ever run at both;
+  batch twice (a whole step), or ``4 * TRIAL`` samples or check points. A turn of one check point
+  would lock onto a step's phase: with four large batches a step and a check point every two
+  samples, one size would run the step's first two batches and the other its last two, every
+  step, and nothing would ever run at both;
 - the other size wins when the median over the trial's batches of its median time over the
   chosen size's is below ``WIN``; the period then starts again at ``FIRST_PERIOD``, else it
   doubles, up to ``MAX_PERIOD`` (on a machine that never changes, the slower size runs
@@ -96,6 +96,7 @@ class PiecePolicy:
         self._trial: dict[int, dict[Any, list[float]]] | None = None
         self._turn: list[Any] = []
         self._turn_repeats = False
+        self._turn_checks = 0  # check points in the running turn
         self._since = 0  # samples of the chosen size since the last decision
         self._fresh = set(self.sizes)  # sizes not run yet: their first sample is not counted
         self.trials = 0
@@ -151,8 +152,13 @@ class PiecePolicy:
 
     def _turn_done(self) -> bool:
         """Whether the running turn has run a whole step: every batch the trial has seen, or one
-        batch twice, or ``4 * trial`` samples (see the module docstring)."""
+        batch twice, or ``4 * trial`` samples; or ``4 * trial`` check points passed (samples
+        counted but not timed: the turn must not hold the size for ever) (see the module
+        docstring)."""
         assert self._trial is not None
+        self._turn_checks += 1
+        if self._turn_checks >= 4 * self.trial:
+            return True
         if not self._turn:
             return False
         seen = self._trial[self.sizes[0]].keys() | self._trial[self.sizes[1]].keys()
@@ -168,7 +174,7 @@ class PiecePolicy:
                 if self.running == self.other or self._counts(common=False)[0] < 4 * self.trial:
                     # the trial goes on, the two sizes in turn
                     self.running = self.chosen if self.running == self.other else self.other
-                    self._turn, self._turn_repeats = [], False
+                    self._turn, self._turn_repeats, self._turn_checks = [], False, 0
                     return self.running
             if result is not None and result < self.win:
                 self.chosen = self.other
@@ -187,7 +193,7 @@ class PiecePolicy:
         if self._since >= self.period or worse:
             self.trials += 1
             self._trial = {size: {} for size in self.sizes}
-            self._turn, self._turn_repeats = [], False
+            self._turn, self._turn_repeats, self._turn_checks = [], False, 0
             self.running = self.other
         return self.running
 

@@ -211,6 +211,17 @@ def test_a_step_of_many_large_batches_is_compared_over_the_steps_it_takes() -> N
     assert [size for _, size in p.changes][:1] == [B], (p.trials, list(p.changes))
 
 
+def test_a_turn_without_timed_samples_ends_after_its_check_points() -> None:
+    # Samples counted on every rank but not timed (a step's batches that are not the memo's own
+    # objects) reach check points with nothing for the policy: the turn must not hold a size.
+    p = PiecePolicy((A, B), trial=3, first_period=1)
+    _warm(p)
+    p.sample(A, "x", 1.0)
+    assert p.choose() == B
+    ran = [p.choose() for _ in range(4 * 3)]
+    assert ran[:-1] == [B] * (4 * 3 - 1) and ran[-1] == A
+
+
 def test_two_different_sizes_are_required() -> None:
     with pytest.raises(ValueError, match="two different piece sizes"):
         PiecePolicy((A, A))
