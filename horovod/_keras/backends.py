@@ -21,12 +21,16 @@ from horovod.common.types import ReduceOp
 __all__ = ["make_reduce", "backend_compression", "KERAS3_BACKENDS"]
 
 KERAS3_BACKENDS = ("tensorflow", "torch", "jax")
-_COMPRESSORS = {"NoneCompressor": "none", "FP16Compressor": "fp16"}
+_COMPRESSORS = {"NoneCompressor": "none", "FP16Compressor": "fp16", "BF16Compressor": "bf16"}
 
 
 def backend_compression(backend: str, compression: Any) -> Any:
     """The backend's compressor of the same kind as ``compression`` (given as TF's or any binding's
-    ``Compression.none``/``fp16``); other compressors are used as given."""
+    ``Compression.none``/``fp16``/``bf16``); other compressors are used as given.
+
+    Raises:
+        ValueError: a kind the backend's binding does not have (``bf16`` on JAX).
+    """
     kind = _COMPRESSORS.get(getattr(compression, "__name__", ""))
     if kind is None:
         return compression
@@ -34,7 +38,11 @@ def backend_compression(backend: str, compression: Any) -> Any:
         from horovod.torch import compression as torch_compression
         return getattr(torch_compression.Compression, kind)
     from horovod.jax import compression as jax_compression
-    return getattr(jax_compression.Compression, kind)
+    found = getattr(jax_compression.Compression, kind, None)
+    if found is None:
+        raise ValueError(f"Compression.{kind} is not available on Keras's {backend} backend "
+                         f"(horovod.jax has Compression.none and Compression.fp16)")
+    return found
 
 
 def make_reduce(backend: str, op: int, compression: Any, prescale: float, postscale: float,

@@ -10,15 +10,12 @@ import logging
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
-import horovod.tensorflow as _hvd_tf
-from horovod._keras.helpers import get_lr, set_lr
+from horovod._keras.helpers import get_lr, set_lr, uses_tensorflow
+from horovod._keras.optimizer import disable_jit_for, is_distributed, optimizer_backend
 from horovod.common import basics as _basics
 from horovod.common import collectives as C
 from horovod.common.types import ReduceOp
-from horovod.tensorflow._grads import _var_key
-from horovod.tensorflow._keras_optimizer import disable_jit_for, is_distributed, optimizer_backend
 
 __all__ = ["BroadcastGlobalVariablesCallbackImpl", "MetricAverageCallbackImpl",
            "LearningRateScheduleCallbackImpl", "LearningRateWarmupCallbackImpl", "fix_jit"]
@@ -71,13 +68,13 @@ class BroadcastGlobalVariablesCallbackImpl(_CallbackState):
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
-        self.local_variables: set[Any] = set()
+        self._local: list[Any] = []
         for v in (local_variables or []) if isinstance(local_variables, list | tuple) else (
                 [local_variables] if local_variables is not None else []):
-            if not (isinstance(v, tf.Variable) or hasattr(v, "assign")):
+            if not hasattr(v, "assign"):
                 raise ValueError("local_variables must be a list of tf.Variable, got "
                                  f"{type(v).__name__}")
-            self.local_variables.add(_var_key(v))
+            self._local.append(v)
 
     def on_train_begin(self, logs: Any = None) -> None:
         fix_jit(self.model)
@@ -86,24 +83,29 @@ class BroadcastGlobalVariablesCallbackImpl(_CallbackState):
         if self.broadcast_done:
             return
 
-        kb = self.keras_backend
-        backend = kb.backend() if callable(getattr(kb, "backend", None)) else "tensorflow"
-        if backend != "tensorflow":  # Keras 3 on torch or JAX (self.model syncs JAX's state first)
+        if not uses_tensorflow(self.keras_backend):  # Keras 3 on torch or JAX (self.model syncs JAX's state first)
+            local = {id(v) for v in self._local}
             model = self.model
             opt = model.optimizer
             _broadcast_keras_variables(
-                [v for v in model.weights if _var_key(v) not in self.local_variables]
+                [v for v in model.weights if id(v) not in local]
                 + (_optimizer_variables(opt) if opt is not None else []), self.root_rank)
             self.broadcast_done = True
             return
+        import tensorflow as tf
+
+        import horovod.tensorflow as hvd_tf
+        from horovod.tensorflow._grads import _var_key
+
+        local_keys = {_var_key(v) for v in self._local}
         with tf.device(self.device):
             if tf.executing_eagerly():
-                model_vars = [v for v in self.model.weights if _var_key(v) not in self.local_variables]
+                model_vars = [v for v in self.model.weights if _var_key(v) not in local_keys]
                 opt = self.model.optimizer
                 opt_vars = _optimizer_variables(opt) if opt is not None else []
-                _hvd_tf.broadcast_variables(model_vars + opt_vars, root_rank=self.root_rank)
+                hvd_tf.broadcast_variables(model_vars + opt_vars, root_rank=self.root_rank)
             else:
-                bcast = _hvd_tf.broadcast_global_variables(self.root_rank)
+                bcast = hvd_tf.broadcast_global_variables(self.root_rank)
                 tf.compat.v1.keras.backend.get_session().run(bcast)
         self.broadcast_done = True
 

@@ -1,4 +1,4 @@
-"""Horovod for standalone Keras (``import keras``; Keras 3 with the TensorFlow backend).
+"""Horovod for standalone Keras (``import keras``; Keras 3 on its TensorFlow, PyTorch or JAX backend).
 
 ::
 
@@ -9,6 +9,9 @@
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
     model.compile(optimizer=opt, loss=..., metrics=[...])
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+On the torch and JAX backends nothing here imports TensorFlow (``horovod._keras.helpers.uses_tensorflow``):
+``init`` is the plain one, ``Compression`` NumPy's, the value helpers return NumPy arrays.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import keras
 
 from horovod._keras import helpers as _impl
-from horovod._keras.helpers import allgather, broadcast, broadcast_global_variables, reducescatter
+from horovod._keras.helpers import broadcast_global_variables
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -45,9 +48,10 @@ from horovod.common.basics import (
 from horovod.common.process_sets import global_process_set
 from horovod.common.types import Adasum, Average, Sum
 from horovod.keras import callbacks, elastic
-from horovod.tensorflow import _keras_optimizer as _opt
-from horovod.tensorflow import init  # noqa: F401 - with TensorFlow's inter-op pool (see there)
-from horovod.tensorflow.compression import Compression
+
+_TF = _impl.uses_tensorflow(keras)  # whether this backend goes through horovod.tensorflow
+init = _impl.init_function(keras)  # TensorFlow's (its inter-op pool) on the TensorFlow backend
+Compression = _impl.compression_class(keras)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "metrics", "size", "local_size",
@@ -75,15 +79,18 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         ValueError: ``op`` other than Average/Sum, predivide with Sum, bad ``groups``, or a
             Keras backend that cannot train (numpy, openvino).
     """
-    return _opt.create_distributed_optimizer(
+    return _impl.create_distributed_optimizer(
         keras, optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
         groups=groups, num_groups=num_groups)
 
 
 PartialDistributedOptimizer = _impl.partial_distributed_optimizer_function(
-    __name__, keras, "keras.layers.Layer")
-allreduce = _impl.allreduce_function(__name__, average_default=True)
+    __name__, keras, "keras.layers.Layer", Compression.none)
+allreduce = _impl.value_function("allreduce", __name__, _TF, True, Compression.none)
+allgather = _impl.value_function("allgather", __name__, _TF)
+broadcast = _impl.value_function("broadcast", __name__, _TF)
+reducescatter = _impl.value_function("reducescatter", __name__, _TF)
 
 
 def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any = None,

@@ -1,4 +1,4 @@
-"""Horovod callbacks for standalone Keras (``import keras``, TensorFlow backend)."""
+"""Horovod callbacks for standalone Keras (``import keras``; Keras 3 on any of its training backends)."""
 
 from __future__ import annotations
 

@@ -7,25 +7,32 @@ from typing import Any
 import keras
 
 from horovod._keras import elastic as _impl
+from horovod._keras.state import KerasModelState
 from horovod.common.elastic import ObjectState, State
-from horovod.tensorflow.elastic import TensorFlowKerasState
-from horovod.tensorflow.elastic import run as _tf_run
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "State", "ObjectState"]
 
 
 def run(func: Any) -> Any:
-    """Decorator: run ``func(state, ...)`` in the elastic retry loop, for the Keras backend in use
-    (on JAX, a collective failing inside the compiled train step resets the job too)."""
-    if keras.backend.backend() == "jax":
-        from horovod.jax.elastic import run as jax_run  # imports JAX only on its backend
+    """Decorator: run ``func(state, ...)`` in the elastic retry loop of the Keras backend in use
+    (on JAX, a collective failing inside the compiled train step resets the job too); each
+    framework is imported only on its backend."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        from horovod.jax.elastic import run as jax_run
 
         return jax_run(func)
-    return _tf_run(func)
+    if backend == "torch":
+        from horovod.torch.elastic import run as torch_run
+
+        return torch_run(func)
+    from horovod.tensorflow.elastic import run as tf_run
+
+    return tf_run(func)
 
 
-class KerasState(TensorFlowKerasState):
+class KerasState(KerasModelState):
     """State of a Keras model and its optimizer (default ``model.optimizer``)."""
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:

@@ -1,254 +1,60 @@
-"""Keras distributed optimizers, shared by ``horovod.tensorflow``, ``horovod.tensorflow.keras`` and
-``horovod.keras``.
+"""The TensorFlow side of the Keras distributed optimizers (``horovod._keras.optimizer``), used by
+``horovod.tensorflow``, ``horovod.tensorflow.keras`` and ``horovod.keras`` on the TensorFlow backend.
 
-Works with Keras 3 on its TensorFlow, PyTorch and JAX backends (``KERAS_BACKEND``; the latter two
-through ``horovod._keras.backends``) and with Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``),
-both the current and the ``legacy`` optimizers. The distributed optimizer is an instance of a
-subclass of the user's optimizer class with the same class name (saved models load without
-Horovod), made by ``from_config`` (hyper-parameters copied, no slot state).
+``tensorflow_reduction`` builds a distributed optimizer's gradient reduction with TensorFlow's ops
+(``_grads``; local layers kept out, ``backward_passes_per_step`` aggregated locally). The functions
+here are ``horovod._keras.optimizer``'s with that reduction filled in.
 
-Layering (one way, no cycles): ``horovod._keras.backends`` (torch/JAX reductions) <- this module and the
-rest of ``horovod.tensorflow`` <- ``horovod._keras.{helpers,callbacks,elastic}`` <-
+Layering (one way, no cycles): ``horovod._keras.{backends,optimizer}`` (no TensorFlow) <- this module
+and the rest of ``horovod.tensorflow`` <- ``horovod._keras.{helpers,callbacks,elastic}`` <-
 ``horovod.tensorflow.keras``, ``horovod.keras``. It lives in the TensorFlow package because
 ``horovod.tensorflow.DistributedOptimizer`` hands Keras optimizers to it.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
-from horovod._keras.backends import KERAS3_BACKENDS, make_reduce
-from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.tensorflow._grads import (
-    _var_key,
-    check_op_args,
-    make_allreduce_grads_fn,
-    normalize_groups,
-    reduce_except_local,
+from horovod._keras import optimizer as _neutral
+from horovod._keras.optimizer import (
+    disable_jit_for,
+    distributed_class,
+    is_distributed,
+    keras_backend,
+    optimizer_backend,
 )
+from horovod.tensorflow._grads import _var_key, make_allreduce_grads_fn, reduce_except_local
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
 __all__ = ["create_distributed_optimizer", "distributed_class", "is_distributed", "disable_jit_for",
-           "keras_backend", "optimizer_backend", "HvdConfig"]
-
-log = logging.getLogger("horovod")
+           "keras_backend", "optimizer_backend", "HvdConfig", "tensorflow_reduction"]
 
 
-class HvdConfig:
-    """Plain (untracked) holder of a distributed optimizer's Horovod settings."""
+def tensorflow_reduction(cfg: _neutral.HvdConfig) -> tuple[Callable[[list[Any], list[Any]], list[Any]], Any,
+                                                          Callable[[Any], Any]]:
+    """``(reduce, aggregation helper or None, var_key)`` of ``cfg`` with TensorFlow's ops."""
+    allreduce_grads = make_allreduce_grads_fn(
+        cfg.name, cfg.device_dense, cfg.device_sparse, cfg.compression, cfg.sparse_as_dense, cfg.op,
+        cfg.gradient_predivide_factor, cfg.groups, cfg.process_set, default_name=cfg.name + "_Allreduce")
 
-    def __init__(self, device_dense: str, device_sparse: str, compression: Any, sparse_as_dense: bool,
-                 gradient_predivide_factor: float, op: int, backward_passes_per_step: int,
-                 average_aggregated_gradients: bool, groups: Any, process_set: ProcessSet,
-                 scale_local_gradients: bool, name: str, backend: str = "tensorflow") -> None:
-        self.process_set = process_set
-        self.scale_local_gradients = scale_local_gradients
-        self.local_vars: set[Any] = set()
-        self.backend = backend
-        self.agg = None
-        if backend != "tensorflow":
-            # Keras accumulates (gradient_accumulation_steps) and hands us the mean; upstream sums.
-            post = 1.0 if average_aggregated_gradients else float(backward_passes_per_step)
-            self.reduce_native = make_reduce(backend, op, compression, 1.0 / gradient_predivide_factor,
-                                             gradient_predivide_factor * post, process_set, name + "_Allreduce")
-            return
-        self.allreduce_grads = make_allreduce_grads_fn(
-            name, device_dense, device_sparse, compression, sparse_as_dense, op, gradient_predivide_factor,
-            groups, process_set, default_name=name + "_Allreduce")
-        if backward_passes_per_step > 1:
-            self.agg = LocalGradientAggregationHelper(backward_passes_per_step, self.reduce, sparse_as_dense,
-                                                      average_aggregated_gradients)
+    def reduce(grads: list[Any], variables: list[Any]) -> list[Any]:
+        return reduce_except_local(grads, variables, cfg.local_vars, allreduce_grads, cfg.process_set,
+                                   cfg.scale_local_gradients)
 
-    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
-        return reduce_except_local(grads, variables, self.local_vars, self.allreduce_grads, self.process_set,
-                                   self.scale_local_gradients)
+    agg = None
+    if cfg.backward_passes_per_step > 1:
+        agg = LocalGradientAggregationHelper(cfg.backward_passes_per_step, reduce, cfg.sparse_as_dense,
+                                             cfg.average_aggregated_gradients)
+    return reduce, agg, _var_key
 
 
-def _hvd(opt: Any) -> HvdConfig:
-    cfg = opt.__dict__.get("_hvd_config")
-    return cfg if cfg is not None else type(opt)._hvd_class_config
+def HvdConfig(*args: Any, **kwargs: Any) -> _neutral.HvdConfig:  # noqa: N802 - was the class
+    """``horovod._keras.optimizer.HvdConfig`` with TensorFlow's reduction."""
+    return _neutral.HvdConfig(*args, tensorflow_reduction=tensorflow_reduction, **kwargs)
 
 
-def disable_jit_for(model: Any) -> bool:
-    """Turn XLA off for a Keras model whose optimizer is distributed; True if it was on."""
-    try:
-        on = bool(model.jit_compile)
-    except AttributeError:
-        return False
-    if on:
-        model.jit_compile = False
-        log.info("Horovod: compiled the model with jit_compile=False (XLA cannot run Horovod's ops).")
-    return on
-
-
-def _disable_jit_on_calling_model(opt: Any) -> None:
-    # Keras 3 builds the optimizer from Trainer._symbolic_build(), before make_train_function()
-    # reads model.jit_compile. Find that model on the stack and turn XLA off while it still matters.
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return
-        owner = frame.f_locals.get("self")
-        if owner is not None and getattr(owner, "optimizer", None) is opt and hasattr(owner, "jit_compile"):
-            disable_jit_for(owner)
-            return
-        frame = frame.f_back
-
-
-def _keras3_native_methods(base: type[Any]) -> dict[str, Any]:
-    # torch and JAX backends: reduce where Keras hands the step's gradients to the update (see
-    # horovod._keras.backends); the train step stays compiled on JAX.
-    def _clip_gradients(self: Any, grads: Any) -> Any:
-        cfg = _hvd(self)
-        if cfg.local_vars:
-            raise NotImplementedError("PartialDistributedOptimizer (local layers) needs the TensorFlow "
-                                      "backend of Keras.")
-        return base._clip_gradients(self, cfg.reduce_native(list(grads)))
-
-    return {"_clip_gradients": _clip_gradients}
-
-
-def _keras3_methods(base: type[Any]) -> dict[str, Any]:
-    def build(self: Any, variables: Any) -> Any:
-        _disable_jit_on_calling_model(self)  # TensorFlow backend: XLA cannot run Horovod's ops
-        return base.build(self, variables)
-
-    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
-        cfg = _hvd(self)
-        grads = list(grads)
-        variables = list(trainable_variables) if trainable_variables is not None else list(
-            self._trainable_variables)
-        if cfg.agg is None:
-            return base.apply(self, cfg.reduce(grads, variables), trainable_variables)
-        if not self.built:
-            self.build(variables)
-            self.built = True
-        summed = cfg.agg.compute_gradients(grads, variables)
-        return cfg.agg.apply_gradients(lambda: base.apply(self, summed, trainable_variables),
-                                       self._iterations)
-
-    return {"build": build, "apply": apply}
-
-
-def _keras2_methods(base: type[Any]) -> dict[str, Any]:
-    # Gradients are averaged where upstream does it: in _compute_gradients (what Keras 2's legacy
-    # minimize() calls; scripts call it too), with the local aggregation of backward_passes_per_step
-    # there. apply_gradients() averages gradients that did not come from _compute_gradients (the
-    # new tf_keras optimizers' minimize() calls compute_gradients(); custom loops pass their own).
-    def _compute_gradients(self: Any, loss: Any, var_list: Any, grad_loss: Any = None,
-                           tape: Any = None) -> list[tuple[Any, Any]]:
-        cfg = _hvd(self)
-        if hasattr(base, "_compute_gradients"):  # legacy OptimizerV2
-            pairs = base._compute_gradients(self, loss, var_list, grad_loss=grad_loss, tape=tape)
-        else:
-            if grad_loss is not None:
-                raise ValueError(f"{base.__name__}.compute_gradients takes no grad_loss; pass "
-                                 "output_gradients through your own tf.GradientTape instead.")
-            pairs = base.compute_gradients(self, loss, var_list, tape=tape)
-        pairs = list(pairs)
-        if not pairs:
-            return pairs
-        grads, variables = [list(x) for x in zip(*pairs)]
-        reduced = cfg.agg.compute_gradients(grads, variables) if cfg.agg else cfg.reduce(grads, variables)
-        self.__dict__["_hvd_reduced"] = list(reduced)
-        return list(zip(reduced, variables))
-
-    def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-        cfg = _hvd(self)
-        pairs = list(grads_and_vars)
-        if not pairs:
-            return base.apply_gradients(self, pairs, *args, **kwargs)
-        grads, variables = [list(x) for x in zip(*pairs)]
-        done = self.__dict__.pop("_hvd_reduced", None)
-        reduced = done is not None and len(done) == len(grads) and all(a is b for a, b in zip(done, grads))
-        if cfg.agg is None:
-            if not reduced:
-                grads = cfg.reduce(grads, variables)
-            return base.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs)
-        if not reduced:
-            grads = cfg.agg.compute_gradients(grads, variables)
-        return cfg.agg.apply_gradients(
-            lambda: base.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs),
-            self.iterations)
-
-    return {"_compute_gradients": _compute_gradients, "apply_gradients": apply_gradients}
-
-
-def _register_local_var(self: Any, var: Any) -> None:
-    """Keep ``var``'s gradient local (not averaged across ranks)."""
-    _hvd(self).local_vars.add(_var_key(var))
-
-
-def is_distributed(optimizer: Any) -> bool:
-    return getattr(type(optimizer), "_hvd_distributed", False)
-
-
-def distributed_class(base: type[Any], cfg: HvdConfig) -> type[Any]:
-    """A subclass of ``base`` with the same name whose gradient application averages across ranks."""
-    if getattr(base, "_hvd_distributed", False):
-        base = base.__mro__[1]
-    keras3 = hasattr(base, "stateless_apply")
-    if keras3 and cfg.backend != "tensorflow":
-        methods = _keras3_native_methods(base)
-    else:
-        methods = _keras3_methods(base) if keras3 else _keras2_methods(base)
-    methods.update(register_local_var=_register_local_var, _hvd_distributed=True,
-                   _hvd_class_config=cfg, __module__=base.__module__,
-                   _agg_helper=property(lambda self: _hvd(self).agg))
-    return type(base.__name__, (base,), methods)
-
-
-def keras_backend(keras: Any) -> str:
-    """The Keras backend in use: ``tensorflow`` (also for Keras 2), ``torch`` or ``jax``.
-
-    Raises:
-        ValueError: a backend Horovod does not support (``numpy``, ``openvino``).
-    """
-    backend = getattr(getattr(keras, "backend", None), "backend", None)
-    name = backend() if callable(backend) else "tensorflow"
-    if name not in KERAS3_BACKENDS:
-        raise ValueError(f"horovod.keras supports the Keras backends {', '.join(KERAS3_BACKENDS)}, but "
-                         f"KERAS_BACKEND is {name!r} (it cannot train).")
-    return name
-
-
-def create_distributed_optimizer(keras: Any, optimizer: Any, name: str | None, device_dense: str,
-                                 device_sparse: str, compression: Any, sparse_as_dense: bool,
-                                 gradient_predivide_factor: float, op: int, backward_passes_per_step: int = 1,
-                                 average_aggregated_gradients: bool = False, groups: Any = None,
-                                 process_set: ProcessSet = global_process_set,
-                                 scale_local_gradients: bool = True, num_groups: int = 0) -> Any:
-    """Return a distributed copy of a Keras optimizer (see module docstring).
-
-    Raises:
-        ValueError: ``op`` other than Average/Sum; predivide with Sum; bad ``groups``; a Keras
-            backend other than TensorFlow.
-    """
-    backend = keras_backend(keras)
-    op = check_op_args(op, gradient_predivide_factor, average_aggregated_gradients, keras=True)
-    groups = normalize_groups(num_groups, groups)
-    base = type(optimizer)
-    if getattr(base, "_hvd_distributed", False):
-        base = base.__mro__[1]
-    dist_name = name or f"Distributed{base.__name__}"
-    cfg = HvdConfig(device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor, op,
-                     backward_passes_per_step, average_aggregated_gradients, groups, process_set,
-                     scale_local_gradients, dist_name, backend)
-    cls = distributed_class(base, cfg)
-    config = optimizer.get_config()
-    if backend != "tensorflow" and backward_passes_per_step > 1:
-        config["gradient_accumulation_steps"] = int(backward_passes_per_step)
-    if name is not None or "name" in config:
-        config["name"] = dist_name
-    new = cls.from_config(config)
-    new.__dict__["_hvd_config"] = cfg
-    return new
-
-
-def optimizer_backend(opt: Any) -> str:
-    """The Keras backend a distributed optimizer reduces for (``tensorflow`` for other optimizers)."""
-    cfg = opt.__dict__.get("_hvd_config") or getattr(type(opt), "_hvd_class_config", None)
-    return getattr(cfg, "backend", "tensorflow")
+def create_distributed_optimizer(keras: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    """``horovod._keras.optimizer.create_distributed_optimizer`` with TensorFlow's reduction."""
+    return _neutral.create_distributed_optimizer(keras, optimizer, *args, tensorflow_reduction=tensorflow_reduction,
+                                                 **kwargs)

@@ -18,15 +18,14 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
+from horovod._keras.state import KerasModelState, VariablesState
 from horovod.common.basics import rank
 from horovod.common.elastic import ObjectState, State, run_fn
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.objects import broadcast_object
 from horovod.tensorflow import _errors
-from horovod.tensorflow.functions import assign_values
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowKerasState", "TensorFlowState",
            "HorovodInternalError", "HostsUpdatedInterrupt"]
@@ -59,72 +58,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return run_fn(wrapped, _reset)
 
 
-def _variables(obj: Any) -> list[Any]:
-    if obj is None:
-        return []
-    v = obj.variables
-    return list(v() if callable(v) else v)
-
-
-def _build_optimizer(optimizer: Any, model: Any) -> None:
-    """Create an optimizer's slot variables now, as its first step would."""
-    if optimizer is None or model is None:
-        return
-    params = list(model.trainable_variables)
-    if hasattr(optimizer, "build") and not getattr(optimizer, "built", False) and \
-            not getattr(optimizer, "_built", False):
-        optimizer.build(params)
-    elif hasattr(optimizer, "_create_all_weights"):  # tf_keras legacy optimizers
-        optimizer._create_all_weights(params)
-
-
-def _values(variables: Sequence[Any]) -> list[np.ndarray]:
-    return [np.array(v.numpy(), copy=True) for v in variables]
-
-
-def _assign(variables: Sequence[Any], values: Sequence[np.ndarray], what: str) -> None:
-    assign_values(variables, values, f"elastic state: rank {rank()} has {{have}} {what} variables but the "
-                  "state holds {want}; every worker must build the same model and optimizer.")
-
-
-class _VariablesState(ObjectState):
-    """Common part: a model-like and an optimizer-like holder of variables."""
-
-    def _groups(self) -> dict[str, list[Any]]:
-        raise NotImplementedError()
-
-    def _prepare(self) -> None:
-        """Make sure every variable exists before values move (see ``_build_optimizer``)."""
-
-    def _save_vars(self) -> None:
-        self._prepare()
-        self._saved_vars = {k: _values(vs) for k, vs in self._groups().items()}
-
-    def save(self) -> None:
-        self._save_vars()
-        super().save()
-
-    def restore(self) -> None:
-        groups = self._groups()
-        for key, values in self._saved_vars.items():
-            if len(groups.get(key, [])) == len(values):
-                _assign(groups[key], values, key)
-        super().restore()
-
-    def sync(self) -> None:
-        self._prepare()
-        groups = self._groups()
-        mine = {k: _values(vs) for k, vs in groups.items()} if rank() == 0 else None
-        values = broadcast_object(mine, root_rank=0, name="elastic.tf_variables")
-        if rank() != 0:
-            for key, vals in values.items():
-                _assign(groups.get(key, []), vals, key)
-        self._save_vars()
-        super().sync()
-
-
-class TensorFlowKerasState(_VariablesState):
-    """State of a Keras model (and its optimizer) trained with TensorFlow.
+class TensorFlowKerasState(KerasModelState):
+    """State of a Keras model (and its optimizer) trained with TensorFlow (``KerasModelState``).
 
     Args:
         model: a built Keras model.
@@ -136,24 +71,8 @@ class TensorFlowKerasState(_VariablesState):
         ValueError: the model is not built yet.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
-                 **kwargs: Any) -> None:
-        if not getattr(model, "built", True):
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self.backend = backend
-        self._save_vars()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
-    def _groups(self) -> dict[str, list[Any]]:
-        return {"model": list(self.model.variables), "optimizer": _variables(self.optimizer)}
-
-    def _prepare(self) -> None:
-        _build_optimizer(self.optimizer, self.model)
-
-
-class TensorFlowState(_VariablesState):
+class TensorFlowState(VariablesState):
     """State of a list of ``tf.Variable`` (TensorFlow 2, eager).
 
     Args:

@@ -7,21 +7,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from horovod._keras.state import assign_values
 from horovod.common import objects as _objects
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.mpi_ops import _is_variable, broadcast_
 
 __all__ = ["assign_values", "broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook",
            "broadcast_object", "broadcast_object_fn", "allgather_object"]
-
-
-def assign_values(variables: Sequence[Any], values: Sequence[Any], mismatch: str) -> None:
-    """``variable.assign(value)`` for each pair; a ``ValueError`` with ``mismatch`` (formatted with
-    ``{have}`` variables and ``{want}`` values) when the counts differ."""
-    if len(variables) != len(values):
-        raise ValueError(mismatch.format(have=len(variables), want=len(values)))
-    for variable, value in zip(variables, values):
-        variable.assign(value)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int,

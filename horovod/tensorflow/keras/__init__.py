@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from horovod._keras import helpers as _impl
-from horovod._keras.helpers import allgather, broadcast, broadcast_global_variables, reducescatter
+from horovod._keras.helpers import broadcast_global_variables
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -92,8 +92,11 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
 
 
 PartialDistributedOptimizer = _impl.partial_distributed_optimizer_function(
-    __name__, keras, "tf.keras.layers.Layer")
-allreduce = _impl.allreduce_function(__name__, average_default=None)
+    __name__, keras, "tf.keras.layers.Layer", Compression.none)
+allreduce = _impl.value_function("allreduce", __name__, True, None, Compression.none)
+allgather = _impl.value_function("allgather", __name__, True)
+broadcast = _impl.value_function("broadcast", __name__, True)
+reducescatter = _impl.value_function("reducescatter", __name__, True)
 
 
 def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any = None,

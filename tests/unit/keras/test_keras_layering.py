@@ -2,8 +2,9 @@
 ``horovod._keras*`` and ``horovod.keras*``, counting imports inside functions, and each layer imports
 only the layers below it. Checked on the source (AST), no framework imported.
 
-Layers, lowest first: ``horovod._keras.backends`` (torch/JAX reductions for Keras 3, no TensorFlow) <-
-``horovod.tensorflow`` (package and modules, incl. the Keras optimizer wrapper ``_keras_optimizer``) <-
+Layers, lowest first: ``horovod._keras.{backends,optimizer,state}`` (torch/JAX reductions for Keras 3,
+the optimizer wrapper, elastic variable copies; no TensorFlow) <-
+``horovod.tensorflow`` (package and modules, incl. the wrapper's TensorFlow reduction ``_keras_optimizer``) <-
 ``horovod._keras.{helpers,callbacks,elastic}`` <- ``horovod.tensorflow.keras``, ``horovod.keras``.
 """
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("horovod.tensorflow", "horovod._keras", "horovod.keras")
+# the Keras modules that import no TensorFlow (the lowest layer)
+NEUTRAL = ("horovod._keras.backends", "horovod._keras.optimizer", "horovod._keras.state")
 
 
 def _modules() -> dict[str, Path]:
@@ -60,7 +63,7 @@ GRAPH = {m: _targets(m, p) for m, p in MODULES.items()}
 
 
 def _layer(module: str) -> int:
-    if module == "horovod._keras.backends":
+    if module in NEUTRAL:
         return 0
     if module == "horovod._keras":
         return 0  # imports nothing (checked below)
@@ -103,6 +106,7 @@ def test_each_layer_imports_only_lower_layers() -> None:
 def test_the_graph_sees_the_known_edges() -> None:
     # guards against a checker that finds nothing
     assert "horovod.tensorflow._keras_optimizer" in GRAPH["horovod.tensorflow.optimizer"]
-    assert "horovod._keras.backends" in GRAPH["horovod.tensorflow._keras_optimizer"]
+    assert "horovod._keras.optimizer" in GRAPH["horovod.tensorflow._keras_optimizer"]
+    assert "horovod._keras.backends" in GRAPH["horovod._keras.optimizer"]
     assert "horovod._keras.helpers" in GRAPH["horovod.keras"]
     assert "horovod.tensorflow" in GRAPH["horovod._keras.callbacks"]
