@@ -68,6 +68,10 @@ _OPS = {int(o): o for o in ReduceOp}
 _OP_TEXT = {o: f"hvd.{o.name.capitalize()}" for o in ReduceOp}
 
 
+# (kind, grouped) -> the key's prefix (an enum's ``.value`` is a Python-level property: once per call)
+_PREFIXES = {(k, g): ("grouped_" if g else "") + k.value for k in RequestType for g in (False, True)}
+
+
 def op_name(kind: RequestType, name: str | None, number: int, grouped: bool = False,
             process_set_id: int = 0) -> str:
     """The engine key of an operation: ``allreduce.<name>`` or ``allreduce.noname.<number>``.
@@ -77,7 +81,7 @@ def op_name(kind: RequestType, name: str | None, number: int, grouped: bool = Fa
     negotiates its own names (as each has its own queue upstream), so the same name, or the same
     auto-generated one, can be in flight in two sets at once.
     """
-    prefix = ("grouped_" if grouped else "") + kind.value
+    prefix = _PREFIXES[kind, grouped]
     key = f"{prefix}.{name}" if name is not None else f"{prefix}.noname.{number}"
     return key if process_set_id == 0 else f"{key}@ps{process_set_id}"
 

@@ -56,7 +56,11 @@ from horovod.common.types import ReduceOp, Request, RequestType, Response
 # ``activity(names, activity, begin)``: a step of a running batch begins or ends for those tensors.
 Activity = Callable[[Sequence[str], str, bool], None]
 
-__all__ = ["Entry", "Executor", "reducescatter_rows", "end_to_end"]
+__all__ = ["Entry", "Executor", "reducescatter_rows", "end_to_end", "UNTIMED_BYTES"]
+
+# A batch of one call of at most this many bytes is copied through the huge-page buffer without
+# timing the other way (``Executor.small_pages``): the copy costs less than the timing.
+UNTIMED_BYTES = 16 << 10
 
 class Entry:
     """A submitted operation on the submitting rank: its request, buffers and handle."""
@@ -131,6 +135,24 @@ def any_flat(batch: Sequence[Response], memo: dict[int, tuple[Sequence[Response]
     return flat
 
 
+def reduction_of(req: Any, size: int, lane: Lane, dtype_info: dict[tuple[Any, ...], tuple[Any, bool, bool]]
+                 ) -> Reduction:
+    """How ``req`` reduces over ``size`` ranks on ``lane``: the widening rule
+    (``dtypes.reduce_dtype``) and the scaling rule (``plan.post_factors``), the same for every
+    lane. ``dtype_info``: the caller's table of the dtype rule per (dtype, transport's native
+    dtypes, buffer kind)."""
+    ops = lane.ops
+    key = (req.dtype, lane.transport.native, type(ops))
+    info = dtype_info.get(key)
+    if info is None:
+        work = reduce_dtype(req.dtype, lane.transport.native, lane.transport.name)
+        info = dtype_info[key] = (ops.dtype(work), work != req.dtype, req.dtype in FLOAT_DTYPES)
+    op = logical_op(req.dtype, work_op(req.reduce_op))
+    post, div = post_factors(req.reduce_op, req.postscale, size)
+    exact = info[2] and op == ReduceOp.SUM and power_of_two(post / div)
+    return Reduction(op, req.prescale, post, div, info[0], info[1], exact)
+
+
 class Executor:
     """Executes batches for one engine: every operation once, over a ``Lane`` (the host one, or a
     device plane's)."""
@@ -168,6 +190,8 @@ class Executor:
         self._dtype_info: dict[tuple[Any, ...], tuple[Any, bool, bool]] = {}
         # id(batch) -> (batch, whether a response of it is flat): ``any_flat``
         self._flat_batches: dict[int, tuple[Sequence[Response], bool]] = memo.flat
+        # id(request) -> (request, lane, group size, its Reduction): ``_reduction``
+        self._reductions: dict[int, tuple[Any, Lane, int, Reduction]] = memo.reductions
         # Set by the runner around a batch whose data came with the round's negotiation
         # (``carry.py``): makes each call's reducer, which reduces every rank's carried data
         # into the call's buffer instead of calling the transport.
@@ -210,18 +234,14 @@ class Executor:
         return made[1]
 
     def _reduction(self, req: Any, size: int, lane: Lane) -> Reduction:
-        """How ``req`` reduces on ``lane``: the widening rule (``dtypes.reduce_dtype``) and the
-        scaling rule (``plan.post_factors``), the same for every lane."""
-        ops = lane.ops
-        key = (req.dtype, lane.transport.native, type(ops))
-        info = self._dtype_info.get(key)
-        if info is None:
-            work = reduce_dtype(req.dtype, lane.transport.native, lane.transport.name)
-            info = self._dtype_info[key] = (ops.dtype(work), work != req.dtype, req.dtype in FLOAT_DTYPES)
-        op = logical_op(req.dtype, work_op(req.reduce_op))
-        post, div = post_factors(req.reduce_op, req.postscale, size)
-        exact = info[2] and op == ReduceOp.SUM and power_of_two(post / div)
-        return Reduction(op, req.prescale, post, div, info[0], info[1], exact)
+        """``reduction_of``, remembered for a cached step's request (the same object every step)."""
+        known = self._reductions.get(id(req))
+        if known is not None and known[0] is req and known[1] is lane and known[2] == size:
+            return known[3]
+        red = reduction_of(req, size, lane, self._dtype_info)
+        StepMemo.full(self._reductions, StepMemo.REDUCTIONS)
+        self._reductions[id(req)] = (req, lane, size, red)
+        return red
 
     # ------------------------------------------------------------------ entry point
     def run(self, batch: Sequence[Response], entries: Sequence[Any]) -> None:
@@ -293,8 +313,10 @@ class Executor:
             sizes = [it.n for it in items]
         else:
             items, sizes = self._flat_items(batch, items, starts, groups, index)
-        calls = self._plan_reduction(sizes, red.work.itemsize, chunk, self.max_tensor_bytes,
-                                     self.fusion_enabled, red.widen, self.tunables.alone_bytes)
+        tun = self.tunables
+        itemsize = red.work.itemsize
+        calls = self._plan_reduction(sizes, itemsize, chunk, tun.max_tensor_bytes, tun.fusion_threshold > 0,
+                                     red.widen, tun.alone_bytes)
         carried = self.carried  # the data came with the negotiation: no transport call
         if carried is None:
             # Several calls in flight where the transport has asynchronous reductions (Gloo), unless
@@ -307,9 +329,9 @@ class Executor:
                 return
         args = (calls, items, ops, red, lane.transport.reducer(red.op) if carried is None else carried(red),
                 placement, activity, lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
-        if (carried is None and placement is self.placement and self.placement.pins_pages and not red.widen
-                and red.narrow is None):
-            self.placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
+        if (carried is None and placement is self.placement and placement.pins_pages and not red.widen
+                and red.narrow is None and (len(calls) > 1 or calls[0].size * itemsize > UNTIMED_BYTES)):
+            placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
         else:
             run_reduction(*args)
 

@@ -127,7 +127,7 @@ class Handle:
         if not self._done:
             if self.helper is not None and timeout is None:
                 self.helper(self)
-            if not self.wait_event(-1 if timeout is None else timeout):
+            if not self._done and not self.wait_event(-1 if timeout is None else timeout):
                 raise TimeoutError(f"operation {self.name!r} did not finish within {timeout} s")
         if self.error is not None:
             kind = getattr(getattr(self.request, "kind", None), "value", None)

@@ -112,7 +112,7 @@ class NumpyBuffers:
                  memo: StepMemo | None = None) -> None:
         self._empty = empty  # bytes -> uint8 array (huge-page aligned)
         self._output = output  # (shape, dtype) -> a result array (warm, from the output pool)
-        self._buffers: dict[str, np.ndarray] = {}
+        self._buffers: dict[tuple[np.dtype, int], np.ndarray] = {}
         memo = StepMemo() if memo is None else memo  # the runner's step memo (``memo.py``)
         # name -> the last many-tensor entry of that name, its items and their views (``items``)
         self._items: dict[str, _Remembered] = memo.items
@@ -246,7 +246,7 @@ class NumpyBuffers:
         return self.slot_buffer(work, n, 0)
 
     def slot_buffer(self, work: np.dtype, n: int, slot: int) -> np.ndarray:
-        key = work.str if slot == 0 else f"{work.str}#{slot}"
+        key = (work, slot)
         buf = self._buffers.get(key)
         if buf is None or buf.size < n:
             buf = self._empty(max(n, 1024) * work.itemsize).view(work)

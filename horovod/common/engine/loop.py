@@ -264,7 +264,7 @@ class Engine:
         _low_timer_slack()
         while not self._stopped:
             if self._deferred and time.perf_counter() - self._deferred_since >= DEFER_LIMIT_S:
-                self._release_deferred()  # nobody waited: reduce them in the background after all
+                self.queue.release_deferred()  # nobody waited: reduce them in the background after all
             with self._cv:
                 # Idle, or waiting for other ranks after a round that completed nothing: sleep
                 # until new local work arrives or one cycle passes. Rounds that cannot finish
@@ -298,7 +298,7 @@ class Engine:
 
     def _drive_once(self) -> None:
         """Run one round (the caller holds the driver lock)."""
-        if self._stopped:
+        if self.queue.stopped:
             return
         self._any_round = time.perf_counter()
         self._round_wanted = False
@@ -318,15 +318,13 @@ class Engine:
         if stop:
             self._finish(None)
 
-    def _release_deferred(self) -> None:
-        self.queue.release_deferred()
-
     def help_until(self, handle: Any) -> None:
         """Drive rounds from a waiting caller's thread until ``handle`` completes."""
-        if self._deferred:
-            self._release_deferred()
-        while not handle.done():
-            if self._stopped:
+        queue = self.queue  # (its fields read directly: once per blocking call)
+        if queue.deferred:
+            queue.release_deferred()
+        while not handle._done:  # ``Handle.done()``, inlined
+            if queue.stopped:
                 return
             if self._driver.acquire(blocking=False):
                 try:
@@ -337,9 +335,11 @@ class Engine:
                     handle.wait_event(self._cycle)
             else:
                 handle.wait_event(0.002)
-        with self._cv:
-            if self._queue or self.rounds.pending:
-                self._cv.notify()  # hand what is left (async work of other threads) to the engine
+        # What is left (other threads' async work) goes to the engine thread; read unlocked: only
+        # rounds and submitters (which wake an idle engine thread themselves) add to it.
+        if queue.entries or self.rounds.pending:
+            with self._cv:
+                self._cv.notify()
 
     def _finish(self, failure: BaseException | None) -> None:
         reason = None

@@ -24,6 +24,7 @@ never hit.
 | ``batches`` | id(batch) -> its arrays' ids, then the batch's items | ``host_buffers.NumpyBuffers._batches`` |
 | ``choices`` | id(batch) -> the timed trials of a rank's own choice for it (``choice.TimedChoice``) | new |
 | ``agreed_bytes`` | id(batch) -> (batch, its requests' bytes: the same on every rank) | ``PieceFollower._bytes`` |
+| ``reductions`` | id(request) -> (request, lane, group size, its ``Reduction``) | ``Executor._reduction``, new |
 
 Kept elsewhere on purpose, because they are per process (or per process set), keyed by value and
 right across steps and cache changes: the executor's dtype rule per (dtype, transport, buffer
@@ -44,7 +45,8 @@ __all__ = ["StepMemo"]
 class StepMemo:
     """The tables of one engine's step memo (see the module docstring); one owner, one ``clear``."""
 
-    __slots__ = ("plans", "batch_sizes", "calls", "flat", "items", "batches", "choices", "agreed_bytes")
+    __slots__ = ("plans", "batch_sizes", "calls", "flat", "items", "batches", "choices", "agreed_bytes",
+                 "reductions")
 
     #: bounds, per table
     PLANS = 64
@@ -55,6 +57,7 @@ class StepMemo:
     BATCHES = 64
     CHOICES = 64
     AGREED_BYTES = 4 * PLANS
+    REDUCTIONS = 256
 
     def __init__(self) -> None:
         self.plans: dict[tuple[Any, ...], tuple[tuple[Any, ...], ...]] = {}
@@ -65,6 +68,7 @@ class StepMemo:
         self.batches: dict[int, Any] = {}
         self.choices: dict[int, Any] = {}
         self.agreed_bytes: dict[int, tuple[Sequence[Any], int]] = {}
+        self.reductions: dict[int, tuple[Any, Any, int, Any]] = {}
 
     def clear(self) -> None:
         """Forget everything (a cache slot was filled or emptied)."""
@@ -76,6 +80,7 @@ class StepMemo:
         self.batches.clear()
         self.choices.clear()
         self.agreed_bytes.clear()
+        self.reductions.clear()
 
     @staticmethod
     def full(table: dict[Any, Any], bound: int) -> None:

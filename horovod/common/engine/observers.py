@@ -53,6 +53,7 @@ __all__ = ["Observer", "hooks", "fan_out", "TimelineObserver", "AutotuneObserver
 # A round's flags (one word of the AND; see ``rounds.RoundController``).
 FLAG_NEW, FLAG_SHUTDOWN, FLAG_JOINED, FLAG_EXCHANGE, FLAG_DIAGNOSE = 1, 2, 4, 8, 16
 OBSERVER_FLAGS = FLAG_EXCHANGE | FLAG_DIAGNOSE
+_KIND_NAMES = {k: k.value for k in RequestType}  # (``.value`` is a Python-level property: per batch)
 
 
 class Observer:
@@ -250,7 +251,7 @@ class MetricsObserver(Observer):
             if kind in self._FIXED_SHAPES and None not in entries:
                 StepMemo.full(self._sizes, StepMemo.BATCH_SIZES)
                 self._sizes[id(batch)] = sizes
-        self.counters.record_batch(kind.value, sizes[1], sizes[2], t1 - t0)
+        self.counters.record_batch(_KIND_NAMES[kind], sizes[1], sizes[2], t1 - t0)
 
     def batches_done(self, responses: Sequence[Response], completed: bool, rounds: Any) -> None:
         if completed:

@@ -49,17 +49,13 @@ class HostPlacement:
         # False (a backend's ``pins_pages``: ``GlooBackend``'s): the transport reads and writes any
         # memory as fast (Gloo's sockets), so every contiguous region is reduced where it lies
         self._pins = pins_pages
+        self.pins_pages = pins_pages  # whether the transport pins pages (where the memory lies can matter)
         # id(span over a flat group) -> its first array, whose owner says where the memory lies
         self.owners: dict[int, np.ndarray] = {}
         # memory not known to be on huge pages is reduced where it lies too (set per batch)
         self.small_pages_in_place = False
 
     own_memory = staticmethod(huge_page_backed)
-
-    @property
-    def pins_pages(self) -> bool:
-        """Whether the transport pins pages (where the memory lies can matter)."""
-        return self._pins
 
     def run_chosen(self, choice: TimedChoice, batch: Sequence[Any], run: Callable[..., None],
                    args: tuple[Any, ...]) -> None:

@@ -86,6 +86,7 @@ class RoundController:
         self._occupied_mask = 0
         self._full = (1 << (64 * self.cache.words)) - 1
         self._bits = np.zeros(2 * self.cache.words + 1, np.uint64)
+        self._bit_bytes = self._bits.data.cast("B")  # written from the packed int's bytes
         # Where the transport exchanges rows (Gloo), a cached step's small allreduces travel with
         # the round's bits (``carry.py``): ``carried`` holds the round's data for the runner.
         exchange = getattr(backend, "exchange_rows", None)
@@ -182,7 +183,7 @@ class RoundController:
         packed = (ready_local | ((self._full ^ invalid) << (64 * words))
                   | ((_WORD ^ flags) << (128 * words)))
         bits = self._bits
-        bits.view(np.uint8)[:] = np.frombuffer(packed.to_bytes(2 * nbytes + 8, "little"), np.uint8)
+        self._bit_bytes[:] = packed.to_bytes(2 * nbytes + 8, "little")
         self.negotiating_since = now
         carrier = self.carrier
         if carrier is not None:
@@ -190,7 +191,7 @@ class RoundController:
                                                    self.pending)
             raw = anded.tobytes()
         else:
-            raw = self.backend.and_bits(bits, spin=threading.current_thread() is not self._engine_thread).tobytes()
+            raw = self.backend.and_bits(bits, spin=threading.get_ident() != self._engine_thread.ident).tobytes()
         self.t_ready = t_ready = self._clock()
         self.negotiating_since = 0.0
         self.round_no += 1

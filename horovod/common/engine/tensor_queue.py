@@ -138,7 +138,7 @@ class TensorQueue:
 
     def take(self) -> tuple[list[Entry], bool]:
         """The queued entries (the queue is left empty) and whether a shutdown was requested."""
-        with self.cv:
+        with self.lock:  # the condition's lock, without Condition.__enter__ (once per round)
             new, self.entries = self.entries, []
             return new, self.shutdown_requested
 

@@ -8,7 +8,7 @@ import pytest
 
 from horovod.common.backends.base import Group
 from horovod.common.engine.choice import TimedChoice
-from horovod.common.engine.executor import Entry, Executor
+from horovod.common.engine.executor import UNTIMED_BYTES, Entry, Executor
 from horovod.common.engine.placement import HostPlacement
 from horovod.common.engine.tunables import Tunables
 from horovod.common.types import ReduceOp, Request, RequestType, Response
@@ -110,3 +110,38 @@ def test_executor_reduces_small_pages_the_faster_measured_way(in_place_faster: b
     backend.in_place.clear()
     ex.run(list(batch), [Entry(r, [t], [t], None) for r, t in zip(reqs, tensors)])
     assert backend.in_place == [False] * 3  # a batch planned afresh: copied (the default)
+
+
+@pytest.mark.parametrize("elements, timed", [(UNTIMED_BYTES // 4, False), (UNTIMED_BYTES // 4 + 1, True)])
+def test_a_batch_of_one_small_call_is_copied_untimed(elements: int, timed: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Timing both ways costs more than copying a call of at most UNTIMED_BYTES: such a batch is
+    # always copied through the buffer and never timed; one byte more and it is timed as before.
+    monkeypatch.setattr(HostPlacement, "own_memory", staticmethod(lambda out: False))
+    tensor = np.ones(elements, np.float32)
+    backend = SpanBackend(2, [tensor])
+    ex = Executor(backend, {0: Group([0, 1], 0, None)}, 0, Tunables(fusion_threshold=1 << 20))
+    req = Request("t", RequestType.ALLREDUCE, "float32", (tensor.shape,), ReduceOp.AVERAGE, 1.0, 1.0)
+    batch = (Response(req),)
+    for _ in range(2 * TimedChoice.TRIES + 1):
+        ex.run(batch, [Entry(req, [tensor], [tensor], None)])
+        assert np.all(tensor == 1)
+    assert bool(ex.memo.choices) is timed
+    assert (True in backend.in_place) is timed  # untimed: never reduced where it lies
+
+
+def test_a_cached_request_reduces_by_the_rule_of_its_group_size() -> None:
+    # The executor remembers a request's reduction (a cached step's request is the same object
+    # every step); the same request object on a group of another size must average by that size.
+    tensor = np.ones(4, np.float32)
+    backend = SpanBackend(2, [tensor])
+    groups = {0: Group([0, 1], 0, None)}
+    ex = Executor(backend, groups, 0, Tunables())
+    req = Request("t", RequestType.ALLREDUCE, "float32", (tensor.shape,), ReduceOp.AVERAGE, 1.0, 1.0)
+    for n in [2, 2, 3, 3, 2]:
+        if len(groups[0].ranks) != n:
+            groups[0] = Group(list(range(n)), 0, None)
+        backend.n = n  # every rank holds ones: the sum is n, the average 1
+        tensor[:] = 1
+        ex.run((Response(req),), [Entry(req, [tensor], [tensor], None)])
+        assert np.all(tensor == 1), (n, tensor)
