@@ -80,6 +80,14 @@ def _allreduce_cases():
             if g is not o or not np.allclose(o, want, rtol=1e-3) or not np.all(xs[k] == r + 1.0 + k):
                 bad.append(f"rank {r}: allreduce out= {dt.__name__} {size}[{k}] -> {o[:3]}, want {want}; "
                            f"input now {xs[k][:3]}")
+    # tensors with no element: nothing to reduce, and nothing may fail (out of place, in place,
+    # grouped, and beside a tensor that has elements)
+    z = hvd.allreduce(np.ones(0, np.float32), name="empty")
+    z2 = hvd.allreduce_(np.ones((0, 3), np.float64), op=hvd.Sum, name="empty_")
+    zs = hvd.grouped_allreduce([np.ones(0, np.float32), np.full(2, float(r), np.float32)], op=hvd.Sum,
+                               name="empty_grp")
+    if z.shape != (0,) or z2.shape != (0, 3) or zs[0].shape != (0,) or not np.allclose(zs[1], sum(range(n))):
+        bad.append(f"rank {r}: allreduce of empty tensors -> {z!r}, {z2!r}, {zs!r}")
     # unnamed ops in the same order on every rank
     for _ in range(3):
         got = hvd.allreduce(np.ones(3), op=hvd.Sum)

@@ -330,7 +330,7 @@ class Executor:
         args = (calls, items, ops, red, lane.transport.reducer(red.op) if carried is None else carried(red),
                 placement, activity, lane.transport.name + "_ALLREDUCE", index if groups else None, groups)
         if (carried is None and placement is self.placement and placement.pins_pages and not red.widen
-                and red.narrow is None and (len(calls) > 1 or calls[0].size * itemsize > UNTIMED_BYTES)):
+                and red.narrow is None and (len(calls) > 1 or (calls and calls[0].size * itemsize > UNTIMED_BYTES))):
             placement.run_chosen(self.small_pages, batch, run_reduction, args)  # small pages: timed
         else:
             run_reduction(*args)
