@@ -48,7 +48,6 @@ class HostPlacement:
         self._cut = cut  # () -> max_tensor_bytes, read at every call (a tunable)
         # False (a backend's ``pins_pages``: ``GlooBackend``'s): the transport reads and writes any
         # memory as fast (Gloo's sockets), so every contiguous region is reduced where it lies
-        self._pins = pins_pages
         self.pins_pages = pins_pages  # whether the transport pins pages (where the memory lies can matter)
         # id(span over a flat group) -> its first array, whose owner says where the memory lies
         self.owners: dict[int, np.ndarray] = {}
@@ -71,7 +70,7 @@ class HostPlacement:
         choice.record(batch, way, time.perf_counter() - t0)
 
     def in_own_memory(self, out: np.ndarray) -> bool:
-        return not self._pins or self.small_pages_in_place or self.own_memory(self.owners.get(id(out), out))
+        return not self.pins_pages or self.small_pages_in_place or self.own_memory(self.owners.get(id(out), out))
 
     def region(self, call: Call, items: Sequence[Item], segs: Sequence[Segment], ops: BufferOps) -> Any:
         if call.kind == PACKED:
