@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from horovod.testing import run_mpi_script, run_ranks
+from horovod.testing import run_mpi_script
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -93,20 +94,49 @@ def _seed_recipe(tmp):
     return before, after_broadcast, final, sum(losses) / len(losses)
 
 
-def test_seed_recipe_parameters_identical_and_rank0_checkpoints(tmp_path):
-    # np=3 (an odd world size, uneven shards of the 1797 rows) is the one size this recipe needs:
-    # the seed's recipe at np=2 is test_device_plane.py's (tests/gpu/bin/torch_recipe.py)
+def _seed_recipe_in_a_directory():
+    """``_seed_recipe`` with a checkpoint directory rank 0 makes (every rank gets its name), then
+    what it holds: (the recipe's result, the file names, each file's saved rank); the directory
+    is removed before the body returns (a body of a shared launch: no pytest ``tmp_path``)."""
+    import shutil
+    import tempfile
+
     import torch
 
-    np_ = 3
+    import horovod.torch as hvd
 
-    results = run_ranks(_seed_recipe, np=np_, timeout=240, args=(str(tmp_path),))
+    hvd.init()
+    tmp = hvd.broadcast_object(tempfile.mkdtemp(prefix="seed-recipe-") if hvd.rank() == 0 else None, 0)
+    try:
+        result = _seed_recipe(tmp)
+        hvd.barrier()  # rank 0's last checkpoint is written
+        files = sorted(os.listdir(tmp))
+        saved = [torch.load(os.path.join(tmp, f), weights_only=False)["rank"] for f in files]
+        hvd.barrier()  # every rank has read them
+    finally:
+        if hvd.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result, files, saved
+
+
+# np=3 (an odd world size, uneven shards of the 1797 rows) is the one size this recipe needs (the
+# seed's recipe at np=2 is test_device_plane.py's, tests/gpu/bin/torch_recipe.py): a part of the
+# torch launch at np=3 that other modules share (tests/_shared_launch.py).
+_NP3 = joint_launch("torch", 3, {"seed_recipe": _seed_recipe_in_a_directory}, timeout=240)
+
+
+@JOINT_TIMEOUT
+def test_seed_recipe_parameters_identical_and_rank0_checkpoints():
+    import torch
+
+    out = _NP3.results("seed_recipe")
+    results = [r for r, _, _ in out]
     before = [r[0] for r in results]
     assert not torch.equal(before[0], before[1]), "ranks should start from different weights"
     for k, (_before, after, final, loss) in enumerate(results):
         assert torch.equal(after, before[0]), f"rank {k}: weights after broadcast differ from rank 0's"
         assert torch.equal(final, results[0][2]), f"rank {k}: parameters differ after training"
         assert loss < 1.0, f"rank {k}: mean loss of the last epoch {loss}"
-    files = sorted(os.listdir(tmp_path))
-    assert files == ["ckpt-0.pt", "ckpt-1.pt", "ckpt-2.pt"], files
-    assert all(torch.load(tmp_path / f, weights_only=False)["rank"] == 0 for f in files)
+    for k, (_, files, saved) in enumerate(out):
+        assert files == ["ckpt-0.pt", "ckpt-1.pt", "ckpt-2.pt"], (k, files)
+        assert saved == [0, 0, 0], (k, saved)
