@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from horovod.testing import run_mpi_script
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -26,13 +27,6 @@ def _results(output: str, np_: int) -> dict:
     found = {}
     for m in re.finditer(r"RESULT (?:(\w+) )?rank=(\d+) accuracy=([\d.]+) weights=(\w+)", output):
         found[(m.group(1) or "", int(m.group(2)))] = (float(m.group(3)), m.group(4))
-    return found
-
-
-def _run(script: str, args: list[str], np_: int, env: dict | None = None) -> dict:
-    res = run_mpi_script([sys.executable, os.path.join(ROOT, script), *args], np=np_, timeout=400, env=env)
-    found = _results(res.stdout, np_)
-    assert len({k[1] for k in found}) == np_, res.stdout[-3000:]
     return found
 
 
@@ -105,8 +99,34 @@ def test_tf1_recipe_monitored_training_session(recipe_runs: dict[str, Any]) -> N
     assert any(p.name.startswith("model.ckpt-300") for p in (ckpts / "ckpt-rank0").iterdir())
 
 
+def _seeds_under_keras2() -> str:
+    """tests/tensorflow/bin/seeds_keras2.py as ``__main__`` in this rank: what it printed."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+
+    script = os.path.join(ROOT, "tests", "tensorflow", "bin", "seeds_keras2.py")
+    argv, out = sys.argv, io.StringIO()
+    sys.argv = [script]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
+# A part of the Keras 2 launch at np=2 that other TensorFlow modules share (tests/_shared_launch.py):
+# one TensorFlow start-up per rank for all of them.
+_KERAS2 = joint_launch("tensorflow", 2, {"seeds_keras2": _seeds_under_keras2}, timeout=400,
+                       env={"TF_USE_LEGACY_KERAS": "1"})
+
+
+@JOINT_TIMEOUT
 def test_seed_recipes_verbatim_under_keras2():
-    found = _run("tests/tensorflow/bin/seeds_keras2.py", [], 2, env={"TF_USE_LEGACY_KERAS": "1"})
+    found = _results("".join(_KERAS2.results("seeds_keras2")), 2)
+    assert len({k[1] for k in found}) == 2, found
     _same_weights_on_every_rank(found)
     assert {k[0] for k in found} == {"tf2", "keras"}
     assert all(acc >= 0.85 for acc, _ in found.values()), found
