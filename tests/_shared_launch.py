@@ -235,3 +235,40 @@ def in_turn(fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> Callable[[]
 
     body.__module__, body.__qualname__ = fn.__module__, f"in_turn({fn.__qualname__})"
     return body
+
+
+def in_a_directory(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """A rank body: ``fn(*args, directory)``, where ``fn`` starts Horovod itself and ``directory``
+    is a fresh one every rank of the launch shares (in the place of a test's ``tmp_path``, which a
+    body registered at import has not got); removed once every rank's ``fn`` has returned (by
+    rank 0), or at once by a rank whose ``fn`` raised."""
+    import os
+    import tempfile
+    import uuid
+
+    module = sys.modules.get(fn.__module__)
+    if module is not None:  # a test module: the ranks cannot import it
+        cloudpickle.register_pickle_by_value(module)
+    # the name only: made in the ranks, so that a launch that never runs leaves nothing behind
+    directory = os.path.join(tempfile.gettempdir(), f"hvd-body-{uuid.uuid4().hex}")
+
+    def body() -> Any:
+        import os
+        import shutil
+
+        os.makedirs(directory, exist_ok=True)
+        try:
+            out = fn(*args, directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        from horovod.common import basics
+        from horovod.common.objects import allgather_object
+
+        allgather_object(None, name=f"in_a_directory.{os.path.basename(directory)}")  # every rank is done
+        if basics.rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        return out
+
+    body.__module__, body.__qualname__ = fn.__module__, f"in_a_directory({fn.__qualname__})"
+    return body

@@ -285,17 +285,36 @@ def test_jax_bindings_on_real_ranks():
     assert not problems, "\n".join(problems)
 
 
-def test_jax_mnist_example_trains_on_two_ranks():
+def _mnist_example() -> str:
+    """examples/jax/jax_mnist.py as ``__main__`` in this rank (3 epochs): what it printed."""
+    import contextlib
+    import io
     import os
-    import re
+    import runpy
     import sys
 
-    from horovod.testing import run_mpi_script
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = run_mpi_script([sys.executable, os.path.join(root, "examples", "jax", "jax_mnist.py"), "--epochs", "3"],
-                         np=2, timeout=240, env={"JAX_PLATFORMS": "cpu"})
-    losses = [float(v) for v in re.findall(r"Epoch \d+: average training loss ([0-9.]+)", res.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout[-3000:]
-    acc = re.search(r"Final test accuracy: ([0-9.]+)%", res.stdout)
-    assert acc and float(acc.group(1)) > 85.0, res.stdout[-3000:]
+    script = os.path.join(root, "examples", "jax", "jax_mnist.py")
+    argv, out = sys.argv, io.StringIO()
+    sys.argv = [script, "--epochs", "3"]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
+# The JAX launch at np=2 that tests/keras/test_keras_without_tensorflow_mp.py shares (its body late).
+_NP2 = joint_launch("jax", 2, {"mnist": _mnist_example}, timeout=240, env={"JAX_PLATFORMS": "cpu"})
+
+
+@JOINT_TIMEOUT
+def test_jax_mnist_example_trains_on_two_ranks():
+    import re
+
+    out = "".join(_NP2.results("mnist"))
+    losses = [float(v) for v in re.findall(r"Epoch \d+: average training loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out[-3000:]
+    acc = re.search(r"Final test accuracy: ([0-9.]+)%", out)
+    assert acc and float(acc.group(1)) > 85.0, out[-3000:]

@@ -13,8 +13,9 @@ imports TensorFlow where it is installed, so it comes after that check). On the 
 could run without TensorFlow, ``import horovod.keras`` raised ``ImportError`` (``tensorflow``) where it
 was not importable, and imported it where it was.
 
-Launches of their own (the shared torch and JAX launches run bodies that use TensorFlow):
-torch at np=2 and np=3, JAX at np=2 (its start-up costs more).
+Launches of their own at np=2 and np=3 on torch (the shared torch launches run bodies that use
+TensorFlow); JAX at np=2 (its start-up costs more) as the last body of the JAX launch at np=2,
+after tests/jax/test_jax_mp.py's MNIST example (no TensorFlow there: the body checks it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, in_turn, joint_launch
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 
 
 def _train_without_tensorflow(backend: str, importable: bool) -> list[str]:
@@ -129,11 +131,18 @@ def _train_without_tensorflow(backend: str, importable: bool) -> list[str]:
     return bad
 
 
+# Late: TensorFlow stays unimportable in these ranks afterwards (in_turn: from a fresh hvd.init()).
+_JAX_NP2 = joint_launch("jax", 2, {"without_tf": in_turn(_train_without_tensorflow, [("jax", False)])},
+                        timeout=300, env={"JAX_PLATFORMS": "cpu"}, late=True)
+
+
 @pytest.mark.parametrize(("backend", "np", "importable"), [("torch", 2, False), ("torch", 3, True),
                                                            ("jax", 2, False)])
 def test_horovod_keras_trains_without_tensorflow(backend: str, np: int, importable: bool) -> None:
     """``importable``: TensorFlow stays installed (it must not be imported); else the ranks cannot import it."""
-    env = {"JAX_PLATFORMS": "cpu"} if backend == "jax" else None
-    results = run_ranks(_train_without_tensorflow, np=np, timeout=300, env=env, args=(backend, importable))
+    if backend == "jax":
+        results = [runs[0] for runs in _JAX_NP2.results("without_tf")]
+    else:
+        results = run_ranks(_train_without_tensorflow, np=np, timeout=300, args=(backend, importable))
     problems = [p for rank_bad in results for p in rank_bad]
     assert not problems, "\n".join(problems)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from horovod.testing import RanksFailed, run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, in_a_directory, joint_launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning_jobs  # noqa: E402
@@ -328,9 +329,15 @@ def _check(results: list[dict], size: int) -> None:
         assert r["bf16_finite"]
 
 
+# A part of the Lightning launch at np=2 that tests/lightning/test_lightning_zero.py shares
+# (tests/_shared_launch.py): the ranks start and import Lightning once for both modules.
+_NP2 = joint_launch("lightning", 2, {"all_checks": in_a_directory(_all_checks, "lightning.pytorch")}, timeout=240)
+
+
 @pytest.mark.skipif(not _LIGHTNING, reason="the unified `lightning` package is not installed")
-def test_lightning_pytorch_np2(tmp_path):
-    _check(run_ranks(_all_checks, np=2, args=("lightning.pytorch", str(tmp_path)), timeout=240), 2)
+@JOINT_TIMEOUT
+def test_lightning_pytorch_np2():
+    _check(_NP2.results("all_checks"), 2)
 
 
 @pytest.mark.skipif(not _PL, reason="the standalone `pytorch_lightning` package is not installed")

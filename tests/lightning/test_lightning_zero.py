@@ -11,8 +11,9 @@ import importlib.util
 import pytest
 
 from horovod.testing import run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, in_a_directory, joint_launch
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, JOINT_TIMEOUT,
               pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                                  reason="the `lightning` package is not installed")]
 
@@ -112,8 +113,8 @@ def _zero_fits(tmp: str) -> dict:
     return out
 
 
-def test_lightning_zero_strategy(tmp_path):
-    results = run_ranks(_zero_fits, np=2, args=(str(tmp_path),), timeout=300)
+def test_lightning_zero_strategy():
+    results = _NP2.results("zero")
     for res in results:
         assert res["horovod_zero type"] == "ZeroRedundancyOptimizer", res
         assert res["zero_stage=2 type"] == "ZeroRedundancyOptimizer", res
@@ -214,12 +215,12 @@ def _zero3_fits(tmp: str) -> dict:
     return out
 
 
-def test_lightning_zero3_strategy(tmp_path):
+def test_lightning_zero3_strategy():
     """zero_stage=3 (hvd.fully_shard): the same weights as strategy="horovod" with gradient
     clipping (the norm across the shards) and with accumulate_grad_batches=2; the optimizer is a
     plain AdamW over the shards; a sharded ModelCheckpoint resumes to the uninterrupted weights
     and loads into an unsharded model."""
-    results = run_ranks(_zero3_fits, np=2, args=(str(tmp_path),), timeout=400)
+    results = _NP2.results("zero3")
     for res in results:
         assert res["stage3 acc1"] <= 1e-5 and res["stage3 acc2"] <= 1e-5, res
         assert res["type"] == "AdamW", res
@@ -229,6 +230,12 @@ def test_lightning_zero3_strategy(tmp_path):
         assert res["plain_epoch"] == 1 and res["plain_state_entries"] == 4, res
     # rank 0 holds rows 0..8 of the (17, 5) weight, rank 1 rows 9..16
     assert results[0]["shards"][0] == (9, 5) and results[1]["shards"][0] == (8, 5), results
+
+
+# Parts of the Lightning launch at np=2 that tests/lightning/test_lightning_strategy.py shares
+# (tests/_shared_launch.py): the ranks start and import Lightning once for all of them.
+_NP2 = joint_launch("lightning", 2, {"zero": in_a_directory(_zero_fits), "zero3": in_a_directory(_zero3_fits)},
+                    timeout=700)
 
 
 def _zero3_two_optimizers(tmp: str, phase: str, want: list | None = None) -> dict:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from horovod.testing import run_mpi_script
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -26,13 +27,6 @@ def _results(output: str, np_: int) -> dict:
     found = {}
     for m in re.finditer(r"RESULT (?:(\w+) )?rank=(\d+) accuracy=([\d.]+) weights=(\w+)", output):
         found[(m.group(1) or "", int(m.group(2)))] = (float(m.group(3)), m.group(4))
-    return found
-
-
-def _run(script: str, args: list[str], np_: int, env: dict | None = None) -> dict:
-    res = run_mpi_script([sys.executable, os.path.join(ROOT, script), *args], np=np_, timeout=400, env=env)
-    found = _results(res.stdout, np_)
-    assert len({k[1] for k in found}) == np_, res.stdout[-3000:]
     return found
 
 
@@ -49,28 +43,21 @@ def _only_rank0_wrote(tmp_path) -> None:
     assert any(tmp_path.joinpath("ckpt-rank0").iterdir())
 
 
-def test_tf1_recipe_monitored_training_session(tmp_path):
-    found = _run("examples/tensorflow/tensorflow_mnist.py",
-                 ["--steps", "600", "--checkpoint-dir", str(tmp_path / "ckpt-rank{rank}")], 2)
-    _same_weights_on_every_rank(found)
-    assert all(acc >= 0.93 for acc, _ in found.values()), found
-    _only_rank0_wrote(tmp_path)
-    assert any(p.name.startswith("model.ckpt-300") for p in (tmp_path / "ckpt-rank0").iterdir())
-
-
 # The TF2 and Keras 3 recipes run one after the other in the same ranks (tests/tensorflow/bin/
-# run_recipes.py): one TensorFlow start-up per rank for both, at np=2 and at np=1.
+# run_recipes.py): one TensorFlow start-up per rank for both, at np=2 and at np=1; at np=2 the TF1
+# recipe (MonitoredTrainingSession) after them, last since it turns eager execution off.
 _RECIPES = {
     "tf2tape": ("examples/tensorflow2/tensorflow2_mnist.py", ["--steps", "400"]),
     "keras3fit": ("examples/keras/keras_mnist.py", ["--epochs", "3", "--steps-per-epoch", "100"]),
 }
+_TF1 = {"tf1session": ("examples/tensorflow/tensorflow_mnist.py", ["--steps", "600"])}
 
 
-def _run_recipes(np_: int, checkpoint_dir: Callable[[str], str]) -> tuple[dict, str]:
-    """Every recipe of ``_RECIPES`` in one launch of ``np_`` ranks, each with its checkpoint
-    directory ``checkpoint_dir(label)``: the RESULT lines found (labelled) and the output."""
+def _run_recipes(np_: int, checkpoint_dir: Callable[[str], str], more: dict | None = None) -> tuple[dict, str]:
+    """Every recipe of ``_RECIPES`` (then of ``more``) in one launch of ``np_`` ranks, each with its
+    checkpoint directory ``checkpoint_dir(label)``: the RESULT lines found (labelled) and the output."""
     argv = [sys.executable, os.path.join(ROOT, "tests", "tensorflow", "bin", "run_recipes.py")]
-    for label, (script, args) in _RECIPES.items():
+    for label, (script, args) in {**_RECIPES, **(more or {})}.items():
         argv += [label, os.path.join(ROOT, script), *args, "--checkpoint-dir", checkpoint_dir(label), "--"]
     res = run_mpi_script(argv, np=np_, timeout=600)
     return _results(res.stdout, np_), res.stdout
@@ -78,10 +65,11 @@ def _run_recipes(np_: int, checkpoint_dir: Callable[[str], str]) -> tuple[dict, 
 
 @pytest.fixture(scope="module")
 def recipe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The recipes at np=2 (checkpoints under ``<dir>/<label>/ckpt-rank{rank}``) and at np=1."""
+    """The recipes at np=2 (checkpoints under ``<dir>/<label>/ckpt-rank{rank}``; the TF1 recipe
+    too) and at np=1."""
     two_dir = tmp_path_factory.mktemp("recipes-np2")
     one_dir = tmp_path_factory.mktemp("recipes-np1")
-    two = _run_recipes(2, lambda label: str(two_dir / label / "ckpt-rank{rank}"))
+    two = _run_recipes(2, lambda label: str(two_dir / label / "ckpt-rank{rank}"), _TF1)
     one = _run_recipes(1, lambda label: str(one_dir / label))
     return {"two": two, "one": one, "two_dir": two_dir}
 
@@ -100,8 +88,45 @@ def test_tf2_and_keras_recipes_match_single_process_accuracy(recipe_runs: dict[s
     assert acc1 >= 0.9 and acc2 >= acc1 - 0.03, f"np=2 accuracy {acc2} vs single process {acc1}"
 
 
+def test_tf1_recipe_monitored_training_session(recipe_runs: dict[str, Any]) -> None:
+    two_all, out2 = recipe_runs["two"]
+    found = {k: v for k, v in two_all.items() if k[0] == "tf1session"}
+    assert sorted(k[1] for k in found) == [0, 1], out2[-3000:]
+    _same_weights_on_every_rank(found)
+    assert all(acc >= 0.93 for acc, _ in found.values()), found
+    ckpts = recipe_runs["two_dir"] / "tf1session"
+    _only_rank0_wrote(ckpts)
+    assert any(p.name.startswith("model.ckpt-300") for p in (ckpts / "ckpt-rank0").iterdir())
+
+
+def _seeds_under_keras2() -> str:
+    """tests/tensorflow/bin/seeds_keras2.py as ``__main__`` in this rank: what it printed."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+
+    script = os.path.join(ROOT, "tests", "tensorflow", "bin", "seeds_keras2.py")
+    argv, out = sys.argv, io.StringIO()
+    sys.argv = [script]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
+# A part of the Keras 2 launch at np=2 that other TensorFlow modules share (tests/_shared_launch.py):
+# one TensorFlow start-up per rank for all of them.
+_KERAS2 = joint_launch("tensorflow", 2, {"seeds_keras2": _seeds_under_keras2}, timeout=400,
+                       env={"TF_USE_LEGACY_KERAS": "1"})
+
+
+@JOINT_TIMEOUT
 def test_seed_recipes_verbatim_under_keras2():
-    found = _run("tests/tensorflow/bin/seeds_keras2.py", [], 2, env={"TF_USE_LEGACY_KERAS": "1"})
+    found = _results("".join(_KERAS2.results("seeds_keras2")), 2)
+    assert len({k[1] for k in found}) == 2, found
     _same_weights_on_every_rank(found)
     assert {k[0] for k in found} == {"tf2", "keras"}
     assert all(acc >= 0.85 for acc, _ in found.values()), found

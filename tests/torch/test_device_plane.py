@@ -420,20 +420,40 @@ def test_device_plane_training_recipe_on_cpu_twin(tmp_path):
     assert "GLOO_ALLREDUCE" in text and "GLOO_BCAST" in text and "MEMCPY_IN_FUSION_BUFFER" not in text
 
 
-def test_seed_recipe_runs_as_written_on_cpu_twin():
-    """The seed's script (GPU pinning, model.cuda() when CUDA exists) trains through the plane."""
+def _seed_recipe_as_written() -> str:
+    """tests/gpu/bin/torch_recipe.py as ``__main__`` in this rank: what it printed."""
+    import contextlib
+    import io
     import os
-    import re
+    import runpy
     import sys
 
-    from horovod.testing import run_mpi_script
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu", "bin", "torch_recipe.py")
+    argv, out = sys.argv, io.StringIO()
+    sys.argv = [script]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
 
-    script = os.path.join(os.path.dirname(__file__), "..", "gpu", "bin", "torch_recipe.py")
-    res = run_mpi_script([sys.executable, script], np=2, timeout=120, env=TWIN)
-    lines = re.findall(r"rank (\d) device (\S+) loss ([\d.]+) -> ([\d.]+) spread (\S+)", res.stdout)
-    assert len(lines) == 2, res.stdout
+
+# A part of the CPU twin's launch at np=2 (below), from a fresh hvd.init() after its other bodies.
+_RECIPE = joint_launch("torch", 2, {"seed_recipe": own_init(_seed_recipe_as_written)}, timeout=120, env=TWIN,
+                       late=True)
+
+
+@JOINT_TIMEOUT
+def test_seed_recipe_runs_as_written_on_cpu_twin():
+    """The seed's script (GPU pinning, model.cuda() when CUDA exists) trains through the plane."""
+    import re
+
+    out = "".join(_RECIPE.results("seed_recipe"))
+    lines = re.findall(r"rank (\d) device (\S+) loss ([\d.]+) -> ([\d.]+) spread (\S+)", out)
+    assert len(lines) == 2, out
     for _, _, first, last, spread in lines:
-        assert float(last) < float(first) and float(spread) == 0.0, res.stdout
+        assert float(last) < float(first) and float(spread) == 0.0, out
 
 
 def _gpu_nccl_without_cuda():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from horovod.testing import run_mpi_script, run_ranks
+from tests._shared_launch import JOINT_TIMEOUT, in_a_directory, joint_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,31 +17,74 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLES = os.path.join(ROOT, "examples", "pytorch")
 
 
-def test_pytorch_mnist_example_trains_on_two_ranks(tmp_path):
-    ckpt = tmp_path / "ckpt.pt"
-    res = run_mpi_script([sys.executable, os.path.join(EXAMPLES, "pytorch_mnist.py"), "--epochs", "4",
-                          "--data-dir", str(tmp_path / "no-mnist-here"), "--checkpoint", str(ckpt)],
-                         np=2, timeout=240)
-    out = res.stdout
+def _example(name: str, *args: str) -> str:
+    """examples/pytorch/``name`` as ``__main__`` in this rank with ``args``: what it printed (the
+    threads it sets for torch put back afterwards, for the launch's next bodies)."""
+    import contextlib
+    import io
+    import runpy
+
+    import torch
+
+    script = os.path.join(EXAMPLES, name)
+    argv, threads, out = sys.argv, torch.get_num_threads(), io.StringIO()
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
+def _mnist_example(directory: str) -> dict:
+    """The MNIST example with its checkpoint in ``directory`` (and a data directory there that
+    holds no MNIST); then, once every rank is done, what ``directory`` holds and the checkpoint."""
+    import torch
+
+    import horovod.torch as hvd
+
+    ckpt = os.path.join(directory, "ckpt.pt")
+    out = _example("pytorch_mnist.py", "--epochs", "4", "--data-dir", os.path.join(directory, "no-mnist-here"),
+                   "--checkpoint", ckpt)
+    hvd.allgather_object(None, name="mnist_example.done")
+    state = torch.load(ckpt, weights_only=False) if os.path.exists(ckpt) else {}
+    return {"out": out, "listing": os.listdir(directory), "epoch": state.get("epoch"),
+            "keys": sorted(state.get("model", {}))}
+
+
+def _synthetic_benchmark() -> str:
+    return _example("pytorch_synthetic_benchmark.py", "--model", "resnet_tiny", "--batch-size", "4",
+                    "--image-size", "16", "--num-iters", "2", "--num-batches-per-iter", "2",
+                    "--num-warmup-batches", "1")
+
+
+# Late parts of the torch launch at np=2 that other modules share (tests/_shared_launch.py): the
+# examples as __main__ in its ranks.
+_NP2 = joint_launch("torch", 2, {"mnist": in_a_directory(_mnist_example), "synthetic": _synthetic_benchmark},
+                    timeout=420, late=True)
+
+
+@JOINT_TIMEOUT
+def test_pytorch_mnist_example_trains_on_two_ranks():
+    results = _NP2.results("mnist")
+    out = "".join(r["out"] for r in results)
     losses = [float(x) for x in re.findall(r"Epoch \d+: average training loss ([0-9.]+)", out)]
     assert len(losses) == 4, f"expected one loss line per epoch (rank 0 only):\n{out[-3000:]}"
     assert losses[-1] < losses[0], f"loss did not go down: {losses}"
     acc = re.search(r"Final test accuracy: ([0-9.]+)%", out)
     assert acc and float(acc.group(1)) > 90.0, f"accuracy too low:\n{out[-3000:]}"
     assert out.count("Final test accuracy") == 1, "only rank 0 should report"
-    assert os.listdir(tmp_path) == ["ckpt.pt"], os.listdir(tmp_path)
-    import torch
-
-    state = torch.load(ckpt, weights_only=False)
-    assert state["epoch"] == 4 and "conv1.weight" in state["model"]
+    for r in results:
+        assert r["listing"] == ["ckpt.pt"], r["listing"]
+        assert r["epoch"] == 4 and "conv1.weight" in r["keys"], (r["epoch"], r["keys"][:5])
 
 
+@JOINT_TIMEOUT
 def test_synthetic_benchmark_example_runs():
-    res = run_mpi_script([sys.executable, os.path.join(EXAMPLES, "pytorch_synthetic_benchmark.py"),
-                          "--model", "resnet_tiny", "--batch-size", "4", "--image-size", "16",
-                          "--num-iters", "2", "--num-batches-per-iter", "2", "--num-warmup-batches", "1"],
-                         np=2, timeout=180)
-    assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", res.stdout), res.stdout[-2000:]
+    out = "".join(_NP2.results("synthetic"))
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", out), out[-2000:]
 
 
 def _seed_recipe(tmp):
@@ -93,20 +136,49 @@ def _seed_recipe(tmp):
     return before, after_broadcast, final, sum(losses) / len(losses)
 
 
-def test_seed_recipe_parameters_identical_and_rank0_checkpoints(tmp_path):
-    # np=3 (an odd world size, uneven shards of the 1797 rows) is the one size this recipe needs:
-    # the seed's recipe at np=2 is test_device_plane.py's (tests/gpu/bin/torch_recipe.py)
+def _seed_recipe_in_a_directory():
+    """``_seed_recipe`` with a checkpoint directory rank 0 makes (every rank gets its name), then
+    what it holds: (the recipe's result, the file names, each file's saved rank); the directory
+    is removed before the body returns (a body of a shared launch: no pytest ``tmp_path``)."""
+    import shutil
+    import tempfile
+
     import torch
 
-    np_ = 3
+    import horovod.torch as hvd
 
-    results = run_ranks(_seed_recipe, np=np_, timeout=240, args=(str(tmp_path),))
+    hvd.init()
+    tmp = hvd.broadcast_object(tempfile.mkdtemp(prefix="seed-recipe-") if hvd.rank() == 0 else None, 0)
+    try:
+        result = _seed_recipe(tmp)
+        hvd.barrier()  # rank 0's last checkpoint is written
+        files = sorted(os.listdir(tmp))
+        saved = [torch.load(os.path.join(tmp, f), weights_only=False)["rank"] for f in files]
+        hvd.barrier()  # every rank has read them
+    finally:
+        if hvd.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result, files, saved
+
+
+# np=3 (an odd world size, uneven shards of the 1797 rows) is the one size this recipe needs (the
+# seed's recipe at np=2 is test_device_plane.py's, tests/gpu/bin/torch_recipe.py): a part of the
+# torch launch at np=3 that other modules share (tests/_shared_launch.py).
+_NP3 = joint_launch("torch", 3, {"seed_recipe": _seed_recipe_in_a_directory}, timeout=240)
+
+
+@JOINT_TIMEOUT
+def test_seed_recipe_parameters_identical_and_rank0_checkpoints():
+    import torch
+
+    out = _NP3.results("seed_recipe")
+    results = [r for r, _, _ in out]
     before = [r[0] for r in results]
     assert not torch.equal(before[0], before[1]), "ranks should start from different weights"
     for k, (_before, after, final, loss) in enumerate(results):
         assert torch.equal(after, before[0]), f"rank {k}: weights after broadcast differ from rank 0's"
         assert torch.equal(final, results[0][2]), f"rank {k}: parameters differ after training"
         assert loss < 1.0, f"rank {k}: mean loss of the last epoch {loss}"
-    files = sorted(os.listdir(tmp_path))
-    assert files == ["ckpt-0.pt", "ckpt-1.pt", "ckpt-2.pt"], files
-    assert all(torch.load(tmp_path / f, weights_only=False)["rank"] == 0 for f in files)
+    for k, (_, files, saved) in enumerate(out):
+        assert files == ["ckpt-0.pt", "ckpt-1.pt", "ckpt-2.pt"], (k, files)
+        assert saved == [0, 0, 0], (k, saved)

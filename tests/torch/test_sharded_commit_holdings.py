@@ -11,7 +11,7 @@ from __future__ import annotations
 import cloudpickle
 import pytest
 
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, under_settings
 from tests.torch import fully_shard_nets
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
@@ -177,11 +177,20 @@ def _one_rank_cases():
                 held=state._handlers["model"].committed_bytes())
 
 
+# np=2: a late part of the torch np=2 launch, under dynamic process sets of its own (between two
+# shutdowns, the setting put back: tests/_shared_launch.py); np=1 a launch of its own.
+_ONE_RANK = joint_launch("torch", 2,
+                         {"one_rank": under_settings(_one_rank_cases, {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})},
+                         timeout=240, late=True)
+
+
 @pytest.mark.parametrize("np_", [1, 2])
 def test_one_rank_commits_without_a_replica(np_):
     from horovod.testing import run_ranks
 
-    for o in run_ranks(_one_rank_cases, np=np_, timeout=240, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}):
+    outs = (_ONE_RANK.results("one_rank") if np_ == 2 else
+            run_ranks(_one_rank_cases, np=np_, timeout=240, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}))
+    for o in outs:
         assert o["diffs"] and max(o["diffs"]) <= 1e-6, o
         assert o["replicas"] == [True, True], o  # no replica of itself
         assert o["whole"] <= o["held"] < o["whole"] * 1.1, o  # the whole, once
