@@ -272,3 +272,20 @@ def in_a_directory(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
 
     body.__module__, body.__qualname__ = fn.__module__, f"in_a_directory({fn.__qualname__})"
     return body
+
+
+def run_as_main(script: str, *args: str) -> str:
+    """Run ``script`` as ``__main__`` in this rank with ``args`` as its command line (as ``python
+    script args`` would, inside a shared launch's rank); return what it printed."""
+    import contextlib
+    import io
+    import runpy
+
+    argv, out = sys.argv, io.StringIO()
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()

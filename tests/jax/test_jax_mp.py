@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, run_as_main
 
 pytestmark = [pytest.mark.multiprocess, JOINT_TIMEOUT]
 pytest.importorskip("jax")
@@ -287,22 +287,10 @@ def test_jax_bindings_on_real_ranks():
 
 def _mnist_example() -> str:
     """examples/jax/jax_mnist.py as ``__main__`` in this rank (3 epochs): what it printed."""
-    import contextlib
-    import io
     import os
-    import runpy
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = os.path.join(root, "examples", "jax", "jax_mnist.py")
-    argv, out = sys.argv, io.StringIO()
-    sys.argv = [script, "--epochs", "3"]
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = argv
-    return out.getvalue()
+    return run_as_main(os.path.join(root, "examples", "jax", "jax_mnist.py"), "--epochs", "3")
 
 
 # The JAX launch at np=2 that tests/keras/test_keras_without_tensorflow_mp.py shares (its body late).

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from horovod.testing import run_mpi_script
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, run_as_main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -101,20 +101,7 @@ def test_tf1_recipe_monitored_training_session(recipe_runs: dict[str, Any]) -> N
 
 def _seeds_under_keras2() -> str:
     """tests/tensorflow/bin/seeds_keras2.py as ``__main__`` in this rank: what it printed."""
-    import contextlib
-    import io
-    import runpy
-    import sys
-
-    script = os.path.join(ROOT, "tests", "tensorflow", "bin", "seeds_keras2.py")
-    argv, out = sys.argv, io.StringIO()
-    sys.argv = [script]
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = argv
-    return out.getvalue()
+    return run_as_main(os.path.join(ROOT, "tests", "tensorflow", "bin", "seeds_keras2.py"))
 
 
 # A part of the Keras 2 launch at np=2 that other TensorFlow modules share (tests/_shared_launch.py):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from horovod.testing import run_ranks
-from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init
+from tests._shared_launch import JOINT_TIMEOUT, joint_launch, own_init, run_as_main
 
 pytestmark = pytest.mark.multiprocess
 
@@ -422,21 +422,10 @@ def test_device_plane_training_recipe_on_cpu_twin(tmp_path):
 
 def _seed_recipe_as_written() -> str:
     """tests/gpu/bin/torch_recipe.py as ``__main__`` in this rank: what it printed."""
-    import contextlib
-    import io
     import os
-    import runpy
-    import sys
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu", "bin", "torch_recipe.py")
-    argv, out = sys.argv, io.StringIO()
-    sys.argv = [script]
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = argv
-    return out.getvalue()
+    return run_as_main(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu", "bin",
+                                    "torch_recipe.py"))
 
 
 # A part of the CPU twin's launch at np=2 (below), from a fresh hvd.init() after its other bodies.

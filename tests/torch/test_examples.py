@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import pytest
 
-from tests._shared_launch import JOINT_TIMEOUT, in_a_directory, joint_launch
+from tests._shared_launch import JOINT_TIMEOUT, in_a_directory, joint_launch, run_as_main
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,22 +19,13 @@ EXAMPLES = os.path.join(ROOT, "examples", "pytorch")
 def _example(name: str, *args: str) -> str:
     """examples/pytorch/``name`` as ``__main__`` in this rank with ``args``: what it printed (the
     threads it sets for torch put back afterwards, for the launch's next bodies)."""
-    import contextlib
-    import io
-    import runpy
-
     import torch
 
-    script = os.path.join(EXAMPLES, name)
-    argv, threads, out = sys.argv, torch.get_num_threads(), io.StringIO()
-    sys.argv = [script, *args]
+    threads = torch.get_num_threads()
     try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(script, run_name="__main__")
+        return run_as_main(os.path.join(EXAMPLES, name), *args)
     finally:
-        sys.argv = argv
         torch.set_num_threads(threads)
-    return out.getvalue()
 
 
 def _mnist_example(directory: str) -> dict:
