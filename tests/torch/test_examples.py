@@ -126,35 +126,23 @@ def _seed_recipe(tmp):
     return before, after_broadcast, final, sum(losses) / len(losses)
 
 
-def _seed_recipe_in_a_directory():
-    """``_seed_recipe`` with a checkpoint directory rank 0 makes (every rank gets its name), then
-    what it holds: (the recipe's result, the file names, each file's saved rank); the directory
-    is removed before the body returns (a body of a shared launch: no pytest ``tmp_path``)."""
-    import shutil
-    import tempfile
-
+def _seed_recipe_and_checkpoints(directory):
+    """``_seed_recipe`` with its checkpoints in ``directory`` (``in_a_directory``'s, shared by the
+    ranks), then what it holds: (the recipe's result, the file names, each file's saved rank)."""
     import torch
 
     import horovod.torch as hvd
 
-    hvd.init()
-    tmp = hvd.broadcast_object(tempfile.mkdtemp(prefix="seed-recipe-") if hvd.rank() == 0 else None, 0)
-    try:
-        result = _seed_recipe(tmp)
-        hvd.barrier()  # rank 0's last checkpoint is written
-        files = sorted(os.listdir(tmp))
-        saved = [torch.load(os.path.join(tmp, f), weights_only=False)["rank"] for f in files]
-        hvd.barrier()  # every rank has read them
-    finally:
-        if hvd.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return result, files, saved
+    result = _seed_recipe(directory)
+    hvd.barrier()  # rank 0's last checkpoint is written
+    files = sorted(os.listdir(directory))
+    return result, files, [torch.load(os.path.join(directory, f), weights_only=False)["rank"] for f in files]
 
 
 # np=3 (an odd world size, uneven shards of the 1797 rows) is the one size this recipe needs (the
 # seed's recipe at np=2 is test_device_plane.py's, tests/gpu/bin/torch_recipe.py): a part of the
 # torch launch at np=3 that other modules share (tests/_shared_launch.py).
-_NP3 = joint_launch("torch", 3, {"seed_recipe": _seed_recipe_in_a_directory}, timeout=240)
+_NP3 = joint_launch("torch", 3, {"seed_recipe": in_a_directory(_seed_recipe_and_checkpoints)}, timeout=240)
 
 
 @JOINT_TIMEOUT
